@@ -1,0 +1,35 @@
+"""`tandem decode` / `python -m decode_svc`: run one decode pod."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+HELP = """Run a Tandem decode worker: it owns a fixed number of slots, claims ready prefill results
+from Redis only for free slots, pulls their KV over gRPC, runs generate steps back to back
+(continuous batching, pipelined) and publishes each step's tokens to Redis.
+
+All settings come from environment variables (prefix TANDEM_DECODE_, nested with __):
+  TANDEM_DECODE_REDIS__URL        redis://host:port/0 (rediss:// for TLS)
+  TANDEM_DECODE_ENGINE__MODEL     preset name (builtin, tiny, small-100m) or HF Llama directory
+  TANDEM_DECODE_ENGINE__MAX_LEN   positions per sequence (must match prefill)
+  TANDEM_DECODE_SLOTS             decode batch size
+  TANDEM_DECODE_GRPC__PORT        grpc.health.v1 port (0 = free port)
+  TANDEM_DECODE_PULL_TIMEOUT_S    deadline of one KV pull
+See decode_svc/settings.py for every field."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="tandem decode", description=HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    from decode_svc.app import serve
+    from decode_svc.settings import DecodeSettings
+    from tandem_core.logs import setup_logging
+
+    settings = DecodeSettings()
+    setup_logging("decode", settings.log_level, settings.worker_id)
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Decode service settings: environment `TANDEM_DECODE_*` (nested blocks with `__`)."""
+from __future__ import annotations
+
+from pydantic import PositiveFloat, PositiveInt
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem_core.settings import EngineConfig, GrpcConfig, RedisConfig
+
+
+class DecodeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_DECODE_", env_nested_delimiter="__")
+
+    redis: RedisConfig = RedisConfig()  # TANDEM_DECODE_REDIS__URL
+    grpc: GrpcConfig = GrpcConfig(port=50062)  # gRPC health
+    engine: EngineConfig = EngineConfig()  # TANDEM_DECODE_ENGINE__MODEL
+    pool: str = "default"
+    worker_id: str = ""  # default: decode-<hostname>-<pid>
+    slots: PositiveInt = 8  # fixed decode batch
+    claim_block_ms: PositiveInt = 200
+    pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
+    insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread
+    token_ttl_s: PositiveInt = 600
+    token_maxlen: PositiveInt = 8192
+    heartbeat_interval_s: PositiveFloat = 1.0
+    drain_timeout_s: PositiveFloat = 30.0
+    log_level: str = "INFO"

@@ -1,0 +1,40 @@
+"""Gateway settings: environment `TANDEM_GATEWAY_*` (nested blocks with `__`)."""
+from __future__ import annotations
+
+from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem_core.settings import RedisConfig
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_GATEWAY_", env_nested_delimiter="__")
+
+    redis: RedisConfig = RedisConfig()  # TANDEM_GATEWAY_REDIS__URL
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # HTTP (OpenAI API, /metrics, /healthz)
+    grpc_port: int = Field(default=50051, ge=0, le=65535)  # tandem.v1.Tandem + health
+    model: str = "builtin"  # preset or HF directory: tokenizer, context length, EOS ids
+    served_model_name: str = ""  # name clients send; default: the model's name
+    pool: str = "default"
+    max_context_len: PositiveInt = 512  # must equal the workers' engine max_len
+    max_prompt_len: PositiveInt = 512  # the workers' largest prefill bucket
+    max_tokens_limit: PositiveInt = 4096
+    default_max_tokens: PositiveInt = 16
+    request_timeout_s: PositiveFloat = 300.0  # whole request deadline
+    first_token_timeout_s: PositiveFloat = 120.0
+    admission_max_backlog: PositiveInt = 1024  # above this: 429 with Retry-After
+    admission_maxlen: PositiveInt = 10000
+    max_body_bytes: PositiveInt = 1024 * 1024
+    max_stop_strings: PositiveInt = 8
+    api_keys: list[str] = []  # empty: no auth
+    admin_key: str = ""
+    token_ttl_s: PositiveInt = 600
+    log_level: str = "INFO"
+    # Added with the gateway service:
+    grpc_host: str = ""  # gRPC bind host; empty = same as `host`
+    grpc_max_message_bytes: PositiveInt = 4 * 1024 * 1024
+    relay_block_ms: int = Field(default=1000, ge=1, le=1000)  # XREAD BLOCK per round trip
+    retry_after_s: PositiveFloat = 1.0  # Retry-After on 429
+    shutdown_grace_s: PositiveFloat = 30.0  # SIGTERM: finish open streams for this long
+    default_temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default

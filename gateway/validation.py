@@ -1,0 +1,190 @@
+"""Request validation shared by the HTTP and gRPC front ends.
+
+Both transports turn their wire format into one `CompletionParams`, and `build_request` checks it
+against the settings and the model, tokenizes, and returns the `GenerationRequest` to enqueue.
+Every failure is an `InvalidRequest` (or `ModelNotFound`) whose message names the field and the
+limit, so a client can fix the request without reading our code. Pure: no I/O here.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.settings import GatewaySettings
+from tandem_core import keys
+from tandem_core.errors import InvalidRequest, ModelNotFound, PromptTooLong
+from tandem_core.models import ModelInfo
+from tandem_core.tokenizer import Tokenizer
+from tandem_core.types import GenerationRequest, SamplingParams
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_STOP_CHARS = 256
+
+
+@dataclass
+class CompletionParams:
+    """One completion request in transport-neutral form (None = use the default)."""
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: str | None = None
+    request_id: str | None = None
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to enqueue, plus what the relay needs to finish it."""
+
+    request: GenerationRequest
+    stop: list[str]
+    model: str  # the name to report back to the client
+    arrival_ts: float  # time.monotonic() at arrival, for TTFT/e2e
+    enqueue_entry_id: bytes | None = None  # admission stream entry id, once enqueued
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+def served_name(settings: GatewaySettings, info: ModelInfo) -> str:
+    return settings.served_model_name or info.name
+
+
+def model_aliases(settings: GatewaySettings, info: ModelInfo) -> set[str]:
+    """Names a client may send: the served name, the model's own name and the configured model."""
+    names = {served_name(settings, info), info.name, settings.model}
+    if settings.model in ("builtin", "", info.name):
+        names.add("builtin")
+    return {n for n in names if n}
+
+
+def check_model(model: str | None, settings: GatewaySettings, info: ModelInfo) -> str:
+    name = served_name(settings, info)
+    if model is None or model == "":
+        return name
+    if model not in model_aliases(settings, info):
+        raise ModelNotFound(f"model {model!r} is not served here; this gateway serves {name!r}", param="model")
+    return name
+
+
+def _tokenize(p: CompletionParams, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
+    if p.prompt_ids is not None:
+        if not p.prompt_ids:
+            raise InvalidRequest("prompt is empty: send at least one token id", param="prompt")
+        bad = next((t for t in p.prompt_ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="prompt"
+            )
+        return list(p.prompt_ids)
+    if not p.prompt:
+        raise InvalidRequest("prompt is empty: send a non-empty string", param="prompt")
+    return tokenizer.encode(p.prompt)
+
+
+def _check_lengths(n_prompt: int, max_tokens: int | None, s: GatewaySettings) -> int:
+    if n_prompt > s.max_prompt_len:
+        raise PromptTooLong(
+            f"prompt is {n_prompt} tokens, longer than the limit of {s.max_prompt_len} tokens", param="prompt"
+        )
+    if max_tokens is None:  # default: as many as fit, up to default_max_tokens
+        room = s.max_context_len - n_prompt
+        if room <= 0:
+            raise PromptTooLong(
+                f"prompt is {n_prompt} tokens and leaves no room for output in the context of "
+                f"{s.max_context_len} tokens", param="prompt",
+            )
+        return min(s.default_max_tokens, room)
+    if max_tokens <= 0:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > s.max_tokens_limit:
+        raise InvalidRequest(
+            f"max_tokens is {max_tokens}, more than the limit of {s.max_tokens_limit}", param="max_tokens"
+        )
+    if n_prompt + max_tokens > s.max_context_len:
+        raise InvalidRequest(
+            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
+            f"the context length of {s.max_context_len} tokens", param="max_tokens",
+        )
+    return max_tokens
+
+
+def _check_sampling(p: CompletionParams, s: GatewaySettings) -> SamplingParams:
+    temperature = s.default_temperature if p.temperature is None else p.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise InvalidRequest(f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    top_p = 1.0 if p.top_p is None else p.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = 0 if p.top_k is None else p.top_k
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {top_k}", param="top_k")
+    if p.seed is not None and not -(2**63) <= p.seed < 2**63:
+        raise InvalidRequest("seed must fit in a signed 64-bit integer", param="seed")
+    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=p.seed)
+
+
+def _check_stop(stop: list[str], s: GatewaySettings) -> list[str]:
+    if len(stop) > s.max_stop_strings:
+        raise InvalidRequest(
+            f"stop has {len(stop)} strings, more than the limit of {s.max_stop_strings}", param="stop"
+        )
+    for x in stop:
+        if not x:
+            raise InvalidRequest("stop strings must not be empty", param="stop")
+        if len(x) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"stop string of {len(x)} characters is longer than the limit of {MAX_STOP_CHARS}", param="stop"
+            )
+    return list(dict.fromkeys(stop))
+
+
+def _check_ids(p: CompletionParams) -> tuple[str, str]:
+    priority = p.priority or "normal"
+    if priority not in keys.PRIORITIES:
+        raise InvalidRequest(
+            f"priority must be one of {', '.join(repr(x) for x in keys.PRIORITIES)}, got {priority!r}",
+            param="priority",
+        )
+    rid = p.request_id or f"cmpl-{uuid.uuid4().hex}"
+    if not _REQUEST_ID.match(rid):
+        raise InvalidRequest(
+            "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'", param="request_id"
+        )
+    return priority, rid
+
+
+def build_request(
+    p: CompletionParams, s: GatewaySettings, info: ModelInfo, tokenizer: Tokenizer
+) -> Prepared:
+    """Validate `p` and build the request to enqueue; raises InvalidRequest/ModelNotFound."""
+    arrival = time.monotonic()
+    model = check_model(p.model, s, info)
+    priority, rid = _check_ids(p)
+    sampling = _check_sampling(p, s)
+    stop = _check_stop(p.stop, s)
+    prompt_ids = _tokenize(p, tokenizer, info)
+    max_tokens = _check_lengths(len(prompt_ids), p.max_tokens, s)
+    now = time.time()
+    req = GenerationRequest(
+        request_id=rid,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop_token_ids=[] if p.ignore_eos else list(info.eos_token_ids),
+        ignore_eos=p.ignore_eos,
+        priority=priority,
+        deadline_ts=now + s.request_timeout_s,
+        enqueued_ts=now,
+    )
+    return Prepared(request=req, stop=stop, model=model, arrival_ts=arrival)

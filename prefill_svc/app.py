@@ -1,0 +1,71 @@
+"""Wiring of one prefill pod: engine, KV store, gRPC server (KV transfer + health), Redis,
+heartbeats and the prefill loop, with a drain on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from prefill_svc.kv_store import KVStore
+from prefill_svc.service import KVTransferServicer
+from prefill_svc.settings import PrefillSettings
+from prefill_svc.worker import PrefillWorker
+from tandem_core import grpc_util, lifecycle, streams
+from tandem_core.settings import default_worker_id
+from tandem_proto import kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger(__name__)
+KV_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+
+
+def build_engine(settings: PrefillSettings, slots: int = 1):
+    from tandem_engine import load_engine
+
+    e = settings.engine
+    return load_engine(e.model, slots=slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
+                       dtype=e.dtype)
+
+
+async def serve(settings: PrefillSettings) -> int:
+    worker_id = settings.worker_id or default_worker_id("prefill")
+    engine = build_engine(settings)
+    store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
+    r = streams.connect(settings.redis)
+    await streams.ensure_groups(r, settings.pool)
+
+    server = grpc_util.make_server(settings.grpc.max_message_bytes)
+    port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port)
+    address = f"{settings.grpc.advertise_host}:{port}"
+    worker = PrefillWorker(settings, engine, r, store, address, worker_id)
+    kv_pb2_grpc.add_KVTransferServicer_to_server(
+        KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release), server)
+    health = grpc_util.add_health(server, [KV_SERVICE])
+    grpc_util.add_reflection(server, [KV_SERVICE])
+    await server.start()
+
+    stop = asyncio.Event()
+    lifecycle.install_stop_signals(stop)
+    draining = False
+
+    def info() -> streams.WorkerInfo:
+        return streams.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
+                                  held_kv_bytes=store.held_bytes, draining=draining,
+                                  extra={"kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled})
+
+    hb_stop = asyncio.Event()
+    hb = asyncio.create_task(lifecycle.heartbeat_loop(r, info, settings.heartbeat_interval_s, hb_stop))
+    await grpc_util.set_serving(health, [KV_SERVICE], True)
+    log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
+             engine.info.name, store.budget_bytes)
+    loop_task = asyncio.create_task(worker.run(stop))
+    await stop.wait()
+    draining = True
+    await grpc_util.set_serving(health, [KV_SERVICE], False)
+    await loop_task
+    await worker.drain(settings.drain_timeout_s)
+    hb_stop.set()
+    await hb
+    await server.stop(grace=2.0)
+    await r.aclose()
+    log.info("prefill stopped worker_id=%s prefilled=%d", worker_id, worker.prefilled)
+    return 0

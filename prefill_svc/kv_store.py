@@ -1,0 +1,63 @@
+"""Prefill results held in host memory until a decode pod pulls them, under a byte budget.
+
+Each entry has a lease: KV not pulled before it ends is freed (its request then fails with a
+clear error on the token stream, written by the worker). The store itself does no I/O.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from tandem_core.types import KVPayload
+
+
+@dataclass
+class Held:
+    request_id: str
+    payload: KVPayload
+    capability: str
+    expires_at: float
+    pulls: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+
+class KVStore:
+    """`held_bytes` never exceeds `budget_bytes`: callers ask `room_for(n)` before prefilling."""
+
+    def __init__(self, budget_bytes: int, lease_s: float) -> None:
+        self.budget_bytes = budget_bytes
+        self.lease_s = lease_s
+        self._items: dict[str, Held] = {}
+        self.held_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def room_for(self, nbytes: int) -> int:
+        """How many more payloads of `nbytes` fit in the budget."""
+        return max(0, (self.budget_bytes - self.held_bytes) // max(1, nbytes))
+
+    def put(self, request_id: str, payload: KVPayload) -> Held:
+        if self.held_bytes + payload.nbytes > self.budget_bytes:
+            raise MemoryError(
+                f"KV budget exceeded: holding {self.held_bytes} + {payload.nbytes} > {self.budget_bytes} bytes"
+            )
+        held = Held(request_id, payload, secrets.token_urlsafe(16), time.monotonic() + self.lease_s)
+        self._items[request_id] = held
+        self.held_bytes += payload.nbytes
+        return held
+
+    def get(self, request_id: str) -> Held | None:
+        return self._items.get(request_id)
+
+    def release(self, request_id: str) -> bool:
+        held = self._items.pop(request_id, None)
+        if held is None:
+            return False
+        self.held_bytes -= held.payload.nbytes
+        return True
+
+    def expired(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [rid for rid, h in self._items.items() if h.expires_at <= now]

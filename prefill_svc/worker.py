@@ -1,0 +1,136 @@
+"""The prefill loop: claim prompts only while the KV budget has room, prefill, publish.
+
+Life of one request here:
+1. XREADGROUP from the admission streams (high priority first), at most as many prompts as the
+   held-KV budget can take (worst case: the largest bucket).
+2. Drop it with a clear error if it is cancelled or past its deadline.
+3. Prefill on the engine thread; copy the KV to host memory; hold it in the KVStore with a lease.
+4. Publish token index 0 on the request's token stream. If that token already ends the request
+   (EOS, max_tokens == 1) finish there and free the KV; else XADD a ready notice for decode.
+5. XACK the admission entry only after step 4, so a crash before it leaves the entry pending.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+
+from prefill_svc.kv_store import KVStore
+from prefill_svc.settings import PrefillSettings
+from tandem_core import keys, streams
+from tandem_core.errors import TandemError
+from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, settings: PrefillSettings, engine, r: aioredis.Redis, store: KVStore,
+                 address: str, worker_id: str) -> None:
+        self.s = settings
+        self.engine = engine
+        self.r = r
+        self.store = store
+        self.address = address
+        self.worker_id = worker_id
+        # One thread owns the device: every engine call goes through it.
+        self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
+        self.max_prefix_bytes = self._max_prefix_bytes()
+        self.prefilled = 0
+
+    def _max_prefix_bytes(self) -> int:
+        i = self.engine.info
+        itemsize = 2 if self.s.engine.dtype == "bfloat16" else 4
+        return 2 * i.num_layers * max(self.engine.buckets) * i.num_kv_heads * i.head_dim * itemsize
+
+    async def run(self, stop: asyncio.Event) -> None:
+        adm = [keys.admission_stream(self.s.pool, p) for p in keys.PRIORITIES]
+        while not stop.is_set():
+            await self._expire_leases()
+            room = min(self.s.max_batch, self.store.room_for(self.max_prefix_bytes))
+            if room == 0:
+                await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
+                continue
+            try:
+                claimed = await streams.claim(self.r, adm, keys.PREFILL_GROUP, self.worker_id, room,
+                                              self.s.claim_block_ms)
+            except Exception as e:  # noqa: BLE001 - Redis blip: retry, never die
+                log.warning("claim failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            for c in claimed:
+                await self._handle(c)
+
+    async def _handle(self, c: streams.Claimed) -> None:
+        req = GenerationRequest.from_json(c.fields["req"])
+        rid = req.request_id
+        try:
+            if await streams.cancelled(self.r, [rid]):
+                await self._finish(rid, 0, [], FINISH_CANCELLED)
+            elif req.deadline_ts and time.time() > req.deadline_ts:
+                await self._finish(rid, 0, [], FINISH_ERROR, "deadline passed before prefill")
+            else:
+                await self._prefill(req)
+        except TandemError as e:
+            log.info("request failed request_id=%s: %s", rid, e.message)
+            await self._finish(rid, 0, [], FINISH_ERROR, e.message)
+        except Exception as e:  # noqa: BLE001 - the request gets an answer, the worker lives on
+            log.exception("prefill crashed request_id=%s", rid)
+            await self._finish(rid, 0, [], FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}")
+        await streams.ack(self.r, c.stream, keys.PREFILL_GROUP, c.entry_id)
+
+    async def _prefill(self, req: GenerationRequest) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        payload = await loop.run_in_executor(self.device, self._prefill_sync, req)
+        self.prefilled += 1
+        first = payload.first_token
+        log.debug("prefilled request_id=%s len=%d in %.1f ms", req.request_id, len(req.prompt_ids),
+                  (time.perf_counter() - t0) * 1e3)
+        rid = req.request_id
+        if first in req.stop_token_ids and not req.ignore_eos:
+            await self._finish(rid, 0, [first], FINISH_STOP)
+            return
+        if req.max_tokens <= 1 or payload.true_length >= self.engine.max_len:
+            await self._finish(rid, 0, [first], FINISH_LENGTH)
+            return
+        held = self.store.put(req.request_id, payload)
+        notice = streams.ReadyNotice(
+            request=req, address=self.address, capability=held.capability, kv_bytes=payload.nbytes,
+            prefill_worker=self.worker_id, first_token=first,
+        )
+        pipe = self.r.pipeline(transaction=False)
+        streams.add_tokens(pipe, req.request_id, 0, [first], None, self.s.token_ttl_s, self.s.token_maxlen)
+        await pipe.execute()
+        await streams.publish_ready(self.r, self.s.pool, notice, self.s.ready_maxlen)
+
+    def _prefill_sync(self, req: GenerationRequest):
+        prefix = self.engine.prefill(req.prompt_ids, req.sampling)
+        return self.engine.export_prefix(prefix)
+
+    async def _finish(self, rid: str, index: int, tokens: list[int], reason: str,
+                      error: str | None = None) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        streams.add_tokens(pipe, rid, index, tokens, reason, self.s.token_ttl_s,
+                           self.s.token_maxlen, error=error)
+        await pipe.execute()
+
+    async def _expire_leases(self) -> None:
+        for rid in self.store.expired():
+            self.store.release(rid)
+            log.warning("KV lease ended unpulled request_id=%s: freed", rid)
+            await self._finish(rid, 1, [], FINISH_ERROR, "KV was not pulled by a decode pod within its lease")
+
+    def on_release(self, request_id: str) -> None:
+        log.debug("kv released request_id=%s held_bytes=%d", request_id, self.store.held_bytes)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Keep serving held KV until pulled or leased out, at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.store) and time.monotonic() < deadline:
+            await self._expire_leases()
+            await asyncio.sleep(0.1)
+        self.device.shutdown(wait=False, cancel_futures=True)

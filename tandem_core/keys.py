@@ -1,0 +1,46 @@
+"""The Redis key schema: every key and field Tandem writes, in one place.
+
+Keys (all prefixed `tandem:`):
+| key | type | written by | read by | bound |
+| --- | --- | --- | --- | --- |
+| `tandem:{pool}:adm:{priority}` | stream, group `prefill` | gateway (XADD) | prefill (XREADGROUP) | MAXLEN ~ admission bound |
+| `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
+| `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (XREAD BLOCK) | MAXLEN, EXPIRE ttl |
+| `tandem:cancel:{request_id}` | string | gateway | prefill, decode | EXPIRE ttl |
+| `tandem:worker:{worker_id}` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
+| `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
+
+Fields:
+- admission entry: `rid` (request id), `req` (GenerationRequest JSON)
+- ready entry: `rid`, `notice` (ReadyNotice JSON: request, prefill address, capability, kv bytes)
+- token entry: `i` (token index, 0-based), `t` (token id, -1 for none), optional `f` (finish reason,
+  last entry only), optional `e` (error message, with `f`=`error`)
+- worker hash: `role`, `id`, `pid`, `address`, `slots`, `free_slots`, `held_kv_bytes`, `ts`
+"""
+from __future__ import annotations
+
+PREFIX = "tandem"
+PREFILL_GROUP = "prefill"
+DECODE_GROUP = "decode"
+PRIORITIES = ("high", "normal")  # highest first
+WORKERS = f"{PREFIX}:workers"
+
+
+def admission_stream(pool: str, priority: str) -> str:
+    return f"{PREFIX}:{pool}:adm:{priority}"
+
+
+def ready_stream(pool: str) -> str:
+    return f"{PREFIX}:{pool}:ready"
+
+
+def token_stream(request_id: str) -> str:
+    return f"{PREFIX}:tok:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}:cancel:{request_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"

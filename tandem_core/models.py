@@ -1,0 +1,118 @@
+"""Which model a service serves: presets and Hugging Face Llama directories, without JAX.
+
+The gateway needs the tokenizer, the context length and the EOS ids; the engine needs the
+architecture. Both read them from here so they can never disagree.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem_core.errors import ModelNotFound
+
+BYTE_VOCAB = 256  # byte-level tokenizer: ids 0..255 are bytes
+BYTE_BOS = 256
+BYTE_EOS = 257
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Architecture and serving facts of one Llama-family model."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    path: str | None = None  # HF directory; None for a random-weight preset
+    seed: int = 0  # weight seed for presets
+    tokenizer: str = "byte"  # "byte" or "hf"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + d
+
+
+def _preset(name: str, **kw) -> ModelInfo:
+    base = dict(
+        name=name, vocab_size=BYTE_EOS + 1, bos_token_id=BYTE_BOS, eos_token_ids=(BYTE_EOS,),
+        tokenizer="byte", rope_theta=10000.0, rms_norm_eps=1e-5, seed=0,
+    )
+    base.update(kw)
+    return ModelInfo(**base)
+
+
+# Random-weight presets (fixed seed). "tiny" is fast enough for tests on 2 cores;
+# "small-100m" is the ~100M-parameter preset the engine benchmark uses.
+PRESETS: dict[str, ModelInfo] = {
+    "tiny": _preset(
+        "tiny", hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+    ),
+    "small-100m": _preset(
+        "small-100m", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+        num_heads=12, num_kv_heads=4, head_dim=64, max_position_embeddings=2048,
+        tokenizer="byte",
+    ),
+}
+BUILTIN = "tiny"
+
+
+def resolve_model(name_or_path: str) -> ModelInfo:
+    """A preset name ("builtin" aliases the default) or a Hugging Face Llama directory."""
+    key = BUILTIN if name_or_path in ("builtin", "") else name_or_path
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelNotFound(
+            f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            f"nor a directory with config.json"
+        )
+    return _from_hf_config(path, json.loads(cfg_file.read_text()))
+
+
+def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if cfg.get("model_type", "llama") != "llama" and "Llama" not in arch:
+        raise ModelNotFound(f"{path}: model_type {cfg.get('model_type')!r} is not a Llama-family model")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    tok = "hf" if (path / "tokenizer.json").is_file() else "byte"
+    return ModelInfo(
+        name=cfg.get("_name_or_path") or path.name,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        path=str(path.resolve()),
+        tokenizer=tok,
+        extra={"rope_scaling": cfg.get("rope_scaling")},
+    )

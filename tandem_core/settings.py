@@ -1,0 +1,41 @@
+"""Settings blocks shared by the services. Each service owns one `BaseSettings` class
+(prefix `TANDEM_<SERVICE>_`, nested with `__`) built once in its `__main__`; these plain models
+are its nested blocks. Nothing here reads the environment at import time.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import BaseModel, Field, PositiveFloat, PositiveInt
+
+
+class RedisConfig(BaseModel):
+    """Where the admission/ready/token streams live. `rediss://` URLs use TLS."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    password: str | None = None
+    socket_timeout_s: PositiveFloat = 10.0
+    connect_timeout_s: PositiveFloat = 5.0
+
+
+class GrpcConfig(BaseModel):
+    """A gRPC server: bind address and the address other pods use to reach it."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=0, ge=0, le=65535)  # 0 = pick a free port
+    advertise_host: str = "127.0.0.1"
+    max_message_bytes: PositiveInt = 8 * 1024 * 1024
+
+
+class EngineConfig(BaseModel):
+    """Which model and which compiled shapes."""
+
+    model: str = "builtin"
+    max_len: PositiveInt = 512
+    prefill_buckets: list[PositiveInt] = [16, 32, 64, 128, 256, 512]
+    dtype: str = Field(default="float32", pattern="^(float32|bfloat16)$")
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,284 @@
+"""Typed operations on the Redis streams of `tandem_core.keys` (redis-py asyncio).
+
+Every read has a block timeout; every stream has a MAXLEN; token streams expire. Services call
+these functions instead of building keys or fields themselves.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from tandem_core import keys
+from tandem_core.settings import RedisConfig
+from tandem_core.types import GenerationRequest
+
+
+def connect(cfg: RedisConfig) -> aioredis.Redis:
+    """One client per process; `decode_responses=False` keeps token ids cheap to parse."""
+    return aioredis.Redis.from_url(
+        cfg.url,
+        password=cfg.password,
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=cfg.connect_timeout_s,
+        health_check_interval=30,
+    )
+
+
+async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
+    """Create the consumer group (and the stream) if missing; idempotent."""
+    try:
+        await r.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+async def ensure_groups(r: aioredis.Redis, pool: str) -> None:
+    for prio in keys.PRIORITIES:
+        await ensure_group(r, keys.admission_stream(pool, prio), keys.PREFILL_GROUP)
+    await ensure_group(r, keys.ready_stream(pool), keys.DECODE_GROUP)
+
+
+# ---------------------------------------------------------------- admission
+
+
+async def enqueue_request(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: int) -> bytes:
+    stream = keys.admission_stream(pool, req.priority)
+    return await r.xadd(stream, {"rid": req.request_id, "req": req.to_json()}, maxlen=maxlen, approximate=True)
+
+
+async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
+    """Entries not yet delivered plus delivered-but-unacked, over all priorities."""
+    total = 0
+    for prio in keys.PRIORITIES:
+        stream = keys.admission_stream(pool, prio)
+        try:
+            groups = await r.xinfo_groups(stream)
+        except ResponseError:
+            continue
+        for g in groups:
+            if _s(g.get("name")) == keys.PREFILL_GROUP:
+                total += int(g.get("lag") or 0) + int(g.get("pending") or 0)
+    return total
+
+
+@dataclass
+class Claimed:
+    """One entry read through a consumer group: ack it once handled."""
+
+    stream: str
+    entry_id: bytes
+    fields: dict[str, bytes]
+
+
+async def claim(
+    r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int, block_ms: int
+) -> list[Claimed]:
+    """XREADGROUP new entries from `streams` (in order of preference), at most `count` in total.
+
+    Streams are tried one by one so an earlier (higher-priority) stream is drained first; only the
+    last read blocks.
+    """
+    out: list[Claimed] = []
+    for i, stream in enumerate(streams):
+        want = count - len(out)
+        if want <= 0:
+            break
+        last = i == len(streams) - 1
+        resp = await r.xreadgroup(
+            group, consumer, {stream: ">"}, count=want, block=block_ms if (last and not out) else None
+        )
+        for _name, entries in resp or []:
+            for entry_id, fields in entries:
+                out.append(Claimed(stream, entry_id, {_s(k): v for k, v in fields.items()}))
+    return out
+
+
+async def ack(r: aioredis.Redis, stream: str, group: str, entry_id: bytes) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.xack(stream, group, entry_id)
+    pipe.xdel(stream, entry_id)
+    await pipe.execute()
+
+
+# ---------------------------------------------------------------- ready notices
+
+
+@dataclass
+class ReadyNotice:
+    """A prefill result waiting for a decode slot; the KV itself stays on the prefill pod."""
+
+    request: GenerationRequest
+    address: str  # prefill pod's KV gRPC address host:port
+    capability: str  # per-request token the pull must present
+    kv_bytes: int
+    prefill_worker: str
+    first_token: int
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["request"] = json.loads(self.request.to_json())
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "ReadyNotice":
+        d = json.loads(s)
+        d["request"] = GenerationRequest.from_json(json.dumps(d["request"]))
+        return cls(**d)
+
+
+async def publish_ready(r: aioredis.Redis, pool: str, notice: ReadyNotice, maxlen: int) -> bytes:
+    return await r.xadd(
+        keys.ready_stream(pool),
+        {"rid": notice.request.request_id, "notice": notice.to_json()},
+        maxlen=maxlen,
+        approximate=True,
+    )
+
+
+# ---------------------------------------------------------------- token streams
+
+
+@dataclass
+class TokenEvent:
+    index: int
+    token_id: int
+    finish_reason: str | None = None
+    error: str | None = None
+    entry_id: bytes = b""
+
+
+def add_tokens(
+    pipe,
+    request_id: str,
+    start_index: int,
+    token_ids: list[int],
+    finish_reason: str | None,
+    ttl_s: int,
+    maxlen: int,
+    error: str | None = None,
+) -> None:
+    """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here).
+
+    The decode loop calls this for every slot of a step on one pipeline, then executes it once.
+    An error with no token is written as `t=-1`.
+    """
+    key = keys.token_stream(request_id)
+    ids = token_ids or [-1]
+    for n, tok in enumerate(ids):
+        fields: dict[str, str | int] = {"i": start_index + n, "t": tok}
+        if n == len(ids) - 1 and finish_reason:
+            fields["f"] = finish_reason
+            if error:
+                fields["e"] = error
+        pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
+    pipe.expire(key, ttl_s)
+
+
+async def read_tokens(
+    r: aioredis.Redis, request_id: str, after_id: bytes | str, block_ms: int, count: int = 256
+) -> list[TokenEvent]:
+    resp = await r.xread({keys.token_stream(request_id): after_id}, count=count, block=block_ms)
+    out: list[TokenEvent] = []
+    for _name, entries in resp or []:
+        for entry_id, f in entries:
+            f = {_s(k): v for k, v in f.items()}
+            out.append(
+                TokenEvent(
+                    index=int(f["i"]),
+                    token_id=int(f["t"]),
+                    finish_reason=_s(f["f"]) if "f" in f else None,
+                    error=_s(f["e"]) if "e" in f else None,
+                    entry_id=entry_id,
+                )
+            )
+    return out
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+async def request_cancel(r: aioredis.Redis, request_id: str, ttl_s: int) -> None:
+    await r.set(keys.cancel_key(request_id), "1", ex=ttl_s)
+
+
+async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
+    if not request_ids:
+        return set()
+    vals = await r.mget([keys.cancel_key(x) for x in request_ids])
+    return {rid for rid, v in zip(request_ids, vals) if v is not None}
+
+
+# ---------------------------------------------------------------- worker registry
+
+
+@dataclass
+class WorkerInfo:
+    role: str  # "prefill" | "decode"
+    id: str
+    pid: int
+    address: str
+    slots: int = 0
+    free_slots: int = 0
+    held_kv_bytes: int = 0
+    draining: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+async def heartbeat(r: aioredis.Redis, w: WorkerInfo, ttl_s: int) -> None:
+    now = time.time()
+    fields = {
+        "role": w.role, "id": w.id, "pid": w.pid, "address": w.address, "slots": w.slots,
+        "free_slots": w.free_slots, "held_kv_bytes": w.held_kv_bytes, "draining": int(w.draining),
+        "ts": now, "extra": json.dumps(w.extra),
+    }
+    pipe = r.pipeline(transaction=False)
+    pipe.hset(keys.worker_key(w.id), mapping=fields)
+    pipe.expire(keys.worker_key(w.id), ttl_s)
+    pipe.zadd(keys.WORKERS, {w.id: now})
+    await pipe.execute()
+
+
+async def deregister(r: aioredis.Redis, worker_id: str) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.delete(keys.worker_key(worker_id))
+    pipe.zrem(keys.WORKERS, worker_id)
+    await pipe.execute()
+
+
+async def list_workers(r: aioredis.Redis) -> list[dict]:
+    """Live workers with `heartbeat_age_s`; entries whose hash expired are pruned."""
+    ids = [_s(x) for x in await r.zrange(keys.WORKERS, 0, -1)]
+    if not ids:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for wid in ids:
+        pipe.hgetall(keys.worker_key(wid))
+    hashes = await pipe.execute()
+    now = time.time()
+    out, dead = [], []
+    for wid, h in zip(ids, hashes):
+        if not h:
+            dead.append(wid)
+            continue
+        h = {_s(k): _s(v) for k, v in h.items()}
+        out.append(
+            {
+                "role": h["role"], "id": h["id"], "pid": int(h["pid"]), "address": h["address"],
+                "slots": int(h["slots"]), "free_slots": int(h["free_slots"]),
+                "held_kv_bytes": int(h["held_kv_bytes"]), "draining": h.get("draining") == "1",
+                "heartbeat_age_s": round(now - float(h["ts"]), 3),
+                "extra": json.loads(h.get("extra") or "{}"),
+            }
+        )
+    if dead:
+        await r.zrem(keys.WORKERS, *dead)
+    return out
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)

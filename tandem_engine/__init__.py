@@ -1,0 +1,24 @@
+"""Tandem's inference engine: the only JAX code in the project.
+
+A Llama-family decoder behind a JetStream-shaped slot API (prefill -> Prefix, insert into a slot of
+a DecodeState, generate one step for all slots), plus explicit device<->host moves of the KV so the
+services only ever move bytes. It imports no Redis, gRPC, HTTP or settings.
+"""
+from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, Prefix, load_engine
+from tandem_engine.model import ModelConfig, config_from_info, reference_forward, reference_greedy
+from tandem_engine.weights import init_params, load_params, save_hf_checkpoint
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "DecodeState",
+    "Engine",
+    "ModelConfig",
+    "Prefix",
+    "config_from_info",
+    "init_params",
+    "load_engine",
+    "load_params",
+    "reference_forward",
+    "reference_greedy",
+    "save_hf_checkpoint",
+]

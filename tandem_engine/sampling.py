@@ -1,0 +1,86 @@
+"""Token sampling, vectorised over slots so one compiled step serves a mixed batch.
+
+Every slot carries its own temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off) and seed.
+The randomness of token index n of a request is `fold_in(key(seed), n)`, so a seeded request draws
+the same tokens whichever pod, slot or batch it runs in (the prefill pod draws index 0, the decode
+pod indices 1, 2, ...). Requests without a seed get one from a per-process counter.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tandem_core.errors import InvalidRequest
+from tandem_core.types import SamplingParams
+
+# Unseeded requests: a counter starting at a random per-process base, so two pods (or two runs)
+# do not replay each other's streams while one process never repeats a seed.
+_seed_counter = itertools.count(int.from_bytes(os.urandom(6), "little"))
+
+
+def seed_words(seed: int | None) -> tuple[int, int]:
+    """A request seed (any int, or None) as two uint32 words."""
+    if seed is None:
+        seed = next(_seed_counter)
+    seed = int(seed) % (1 << 64)
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def sampling_arrays(params: SamplingParams) -> dict[str, np.ndarray]:
+    """Host scalars for one request: temperature, top_k, top_p, seed [2] (uint32 words)."""
+    if params.temperature < 0 or params.top_k < 0 or not 0.0 < params.top_p <= 1.0:
+        raise InvalidRequest(
+            f"bad sampling params {params}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1",
+            param="sampling",
+        )
+    return {
+        "temperature": np.float32(params.temperature),
+        "top_k": np.int32(params.top_k),
+        "top_p": np.float32(params.top_p),
+        "seed": np.asarray(seed_words(params.seed), np.uint32),
+    }
+
+
+def token_keys(seeds: jax.Array, index: jax.Array) -> jax.Array:
+    """Typed PRNG keys [slots] from seeds [slots, 2] uint32 and token indices [slots]."""
+
+    def one(seed, i):
+        key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.fold_in(key, i)
+
+    return jax.vmap(one)(seeds, index.astype(jnp.uint32))
+
+
+def filter_logits(logits, temperature, top_k, top_p):
+    """Scaled logits [slots, vocab] with everything outside top-k and the top-p nucleus at -inf.
+
+    Sort-based: rank every token once, keep ranks < top_k, then keep the smallest prefix of the
+    ranking whose probability mass reaches top_p (the top token always survives).
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # [slots, vocab], best first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
+    keep = keep & ((mass_before < top_p[:, None]) | (rank == 0))
+    sorted_filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    # scatter back to vocabulary order
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(sorted_filtered, inverse, axis=-1)
+
+
+def sample(logits, temperature, top_k, top_p, keys):
+    """Tokens int32 [slots]. logits [slots, vocab]; temperature, top_p float32 [slots]; top_k int32
+    [slots]; keys typed PRNG keys [slots]. temperature == 0 -> argmax (top_k/top_p ignored)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, temperature, top_k, top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real Redis (testcontainers when a Docker engine is reachable, else a real
+`redis-server` binary on a free loopback port), killed by PID in teardown."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tandem.redis_proc import RedisProcess, docker_reachable  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    if docker_reachable() and not os.environ.get("TANDEM_TEST_NO_DOCKER"):
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("redis:7-alpine") as c:
+            yield f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"
+        return
+    proc = RedisProcess().start()
+    try:
+        yield proc.url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    await r.flushdb()
+    try:
+        yield r
+    finally:
+        await r.aclose()
