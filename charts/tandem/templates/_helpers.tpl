@@ -1,0 +1,209 @@
+{{/* Names, labels, images and the settings -> environment mapping. */}}
+
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>"; component names are short so 63 is never exceeded by much. */}}
+{{- define "tandem.componentName" -}}
+{{- printf "%s-%s" (include "tandem.fullname" .root | trunc 52 | trimSuffix "-") .component }}
+{{- end }}
+
+{{- define "tandem.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels: stable across upgrades (never add version labels here). */}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ include "tandem.chart" .root }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/part-of: tandem
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Label that lets a client pod in this namespace through the gateway NetworkPolicy. */}}
+{{- define "tandem.clientLabel" -}}
+{{- printf "%s-client" (include "tandem.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tandem.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tandem.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* image reference from {repository, tag, digest}; args: dict "root" $ "image" $img */}}
+{{- define "tandem.image" -}}
+{{- $img := .image }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
+{{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag | toString) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A settings value as the string pydantic-settings parses. Helm keeps every number as float64, and
+Go prints large whole floats in exponent form (268435456 -> 2.68435456e+08), so whole numbers are
+printed as integers. Lists and maps become JSON.
+*/}}
+{{- define "tandem.envValue" -}}
+{{- $v := . }}
+{{- if or (kindIs "slice" $v) (kindIs "map" $v) }}
+{{- toJson $v }}
+{{- else if kindIs "float64" $v }}
+{{- if eq $v (floor $v) }}{{ int64 $v }}{{ else }}{{ $v }}{{ end }}
+{{- else }}
+{{- $v }}
+{{- end }}
+{{- end }}
+
+{{/*
+Flatten a settings map into env: nested maps are joined with "__" (pydantic-settings'
+env_nested_delimiter), names upper-cased. args: dict "prefix" "TANDEM_PREFILL_" "settings" map
+Output: YAML map NAME: "value" (a ConfigMap's data).
+*/}}
+{{- define "tandem.settingsEnv" -}}
+{{- $prefix := .prefix }}
+{{- range $k, $v := .settings }}
+{{- $name := printf "%s%s" $prefix (upper $k) }}
+{{- if kindIs "map" $v }}
+{{- include "tandem.settingsEnv" (dict "prefix" (printf "%s__" $name) "settings" $v) }}
+{{- else if not (kindIs "invalid" $v) }}
+{{ $name }}: {{ include "tandem.envValue" $v | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* ---- Redis wiring ---- */}}
+
+{{- define "tandem.redis.fullname" -}}
+{{- include "tandem.componentName" (dict "root" . "component" "redis") }}
+{{- end }}
+
+{{/* Mount path of the external Redis CA. */}}
+{{- define "tandem.redis.caDir" -}}/etc/tandem/redis-ca{{- end }}
+
+{{/* The URL every service gets as <PREFIX>REDIS__URL. */}}
+{{- define "tandem.redis.url" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s.%s.svc:%d/0" (include "tandem.redis.fullname" .) .Release.Namespace (int .Values.redis.port) }}
+{{- else }}
+{{- $url := .Values.externalRedis.url }}
+{{- if .Values.externalRedis.tls.caSecret }}
+{{- $sep := ternary "&" "?" (contains "?" $url) }}
+{{- printf "%s%sssl_ca_certs=%s/%s" $url $sep (include "tandem.redis.caDir" .) .Values.externalRedis.tls.caKey }}
+{{- else }}
+{{- $url }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Secret name and key of the Redis password, or "" when there is none. */}}
+{{- define "tandem.redis.passwordSecret" -}}
+{{- if .Values.redis.enabled }}
+{{- default (include "tandem.redis.fullname" .) .Values.redis.auth.existingSecret }}
+{{- else }}
+{{- .Values.externalRedis.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.redis.passwordKey" -}}
+{{- if .Values.redis.enabled }}
+{{- .Values.redis.auth.existingSecretPasswordKey }}
+{{- else }}
+{{- .Values.externalRedis.existingSecretPasswordKey }}
+{{- end }}
+{{- end }}
+
+{{/* host:port of Redis for KEDA. */}}
+{{- define "tandem.redis.address" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "%s.%s.svc:%d" (include "tandem.redis.fullname" .) .Release.Namespace (int .Values.redis.port) }}
+{{- else }}
+{{- $u := urlParse .Values.externalRedis.url }}
+{{- if contains ":" $u.host }}{{ $u.host }}{{ else }}{{ printf "%s:6379" $u.host }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.redis.db" -}}
+{{- if .Values.redis.enabled }}0{{ else }}{{ default "0" (trimPrefix "/" (urlParse .Values.externalRedis.url).path) }}{{ end }}
+{{- end }}
+
+{{- define "tandem.redis.tls" -}}
+{{- if and (not .Values.redis.enabled) (hasPrefix "rediss://" .Values.externalRedis.url) }}true{{ end }}
+{{- end }}
+
+{{/* ---- TPU ---- */}}
+
+{{/* Chips in a topology "AxB" or "AxBxC". */}}
+{{- define "tandem.tpu.topologyChips" -}}
+{{- $n := 1 }}
+{{- range (splitList "x" .) }}{{ $n = mul $n (atoi .) }}{{ end }}
+{{- $n }}
+{{- end }}
+
+{{/* Largest single-host slice (chips per VM) of the GKE TPU accelerators we know. */}}
+{{- define "tandem.tpu.maxChipsPerHost" -}}
+{{- $table := dict "tpu-v4-podslice" 4 "tpu-v5-lite-podslice" 8 "tpu-v5-lite-device" 8 "tpu-v5p-slice" 4 "tpu-v6e-slice" 8 "tpu7x" 4 }}
+{{- get $table . | default 0 }}
+{{- end }}
+
+{{/* ---- Checksums: pods roll when their config changes. ---- */}}
+{{- define "tandem.checksum" -}}
+{{- . | sha256sum }}
+{{- end }}
+
+{{/* Secrets every Tandem pod mounts: internal gRPC mTLS material and the external Redis CA. */}}
+{{- define "tandem.commonVolumes" -}}
+{{- if .Values.grpcTLS.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ .Values.grpcTLS.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.externalRedis.tls.caSecret }}
+    defaultMode: 0444
+{{- end }}
+{{- end }}
+
+{{- define "tandem.commonVolumeMounts" -}}
+{{- if .Values.grpcTLS.enabled }}
+- name: grpc-tls
+  mountPath: {{ .Values.grpcTLS.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
+- name: redis-ca
+  mountPath: {{ include "tandem.redis.caDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}

@@ -1,0 +1,94 @@
+{{/*
+Checks a cluster would otherwise catch late (or never). Each `fail` says what to change.
+Included once, from templates/validate.yaml.
+*/}}
+{{- define "tandem.validate" -}}
+{{- $v := .Values }}
+
+{{/* Redis: exactly one source. */}}
+{{- if and $v.redis.enabled $v.externalRedis.url }}
+{{- fail "tandem: both redis.enabled=true and externalRedis.url are set; use one Redis (set redis.enabled=false to use the external one)" }}
+{{- end }}
+{{- if and (not $v.redis.enabled) (not $v.externalRedis.url) }}
+{{- fail "tandem: no Redis configured; set redis.enabled=true for the bundled StatefulSet or externalRedis.url (e.g. rediss://10.0.0.3:6378/0 for Memorystore)" }}
+{{- end }}
+{{- if not $v.redis.enabled }}
+{{- $u := urlParse $v.externalRedis.url }}
+{{- if not (has $u.scheme (list "redis" "rediss")) }}
+{{- fail (printf "tandem: externalRedis.url %q must start with redis:// or rediss:// (TLS)" $v.externalRedis.url) }}
+{{- end }}
+{{- if $u.userinfo }}
+{{- fail "tandem: externalRedis.url must not carry credentials (they would land in a ConfigMap); put the password in a Secret and set externalRedis.existingSecret" }}
+{{- end }}
+{{- if and $v.externalRedis.tls.caSecret (ne $u.scheme "rediss") }}
+{{- fail "tandem: externalRedis.tls.caSecret is set but externalRedis.url is not rediss://; use rediss:// for TLS" }}
+{{- end }}
+{{- end }}
+
+{{/* TPU scheduling: the google.com/tpu count must be the chips of the topology. */}}
+{{- range $component := list "prefill" "decode" }}
+{{- $tpu := (index $v $component).tpu }}
+{{- if $tpu.enabled }}
+{{- if not (regexMatch "^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$" (toString $tpu.topology)) }}
+{{- fail (printf "tandem: %s.tpu.topology %q is not a TPU topology like 2x4 or 2x2x1" $component (toString $tpu.topology)) }}
+{{- end }}
+{{- $want := include "tandem.tpu.topologyChips" (toString $tpu.topology) | atoi }}
+{{- if ne (int $tpu.chips) $want }}
+{{- fail (printf "tandem: %s.tpu.chips=%d does not match %s.tpu.topology=%s, which has %d chips; set %s.tpu.chips=%d (google.com/tpu requests/limits must equal the topology's chips)" $component (int $tpu.chips) $component $tpu.topology $want $component $want) }}
+{{- end }}
+{{- $max := include "tandem.tpu.maxChipsPerHost" $tpu.accelerator | atoi }}
+{{- if and (gt $max 0) (gt $want $max) }}
+{{- fail (printf "tandem: %s.tpu.topology=%s (%d chips) is a multi-host slice for %s (at most %d chips per host); this chart runs single-host slices only, pick a topology with <= %d chips" $component $tpu.topology $want $tpu.accelerator $max $max) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Shapes and names the three services must agree on. */}}
+{{- $g := $v.gateway.settings }}
+{{- $p := $v.prefill.settings }}
+{{- $d := $v.decode.settings }}
+{{- if not (and (eq (toString $g.pool) (toString $p.pool)) (eq (toString $p.pool) (toString $d.pool))) }}
+{{- fail (printf "tandem: gateway/prefill/decode settings.pool must be equal (got %q, %q, %q)" (toString $g.pool) (toString $p.pool) (toString $d.pool)) }}
+{{- end }}
+{{- if not (and (eq (toString $p.engine.model) (toString $d.engine.model)) (eq (toString $g.model) (toString $p.engine.model))) }}
+{{- fail (printf "tandem: gateway.settings.model, prefill.settings.engine.model and decode.settings.engine.model must name the same model (got %q, %q, %q)" (toString $g.model) (toString $p.engine.model) (toString $d.engine.model)) }}
+{{- end }}
+{{- if ne (toString $p.engine.dtype) (toString $d.engine.dtype) }}
+{{- fail (printf "tandem: prefill and decode engine.dtype must match, KV is transferred as-is (got %q and %q)" (toString $p.engine.dtype) (toString $d.engine.dtype)) }}
+{{- end }}
+{{- if not (and (eq (int $g.max_context_len) (int $p.engine.max_len)) (eq (int $p.engine.max_len) (int $d.engine.max_len))) }}
+{{- fail (printf "tandem: gateway.settings.max_context_len (%d) must equal prefill and decode settings.engine.max_len (%d, %d)" (int $g.max_context_len) (int $p.engine.max_len) (int $d.engine.max_len)) }}
+{{- end }}
+{{- $maxBucket := 0 }}
+{{- range $p.engine.prefill_buckets }}{{ if gt (int .) $maxBucket }}{{ $maxBucket = int . }}{{ end }}{{ end }}
+{{- if ne (int $g.max_prompt_len) $maxBucket }}
+{{- fail (printf "tandem: gateway.settings.max_prompt_len (%d) must equal the largest prefill bucket (prefill.settings.engine.prefill_buckets max = %d)" (int $g.max_prompt_len) $maxBucket) }}
+{{- end }}
+{{- if gt $maxBucket (int $p.engine.max_len) }}
+{{- fail (printf "tandem: the largest prefill bucket (%d) exceeds prefill.settings.engine.max_len (%d)" $maxBucket (int $p.engine.max_len)) }}
+{{- end }}
+{{- if eq (int $g.port) (int $g.grpc_port) }}
+{{- fail "tandem: gateway.settings.port and gateway.settings.grpc_port must differ" }}
+{{- end }}
+
+{{/* Scaling and lifecycle per pool. */}}
+{{- range $component := list "prefill" "decode" }}
+{{- $c := index $v $component }}
+{{- if and $c.autoscaling.enabled $c.keda.enabled }}
+{{- fail (printf "tandem: %s.autoscaling.enabled and %s.keda.enabled are both true; KEDA creates its own HorizontalPodAutoscaler, enable one of them" $component $component) }}
+{{- end }}
+{{- $live := mul (int $c.probes.liveness.periodSeconds) (int $c.probes.liveness.failureThreshold) }}
+{{- if le (float64 $live) (float64 $c.settings.drain_timeout_s) }}
+{{- fail (printf "tandem: %s liveness window (periodSeconds*failureThreshold = %ds) must exceed settings.drain_timeout_s (%v) or a draining pod is killed early" $component $live $c.settings.drain_timeout_s) }}
+{{- end }}
+{{- if eq (int $c.settings.grpc.port) 0 }}
+{{- fail (printf "tandem: %s.settings.grpc.port must be a fixed port (0 = random is not probe-able)" $component) }}
+{{- end }}
+{{- end }}
+{{- if and $v.gateway.autoscaling.enabled (lt (int $v.gateway.autoscaling.maxReplicas) (int $v.gateway.autoscaling.minReplicas)) }}
+{{- fail "tandem: gateway.autoscaling.maxReplicas must be >= minReplicas" }}
+{{- end }}
+{{- if and $v.grpcTLS.enabled (not $v.grpcTLS.secretName) }}
+{{- fail "tandem: grpcTLS.enabled=true needs grpcTLS.secretName (a Secret with tls.crt, tls.key, ca.crt)" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,100 @@
+"""`python -m gateway`: the Tandem gateway (OpenAI-compatible HTTP + gRPC on one event loop).
+
+All settings come from the environment (TANDEM_GATEWAY_*); see `--help`. SIGTERM/SIGINT: uvicorn
+stops accepting, lets open streams finish for up to `shutdown_grace_s`, then the lifespan stops
+the gRPC server (with the same grace) and closes Redis.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tandem_core.logs import setup_logging
+
+log = logging.getLogger("gateway")
+
+_EPILOG = """\
+All settings come from environment variables (nested blocks use "__"):
+  TANDEM_GATEWAY_REDIS__URL            Redis URL (redis://127.0.0.1:6379/0; rediss:// for TLS)
+  TANDEM_GATEWAY_HOST / _PORT          HTTP bind address (127.0.0.1:8000)
+  TANDEM_GATEWAY_GRPC_HOST / _GRPC_PORT gRPC bind address (host defaults to HOST; port 50051)
+  TANDEM_GATEWAY_MODEL                 preset name or Hugging Face directory (builtin)
+  TANDEM_GATEWAY_SERVED_MODEL_NAME     name clients send (default: the model's name)
+  TANDEM_GATEWAY_POOL                  worker pool to enqueue to (default)
+  TANDEM_GATEWAY_MAX_CONTEXT_LEN       prompt + max_tokens limit (512, = workers' max_len)
+  TANDEM_GATEWAY_MAX_PROMPT_LEN        prompt token limit (512, = largest prefill bucket)
+  TANDEM_GATEWAY_MAX_TOKENS_LIMIT      max_tokens limit (4096)
+  TANDEM_GATEWAY_DEFAULT_MAX_TOKENS    max_tokens when omitted (16)
+  TANDEM_GATEWAY_REQUEST_TIMEOUT_S     whole-request deadline (300)
+  TANDEM_GATEWAY_FIRST_TOKEN_TIMEOUT_S first-token deadline (120)
+  TANDEM_GATEWAY_ADMISSION_MAX_BACKLOG above this backlog: 429 + Retry-After (1024)
+  TANDEM_GATEWAY_API_KEYS              JSON list of accepted bearer keys (empty: no auth)
+  TANDEM_GATEWAY_ADMIN_KEY             bearer key for /admin/* (empty: open)
+  TANDEM_GATEWAY_SHUTDOWN_GRACE_S      time open streams get on SIGTERM (30)
+  TANDEM_GATEWAY_LOG_LEVEL             DEBUG/INFO/WARNING (INFO)
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="Tandem gateway: OpenAI-compatible /v1/completions (SSE) and gRPC tandem.v1.Tandem, "
+        "relaying tokens from prefill/decode workers through Redis.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return p.parse_args(argv)
+
+
+async def serve(settings: GatewaySettings) -> int:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)), loop="asyncio", log_config=None,
+        access_log=settings.log_level.upper() == "DEBUG",
+    )
+    server = uvicorn.Server(config)
+    # Our own handlers: the first signal starts a graceful stop, a second one forces it; the
+    # process then exits 0 (uvicorn's own handlers would re-raise the signal at exit).
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, server, sig)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        http_port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.port
+        grpc_host = settings.grpc_host or settings.host
+        msg = (f"gateway listening http={settings.host}:{http_port} "
+               f"grpc={grpc_host}:{app.state.gateway.grpc_port}")
+        log.info(msg)
+        print(msg, flush=True)
+    await task
+    return 0 if server.started else 1
+
+
+def _on_signal(server: uvicorn.Server, sig: signal.Signals) -> None:
+    if server.should_exit:
+        server.force_exit = True
+    server.should_exit = True
+    log.info("%s: shutting down (open streams get up to the grace period)", sig.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parse_args(argv)
+    settings = GatewaySettings()
+    setup_logging("gateway", settings.log_level)
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Wiring: the FastAPI app, its lifespan (Redis client, gRPC server on the same event loop) and
+the one place where errors become HTTP responses.
+
+`create_app(settings)` builds everything from the settings it is given; nothing reads the
+environment here. The gRPC server (tandem.v1.Tandem, grpc.health.v1, reflection) starts with the
+app and stops with it, after the HTTP side has drained.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import grpc_api
+from gateway.http_api import error_body, router
+from gateway.service import GatewayService, retry_after_header
+from gateway.settings import GatewaySettings
+from tandem_core import grpc_util, streams
+from tandem_core.errors import TandemError
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: GatewaySettings, service: GatewayService | None = None) -> FastAPI:
+    svc = service or GatewayService(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc.redis = streams.connect(settings.redis)
+        try:
+            await streams.ensure_groups(svc.redis, settings.pool)
+        except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503
+            log.warning("Redis unreachable at startup (%s); continuing, /readyz will say so", e)
+        server, health = await _start_grpc(settings, svc)
+        try:
+            yield
+        finally:
+            await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
+            await server.stop(settings.shutdown_grace_s)
+            await svc.drain_background()
+            await svc.redis.aclose()
+            log.info("gateway stopped")
+
+    app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = svc
+    app.include_router(router)
+    _add_error_handlers(app)
+    return app
+
+
+async def _start_grpc(settings: GatewaySettings, svc: GatewayService):
+    server = grpc_util.make_server(settings.grpc_max_message_bytes)
+    grpc_api.add_to_server(server, svc)
+    health = grpc_util.add_health(server, [grpc_api.SERVICE_NAME])
+    grpc_util.add_reflection(server, [grpc_api.SERVICE_NAME])
+    svc.grpc_port = grpc_util.bind(server, settings.grpc_host or settings.host, settings.grpc_port)
+    await server.start()
+    await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], True)
+    return server, health
+
+
+def _error(status: int, message: str, etype: str, param: str | None = None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": etype, "param": param, "code": etype}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TandemError)
+    async def _tandem(request: Request, e: TandemError) -> JSONResponse:
+        if e.http_status >= 500:
+            log.warning("%s: %s path=%s", type(e).__name__, e.message, request.url.path)
+        return JSONResponse({"error": error_body(e)}, status_code=e.http_status, headers=retry_after_header(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = (e.errors() or [{}])[0]
+        field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
+        return _error(400, f"invalid value for {field!r}: {err.get('msg')}", "invalid_request_error", field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        etype = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), etype, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error path=%s", request.url.path)
+        return _error(500, f"internal error: {type(e).__name__}", "internal_error")

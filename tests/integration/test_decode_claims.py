@@ -1,0 +1,102 @@
+"""A decode worker never claims more ready entries than it has free slots (real Redis, real gRPC
+KV server, real engine). Sampled from Redis while a backlog of 12 ready notices waits for 2 slots."""
+from __future__ import annotations
+
+import asyncio
+import queue
+
+import pytest
+
+from decode_svc.app import DecodeIO
+from decode_svc.loop import EngineLoop
+from decode_svc.settings import DecodeSettings
+from decode_svc.slots import SlotTable
+from prefill_svc.kv_store import KVStore
+from prefill_svc.service import KVTransferServicer
+from tandem_core import grpc_util, keys, streams
+from tandem_core.settings import EngineConfig, RedisConfig
+from tandem_core.types import GenerationRequest, SamplingParams
+from tandem_engine import load_engine
+from tandem_proto import kv_pb2_grpc
+
+SLOTS = 2
+N = 12
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine("tiny", slots=SLOTS, max_len=64, prefill_buckets=(16,))
+
+
+async def _kv_server(store):
+    server = grpc_util.make_server(8 << 20)
+    kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(store, 1 << 16, lambda _r: None), server)
+    port = grpc_util.bind(server, "127.0.0.1", 0)
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _publish_backlog(r, engine, store, address, pool):
+    for i in range(N):
+        req = GenerationRequest(f"req-{i}", [256, 65 + i, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+        payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+        held = store.put(req.request_id, payload)
+        notice = streams.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
+        await streams.publish_ready(r, pool, notice, 1000)
+
+
+async def _claimed_unacked(r, pool) -> int:
+    """Ready entries delivered to the pod and not yet acked (acked = inserted into a slot)."""
+    return (await r.xpending(keys.ready_stream(pool), keys.DECODE_GROUP))["pending"]
+
+
+async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine):
+    r = redis_client
+    pool = "claims"
+    await streams.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    await _publish_backlog(r, engine, store, address, pool)
+
+    s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
+                       pool=pool, slots=SLOTS, claim_block_ms=50)
+    table = SlotTable(SLOTS)
+    inserts, outputs = queue.Queue(SLOTS), queue.Queue(64)
+    loop = asyncio.get_running_loop()
+    holder = {}
+    eloop = EngineLoop(engine, table, inserts, outputs, lambda: holder["io"].notify_slot_freed(loop))
+    io = DecodeIO(s, r, table, eloop, inserts, outputs, "decode-test")
+    holder["io"] = io
+    stop, done = asyncio.Event(), asyncio.Event()
+    eloop.start()
+    tasks = [asyncio.create_task(io.claim_loop(stop)), asyncio.create_task(io.publish_loop(done))]
+    peak_redis = peak_table = 0
+    try:
+        for _ in range(400):
+            peak_table = max(peak_table, table.used + table.reserved)
+            peak_redis = max(peak_redis, await _claimed_unacked(r, pool))
+            finished = 0
+            for i in range(N):
+                last = await r.xrevrange(keys.token_stream(f"req-{i}"), count=1)
+                finished += bool(last and b"f" in last[0][1])
+            if finished == N:
+                break
+            await asyncio.sleep(0.02)
+        assert finished == N, f"only {finished}/{N} requests finished"
+    finally:
+        stop.set()
+        await tasks[0]
+        eloop.stop()
+        done.set()
+        await tasks[1]
+        await io.puller.close()
+        await server.stop(None)
+    # The pod's own accounting (running + reserved for pulls) and what Redis saw delivered.
+    assert 1 <= peak_table <= SLOTS
+    assert 1 <= peak_redis <= SLOTS, f"decode claimed {peak_redis} ready entries with {SLOTS} slots"
+    # Every request produced indices 1..MAX_TOKENS-1 exactly once, in order.
+    for i in range(N):
+        entries = await r.xrange(keys.token_stream(f"req-{i}"))
+        assert [int(f[b"i"]) for _id, f in entries] == list(range(1, MAX_TOKENS))
+    assert store.held_bytes == 0
