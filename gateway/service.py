@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.metrics import GatewayMetrics
@@ -75,7 +76,7 @@ class GatewayService:
         r = self._redis()
         s = self.settings
         try:
-            backlog = await streams.admission_backlog(r, s.pool)
+            backlog = await admission_backlog(r, s.pool)
             self.metrics.backlog.set(backlog)
             if backlog > s.admission_max_backlog:
                 self.metrics.requests.labels("rejected").inc()
@@ -132,7 +133,7 @@ class GatewayService:
         try:
             workers = await streams.list_workers(r)
             admission = {p: await r.xlen(keys.admission_stream(s.pool, p)) for p in keys.PRIORITIES}
-            backlog = await streams.admission_backlog(r, s.pool)
+            backlog = await admission_backlog(r, s.pool)
             ready = await r.xlen(keys.ready_stream(s.pool))
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
@@ -154,6 +155,35 @@ class GatewayService:
         if self.redis is None:
             raise ServiceUnavailable("the gateway is not connected to Redis yet")
         return self.redis
+
+
+async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
+    """Undelivered + delivered-but-unacked admission entries, over all priorities.
+
+    Like `streams.admission_backlog`, but correct where XINFO GROUPS has no usable `lag`
+    (Redis < 7, or lag NULL after deletions): there it counts XLEN, which equals lag + pending
+    because workers XDEL every entry they ack. `streams.admission_backlog` reads 0 in that case.
+    """
+    total = 0
+    for prio in keys.PRIORITIES:
+        stream = keys.admission_stream(pool, prio)
+        try:
+            groups = await r.xinfo_groups(stream)
+        except ResponseError:
+            continue
+        group = next((g for g in groups if _s(g.get("name")) == keys.PREFILL_GROUP), None)
+        if group is None:
+            continue
+        lag = group.get("lag")
+        if lag is None:
+            total += int(await r.xlen(stream))
+        else:
+            total += int(lag) + int(group.get("pending") or 0)
+    return total
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
 
 
 def _bearer_ok(authorization: str | None, allowed: list[str]) -> bool:

@@ -6,7 +6,7 @@ own settings. args: dict "root" $ "component" "prefill"|"decode" "prefix" "TANDE
 {{/* The settings ConfigMap data for a worker (redis.url is chart-owned, added here). */}}
 {{- define "tandem.worker.configData" -}}
 {{- $c := index .root.Values .component }}
-{{- include "tandem.settingsEnv" (dict "prefix" .prefix "settings" $c.settings) }}
+{{- include "tandem.settingsEnv" (dict "prefix" .prefix "settings" $c.settings) | trim }}
 {{ .prefix }}REDIS__URL: {{ include "tandem.redis.url" .root | quote }}
 {{- end }}
 
@@ -172,7 +172,8 @@ spec:
             grpc: {port: {{ $s.grpc.port }}}
             {{- toYaml $c.probes.liveness | nindent 12 }}
           lifecycle:
-            # Let Redis-side routing and endpoints settle before SIGTERM starts the drain.
+            # A short pause before SIGTERM; the drain itself (settings.drain_timeout_s) starts on
+            # SIGTERM and terminationGracePeriodSeconds covers both.
             preStop:
               sleep: {seconds: {{ $c.preStopSleepSeconds }}}
           volumeMounts:
@@ -187,7 +188,7 @@ spec:
               mountPath: {{ $root.Values.model.mountPath }}
               readOnly: true
             {{- end }}
-            {{- include "tandem.commonVolumeMounts" $root | nindent 12 }}
+            {{- with include "tandem.commonVolumeMounts" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with $c.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -202,7 +203,7 @@ spec:
         - name: model
           {{- toYaml $root.Values.model.volume | nindent 10 }}
         {{- end }}
-        {{- include "tandem.commonVolumes" $root | nindent 8 }}
+        {{- with include "tandem.commonVolumes" $root }}{{ . | nindent 8 }}{{ end }}
         {{- with $c.extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

@@ -1,0 +1,12 @@
+{{/* GatewaySettings as env (TANDEM_GATEWAY_*); redis.url is chart-owned. */}}
+{{- define "tandem.gateway.configData" -}}
+{{- include "tandem.settingsEnv" (dict "prefix" "TANDEM_GATEWAY_" "settings" .Values.gateway.settings) | trim }}
+TANDEM_GATEWAY_REDIS__URL: {{ include "tandem.redis.url" . | quote }}
+{{- end }}
+
+{{/* Secret holding api_keys (JSON list) and admin_key, or "" when auth is off. */}}
+{{- define "tandem.gateway.authSecret" -}}
+{{- if .Values.gateway.auth.enabled }}
+{{- default (include "tandem.componentName" (dict "root" . "component" "gateway-auth")) .Values.gateway.auth.existingSecret }}
+{{- end }}
+{{- end }}
