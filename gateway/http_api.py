@@ -7,6 +7,7 @@ exception handler (see `app.py`) in OpenAI's `{"error": {...}}` shape.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
@@ -21,6 +22,7 @@ from gateway.service import GatewayService
 from gateway.validation import CompletionParams, Prepared
 from tandem_core.errors import InvalidRequest, TandemError, WorkerFailed
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -187,6 +189,10 @@ async def _sse(svc: GatewayService, prep: Prepared, created: int, with_usage: bo
     except TandemError as e:
         # Headers are gone: report in-band the way OpenAI does (the client raises APIError).
         yield _event({"error": error_body(e)})
+    except Exception as e:  # noqa: BLE001 - logged with the traceback, reported in-band
+        log.exception("relay failed request_id=%s", prep.request.request_id)
+        yield _event({"error": {"message": f"internal error: {type(e).__name__}", "type": "internal_error",
+                                "param": None, "code": "internal_error"}})
     yield _event("[DONE]")
 
 

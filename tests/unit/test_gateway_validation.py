@@ -1,0 +1,142 @@
+"""Bad input gets a clear 4xx naming the field and the limit, and enqueues nothing.
+
+The app runs in FastAPI's TestClient (lifespan included) against the real test Redis; none of
+these requests reaches a worker.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tandem.redis_proc import free_port
+from tandem_core import keys
+from tandem_core.settings import RedisConfig
+
+POOL = f"gwv-{uuid.uuid4().hex[:8]}"
+
+
+def _settings(redis_url: str, **kw) -> GatewaySettings:
+    base = dict(
+        redis=RedisConfig(url=redis_url), host="127.0.0.1", grpc_port=0, pool=POOL, max_prompt_len=16,
+        max_context_len=24, max_tokens_limit=20, max_stop_strings=2, max_body_bytes=2048,
+    )
+    base.update(kw)
+    return GatewaySettings(**base)
+
+
+@pytest.fixture(scope="module")
+def client(redis_url):
+    with TestClient(create_app(_settings(redis_url))) as c:
+        yield c
+    r = redis.Redis.from_url(redis_url)
+    # "changes nothing else": no bad request reached the admission streams
+    assert sum(r.xlen(keys.admission_stream(POOL, p)) for p in keys.PRIORITIES) == 0
+    r.close()
+
+
+def _post(client: TestClient, **body):
+    return client.post("/v1/completions", json={"model": "tiny", **body})
+
+
+def _assert_error(resp, status: int, param: str | None, *words: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+
+
+CASES = [
+    # (body overrides, status, param, words the message must contain)
+    ({"prompt": ""}, 400, "prompt", ["empty"]),
+    ({"prompt": []}, 400, "prompt", ["empty"]),
+    ({"prompt": ["a", "b"]}, 400, "prompt", ["2 strings"]),
+    ({"prompt": "x" * 20}, 400, "prompt", ["21", "16"]),  # BOS + 20 bytes > 16
+    ({"prompt": [1, 2, 999]}, 400, "prompt", ["999", "258"]),
+    ({"prompt": "hello", "max_tokens": 20}, 400, "max_tokens", ["6", "20", "26", "24"]),
+    ({"prompt": "hello", "max_tokens": 0}, 400, "max_tokens", ["at least 1"]),
+    ({"prompt": "hello", "max_tokens": -3}, 400, "max_tokens", ["-3"]),
+    ({"prompt": "hello", "max_tokens": 21}, 400, "max_tokens", ["21", "20"]),
+    ({"prompt": "hello", "temperature": -0.1}, 400, "temperature", ["[0, 2]"]),
+    ({"prompt": "hello", "temperature": 2.5}, 400, "temperature", ["[0, 2]", "2.5"]),
+    ({"prompt": "hello", "temperature": "hot"}, 400, "temperature", ["temperature"]),
+    ({"prompt": "hello", "top_p": 0}, 400, "top_p", ["(0, 1]"]),
+    ({"prompt": "hello", "top_p": 1.5}, 400, "top_p", ["(0, 1]"]),
+    ({"prompt": "hello", "top_k": -1}, 400, "top_k", [">= 0"]),
+    ({"prompt": "hello", "stop": ["a", "b", "c"]}, 400, "stop", ["3", "2"]),
+    ({"prompt": "hello", "stop": [""]}, 400, "stop", ["empty"]),
+    ({"prompt": "hello", "n": 2}, 400, "n", ["1"]),
+    ({"prompt": "hello", "priority": "urgent"}, 400, "priority", ["priority"]),
+    ({"prompt": "hello", "best_of": 3}, 400, "best_of", ["unknown field", "best_of"]),
+    ({"prompt": "hello", "stream_options": {"x": 1}}, 400, "stream_options.x", ["unknown field"]),
+    ({"prompt": "hello", "model": "gpt-9"}, 404, "model", ["gpt-9", "tiny"]),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", CASES, ids=[str(c[0])[:40] for c in CASES])
+def test_bad_input(client, body, status, param, words):
+    _assert_error(_post(client, **body), status, param, *words)
+
+
+def test_missing_prompt(client):
+    _assert_error(client.post("/v1/completions", json={"model": "tiny"}), 400, "prompt", "required")
+
+
+def test_invalid_json(client):
+    resp = client.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    _assert_error(resp, 400, None, "not valid JSON")
+    _assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400, None, "JSON object")
+
+
+def test_body_too_large(client):
+    resp = client.post("/v1/completions", content=json.dumps({"prompt": "x" * 4000}).encode())
+    _assert_error(resp, 413, None, "2048")
+
+
+def test_models_health_ready(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 200
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["tiny"]
+    assert "tandem_requests_running" in client.get("/metrics").text
+
+
+def test_unknown_route_is_openai_shaped(client):
+    resp = client.get("/v1/nope")
+    assert resp.status_code == 404 and "error" in resp.json()
+
+
+def test_api_keys_and_admin_key(redis_url):
+    s = _settings(redis_url, api_keys=["k1", "k2"], admin_key="adm", served_model_name="mine")
+    with TestClient(create_app(s)) as c:
+        _assert_error(_post(c, prompt="hello", max_tokens=99), 401, None, "API key")
+        wrong = c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = c.post("/v1/completions", json={"model": "mine", "prompt": "hi", "max_tokens": 99},
+                    headers={"Authorization": "Bearer k2"})
+        _assert_error(ok, 400, "max_tokens", "99")  # authenticated, then validated
+        assert c.get("/v1/models").status_code == 401
+        models = c.get("/v1/models", headers={"Authorization": "Bearer k1"}).json()
+        assert models["data"][0]["id"] == "mine"
+        assert c.get("/admin/cluster").status_code == 401
+        assert c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}).status_code == 401
+        view = c.get("/admin/cluster", headers={"Authorization": "Bearer adm"}).json()
+        assert set(view) == {"workers", "queues", "model"}
+        assert c.get("/healthz").status_code == 200  # probes need no key
+
+
+def test_redis_down_is_not_ready_and_503(redis_url):
+    s = _settings(f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(s)) as c:
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/readyz").status_code == 503
+        resp = _post(c, prompt="hello")
+        assert resp.status_code == 503 and "Redis" in resp.json()["error"]["message"]
+        assert "retry-after" in resp.headers
