@@ -328,3 +328,43 @@ def test_grpc_health_is_serving(cluster):
         for name in ("", "tandem.v1.Tandem"):
             resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ---------------------------------------------------------------- the process
+
+
+def test_main_serves_and_sigterm_finishes_open_streams(redis_url, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tandem.redis_proc import free_port
+
+    pool, port = f"gw-{uuid.uuid4().hex[:8]}", free_port()
+    stop = threading.Event()
+    worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(redis_url, pool, stop)), daemon=True)
+    worker.start()
+    env = dict(os.environ, TANDEM_GATEWAY_REDIS__URL=redis_url, TANDEM_GATEWAY_PORT=str(port),
+               TANDEM_GATEWAY_GRPC_PORT="0", TANDEM_GATEWAY_POOL=pool, TANDEM_GATEWAY_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"gateway listening http=127.0.0.1:{port} grpc=127.0.0.1:"), line
+        body = {"prompt": "slow", "max_tokens": 64, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines) == "id: 0"
+            proc.send_signal(signal.SIGTERM)  # stop accepting, but let this stream finish
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        ids = [0] + [int(x[4:]) for x in rest if x.startswith("id: ")]
+        assert ids == list(range(len(OUT_IDS) + 1))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stop.set()
+        worker.join(timeout=10)
