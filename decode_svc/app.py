@@ -1,6 +1,5 @@
-"""Wiring of one decode pod: the engine thread (decode_svc/loop.py) and the I/O side on one
-asyncio loop: claim ready notices only for free slots, pull KV, hand it to the engine through a
-bounded queue, publish each step's tokens in one pipelined round trip, watch for cancels, beat."""
+"""Wiring of one decode pod: the engine thread (decode_svc/loop.py), the I/O side
+(decode_svc/io.py), the gRPC health server and heartbeats; a drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
@@ -9,116 +8,15 @@ import os
 import queue
 import time
 
-import redis.asyncio as aioredis
-
-from decode_svc.loop import EngineLoop, Insert
-from decode_svc.puller import KVPuller
+from decode_svc.io import DecodeIO
+from decode_svc.loop import EngineLoop
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import grpc_util, keys, lifecycle, streams
-from tandem_core.errors import TandemError
+from tandem_core import grpc_util, lifecycle, streams
 from tandem_core.settings import default_worker_id
-from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.Decode"
-
-
-class DecodeIO:
-    """The I/O half of a decode pod. Every coroutine here ends when `stop` is set."""
-
-    def __init__(self, s: DecodeSettings, r: aioredis.Redis, table: SlotTable, loop_: EngineLoop,
-                 inserts: queue.Queue, outputs: queue.Queue, worker_id: str) -> None:
-        self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
-        self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
-        self.puller = KVPuller(s.grpc.max_message_bytes)
-        self.slot_freed = asyncio.Event()
-        self.inflight: dict[str, asyncio.Task] = {}
-        self.pulled = 0
-
-    def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.call_soon_threadsafe(self.slot_freed.set)
-
-    async def claim_loop(self, stop: asyncio.Event) -> None:
-        stream = keys.ready_stream(self.s.pool)
-        while not stop.is_set() and self.engine_loop.error is None:
-            n = self.table.reserve(self.table.slots)  # pull only for slots that are free
-            if n == 0:
-                self.slot_freed.clear()
-                try:
-                    await asyncio.wait_for(self.slot_freed.wait(), timeout=0.1)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            try:
-                got = await streams.claim(self.r, [stream], keys.DECODE_GROUP, self.worker_id, n,
-                                          self.s.claim_block_ms)
-            except Exception as e:  # noqa: BLE001 - Redis blip: retry
-                self.table.unreserve(n)
-                log.warning("ready claim failed: %s", e)
-                await asyncio.sleep(0.5)
-                continue
-            self.table.unreserve(n - len(got))
-            for c in got:
-                notice = streams.ReadyNotice.from_json(c.fields["notice"])
-                task = asyncio.create_task(self._pull_one(c, notice))
-                self.inflight[notice.request.request_id] = task
-                task.add_done_callback(lambda _t, rid=notice.request.request_id: self.inflight.pop(rid, None))
-
-    async def _pull_one(self, c: streams.Claimed, notice: streams.ReadyNotice) -> None:
-        req = notice.request
-        try:
-            if await streams.cancelled(self.r, [req.request_id]):
-                await self._finish(req.request_id, 1, FINISH_CANCELLED)
-                self.table.unreserve()
-            else:
-                payload = await self.puller.pull(notice, self.s.pull_timeout_s)
-                self.pulled += 1
-                self.inserts.put_nowait(Insert(payload, req))  # never full: bounded by reservations
-        except (TandemError, queue.Full) as e:
-            msg = e.message if isinstance(e, TandemError) else "insert queue full"
-            log.warning("pull failed request_id=%s: %s", req.request_id, msg)
-            self.table.unreserve()
-            await self._finish(req.request_id, 1, FINISH_ERROR, msg)
-        await streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id)
-
-    async def _finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        streams.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error)
-        await pipe.execute()
-
-    async def publish_loop(self, done: asyncio.Event) -> None:
-        """Drain the engine's output queue; one pipelined round trip per step."""
-        while True:
-            try:
-                batch = await asyncio.to_thread(self.outputs.get, True, 0.2)
-            except queue.Empty:
-                if done.is_set():
-                    return
-                continue
-            pipe = self.r.pipeline(transaction=False)
-            for e in batch:
-                streams.add_tokens(pipe, e.request_id, e.index, [e.token] if e.token >= 0 else [],
-                                   e.finish, self.s.token_ttl_s, self.s.token_maxlen)
-            for attempt in range(5):
-                try:
-                    await pipe.execute()
-                    break
-                except Exception as ex:  # noqa: BLE001 - retry a Redis blip, then give up loudly
-                    log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
-                    await asyncio.sleep(0.2 * (attempt + 1))
-
-    async def cancel_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            rids = [a.req.request_id for a in self.table.snapshot()]
-            if rids:
-                try:
-                    hit = await streams.cancelled(self.r, rids)
-                    if hit:
-                        self.engine_loop.cancel(hit)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("cancel poll failed: %s", e)
-            await asyncio.sleep(0.1)
 
 
 def build_engine(s: DecodeSettings):
@@ -155,7 +53,8 @@ async def serve(s: DecodeSettings) -> int:
         return streams.WorkerInfo(
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
             free_slots=table.free, draining=state["draining"],
-            extra={"steps": engine_loop.stats.steps, "tokens": engine_loop.stats.tokens, "pulled": io.pulled},
+            extra={"steps": engine_loop.stats.steps, "tokens": engine_loop.stats.tokens, "pulled": io.pulled,
+                   "local_prefills": engine_loop.stats.local_prefills, "colocated": s.colocated},
         )
 
     engine_loop.start()

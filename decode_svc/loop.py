@@ -2,7 +2,10 @@
 
 Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py):
 1. The pulled payload arrives on the bounded `inserts` queue; between two steps the thread imports
-   it onto the device and inserts it into a free slot.
+   it onto the device and inserts it into a free slot. A prompt to prefill locally (colocated mode,
+   or a short prompt the gateway routed direct) arrives on the same queue: the thread prefills it
+   between two steps, publishes token 0 and inserts it (JetStream's interleaving: the I/O side only
+   claims as many as there are free slots, so a full pod keeps decoding and prefills nothing).
 2. Steps run back to back for all slots. The step is pipelined (the vLLM seed): step n is
    dispatched (JAX dispatch is asynchronous) *before* step n-1's tokens are copied to the host, so
    the device never waits on host bookkeeping. The cost: a finished slot is noticed one step late,
@@ -26,7 +29,10 @@ from typing import Callable
 import numpy as np
 
 from decode_svc.slots import Active, SlotTable
-from tandem_core.types import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload
+from tandem_core.errors import TandemError
+from tandem_core.types import (
+    FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,29 +44,41 @@ class Insert:
 
 
 @dataclass
+class LocalPrefill:
+    """A prompt this pod prefills itself (colocated mode, or routed direct by the gateway).
+    `ack` is the (stream, group, entry id) to acknowledge once its first token is published."""
+
+    req: GenerationRequest
+    ack: tuple[str, str, bytes]
+
+
+@dataclass
 class Emitted:
     request_id: str
     index: int
     token: int  # -1 when a request ends without a token (cancelled)
     finish: str | None = None
+    ack: tuple[str, str, bytes] | None = None  # acknowledged after this token is written
+    error: str | None = None
 
 
 @dataclass
 class LoopStats:
     steps: int = 0
     tokens: int = 0
+    local_prefills: int = 0
     host_wait_s: float = 0.0  # time blocked copying tokens to the host
     busy_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
 
 class EngineLoop:
-    def __init__(self, engine, table: SlotTable, inserts: "queue.Queue[Insert]",
+    def __init__(self, engine, table: SlotTable, inserts: "queue.Queue[Insert | LocalPrefill]",
                  outputs: "queue.Queue[list[Emitted]]", on_slot_freed: Callable[[], None],
                  pipelined: bool = True, output_timeout_s: float = 30.0) -> None:
         self.engine = engine
         self.table = table
-        self.inserts = inserts
+        self.inserts = inserts  # pulled KV and local prompts alike: both fill a reserved slot
         self.outputs = outputs
         self.on_slot_freed = on_slot_freed
         self.pipelined = pipelined
@@ -120,12 +138,40 @@ class EngineLoop:
             except queue.Empty:
                 break
             block_s = 0.0
+            if isinstance(item, LocalPrefill):
+                prefix = self._local_prefill(item)
+                if prefix is None:
+                    continue
+            else:
+                prefix = self.engine.import_prefix(item.payload)
             slot = self.table.free_slot_index()
-            prefix = self.engine.import_prefix(item.payload)
             state = self.engine.insert(prefix, state, slot, item.req.sampling)
             stop_ids = frozenset() if item.req.ignore_eos else frozenset(item.req.stop_token_ids)
-            self.table.occupy(Active(item.req, slot, item.payload.true_length, stop_ids=stop_ids))
+            self.table.occupy(Active(item.req, slot, prefix.true_length, stop_ids=stop_ids))
         return state
+
+    def _local_prefill(self, item: LocalPrefill):
+        """JetStream's interleaving on one pod: prefill between two decode steps. Returns the
+        prefix to insert, or None when token 0 already ends the request (or it failed)."""
+        req = item.req
+        try:
+            prefix = self.engine.prefill(req.prompt_ids, req.sampling)
+        except TandemError as e:
+            self.table.unreserve()
+            self._emit([Emitted(req.request_id, 0, -1, FINISH_ERROR, ack=item.ack, error=e.message)])
+            return None
+        self.stats.local_prefills += 1
+        first = prefix.first_token
+        finish = None
+        if first in req.stop_token_ids and not req.ignore_eos:
+            finish = FINISH_STOP
+        elif req.max_tokens <= 1 or prefix.true_length >= self.engine.max_len:
+            finish = FINISH_LENGTH
+        self._emit([Emitted(req.request_id, 0, first, finish, ack=item.ack)])
+        if finish:
+            self.table.unreserve()
+            return None
+        return prefix
 
     def _apply_cancels(self, state):
         with self._cancel_lock:

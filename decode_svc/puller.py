@@ -46,6 +46,18 @@ class KVPuller:
                 f"KV pull of request {rid} from {notice.address} failed: {e.code().name}: {e.details()}"
             ) from e
 
+    async def release(self, notice: ReadyNotice, timeout_s: float = 5.0) -> bool:
+        """Tell the prefill pod to free a KV nobody will pull (request cancelled). Best effort:
+        if this fails, the prefill pod's lease frees it."""
+        try:
+            resp = await self._stub(notice.address).ReleaseKV(
+                kv_pb2.ReleaseKVRequest(request_id=notice.request.request_id, capability=notice.capability),
+                timeout=timeout_s,
+            )
+            return resp.released
+        except grpc.aio.AioRpcError:
+            return False
+
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()

@@ -16,7 +16,11 @@ class DecodeSettings(BaseSettings):
     pool: str = "default"
     worker_id: str = ""  # default: decode-<hostname>-<pid>
     slots: PositiveInt = 8  # fixed decode batch
-    claim_block_ms: PositiveInt = 200
+    colocated: bool = False  # also prefill from the admission streams (JetStream-style, one pod)
+    direct_prefill: bool = True  # prefill prompts the gateway routes straight to decode
+    priority_high_weight: PositiveInt = 4  # high-priority reads per guaranteed low-priority read
+    claim_block_ms: PositiveInt = 50
+    cancel_poll_s: PositiveFloat = 0.05
     pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread
     token_ttl_s: PositiveInt = 600

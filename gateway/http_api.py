@@ -6,6 +6,7 @@ exception handler (see `app.py`) in OpenAI's `{"error": {...}}` shape.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from tandem_core.errors import InvalidRequest, TandemError, WorkerFailed
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
 
 class StreamOptions(BaseModel):
@@ -144,18 +146,46 @@ async def completions(request: Request, svc: Service, authorization: Auth = None
             _sse(svc, prep, created, usage), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": prep.request.request_id},
         )
-    text, finish, n = [], None, 0
-    async for d in svc.stream(prep):
-        text.append(d.text)
-        finish, n = d.finish_reason, d.completion_tokens
+    collected = await _collect_unless_disconnected(request, svc, prep)
+    if collected is None:
+        return Response(status_code=499)  # nobody is listening; the relay set the cancel key
+    text, finish, n = collected
     return JSONResponse(
         {
             "id": prep.request.request_id, "object": "text_completion", "created": created, "model": prep.model,
-            "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
             "usage": _usage(prep, n),
         },
         headers={"X-Request-Id": prep.request.request_id},
     )
+
+
+async def _collect(svc: GatewayService, prep: Prepared) -> tuple[str, str | None, int]:
+    text, finish, n = [], None, 0
+    async for d in svc.stream(prep):
+        text.append(d.text)
+        finish, n = d.finish_reason, d.completion_tokens
+    return "".join(text), finish, n
+
+
+async def _collect_unless_disconnected(
+    request: Request, svc: GatewayService, prep: Prepared
+) -> tuple[str, str | None, int] | None:
+    """The whole completion, or None if the client hung up first (then the relay is cancelled,
+    which sets the request's cancel key so workers free the slot)."""
+    task = asyncio.ensure_future(_collect(svc, prep))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected request_id=%s", prep.request.request_id)
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _usage(prep: Prepared, completion_tokens: int) -> dict:

@@ -19,6 +19,7 @@ class PrefillSettings(BaseSettings):
     kv_lease_s: PositiveFloat = 60.0  # KV not pulled within this is freed
     kv_chunk_bytes: PositiveInt = 1024 * 1024
     max_batch: PositiveInt = 4  # prompts claimed per read
+    priority_high_weight: PositiveInt = 4  # high-priority reads per guaranteed low-priority read
     claim_block_ms: PositiveInt = 500
     ready_maxlen: PositiveInt = 10000
     token_ttl_s: PositiveInt = 600

@@ -22,6 +22,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from tandem_core import keys, streams
 from tandem_core.errors import TandemError
+from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class PrefillWorker:
         return 2 * i.num_layers * max(self.engine.buckets) * i.num_kv_heads * i.head_dim * itemsize
 
     async def run(self, stop: asyncio.Event) -> None:
-        adm = [keys.admission_stream(self.s.pool, p) for p in keys.PRIORITIES]
+        rotation = PriorityRotation(self.s.pool, self.s.priority_high_weight)
         while not stop.is_set():
             await self._expire_leases()
             room = min(self.s.max_batch, self.store.room_for(self.max_prefix_bytes))
@@ -55,7 +56,7 @@ class PrefillWorker:
                 await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
                 continue
             try:
-                claimed = await streams.claim(self.r, adm, keys.PREFILL_GROUP, self.worker_id, room,
+                claimed = await streams.claim(self.r, rotation.next_order(), keys.PREFILL_GROUP, self.worker_id, room,
                                               self.s.claim_block_ms)
             except Exception as e:  # noqa: BLE001 - Redis blip: retry, never die
                 log.warning("claim failed: %s", e)

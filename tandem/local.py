@@ -38,6 +38,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--slots", type=int, default=4, help="decode slots per decode worker")
+    p.add_argument("--colocated", action="store_true",
+                   help="no prefill workers: each decode worker prefills locally between steps (JetStream-style)")
     p.add_argument("--max-len", type=int, default=512, help="positions per sequence (prompt + output)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--log-level", default="INFO")
@@ -57,6 +59,7 @@ class Cluster:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.redis = RedisProcess()
+        self.redis.preexec = _die_with_parent
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.grpc_port = a.grpc_port or free_port()
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
@@ -75,14 +78,17 @@ class Cluster:
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets)}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
-        p = subprocess.Popen([sys.executable, "-m", module], env=env, preexec_fn=_die_with_parent)
+        # Own session: the terminal's Ctrl-C reaches only the launcher, which drains the workers
+        # in order (gateway first, Redis last). PDEATHSIG still takes them down if it is killed.
+        p = subprocess.Popen([sys.executable, "-m", module], env=env, preexec_fn=_die_with_parent,
+                             start_new_session=True)
         self.procs.append((name, p))
         log.info("started %s pid=%d", name, p.pid)
 
     def start(self) -> None:
         self.redis.start()
         log.info("redis pid=%d url=%s", self.redis.pid, self.redis.url)
-        for i in range(self.a.prefill):
+        for i in range(0 if self.a.colocated else self.a.prefill):
             pre = "TANDEM_PREFILL_"
             self._spawn(f"prefill-{i}", "prefill_svc", self._env(pre, {
                 **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
@@ -91,7 +97,8 @@ class Cluster:
             pre = "TANDEM_DECODE_"
             self._spawn(f"decode-{i}", "decode_svc", self._env(pre, {
                 **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
-                f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots)}))
+                f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots),
+                f"{pre}COLOCATED": "true" if self.a.colocated else "false"}))
         pre = "TANDEM_GATEWAY_"
         self._spawn("gateway", "gateway", self._env(pre, {
             f"{pre}HOST": self.a.host, f"{pre}PORT": str(self.a.port), f"{pre}GRPC_PORT": str(self.grpc_port),
@@ -104,7 +111,7 @@ class Cluster:
 
     def wait_ready(self) -> None:
         """Ready = the gateway answers and every worker has registered a heartbeat."""
-        want = {"prefill": self.a.prefill, "decode": self.a.decode}
+        want = {"prefill": 0 if self.a.colocated else self.a.prefill, "decode": self.a.decode}
         deadline = time.monotonic() + self.a.ready_timeout
         last = ""
         while time.monotonic() < deadline:

@@ -46,6 +46,7 @@ class RedisProcess:
         self.maxmemory = maxmemory
         self.dir = dir or tempfile.mkdtemp(prefix="tandem-redis-")
         self.proc: subprocess.Popen | None = None
+        self.preexec = None  # e.g. tandem.local's die-with-parent hook
 
     @property
     def url(self) -> str:
@@ -61,7 +62,10 @@ class RedisProcess:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its own session: a Ctrl-C in the terminal reaches the launcher, which stops Redis last,
+        # after the workers have drained through it.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=self.preexec)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

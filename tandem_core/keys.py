@@ -4,6 +4,7 @@ Keys (all prefixed `tandem:`):
 | key | type | written by | read by | bound |
 | --- | --- | --- | --- | --- |
 | `tandem:{pool}:adm:{priority}` | stream, group `prefill` | gateway (XADD) | prefill (XREADGROUP) | MAXLEN ~ admission bound |
+| `tandem:{pool}:direct` | stream, group `decode` | gateway (short prompts) | decode (prefills locally) | MAXLEN ~ |
 | `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
 | `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (XREAD BLOCK) | MAXLEN, EXPIRE ttl |
 | `tandem:cancel:{request_id}` | string | gateway | prefill, decode | EXPIRE ttl |
@@ -11,7 +12,7 @@ Keys (all prefixed `tandem:`):
 | `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
 
 Fields:
-- admission entry: `rid` (request id), `req` (GenerationRequest JSON)
+- admission and direct entries: `rid` (request id), `req` (GenerationRequest JSON)
 - ready entry: `rid`, `notice` (ReadyNotice JSON: request, prefill address, capability, kv bytes)
 - token entry: `i` (token index, 0-based), `t` (token id, -1 for none), optional `f` (finish reason,
   last entry only), optional `e` (error message, with `f`=`error`)
@@ -28,6 +29,11 @@ WORKERS = f"{PREFIX}:workers"
 
 def admission_stream(pool: str, priority: str) -> str:
     return f"{PREFIX}:{pool}:adm:{priority}"
+
+
+def direct_stream(pool: str) -> str:
+    """Prompts the gateway routes straight to decode pods (conditional disaggregation)."""
+    return f"{PREFIX}:{pool}:direct"
 
 
 def ready_stream(pool: str) -> str:

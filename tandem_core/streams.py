@@ -41,29 +41,31 @@ async def ensure_groups(r: aioredis.Redis, pool: str) -> None:
     for prio in keys.PRIORITIES:
         await ensure_group(r, keys.admission_stream(pool, prio), keys.PREFILL_GROUP)
     await ensure_group(r, keys.ready_stream(pool), keys.DECODE_GROUP)
+    await ensure_group(r, keys.direct_stream(pool), keys.DECODE_GROUP)
 
 
 # ---------------------------------------------------------------- admission
 
 
-async def enqueue_request(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: int) -> bytes:
-    stream = keys.admission_stream(pool, req.priority)
+async def enqueue_request(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: int,
+                          direct: bool = False) -> bytes:
+    """XADD to the admission stream of the request's priority, or to the direct stream (decode
+    pods prefill those themselves)."""
+    stream = keys.direct_stream(pool) if direct else keys.admission_stream(pool, req.priority)
     return await r.xadd(stream, {"rid": req.request_id, "req": req.to_json()}, maxlen=maxlen, approximate=True)
 
 
 async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
-    """Entries not yet delivered plus delivered-but-unacked, over all priorities."""
-    total = 0
+    """Admission entries not yet finished by a prefill, over all priorities.
+
+    Workers XDEL every entry they ack, so XLEN is exactly undelivered + delivered-but-unacked
+    (XINFO GROUPS' `lag` is unusable after deletions, and absent before Redis 7).
+    """
+    pipe = r.pipeline(transaction=False)
     for prio in keys.PRIORITIES:
-        stream = keys.admission_stream(pool, prio)
-        try:
-            groups = await r.xinfo_groups(stream)
-        except ResponseError:
-            continue
-        for g in groups:
-            if _s(g.get("name")) == keys.PREFILL_GROUP:
-                total += int(g.get("lag") or 0) + int(g.get("pending") or 0)
-    return total
+        pipe.xlen(keys.admission_stream(pool, prio))
+    pipe.xlen(keys.direct_stream(pool))
+    return int(sum(await pipe.execute()))
 
 
 @dataclass
@@ -76,12 +78,12 @@ class Claimed:
 
 
 async def claim(
-    r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int, block_ms: int
+    r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int, block_ms: int | None
 ) -> list[Claimed]:
     """XREADGROUP new entries from `streams` (in order of preference), at most `count` in total.
 
     Streams are tried one by one so an earlier (higher-priority) stream is drained first; only the
-    last read blocks.
+    last read blocks, for `block_ms` (None or 0: never block — redis' BLOCK 0 would wait forever).
     """
     out: list[Claimed] = []
     for i, stream in enumerate(streams):
@@ -90,7 +92,7 @@ async def claim(
             break
         last = i == len(streams) - 1
         resp = await r.xreadgroup(
-            group, consumer, {stream: ">"}, count=want, block=block_ms if (last and not out) else None
+            group, consumer, {stream: ">"}, count=want, block=block_ms if (block_ms and last and not out) else None
         )
         for _name, entries in resp or []:
             for entry_id, fields in entries:

@@ -29,13 +29,15 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
-from tandem_core.models import ModelInfo, resolve_model
+from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload, SamplingParams
 from tandem_engine.model import ModelConfig, config_from_info, decode_forward, prefill_forward
 from tandem_engine.sampling import sample, sampling_arrays, token_keys
-from tandem_engine.weights import load_params, resolve_dtype
+from tandem_engine.sharding import Layout, constrain, make_layout
+from tandem_engine.weights import load_params, resolve_dtype, resolve_engine_model
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -70,23 +72,36 @@ class DecodeState(NamedTuple):
 # jitted cores (device work only)
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def _prefill_core(params, tokens, true_length, temperature, top_k, top_p, seed, *, cfg: ModelConfig):
+def _kv(layout: Layout | None, cache: bool):
+    if layout is None:
+        return None
+    return layout.kv_cache() if cache else layout.kv_prefix()
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout"))
+def _prefill_core(params, tokens, true_length, temperature, top_k, top_p, seed, *,
+                  cfg: ModelConfig, layout: Layout | None):
     logits, k, v = prefill_forward(params, tokens, true_length, cfg)
     keys = token_keys(seed[None], jnp.zeros((1,), jnp.int32))  # token index 0
     first = sample(logits[None], temperature[None], top_k[None], top_p[None], keys)[0]
-    return k, v, first
+    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), first
 
 
-@partial(jax.jit, donate_argnums=(0,))
+@partial(jax.jit, static_argnames=("cfg",))
+def _logits_core(params, tokens, true_length, *, cfg: ModelConfig):
+    return prefill_forward(params, tokens, true_length, cfg)[0]
+
+
+@partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def _insert_core(state: DecodeState, k, v, slot, true_length, first_token, temperature, top_k,
-                 top_p, seed) -> DecodeState:
+                 top_p, seed, *, layout: Layout | None) -> DecodeState:
     # k, v [L, length, KV, hd] -> rows [0, length) of `slot`; rows past true_length are masked
     # until decode overwrites them, and so is whatever a previous occupant left further on.
     start = (0, slot, 0, 0, 0)
+    cache = _kv(layout, True)
     return state._replace(
-        k=jax.lax.dynamic_update_slice(state.k, k[:, None].astype(state.k.dtype), start),
-        v=jax.lax.dynamic_update_slice(state.v, v[:, None].astype(state.v.dtype), start),
+        k=constrain(jax.lax.dynamic_update_slice(state.k, k[:, None].astype(state.k.dtype), start), cache),
+        v=constrain(jax.lax.dynamic_update_slice(state.v, v[:, None].astype(state.v.dtype), start), cache),
         positions=state.positions.at[slot].set(true_length),
         tokens=state.tokens.at[slot].set(first_token),
         active=state.active.at[slot].set(True),
@@ -98,14 +113,16 @@ def _insert_core(state: DecodeState, k, v, slot, true_length, first_token, tempe
     )
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnums=(1,))
-def _generate_core(params, state: DecodeState, *, cfg: ModelConfig):
+@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=(1,))
+def _generate_core(params, state: DecodeState, *, cfg: ModelConfig, layout: Layout | None):
     logits, k, v = decode_forward(params, state.tokens, state.positions, state.k, state.v, cfg)
     keys = token_keys(state.seeds, state.step)
     tokens = sample(logits, state.temperature, state.top_k, state.top_p, keys)
     advance = state.active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)
+    cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
     new = state._replace(
-        k=k, v=v, tokens=tokens, positions=state.positions + advance, step=state.step + advance,
+        k=constrain(k, cache), v=constrain(v, cache), tokens=tokens,
+        positions=state.positions + advance, step=state.step + advance,
     )
     return new, tokens
 
@@ -122,10 +139,14 @@ def _free_core(state: DecodeState, slot) -> DecodeState:
 class Engine:
     """Device work only: token ids in, token ids out. One thread MUST own an Engine and its
     DecodeState (calls are not thread-safe; states passed to insert/generate/free are donated
-    and MUST NOT be used again)."""
+    and MUST NOT be used again).
+
+    With tp > 1 (or a mesh) the weights and the KV are split across chips by head (see
+    sharding.py); every method behaves the same and prefixes cross engines of any tp."""
 
     def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
-                 prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32"):
+                 prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
+                 tp: int = 1, mesh: Mesh | None = None):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -135,7 +156,8 @@ class Engine:
             )
         self.info = info
         self.cfg = config_from_info(info)
-        self.params = params
+        self.layout = make_layout(info, tp, mesh)  # None: one device, unsharded
+        self.params = params if self.layout is None else self.layout.place_params(params)
         self.slots = int(slots)
         self.max_len = int(max_len)
         self.buckets = tuple(sorted({int(b) for b in prefill_buckets if 0 < b <= max_len})) or (
@@ -143,6 +165,14 @@ class Engine:
         )
         self.dtype = dtype
         self._jdtype = resolve_dtype(dtype)
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.layout is None else self.layout.tp
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return None if self.layout is None else self.layout.mesh
 
     def max_prompt_len(self) -> int:
         return self.buckets[-1]
@@ -159,9 +189,8 @@ class Engine:
 
     # -- prefill side ----------------------------------------------------------------------
 
-    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Prefix:
-        """Run one prompt; sample its first token (index 0). Blocks until that token is on the
-        host (the KV stays on the device)."""
+    def _pad_prompt(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, int]:
+        """Validated prompt zero-padded to its bucket, and its true length."""
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         n = int(ids.shape[0])
         if n == 0:
@@ -175,22 +204,36 @@ class Engine:
         bucket = self.bucket_for(n)
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = ids
+        return padded, n
+
+    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Prefix:
+        """Run one prompt; sample its first token (index 0). Blocks until that token is on the
+        host (the KV stays on the device)."""
+        padded, n = self._pad_prompt(prompt_ids)
         s = sampling_arrays(sampling)
         k, v, first = _prefill_core(
             self.params, padded, np.int32(n), s["temperature"], s["top_k"], s["top_p"], s["seed"],
-            cfg=self.cfg,
+            cfg=self.cfg, layout=self.layout,
         )
         return Prefix(k=k, v=v, true_length=n, first_token=int(first))
 
+    def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`
+        computes them (same bucket, same sharding). For parity checks and scoring."""
+        padded, n = self._pad_prompt(prompt_ids)
+        return np.asarray(_logits_core(self.params, padded, np.int32(n), cfg=self.cfg))
+
     def export_prefix(self, prefix: Prefix) -> KVPayload:
-        """Device -> host numpy, same layout [num_layers, length, num_kv_heads, head_dim]."""
+        """Device -> host numpy, same layout [num_layers, length, num_kv_heads, head_dim]
+        whatever the tp (a sharded prefix is gathered from its chips)."""
         return KVPayload(
             k=np.asarray(prefix.k), v=np.asarray(prefix.v),
             true_length=int(prefix.true_length), first_token=int(prefix.first_token),
         )
 
     def import_prefix(self, payload: KVPayload) -> Prefix:
-        """Host -> device. Accepts payloads from any engine serving the same architecture."""
+        """Host -> device, split across this engine's chips. Accepts payloads from any engine
+        serving the same architecture, whatever its tp or dtype."""
         want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
         for name, arr in (("k", payload.k), ("v", payload.v)):
             shape = tuple(arr.shape)
@@ -208,22 +251,37 @@ class Engine:
         if length > self.max_len:
             raise PromptTooLong(f"KV payload has {length} positions; this engine's max_len is {self.max_len}")
         return Prefix(
-            k=jnp.asarray(payload.k, dtype=self._jdtype), v=jnp.asarray(payload.v, dtype=self._jdtype),
+            k=self._place_kv(payload.k), v=self._place_kv(payload.v),
             true_length=int(payload.true_length), first_token=int(payload.first_token),
         )
+
+    def _place_kv(self, kv) -> jax.Array:
+        """A prefix array (host or device, any sharding) on this engine's chips, in its dtype."""
+        if self.layout is None:
+            return jnp.asarray(kv, dtype=self._jdtype)
+        if isinstance(kv, np.ndarray):
+            kv = np.asarray(kv, dtype=self._jdtype)  # convert on the host, then one transfer
+        return jax.device_put(kv, self.layout.kv_prefix()).astype(self._jdtype)
 
     # -- decode side -----------------------------------------------------------------------
 
     def init_state(self) -> DecodeState:
         """An all-free DecodeState; the KV cache is allocated here, once."""
-        c, s = self.cfg, self.slots
+        c, s, lay = self.cfg, self.slots, self.layout
         cache = (c.num_layers, s, self.max_len, c.num_kv_heads, c.head_dim)
+        kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
+        dev = None if lay is None else lay.replicated()
         return DecodeState(
-            k=jnp.zeros(cache, self._jdtype), v=jnp.zeros(cache, self._jdtype),
-            positions=jnp.zeros((s,), jnp.int32), tokens=jnp.zeros((s,), jnp.int32),
-            active=jnp.zeros((s,), jnp.bool_), step=jnp.zeros((s,), jnp.int32),
-            temperature=jnp.zeros((s,), jnp.float32), top_k=jnp.zeros((s,), jnp.int32),
-            top_p=jnp.ones((s,), jnp.float32), seeds=jnp.zeros((s, 2), jnp.uint32),
+            k=jnp.zeros(cache, self._jdtype, device=kv_dev),
+            v=jnp.zeros(cache, self._jdtype, device=kv_dev),
+            positions=jnp.zeros((s,), jnp.int32, device=dev),
+            tokens=jnp.zeros((s,), jnp.int32, device=dev),
+            active=jnp.zeros((s,), jnp.bool_, device=dev),
+            step=jnp.zeros((s,), jnp.int32, device=dev),
+            temperature=jnp.zeros((s,), jnp.float32, device=dev),
+            top_k=jnp.zeros((s,), jnp.int32, device=dev),
+            top_p=jnp.ones((s,), jnp.float32, device=dev),
+            seeds=jnp.zeros((s, 2), jnp.uint32, device=dev),
         )
 
     def _check_slot(self, slot: int) -> None:
@@ -238,15 +296,19 @@ class Engine:
         if length > self.max_len:
             raise PromptTooLong(f"prefix has {length} positions; this engine's max_len is {self.max_len}")
         s = sampling_arrays(sampling)
+        k, v = prefix.k, prefix.v
+        if self.layout is not None:  # a prefix from an engine on other chips moves here first
+            k, v = self._place_kv(k), self._place_kv(v)
         return _insert_core(
-            state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.true_length),
+            state, k, v, np.int32(slot), np.int32(prefix.true_length),
             np.int32(prefix.first_token), s["temperature"], s["top_k"], s["top_p"], s["seed"],
+            layout=self.layout,
         )
 
     def generate(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """One decode step for all slots (donates `state`). Returns int32 tokens [slots] still on
         the device: no host round trip here."""
-        return _generate_core(self.params, state, cfg=self.cfg)
+        return _generate_core(self.params, state, cfg=self.cfg, layout=self.layout)
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten."""
@@ -265,10 +327,15 @@ class Engine:
 
 
 def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
-                prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                dtype: str = "float32") -> Engine:
-    """An Engine for a preset name ("builtin" == "tiny", "small-100m") or a HF Llama directory."""
-    info = resolve_model(model)
+                prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
+                tp: int = 1, mesh: Mesh | None = None) -> Engine:
+    """An Engine for a preset name ("builtin" == "tiny", "small-100m") or a HF Llama directory.
+
+    tp > 1 splits weights and KV over the first tp devices; or pass a `mesh` with a "tp" axis.
+    num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
+    before any weight is read)."""
+    info = resolve_engine_model(model)
+    make_layout(info, tp, mesh)  # fail fast on a bad tp
     params = load_params(info, dtype)
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
-                  dtype=dtype)
+                  dtype=dtype, tp=tp, mesh=mesh)

@@ -7,6 +7,7 @@ tests can build real checkpoint directories.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.numpy import save_file
 from safetensors import safe_open
 
 from tandem_core.errors import ModelNotFound
-from tandem_core.models import ModelInfo
+from tandem_core.models import ModelInfo, resolve_model
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -33,6 +34,24 @@ _LAYER_NAMES = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+
+
+def resolve_engine_model(model: str) -> ModelInfo:
+    """`resolve_model`, plus RoPE settings that transformers >= 5 writes as `rope_parameters`
+    ({"rope_theta": ..., "rope_type": ..., scaling keys}) instead of top-level `rope_theta` /
+    `rope_scaling`. Without this a rope_theta of 500000 would silently load as 10000."""
+    info = resolve_model(model)
+    if not info.path:
+        return info
+    cfg = json.loads((Path(info.path) / "config.json").read_text())
+    rope = cfg.get("rope_parameters")
+    if "rope_theta" in cfg or not isinstance(rope, dict) or "rope_theta" not in rope:
+        return info
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = cfg.get("rope_scaling")
+    extra = {**(info.extra or {}), "rope_scaling": scaling}
+    return dataclasses.replace(info, rope_theta=float(rope["rope_theta"]), extra=extra)
 
 
 def resolve_dtype(dtype: str):

@@ -9,6 +9,10 @@ It honours the cancel key like a real worker. The gateway is served by uvicorn i
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from tandem.redis_proc import free_port
 from tandem_core import keys, streams
 from tandem_core.models import BYTE_EOS
 from tandem_core.settings import RedisConfig
@@ -237,6 +242,15 @@ def test_client_disconnect_sets_cancel_key(cluster, sync_redis):
     assert _wait_key(sync_redis, keys.cancel_key(rid))
 
 
+def test_nonstream_client_disconnect_sets_cancel_key(cluster, sync_redis):
+    rid_before = set(sync_redis.keys("tandem:tok:*"))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "slow gone", "max_tokens": 64}, timeout=0.6)
+    new = [k.decode().rsplit(":", 1)[1] for k in set(sync_redis.keys("tandem:tok:*")) - rid_before]
+    assert len(new) == 1
+    assert _wait_key(sync_redis, keys.cancel_key(new[0]))
+
+
 def test_worker_error_is_reported(cluster):
     client = _client(cluster)
     with pytest.raises(openai.InternalServerError) as e:
@@ -322,6 +336,20 @@ def test_grpc_bad_input_is_invalid_argument(cluster):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_grpc_cancel_sets_cancel_key(cluster, sync_redis):
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        stub = generate_pb2_grpc.TandemStub(ch)
+        rid = f"grpc-{uuid.uuid4().hex}"
+        call = stub.Generate(generate_pb2.GenerateRequest(prompt="slow", max_tokens=64, request_id=rid), timeout=30)
+        first = next(call)
+        assert (first.request_id, first.index) == (rid, 0)
+        call.cancel()
+        assert _wait_key(sync_redis, keys.cancel_key(rid))
+        with pytest.raises(grpc.RpcError) as e:  # a client-chosen id cannot be reused
+            list(stub.Generate(generate_pb2.GenerateRequest(prompt="x", request_id=rid), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in e.value.details()
+
+
 def test_grpc_health_is_serving(cluster):
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -333,14 +361,7 @@ def test_grpc_health_is_serving(cluster):
 # ---------------------------------------------------------------- the process
 
 
-def test_main_serves_and_sigterm_finishes_open_streams(redis_url, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from tandem.redis_proc import free_port
-
+def test_main_serves_and_sigterm_finishes_open_streams(redis_url):
     pool, port = f"gw-{uuid.uuid4().hex[:8]}", free_port()
     stop = threading.Event()
     worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(redis_url, pool, stop)), daemon=True)

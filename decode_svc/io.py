@@ -1,0 +1,165 @@
+"""The I/O half of a decode pod, on one asyncio loop beside the engine thread.
+
+- `claim_loop`: reserves free slots, then claims that many entries from, in order: the ready
+  stream (prefilled elsewhere: pull the KV), the direct stream (short prompts the gateway routed
+  here), and in colocated mode the admission streams (priority order with anti-starvation).
+  Nothing is claimed while no slot is free: the JetStream rule, cluster-wide.
+- `_pull_one`: pulls one KV over gRPC and hands it to the engine through the bounded queue.
+- `publish_loop`: writes each step's tokens in one pipelined round trip, then acks the entries
+  whose first token it carried.
+- `cancel_loop`: polls cancel keys of running requests; the engine frees their slots.
+Every coroutine here ends when its stop event is set; every Redis wait has a timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+
+import redis.asyncio as aioredis
+
+from decode_svc.loop import EngineLoop, Insert, LocalPrefill
+from decode_svc.puller import KVPuller
+from decode_svc.settings import DecodeSettings
+from decode_svc.slots import SlotTable
+from tandem_core import keys, streams
+from tandem_core.errors import TandemError
+from tandem_core.scheduling import PriorityRotation
+from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+class DecodeIO:
+    def __init__(self, s: DecodeSettings, r: aioredis.Redis, table: SlotTable, loop_: EngineLoop,
+                 inserts: queue.Queue, outputs: queue.Queue, worker_id: str) -> None:
+        self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
+        self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
+        self.puller = KVPuller(s.grpc.max_message_bytes)
+        self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
+        self.slot_freed = asyncio.Event()
+        self.inflight: dict[str, asyncio.Task] = {}
+        self.pulled = 0
+
+    def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(self.slot_freed.set)
+
+    def _sources(self) -> list[tuple[list[str], str]]:
+        out = []
+        if not self.s.colocated:
+            out.append(([keys.ready_stream(self.s.pool)], keys.DECODE_GROUP))
+        if self.s.direct_prefill or self.s.colocated:
+            out.append(([keys.direct_stream(self.s.pool)], keys.DECODE_GROUP))
+        if self.s.colocated:
+            out.append((self.rotation.next_order(), keys.PREFILL_GROUP))
+        return out
+
+    async def claim_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set() and self.engine_loop.error is None:
+            n = self.table.reserve(self.table.slots)  # pull only for slots that are free
+            if n == 0:
+                self.slot_freed.clear()
+                try:
+                    await asyncio.wait_for(self.slot_freed.wait(), timeout=0.1)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                got = await self._claim(n)
+            except Exception as e:  # noqa: BLE001 - Redis blip: retry
+                self.table.unreserve(n)
+                log.warning("claim failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            self.table.unreserve(n - len(got))
+            for c, group in got:
+                self._dispatch(c, group)
+
+    async def _claim(self, n: int) -> list[tuple[streams.Claimed, str]]:
+        got: list[tuple[streams.Claimed, str]] = []
+        sources = self._sources()
+        for i, (names, group) in enumerate(sources):
+            want = n - len(got)
+            if want <= 0:
+                break
+            block = self.s.claim_block_ms if (i == len(sources) - 1 and not got) else None
+            claimed = await streams.claim(self.r, names, group, self.worker_id, want, block)
+            got += [(c, group) for c in claimed]
+        return got
+
+    def _dispatch(self, c: streams.Claimed, group: str) -> None:
+        if "notice" in c.fields:
+            notice = streams.ReadyNotice.from_json(c.fields["notice"])
+            rid = notice.request.request_id
+            task = asyncio.create_task(self._pull_one(c, notice))
+            self.inflight[rid] = task
+            task.add_done_callback(lambda _t, rid=rid: self.inflight.pop(rid, None))
+            return
+        req = GenerationRequest.from_json(c.fields["req"])
+        # Never full: the queue holds at least `slots` items and every item holds a reservation.
+        self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
+
+    async def _pull_one(self, c: streams.Claimed, notice: streams.ReadyNotice) -> None:
+        req = notice.request
+        try:
+            if await streams.cancelled(self.r, [req.request_id]):
+                self.table.unreserve()
+                await self.puller.release(notice)
+                await self._finish(req.request_id, 1, FINISH_CANCELLED)
+            else:
+                payload = await self.puller.pull(notice, self.s.pull_timeout_s)
+                self.pulled += 1
+                self.inserts.put_nowait(Insert(payload, req))
+        except (TandemError, queue.Full) as e:
+            msg = e.message if isinstance(e, TandemError) else "insert queue full"
+            log.warning("pull failed request_id=%s: %s", req.request_id, msg)
+            self.table.unreserve()
+            await self._finish(req.request_id, 1, FINISH_ERROR, msg)
+        await streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id)
+
+    async def _finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        streams.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error)
+        await pipe.execute()
+
+    async def publish_loop(self, done: asyncio.Event) -> None:
+        """Drain the engine's output queue; one pipelined round trip per step."""
+        while True:
+            try:
+                batch = await asyncio.to_thread(self.outputs.get, True, 0.2)
+            except queue.Empty:
+                if done.is_set():
+                    return
+                continue
+            pipe = self.r.pipeline(transaction=False)
+            for e in batch:
+                streams.add_tokens(pipe, e.request_id, e.index, [e.token] if e.token >= 0 else [],
+                                   e.finish, self.s.token_ttl_s, self.s.token_maxlen, error=e.error)
+            for e in batch:
+                if e.ack:
+                    stream, group, entry_id = e.ack
+                    pipe.xack(stream, group, entry_id)
+                    pipe.xdel(stream, entry_id)
+            await self._execute_with_retry(pipe)
+
+    async def _execute_with_retry(self, pipe) -> None:
+        for attempt in range(5):
+            try:
+                await pipe.execute()
+                return
+            except Exception as ex:  # noqa: BLE001 - retry a Redis blip, then give up loudly
+                log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        log.error("token publish gave up after 5 attempts; clients will see a deadline error")
+
+    async def cancel_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            rids = [a.req.request_id for a in self.table.snapshot()]
+            if rids:
+                try:
+                    hit = await streams.cancelled(self.r, rids)
+                    if hit:
+                        self.engine_loop.cancel(hit)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("cancel poll failed: %s", e)
+            await asyncio.sleep(self.s.cancel_poll_s)

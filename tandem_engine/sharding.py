@@ -1,0 +1,116 @@
+"""Tensor parallelism: where each weight and KV array lives on a `jax.sharding.Mesh`.
+
+One mesh axis, "tp" (Megatron-style). Attention is split by head: the q/k/v projections by output
+column, the o projection by input row, the KV cache on its kv-heads axis. The MLP is split by its
+hidden units: gate/up by column, down by row. Each chip then holds 1/tp of the heavy weights and of
+the KV cache, and a layer needs one all-reduce after attention and one after the MLP, which XLA
+inserts itself: the jitted cores only pin the shardings of what they return (the KV) and let jit
+propagate the rest from the sharded inputs. Embeddings, norms and the LM head stay replicated, so
+logits and sampling are computed identically on every chip.
+
+Query heads are grouped per KV head in HF order (query head h reads KV head h // groups), so cutting
+both the H*hd columns of wq and the KV*hd columns of wk/wv into tp contiguous blocks keeps every
+query head on the chip that holds its KV head. That is why num_kv_heads must be divisible by tp.
+
+The host layout of a prefix never depends on tp: export gathers to numpy [L, T, KV, hd] and import
+places the payload with the importing engine's layout, so KV moves between engines of any tp.
+This module knows nothing about slots or sampling.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tandem_core.models import ModelInfo
+
+AXIS = "tp"
+
+# per-layer weights carry a leading [num_layers] axis (see model.py)
+_LAYER_SPECS = {
+    "attn_norm": P(), "mlp_norm": P(),
+    "wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
+    "wo": P(None, AXIS, None),
+    "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
+}
+_KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
+_KV_CACHE = P(None, None, None, AXIS, None)  # [L, slots, max_len, KV, hd]
+
+
+class Layout(NamedTuple):
+    """A mesh with a "tp" axis and the shardings the engine uses on it (hashable: it is a static
+    argument of the jitted cores)."""
+
+    mesh: Mesh
+
+    @property
+    def tp(self) -> int:
+        return int(self.mesh.shape[AXIS])
+
+    def named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def replicated(self) -> NamedSharding:
+        return self.named(P())
+
+    def kv_prefix(self) -> NamedSharding:
+        return self.named(_KV_PREFIX)
+
+    def kv_cache(self) -> NamedSharding:
+        return self.named(_KV_CACHE)
+
+    def param_shardings(self, params: dict) -> dict:
+        """A pytree of NamedShardings matching `params` (with or without lm_head)."""
+        out = {name: self.replicated() for name in params if name != "layers"}
+        out["layers"] = {name: self.named(_LAYER_SPECS[name]) for name in params["layers"]}
+        return out
+
+    def place_params(self, params: dict) -> dict:
+        return jax.device_put(params, self.param_shardings(params))
+
+
+def make_layout(info: ModelInfo, tp: int = 1, mesh: Mesh | None = None) -> Layout | None:
+    """The layout for `tp` chips (the first tp of `jax.devices()`) or for a given mesh with a "tp"
+    axis (other axes, if any, replicate). None when tp == 1 and no mesh: unsharded, as before."""
+    if mesh is not None:
+        if AXIS not in mesh.axis_names:
+            raise ValueError(f"mesh axes {mesh.axis_names} have no {AXIS!r} axis to shard over")
+        if tp not in (1, mesh.shape[AXIS]):
+            raise ValueError(f"tp={tp} disagrees with the mesh's {AXIS!r} axis of size {mesh.shape[AXIS]}")
+        check_divisible(info, int(mesh.shape[AXIS]))
+        return Layout(mesh)
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    check_divisible(info, tp)
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(
+            f"tp={tp} needs {tp} devices but JAX sees {len(devices)} ({devices[0].platform}); "
+            f"on a CPU set XLA_FLAGS=--xla_force_host_platform_device_count={tp} before JAX starts"
+        )
+    return Layout(Mesh(np.asarray(devices[:tp]), (AXIS,)))
+
+
+def check_divisible(info: ModelInfo, tp: int) -> None:
+    """Heads and MLP units are split evenly across chips, or not at all."""
+    ok = [d for d in range(1, info.num_kv_heads + 1) if info.num_kv_heads % d == 0]
+    if info.num_kv_heads % tp:
+        raise ValueError(
+            f"tp={tp} does not divide num_kv_heads={info.num_kv_heads} of {info.name}: KV heads are "
+            f"split across chips, so use tp in {ok}"
+        )
+    if info.intermediate_size % tp:
+        raise ValueError(
+            f"tp={tp} does not divide intermediate_size={info.intermediate_size} of {info.name}: "
+            f"MLP units are split across chips"
+        )
+
+
+def constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
+    """Pin `x` to `sharding` inside a jitted function (no-op when unsharded)."""
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,152 @@
+"""Tensor parallelism: greedy tokens are the same at tp 1, 2 and 4; a prefix made at tp=2 decodes
+to the same tokens in engines at tp=4 and tp=1; bfloat16 shards too; a bad tp says what to do.
+
+XLA_FLAGS must be set before JAX starts, so the multi-device checks run in a child process (this
+same file run as a script, with four host CPU devices) that prints one JSON line; the test reads it
+and asserts here so a failure shows which check broke.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem_core.models import PRESETS
+from tandem_core.types import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams()
+STEPS = 16
+# 4 KV heads (8 query heads) so that tp 1, 2 and 4 all divide them
+KV4 = dataclasses.replace(PRESETS["tiny"], name="tiny-kv4", num_heads=8, num_kv_heads=4,
+                          head_dim=8, seed=3)
+KW = dict(slots=3, max_len=64, prefill_buckets=(16, 32))
+
+
+def prompts() -> dict[int, list[int]]:
+    rng = np.random.default_rng(7)
+    return {slot: rng.integers(0, 256, size=n).tolist() for slot, n in ((0, 5), (1, 20), (2, 31))}
+
+
+def decode(engine, prefixes: dict, steps: int = STEPS) -> dict[str, list[int]]:
+    """Insert each slot's prefix, run `steps` greedy steps for the batch; tokens per slot."""
+    state = engine.init_state()
+    out = {}
+    for slot, prefix in prefixes.items():
+        state = engine.insert(prefix, state, slot, GREEDY)
+        out[str(slot)] = [prefix.first_token]
+    for _ in range(steps):
+        state, tokens = engine.generate(state)
+        host = np.asarray(tokens)
+        for slot in prefixes:
+            out[str(slot)].append(int(host[slot]))
+    out["_kv_spec"] = str(getattr(state.k.sharding, "spec", None))
+    return out
+
+
+def child(workdir: str) -> dict:
+    """Runs with 4 host devices; returns everything the parent asserts on."""
+    import jax
+
+    from tandem_engine import init_params, load_engine, save_hf_checkpoint
+
+    ckpt = save_hf_checkpoint(init_params(KV4), KV4, Path(workdir) / "kv4")
+    res: dict = {"devices": len(jax.devices())}
+    engines = {tp: load_engine(str(ckpt), tp=tp, **KW) for tp in (1, 2, 4)}
+    for tp, e in engines.items():
+        res[f"greedy_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
+        wq = e.params["layers"]["wq"]
+        res[f"wq_shard_tp{tp}"] = list(wq.addressable_shards[0].data.shape)
+    # prefill at tp=2 -> host bytes -> decode at tp=4 and tp=1
+    payloads = {s: engines[2].export_prefix(engines[2].prefill(ids, GREEDY)) for s, ids in prompts().items()}
+    res["payload_shape"] = list(payloads[1].k.shape)
+    for tp in (4, 1):
+        e = engines[tp]
+        res[f"moved_2_to_{tp}"] = decode(e, {s: e.import_prefix(p) for s, p in payloads.items()})
+    # a device prefix handed straight to an engine on other chips is moved there by insert
+    res["direct_2_to_4"] = decode(engines[4], {1: engines[2].prefill(prompts()[1], GREEDY)})
+    # bfloat16 weights and KV, sharded
+    for tp in (1, 2):
+        e = load_engine(str(ckpt), tp=tp, dtype="bfloat16", **KW)
+        res[f"bf16_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
+        payload = e.export_prefix(e.prefill(prompts()[0], GREEDY))
+        res[f"bf16_tp{tp}_dtypes"] = [str(e.params["layers"]["wq"].dtype), str(payload.k.dtype)]
+    for tp in (3, 8):
+        try:
+            load_engine(str(ckpt), tp=tp, **KW)
+            res[f"error_tp{tp}"] = None
+        except ValueError as err:
+            res[f"error_tp{tp}"] = str(err)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, __file__, tmp], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tokens(run: dict) -> dict:
+    return {k: v for k, v in run.items() if not k.startswith("_")}
+
+
+def test_weights_and_kv_are_split_by_head(results):
+    assert results["devices"] == 4
+    d, h = KV4.hidden_size, KV4.num_heads * KV4.head_dim
+    assert results["wq_shard_tp1"] == [KV4.num_layers, d, h]
+    assert results["wq_shard_tp2"] == [KV4.num_layers, d, h // 2]
+    assert results["wq_shard_tp4"] == [KV4.num_layers, d, h // 4]
+    assert results["greedy_tp1"]["_kv_spec"] == "None"
+    assert results["greedy_tp4"]["_kv_spec"] == "PartitionSpec(None, None, None, 'tp')"
+
+
+def test_greedy_tokens_equal_across_tp(results):
+    want = tokens(results["greedy_tp1"])
+    assert len(want) == 3 and all(len(t) == STEPS + 1 for t in want.values())
+    assert tokens(results["greedy_tp2"]) == want
+    assert tokens(results["greedy_tp4"]) == want
+
+
+def test_prefix_moves_between_tp(results):
+    want = tokens(results["greedy_tp1"])
+    assert results["payload_shape"] == [KV4.num_layers, 32, KV4.num_kv_heads, KV4.head_dim]
+    assert tokens(results["moved_2_to_4"]) == want
+    assert tokens(results["moved_2_to_1"]) == want
+    assert tokens(results["direct_2_to_4"]) == {"1": want["1"]}
+
+
+def test_bfloat16_shards(results):
+    assert results["bf16_tp2_dtypes"] == ["bfloat16", "bfloat16"]
+    assert tokens(results["bf16_tp2"]) == tokens(results["bf16_tp1"])
+
+
+def test_bad_tp_says_what_to_do(results):
+    assert "num_kv_heads=4" in results["error_tp3"] and "[1, 2, 4]" in results["error_tp3"]
+    assert "needs 8 devices" in results["error_tp8"] and "xla_force_host_platform_device_count" in results["error_tp8"]
+
+
+def test_tp_checked_before_loading_and_default_unsharded():
+    from tandem_engine import load_engine
+
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        load_engine("tiny", tp=4)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        load_engine("tiny", tp=0)
+    e = load_engine("tiny", slots=1, max_len=32, prefill_buckets=(16,))
+    assert e.tp == 1 and e.mesh is None and e.layout is None
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(sys.argv[1])))
