@@ -4,10 +4,11 @@ The chart is rendered with the real Helm v4 library (`helm-python-sdk`, offline)
 profiles, linted, and every manifest is validated against the Kubernetes API schemas
 (`kubernetes-validate`); CRDs it does not know (KEDA, Prometheus Operator, Gateway API, GKE) are
 checked against small structural schemas here. Then the semantics a cluster would only reveal
-late are asserted: selectors match pod labels, Service/probe ports exist on the containers, every
-TANDEM_* variable is a field of that service's settings class (and the settings class really
-parses the rendered environment back into the chart's values), TPU chip counts match topologies,
-and bad values fail with the chart's own message.
+late are asserted: selectors match pod labels, Service/probe ports exist on the containers, TPU
+chip counts match topologies, drains fit the grace periods, the NetworkPolicies and KEDA triggers
+name what the services really use. The settings <-> environment mapping and the bad-values
+messages are in test_chart_settings.py, the images in test_chart_images.py; both reuse the
+rendering helpers below.
 
 `python tests/unit/test_chart.py --write-schema` regenerates the settings parts of
 charts/tandem/values.schema.json from the pydantic classes (test_schema_settings_are_generated
@@ -16,14 +17,10 @@ fails when they drift).
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import functools
-import io
 import json
 import math
-import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
