@@ -70,14 +70,25 @@ PRESETS: dict[str, ModelInfo] = {
         tokenizer="byte",
     ),
 }
-BUILTIN = "tiny"
+
+# The built-in default ("builtin" or ""): a small Llama trained on the Python standard library by
+# tools/train_builtin.py and shipped as a Hugging Face directory inside the package, so `make serve`
+# prints text a person can recognise. It resolves through the ordinary HF-directory path.
+BUILTIN_DIR = Path(__file__).resolve().parent / "assets" / "tandem-tiny-py"
 
 
 def resolve_model(name_or_path: str) -> ModelInfo:
-    """A preset name ("builtin" aliases the default) or a Hugging Face Llama directory."""
-    key = BUILTIN if name_or_path in ("builtin", "") else name_or_path
-    if key in PRESETS:
-        return PRESETS[key]
+    """"builtin" (or "") -> the shipped trained checkpoint; a preset name ("tiny", "small-100m")
+    -> random weights; otherwise a Hugging Face Llama directory."""
+    if name_or_path in ("builtin", ""):
+        if not (BUILTIN_DIR / "config.json").is_file():
+            raise ModelNotFound(
+                f"the built-in checkpoint is missing from {BUILTIN_DIR}; reinstall the package, "
+                f"run tools/train_builtin.py, or serve the random-weight preset 'tiny'"
+            )
+        name_or_path = str(BUILTIN_DIR)
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
     path = Path(name_or_path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():

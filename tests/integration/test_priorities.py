@@ -1,0 +1,55 @@
+"""Priority classes through a real prefill worker and real Redis: high is served first, and low is
+still served while high keeps coming (not starved forever)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefill_svc.kv_store import KVStore
+from prefill_svc.settings import PrefillSettings
+from prefill_svc.worker import PrefillWorker
+from tandem_core import keys, streams
+from tandem_core.settings import EngineConfig, RedisConfig
+from tandem_core.types import GenerationRequest
+from tandem_engine import load_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine("tiny", slots=1, max_len=64, prefill_buckets=(16,))
+
+
+async def test_high_first_low_not_starved(redis_url, redis_client, engine):
+    r, pool = redis_client, "prio"
+    await streams.ensure_groups(r, pool)
+    n = 24
+    for i in range(n):  # low priority queued first, then a flood of high
+        await streams.enqueue_request(r, pool, GenerationRequest(f"low-{i}", [256, 1, 2], 1, priority="normal"), 1000)
+    for i in range(n):
+        await streams.enqueue_request(r, pool, GenerationRequest(f"high-{i}", [256, 1, 2], 1, priority="high"), 1000)
+    s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
+                        max_batch=2, priority_high_weight=3)
+    worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-test")
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    order: list[str] = []
+    try:
+        for _ in range(600):
+            done = set(order)
+            for rid in [f"{c}-{i}" for c in ("high", "low") for i in range(n)]:
+                if rid not in done and await r.exists(keys.token_stream(rid)):
+                    order.append(rid)
+            if len(order) == 2 * n:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await task
+    assert len(order) == 2 * n, f"finished {len(order)} of {2 * n}"
+    first_low = next(i for i, rid in enumerate(order) if rid.startswith("low"))
+    last_high = max(i for i, rid in enumerate(order) if rid.startswith("high"))
+    assert first_low >= 6, f"high priority was not served first: {order[:10]}"
+    assert first_low < last_high, "low priority waited for the whole high flood (starved)"
+    highs_before_last_high = sum(rid.startswith("high") for rid in order[: last_high + 1])
+    assert highs_before_last_high / (last_high + 1) >= 0.6, "high priority did not get the larger share"
