@@ -50,5 +50,14 @@ class GatewayMetrics:
             registry=reg,
         )
 
+        self.routes = Counter(
+            "tandem_route", "Where prompts were prefilled (conditional disaggregation), and why",
+            ["route", "reason"], registry=reg,
+        )
+        self.predicted_ttft = Gauge(
+            "tandem_predicted_ttft_seconds", "Predicted time to first token for a request admitted now",
+            registry=reg,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

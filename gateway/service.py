@@ -11,11 +11,12 @@ import asyncio
 import hmac
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.metrics import GatewayMetrics
@@ -32,6 +33,7 @@ from tandem_core.errors import (
     Unauthenticated,
 )
 from tandem_core.models import ModelInfo, resolve_model
+from tandem_core.scheduling import choose_route, predicted_ttft_s
 from tandem_core.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class GatewayService:
         self.redis: aioredis.Redis | None = None
         self.background: set[asyncio.Task] = set()
         self.grpc_port: int | None = None  # the bound port, once serving
+        self._view_cache: tuple[float, ClusterView] | None = None
 
     # ------------------------------------------------------------ auth
 
@@ -76,21 +79,53 @@ class GatewayService:
         r = self._redis()
         s = self.settings
         try:
-            backlog = await admission_backlog(r, s.pool)
+            backlog = await streams.admission_backlog(r, s.pool)
             self.metrics.backlog.set(backlog)
-            if backlog > s.admission_max_backlog:
-                self.metrics.requests.labels("rejected").inc()
-                raise AdmissionRejected(
-                    f"admission backlog is {backlog} requests, over the bound of "
-                    f"{s.admission_max_backlog}; retry after {s.retry_after_s:g}s",
-                    retry_after_s=s.retry_after_s,
-                )
+            view = await self._view(r)
+            self._admit(backlog, view)
             rid = prep.request.request_id
             if not fresh_id and await r.exists(keys.token_stream(rid), keys.cancel_key(rid)):
                 raise InvalidRequest(f"request_id {rid!r} is already in use", param="request_id")
-            prep.enqueue_entry_id = await streams.enqueue_request(r, s.pool, prep.request, maxlen=s.admission_maxlen)
+            route = choose_route(
+                len(prep.request.prompt_ids), direct_max_tokens=s.direct_prefill_max_tokens, backlog=backlog,
+                prefill_workers=view.prefill_workers, decode_free_slots=view.decode_free_slots,
+                backlog_threshold=s.direct_backlog_threshold,
+            )
+            self.metrics.routes.labels("local" if route.direct else "remote", route.reason).inc()
+            prep.enqueue_entry_id = await streams.enqueue_request(
+                r, s.pool, prep.request, maxlen=s.admission_maxlen, direct=route.direct)
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=s.retry_after_s) from e
+
+    def _admit(self, backlog: int, view: "ClusterView") -> None:
+        """Reject at once rather than queue work that will miss (Mooncake's early rejection):
+        429 when the backlog is over its bound, 503 when the predicted time to first token is
+        past the first-token deadline. Both carry Retry-After."""
+        s = self.settings
+        if backlog > s.admission_max_backlog:
+            self.metrics.requests.labels("rejected").inc()
+            raise AdmissionRejected(
+                f"admission backlog is {backlog} requests, over the bound of "
+                f"{s.admission_max_backlog}; retry after {s.retry_after_s:g}s",
+                retry_after_s=s.retry_after_s,
+            )
+        workers = view.prefill_workers or view.decode_workers
+        ttft = predicted_ttft_s(backlog, workers, view.prefill_s or s.predicted_prefill_s)
+        self.metrics.predicted_ttft.set(ttft)
+        if ttft > s.first_token_timeout_s:
+            self.metrics.requests.labels("rejected").inc()
+            raise ServiceUnavailable(
+                f"predicted time to first token is {ttft:.1f}s ({backlog} requests queued for {workers} "
+                f"prefill workers), past the {s.first_token_timeout_s:g}s deadline; retry later",
+                retry_after_s=max(s.retry_after_s, ttft - s.first_token_timeout_s),
+            )
+
+    async def _view(self, r: aioredis.Redis) -> "ClusterView":
+        """The registry, summarised for routing; refreshed at most every cluster_view_ttl_s."""
+        now = time.monotonic()
+        if self._view_cache is None or now - self._view_cache[0] > self.settings.cluster_view_ttl_s:
+            self._view_cache = (now, ClusterView.of(await streams.list_workers(r)))
+        return self._view_cache[1]
 
     async def stream(self, prep: Prepared) -> AsyncIterator[Delta]:
         """Relay the request's tokens; counts the outcome once."""
@@ -133,14 +168,16 @@ class GatewayService:
         try:
             workers = await streams.list_workers(r)
             admission = {p: await r.xlen(keys.admission_stream(s.pool, p)) for p in keys.PRIORITIES}
-            backlog = await admission_backlog(r, s.pool)
+            backlog = await streams.admission_backlog(r, s.pool)
             ready = await r.xlen(keys.ready_stream(s.pool))
+            direct = await r.xlen(keys.direct_stream(s.pool))
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
         self.metrics.backlog.set(backlog)
         return {
             "workers": workers,
             "queues": {"pool": s.pool, "admission": admission, "admission_backlog": backlog, "ready": ready,
+                       "direct": direct,
                        "admission_max_backlog": s.admission_max_backlog},
             "model": {"name": self.model_name, "model": s.model, "max_context_len": s.max_context_len,
                       "max_prompt_len": s.max_prompt_len},
@@ -157,29 +194,22 @@ class GatewayService:
         return self.redis
 
 
-async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
-    """Undelivered + delivered-but-unacked admission entries, over all priorities.
+@dataclass(frozen=True)
+class ClusterView:
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    decode_free_slots: int = 0
+    prefill_s: float = 0.0  # mean of the prefill workers' recent per-prompt prefill time
 
-    Like `streams.admission_backlog`, but correct where XINFO GROUPS has no usable `lag`
-    (Redis < 7, or lag NULL after deletions): there it counts XLEN, which equals lag + pending
-    because workers XDEL every entry they ack. `streams.admission_backlog` reads 0 in that case.
-    """
-    total = 0
-    for prio in keys.PRIORITIES:
-        stream = keys.admission_stream(pool, prio)
-        try:
-            groups = await r.xinfo_groups(stream)
-        except ResponseError:
-            continue
-        group = next((g for g in groups if _s(g.get("name")) == keys.PREFILL_GROUP), None)
-        if group is None:
-            continue
-        lag = group.get("lag")
-        if lag is None:
-            total += int(await r.xlen(stream))
-        else:
-            total += int(lag) + int(group.get("pending") or 0)
-    return total
+    @classmethod
+    def of(cls, workers: list[dict]) -> "ClusterView":
+        live = [w for w in workers if not w.get("draining")]
+        pre = [w for w in live if w["role"] == "prefill"]
+        dec = [w for w in live if w["role"] == "decode"]
+        times = [float(w.get("extra", {}).get("prefill_ema_s") or 0) for w in pre]
+        times = [t for t in times if t > 0]
+        return cls(len(pre), len(dec), sum(int(w["free_slots"]) for w in dec),
+                   sum(times) / len(times) if times else 0.0)
 
 
 def _s(x) -> str:

@@ -38,3 +38,8 @@ class GatewaySettings(BaseSettings):
     retry_after_s: PositiveFloat = 1.0  # Retry-After on 429
     shutdown_grace_s: PositiveFloat = 30.0  # SIGTERM: finish open streams for this long
     default_temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default
+    # Scheduling (issue 4):
+    direct_prefill_max_tokens: int = Field(default=16, ge=0)  # prompts this short prefill on decode pods
+    direct_backlog_threshold: PositiveInt = 16  # admission backlog that sends prompts to free decode slots
+    cluster_view_ttl_s: PositiveFloat = 0.5  # how stale the registry view used for routing may be
+    predicted_prefill_s: PositiveFloat = 0.05  # per-prompt prefill estimate until workers report theirs

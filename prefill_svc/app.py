@@ -50,7 +50,8 @@ async def serve(settings: PrefillSettings) -> int:
     def info() -> streams.WorkerInfo:
         return streams.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
                                   held_kv_bytes=store.held_bytes, draining=draining,
-                                  extra={"kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled})
+                                  extra={"kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,
+                                         "prefill_ema_s": round(worker.prefill_ema_s, 6)})
 
     hb_stop = asyncio.Event()
     hb = asyncio.create_task(lifecycle.heartbeat_loop(r, info, settings.heartbeat_interval_s, hb_stop))

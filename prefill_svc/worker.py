@@ -41,6 +41,7 @@ class PrefillWorker:
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
         self.max_prefix_bytes = self._max_prefix_bytes()
         self.prefilled = 0
+        self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
 
     def _max_prefix_bytes(self) -> int:
         i = self.engine.info
@@ -87,6 +88,8 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         payload = await loop.run_in_executor(self.device, self._prefill_sync, req)
+        took = time.perf_counter() - t0
+        self.prefill_ema_s = took if not self.prefilled else 0.8 * self.prefill_ema_s + 0.2 * took
         self.prefilled += 1
         first = payload.first_token
         log.debug("prefilled request_id=%s len=%d in %.1f ms", req.request_id, len(req.prompt_ids),

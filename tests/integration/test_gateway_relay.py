@@ -125,7 +125,8 @@ class Gateway:
 
 def _settings(redis_url: str, pool: str, **kw) -> GatewaySettings:
     return GatewaySettings(
-        redis=RedisConfig(url=redis_url), host="127.0.0.1", port=0, grpc_port=0, pool=pool, **kw
+        redis=RedisConfig(url=redis_url), host="127.0.0.1", port=0, grpc_port=0, pool=pool,
+        direct_prefill_max_tokens=0, **kw,  # the fake worker reads the admission streams only
     )
 
 

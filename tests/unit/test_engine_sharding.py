@@ -27,7 +27,7 @@ STEPS = 16
 # 4 KV heads (8 query heads) so that tp 1, 2 and 4 all divide them
 KV4 = dataclasses.replace(PRESETS["tiny"], name="tiny-kv4", num_heads=8, num_kv_heads=4,
                           head_dim=8, seed=3)
-KW = dict(slots=3, max_len=64, prefill_buckets=(16, 32))
+KW = dict(slots=3, max_len=64, prefill_buckets=(32,))  # one bucket: one prefill compile per engine
 
 
 def prompts() -> dict[int, list[int]]:
@@ -78,12 +78,11 @@ def child(workdir: str) -> dict:
         res[f"bf16_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
         payload = e.export_prefix(e.prefill(prompts()[0], GREEDY))
         res[f"bf16_tp{tp}_dtypes"] = [str(e.params["layers"]["wq"].dtype), str(payload.k.dtype)]
-    for tp in (3, 8):
-        try:
-            load_engine(str(ckpt), tp=tp, **KW)
-            res[f"error_tp{tp}"] = None
-        except ValueError as err:
-            res[f"error_tp{tp}"] = str(err)
+    try:
+        load_engine(str(ckpt), tp=3, **KW)
+        res["error_tp3"] = None
+    except ValueError as err:
+        res["error_tp3"] = str(err)
     return res
 
 
@@ -109,7 +108,7 @@ def test_weights_and_kv_are_split_by_head(results):
     assert results["wq_shard_tp2"] == [KV4.num_layers, d, h // 2]
     assert results["wq_shard_tp4"] == [KV4.num_layers, d, h // 4]
     assert results["greedy_tp1"]["_kv_spec"] == "None"
-    assert results["greedy_tp4"]["_kv_spec"] == "PartitionSpec(None, None, None, 'tp')"
+    assert results["greedy_tp4"]["_kv_spec"] == "P(None, None, None, 'tp')"
 
 
 def test_greedy_tokens_equal_across_tp(results):
@@ -134,7 +133,6 @@ def test_bfloat16_shards(results):
 
 def test_bad_tp_says_what_to_do(results):
     assert "num_kv_heads=4" in results["error_tp3"] and "[1, 2, 4]" in results["error_tp3"]
-    assert "needs 8 devices" in results["error_tp8"] and "xla_force_host_platform_device_count" in results["error_tp8"]
 
 
 def test_tp_checked_before_loading_and_default_unsharded():
@@ -144,6 +142,8 @@ def test_tp_checked_before_loading_and_default_unsharded():
         load_engine("tiny", tp=4)
     with pytest.raises(ValueError, match="tp must be >= 1"):
         load_engine("tiny", tp=0)
+    with pytest.raises(ValueError, match="needs 2 devices .*xla_force_host_platform_device_count=2"):
+        load_engine("tiny", tp=2)  # this process has one CPU device
     e = load_engine("tiny", slots=1, max_len=32, prefill_buckets=(16,))
     assert e.tp == 1 and e.mesh is None and e.layout is None
 

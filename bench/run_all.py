@@ -1,0 +1,44 @@
+"""Run every benchmark in order (`make bench`, or `make bench QUICK=1` for --quick).
+
+Each benchmark is a script that prints its table, writes its own section of bench/RESULTS.md and
+merges its keys into bench/out/summary.json. Add new ones to BENCHMARKS. A failing benchmark is
+reported and the rest still run; the exit status is non-zero if any failed.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+BENCHMARKS = [
+    "engine.py",
+]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    p.add_argument("--only", default="", help="comma-separated script names to run (default: all)")
+    args = p.parse_args(argv)
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    failed = []
+    for script in BENCHMARKS:
+        if only and script not in only and Path(script).stem not in only:
+            continue
+        cmd = [sys.executable, str(BENCH_DIR / script)] + (["--quick"] if args.quick else [])
+        print(f"==> {' '.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call(cmd, cwd=BENCH_DIR.parent)
+        print(f"<== {script}: exit {rc} in {time.perf_counter() - t0:.0f}s", flush=True)
+        if rc:
+            failed.append(script)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
