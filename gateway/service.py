@@ -54,6 +54,7 @@ class GatewayService:
         self.background: set[asyncio.Task] = set()
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
+        self.open_streams = 0  # relays in progress: each holds a Redis connection
 
     # ------------------------------------------------------------ auth
 
@@ -102,6 +103,13 @@ class GatewayService:
         429 when the backlog is over its bound, 503 when the predicted time to first token is
         past the first-token deadline. Both carry Retry-After."""
         s = self.settings
+        if self.open_streams >= s.redis.max_connections - 8:  # each relay holds one Redis connection
+            self.metrics.requests.labels("rejected").inc()
+            raise AdmissionRejected(
+                f"{self.open_streams} streams are open on this gateway, at its bound of "
+                f"{s.redis.max_connections - 8} (redis.max_connections - 8); retry after {s.retry_after_s:g}s",
+                retry_after_s=s.retry_after_s,
+            )
         if backlog > s.admission_max_backlog:
             self.metrics.requests.labels("rejected").inc()
             raise AdmissionRejected(
@@ -131,6 +139,7 @@ class GatewayService:
         """Relay the request's tokens; counts the outcome once."""
         s = self.settings
         outcome = "disconnected"
+        self.open_streams += 1
         gen = relay(
             self._redis(), prep, self.tokenizer, block_ms=s.relay_block_ms,
             request_timeout_s=s.request_timeout_s, first_token_timeout_s=s.first_token_timeout_s,
@@ -151,6 +160,7 @@ class GatewayService:
             outcome = "service_unavailable"
             raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=s.retry_after_s) from e
         finally:
+            self.open_streams -= 1
             await gen.aclose()
             self.metrics.requests.labels(outcome).inc()
 

@@ -25,6 +25,7 @@ def connect(cfg: RedisConfig) -> aioredis.Redis:
         socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=cfg.connect_timeout_s,
         health_check_interval=30,
+        max_connections=cfg.max_connections,
     )
 
 

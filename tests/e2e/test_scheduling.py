@@ -1,0 +1,133 @@
+"""Scheduling across the cluster, end to end: bounds hold under a burst, cancellation frees
+everything, colocated mode serves the same greedy tokens."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_local, stop_local
+
+pytestmark = pytest.mark.e2e
+
+SLOTS = 4
+KV_BUDGET = 1 << 20  # 1 MiB: four worst-case (512-token) prompts of the tiny preset
+
+
+@pytest.fixture
+def hb_fast():
+    old = {k: os.environ.get(k) for k in ("TANDEM_PREFILL_HEARTBEAT_INTERVAL_S", "TANDEM_DECODE_HEARTBEAT_INTERVAL_S")}
+    for k in old:
+        os.environ[k] = "0.1"
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+async def _sample_registry(base: str, stop: asyncio.Event, samples: list) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+        while not stop.is_set():
+            samples.append((await c.get("/admin/cluster")).json())
+            await asyncio.sleep(0.05)
+
+
+async def _one(c: httpx.AsyncClient, i: int) -> dict:
+    prompt = f"request number {i} asks for a continuation of this prompt text"  # > 16 tokens: remote prefill
+    r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                                              "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_burst_of_200_with_4_slots_stays_bounded_and_completes(hb_fast):
+    cl = start_local("tiny", slots=SLOTS, extra=["--kv-budget-bytes", str(KV_BUDGET)])
+    samples: list = []
+    try:
+        async def run():
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(_sample_registry(cl.base_url, stop, samples))
+            limits = httpx.Limits(max_connections=200)
+            async with httpx.AsyncClient(base_url=cl.base_url, timeout=300, limits=limits) as c:
+                out = await asyncio.gather(*[_one(c, i) for i in range(200)])
+            stop.set()
+            await sampler
+            return out
+
+        results = asyncio.run(run())
+    finally:
+        stop_local(cl.proc)
+    assert len(results) == 200
+    assert all(r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6
+               for r in results)
+    busy = 0
+    for snap in samples:
+        for w in snap["workers"]:
+            assert 0 <= w["free_slots"] <= w["slots"]
+            if w["role"] == "prefill":
+                assert w["held_kv_bytes"] <= KV_BUDGET
+            else:
+                busy = max(busy, w["slots"] - w["free_slots"])
+        assert snap["queues"]["admission_backlog"] <= 200
+    assert len(samples) > 5 and busy >= 1
+
+
+async def _start_and_drop(base: str, n_events: int) -> str:
+    body = {"model": "tiny", "prompt": "x" * 40, "max_tokens": 400, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+        async with c.stream("POST", "/v1/completions", json=body) as resp:
+            rid = resp.headers.get("x-request-id", "")
+            seen = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= n_events:
+                        break  # the client goes away mid-stream
+    return rid
+
+
+def test_disconnect_cancels_and_frees_slots_and_kv(cluster):
+    async def run():
+        # Six long requests for four slots: some are decoding, some wait in admission/ready.
+        tasks = [asyncio.create_task(_start_and_drop(cluster.base_url, 3 if i < 4 else 1)) for i in range(6)]
+        return await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 20
+    while True:
+        snap = httpx.get(cluster.base_url + "/admin/cluster", timeout=10).json()
+        dec = [w for w in snap["workers"] if w["role"] == "decode"]
+        pre = [w for w in snap["workers"] if w["role"] == "prefill"]
+        idle = all(w["free_slots"] == w["slots"] for w in dec) and all(w["held_kv_bytes"] == 0 for w in pre)
+        if idle and snap["queues"]["admission_backlog"] == 0 and snap["queues"]["ready"] == 0:
+            break
+        assert time.monotonic() < deadline, f"not idle after cancel: {json.dumps(snap)[:800]}"
+        time.sleep(0.2)
+
+
+def test_colocated_mode_gives_the_engines_greedy_tokens():
+    from tests.e2e.test_skeleton import _reference_greedy
+
+    from tandem_core.models import resolve_model
+    from tandem_core.tokenizer import load_tokenizer
+
+    cl = start_local("tiny", slots=2, extra=["--colocated"])
+    try:
+        tok = load_tokenizer(resolve_model("tiny"))
+        for prompt in ("short", "a somewhat longer prompt that is over sixteen tokens"):
+            ref = tok.decode(_reference_greedy("tiny", cl.max_len, prompt, 20))
+            got = httpx.post(cl.base_url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}).json()
+            assert got["choices"][0]["text"] == ref
+        workers = httpx.get(cl.base_url + "/admin/cluster", timeout=10).json()["workers"]
+        assert [w["role"] for w in workers] == ["decode"]
+        assert workers[0]["extra"]["local_prefills"] >= 2
+    finally:
+        stop_local(cl.proc)
