@@ -10,6 +10,7 @@ import time
 
 from decode_svc.io import DecodeIO
 from decode_svc.loop import EngineLoop
+from decode_svc.recover import reclaim_pending, recover_loop, recover_running
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
 from tandem_core import grpc_util, lifecycle, streams
@@ -64,6 +65,10 @@ async def serve(s: DecodeSettings) -> int:
         asyncio.create_task(io.publish_loop(pub_done)),
         asyncio.create_task(io.cancel_loop(hb_stop)),
     ]
+    # A restart under the same id: first resume what the previous incarnation left behind.
+    await recover_running(io, include_self=True)
+    await reclaim_pending(io, include_self=True)
+    tasks.append(asyncio.create_task(recover_loop(io, hb_stop)))
     claim = asyncio.create_task(io.claim_loop(stop))
     await grpc_util.set_serving(health, [SERVICE], True)
     log.info("decode ready worker_id=%s slots=%d model=%s", worker_id, s.slots, engine.info.name)
@@ -103,4 +108,9 @@ async def _drain(io: DecodeIO, table: SlotTable, timeout_s: float) -> None:
             break
         await asyncio.sleep(0.05)
     if table.used:
-        log.warning("drain deadline passed with %d running requests", table.used)
+        # Hand them back: each resumes on another pod from what it has streamed so far.
+        left = table.snapshot()
+        log.warning("drain deadline passed with %d running requests: handing them back", len(left))
+        for act in left:
+            await io.resume(act.req, "decode pod drained before it finished", owner=io.worker_id)
+        io.engine_loop.cancel({a.req.request_id for a in left}, silent=True)

@@ -22,8 +22,8 @@ from decode_svc.loop import EngineLoop, Insert, LocalPrefill
 from decode_svc.puller import KVPuller
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import keys, streams
-from tandem_core.errors import TandemError
+from tandem_core import keys, recovery, streams
+from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
 
@@ -36,6 +36,7 @@ class DecodeIO:
         self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
         self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
         self.puller = KVPuller(s.grpc.max_message_bytes)
+        self.owned = streams.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()
         self.inflight: dict[str, asyncio.Task] = {}
@@ -73,7 +74,7 @@ class DecodeIO:
                 continue
             self.table.unreserve(n - len(got))
             for c, group in got:
-                self._dispatch(c, group)
+                await self._dispatch(c, group)
 
     async def _claim(self, n: int) -> list[tuple[streams.Claimed, str]]:
         got: list[tuple[streams.Claimed, str]] = []
@@ -87,7 +88,8 @@ class DecodeIO:
             got += [(c, group) for c in claimed]
         return got
 
-    def _dispatch(self, c: streams.Claimed, group: str) -> None:
+    async def _dispatch(self, c: streams.Claimed, group: str) -> None:
+        """Start one claimed entry; the caller holds a slot reservation for it."""
         if "notice" in c.fields:
             notice = streams.ReadyNotice.from_json(c.fields["notice"])
             rid = notice.request.request_id
@@ -96,6 +98,7 @@ class DecodeIO:
             task.add_done_callback(lambda _t, rid=rid: self.inflight.pop(rid, None))
             return
         req = GenerationRequest.from_json(c.fields["req"])
+        await self.owned.own(req)
         # Never full: the queue holds at least `slots` items and every item holds a reservation.
         self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
 
@@ -105,17 +108,30 @@ class DecodeIO:
             if await streams.cancelled(self.r, [req.request_id]):
                 self.table.unreserve()
                 await self.puller.release(notice)
-                await self._finish(req.request_id, 1, FINISH_CANCELLED)
+                await self._finish(req.request_id, req.start_index + 1, FINISH_CANCELLED)
             else:
                 payload = await self.puller.pull(notice, self.s.pull_timeout_s)
                 self.pulled += 1
+                await self.owned.own(req)  # before the ack: from here a crash is recovered from the hash
                 self.inserts.put_nowait(Insert(payload, req))
+        except KVTransferFailed as e:
+            # The prefill pod is gone (or its KV is): prefill again from what was streamed.
+            log.warning("pull failed request_id=%s: %s; resuming", req.request_id, e.message)
+            self.table.unreserve()
+            await self.resume(req, f"KV pull failed: {e.message}")
         except (TandemError, queue.Full) as e:
             msg = e.message if isinstance(e, TandemError) else "insert queue full"
-            log.warning("pull failed request_id=%s: %s", req.request_id, msg)
+            log.warning("insert failed request_id=%s: %s", req.request_id, msg)
             self.table.unreserve()
-            await self._finish(req.request_id, 1, FINISH_ERROR, msg)
+            await self.owned.disown(req.request_id)
+            await self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg)
         await streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id)
+
+    async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
+        return await recovery.resume(
+            self.r, self.s.pool, req, max_attempts=self.s.max_attempts, maxlen=self.s.admission_maxlen,
+            token_ttl_s=self.s.token_ttl_s, token_maxlen=self.s.token_maxlen, why=why, owner=owner,
+        )
 
     async def _finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -133,24 +149,28 @@ class DecodeIO:
                 continue
             pipe = self.r.pipeline(transaction=False)
             for e in batch:
-                streams.add_tokens(pipe, e.request_id, e.index, [e.token] if e.token >= 0 else [],
-                                   e.finish, self.s.token_ttl_s, self.s.token_maxlen, error=e.error)
+                self.owned.add(pipe, e.request_id, e.index, e.token, e.finish, e.error)
             for e in batch:
                 if e.ack:
                     stream, group, entry_id = e.ack
                     pipe.xack(stream, group, entry_id)
                     pipe.xdel(stream, entry_id)
-            await self._execute_with_retry(pipe)
+            results = await self._execute_with_retry(pipe)
+            lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
+            if lost:  # another pod took these over while this one was stalled: stop decoding them
+                log.warning("fenced off %d requests now owned elsewhere: %s", len(lost), sorted(lost)[:5])
+                self.engine_loop.cancel(lost, silent=True)
 
-    async def _execute_with_retry(self, pipe) -> None:
-        for attempt in range(5):
+    async def _execute_with_retry(self, pipe) -> list | None:
+        for attempt in range(self.s.publish_retries):
             try:
-                await pipe.execute()
-                return
-            except Exception as ex:  # noqa: BLE001 - retry a Redis blip, then give up loudly
+                return await pipe.execute()
+            except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
                 log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
-                await asyncio.sleep(0.2 * (attempt + 1))
-        log.error("token publish gave up after 5 attempts; clients will see a deadline error")
+                await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
+        log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
+                  self.s.publish_retries)
+        return None
 
     async def cancel_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -85,6 +85,7 @@ class EngineLoop:
         self.output_timeout_s = output_timeout_s
         self.stats = LoopStats()
         self._cancel: set[str] = set()
+        self._silent: set[str] = set()
         self._cancel_lock = threading.Lock()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -97,9 +98,13 @@ class EngineLoop:
         self._stop.set()
         self.thread.join(timeout_s)
 
-    def cancel(self, request_ids: set[str]) -> None:
+    def cancel(self, request_ids: set[str], silent: bool = False) -> None:
+        """Free these requests' slots within a step. `silent`: write nothing for them (they are
+        owned elsewhere now); else a `cancelled` finish entry."""
         with self._cancel_lock:
             self._cancel |= request_ids
+            if silent:
+                self._silent |= request_ids
 
     def _run(self) -> None:
         try:
@@ -147,7 +152,8 @@ class EngineLoop:
             slot = self.table.free_slot_index()
             state = self.engine.insert(prefix, state, slot, item.req.sampling)
             stop_ids = frozenset() if item.req.ignore_eos else frozenset(item.req.stop_token_ids)
-            self.table.occupy(Active(item.req, slot, prefix.true_length, stop_ids=stop_ids))
+            self.table.occupy(Active(item.req, slot, prefix.true_length, next_index=item.req.start_index + 1,
+                                     stop_ids=stop_ids))
         return state
 
     def _local_prefill(self, item: LocalPrefill):
@@ -158,16 +164,16 @@ class EngineLoop:
             prefix = self.engine.prefill(req.prompt_ids, req.sampling)
         except TandemError as e:
             self.table.unreserve()
-            self._emit([Emitted(req.request_id, 0, -1, FINISH_ERROR, ack=item.ack, error=e.message)])
+            self._emit([Emitted(req.request_id, req.start_index, -1, FINISH_ERROR, ack=item.ack, error=e.message)])
             return None
         self.stats.local_prefills += 1
         first = prefix.first_token
         finish = None
         if first in req.stop_token_ids and not req.ignore_eos:
             finish = FINISH_STOP
-        elif req.max_tokens <= 1 or prefix.true_length >= self.engine.max_len:
+        elif req.max_tokens <= req.start_index + 1 or prefix.true_length >= self.engine.max_len:
             finish = FINISH_LENGTH
-        self._emit([Emitted(req.request_id, 0, first, finish, ack=item.ack)])
+        self._emit([Emitted(req.request_id, req.start_index, first, finish, ack=item.ack)])
         if finish:
             self.table.unreserve()
             return None
@@ -178,11 +184,13 @@ class EngineLoop:
             if not self._cancel:
                 return state
             ids, self._cancel = self._cancel, set()
+            silent, self._silent = self._silent, set()
         out = []
         for act in self.table.snapshot():
             if act.req.request_id in ids:
                 state = self._free(state, act)
-                out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_CANCELLED))
+                if act.req.request_id not in silent:
+                    out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_CANCELLED))
         if out:
             self._emit(out)
         return state

@@ -26,5 +26,9 @@ class DecodeSettings(BaseSettings):
     token_ttl_s: PositiveInt = 600
     token_maxlen: PositiveInt = 8192
     heartbeat_interval_s: PositiveFloat = 1.0
+    recover_interval_s: PositiveFloat = 1.0  # how often to look for dead pods' work
+    max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
+    admission_maxlen: PositiveInt = 10000
+    publish_retries: PositiveInt = 30  # ~1 minute of retries through a Redis restart
     drain_timeout_s: PositiveFloat = 30.0
     log_level: str = "INFO"

@@ -52,12 +52,12 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         rid = request.request_id
         try:
-            self.svc.check_api_key(_metadata(context, "authorization"))
+            key = self.svc.check_api_key(_metadata(context, "authorization"))
             if request.prompt and request.prompt_token_ids:
                 raise InvalidRequest("send either prompt or prompt_token_ids, not both", param="prompt")
             prep = await self.svc.prepare(to_params(request))
             rid = prep.request.request_id
-            await self.svc.submit(prep, fresh_id=not request.request_id)
+            await self.svc.submit(prep, fresh_id=not request.request_id, api_key=key)
             async for d in self.svc.stream(prep):
                 last = d.finish_reason is not None
                 yield generate_pb2.GenerateResponse(

@@ -1,79 +1,37 @@
-"""HTTP front end: the OpenAI-compatible completions API, models, health, metrics, admin.
+"""HTTP front end: the OpenAI-compatible completions and chat completions APIs, stream resume,
+models, health, metrics, admin.
 
-Bodies are read here with a byte limit (413) and parsed with pydantic models that forbid unknown
-fields, so every malformed request gets a 400 naming the field. Errors leave through one
-exception handler (see `app.py`) in OpenAI's `{"error": {...}}` shape.
+Bodies are read here with a byte limit (413) and parsed strictly (`schemas.py`), so every
+malformed request gets a 4xx naming the field. Errors leave through one exception handler (see
+`app.py`) in OpenAI's `{"error": {...}}` shape. Response shapes live in `sse.py`.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
+from gateway import resume
 from gateway.metrics import CONTENT_TYPE
-from gateway.relay import Delta
-from gateway.service import GatewayService
+from gateway.schemas import ChatBody, CompletionBody, parse_body
+from gateway.service import GatewayService, RequestNotFound
+from gateway.sse import collect_unless_disconnected, error_body, sse_events, whole
 from gateway.validation import CompletionParams, Prepared
-from tandem_core.errors import InvalidRequest, TandemError, WorkerFailed
+from tandem_core.errors import InvalidRequest
+
+__all__ = ["router", "error_body"]
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
-
-
-class CompletionBody(BaseModel):
-    """POST /v1/completions (OpenAI) plus two extensions: `ignore_eos` and `priority`."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = Field(default=None, max_length=256)
-    ignore_eos: StrictBool = False
-    priority: Literal["normal", "high"] | None = None
-
-    def to_params(self) -> CompletionParams:
-        if self.n != 1:
-            raise InvalidRequest(f"n must be 1 (one completion per request), got {self.n}", param="n")
-        prompt, ids = self.prompt, None
-        if isinstance(prompt, list):
-            if not prompt:
-                raise InvalidRequest("prompt is empty: send a non-empty string", param="prompt")
-            if all(isinstance(x, int) for x in prompt):
-                prompt, ids = None, list(prompt)
-            elif len(prompt) == 1:
-                prompt = prompt[0]
-            else:
-                raise InvalidRequest(
-                    f"prompt must be a string, a list of one string or a list of token ids; got a list of "
-                    f"{len(prompt)} strings", param="prompt",
-                )
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return CompletionParams(
-            prompt=prompt, prompt_ids=ids, model=self.model, max_tokens=self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            stop=stop, ignore_eos=self.ignore_eos, priority=self.priority,
-        )
+_BIG_CHAT_CHARS = 8192  # render longer conversations off the event loop
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def get_service(request: Request) -> GatewayService:
@@ -82,6 +40,11 @@ def get_service(request: Request) -> GatewayService:
 
 Service = Annotated[GatewayService, Depends(get_service)]
 Auth = Annotated[str | None, Header(alias="Authorization")]
+
+
+class BodyTooLarge(InvalidRequest):
+    http_status = 413
+    error_type = "request_too_large"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -97,142 +60,73 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-class BodyTooLarge(InvalidRequest):
-    http_status = 413
-    error_type = "request_too_large"
-
-
-def parse_body(raw: bytes) -> CompletionBody:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return CompletionBody.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e) from e
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none"}
-
-
-def _validation_error(e: ValidationError) -> InvalidRequest:
-    err = e.errors(include_url=False)[0]
-    loc = [x for x in err.get("loc", ()) if isinstance(x, str) and x not in _UNION_TAGS and "[" not in x]
-    field = ".".join(loc) or "body"
-    if err.get("type") == "extra_forbidden":
-        return InvalidRequest(f"unknown field {field!r}", param=field)
-    if err.get("type") == "missing":
-        return InvalidRequest(f"field {field!r} is required", param=field)
-    return InvalidRequest(f"invalid value for {field!r}: {err.get('msg')}", param=field)
-
-
-# ---------------------------------------------------------------- completions
+# ---------------------------------------------------------------- completions and chat
 
 
 @router.post("/v1/completions")
 async def completions(request: Request, svc: Service, authorization: Auth = None) -> Response:
-    svc.check_api_key(authorization)
-    body = parse_body(await read_body(request, svc.settings.max_body_bytes))
+    key = svc.check_api_key(authorization)
+    body: CompletionBody = parse_body(await read_body(request, svc.settings.max_body_bytes), CompletionBody)
+    prep = await svc.prepare(body.to_params())
+    return await _respond(request, svc, prep, body, "completion", key)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, svc: Service, authorization: Auth = None) -> Response:
+    key = svc.check_api_key(authorization)
+    body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
     params = body.to_params()
-    prep = await svc.prepare(params)
-    await svc.submit(prep, fresh_id=True)
-    created = int(time.time())
+    messages = body.chat_messages()
+    if sum(len(m["content"]) for m in messages) > _BIG_CHAT_CHARS:
+        params.prompt = await asyncio.to_thread(svc.chat_template.render, messages)
+    else:
+        params.prompt = svc.chat_template.render(messages)
+    prep = await _prepare_chat(svc, params)
+    return await _respond(request, svc, prep, body, "chat", key)
+
+
+async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepared:
+    """Like `prepare`, with prompt errors reported against `messages` (what the client sent)."""
+    params.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    try:
+        return await svc.prepare(params)
+    except InvalidRequest as e:
+        if e.param != "prompt":
+            raise
+        raise type(e)(e.message.replace("prompt", "messages (after the chat template)", 1),
+                      param="messages") from e
+
+
+async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: CompletionBody | ChatBody,
+                   kind: str, key: str) -> Response:
+    rid = prep.request.request_id
+    prep.resumable = body.resumable
+    prep.meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage)
+    await svc.submit(prep, fresh_id=True, api_key=key)
     if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(svc, prep, created, usage), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": prep.request.request_id},
-        )
-    collected = await _collect_unless_disconnected(request, svc, prep)
+        return StreamingResponse(sse_events(svc, prep), media_type="text/event-stream",
+                                 headers={**_SSE_HEADERS, "X-Request-Id": rid})
+    collected = await collect_unless_disconnected(request, svc, prep)
     if collected is None:
-        return Response(status_code=499)  # nobody is listening; the relay set the cancel key
-    text, finish, n = collected
-    return JSONResponse(
-        {
-            "id": prep.request.request_id, "object": "text_completion", "created": created, "model": prep.model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-            "usage": _usage(prep, n),
-        },
-        headers={"X-Request-Id": prep.request.request_id},
-    )
+        return Response(status_code=499)  # nobody is listening
+    return JSONResponse(whole(prep.meta, *collected), headers={"X-Request-Id": rid})
 
 
-async def _collect(svc: GatewayService, prep: Prepared) -> tuple[str, str | None, int]:
-    text, finish, n = [], None, 0
-    async for d in svc.stream(prep):
-        text.append(d.text)
-        finish, n = d.finish_reason, d.completion_tokens
-    return "".join(text), finish, n
-
-
-async def _collect_unless_disconnected(
-    request: Request, svc: GatewayService, prep: Prepared
-) -> tuple[str, str | None, int] | None:
-    """The whole completion, or None if the client hung up first (then the relay is cancelled,
-    which sets the request's cancel key so workers free the slot)."""
-    task = asyncio.ensure_future(_collect(svc, prep))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client disconnected request_id=%s", prep.request.request_id)
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-def _usage(prep: Prepared, completion_tokens: int) -> dict:
-    p = prep.prompt_tokens
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
-
-
-def _chunk(prep: Prepared, created: int, choices: list, usage: dict | None, with_usage: bool) -> dict:
-    c = {"id": prep.request.request_id, "object": "text_completion", "created": created, "model": prep.model,
-         "choices": choices}
-    if with_usage:
-        c["usage"] = usage
-    return c
-
-
-def _event(data: dict | str, event_id: int | None = None) -> bytes:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"{head}data: {payload}\n\n".encode()
-
-
-async def _sse(svc: GatewayService, prep: Prepared, created: int, with_usage: bool) -> AsyncIterator[bytes]:
-    """One SSE event per relayed token (id = token index), then usage (if asked) and [DONE]."""
-    n = 0
-    try:
-        async for d in svc.stream(prep):
-            n = d.completion_tokens
-            yield _event(_chunk(prep, created, [_choice(d)], None, with_usage), d.index)
-        if with_usage:
-            yield _event(_chunk(prep, created, [], _usage(prep, n), True))
-    except TandemError as e:
-        # Headers are gone: report in-band the way OpenAI does (the client raises APIError).
-        yield _event({"error": error_body(e)})
-    except Exception as e:  # noqa: BLE001 - logged with the traceback, reported in-band
-        log.exception("relay failed request_id=%s", prep.request.request_id)
-        yield _event({"error": {"message": f"internal error: {type(e).__name__}", "type": "internal_error",
-                                "param": None, "code": "internal_error"}})
-    yield _event("[DONE]")
-
-
-def _choice(d: Delta) -> dict:
-    return {"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}
-
-
-def error_body(e: TandemError) -> dict:
-    code = e.error_type if not isinstance(e, WorkerFailed) else "worker_error"
-    return {"message": e.message, "type": e.error_type, "param": e.param, "code": code}
+@router.get("/v1/requests/{request_id}/stream")
+async def resume_stream(
+    request_id: str, svc: Service, authorization: Auth = None,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    from_index: Annotated[str | None, Query(alias="from")] = None,
+) -> Response:
+    """Resume a `"resumable": true` request's SSE stream after the event `Last-Event-ID` (or from
+    token index `?from=N`); the events are the same as the first connection's, none repeated."""
+    key = svc.check_api_key(authorization)
+    start = resume.start_index(last_event_id, from_index)
+    if not _REQUEST_ID.match(request_id):
+        raise RequestNotFound(f"request id {request_id[:64]!r} is not a valid request id", param="request_id")
+    prep = await svc.reattach(request_id, key)
+    return StreamingResponse(sse_events(svc, prep, start), media_type="text/event-stream",
+                             headers={**_SSE_HEADERS, "X-Request-Id": request_id})
 
 
 # ---------------------------------------------------------------- models, health, metrics, admin
@@ -262,6 +156,7 @@ async def readyz(svc: Service) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(svc: Service) -> Response:
+    await svc.refresh_load()
     return PlainTextResponse(svc.metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -119,23 +119,32 @@ async def relay(
     cancel_ttl_s: int,
     metrics: GatewayMetrics,
     background: set[asyncio.Task],
+    on_detach: Callable[[], None] | None = None,
 ) -> AsyncIterator[Delta]:
-    """Yield the request's tokens as Deltas; the last one has `finish_reason` set."""
+    """Yield the request's tokens as Deltas; the last one has `finish_reason` set.
+
+    `on_detach` (resumable requests): called instead of cancelling when the caller goes away
+    (the relay is cancelled or closed) before the end."""
     req = prep.request
     text = TextAssembler(tokenizer, prep.stop, req.stop_token_ids)
     dl = _Deadlines(prep.arrival_ts, request_timeout_s, first_token_timeout_s)
     state = _RelayState(req.max_tokens)
-    finished = False
+    finished = detached = False
     metrics.running.inc()
     try:
         async for delta in _pump(r, req.request_id, text, dl, state, block_ms, metrics, prep):
             finished = delta.finish_reason is not None
             yield delta
+    except (asyncio.CancelledError, GeneratorExit):
+        detached = True
+        raise
     finally:
         metrics.running.dec()
-        if not finished or text.stopped or state.gateway_finished:
+        if detached and not finished and on_detach is not None:
+            on_detach()
+        elif not finished or text.stopped or state.gateway_finished:
             _cancel_soon(r, req.request_id, cancel_ttl_s, background)
-        if state.last_ts is not None:
+        if state.last_ts is not None and not prep.replay:
             metrics.e2e.observe(state.last_ts - prep.arrival_ts)
 
 
@@ -179,7 +188,9 @@ async def _pump(
 
 def _accept(ev, text: TextAssembler, st: _RelayState, metrics: GatewayMetrics, prep: Prepared) -> Delta:
     now = time.monotonic()
-    if st.next_index == 0:
+    if prep.replay:
+        pass  # a resume replays old tokens: their timing says nothing about the cluster
+    elif st.next_index == 0:
         metrics.ttft.observe(now - prep.arrival_ts)
         _observe_queue(metrics, prep, ev.entry_id)
     elif st.last_ts is not None:

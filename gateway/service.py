@@ -2,8 +2,9 @@
 
 `GatewayService` is built once per app and shared by the HTTP and gRPC front ends, so both
 apply the same limits, the same admission bound and the same relay. It owns the Redis client
-(set by the app's lifespan), the tokenizer, the metrics and the set of background tasks (cancel
-keys written after a caller went away).
+(set by the app's lifespan), the tokenizer and chat template, the metrics, the per-key limiter and
+the background tasks (cancel keys written after a caller went away, grace timers of resumable
+requests).
 """
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.metrics import GatewayMetrics
+from gateway import resume
+from gateway.chat import ChatTemplate
+from gateway.limits import KeyLimiter
+from gateway.metrics import GatewayMetrics, cluster_load
 from gateway.relay import Delta, relay
 from gateway.settings import GatewaySettings
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
@@ -35,11 +39,19 @@ from tandem_core.errors import (
 from tandem_core.models import ModelInfo, resolve_model
 from tandem_core.scheduling import choose_route, predicted_ttft_s
 from tandem_core.tokenizer import Tokenizer, load_tokenizer
+from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 _BIG_PROMPT_CHARS = 8192  # tokenize longer prompts off the event loop
+ANONYMOUS = "anonymous"  # the one limiter key when no api_keys are configured
+
+
+class RequestNotFound(TandemError):
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+    error_type = "not_found_error"
 
 
 class GatewayService:
@@ -51,16 +63,26 @@ class GatewayService:
         self.model_name = served_name(settings, self.info)
         self.metrics = GatewayMetrics()
         self.redis: aioredis.Redis | None = None
+        self.chat_template = ChatTemplate.for_model(self.info)
+        self.limiter = KeyLimiter(
+            settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key,
+            lease_ttl_s=settings.request_timeout_s + 10, retry_after_s=settings.retry_after_s,
+        )
         self.background: set[asyncio.Task] = set()
+        self.grace_tasks: set[asyncio.Task] = set()
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
         self.open_streams = 0  # relays in progress: each holds a Redis connection
 
     # ------------------------------------------------------------ auth
 
-    def check_api_key(self, authorization: str | None) -> None:
-        if self.settings.api_keys and not _bearer_ok(authorization, self.settings.api_keys):
+    def check_api_key(self, authorization: str | None) -> str:
+        """The caller's key (the limiter's and the resume check's identity), or Unauthenticated."""
+        if not self.settings.api_keys:
+            return ANONYMOUS
+        if not _bearer_ok(authorization, self.settings.api_keys):
             raise Unauthenticated("missing or invalid API key: send 'Authorization: Bearer <key>'")
+        return authorization.partition(" ")[2].strip()
 
     def check_admin_key(self, authorization: str | None) -> None:
         if self.settings.admin_key and not _bearer_ok(authorization, [self.settings.admin_key]):
@@ -75,8 +97,22 @@ class GatewayService:
             return await asyncio.to_thread(build_request, *args)
         return build_request(*args)
 
-    async def submit(self, prep: Prepared, fresh_id: bool) -> None:
+    async def submit(self, prep: Prepared, fresh_id: bool, api_key: str = ANONYMOUS) -> None:
         """Admit (or 429) and enqueue. `fresh_id` False: the client chose the id, check it is unused."""
+        if self.limiter.enabled:
+            try:
+                prep.lease = self.limiter.acquire(api_key, prep.prompt_tokens + prep.request.max_tokens)
+            except AdmissionRejected:
+                self.metrics.requests.labels("rate_limited").inc()
+                raise
+        try:
+            await self._enqueue(prep, fresh_id, api_key)
+        except BaseException:
+            if prep.lease is not None:
+                prep.lease.release(0)
+            raise
+
+    async def _enqueue(self, prep: Prepared, fresh_id: bool, api_key: str) -> None:
         r = self._redis()
         s = self.settings
         try:
@@ -93,6 +129,8 @@ class GatewayService:
                 backlog_threshold=s.direct_backlog_threshold,
             )
             self.metrics.routes.labels("local" if route.direct else "remote", route.reason).inc()
+            if prep.resumable and prep.meta is not None:
+                await resume.save(r, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
             prep.enqueue_entry_id = await streams.enqueue_request(
                 r, s.pool, prep.request, maxlen=s.admission_maxlen, direct=route.direct)
         except _REDIS_DOWN as e:
@@ -135,18 +173,31 @@ class GatewayService:
             self._view_cache = (now, ClusterView.of(await streams.list_workers(r)))
         return self._view_cache[1]
 
+    def _record(self, prep: Prepared, api_key: str) -> resume.ResumeRecord:
+        req = prep.request
+        return resume.ResumeRecord(
+            meta=prep.meta, stop=prep.stop, max_tokens=req.max_tokens, stop_token_ids=list(req.stop_token_ids),
+            deadline_ts=req.deadline_ts, key=resume.key_digest(api_key),
+        )
+
     async def stream(self, prep: Prepared) -> AsyncIterator[Delta]:
-        """Relay the request's tokens; counts the outcome once."""
+        """Relay the request's tokens; counts the outcome once and releases the key's lease."""
         s = self.settings
         outcome = "disconnected"
+        total_s, first_s = s.request_timeout_s, s.first_token_timeout_s
+        if prep.replay:  # a resume: whatever is left of the request's own deadline
+            total_s = first_s = max(prep.request.deadline_ts - time.time(), 2.0)
+        generated = 0
         self.open_streams += 1
         gen = relay(
             self._redis(), prep, self.tokenizer, block_ms=s.relay_block_ms,
-            request_timeout_s=s.request_timeout_s, first_token_timeout_s=s.first_token_timeout_s,
+            request_timeout_s=total_s, first_token_timeout_s=first_s,
             cancel_ttl_s=s.token_ttl_s, metrics=self.metrics, background=self.background,
+            on_detach=self._grace_cancel(prep) if prep.resumable else None,
         )
         try:
             async for delta in gen:
+                generated = delta.completion_tokens
                 if delta.finish_reason:
                     outcome = delta.finish_reason
                 yield delta
@@ -163,6 +214,52 @@ class GatewayService:
             self.open_streams -= 1
             await gen.aclose()
             self.metrics.requests.labels(outcome).inc()
+            if prep.lease is not None:
+                prep.lease.release(prep.prompt_tokens + generated)
+
+    def _grace_cancel(self, prep: Prepared) -> Callable[[], None]:
+        """on_detach of a resumable request: cancel later, unless a client resumed meanwhile."""
+        rid, s = prep.request.request_id, self.settings
+
+        async def later() -> None:
+            try:
+                await resume.cancel_unless_attached(self._redis(), rid, prep.attach_no, s.resume_grace_s,
+                                                    s.token_ttl_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - best effort; workers drop the request at its deadline
+                log.warning("grace cancel failed request_id=%s", rid, exc_info=True)
+
+        def start() -> None:
+            log.info("client detached from resumable request_id=%s; cancel in %gs unless resumed",
+                     rid, s.resume_grace_s)
+            task = asyncio.get_running_loop().create_task(later())
+            self.grace_tasks.add(task)
+            task.add_done_callback(self.grace_tasks.discard)
+
+        return start
+
+    async def reattach(self, request_id: str, api_key: str) -> Prepared:
+        """A resume of a resumable request: its record, re-read as a Prepared that replays the
+        stream from the first entry (RequestNotFound when unknown, expired or another key's)."""
+        r = self._redis()
+        missing = RequestNotFound(
+            f"request {request_id[:128]!r} is unknown, expired or was not sent with \"resumable\": true",
+            param="request_id",
+        )
+        try:
+            rec = await resume.load(r, request_id)
+            if rec is None or rec.key != resume.key_digest(api_key):
+                raise missing
+            if time.time() > rec.deadline_ts and not await r.exists(keys.token_stream(request_id)):
+                raise missing
+            attach_no = await resume.attach(r, request_id)
+        except _REDIS_DOWN as e:
+            raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=self.settings.retry_after_s) from e
+        req = GenerationRequest(request_id=request_id, prompt_ids=[], max_tokens=rec.max_tokens,
+                                stop_token_ids=rec.stop_token_ids, deadline_ts=rec.deadline_ts)
+        return Prepared(request=req, stop=rec.stop, model=rec.meta.model, arrival_ts=time.monotonic(),
+                        resumable=True, replay=True, meta=rec.meta, attach_no=attach_no)
 
     # ------------------------------------------------------------ cluster view
 
@@ -184,8 +281,11 @@ class GatewayService:
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
         self.metrics.backlog.set(backlog)
+        waiting, running, kv = cluster_load(workers, backlog, ready)
+        self.metrics.set_load(self.model_name, waiting, running, kv)
         return {
             "workers": workers,
+            "load": {"waiting": waiting, "running": running, "kv_cache_usage": round(kv, 4)},
             "queues": {"pool": s.pool, "admission": admission, "admission_backlog": backlog, "ready": ready,
                        "direct": direct,
                        "admission_max_backlog": s.admission_max_backlog},
@@ -193,8 +293,27 @@ class GatewayService:
                       "max_prompt_len": s.max_prompt_len},
         }
 
+    async def refresh_load(self, timeout_s: float = 1.0) -> None:
+        """Update the inference-extension gauges from Redis before a scrape; on failure they keep
+        their last values (a scrape must not fail because Redis is slow)."""
+        async def read() -> None:
+            r = self._redis()
+            workers = await streams.list_workers(r)
+            backlog = await streams.admission_backlog(r, self.settings.pool)
+            ready = await r.xlen(keys.ready_stream(self.settings.pool))
+            self.metrics.backlog.set(backlog)
+            self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready))
+
+        try:
+            await asyncio.wait_for(read(), timeout=timeout_s)
+        except (asyncio.TimeoutError, *_REDIS_DOWN, ServiceUnavailable) as e:
+            log.debug("load gauges not refreshed: %s", e)
+
     async def drain_background(self, timeout_s: float = 2.0) -> None:
-        """Let pending cancel-key writes finish before the Redis client closes."""
+        """Let pending cancel-key writes finish before the Redis client closes. Grace timers stop:
+        their requests stay resumable through another replica until their deadline."""
+        for t in list(self.grace_tasks):
+            t.cancel()
         if self.background:
             await asyncio.wait(list(self.background), timeout=timeout_s)
 

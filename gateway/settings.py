@@ -43,3 +43,7 @@ class GatewaySettings(BaseSettings):
     direct_backlog_threshold: PositiveInt = 16  # admission backlog that sends prompts to free decode slots
     cluster_view_ttl_s: PositiveFloat = 0.5  # how stale the registry view used for routing may be
     predicted_prefill_s: PositiveFloat = 0.05  # per-prompt prefill estimate until workers report theirs
+    # Front door (issue 5):
+    resume_grace_s: PositiveFloat = 30.0  # "resumable": a dropped client has this long to resume
+    max_concurrent_requests_per_key: int = Field(default=0, ge=0)  # per API key, per replica; 0 = off
+    tokens_per_minute_per_key: int = Field(default=0, ge=0)  # prompt + max_tokens, per replica; 0 = off

@@ -11,6 +11,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.settings import GatewaySettings
 from tandem_core import keys
@@ -50,6 +51,11 @@ class Prepared:
     model: str  # the name to report back to the client
     arrival_ts: float  # time.monotonic() at arrival, for TTFT/e2e
     enqueue_entry_id: bytes | None = None  # admission stream entry id, once enqueued
+    resumable: bool = False  # a client disconnect leaves the request running for resume
+    replay: bool = False  # a resume: relays the stream again, records no latency metrics
+    meta: Any = None  # resume.StreamMeta for HTTP streams (what a resume needs to format them)
+    lease: Any = None  # limits.Lease held while relaying
+    attach_no: int = 0  # which client attachment of a resumable request this relay serves
 
     @property
     def prompt_tokens(self) -> int:
@@ -73,7 +79,7 @@ def check_model(model: str | None, settings: GatewaySettings, info: ModelInfo) -
     if model is None or model == "":
         return name
     if model not in model_aliases(settings, info):
-        raise ModelNotFound(f"model {model!r} is not served here; this gateway serves {name!r}", param="model")
+        raise ModelNotFound(f"model {model[:64]!r} is not served here; this gateway serves {name!r}", param="model")
     return name
 
 
@@ -119,7 +125,7 @@ def _check_lengths(n_prompt: int, max_tokens: int | None, s: GatewaySettings) ->
     return max_tokens
 
 
-def _check_sampling(p: CompletionParams, s: GatewaySettings) -> SamplingParams:
+def _check_sampling(p: CompletionParams, s: GatewaySettings, vocab_size: int) -> SamplingParams:
     temperature = s.default_temperature if p.temperature is None else p.temperature
     if not 0.0 <= temperature <= 2.0:
         raise InvalidRequest(f"temperature must be in [0, 2], got {temperature}", param="temperature")
@@ -129,6 +135,8 @@ def _check_sampling(p: CompletionParams, s: GatewaySettings) -> SamplingParams:
     top_k = 0 if p.top_k is None else p.top_k
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {top_k}", param="top_k")
+    if top_k >= vocab_size:
+        top_k = 0  # keeps every token: the same as off
     if p.seed is not None and not -(2**63) <= p.seed < 2**63:
         raise InvalidRequest("seed must fit in a signed 64-bit integer", param="seed")
     return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=p.seed)
@@ -171,7 +179,7 @@ def build_request(
     arrival = time.monotonic()
     model = check_model(p.model, s, info)
     priority, rid = _check_ids(p)
-    sampling = _check_sampling(p, s)
+    sampling = _check_sampling(p, s, info.vocab_size)
     stop = _check_stop(p.stop, s)
     prompt_ids = _tokenize(p, tokenizer, info)
     max_tokens = _check_lengths(len(prompt_ids), p.max_tokens, s)

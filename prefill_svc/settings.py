@@ -25,5 +25,6 @@ class PrefillSettings(BaseSettings):
     token_ttl_s: PositiveInt = 600
     token_maxlen: PositiveInt = 8192
     heartbeat_interval_s: PositiveFloat = 1.0
+    recover_interval_s: PositiveFloat = 1.0  # how often to look for a dead pod's admission entries
     drain_timeout_s: PositiveFloat = 30.0
     log_level: str = "INFO"

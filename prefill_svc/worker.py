@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
-from tandem_core import keys, streams
+from tandem_core import keys, recovery, streams
 from tandem_core.errors import TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
@@ -41,6 +41,7 @@ class PrefillWorker:
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
         self.max_prefix_bytes = self._max_prefix_bytes()
         self.prefilled = 0
+        self._last_reclaim = 0.0
         self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
 
     def _max_prefix_bytes(self) -> int:
@@ -49,6 +50,7 @@ class PrefillWorker:
         return 2 * i.num_layers * max(self.engine.buckets) * i.num_kv_heads * i.head_dim * itemsize
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self._reclaim(include_self=True)  # a restart under the same id: its own leftovers first
         rotation = PriorityRotation(self.s.pool, self.s.priority_high_weight)
         while not stop.is_set():
             await self._expire_leases()
@@ -65,23 +67,47 @@ class PrefillWorker:
                 continue
             for c in claimed:
                 await self._handle(c)
+            await self._reclaim()
 
-    async def _handle(self, c: streams.Claimed) -> None:
+    async def _reclaim(self, include_self: bool = False) -> None:
+        """Take over admission entries claimed by a dead pod (never acked), budget permitting."""
+        now = time.monotonic()
+        if not include_self and now - self._last_reclaim < self.s.recover_interval_s:
+            return
+        self._last_reclaim = now
+        for prio in keys.PRIORITIES:
+            stream = keys.admission_stream(self.s.pool, prio)
+            try:
+                dead = await streams.dead_consumer_entries(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
+                                                           include_self)
+                room = min(len(dead), self.store.room_for(self.max_prefix_bytes))
+                claimed = await streams.claim_ids(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
+                                                  [eid for _c, eid in dead[:room]], 0 if include_self else 1000)
+            except Exception as e:  # noqa: BLE001
+                log.warning("reclaim failed: %s", e)
+                return
+            for c in claimed:
+                log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
+                await self._handle(c, reclaimed=True)
+
+    async def _handle(self, c: streams.Claimed, reclaimed: bool = False) -> None:
         req = GenerationRequest.from_json(c.fields["req"])
         rid = req.request_id
         try:
-            if await streams.cancelled(self.r, [rid]):
-                await self._finish(rid, 0, [], FINISH_CANCELLED)
+            if reclaimed and len((await recovery.streamed_tokens(self.r, rid))[0]) > req.start_index:
+                log.info("reclaimed request_id=%s was already prefilled by its first owner", rid)
+            elif await streams.cancelled(self.r, [rid]):
+                await self._finish(rid, req.start_index, [], FINISH_CANCELLED)
             elif req.deadline_ts and time.time() > req.deadline_ts:
-                await self._finish(rid, 0, [], FINISH_ERROR, "deadline passed before prefill")
+                await self._finish(rid, req.start_index, [], FINISH_ERROR, "deadline passed before prefill")
             else:
                 await self._prefill(req)
         except TandemError as e:
             log.info("request failed request_id=%s: %s", rid, e.message)
-            await self._finish(rid, 0, [], FINISH_ERROR, e.message)
+            await self._finish(rid, req.start_index, [], FINISH_ERROR, e.message)
         except Exception as e:  # noqa: BLE001 - the request gets an answer, the worker lives on
             log.exception("prefill crashed request_id=%s", rid)
-            await self._finish(rid, 0, [], FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}")
+            await self._finish(rid, req.start_index, [], FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}")
         await streams.ack(self.r, c.stream, keys.PREFILL_GROUP, c.entry_id)
 
     async def _prefill(self, req: GenerationRequest) -> None:
@@ -94,22 +120,24 @@ class PrefillWorker:
         first = payload.first_token
         log.debug("prefilled request_id=%s len=%d in %.1f ms", req.request_id, len(req.prompt_ids),
                   (time.perf_counter() - t0) * 1e3)
-        rid = req.request_id
+        rid, at = req.request_id, req.start_index
         if first in req.stop_token_ids and not req.ignore_eos:
-            await self._finish(rid, 0, [first], FINISH_STOP)
+            await self._finish(rid, at, [first], FINISH_STOP)
             return
-        if req.max_tokens <= 1 or payload.true_length >= self.engine.max_len:
-            await self._finish(rid, 0, [first], FINISH_LENGTH)
+        if req.max_tokens <= at + 1 or payload.true_length >= self.engine.max_len:
+            await self._finish(rid, at, [first], FINISH_LENGTH)
             return
         held = self.store.put(req.request_id, payload)
         notice = streams.ReadyNotice(
             request=req, address=self.address, capability=held.capability, kv_bytes=payload.nbytes,
             prefill_worker=self.worker_id, first_token=first,
         )
-        pipe = self.r.pipeline(transaction=False)
-        streams.add_tokens(pipe, req.request_id, 0, [first], None, self.s.token_ttl_s, self.s.token_maxlen)
+        # One transaction: token `at` is in the stream if and only if the ready notice is, so a
+        # reclaimed admission entry can tell whether its first owner got this far.
+        pipe = self.r.pipeline(transaction=True)
+        streams.add_tokens(pipe, rid, at, [first], None, self.s.token_ttl_s, self.s.token_maxlen)
+        streams.add_ready(pipe, self.s.pool, notice, self.s.ready_maxlen)
         await pipe.execute()
-        await streams.publish_ready(self.r, self.s.pool, notice, self.s.ready_maxlen)
 
     def _prefill_sync(self, req: GenerationRequest):
         prefix = self.engine.prefill(req.prompt_ids, req.sampling)

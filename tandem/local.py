@@ -42,6 +42,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="no prefill workers: each decode worker prefills locally between steps (JetStream-style)")
     p.add_argument("--max-len", type=int, default=512, help="positions per sequence (prompt + output)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
+    p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
+                   help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
+                        "roles: prefill, decode, gateway, redis")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
     return p.parse_args(argv)
@@ -55,11 +58,39 @@ def _die_with_parent() -> None:
         pass
 
 
+def _pin_map(spec: str) -> dict[str, set[int]]:
+    """`--pin prefill=0,decode=1` -> {"prefill": {0}, "decode": {1}} (CPUS: 0, 0-1 or 0+1)."""
+    out: dict[str, set[int]] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        role, _, cpus = item.partition("=")
+        if role not in ("prefill", "decode", "gateway", "redis") or not cpus:
+            raise SystemExit(f"--pin: bad item {item!r} (want ROLE=CPUS, ROLE one of prefill, decode, gateway, redis)")
+        got: set[int] = set()
+        for part in cpus.split("+"):
+            lo, _, hi = part.partition("-")
+            got |= set(range(int(lo), int(hi or lo) + 1))
+        out[role] = got
+    return out
+
+
+def _preexec_for(cpus: set[int] | None):
+    """The child's pre-exec hook: die with the launcher, and run on `cpus` when pinned."""
+    if not cpus:
+        return _die_with_parent
+
+    def hook() -> None:
+        os.sched_setaffinity(0, cpus)
+        _die_with_parent()
+
+    return hook
+
+
 class Cluster:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.redis = RedisProcess()
-        self.redis.preexec = _die_with_parent
+        self.pins = _pin_map(a.pin)
+        self.redis.preexec = _preexec_for(self.pins.get("redis"))
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.grpc_port = a.grpc_port or free_port()
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
@@ -80,8 +111,8 @@ class Cluster:
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
         # Own session: the terminal's Ctrl-C reaches only the launcher, which drains the workers
         # in order (gateway first, Redis last). PDEATHSIG still takes them down if it is killed.
-        p = subprocess.Popen([sys.executable, "-m", module], env=env, preexec_fn=_die_with_parent,
-                             start_new_session=True)
+        p = subprocess.Popen([sys.executable, "-m", module], env=env, start_new_session=True,
+                             preexec_fn=_preexec_for(self.pins.get(name.split("-")[0])))
         self.procs.append((name, p))
         log.info("started %s pid=%d", name, p.pid)
 

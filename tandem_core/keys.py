@@ -8,6 +8,9 @@ Keys (all prefixed `tandem:`):
 | `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
 | `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (XREAD BLOCK) | MAXLEN, EXPIRE ttl |
 | `tandem:cancel:{request_id}` | string | gateway | prefill, decode | EXPIRE ttl |
+| `tandem:running:{worker_id}` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields |
+| `tandem:recovering:{worker_id}` | string lock | the pod recovering a dead one | same | EXPIRE 30 s |
+| `tandem:resume:{request_id}:{index}` | string | whoever resumes the request from `index` | same (SET NX) | EXPIRE token ttl |
 | `tandem:worker:{worker_id}` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
 | `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
 
@@ -46,6 +49,20 @@ def token_stream(request_id: str) -> str:
 
 def cancel_key(request_id: str) -> str:
     return f"{PREFIX}:cancel:{request_id}"
+
+
+def running_key(worker_id: str) -> str:
+    """Requests a decode pod owns. Its token writes are fenced on this hash: once a recoverer
+    removes a request from it, a paused-then-resumed owner can no longer publish for it."""
+    return f"{PREFIX}:running:{worker_id}"
+
+
+def recovering_key(worker_id: str) -> str:
+    return f"{PREFIX}:recovering:{worker_id}"
+
+
+def resume_marker(request_id: str, index: int) -> str:
+    return f"{PREFIX}:resume:{request_id}:{index}"
 
 
 def worker_key(worker_id: str) -> str:

@@ -143,6 +143,12 @@ async def publish_ready(r: aioredis.Redis, pool: str, notice: ReadyNotice, maxle
     )
 
 
+def add_ready(pipe, pool: str, notice: ReadyNotice, maxlen: int) -> None:
+    """Queue the ready XADD on a pipeline or transaction (see `publish_ready`)."""
+    pipe.xadd(keys.ready_stream(pool), {"rid": notice.request.request_id, "notice": notice.to_json()},
+              maxlen=maxlen, approximate=True)
+
+
 # ---------------------------------------------------------------- token streams
 
 
@@ -200,6 +206,79 @@ async def read_tokens(
                 )
             )
     return out
+
+
+# ---------------------------------------------------------------- fenced token writes
+
+# XADD one token only while the writer still owns the request (its field in the writer's running
+# hash); the finishing token removes the field. Returns 1 if written, 0 if fenced off.
+_PUBLISH_OWNED = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+local f = {'i', ARGV[2], 't', ARGV[3]}
+if ARGV[4] ~= '' then f[#f + 1] = 'f'; f[#f + 1] = ARGV[4] end
+if ARGV[5] ~= '' then f[#f + 1] = 'e'; f[#f + 1] = ARGV[5] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(f))
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+if ARGV[4] ~= '' then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+class OwnedPublisher:
+    """Token writes of a decode pod, fenced on its running hash (see `keys.running_key`)."""
+
+    def __init__(self, r: aioredis.Redis, worker_id: str, ttl_s: int, maxlen: int) -> None:
+        self.r = r
+        self.running = keys.running_key(worker_id)
+        self.ttl_s, self.maxlen = ttl_s, maxlen
+        self._script = r.register_script(_PUBLISH_OWNED)
+
+    async def own(self, req: GenerationRequest) -> None:
+        await self.r.hset(self.running, req.request_id, req.to_json())
+
+    async def disown(self, request_id: str) -> None:
+        await self.r.hdel(self.running, request_id)
+
+    def add(self, pipe, request_id: str, index: int, token: int, finish: str | None, error: str | None) -> None:
+        # The pipeline loads the script before it executes if Redis lost it (after a restart).
+        pipe.scripts.add(self._script)
+        pipe.evalsha(self._script.sha, 2, self.running, keys.token_stream(request_id),
+                     request_id, index, token, finish or "", error or "", self.ttl_s, self.maxlen)
+
+
+async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:
+    raw = await r.hgetall(keys.running_key(worker_id))
+    return {_s(k): GenerationRequest.from_json(v) for k, v in raw.items()}
+
+
+async def worker_alive(r: aioredis.Redis, worker_id: str) -> bool:
+    return bool(await r.exists(keys.worker_key(worker_id)))
+
+
+async def dead_consumer_entries(r: aioredis.Redis, stream: str, group: str, me: str,
+                                include_self: bool = False, limit: int = 100) -> list[tuple[str, bytes]]:
+    """Pending entries (consumer, entry id) of consumers with no live registry entry."""
+    try:
+        summary = await r.xpending(stream, group)
+    except ResponseError:
+        return []
+    out: list[tuple[str, bytes]] = []
+    for c in summary.get("consumers") or []:
+        name = _s(c["name"])
+        if (name == me and not include_self) or (name != me and await worker_alive(r, name)):
+            continue
+        rows = await r.xpending_range(stream, group, min="-", max="+", count=limit, consumername=name)
+        out += [(name, row["message_id"]) for row in rows]
+    return out[:limit]
+
+
+async def claim_ids(r: aioredis.Redis, stream: str, group: str, consumer: str, ids: list[bytes],
+                    min_idle_ms: int = 1000) -> list[Claimed]:
+    """XCLAIM specific pending entries for `consumer` (entries deleted meanwhile are skipped)."""
+    if not ids:
+        return []
+    resp = await r.xclaim(stream, group, consumer, min_idle_time=min_idle_ms, message_ids=ids)
+    return [Claimed(stream, eid, {_s(k): v for k, v in f.items()}) for eid, f in resp or [] if f]
 
 
 # ---------------------------------------------------------------- cancellation

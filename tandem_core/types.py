@@ -39,6 +39,9 @@ class GenerationRequest:
     """What the gateway puts on the admission stream (JSON in the `req` field).
 
     `deadline_ts` is wall-clock seconds (time.time()); workers drop work past it.
+    `start_index` is the index of the token the next prefill produces: 0 for a new request; after
+    a failure, the request resumes from its prompt plus the tokens already streamed (they are in
+    `prompt_ids`), and `start_index` is how many were streamed. `attempt` counts resumes.
     """
 
     request_id: str
@@ -50,6 +53,8 @@ class GenerationRequest:
     priority: str = "normal"
     deadline_ts: float = 0.0
     enqueued_ts: float = 0.0
+    start_index: int = 0
+    attempt: int = 0
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

@@ -299,6 +299,8 @@ class Engine:
         k, v = prefix.k, prefix.v
         if self.layout is not None:  # a prefix from an engine on other chips moves here first
             k, v = self._place_kv(k), self._place_kv(v)
+        elif len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
+            k, v = jax.device_put(k, state.k.sharding), jax.device_put(v, state.v.sharding)
         return _insert_core(
             state, k, v, np.int32(slot), np.int32(prefix.true_length),
             np.int32(prefix.first_token), s["temperature"], s["top_k"], s["top_p"], s["seed"],

@@ -125,7 +125,7 @@ class Gateway:
 
 def _settings(redis_url: str, pool: str, **kw) -> GatewaySettings:
     return GatewaySettings(
-        redis=RedisConfig(url=redis_url), host="127.0.0.1", port=0, grpc_port=0, pool=pool,
+        redis=RedisConfig(url=redis_url), host="127.0.0.1", port=0, grpc_port=0, pool=pool, model="tiny",
         direct_prefill_max_tokens=0, **kw,  # the fake worker reads the admission streams only
     )
 
@@ -367,7 +367,8 @@ def test_main_serves_and_sigterm_finishes_open_streams(redis_url):
     stop = threading.Event()
     worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(redis_url, pool, stop)), daemon=True)
     worker.start()
-    env = dict(os.environ, TANDEM_GATEWAY_REDIS__URL=redis_url, TANDEM_GATEWAY_PORT=str(port),
+    env = dict(os.environ, TANDEM_GATEWAY_REDIS__URL=redis_url, TANDEM_GATEWAY_PORT=str(port), TANDEM_GATEWAY_MODEL="tiny",
+               TANDEM_GATEWAY_DIRECT_PREFILL_MAX_TOKENS="0",
                TANDEM_GATEWAY_GRPC_PORT="0", TANDEM_GATEWAY_POOL=pool, TANDEM_GATEWAY_LOG_LEVEL="WARNING")
     proc = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)

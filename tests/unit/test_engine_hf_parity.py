@@ -130,8 +130,9 @@ def test_greedy_tokens_match(pair):
     model.generation_config.eos_token_id = None  # always 32 tokens, as ours
     for slot, ids in enumerate(prompts):
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+            mask = torch.ones(1, len(ids), dtype=torch.long)
+            out = model.generate(torch.tensor([ids]), attention_mask=mask, do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, pad_token_id=0)
         hf = out[0, len(ids):].tolist()
         assert len(hf) == NEW_TOKENS
         assert ours[slot] == hf, f"{name} prompt {slot}"

@@ -59,7 +59,11 @@ def child(workdir: str) -> dict:
 
     ckpt = save_hf_checkpoint(init_params(KV4), KV4, Path(workdir) / "kv4")
     res: dict = {"devices": len(jax.devices())}
-    engines = {tp: load_engine(str(ckpt), tp=tp, **KW) for tp in (1, 2, 4)}
+    # tp=2 through the `mesh` argument, on the last two devices (tp=4 uses all four)
+    pair = jax.sharding.Mesh(np.asarray(jax.devices()[2:]), ("tp",))
+    engines = {1: load_engine(str(ckpt), **KW), 2: load_engine(str(ckpt), mesh=pair, **KW),
+               4: load_engine(str(ckpt), tp=4, **KW)}
+    res["tp2_devices"] = sorted(d.id for d in engines[2].params["layers"]["wq"].devices())
     for tp, e in engines.items():
         res[f"greedy_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
         wq = e.params["layers"]["wq"]
@@ -70,8 +74,9 @@ def child(workdir: str) -> dict:
     for tp in (4, 1):
         e = engines[tp]
         res[f"moved_2_to_{tp}"] = decode(e, {s: e.import_prefix(p) for s, p in payloads.items()})
-    # a device prefix handed straight to an engine on other chips is moved there by insert
-    res["direct_2_to_4"] = decode(engines[4], {1: engines[2].prefill(prompts()[1], GREEDY)})
+    # a device prefix on chips 2-3 handed straight to another engine is moved there by insert
+    for tp in (4, 1):
+        res[f"direct_2_to_{tp}"] = decode(engines[tp], {1: engines[2].prefill(prompts()[1], GREEDY)})
     # bfloat16 weights and KV, sharded
     for tp in (1, 2):
         e = load_engine(str(ckpt), tp=tp, dtype="bfloat16", **KW)
@@ -88,8 +93,9 @@ def child(workdir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run([sys.executable, __file__, tmp], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=240)
@@ -102,7 +108,7 @@ def tokens(run: dict) -> dict:
 
 
 def test_weights_and_kv_are_split_by_head(results):
-    assert results["devices"] == 4
+    assert results["devices"] == 4 and results["tp2_devices"] == [2, 3]
     d, h = KV4.hidden_size, KV4.num_heads * KV4.head_dim
     assert results["wq_shard_tp1"] == [KV4.num_layers, d, h]
     assert results["wq_shard_tp2"] == [KV4.num_layers, d, h // 2]
@@ -124,6 +130,7 @@ def test_prefix_moves_between_tp(results):
     assert tokens(results["moved_2_to_4"]) == want
     assert tokens(results["moved_2_to_1"]) == want
     assert tokens(results["direct_2_to_4"]) == {"1": want["1"]}
+    assert tokens(results["direct_2_to_1"]) == {"1": want["1"]}
 
 
 def test_bfloat16_shards(results):

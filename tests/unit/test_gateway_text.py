@@ -73,7 +73,7 @@ def test_grpc_params_mapping():
 
 
 def test_build_request_defaults():
-    s = GatewaySettings(default_max_tokens=16, max_context_len=20, max_prompt_len=20)
+    s = GatewaySettings(model="tiny", default_max_tokens=16, max_context_len=20, max_prompt_len=20)
     info = resolve_model(s.model)
     prep = build_request(CompletionParams(prompt="hello", ignore_eos=False), s, info, ByteTokenizer())
     req = prep.request

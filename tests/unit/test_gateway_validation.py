@@ -23,7 +23,7 @@ POOL = f"gwv-{uuid.uuid4().hex[:8]}"
 
 def _settings(redis_url: str, **kw) -> GatewaySettings:
     base = dict(
-        redis=RedisConfig(url=redis_url), host="127.0.0.1", grpc_port=0, pool=POOL, max_prompt_len=16,
+        redis=RedisConfig(url=redis_url), host="127.0.0.1", grpc_port=0, pool=POOL, model="tiny", max_prompt_len=16,
         max_context_len=24, max_tokens_limit=20, max_stop_strings=2, max_body_bytes=2048,
     )
     base.update(kw)
@@ -74,7 +74,10 @@ CASES = [
     ({"prompt": "hello", "stop": [""]}, 400, "stop", ["empty"]),
     ({"prompt": "hello", "n": 2}, 400, "n", ["1"]),
     ({"prompt": "hello", "priority": "urgent"}, 400, "priority", ["priority"]),
-    ({"prompt": "hello", "best_of": 3}, 400, "best_of", ["unknown field", "best_of"]),
+    ({"prompt": "hello", "best_of": 3}, 400, "best_of", ["not supported yet", "best_of"]),
+    ({"prompt": "hello", "logprobs": 2}, 400, "logprobs", ["not supported yet"]),
+    ({"prompt": "hello", "frequency_penalty": 0.5}, 400, "frequency_penalty", ["not supported yet"]),
+    ({"prompt": "hello", "guided_json": {}}, 400, "guided_json", ["unknown field"]),
     ({"prompt": "hello", "stream_options": {"x": 1}}, 400, "stream_options.x", ["unknown field"]),
     ({"prompt": "hello", "model": "gpt-9"}, 404, "model", ["gpt-9", "tiny"]),
 ]
@@ -128,7 +131,7 @@ def test_api_keys_and_admin_key(redis_url):
         assert c.get("/admin/cluster").status_code == 401
         assert c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}).status_code == 401
         view = c.get("/admin/cluster", headers={"Authorization": "Bearer adm"}).json()
-        assert set(view) == {"workers", "queues", "model"}
+        assert set(view) == {"workers", "load", "queues", "model"}
         assert c.get("/healthz").status_code == 200  # probes need no key
 
 

@@ -1,0 +1,105 @@
+"""The systems bench/serve.py drives, each behind one shape: start, an OpenAI base URL, stop.
+
+  * `TandemLocal`: `tandem local` as a subprocess, each child pinned with `--pin`; disaggregated
+    (1 prefill + 1 decode pod) or colocated (decode pods that prefill between steps).
+  * `vllm_cpu.VLLMServer`: vLLM CPU's OpenAI server from its own virtual environment.
+  * the bare engine is not a server: bench/bare.py runs it in a pinned subprocess.
+`warm_up` sends one request per prefill bucket the workload will use plus one full batch, so
+compilation never lands inside a measured run. Nothing here measures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.loadgen import RequestSpec, run_load
+from tandem.redis_proc import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+class TandemLocal:
+    """`tandem local` in a subprocess; `env` is added to its environment (TANDEM_* settings)."""
+
+    def __init__(self, name: str, model: str, *, colocated: bool, slots: int, max_len: int, pin: str,
+                 env: dict[str, str], log_path: Path) -> None:
+        self.name, self.model, self.colocated, self.slots = name, model, colocated, slots
+        self.max_len, self.pin, self.env, self.log_path = max_len, pin, env, log_path
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "tandem.cli", "local", "--model", self.model, "--port", str(self.port),
+               "--grpc-port", str(free_port()), "--slots", str(self.slots), "--max-len", str(self.max_len),
+               "--log-level", "WARNING"]
+        if self.pin:
+            cmd += ["--pin", self.pin]
+        return cmd + (["--colocated"] if self.colocated else ["--prefill", "1", "--decode", "1"])
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "Tandem is serving" in self.log_path.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem local exited with code {self.proc.returncode}: {self.tail()}")
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"tandem local did not come up within {timeout_s:.0f}s: {self.tail()}")
+
+    def tail(self, n: int = 10) -> str:
+        return " | ".join(self.log_path.read_text().strip().splitlines()[-n:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def model_id(base_url: str) -> str:
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+async def warm_up(base_url: str, model: str, specs: list[RequestSpec], slots: int, extra: dict) -> None:
+    """One request per prompt bucket the workload uses, then `slots` at once (fills the batch)."""
+    lens = sorted({next(b for b in BUCKETS if b >= s.prompt_len) for s in specs if s.prompt_len <= BUCKETS[-1]})
+    prompt = specs[0].prompt
+    warm = [RequestSpec(0.0, n, 4, "warm", (prompt * (n // max(1, len(prompt)) + 1))[:n]) for n in lens]
+    await run_load(base_url, model, warm, concurrency=1, extra=extra)
+    batch = [RequestSpec(0.0, len(prompt), 8, "warm", prompt) for _ in range(slots)]
+    await run_load(base_url, model, batch, concurrency=slots, extra=extra)
+
+
+def run_bare(model: str, slots: int, max_len: int, specs: list[RequestSpec], cpus: str | None,
+             timeout_s: float = 600.0) -> dict:
+    """bench/bare.py on the same requests in a subprocess (pinned to `cpus` when given)."""
+    with tempfile.TemporaryDirectory() as d:
+        spec_file, out_file = Path(d) / "specs.json", Path(d) / "out.json"
+        spec_file.write_text(json.dumps([[s.prompt, s.output_len] for s in specs]))
+        cmd = [sys.executable, str(ROOT / "bench" / "bare.py"), "--model", model, "--slots", str(slots),
+               "--max-len", str(max_len), "--specs", str(spec_file), "--out", str(out_file)]
+        if cpus:
+            cmd = ["taskset", "-c", cpus, *cmd]
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+        return json.loads(out_file.read_text())

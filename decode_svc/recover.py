@@ -1,0 +1,71 @@
+"""Finding and resuming work that a dead decode pod left behind.
+
+Two kinds of leftovers, both found from Redis alone:
+1. requests in a dead pod's running hash (`tandem:running:{id}`): they resume from the prompt
+   plus the tokens already streamed (tandem_core.recovery), and leave the hash in the same
+   transaction, which also fences off the pod if it was only paused;
+2. entries of the ready/direct streams delivered to a dead consumer and never acked: this pod
+   claims them (XCLAIM) for slots it has free, as if it had read them itself.
+"Dead" means no registry entry (its heartbeat key expired). A pod restarted under the same id
+recovers its own previous leftovers once at startup, before it claims anything new.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from decode_svc.io import DecodeIO
+from tandem_core import keys, streams
+
+log = logging.getLogger(__name__)
+
+
+async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
+    r, me = io.r, io.worker_id
+    resumed = 0
+    async for key in r.scan_iter(match=keys.running_key("*"), count=100):
+        wid = key.decode().split(":", 2)[2]
+        if wid == me and not include_self:
+            continue
+        if wid != me and await streams.worker_alive(r, wid):
+            continue
+        if not await r.set(keys.recovering_key(wid), me, nx=True, ex=30):
+            continue  # another pod is on it
+        try:
+            for rid, req in (await streams.running_requests(r, wid)).items():
+                outcome = await io.resume(req, f"decode pod {wid} stopped", owner=wid)
+                resumed += outcome == "resumed"
+                log.info("recovered request_id=%s from %s: %s", rid, wid, outcome)
+        finally:
+            await r.delete(keys.recovering_key(wid))
+    return resumed
+
+
+async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
+    got = 0
+    for stream in (keys.ready_stream(io.s.pool), keys.direct_stream(io.s.pool)):
+        entries = await streams.dead_consumer_entries(io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self)
+        if not entries:
+            continue
+        n = io.table.reserve(len(entries))
+        claimed = await streams.claim_ids(io.r, stream, keys.DECODE_GROUP, io.worker_id,
+                                          [eid for _c, eid in entries[:n]], min_idle_ms=0 if include_self else 1000)
+        io.table.unreserve(n - len(claimed))
+        for c in claimed:
+            log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
+            await io._dispatch(c, keys.DECODE_GROUP)
+        got += len(claimed)
+    return got
+
+
+async def recover_loop(io: DecodeIO, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await recover_running(io)
+            await reclaim_pending(io)
+        except Exception as e:  # noqa: BLE001 - a Redis blip: try again next round
+            log.warning("recovery round failed: %s", e)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=io.s.recover_interval_s)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,88 @@
+"""Resuming a request after a failure, from what Redis already holds.
+
+A request's token stream is the source of truth for what the client has been promised: tokens
+0..k are there, in order. A request that lost its KV or its decode slot (prefill pod gone before
+the pull, decode pod killed, drain deadline) resumes as a new admission entry whose prompt is the
+original prompt plus tokens 0..k and whose `start_index` is k+1. With greedy sampling (or a seed)
+the continuation is the same tokens an unbroken run would give; the gateway drops any index it
+has already relayed, so the client sees one unbroken stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import redis.asyncio as aioredis
+
+from tandem_core import keys, streams
+from tandem_core.types import FINISH_ERROR, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+async def streamed_tokens(r: aioredis.Redis, request_id: str) -> tuple[list[int], bool]:
+    """The contiguous tokens 0..k in the request's token stream, and whether it has finished."""
+    entries = await r.xrange(keys.token_stream(request_id))
+    got: dict[int, int] = {}
+    finished = False
+    for _id, f in entries:
+        i, t = int(f[b"i"]), int(f[b"t"])
+        if b"f" in f:
+            finished = True
+        if t >= 0 and i not in got:
+            got[i] = t
+    out = []
+    while len(out) in got:
+        out.append(got[len(out)])
+    return out, finished
+
+
+async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, max_attempts: int,
+                 maxlen: int, token_ttl_s: int, token_maxlen: int, why: str, owner: str | None = None) -> str:
+    """Re-enqueue `original` from the tokens streamed so far.
+
+    `owner`: the decode worker whose running hash holds the request; its field is removed in the
+    same transaction as the re-enqueue, so the request is never owned twice nor by nobody.
+    Returns "finished" (nothing to do), "resumed", or "failed" (attempts exhausted: the request
+    gets a clear error instead of looping forever).
+    """
+    tokens, finished = await streamed_tokens(r, original.request_id)
+    if finished or await streams.cancelled(r, [original.request_id]):
+        if owner:
+            await r.hdel(keys.running_key(owner), original.request_id)
+        return "finished"
+    # Idempotent: two paths can notice the same failure (the dead pod's running hash and its
+    # pending ready entry); only the first resumes from a given point.
+    if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=token_ttl_s):
+        if owner:
+            await r.hdel(keys.running_key(owner), original.request_id)
+        return "finished"
+    attempt = original.attempt + 1
+    if len(tokens) >= original.max_tokens or attempt > max_attempts:
+        return await _give_up(r, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
+    base = original.prompt_ids[: len(original.prompt_ids) - original.start_index]
+    again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
+                                priority="high")  # it has waited once already
+    pipe = r.pipeline(transaction=True)
+    if owner:
+        pipe.hdel(keys.running_key(owner), original.request_id)
+    pipe.xadd(keys.admission_stream(pool, again.priority), {"rid": again.request_id, "req": again.to_json()},
+              maxlen=maxlen, approximate=True)
+    await pipe.execute()
+    log.info("resumed request_id=%s from index %d (attempt %d): %s", original.request_id, len(tokens), attempt, why)
+    return "resumed"
+
+
+async def _give_up(r: aioredis.Redis, original: GenerationRequest, tokens: list[int], attempt: int, why: str,
+                   owner: str | None, token_ttl_s: int, token_maxlen: int) -> str:
+    """Finish the request in place: "length" when every token is already out (only the finish
+    entry was lost), else a clear error once its attempts are spent."""
+    done = len(tokens) >= original.max_tokens
+    pipe = r.pipeline(transaction=True)
+    if owner:
+        pipe.hdel(keys.running_key(owner), original.request_id)
+    streams.add_tokens(pipe, original.request_id, len(tokens), [], "length" if done else FINISH_ERROR,
+                       token_ttl_s, token_maxlen,
+                       error=None if done else f"request failed {attempt - 1} times ({why}); giving up")
+    await pipe.execute()
+    return "finished" if done else "failed"
