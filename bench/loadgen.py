@@ -119,6 +119,19 @@ def _parse_event(data: str) -> tuple[int, str | None]:
     return (1 if obj.get("choices") else 0), None
 
 
+async def _sse_lines(resp):
+    """Lines split on "\n" only: httpx's aiter_lines also splits on the Unicode line boundaries
+    (U+0085, U+2028, ...) that a JSON string carrying generated text may hold unescaped."""
+    buf = ""
+    async for text in resp.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf
+
+
 async def _one(client, url: str, model: str, spec: RequestSpec, t0: float, extra: dict,
                timeout_s: float) -> RequestResult:
     body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0,
@@ -131,7 +144,7 @@ async def _one(client, url: str, model: str, spec: RequestSpec, t0: float, extra
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in _sse_lines(resp):
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 n, err = _parse_event(line[5:].strip())

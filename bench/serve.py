@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 from bench import interleave, vllm_cpu  # noqa: E402
 from bench.common import BENCH_DIR, fmt, machine_info, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
 from bench.loadgen import CLIENT_NAME, RequestResult, goodput, make_workload, run_load, summarize  # noqa: E402
-from bench.systems import TandemLocal, model_id, run_bare, warm_up  # noqa: E402
+from bench.systems import External, TandemLocal, model_id, run_bare, warm_up  # noqa: E402
 
 SECTION = "serve"
 OUT = BENCH_DIR / "out"
@@ -68,6 +68,7 @@ class Plan:
     ttft_slo_s: float = 0.5
     tpot_slo_s: float = 0.05
     systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    url: str = ""  # system "endpoint": any OpenAI-compatible server already running
 
     @classmethod
     def quick(cls, **kw) -> "Plan":
@@ -92,7 +93,8 @@ def workloads(plan: Plan, vocab: int) -> dict:
 async def drive(base_url: str, plan: Plan, wl: dict, only: tuple[str, ...] = ("saturate", "steady", "burst")) -> dict:
     """Warm the endpoint, then run the workloads; raw per-request results with each run's wall time."""
     model = model_id(base_url)
-    await warm_up(base_url, model, wl["saturate"] + wl["burst"], plan.slots, {})
+    every = wl["saturate"] + wl["burst"] + [x for specs in wl["steady"].values() for x in specs]
+    await warm_up(base_url, model, every, plan.slots, {})
     raw: dict = {}
     if "saturate" in only:
         res, wall = await run_load(base_url, model, wl["saturate"], concurrency=plan.slots)
@@ -124,6 +126,8 @@ def run_system(name: str, plan: Plan, wl: dict, only=("saturate", "steady", "bur
         server, why = _vllm_server(plan)
         if server is None:
             return {"status": "skipped", "reason": why}
+    elif name == "endpoint":
+        server = External(plan.url)
     else:
         server = tandem(name, plan)
     try:
@@ -197,6 +201,23 @@ def ratios(s: dict) -> dict:
         v = s.get("vllm", {})
         out["goodput_tandem_over_vllm_reason"] = (
             v.get("reason") or ("vLLM goodput was 0 at every rate tried" if g_v == 0 else "vLLM was not run"))
+    return out
+
+
+RATIO_NEEDS = {
+    "tandem_vs_bare_engine_tokens_per_s": ("disagg", "bare"),
+    "colocated_vs_bare_engine_tokens_per_s": ("colocated", "bare"),
+    "itl_p99_disagg_over_colocated": ("disagg", "colocated"),
+    "goodput_tandem_over_vllm": ("disagg", "vllm"),
+    "goodput_tandem_over_vllm_reason": ("disagg", "vllm"),
+}
+
+
+def summary_keys(rat: dict, systems: list[str]) -> dict:
+    """The ratios this run measured (or tried to): a run of fewer systems leaves others' keys alone."""
+    out = {k: v for k, v in rat.items() if k in RATIO_NEEDS and all(n in systems for n in RATIO_NEEDS[k])}
+    if out.get("goodput_tandem_over_vllm") is not None:
+        out["goodput_tandem_over_vllm_reason"] = None
     return out
 
 
@@ -281,6 +302,10 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--rates", default="", help="comma-separated request rates (req/s) of the steady sweep")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", default="", help="benchmark this running OpenAI-compatible server instead (system 'endpoint')")
+    p.add_argument("--duration-s", type=float, default=0, help="seconds per steady rate and of the burst run")
+    p.add_argument("--saturate-n", type=int, default=0, help="requests of the closed-loop run")
+    p.add_argument("--out", default="", help="write serve.json, raw timings and plots here instead of bench/out")
     p.add_argument("--ttft-slo-ms", type=float, default=500.0)
     p.add_argument("--tpot-slo-ms", type=float, default=50.0)
     p.add_argument("--no-write", action="store_true", help="print only: leave RESULTS.md and summary.json alone")
@@ -293,7 +318,19 @@ def main(argv=None) -> int:
     plan = Plan.quick(**kw) if a.quick else Plan(**kw)
     if a.rates:
         plan.rates = [float(x) for x in a.rates.split(",")]
+    if a.url:
+        plan.url, plan.systems = a.url, ["endpoint"]
+    if a.duration_s:
+        plan.duration_s = plan.burst_duration_s = a.duration_s
+    plan.saturate_n = a.saturate_n or plan.saturate_n
+    if a.out:
+        set_out(Path(a.out))
     return run(plan, argv, write=not a.no_write)
+
+
+def set_out(out: Path) -> None:
+    global OUT, RAW, PLOTS
+    OUT, RAW, PLOTS = out, out / "serve", out / "plots"
 
 
 def run(plan: Plan, argv: list[str], write: bool = True) -> int:
@@ -323,9 +360,7 @@ def run(plan: Plan, argv: list[str], write: bool = True) -> int:
     if write:
         write_section(SECTION, md)
         interleave.write_from(doc, RAW, plots)
-        merge_summary({k: v for k, v in rat.items() if k in ("tandem_vs_bare_engine_tokens_per_s",
-                       "itl_p99_disagg_over_colocated", "goodput_tandem_over_vllm",
-                       "goodput_tandem_over_vllm_reason", "colocated_vs_bare_engine_tokens_per_s")})
+        merge_summary(summary_keys(rat, plan.systems))
     return 0
 
 

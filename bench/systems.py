@@ -76,6 +76,22 @@ class TandemLocal:
                 self.proc.wait()
 
 
+class External:
+    """An OpenAI-compatible server someone else runs (`bench/serve.py --url`)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+
+    def start(self) -> None:
+        model_id(self.base_url)  # fails fast when nothing answers
+
+    def stop(self) -> None:
+        pass
+
+    def tail(self) -> str:
+        return ""
+
+
 def model_id(base_url: str) -> str:
     with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
         return json.load(resp)["data"][0]["id"]
@@ -83,9 +99,13 @@ def model_id(base_url: str) -> str:
 
 async def warm_up(base_url: str, model: str, specs: list[RequestSpec], slots: int, extra: dict) -> None:
     """One request per prompt bucket the workload uses, then `slots` at once (fills the batch)."""
-    lens = sorted({next(b for b in BUCKETS if b >= s.prompt_len) for s in specs if s.prompt_len <= BUCKETS[-1]})
+    longest: dict[int, RequestSpec] = {}  # bucket -> the longest prompt of the workload in it
+    for s in specs:
+        b = next((b for b in BUCKETS if b >= s.prompt_len), 0)
+        if s.prompt_len > longest.get(b, s).prompt_len or b not in longest:
+            longest[b] = s
+    warm = [RequestSpec(0.0, s.prompt_len, 4, "warm", s.prompt) for _, s in sorted(longest.items())]
     prompt = specs[0].prompt
-    warm = [RequestSpec(0.0, n, 4, "warm", (prompt * (n // max(1, len(prompt)) + 1))[:n]) for n in lens]
     await run_load(base_url, model, warm, concurrency=1, extra=extra)
     batch = [RequestSpec(0.0, len(prompt), 8, "warm", prompt) for _ in range(slots)]
     await run_load(base_url, model, batch, concurrency=slots, extra=extra)

@@ -98,34 +98,38 @@ class DecodeIO:
             task.add_done_callback(lambda _t, rid=rid: self.inflight.pop(rid, None))
             return
         req = GenerationRequest.from_json(c.fields["req"])
-        await self.owned.own(req)
+        await streams.retry_redis(lambda: self.owned.own(req), "own", log=log)
         # Never full: the queue holds at least `slots` items and every item holds a reservation.
         self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
 
     async def _pull_one(self, c: streams.Claimed, notice: streams.ReadyNotice) -> None:
+        """Pull, own, insert, ack. Each Redis step is retried through an outage; the slot stays
+        reserved meanwhile, and the entry is acked only once the request is safely owned."""
         req = notice.request
+        retry = streams.retry_redis
         try:
-            if await streams.cancelled(self.r, [req.request_id]):
+            if await retry(lambda: streams.cancelled(self.r, [req.request_id]), "cancel check", log=log):
                 self.table.unreserve()
                 await self.puller.release(notice)
-                await self._finish(req.request_id, req.start_index + 1, FINISH_CANCELLED)
+                await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_CANCELLED), "finish")
             else:
                 payload = await self.puller.pull(notice, self.s.pull_timeout_s)
                 self.pulled += 1
-                await self.owned.own(req)  # before the ack: from here a crash is recovered from the hash
+                # Own before the ack: from here a crash is recovered from the running hash.
+                await retry(lambda: self.owned.own(req), "own", log=log)
                 self.inserts.put_nowait(Insert(payload, req))
         except KVTransferFailed as e:
             # The prefill pod is gone (or its KV is): prefill again from what was streamed.
             log.warning("pull failed request_id=%s: %s; resuming", req.request_id, e.message)
             self.table.unreserve()
-            await self.resume(req, f"KV pull failed: {e.message}")
+            await retry(lambda: self.resume(req, f"KV pull failed: {e.message}"), "resume", log=log)
         except (TandemError, queue.Full) as e:
             msg = e.message if isinstance(e, TandemError) else "insert queue full"
             log.warning("insert failed request_id=%s: %s", req.request_id, msg)
             self.table.unreserve()
-            await self.owned.disown(req.request_id)
-            await self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg)
-        await streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id)
+            await retry(lambda: self.owned.disown(req.request_id), "disown")
+            await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
+        await retry(lambda: streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
         return await recovery.resume(

@@ -23,6 +23,7 @@ from prefill_svc.settings import PrefillSettings
 from tandem_core import keys, recovery, streams
 from tandem_core.errors import TandemError
 from tandem_core.scheduling import PriorityRotation
+from tandem_core.streams import REDIS_DOWN
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -53,21 +54,36 @@ class PrefillWorker:
         await self._reclaim(include_self=True)  # a restart under the same id: its own leftovers first
         rotation = PriorityRotation(self.s.pool, self.s.priority_high_weight)
         while not stop.is_set():
-            await self._expire_leases()
-            room = min(self.s.max_batch, self.store.room_for(self.max_prefix_bytes))
-            if room == 0:
-                await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
-                continue
             try:
-                claimed = await streams.claim(self.r, rotation.next_order(), keys.PREFILL_GROUP, self.worker_id, room,
-                                              self.s.claim_block_ms)
-            except Exception as e:  # noqa: BLE001 - Redis blip: retry, never die
-                log.warning("claim failed: %s", e)
+                await self._round(rotation)
+            except REDIS_DOWN as e:  # Redis restarting: wait for it, never die
+                log.warning("redis unavailable: %s; retrying", e)
                 await asyncio.sleep(0.5)
-                continue
-            for c in claimed:
-                await self._handle(c)
-            await self._reclaim()
+
+    async def _round(self, rotation: PriorityRotation) -> None:
+        """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
+        await self._expire_leases()
+        room = min(self.s.max_batch, self.store.room_for(self.max_prefix_bytes))
+        if room == 0:
+            await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
+            return
+        claimed = await streams.claim(self.r, rotation.next_order(), keys.PREFILL_GROUP, self.worker_id, room,
+                                      self.s.claim_block_ms)
+        for c in claimed:
+            await self._handle_until_done(c)
+        await self._reclaim()
+
+    async def _handle_until_done(self, c: streams.Claimed) -> None:
+        """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
+        published is not done twice) until it is acked or its request's deadline passes."""
+        reclaimed = False
+        while True:
+            try:
+                return await self._handle(c, reclaimed)
+            except REDIS_DOWN as e:
+                log.warning("redis unavailable while handling %s: %s; retrying", c.entry_id, e)
+                reclaimed = True
+                await asyncio.sleep(0.5)
 
     async def _reclaim(self, include_self: bool = False) -> None:
         """Take over admission entries claimed by a dead pod (never acked), budget permitting."""
@@ -88,11 +104,14 @@ class PrefillWorker:
                 return
             for c in claimed:
                 log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
-                await self._handle(c, reclaimed=True)
+                await self._handle_until_done(c)
 
     async def _handle(self, c: streams.Claimed, reclaimed: bool = False) -> None:
         req = GenerationRequest.from_json(c.fields["req"])
         rid = req.request_id
+        if req.deadline_ts and time.time() > req.deadline_ts + 60:
+            await streams.ack(self.r, c.stream, keys.PREFILL_GROUP, c.entry_id)  # long abandoned
+            return
         try:
             if reclaimed and len((await recovery.streamed_tokens(self.r, rid))[0]) > req.start_index:
                 log.info("reclaimed request_id=%s was already prefilled by its first owner", rid)
@@ -102,6 +121,8 @@ class PrefillWorker:
                 await self._finish(rid, req.start_index, [], FINISH_ERROR, "deadline passed before prefill")
             else:
                 await self._prefill(req)
+        except REDIS_DOWN:
+            raise
         except TandemError as e:
             log.info("request failed request_id=%s: %s", rid, e.message)
             await self._finish(rid, req.start_index, [], FINISH_ERROR, e.message)

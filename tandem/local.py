@@ -13,12 +13,11 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 from tandem.redis_proc import RedisProcess, free_port
+from tandem.supervisor import Child, Supervisor
 
 log = logging.getLogger("tandem.local")
 DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
@@ -45,6 +44,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
                         "roles: prefill, decode, gateway, redis")
+    p.add_argument("--no-persistence", action="store_true",
+                   help="run the embedded Redis without its append-only file (by default it is on, so a "
+                   "restarted Redis keeps queued requests and token streams)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
     return p.parse_args(argv)
@@ -88,10 +90,10 @@ def _preexec_for(cpus: set[int] | None):
 class Cluster:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
-        self.redis = RedisProcess()
+        self.redis = RedisProcess(appendonly=not a.no_persistence)
         self.pins = _pin_map(a.pin)
         self.redis.preexec = _preexec_for(self.pins.get("redis"))
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.sup = Supervisor()
         self.grpc_port = a.grpc_port or free_port()
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
 
@@ -109,12 +111,7 @@ class Cluster:
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets)}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
-        # Own session: the terminal's Ctrl-C reaches only the launcher, which drains the workers
-        # in order (gateway first, Redis last). PDEATHSIG still takes them down if it is killed.
-        p = subprocess.Popen([sys.executable, "-m", module], env=env, start_new_session=True,
-                             preexec_fn=_preexec_for(self.pins.get(name.split("-")[0])))
-        self.procs.append((name, p))
-        log.info("started %s pid=%d", name, p.pid)
+        self.sup.add(Child(name, module, env, _preexec_for(self.pins.get(name.split("-")[0]))))
 
     def start(self) -> None:
         self.redis.start()
@@ -163,22 +160,12 @@ class Cluster:
         raise TimeoutError(f"cluster not ready within {self.a.ready_timeout}s ({last})")
 
     def check_children(self) -> None:
-        for name, p in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} (pid {p.pid}) exited with code {p.returncode}")
+        """Supervision: restart whatever died (Redis too, on its port with its data)."""
+        alive = self.redis.proc is not None and self.redis.proc.poll() is None
+        self.sup.tick(restart_redis=self.redis.start, redis_alive=alive)
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        for _name, p in reversed(self.procs):  # gateway first: stop accepting, then workers
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs: killing", name, grace_s)
-                p.kill()
-                p.wait()
+    def stop(self, grace_s: float = 40.0) -> None:
+        self.sup.stop(grace_s)  # gateway first: stop accepting, then workers drain through Redis
         self.redis.stop()
         log.info("cluster stopped")
 

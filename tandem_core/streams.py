@@ -10,11 +10,33 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import keys
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest
+
+
+# What a Redis restart or network blip raises: callers wait and retry these, and only these.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
+    """Call `await fn()` until Redis answers (a restart takes seconds), at most `timeout_s`."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await fn()
+        except REDIS_DOWN as e:
+            if time.monotonic() > deadline:
+                raise
+            if log:
+                log.warning("redis unavailable during %s: %s; retrying", what, e)
+            await asyncio.sleep(0.5)
 
 
 def connect(cfg: RedisConfig) -> aioredis.Redis:

@@ -2,23 +2,28 @@
 
 A Llama-family decoder behind a JetStream-shaped slot API (prefill -> Prefix, insert into a slot of
 a DecodeState, generate one step for all slots), plus explicit device<->host moves of the KV so the
-services only ever move bytes. It imports no Redis, gRPC, HTTP or settings.
+services only ever move bytes. `load_engine(..., tp=N)` (or `mesh=`) splits weights and KV over
+N chips by attention head and MLP unit (sharding.py). It imports no Redis, gRPC, HTTP or settings.
 """
 from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, Prefix, load_engine
 from tandem_engine.model import ModelConfig, config_from_info, reference_forward, reference_greedy
-from tandem_engine.weights import init_params, load_params, save_hf_checkpoint
+from tandem_engine.sharding import Layout, make_layout
+from tandem_engine.weights import init_params, load_params, resolve_engine_model, save_hf_checkpoint
 
 __all__ = [
     "DEFAULT_BUCKETS",
     "DecodeState",
     "Engine",
+    "Layout",
     "ModelConfig",
     "Prefix",
     "config_from_info",
     "init_params",
     "load_engine",
     "load_params",
+    "make_layout",
     "reference_forward",
     "reference_greedy",
+    "resolve_engine_model",
     "save_hf_checkpoint",
 ]

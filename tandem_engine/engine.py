@@ -14,6 +14,9 @@ Life of a request through the engine:
 Public methods do host work (validation, padding, seeds); private jitted cores do device work and
 donate the `DecodeState` so the KV cache is updated in place. The cores take the params and a
 hashable `ModelConfig` as arguments, so engines with the same architecture share compiled code.
+With tp > 1 they also take a static `Layout` (sharding.py): params and the KV cache arrive
+sharded by head, jit propagates that through the layers, and the cores pin only the KV they
+return, so a donated cache keeps its sharding step after step. tp == 1 is the unsharded path.
 
 Positions: a slot's position must stay below `max_len`; the caller finishes a request (reason
 "length") before its position reaches `max_len`. Past that, writes clamp to the last cache row

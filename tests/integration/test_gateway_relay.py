@@ -55,7 +55,7 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
     finish = "stop"
     if len(toks) > req.max_tokens:
         toks, finish = toks[: req.max_tokens], "length"
-    delay = 0.2 if prompt.startswith("slow") else 0.005
+    delay = 0.2 if "slow" in prompt else 0.005  # "in": chat prompts are wrapped by a template
     steps = [toks[:1]] + [toks[i : i + 3] for i in range(1, len(toks), 3)]
     sent = 0
     for n, step in enumerate(steps):

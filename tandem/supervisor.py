@@ -1,0 +1,90 @@
+"""Process supervision for `tandem local`, the way the kubelet treats a pod's containers:
+a child that exits is restarted (same name, same environment, so the same worker id) after an
+exponential back-off; one that keeps crashing stops the cluster with its exit code in the log."""
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("tandem.local")
+
+
+@dataclass
+class Child:
+    name: str
+    module: str
+    env: dict[str, str]
+    preexec: Callable[[], None] | None = None
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    crashes: list[float] = field(default_factory=list)  # exit times within the crash window
+    restart_at: float = 0.0
+
+    def start(self) -> None:
+        # Own session: the terminal's Ctrl-C reaches only the launcher, which stops the children
+        # in order. The preexec hook still takes a child down if the launcher is killed.
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=self.env, start_new_session=True,
+                                     preexec_fn=self.preexec)
+        log.info("started %s pid=%d", self.name, self.proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    def __init__(self, max_crashes: int = 5, window_s: float = 60.0, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0) -> None:
+        self.children: list[Child] = []
+        self.max_crashes, self.window_s = max_crashes, window_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+
+    def add(self, child: Child) -> None:
+        self.children.append(child)
+        child.start()
+
+    def tick(self, restart_redis: Callable[[], None] | None = None, redis_alive: bool = True) -> None:
+        """Restart what has exited; raise RuntimeError on a crash loop."""
+        now = time.monotonic()
+        if not redis_alive and restart_redis:
+            log.warning("redis exited; restarting it on the same port with its data")
+            restart_redis()
+        for c in self.children:
+            if c.proc is None:
+                if now >= c.restart_at:
+                    c.start()
+                continue
+            code = c.proc.poll()
+            if code is None:
+                continue
+            c.crashes = [t for t in c.crashes if now - t < self.window_s] + [now]
+            if len(c.crashes) > self.max_crashes:
+                raise RuntimeError(f"{c.name} exited {len(c.crashes)} times within {self.window_s:.0f}s "
+                                   f"(last exit code {code}); giving up")
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (len(c.crashes) - 1))
+            log.warning("%s (pid %d) exited with code %s; restarting in %.1fs", c.name, c.proc.pid, code, delay)
+            c.proc, c.restarts, c.restart_at = None, c.restarts + 1, now + delay
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM in reverse start order (gateway first), then wait; SIGKILL stragglers."""
+        for c in reversed(self.children):
+            if c.running():
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs: killing", c.name, grace_s)
+                c.proc.kill()
+                c.proc.wait()

@@ -1,0 +1,241 @@
+"""The front door against a real Redis and the scripted worker of test_gateway_relay.py, over real
+HTTP and gRPC on loopback: chat completions through the official `openai` client (sync and
+async), resumable streams (a resumed stream equals an unbroken one), the grace period, per-key
+limits, and gRPC reflection."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import grpc
+import httpx
+import openai
+import pytest
+import redis
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from test_gateway_relay import OUT, OUT_IDS, Gateway, _settings, _wait_key, _worker_loop
+
+from tandem_core import keys
+
+N_TOKENS = len(OUT_IDS) + 1  # the text, then EOS
+
+
+@pytest.fixture(scope="module")
+def gw(redis_url):
+    pool = f"gwfd-{uuid.uuid4().hex[:8]}"
+    stop = threading.Event()
+    worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(redis_url, pool, stop)), daemon=True)
+    worker.start()
+    g = Gateway(_settings(redis_url, pool, resume_grace_s=0.3)).start()
+    try:
+        yield g
+    finally:
+        g.stop()
+        stop.set()
+        worker.join(timeout=10)
+
+
+@pytest.fixture
+def gateway_factory(redis_url):
+    started: list[Gateway] = []
+
+    def make(**kw) -> Gateway:
+        g = Gateway(_settings(redis_url, f"gwfd-{uuid.uuid4().hex[:8]}", **kw)).start()
+        started.append(g)
+        return g
+
+    yield make
+    for g in started:
+        g.stop()
+
+
+@pytest.fixture
+def sync_redis(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+
+
+def _events(resp: httpx.Response, limit: int | None = None) -> list[tuple[int | None, str]]:
+    """(id, data) of each SSE event, stopping after `limit` events that carry an id."""
+    out, event_id, with_id = [], None, 0
+    for line in resp.iter_lines():
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            out.append((event_id, line[6:]))
+            with_id += event_id is not None
+            event_id = None
+            if limit is not None and with_id >= limit:
+                break
+    return out
+
+
+def _text(events: list[tuple[int | None, str]], kind: str) -> str:
+    parts = []
+    for _, data in events:
+        if data == "[DONE]":
+            continue
+        for c in json.loads(data)["choices"]:
+            parts.append(c["delta"].get("content", "") if kind == "chat" else c["text"])
+    return "".join(parts)
+
+
+def _body(kind: str, prompt: str, **kw) -> tuple[str, dict]:
+    if kind == "chat":
+        return "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": prompt}], **kw}
+    return "/v1/completions", {"model": "tiny", "prompt": prompt, **kw}
+
+
+# ---------------------------------------------------------------- chat through the openai client
+
+
+def test_chat_with_the_openai_client_sync_and_async(gw):
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+        max_tokens=64, temperature=0,
+    )
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == OUT
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == N_TOKENS
+    assert out.usage.prompt_tokens == 1 + len("<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n")
+
+    async def streamed() -> list:
+        aclient = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        stream = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            max_completion_tokens=64, stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await aclient.close()
+        return chunks
+
+    chunks = asyncio.run(streamed())
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == OUT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N_TOKENS
+
+
+# ---------------------------------------------------------------- resumable streams
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_resumed_stream_equals_an_unbroken_one(gw, sync_redis, kind):
+    opts = dict(max_tokens=64, stream=True, resumable=True, stream_options={"include_usage": True})
+    path, body = _body(kind, "fast resume", **opts)
+    with httpx.stream("POST", gw.url + path, json=body, timeout=30) as resp:
+        unbroken = _events(resp)
+    k = 8
+    path, body = _body(kind, "slow resume", **opts)  # the same tokens, 0.2 s apart
+    with httpx.stream("POST", gw.url + path, json=body, timeout=30) as resp:
+        rid = resp.headers["x-request-id"]
+        first = _events(resp, limit=k)  # ... then the connection drops
+    assert json.loads(first[0][1])["id"] == rid  # the completion id is the request id
+    time.sleep(0.3)  # the worker keeps going meanwhile
+    with httpx.stream("GET", f"{gw.url}/v1/requests/{rid}/stream", headers={"Last-Event-ID": str(k - 1)},
+                      timeout=30) as resp:
+        assert resp.status_code == 200
+        rest = _events(resp)
+    resumed = first + rest
+    print('REST', rest)
+    assert [i for i, _ in resumed] == [i for i, _ in unbroken] == list(range(N_TOKENS)) + [None, None]
+    assert _text(resumed, kind) == _text(unbroken, kind) == OUT
+    assert json.loads(resumed[-2][1])["usage"]["completion_tokens"] == N_TOKENS
+    time.sleep(0.5)  # past the grace period: the request finished, nothing was cancelled
+    assert not sync_redis.exists(keys.cancel_key(rid))
+
+    with httpx.stream("GET", f"{gw.url}/v1/requests/{rid}/stream?from=20", timeout=30) as resp:
+        tail = _events(resp)  # a finished stream can be replayed from any index
+    assert [i for i, _ in tail] == list(range(20, N_TOKENS)) + [None, None]
+
+
+def test_resumable_request_is_cancelled_after_the_grace_period(gateway_factory, sync_redis):
+    g = gateway_factory(resume_grace_s=0.4)  # no worker: the request stays queued
+    body = {"prompt": "hello", "max_tokens": 8, "stream": True, "resumable": True}
+    with httpx.stream("POST", f"{g.url}/v1/completions", json=body, timeout=30) as resp:
+        rid = resp.headers["x-request-id"]
+    # a client resumes within the grace period: no cancel while it is attached
+    with httpx.stream("GET", f"{g.url}/v1/requests/{rid}/stream", timeout=30) as resp:
+        assert resp.status_code == 200
+        time.sleep(0.8)
+        assert not sync_redis.exists(keys.cancel_key(rid))
+    assert _wait_key(sync_redis, keys.cancel_key(rid), timeout_s=5)  # ... it left: cancelled after the grace
+
+
+def test_only_resumable_requests_of_the_same_key_resume(gateway_factory):
+    g = gateway_factory(api_keys=["k1", "k2"])
+    h1, h2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+
+    def start(resumable: bool) -> str:
+        body = {"prompt": "hi", "max_tokens": 2, "stream": True, "resumable": resumable}
+        with httpx.stream("POST", f"{g.url}/v1/completions", json=body, headers=h1, timeout=30) as resp:
+            return resp.headers["x-request-id"]
+
+    rid = start(True)
+    assert httpx.get(f"{g.url}/v1/requests/{rid}/stream", headers=h2).status_code == 404  # another key
+    assert httpx.get(f"{g.url}/v1/requests/{rid}/stream").status_code == 401
+    with httpx.stream("GET", f"{g.url}/v1/requests/{rid}/stream", headers=h1, timeout=30) as resp:
+        assert resp.status_code == 200
+    plain = start(False)
+    resp = httpx.get(f"{g.url}/v1/requests/{plain}/stream", headers=h1)
+    assert resp.status_code == 404 and "resumable" in resp.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- per-key limits
+
+
+def test_concurrent_requests_per_key_429(gateway_factory):
+    g = gateway_factory(api_keys=["k1", "k2"], max_concurrent_requests_per_key=1, retry_after_s=2)
+    h1, h2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+    body = {"prompt": "hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{g.url}/v1/completions", json=body, headers=h1, timeout=30) as first:
+        assert first.status_code == 200  # in flight (no worker answers)
+        second = httpx.post(f"{g.url}/v1/completions", json=body, headers=h1)
+        assert second.status_code == 429 and second.headers["retry-after"] == "2"
+        assert "1 concurrent requests per key" in second.json()["error"]["message"]
+        with httpx.stream("POST", f"{g.url}/v1/completions", json=body, headers=h2, timeout=30) as other:
+            assert other.status_code == 200  # another key is not affected
+    deadline = time.monotonic() + 5
+    while True:  # the first stream's lease is released once its relay ends
+        with httpx.stream("POST", f"{g.url}/v1/completions", json=body, headers=h1, timeout=30) as again:
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+        time.sleep(0.1)
+    assert again.status_code == 200
+
+
+def test_tokens_per_minute_per_key_429(gateway_factory):
+    g = gateway_factory(tokens_per_minute_per_key=40, first_token_timeout_s=0.3)
+    url = f"{g.url}/v1/completions"
+    assert httpx.post(url, json={"prompt": "hello", "max_tokens": 30}, timeout=30).status_code == 504
+    resp = httpx.post(url, json={"prompt": "hello", "max_tokens": 30}, timeout=30)  # 6 used + 36 > 40
+    assert resp.status_code == 429 and 1 <= int(resp.headers["retry-after"]) <= 60
+    assert "tokens per minute" in resp.json()["error"]["message"]
+    too_big = httpx.post(url, json={"prompt": "hello", "max_tokens": 40}, timeout=30)
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "max_tokens"
+
+
+# ---------------------------------------------------------------- gRPC reflection, metrics
+
+
+def test_grpc_reflection_lists_the_services(gw):
+    from google.protobuf.descriptor_pool import DescriptorPool
+
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = set(db.get_services())
+        assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= services
+        method = DescriptorPool(db).FindServiceByName("tandem.v1.Tandem").methods_by_name["Generate"]
+        assert method.input_type.full_name == "tandem.v1.GenerateRequest" and method.server_streaming
+
+
+def test_inference_extension_gauges(gw):
+    text = httpx.get(f"{gw.url}/metrics").text
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:lora_requests_info"):
+        assert f'{name}{{' in text, name

@@ -1,0 +1,221 @@
+"""The front door's strict input (raw httpx through FastAPI's TestClient, real Redis, nothing
+enqueued), chat templates, per-key limits (a fake clock) and the inference-extension load gauges."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.chat import ChatTemplate, default_template
+from gateway.limits import KeyLimiter
+from gateway.metrics import cluster_load
+from gateway.resume import start_index
+from gateway.settings import GatewaySettings
+from tandem_core import keys
+from tandem_core.errors import AdmissionRejected, InvalidRequest
+from tandem_core.models import resolve_model
+from tandem_core.settings import RedisConfig
+
+POOL = f"gwa-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def client(redis_url):
+    s = GatewaySettings(
+        redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", max_prompt_len=64,
+        max_context_len=80, max_tokens_limit=20, max_stop_strings=2, max_body_bytes=4096,
+    )
+    with TestClient(create_app(s)) as c:
+        yield c
+    r = redis.Redis.from_url(redis_url)
+    assert sum(r.xlen(keys.admission_stream(POOL, p)) for p in keys.PRIORITIES) == 0  # nothing enqueued
+    assert r.xlen(keys.direct_stream(POOL)) == 0
+    r.close()
+
+
+def _err(resp, status: int, param: str | None, *words: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT_CASES = [
+    ({"messages": []}, "messages", ["empty"]),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", ["system, user, assistant", "tool"]),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", ["required"]),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]", ["only text", "image_url"]),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text",
+     ["string"]),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
+     ["unknown field"]),
+    ({"messages": "hello"}, "messages", []),
+    ({"messages": USER, "n": 3}, "n", ["1"]),
+    ({"messages": USER, "logprobs": True}, "logprobs", ["not supported yet"]),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", ["not supported yet"]),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools", ["not supported yet"]),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", ["not supported yet"]),
+    ({"messages": USER, "max_completion_tokens": 21}, "max_tokens", ["21", "20"]),
+    ({"messages": USER, "max_completion_tokens": 3, "max_tokens": 4}, "max_completion_tokens", ["not both"]),
+    ({"messages": [{"role": "user", "content": "x" * 100}]}, "messages", ["after the chat template", "64"]),
+    ({"messages": USER, "stop": ["a", "b", "c"]}, "stop", ["3", "2"]),
+    ({"messages": USER, "temperature": 3}, "temperature", ["[0, 2]"]),
+    ({"messages": USER, "resumable": "yes"}, "resumable", []),
+    ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage", []),
+]
+
+
+@pytest.mark.parametrize("body,param,words", CHAT_CASES, ids=[str(c[0])[:50] for c in CHAT_CASES])
+def test_chat_bad_input(client, body, param, words):
+    _err(client.post("/v1/chat/completions", json={"model": "tiny", **body}), 400, param, *words)
+
+
+RAW_CASES = [  # (body, param, words, whether chat gets the same error: checks before the schema)
+    (b'{"prompt": "caf\xe9"}', None, ["UTF-8"], True),  # a latin-1 byte, not UTF-8
+    (b'\xff\xfe{\x00}\x00', None, ["UTF-8"], True),
+    (b'{"prompt": "\\ud800x"}', "prompt", ["surrogate"], True),
+    (b'{"prompt": "hi", "stop": ["\\udfff"]}', "stop[0]", ["surrogate"], True),
+    (b'{"prompt": "hi", "temperature": NaN}', None, ["NaN"], True),
+    (b'{"prompt": "hi", "top_p": Infinity}', None, ["Infinity"], True),
+    (b'{"prompt": "hi", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x" + "[0]" * 32, ["nested"], True),
+    (b'{"prompt": "hi", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", None, ["nested"], True),
+    (b'{"prompt": "hi", "max_tokens": 1e400}', "max_tokens", [], False),
+    (b'{"prompt": "hi", "seed": 100000000000000000000000000000}', "seed", ["64-bit"], False),
+    (b'{"prompt": "hi", "model": "' + b"m" * 300 + b'"}', "model", ["256"], False),
+]
+
+
+@pytest.mark.parametrize("raw,param,words,same", RAW_CASES, ids=[repr(c[0][:30]) for c in RAW_CASES])
+def test_malformed_bodies(client, raw, param, words, same):
+    headers = {"content-type": "application/json"}
+    _err(client.post("/v1/completions", content=raw, headers=headers), 400, param, *words)
+    chat = client.post("/v1/chat/completions", content=raw, headers=headers)
+    if same:
+        _err(chat, 400, param, *words)
+    else:
+        assert chat.status_code == 400, chat.text
+
+
+def test_unsupported_noop_values_are_accepted_as_off(client):
+    # Validation passes (the request then fails on the prompt limit, after the no-op fields).
+    body = {"prompt": "x" * 100, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "echo": False, "best_of": 1, "n": 1, "user": "u1"}
+    _err(client.post("/v1/completions", json=body), 400, "prompt", "64")
+    chat = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "x" * 100}]}],
+            "logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"},
+            "parallel_tool_calls": False, "store": False, "metadata": {"a": "b"}}
+    _err(client.post("/v1/chat/completions", json=chat), 400, "messages", "after the chat template")
+
+
+def test_resume_unknown_and_bad_ids(client):
+    _err(client.get("/v1/requests/cmpl-nope/stream"), 404, "request_id", "resumable")
+    _err(client.get("/v1/requests/cmpl-nope/stream", headers={"Last-Event-ID": "x1"}), 400, "Last-Event-ID")
+    _err(client.get("/v1/requests/cmpl-nope/stream?from=-3"), 400, "from")
+
+
+def test_start_index():
+    assert start_index(None, None) == 0
+    assert start_index("4", None) == 5 and start_index(" 4 ", "2") == 5 and start_index("1", "7") == 7
+    with pytest.raises(InvalidRequest):
+        start_index("-1", None)
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def test_default_template():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert default_template(msgs) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert ChatTemplate().render(msgs) == default_template(msgs) and ChatTemplate().kind == "default"
+
+
+def test_model_template_from_tokenizer_config(tmp_path):
+    pytest.importorskip("jinja2")
+    src = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+           "{{ raise_exception('system must come first') }}{% endif %}[{{ m.role }}]{{ m.content }}{{ eos_token }}"
+           "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "default", "template": src}], "bos_token": {"content": "<s>"},
+         "eos_token": "</s>"}))
+    info = resolve_model("tiny").__class__(**{**resolve_model("tiny").__dict__, "path": str(tmp_path)})
+    t = ChatTemplate.for_model(info)
+    assert t.kind == "model"
+    # BOS text is removed: the tokenizer adds the BOS id itself.
+    assert t.render([{"role": "user", "content": "hi"}]) == "[user]hi</s>[assistant]"
+    with pytest.raises(InvalidRequest, match="system must come first"):
+        t.render([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+    assert ChatTemplate("{% for %}").kind == "default"  # a broken template falls back, logged
+
+
+# ---------------------------------------------------------------- per-key limits
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_concurrency_limit_per_key():
+    lim = KeyLimiter(max_concurrent=2, tokens_per_minute=0, lease_ttl_s=30, retry_after_s=2, clock=Clock())
+    a, _b = lim.acquire("k1", 10), lim.acquire("k1", 10)
+    with pytest.raises(AdmissionRejected, match="2 concurrent") as e:
+        lim.acquire("k1", 10)
+    assert e.value.retry_after_s == 2 and e.value.http_status == 429
+    lim.acquire("k2", 10)  # another key has its own count
+    a.release(5)
+    a.release(5)  # idempotent
+    lim.acquire("k1", 10)
+
+
+def test_tokens_per_minute_window_refund_and_lost_leases():
+    clock = Clock()
+    lim = KeyLimiter(max_concurrent=1, tokens_per_minute=100, lease_ttl_s=30, retry_after_s=1, clock=clock)
+    lease = lim.acquire("k", 60)
+    lease.release(20)  # 40 of the 60 reserved were not generated: refunded
+    clock.t += 10
+    lim.acquire("k", 80).release(80)  # 20 + 80 = 100: fits exactly
+    clock.t += 10
+    with pytest.raises(AdmissionRejected) as e:
+        lim.acquire("k", 20)
+    assert e.value.retry_after_s == pytest.approx(40)  # the first entry (20 tokens) leaves at t+60
+    with pytest.raises(AdmissionRejected) as e:
+        lim.acquire("k", 30)
+    assert e.value.retry_after_s == pytest.approx(50)  # 30 needs the second entry gone too (t+70)
+    with pytest.raises(InvalidRequest, match="more than the limit"):
+        lim.acquire("k", 101)  # can never pass: 400, not 429
+    clock.t += 41
+    lost = lim.acquire("k", 10)  # never released ...
+    clock.t += 31
+    lim.acquire("k", 10)  # ... its slot comes back after lease_ttl_s
+    assert not lost.released
+
+
+# ---------------------------------------------------------------- load gauges
+
+
+def test_cluster_load_for_the_inference_extension():
+    workers = [
+        {"role": "decode", "slots": 8, "free_slots": 2, "draining": False},
+        {"role": "decode", "slots": 8, "free_slots": 8, "draining": True},  # draining: not counted
+        {"role": "prefill", "held_kv_bytes": 900, "extra": {"kv_budget_bytes": 1000}},
+    ]
+    assert cluster_load(workers, 5, 3) == (8, 6, 0.9)
+    assert cluster_load(workers[:1], 0, 0) == (0, 6, 0.75)
+    assert cluster_load([], 4, 0) == (4, 0, 0.0)
+
+
+def test_metrics_names(client):
+    text = client.get("/metrics").text
+    for name in ("vllm:num_requests_waiting{", "vllm:num_requests_running{", "vllm:kv_cache_usage_perc{",
+                 "vllm:gpu_cache_usage_perc{", "vllm:lora_requests_info{", "tandem_ttft_seconds"):
+        assert name in text, name
