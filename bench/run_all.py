@@ -15,6 +15,9 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 BENCHMARKS = [
     "engine.py",
+    "kv_transfer.py",
+    "serve.py",
+    "interleave.py",  # reuses serve.py's burst runs of the same `make bench`
 ]
 
 

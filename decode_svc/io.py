@@ -120,9 +120,10 @@ class DecodeIO:
                 self.inserts.put_nowait(Insert(payload, req))
         except KVTransferFailed as e:
             # The prefill pod is gone (or its KV is): prefill again from what was streamed.
-            log.warning("pull failed request_id=%s: %s; resuming", req.request_id, e.message)
+            why = f"KV pull failed: {e.message}"
+            log.warning("pull failed request_id=%s: %s; resuming", req.request_id, why)
             self.table.unreserve()
-            await retry(lambda: self.resume(req, f"KV pull failed: {e.message}"), "resume", log=log)
+            await retry(lambda: self.resume(req, why), "resume", log=log)
         except (TandemError, queue.Full) as e:
             msg = e.message if isinstance(e, TandemError) else "insert queue full"
             log.warning("insert failed request_id=%s: %s", req.request_id, msg)

@@ -166,7 +166,12 @@ async def _pump(
         left, which = dl.remaining(st.next_index > 0)
         if left <= 0:
             raise DeadlineExceeded(f"no {which} within the deadline; request {rid} cancelled")
-        events = await streams.read_tokens(r, rid, st.last_id, max(1, min(block_ms, int(left * 1000))))
+        try:
+            events = await streams.read_tokens(r, rid, st.last_id, max(1, min(block_ms, int(left * 1000))))
+        except streams.REDIS_DOWN as e:  # a Redis restart: the stream persists, keep reading
+            log.warning("redis unavailable while relaying request_id=%s: %s; retrying", rid, e)
+            await asyncio.sleep(0.5)
+            continue
         for ev in events:
             st.last_id = ev.entry_id
             if ev.token_id < 0 and ev.finish_reason:  # a finish without a token: terminal

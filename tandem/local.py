@@ -162,7 +162,11 @@ class Cluster:
     def check_children(self) -> None:
         """Supervision: restart whatever died (Redis too, on its port with its data)."""
         alive = self.redis.proc is not None and self.redis.proc.poll() is None
-        self.sup.tick(restart_redis=self.redis.start, redis_alive=alive)
+        self.sup.tick(restart_redis=self._restart_redis, redis_alive=alive)
+
+    def _restart_redis(self) -> None:
+        self.redis.start()
+        log.info("redis pid=%d url=%s (restarted)", self.redis.pid, self.redis.url)
 
     def stop(self, grace_s: float = 40.0) -> None:
         self.sup.stop(grace_s)  # gateway first: stop accepting, then workers drain through Redis

@@ -118,12 +118,25 @@ def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=_rope(cfg)[0],
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         path=str(path.resolve()),
         tokenizer=tok,
-        extra={"rope_scaling": cfg.get("rope_scaling")},
+        extra={"rope_scaling": _rope(cfg)[1]},
     )
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config.json. transformers >= 5 writes them as
+    `rope_parameters` ({"rope_theta": ..., "rope_type": ..., scaling keys}); older versions as
+    top-level `rope_theta` / `rope_scaling`. Missing both, Llama's default theta is 10000."""
+    rope = cfg.get("rope_parameters")
+    if "rope_theta" in cfg or not isinstance(rope, dict) or "rope_theta" not in rope:
+        return float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = cfg.get("rope_scaling")
+    return float(rope["rope_theta"]), scaling

@@ -7,7 +7,6 @@ tests can build real checkpoint directories.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -37,21 +36,8 @@ _LAYER_NAMES = {
 
 
 def resolve_engine_model(model: str) -> ModelInfo:
-    """`resolve_model`, plus RoPE settings that transformers >= 5 writes as `rope_parameters`
-    ({"rope_theta": ..., "rope_type": ..., scaling keys}) instead of top-level `rope_theta` /
-    `rope_scaling`. Without this a rope_theta of 500000 would silently load as 10000."""
-    info = resolve_model(model)
-    if not info.path:
-        return info
-    cfg = json.loads((Path(info.path) / "config.json").read_text())
-    rope = cfg.get("rope_parameters")
-    if "rope_theta" in cfg or not isinstance(rope, dict) or "rope_theta" not in rope:
-        return info
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = cfg.get("rope_scaling")
-    extra = {**(info.extra or {}), "rope_scaling": scaling}
-    return dataclasses.replace(info, rope_theta=float(rope["rope_theta"]), extra=extra)
+    """The model's facts, as every service reads them (RoPE from either config.json style)."""
+    return resolve_model(model)
 
 
 def resolve_dtype(dtype: str):

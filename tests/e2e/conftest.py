@@ -38,7 +38,8 @@ def start_local(model: str = "builtin", *, prefill: int = 1, decode: int = 1, sl
            "--grpc-port", str(grpc_port), "--prefill", str(prefill), "--decode", str(decode),
            "--slots", str(slots), "--max-len", str(max_len), *(extra or [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            encoding="utf-8", errors="replace")
     log: list[str] = []
     ready = threading.Event()
 
