@@ -88,7 +88,7 @@ class VLLMServer:
         cmd = [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", str(self.max_len), "--max-num-seqs", str(self.max_num_seqs),
-               "--served-model-name", "bench", "--disable-log-requests"]
+               "--served-model-name", "bench"]
         if self.cpus:
             cmd = ["taskset", "-c", self.cpus, *cmd]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",

@@ -42,7 +42,7 @@ async def serve(s: DecodeSettings) -> int:
     io = DecodeIO(s, r, table, engine_loop, inserts, outputs, worker_id)
 
     server = grpc_util.make_server(s.grpc.max_message_bytes)
-    port = grpc_util.bind(server, s.grpc.host, s.grpc.port)
+    port = grpc_util.bind(server, s.grpc.host, s.grpc.port, s.grpc)
     health = grpc_util.add_health(server, [SERVICE])
     await server.start()
     address = f"{s.grpc.advertise_host}:{port}"

@@ -35,7 +35,7 @@ class DecodeIO:
                  inserts: queue.Queue, outputs: queue.Queue, worker_id: str) -> None:
         self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
         self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
-        self.puller = KVPuller(s.grpc.max_message_bytes)
+        self.puller = KVPuller(s.grpc.max_message_bytes, tls=s.grpc)
         self.owned = streams.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import grpc
 
-from tandem_core import kvcodec
+from tandem_core import grpc_util, kvcodec
 from tandem_core.errors import KVTransferFailed
+from tandem_core.settings import GrpcConfig
 from tandem_core.streams import ReadyNotice
 from tandem_core.types import KVPayload
 from tandem_proto import kv_pb2, kv_pb2_grpc
 
 
 class KVPuller:
-    def __init__(self, max_message_bytes: int, max_channels: int = 64) -> None:
+    def __init__(self, max_message_bytes: int, max_channels: int = 64, tls: GrpcConfig | None = None) -> None:
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._max_channels = max_channels
 
@@ -27,7 +29,7 @@ class KVPuller:
                 _, old = self._channels.popitem()
                 # closing is async; the channel is unreferenced and closes on GC
                 del old
-            ch = grpc.aio.insecure_channel(address, options=self._opts)
+            ch = grpc_util.channel(address, self._tls, self._opts)
             self._channels[address] = ch
         return kv_pb2_grpc.KVTransferStub(ch)
 

@@ -39,6 +39,9 @@ All settings come from environment variables (nested blocks use "__"):
   TANDEM_GATEWAY_API_KEYS              JSON list of accepted bearer keys (empty: no auth)
   TANDEM_GATEWAY_ADMIN_KEY             bearer key for /admin/* (empty: open)
   TANDEM_GATEWAY_SHUTDOWN_GRACE_S      time open streams get on SIGTERM (30)
+  TANDEM_GATEWAY_RESUME_GRACE_S        "resumable" requests: time a dropped client has to resume (30)
+  TANDEM_GATEWAY_MAX_CONCURRENT_REQUESTS_PER_KEY  per API key and replica (0: no limit)
+  TANDEM_GATEWAY_TOKENS_PER_MINUTE_PER_KEY        prompt + max_tokens per key and replica (0: no limit)
   TANDEM_GATEWAY_LOG_LEVEL             DEBUG/INFO/WARNING (INFO)
 """
 
@@ -46,7 +49,8 @@ All settings come from environment variables (nested blocks use "__"):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m gateway",
-        description="Tandem gateway: OpenAI-compatible /v1/completions (SSE) and gRPC tandem.v1.Tandem, "
+        description="Tandem gateway: OpenAI-compatible /v1/completions and /v1/chat/completions (SSE) and "
+        "gRPC tandem.v1.Tandem, "
         "relaying tokens from prefill/decode workers through Redis.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -39,6 +39,7 @@ def to_params(req: generate_pb2.GenerateRequest) -> CompletionParams:
         seed=int(s.seed) if has_sampling and s.HasField("seed") else None,
         stop=list(req.stop),
         priority=req.priority or None,
+        ignore_eos=req.ignore_eos,
         request_id=req.request_id or None,
     )
 

@@ -103,14 +103,14 @@ def start_index(last_event_id: str | None, from_index: str | None) -> int:
     start = 0
     if last_event_id is not None and last_event_id.strip() != "":
         v = last_event_id.strip()
-        if not v.isdigit() or len(v) > 9:
+        if not (v.isascii() and v.isdigit()) or len(v) > 9:
             raise InvalidRequest(
                 f"Last-Event-ID must be a token index (a non-negative integer), got {v[:32]!r}",
                 param="Last-Event-ID",
             )
         start = int(v) + 1
     if from_index is not None:
-        if not from_index.isdigit() or len(from_index) > 9:
+        if not (from_index.isascii() and from_index.isdigit()) or len(from_index) > 9:
             raise InvalidRequest(f"from must be a non-negative integer, got {from_index[:32]!r}", param="from")
         start = max(start, int(from_index))
     return start

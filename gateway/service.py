@@ -70,6 +70,7 @@ class GatewayService:
         )
         self.background: set[asyncio.Task] = set()
         self.grace_tasks: set[asyncio.Task] = set()
+        self._load_ts = -1e9  # when the load gauges were last refreshed (monotonic)
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
         self.open_streams = 0  # relays in progress: each holds a Redis connection
@@ -294,8 +295,14 @@ class GatewayService:
         }
 
     async def refresh_load(self, timeout_s: float = 1.0) -> None:
-        """Update the inference-extension gauges from Redis before a scrape; on failure they keep
-        their last values (a scrape must not fail because Redis is slow)."""
+        """Update the inference-extension gauges from Redis before a scrape, at most every
+        cluster_view_ttl_s (endpoint pickers scrape every 50 ms); on failure they keep their last
+        values (a scrape must not fail because Redis is slow)."""
+        now = time.monotonic()
+        if now - self._load_ts < self.settings.cluster_view_ttl_s:
+            return
+        self._load_ts = now
+
         async def read() -> None:
             r = self._redis()
             workers = await streams.list_workers(r)

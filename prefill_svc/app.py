@@ -34,7 +34,7 @@ async def serve(settings: PrefillSettings) -> int:
     await streams.ensure_groups(r, settings.pool)
 
     server = grpc_util.make_server(settings.grpc.max_message_bytes)
-    port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port)
+    port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port, settings.grpc)
     address = f"{settings.grpc.advertise_host}:{port}"
     worker = PrefillWorker(settings, engine, r, store, address, worker_id)
     kv_pb2_grpc.add_KVTransferServicer_to_server(

@@ -8,6 +8,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem_core.errors import TandemError
+from tandem_core.settings import GrpcConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,38 @@ def add_reflection(server: grpc.aio.Server, full_names: list[str]) -> None:
     reflection.enable_server_reflection([*full_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: GrpcConfig | None = None) -> int:
+    """Listen on host:port; with `tls` configured, mutual TLS (clients need a CA-signed cert)."""
+    if tls is not None and tls.tls:
+        creds = grpc.ssl_server_credentials(
+            [(_read(tls.tls_key_file), _read(tls.tls_cert_file))], root_certificates=_read(tls.tls_ca_file),
+            require_client_auth=True,
+        )
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     return bound
+
+
+def channel(address: str, cfg: GrpcConfig | None, options: list[tuple] | None = None) -> grpc.aio.Channel:
+    """A client channel to another pod: mutual TLS when `cfg` has certificates, else plaintext."""
+    opts = list(options or [])
+    if cfg is None or not cfg.tls:
+        return grpc.aio.insecure_channel(address, options=opts)
+    if cfg.tls_server_name:
+        opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(cfg.tls_ca_file), private_key=_read(cfg.tls_key_file),
+        certificate_chain=_read(cfg.tls_cert_file),
+    )
+    return grpc.aio.secure_channel(address, creds, options=opts)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def status_code(err: TandemError) -> grpc.StatusCode:

@@ -27,6 +27,16 @@ class GrpcConfig(BaseModel):
     port: int = Field(default=0, ge=0, le=65535)  # 0 = pick a free port
     advertise_host: str = "127.0.0.1"
     max_message_bytes: PositiveInt = 8 * 1024 * 1024
+    # mTLS for internal gRPC (KV transfer): all three set = TLS on, and peers must present a
+    # certificate signed by the CA. The chart mounts them from a Secret.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_server_name: str = ""  # name to check in the peer's certificate (pods dial IPs)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file and self.tls_key_file and self.tls_ca_file)
 
 
 class EngineConfig(BaseModel):

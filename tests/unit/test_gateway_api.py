@@ -167,7 +167,8 @@ class Clock:
 
 def test_concurrency_limit_per_key():
     lim = KeyLimiter(max_concurrent=2, tokens_per_minute=0, lease_ttl_s=30, retry_after_s=2, clock=Clock())
-    a, _b = lim.acquire("k1", 10), lim.acquire("k1", 10)
+    a = lim.acquire("k1", 10)
+    lim.acquire("k1", 10)
     with pytest.raises(AdmissionRejected, match="2 concurrent") as e:
         lim.acquire("k1", 10)
     assert e.value.retry_after_s == 2 and e.value.http_status == 429

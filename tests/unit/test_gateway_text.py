@@ -70,6 +70,7 @@ def test_grpc_params_mapping():
     ))
     assert (p.prompt, p.prompt_ids, p.max_tokens, p.stop, p.priority) == (None, [256, 1], 3, ["a"], "high")
     assert (p.temperature, round(p.top_p, 3), p.top_k, p.seed) == (0.5, 0.9, 4, 7)
+    assert not p.ignore_eos and to_params(generate_pb2.GenerateRequest(prompt="x", ignore_eos=True)).ignore_eos
 
 
 def test_build_request_defaults():
