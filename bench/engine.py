@@ -1,22 +1,14 @@
 """Engine benchmark: decode and prefill throughput beside Hugging Face `generate` and the machine's
-own limits, all measured in one run.
+own limits, all measured in one run (`python bench/engine.py [--quick] [--models a,b]`).
 
-    python bench/engine.py [--quick] [--models builtin,small-100m]
-
-For each model it measures
-  * decode tokens/s at batch 1, 8, 32: every slot active, the step pipelined the way the decode
-    pod runs it (step n+1 dispatched before step n's tokens are copied to the host);
-  * prefill tokens/s at 128, 512, 2048 prompt tokens (lengths past the model's context are skipped);
-  * Hugging Face `generate` (PyTorch CPU, greedy, KV cache) on the same weights, decode only
-    (a 1-token run is subtracted, so both sides exclude the prompt);
-  * the decode host gap: device time per step (steps dispatched back to back) against the wall
-    time per step of the loop with and without pipelining; the difference is the time the device
-    sits idle waiting for the host.
-The machine's limits come from the same run: memory bandwidth (a large array copy) and matmul
-FLOP/s (a large jnp.dot). Roofline: decode step = (weights + KV in use) bytes / bandwidth;
-prefill = matmul FLOPs (2 * layer params * tokens + causal attention + LM head) / peak FLOP/s.
-Writes its section of bench/RESULTS.md and merges its keys into bench/out/summary.json. Timings
-are reported, never asserted.
+Per model: decode tokens/s at batch 1, 8, 32 (every slot active, the step pipelined as the decode
+pod runs it); prefill tokens/s at 128, 512, 2048 prompt tokens (lengths past the model's context
+are skipped); HF `generate` (PyTorch CPU, greedy, KV cache) on the same weights, decode only; and
+the host gap per decode step with and without pipelining (device time of back-to-back steps vs the
+loop's wall time). Limits from the same run: memory bandwidth (large array copy) and matmul FLOP/s
+(large jnp.dot). Roofline: decode step = (weights + KV in use) bytes / bandwidth; prefill = matmul
+FLOPs / peak. Writes its section of bench/RESULTS.md and merges its keys into
+bench/out/summary.json. Timings are reported, never asserted.
 """
 from __future__ import annotations
 
@@ -43,7 +35,6 @@ PREFILL_LENGTHS = (128, 512, 2048)
 PROMPT_LEN = 64  # decode slots start from a prompt of this many tokens
 
 
-# ---------------------------------------------------------------------------------------------
 # roofline arithmetic (pure; unit-tested)
 
 
@@ -93,7 +84,6 @@ def idle_fraction(wall_per_step: float, device_per_step: float) -> float:
     return max(0.0, wall_per_step - device_per_step) / wall_per_step
 
 
-# ---------------------------------------------------------------------------------------------
 # the machine's limits
 
 
@@ -137,7 +127,6 @@ def measure_matmul(n: int = 2048, reps: int = 5) -> float:
     return 2.0 * n**3 / best_time(lambda: dot(a, a).block_until_ready(), reps)
 
 
-# ---------------------------------------------------------------------------------------------
 # engine decode, with and without pipelining
 
 
@@ -148,6 +137,7 @@ class DecodeResult:
     wall_serial_s: float  # per step, copy + bookkeeping before the next dispatch
     wall_pipelined_s: float  # per step, next step dispatched first
     context: int  # mean positions per slot during the pipelined run
+    sampling_ms: float | None = None  # the sampler alone at this batch
 
     @property
     def tokens_per_s(self) -> float:
@@ -217,7 +207,8 @@ def bench_decode(base, batch: int, plan: "Plan", max_len: int) -> DecodeResult:
             best[mode] = min(best[mode], per_step)
     del state
     return DecodeResult(batch, best["device"], best["serial"], best["pipelined"],
-                        context=int(np.mean(contexts)))
+                        context=int(np.mean(contexts)),
+                        sampling_ms=sampling_ms(engine.info.vocab_size, batch))
 
 
 def decode_max_len(plan: "Plan") -> int:
@@ -240,7 +231,24 @@ def bench_prefill(base, length: int, reps: int) -> float:
     return float(np.median(times))
 
 
-# ---------------------------------------------------------------------------------------------
+def sampling_ms(vocab: int, batch: int, reps: int = 3) -> float | None:
+    """Milliseconds of the engine's jitted sampling alone on [batch, vocab] greedy logits: the part
+    of a decode step that reads no weights (None if the engine's sampler has moved)."""
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        from tandem_engine.sampling import sample, token_keys
+    except ImportError:
+        return None
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((batch, vocab), np.float32))
+    keys = token_keys(jnp.zeros((batch, 2), jnp.uint32), jnp.zeros((batch,), jnp.int32))
+    args = (logits, jnp.zeros((batch,)), jnp.zeros((batch,), jnp.int32), jnp.ones((batch,)), keys)
+    fn = jax.jit(sample)
+    fn(*args).block_until_ready()
+    return 1e3 * best_time(lambda: fn(*args).block_until_ready(), reps)
+
+
 # Hugging Face generate on the same weights
 
 
@@ -274,7 +282,6 @@ def hf_decode_tokens_per_s(model, batch: int, new_tokens: int, vocab: int) -> fl
     return batch * new_tokens / max(t_all - t_one, 1e-9)
 
 
-# ---------------------------------------------------------------------------------------------
 # one model, then the report
 
 
@@ -327,8 +334,8 @@ def decode_rows(res: dict, bandwidth: float) -> list[list]:
     for r in res["decode"]:
         roof = decode_roofline_s(res["info"], r.batch, r.context, bandwidth)
         hf = res["hf"].get(r.batch)
-        rows.append([res["name"], r.batch, r.tokens_per_s, r.wall_pipelined_s * 1e3, roof * 1e3,
-                     r.wall_pipelined_s / roof, hf, (r.tokens_per_s / hf) if hf else None])
+        rows.append([res["name"], r.batch, r.tokens_per_s, r.wall_pipelined_s * 1e3, r.sampling_ms,
+                     roof * 1e3, r.wall_pipelined_s / roof, hf, (r.tokens_per_s / hf) if hf else None])
     return rows
 
 
@@ -352,7 +359,8 @@ def pipeline_rows(res: dict) -> list[list]:
     return rows
 
 
-DECODE_HEAD = ["model", "batch", "engine tok/s", "step ms", "mem roofline ms", "step / roofline",
+DECODE_HEAD = ["model", "batch", "engine tok/s", "step ms", "of which sampling ms", "mem roofline ms",
+               "step / roofline",
                "HF generate tok/s", "engine / HF"]
 PREFILL_HEAD = ["model", "prompt tokens", "engine tok/s", "ms", "matmul roofline ms", "time / roofline"]
 PIPE_HEAD = ["model", "batch", "device ms/step", "serial ms/step", "serial host gap ms",
@@ -402,7 +410,9 @@ def report(results: list[dict], limits: dict, command: str, plan: Plan) -> str:
         markdown_table(DECODE_HEAD, [r for res in results for r in decode_rows(res, bw)]),
         f"HF generate: PyTorch CPU, greedy with KV cache, {plan.hf_new_tokens} new tokens after a "
         f"{PROMPT_LEN}-token prompt, minus a 1-token run. Engine: best of {plan.decode_rounds} "
-        f"rounds of {plan.decode_steps} steps, {PROMPT_LEN}-token prompts.",
+        f"rounds of {plan.decode_steps} steps, {PROMPT_LEN}-token prompts. Sampling ms: the "
+        f"engine's jitted sampler alone on greedy [batch, vocab] logits (it sorts the whole "
+        f"vocabulary for top-k/top-p even when every slot is greedy).",
         "### Prefill (one prompt; roofline = matmul FLOPs / peak)",
         markdown_table(PREFILL_HEAD, [r for res in results for r in prefill_rows(res, flops)]),
         "### Pipelined decode step: host gap per step",

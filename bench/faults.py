@@ -127,14 +127,6 @@ async def cluster_view(c: httpx.AsyncClient) -> dict:
     return (await c.get("/admin/cluster")).json()
 
 
-async def worker_pid(base: str, role: str, busy: bool = False) -> int:
-    async with httpx.AsyncClient(base_url=base, timeout=10) as c:
-        workers = [w for w in (await cluster_view(c))["workers"] if w["role"] == role]
-    if busy:
-        workers.sort(key=lambda w: w["free_slots"])
-    return workers[0]["pid"]
-
-
 def redis_pid(log_lines: list[str]) -> int:
     pids = [int(m.group(1)) for line in log_lines if (m := re.search(r"redis pid=(\d+)", line))]
     return pids[-1]
@@ -168,13 +160,44 @@ SCENARIOS = {
 }
 
 
+async def wait_healthy(base: str, want: dict[str, int], timeout_s: float = 120) -> list[dict]:
+    """Until every expected worker is registered by a live process (a restarted pod compiles
+    for a while before it registers; its predecessor's entry lingers until its TTL)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+        while True:
+            workers = (await cluster_view(c))["workers"]
+            live = [w for w in workers if _alive(w["pid"]) and w["heartbeat_age_s"] < 2]
+            if all(sum(w["role"] == r for w in live) >= n for r, n in want.items()):
+                return live
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not healthy: {workers}")
+            await asyncio.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+WANT = {"prefill": 1, "decode": 2}
+
+
 async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 40) -> FaultResult:
     kind, trigger, (target, sig) = SCENARIOS[name]
+    await wait_healthy(cluster.base_url, WANT)
     ps = prompts(n, long=kind == "long")
     ref, _ = await run_batch(cluster.base_url, ps, max_tokens)
 
     async def inject():
-        pid = redis_pid(cluster.log) if target == "redis" else await worker_pid(cluster.base_url, target, busy=True)
+        if target == "redis":
+            pid = redis_pid(cluster.log)
+        else:  # the busiest live worker of that role (a stale registry entry has a dead pid)
+            live = [w for w in await wait_healthy(cluster.base_url, WANT) if w["role"] == target]
+            pid = min(live, key=lambda w: w["free_slots"])["pid"]
         os.kill(pid, sig)
         if sig == signal.SIGSTOP:  # paused past its heartbeat's TTL: another pod takes over
             await asyncio.sleep(5)

@@ -233,7 +233,7 @@ def _dig(d, path):
 # report
 
 
-def tables(s: dict, plan: Plan) -> str:
+def tables(s: dict, plan: Plan) -> tuple[str, str]:
     rows = []
     for name in plan.systems:
         x = s.get(name, {})
@@ -248,9 +248,9 @@ def tables(s: dict, plan: Plan) -> str:
     for name in plan.systems:
         for rate, m in (s.get(name, {}).get("steady") or {}).items():
             rows2.append([name, float(rate), m["requests_per_s"], m["output_tokens_per_s"]]
-                         + [m[k][p] * 1e3 for k in ("ttft_s", "itl_s", "e2e_s") for p in ("p50", "p90", "p99")]
+                         + [m[k][p] * 1e3 for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s") for p in ("p50", "p90", "p99")]
                          + [m["slo_attainment"], m["errors"]])
-    heads = ["system", "rate", "req/s", "out tok/s"] + [f"{k} {p}" for k in ("TTFT", "ITL", "E2E")
+    heads = ["system", "rate", "req/s", "out tok/s"] + [f"{k} {p}" for k in ("TTFT", "ITL", "TPOT", "E2E")
                                                        for p in ("p50", "p90", "p99")] + ["SLO met", "errors"]
     t2 = markdown_table(heads, rows2)
     return t1, t2
@@ -271,7 +271,9 @@ def report(s: dict, rat: dict, plan: Plan, machine: dict, seconds: float, argv: 
         "goodput = the highest Poisson rate at which >= 90% of requests meet both (DistServe), interpolated "
         "between swept rates.", "",
         "Throughput at saturation (closed loop, concurrency = slots, chat-like lengths) and goodput:", "", t1, "",
-        "Steady chat-like load, Poisson arrivals (latencies in ms):", "", t2, "",
+        "Steady chat-like load, Poisson arrivals (latencies in ms; ITL = every gap between two streamed "
+        "tokens as the client saw it, so tokens that arrive bundled in one read show as ~0 ms gaps; TPOT = a "
+        "request's (E2E - TTFT) / (tokens - 1)):", "", t2, "",
         "Ratios: " + ", ".join(f"`{k}` = {fmt(v) if not isinstance(v, str) else v}" for k, v in rat.items()), "",
         *skipped, "",
         "![latency CDFs](plots/serve_latency_cdf.png) ![goodput and p99 ITL](plots/serve_rates.png)",

@@ -36,7 +36,8 @@ class DecodeIO:
         self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
         self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
         self.puller = KVPuller(s.grpc.max_message_bytes, tls=s.grpc)
-        self.owned = streams.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen)
+        self.owned = streams.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
+                                            s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()
         self.inflight: dict[str, asyncio.Task] = {}
@@ -140,7 +141,8 @@ class DecodeIO:
 
     async def _finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
         pipe = self.r.pipeline(transaction=False)
-        streams.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error)
+        streams.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error,
+                           finished_ttl_s=self.s.token_finished_ttl_s)
         await pipe.execute()
 
     async def publish_loop(self, done: asyncio.Event) -> None:

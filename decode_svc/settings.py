@@ -24,6 +24,7 @@ class DecodeSettings(BaseSettings):
     pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread
     token_ttl_s: PositiveInt = 600
+    token_finished_ttl_s: PositiveInt = 60  # a finished token stream lingers this long (for resumes)
     token_maxlen: PositiveInt = 8192
     heartbeat_interval_s: PositiveFloat = 1.0
     recover_interval_s: PositiveFloat = 1.0  # how often to look for dead pods' work

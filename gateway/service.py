@@ -86,7 +86,11 @@ class GatewayService:
         return authorization.partition(" ")[2].strip()
 
     def check_admin_key(self, authorization: str | None) -> None:
-        if self.settings.admin_key and not _bearer_ok(authorization, [self.settings.admin_key]):
+        """The admin key when one is set; else an API key when those are set (never open to
+        anonymous callers of a gateway that requires keys); else open."""
+        if not self.settings.admin_key:
+            self.check_api_key(authorization)
+        elif not _bearer_ok(authorization, [self.settings.admin_key]):
             raise Unauthenticated("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
 
     # ------------------------------------------------------------ request path

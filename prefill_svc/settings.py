@@ -23,6 +23,7 @@ class PrefillSettings(BaseSettings):
     claim_block_ms: PositiveInt = 500
     ready_maxlen: PositiveInt = 10000
     token_ttl_s: PositiveInt = 600
+    token_finished_ttl_s: PositiveInt = 60  # a finished token stream lingers this long (for resumes)
     token_maxlen: PositiveInt = 8192
     heartbeat_interval_s: PositiveFloat = 1.0
     recover_interval_s: PositiveFloat = 1.0  # how often to look for a dead pod's admission entries

@@ -168,7 +168,7 @@ class PrefillWorker:
                       error: str | None = None) -> None:
         pipe = self.r.pipeline(transaction=False)
         streams.add_tokens(pipe, rid, index, tokens, reason, self.s.token_ttl_s,
-                           self.s.token_maxlen, error=error)
+                           self.s.token_maxlen, error=error, finished_ttl_s=self.s.token_finished_ttl_s)
         await pipe.execute()
 
     async def _expire_leases(self) -> None:

@@ -11,6 +11,7 @@ Keys (all prefixed `tandem:`):
 | `tandem:running:{worker_id}` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields |
 | `tandem:recovering:{worker_id}` | string lock | the pod recovering a dead one | same | EXPIRE 30 s |
 | `tandem:resume:{request_id}:{index}` | string | whoever resumes the request from `index` | same (SET NX) | EXPIRE token ttl |
+| `tandem:gw:resume:{request_id}` | string | gateway (resumable requests) | gateway resume endpoint | EXPIRE (gateway/resume.py) |
 | `tandem:worker:{worker_id}` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
 | `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
 

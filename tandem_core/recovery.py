@@ -53,7 +53,7 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
         return "finished"
     # Idempotent: two paths can notice the same failure (the dead pod's running hash and its
     # pending ready entry); only the first resumes from a given point.
-    if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=token_ttl_s):
+    if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=120):
         if owner:
             await r.hdel(keys.running_key(owner), original.request_id)
         return "finished"

@@ -192,6 +192,7 @@ def add_tokens(
     ttl_s: int,
     maxlen: int,
     error: str | None = None,
+    finished_ttl_s: int = 60,
 ) -> None:
     """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here).
 
@@ -207,7 +208,8 @@ def add_tokens(
             if error:
                 fields["e"] = error
         pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
-    pipe.expire(key, ttl_s)
+    # A finished stream stays just long enough for a dropped client to resume and read its end.
+    pipe.expire(key, finished_ttl_s if finish_reason else ttl_s)
 
 
 async def read_tokens(
@@ -240,8 +242,12 @@ local f = {'i', ARGV[2], 't', ARGV[3]}
 if ARGV[4] ~= '' then f[#f + 1] = 'f'; f[#f + 1] = ARGV[4] end
 if ARGV[5] ~= '' then f[#f + 1] = 'e'; f[#f + 1] = ARGV[5] end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(f))
-redis.call('EXPIRE', KEYS[2], ARGV[6])
-if ARGV[4] ~= '' then redis.call('HDEL', KEYS[1], ARGV[1]) end
+if ARGV[4] ~= '' then
+  redis.call('EXPIRE', KEYS[2], ARGV[8])
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('EXPIRE', KEYS[2], ARGV[6])
+end
 return 1
 """
 
@@ -249,10 +255,10 @@ return 1
 class OwnedPublisher:
     """Token writes of a decode pod, fenced on its running hash (see `keys.running_key`)."""
 
-    def __init__(self, r: aioredis.Redis, worker_id: str, ttl_s: int, maxlen: int) -> None:
+    def __init__(self, r: aioredis.Redis, worker_id: str, ttl_s: int, maxlen: int, finished_ttl_s: int = 60) -> None:
         self.r = r
         self.running = keys.running_key(worker_id)
-        self.ttl_s, self.maxlen = ttl_s, maxlen
+        self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
 
     async def own(self, req: GenerationRequest) -> None:
@@ -265,7 +271,8 @@ class OwnedPublisher:
         # The pipeline loads the script before it executes if Redis lost it (after a restart).
         pipe.scripts.add(self._script)
         pipe.evalsha(self._script.sha, 2, self.running, keys.token_stream(request_id),
-                     request_id, index, token, finish or "", error or "", self.ttl_s, self.maxlen)
+                     request_id, index, token, finish or "", error or "", self.ttl_s, self.maxlen,
+                     self.finished_ttl_s)
 
 
 async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:

@@ -21,13 +21,15 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from tandem_core.models import ModelInfo  # noqa: E402
 from tandem_engine import (  # noqa: E402
@@ -96,8 +98,10 @@ def encode_corpus(tok, texts: list[str], val_every: int) -> tuple[np.ndarray, np
     held out for validation)."""
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
     train, val = [], []
-    for i, enc in enumerate(tok.encode_batch(texts, add_special_tokens=False)):
-        (val if i % val_every == val_every - 1 else train).extend([bos, *enc.ids, eos])
+    encoded = tok.encode_batch(texts, add_special_tokens=False)
+    for i, enc in enumerate(encoded):
+        held_out = i % val_every == val_every - 1 or (len(encoded) < val_every and i == len(encoded) - 1)
+        (val if held_out else train).extend([bos, *enc.ids, eos])
     return np.asarray(train, np.int32), np.asarray(val, np.int32)
 
 
@@ -168,7 +172,7 @@ def make_step(cfg, weight_decay: float, b1=0.9, b2=0.95, eps=1e-8, clip=1.0):
     def evaluate(params, batch):
         return loss_fn(params, batch)
 
-    @partial_donate
+    @partial(jax.jit, donate_argnums=(0, 1, 2))  # params and Adam moments update in place
     def step(params, m, v, batch, lr, t):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         gnorm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
@@ -187,10 +191,6 @@ def make_step(cfg, weight_decay: float, b1=0.9, b2=0.95, eps=1e-8, clip=1.0):
     return step, evaluate
 
 
-def partial_donate(fn):
-    return jax.jit(fn, donate_argnums=(0, 1, 2))
-
-
 # ---------------------------------------------------------------------------------------------
 # the run
 
@@ -198,7 +198,8 @@ def partial_donate(fn):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="tandem_core/assets/tandem-tiny-py", help="output HF directory")
+    p.add_argument("--out", default=str(ROOT / "tandem_core" / "assets" / "tandem-tiny-py"),
+                   help="output Hugging Face directory")
     p.add_argument("--minutes", type=float, default=18.0,
                    help="training wall-time budget; the LR schedule follows elapsed time (the "
                         "machine may be shared), so use --steps for a step-exact rerun")

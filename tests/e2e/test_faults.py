@@ -31,9 +31,7 @@ def test_fault_loses_and_duplicates_nothing(fault_cluster, name):
 
 
 def test_supervisor_restarted_the_killed_workers(fault_cluster):
-    import httpx
-
-    workers = httpx.get(fault_cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
+    workers = asyncio.run(faults.wait_healthy(fault_cluster.base_url, faults.WANT))
     assert sorted(w["id"] for w in workers) == ["decode-0", "decode-1", "prefill-0"]
     log = "".join(fault_cluster.log)
     assert "exited with code -9; restarting" in log

@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from test_gateway_relay import OUT, OUT_IDS, Gateway, _settings, _wait_key, _worker_loop
+from tests.integration.test_gateway_relay import OUT, OUT_IDS, Gateway, _settings, _wait_key, _worker_loop
 
 from tandem_core import keys
 

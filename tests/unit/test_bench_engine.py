@@ -60,7 +60,8 @@ def test_decode_max_len_covers_every_round():
 
 
 def test_summary_keys_and_tables_from_fake_results():
-    r8 = bench.DecodeResult(batch=8, device_s=0.01, wall_serial_s=0.0125, wall_pipelined_s=0.01, context=80)
+    r8 = bench.DecodeResult(batch=8, device_s=0.01, wall_serial_s=0.0125, wall_pipelined_s=0.01, context=80,
+                             sampling_ms=4.0)
     r32 = bench.DecodeResult(batch=32, device_s=0.02, wall_serial_s=0.025, wall_pipelined_s=0.02, context=80)
     res = {"name": "small-100m", "info": TOY, "decode": [r8, r32], "prefill": [(2048, 2.0)],
            "hf": {8: 400.0}, "skipped": []}
@@ -73,7 +74,8 @@ def test_summary_keys_and_tables_from_fake_results():
     assert keys["engine_idle_fraction_b8_serial_100m"] == pytest.approx(0.2)
     rows = bench.pipeline_rows(res)
     assert rows[0][4] == pytest.approx(2.5)  # serial host gap, ms
-    assert bench.decode_rows(res, 1e6)[0][-1] == pytest.approx(2.0)
+    row = bench.decode_rows(res, 1e6)[0]
+    assert row[-1] == pytest.approx(2.0) and row[4] == 4.0  # engine / HF; sampling ms
 
 
 def test_markdown_table_and_fmt():

@@ -10,7 +10,7 @@ import re
 
 import yaml
 
-from test_chart import CHART, ROOT
+from tests.unit.test_chart import CHART, ROOT
 
 # Images
 # ------------------------------------------------------------------------------------------------

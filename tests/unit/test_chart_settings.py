@@ -13,7 +13,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from test_chart import (
+from tests.unit.test_chart import (
     CHART, DEFAULT_OVERRIDES, PROFILES, RELEASE, RUNTIME_ENV, SERVICES, Rendered, env_name,
     field_default, flatten, render, rendered, settings_fields, settings_schema,
 )

@@ -120,6 +120,14 @@ def test_resume_unknown_and_bad_ids(client):
     _err(client.get("/v1/requests/cmpl-nope/stream?from=-3"), 400, "from")
 
 
+def test_admin_needs_an_api_key_when_keys_are_set_but_no_admin_key(redis_url):
+    s = GatewaySettings(redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", api_keys=["k1"])
+    with TestClient(create_app(s)) as c:
+        _err(c.get("/admin/cluster"), 401, None, "API key")
+        view = c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}).json()
+        assert view["model"]["name"] == "tiny" and {"waiting", "running", "kv_cache_usage"} <= set(view["load"])
+
+
 def test_start_index():
     assert start_index(None, None) == 0
     assert start_index("4", None) == 5 and start_index(" 4 ", "2") == 5 and start_index("1", "7") == 7

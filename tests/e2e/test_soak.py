@@ -1,0 +1,106 @@
+"""A bounded soak: hundreds of mixed requests, tens concurrent, against the whole cluster.
+Every request finishes; no process's resident memory keeps growing (peak of the second half
+within the first half's peak plus a margin, and under a fixed ceiling); and once finished token
+streams have lingered their TTL, Redis holds nothing for the finished requests."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.e2e.conftest import start_local, stop_local
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+N, CONCURRENCY, FINISHED_TTL = 320, 24, 2
+CEILING = {"gateway": 700 << 20, "prefill_svc": 1500 << 20, "decode_svc": 1500 << 20}
+
+
+def _children(ppid: int) -> dict[int, str]:
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if int(stat[1]) == ppid and "-m" in cmd:
+            out[int(pid)] = cmd[cmd.index("-m") + 1]
+    return out
+
+
+def _rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def _load(base: str, rng: random.Random) -> list[dict]:
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(i: int, c: httpx.AsyncClient) -> dict:
+        body = {"model": "tiny", "prompt": "soak " * rng.randint(1, 60), "max_tokens": rng.randint(1, 40),
+                "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True, "stream": rng.random() < 0.5}
+        async with sem:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            if body["stream"]:
+                assert r.text.rstrip().endswith("data: [DONE]")
+                return {"n": body["max_tokens"], "stream": True}
+            return {"n": body["max_tokens"], "got": r.json()["usage"]["completion_tokens"]}
+
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+        return await asyncio.gather(*[one(i, c) for i in range(N)])
+
+
+def test_bounded_soak():
+    env = {f"TANDEM_{s}_TOKEN_FINISHED_TTL_S": str(FINISHED_TTL) for s in ("PREFILL", "DECODE")}
+    os.environ.update(env)
+    try:
+        cl = start_local("tiny", slots=4)
+    finally:
+        for k in env:
+            os.environ.pop(k)
+    samples: list[tuple[float, int, int]] = []  # (time, pid, rss)
+    try:
+        procs = _children(cl.proc.pid)
+        assert sorted(set(procs.values())) == ["decode_svc", "gateway", "prefill_svc"]
+
+        async def run():
+            task = asyncio.create_task(_load(cl.base_url, random.Random(0)))
+            while not task.done():
+                samples.extend((time.monotonic(), pid, _rss(pid)) for pid in procs)
+                await asyncio.sleep(0.25)
+            return await task
+
+        # Warm-up first (compiles every bucket the load will hit), then measure.
+        asyncio.run(_load(cl.base_url, random.Random(1)))
+        results = asyncio.run(run())
+        for r in results:
+            assert r.get("stream") or r["got"] == r["n"]
+        time.sleep(FINISHED_TTL + 1.5)
+        url = httpx.get(cl.base_url + "/admin/cluster", timeout=10).json()
+        assert url["queues"]["admission_backlog"] == 0 and url["queues"]["ready"] == 0
+        log = "".join(cl.log)
+        rurl = next(line.split("url=")[1].split()[0] for line in log.splitlines() if "redis pid=" in line)
+        r = redis.Redis.from_url(rurl)
+        leftovers = [k.decode() for k in r.scan_iter(count=1000)
+                     if k.startswith((b"tandem:tok:", b"tandem:cancel:", b"tandem:resume:"))]
+        running = {k.decode(): r.hlen(k) for k in r.scan_iter(match="tandem:running:*")}
+        r.close()
+    finally:
+        stop_local(cl.proc)
+    assert not leftovers, f"{len(leftovers)} keys left for finished requests, e.g. {leftovers[:5]}"
+    assert all(v == 0 for v in running.values()), running
+    mid = (samples[0][0] + samples[-1][0]) / 2
+    for pid, name in procs.items():
+        first = max(rss for t, p, rss in samples if p == pid and t <= mid)
+        second = max(rss for t, p, rss in samples if p == pid and t > mid)
+        assert max(first, second) < CEILING[name], f"{name} peak RSS {max(first, second) >> 20} MiB"
+        assert second <= first * 1.15 + (30 << 20), f"{name} RSS grew: {first >> 20} -> {second >> 20} MiB"
