@@ -53,13 +53,15 @@ def machine_info() -> dict:
         "cpu": cpu_model(),
         "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "python": sys.version.split()[0],
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
 def machine_line(info: dict | None = None) -> str:
     m = info or machine_info()
+    load = f", load average {m['load_avg_1m']} at start" if m.get("load_avg_1m") is not None else ""
     return (f"{m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB memory, Python {m['python']}, "
-            f"{m['date']}")
+            f"{m['date']}{load}")
 
 
 def fmt(x, digits: int = 3) -> str:

@@ -27,6 +27,8 @@ if str(ROOT) not in sys.path:
 
 MODEL = "tiny"
 FAST_HEARTBEAT = {"TANDEM_PREFILL_HEARTBEAT_INTERVAL_S": "0.5", "TANDEM_DECODE_HEARTBEAT_INTERVAL_S": "0.5",
+                  "TANDEM_DECODE_DRAIN_TIMEOUT_S": "1", "TANDEM_PREFILL_DRAIN_TIMEOUT_S": "10",
+                  "TANDEM_PREFILL_STALE_PENDING_S": "5", "TANDEM_DECODE_STALE_PENDING_S": "8",
                   "TANDEM_DECODE_RECOVER_INTERVAL_S": "0.5", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.5",
                   "TANDEM_PREFILL_KV_LEASE_S": "20"}
 
@@ -38,6 +40,7 @@ class Stream:
     text: str = ""
     finish: str | None = None
     error: str | None = None
+    resumes: int = 0
 
 
 @dataclass
@@ -63,30 +66,55 @@ def prompts(n: int, long: bool = False) -> list[str]:
 
 
 async def stream_one(c: httpx.AsyncClient, prompt: str, max_tokens: int, out: Stream) -> None:
+    """One streamed request. It is `resumable`: when the connection breaks (a gateway died),
+    the client reattaches with Last-Event-ID, as an SSE client would, until the stream ends."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    try:
-        async with c.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            "ignore_eos": True, "resumable": True}
+    rid = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if rid is None:
+                req = c.stream("POST", "/v1/completions", json=body)
+            else:
+                nxt = out.indices[-1] + 1 if out.indices else 0
+                req = c.stream("GET", f"/v1/requests/{rid}/stream", params={"from": nxt})
+            async with req as resp:
+                if resp.status_code in (429, 503) and rid is None:  # not admitted: retry, as clients do
+                    out.resumes += 1
+                    await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
+                    continue
+                rid = resp.headers.get("x-request-id", rid)
+                if resp.status_code != 200:
+                    out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                    return
+                await _read_sse(resp, out)
                 return
-            event_id = None
-            async for line in resp.aiter_lines():
-                if line.startswith("id: "):
-                    event_id = int(line[4:])
-                elif line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        out.error = chunk["error"]["message"]
-                        continue
-                    if chunk.get("choices"):
-                        ch = chunk["choices"][0]
-                        out.indices.append(event_id)
-                        out.times.append(time.monotonic())
-                        out.text += ch["text"]
-                        out.finish = ch["finish_reason"] or out.finish
-    except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
+        except httpx.HTTPError as e:
+            if rid is None:
+                out.error = f"{type(e).__name__}: {e}"
+                return
+            out.resumes += 1
+            await asyncio.sleep(0.3)
+    out.error = out.error or "did not finish within 120 s"
+
+
+async def _read_sse(resp: httpx.Response, out: Stream) -> None:
+    event_id = None
+    async for line in resp.aiter_lines():
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out.error = chunk["error"]["message"]
+                continue
+            if chunk.get("choices"):
+                ch = chunk["choices"][0]
+                out.indices.append(event_id)
+                out.times.append(time.monotonic())
+                out.text += ch["text"]
+                out.finish = ch["finish_reason"] or out.finish
 
 
 async def run_batch(base: str, ps: list[str], max_tokens: int, inject=None, trigger=None) -> tuple[list[Stream], float]:
@@ -116,6 +144,10 @@ def judge(fault: str, ref: list[Stream], got: list[Stream], max_tokens: int, fau
             if a <= fault_at <= b or (fault_at and a >= fault_at and not recover):
                 recover = max(recover, b - a)
     errors = "; ".join(sorted({g.error for g in got if g.error}))[:300]
+    for r, g in zip(ref, got):
+        if g.finish and g.text != r.text:
+            at = next((i for i, (a, b) in enumerate(zip(r.text, g.text)) if a != b), min(len(r.text), len(g.text)))
+            errors += f" text differs at char {at}: {r.text[at:at + 12]!r} vs {g.text[at:at + 12]!r};"
     return FaultResult(fault, len(got), finished, len(got) - finished, dup, missing, wrong, round(recover, 2),
                        notes or errors)
 
@@ -125,6 +157,20 @@ def judge(fault: str, ref: list[Stream], got: list[Stream], max_tokens: int, fau
 
 async def cluster_view(c: httpx.AsyncClient) -> dict:
     return (await c.get("/admin/cluster")).json()
+
+
+def launcher_children(ppid: int) -> dict[int, str]:
+    """pid -> module (`python -m MODULE`) of the launcher's children, from /proc."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if int(stat[1]) == ppid and "-m" in cmd:
+            out[int(pid)] = cmd[cmd.index("-m") + 1]
+    return out
 
 
 def redis_pid(log_lines: list[str]) -> int:
@@ -157,6 +203,10 @@ SCENARIOS = {
     "SIGKILL decode mid-stream": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGKILL)),
     "SIGSTOP decode past its heartbeat, then SIGCONT": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGSTOP)),
     "restart Redis (append-only file on)": ("short", lambda: tokens_at_least(5), ("redis", signal.SIGTERM)),
+    "SIGKILL the gateway mid-stream; clients resume": ("short", lambda: tokens_at_least(5),
+                                                       ("gateway", signal.SIGKILL)),
+    "SIGTERM decode mid-stream (drain, hand back)": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGTERM)),
+    "SIGTERM prefill with KV waiting (drain)": ("short", ready_waiting, ("prefill", signal.SIGTERM)),
 }
 
 
@@ -195,6 +245,8 @@ async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 40) -> Fau
     async def inject():
         if target == "redis":
             pid = redis_pid(cluster.log)
+        elif target == "gateway":
+            pid = next(p for p, m in launcher_children(cluster.proc.pid).items() if m == "gateway")
         else:  # the busiest live worker of that role (a stale registry entry has a dead pid)
             live = [w for w in await wait_healthy(cluster.base_url, WANT) if w["role"] == target]
             pid = min(live, key=lambda w: w["free_slots"])["pid"]
@@ -222,7 +274,7 @@ def report(results: list[FaultResult], cmd: str) -> str:
 
 Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({os.cpu_count()} cores).
 Cluster: `tandem local --model {MODEL} --prefill 1 --decode 2 --slots 2` with heartbeats every 0.5 s.
-Each fault: 8 greedy streamed requests of 40 tokens (`ignore_eos`), first without a fault (the
+Each fault: 8 greedy, resumable, streamed requests of 40 tokens (`ignore_eos`), first without a fault (the
 reference), then again with the fault injected mid-flight. *Lost*: requests that did not finish;
 *duplicated* / *missing*: token indices the client saw twice / never; *wrong text*: finished text
 different from the reference; *recover s*: the longest gap between two tokens of a stream across
@@ -237,7 +289,16 @@ admission entries; pulls from a dead prefill pod fail fast and the request resum
 plus the tokens already streamed; a dead decode pod's running requests (its `tandem:running:` hash)
 are resumed by another decode pod or by its own restart; a paused decode pod is fenced off by the
 same hash when it wakes, so it cannot double-deliver; Redis restarts with its append-only file,
-and every client of it retries.
+and every client of it retries; the clients' requests are `resumable`, so when the gateway dies
+they reattach to its restarted replica with `GET /v1/requests/{{id}}/stream?from=N`; a draining
+decode pod (SIGTERM, drain deadline 1 s here) hands its running requests back; a draining
+prefill pod keeps serving the KV it holds until it is pulled. The launcher restarts every
+process that exits, as the kubelet would.
+
+Not covered here: a Redis that dies without writing its append-only file (SIGKILL loses up to
+the last second of writes with `appendfsync everysec`), a paused *prefill* pod (its admission
+entries are reclaimed, and when it wakes it may publish a second ready notice), and the network
+partitions that only a real cluster has.
 """
 
 

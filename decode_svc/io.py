@@ -41,6 +41,7 @@ class DecodeIO:
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()
         self.inflight: dict[str, asyncio.Task] = {}
+        self.busy_entries: set[bytes] = set()  # claimed entries not yet acked (pulling, or awaiting token 0)
         self.pulled = 0
 
     def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -91,6 +92,10 @@ class DecodeIO:
 
     async def _dispatch(self, c: streams.Claimed, group: str) -> None:
         """Start one claimed entry; the caller holds a slot reservation for it."""
+        if c.entry_id in self.busy_entries:  # re-claimed while still being worked on
+            self.table.unreserve()
+            return
+        self.busy_entries.add(c.entry_id)
         if "notice" in c.fields:
             notice = streams.ReadyNotice.from_json(c.fields["notice"])
             rid = notice.request.request_id
@@ -132,6 +137,7 @@ class DecodeIO:
             await retry(lambda: self.owned.disown(req.request_id), "disown")
             await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
         await retry(lambda: streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
+        self.busy_entries.discard(c.entry_id)
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
         return await recovery.resume(
@@ -162,6 +168,7 @@ class DecodeIO:
                     stream, group, entry_id = e.ack
                     pipe.xack(stream, group, entry_id)
                     pipe.xdel(stream, entry_id)
+                    self.busy_entries.discard(entry_id)
             results = await self._execute_with_retry(pipe)
             lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
             if lost:  # another pod took these over while this one was stalled: stop decoding them

@@ -28,6 +28,7 @@ class DecodeSettings(BaseSettings):
     token_maxlen: PositiveInt = 8192
     heartbeat_interval_s: PositiveFloat = 1.0
     recover_interval_s: PositiveFloat = 1.0  # how often to look for dead pods' work
+    stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
     max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
     admission_maxlen: PositiveInt = 10000
     publish_retries: PositiveInt = 30  # ~1 minute of retries through a Redis restart

@@ -27,5 +27,6 @@ class PrefillSettings(BaseSettings):
     token_maxlen: PositiveInt = 8192
     heartbeat_interval_s: PositiveFloat = 1.0
     recover_interval_s: PositiveFloat = 1.0  # how often to look for a dead pod's admission entries
+    stale_pending_s: PositiveFloat = 30.0  # an own delivery idle this long was lost (Redis restart): redo it
     drain_timeout_s: PositiveFloat = 30.0
     log_level: str = "INFO"

@@ -94,11 +94,13 @@ class PrefillWorker:
         for prio in keys.PRIORITIES:
             stream = keys.admission_stream(self.s.pool, prio)
             try:
-                dead = await streams.dead_consumer_entries(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
-                                                           include_self)
+                dead = await streams.dead_consumer_entries(
+                    self.r, stream, keys.PREFILL_GROUP, self.worker_id, include_self,
+                    stale_self_ms=int(self.s.stale_pending_s * 1000))
                 room = min(len(dead), self.store.room_for(self.max_prefix_bytes))
                 claimed = await streams.claim_ids(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
                                                   [eid for _c, eid in dead[:room]], 0 if include_self else 1000)
+                # (own stale entries are re-claimed too: XCLAIM resets their idle time)
             except Exception as e:  # noqa: BLE001
                 log.warning("reclaim failed: %s", e)
                 return

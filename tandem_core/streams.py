@@ -285,8 +285,13 @@ async def worker_alive(r: aioredis.Redis, worker_id: str) -> bool:
 
 
 async def dead_consumer_entries(r: aioredis.Redis, stream: str, group: str, me: str,
-                                include_self: bool = False, limit: int = 100) -> list[tuple[str, bytes]]:
-    """Pending entries (consumer, entry id) of consumers with no live registry entry."""
+                                include_self: bool = False, limit: int = 100,
+                                stale_self_ms: int | None = None, busy: set[bytes] | None = None,
+                                ) -> list[tuple[str, bytes]]:
+    """Pending entries (consumer, entry id) that nobody is working on: those of consumers with no
+    live registry entry, all of `me`'s with `include_self` (a restart under the same id), and with
+    `stale_self_ms` those of `me` idle that long and not in `busy` — a delivery whose reply was
+    lost (Redis restarted mid-read) stays pending for its live reader, which never saw it."""
     try:
         summary = await r.xpending(stream, group)
     except ResponseError:
@@ -294,10 +299,15 @@ async def dead_consumer_entries(r: aioredis.Redis, stream: str, group: str, me: 
     out: list[tuple[str, bytes]] = []
     for c in summary.get("consumers") or []:
         name = _s(c["name"])
-        if (name == me and not include_self) or (name != me and await worker_alive(r, name)):
+        idle = None
+        if name == me and not include_self:
+            if stale_self_ms is None:
+                continue
+            idle = stale_self_ms
+        elif name != me and await worker_alive(r, name):
             continue
-        rows = await r.xpending_range(stream, group, min="-", max="+", count=limit, consumername=name)
-        out += [(name, row["message_id"]) for row in rows]
+        rows = await r.xpending_range(stream, group, min="-", max="+", count=limit, consumername=name, idle=idle)
+        out += [(name, row["message_id"]) for row in rows if not (busy and row["message_id"] in busy)]
     return out[:limit]
 
 

@@ -13,25 +13,13 @@ import httpx
 import pytest
 import redis
 
+from bench.faults import launcher_children
 from tests.e2e.conftest import start_local, stop_local
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 N, CONCURRENCY, FINISHED_TTL = 320, 24, 2
 CEILING = {"gateway": 700 << 20, "prefill_svc": 1500 << 20, "decode_svc": 1500 << 20}
-
-
-def _children(ppid: int) -> dict[int, str]:
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
-        except OSError:
-            continue
-        if int(stat[1]) == ppid and "-m" in cmd:
-            out[int(pid)] = cmd[cmd.index("-m") + 1]
-    return out
 
 
 def _rss(pid: int) -> int:
@@ -69,7 +57,7 @@ def test_bounded_soak():
             os.environ.pop(k)
     samples: list[tuple[float, int, int]] = []  # (time, pid, rss)
     try:
-        procs = _children(cl.proc.pid)
+        procs = launcher_children(cl.proc.pid)
         assert sorted(set(procs.values())) == ["decode_svc", "gateway", "prefill_svc"]
 
         async def run():
