@@ -55,8 +55,9 @@ def token_keys(seeds: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(one)(seeds, index.astype(jnp.uint32))
 
 
-def filter_logits(logits, temperature, top_k, top_p):
-    """Scaled logits [slots, vocab] with everything outside top-k and the top-p nucleus at -inf.
+def filter_sorted(logits, temperature, top_k, top_p):
+    """(order, filtered): the vocabulary ranked best first [slots, vocab], and the scaled logits in
+    that order with everything outside top-k and the top-p nucleus at -inf.
 
     Sort-based: rank every token once, keep ranks < top_k, then keep the smallest prefix of the
     ranking whose probability mass reaches top_p (the top token always survives).
@@ -71,16 +72,29 @@ def filter_logits(logits, temperature, top_k, top_p):
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
     keep = keep & ((mass_before < top_p[:, None]) | (rank == 0))
-    sorted_filtered = jnp.where(keep, sorted_logits, -jnp.inf)
-    # scatter back to vocabulary order
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(sorted_filtered, inverse, axis=-1)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def filter_logits(logits, temperature, top_k, top_p):
+    """`filter_sorted`'s result scattered back to vocabulary order [slots, vocab]."""
+    order, sorted_filtered = filter_sorted(logits, temperature, top_k, top_p)
+    return jnp.take_along_axis(sorted_filtered, jnp.argsort(order, axis=-1), axis=-1)
 
 
 def sample(logits, temperature, top_k, top_p, keys):
     """Tokens int32 [slots]. logits [slots, vocab]; temperature, top_p float32 [slots]; top_k int32
-    [slots]; keys typed PRNG keys [slots]. temperature == 0 -> argmax (top_k/top_p ignored)."""
+    [slots]; keys typed PRNG keys [slots]. temperature == 0 -> argmax (top_k/top_p ignored).
+
+    An all-greedy batch skips the sort entirely (`lax.cond`): the sort over the vocabulary is most
+    of a small model's decode step. Sampled slots draw in ranked order, then map back through the
+    ranking, so no second sort is needed; the draw depends only on the slot's own logits and key.
+    """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits, temperature, top_k, top_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+
+    def sampled(_):
+        order, filtered = filter_sorted(logits, temperature, top_k, top_p)
+        pick = jax.vmap(jax.random.categorical)(keys, filtered)
+        drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
