@@ -25,7 +25,7 @@ def build_engine(s: DecodeSettings):
 
     e = s.engine
     return load_engine(e.model, slots=s.slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype)
+                       dtype=e.dtype, tp=e.tp)
 
 
 async def serve(s: DecodeSettings) -> int:

@@ -23,7 +23,7 @@ def build_engine(settings: PrefillSettings, slots: int = 1):
 
     e = settings.engine
     return load_engine(e.model, slots=slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype)
+                       dtype=e.dtype, tp=e.tp)
 
 
 async def serve(settings: PrefillSettings) -> int:

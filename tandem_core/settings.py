@@ -46,6 +46,7 @@ class EngineConfig(BaseModel):
     max_len: PositiveInt = 512
     prefill_buckets: list[PositiveInt] = [16, 32, 64, 128, 256, 512]
     dtype: str = Field(default="float32", pattern="^(float32|bfloat16)$")
+    tp: int = Field(default=1, ge=0)  # tensor parallelism over this pod's devices; 0 = all of them
 
 
 def default_worker_id(role: str) -> str:

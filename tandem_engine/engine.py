@@ -334,12 +334,15 @@ class Engine:
 def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
                 tp: int = 1, mesh: Mesh | None = None) -> Engine:
-    """An Engine for a preset name ("builtin" == "tiny", "small-100m") or a HF Llama directory.
+    """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
+    random weights) or a HF Llama directory.
 
     tp > 1 splits weights and KV over the first tp devices; or pass a `mesh` with a "tp" axis.
     num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
     before any weight is read)."""
     info = resolve_engine_model(model)
+    if tp == 0:  # all local devices (the chips of this TPU host)
+        tp = len(jax.devices())
     make_layout(info, tp, mesh)  # fail fast on a bad tp
     params = load_params(info, dtype)
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
