@@ -155,8 +155,19 @@ def judge(fault: str, ref: list[Stream], got: list[Stream], max_tokens: int, fau
 # ------------------------------------------------------------------ faults
 
 
-async def cluster_view(c: httpx.AsyncClient) -> dict:
-    return (await c.get("/admin/cluster")).json()
+async def cluster_view(c: httpx.AsyncClient, timeout_s: float = 60) -> dict:
+    """/admin/cluster, waiting through a gateway or Redis restart."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            resp = await c.get("/admin/cluster")
+            if resp.status_code == 200:
+                return resp.json()
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("/admin/cluster did not answer")
+        await asyncio.sleep(0.2)
 
 
 def launcher_children(ppid: int) -> dict[int, str]:

@@ -85,10 +85,14 @@ def table(systems: dict) -> str:
                            "out tok/s", "delayed steps", "short TTFT p99 ms", "long TTFT p50 ms", "errors"], rows)
 
 
-def ratio(systems: dict) -> float | None:
+def ratio(systems: dict, key: str = "itl_under_burst_s") -> float | None:
+    """p99 ITL disaggregated / colocated: of the gaps under bursts (default), or of all the short
+    requests' gaps (key="short")."""
     try:
-        a = systems["disagg"]["burst"]["short"]["itl_s"]["p99"]
-        b = systems["colocated"]["burst"]["short"]["itl_s"]["p99"]
+        if key == "short":
+            a, b = (systems[n]["burst"]["short"]["itl_s"]["p99"] for n in SYSTEMS)
+        else:
+            a, b = (systems[n]["burst"][key]["p99"] for n in SYSTEMS)
     except (KeyError, TypeError):
         return None
     return a / b if b and not math.isnan(a) and not math.isnan(b) else None
@@ -112,7 +116,10 @@ def write_from(doc: dict, raw_dir: Path, plots: list[str], how: str = "") -> Non
         "gaps that end while a long request is in flight; \"delayed steps\" is the fraction of short "
         f"requests' gaps longer than {DELAY_FACTOR:g}x the median gap of the same system in the same run.", "",
         table(systems), "",
-        f"`itl_p99_disagg_over_colocated` = {fmt(r)} (target <= 0.5).", "",
+        f"`itl_p99_disagg_over_colocated` (p99 of the gaps under bursts) = {fmt(r)} (target <= 0.5); "
+        f"over all the short requests' gaps: {fmt(ratio(systems, 'short'))}. In the disaggregated system every "
+        "request's first gap (token 0 from the prefill pod -> token 1 from the decode pod) carries the "
+        "hand-off: ready-notice claim, KV pull, insert.", "",
         *(f"![{Path(p).stem}](plots/{Path(p).name})" for p in plots if "interleave" in p),
     ])
     write_section(SECTION, body)
@@ -148,7 +155,8 @@ def main(argv=None) -> int:
     plots = [str(p) for p in (BENCH_DIR / "plots").glob("interleave*.png")]
     print(table(doc["systems"]), flush=True)
     write_from(doc, raw, plots, how)
-    merge_summary({"itl_p99_disagg_over_colocated": ratio(doc["systems"])})
+    merge_summary({"itl_p99_disagg_over_colocated": ratio(doc["systems"]),
+                   "itl_p99_all_gaps_disagg_over_colocated": ratio(doc["systems"], "short")})
     return 0
 
 

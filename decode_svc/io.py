@@ -79,15 +79,20 @@ class DecodeIO:
                 await self._dispatch(c, group)
 
     async def _claim(self, n: int) -> list[tuple[streams.Claimed, str]]:
+        """Up to `n` entries: a non-blocking pass over every source in order; if that finds
+        nothing, block briefly on all streams of the first source's group at once."""
         got: list[tuple[streams.Claimed, str]] = []
         sources = self._sources()
-        for i, (names, group) in enumerate(sources):
+        for names, group in sources:
             want = n - len(got)
             if want <= 0:
                 break
-            block = self.s.claim_block_ms if (i == len(sources) - 1 and not got) else None
-            claimed = await streams.claim(self.r, names, group, self.worker_id, want, block)
-            got += [(c, group) for c in claimed]
+            got += [(c, group) for c in await streams.claim(self.r, names, group, self.worker_id, want, None)]
+        if not got:
+            group = sources[0][1]
+            names = [s for ns, g in sources if g == group for s in ns]
+            got = [(c, group) for c in
+                   await streams.claim(self.r, names, group, self.worker_id, n, self.s.claim_block_ms)]
         return got
 
     async def _dispatch(self, c: streams.Claimed, group: str) -> None:

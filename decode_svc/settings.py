@@ -19,7 +19,7 @@ class DecodeSettings(BaseSettings):
     colocated: bool = False  # also prefill from the admission streams (JetStream-style, one pod)
     direct_prefill: bool = True  # prefill prompts the gateway routes straight to decode
     priority_high_weight: PositiveInt = 4  # high-priority reads per guaranteed low-priority read
-    claim_block_ms: PositiveInt = 50
+    claim_block_ms: PositiveInt = 20  # colocated mode polls the admission streams this often
     cancel_poll_s: PositiveFloat = 0.05
     pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread

@@ -105,21 +105,32 @@ async def claim(
 ) -> list[Claimed]:
     """XREADGROUP new entries from `streams` (in order of preference), at most `count` in total.
 
-    Streams are tried one by one so an earlier (higher-priority) stream is drained first; only the
-    last read blocks, for `block_ms` (None or 0: never block — redis' BLOCK 0 would wait forever).
+    First a non-blocking pass, stream by stream, so an earlier (higher-priority) stream is drained
+    first. If that finds nothing and `block_ms` is set, one XREADGROUP over *all* the streams
+    blocks until any of them gets an entry (None or 0: never block — BLOCK 0 would wait forever).
     """
+    out = await _read_each(r, streams, group, consumer, count)
+    if out or not block_ms:
+        return out
+    resp = await r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=count, block=block_ms)
+    return _claimed(resp)
+
+
+async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int) -> list[Claimed]:
     out: list[Claimed] = []
-    for i, stream in enumerate(streams):
+    for stream in streams:
         want = count - len(out)
         if want <= 0:
             break
-        last = i == len(streams) - 1
-        resp = await r.xreadgroup(
-            group, consumer, {stream: ">"}, count=want, block=block_ms if (block_ms and last and not out) else None
-        )
-        for _name, entries in resp or []:
-            for entry_id, fields in entries:
-                out.append(Claimed(stream, entry_id, {_s(k): v for k, v in fields.items()}))
+        out += _claimed(await r.xreadgroup(group, consumer, {stream: ">"}, count=want))
+    return out
+
+
+def _claimed(resp) -> list[Claimed]:
+    out = []
+    for name, entries in resp or []:
+        for entry_id, fields in entries:
+            out.append(Claimed(_s(name), entry_id, {_s(k): v for k, v in fields.items()}))
     return out
 
 

@@ -126,8 +126,13 @@ def test_colocated_mode_gives_the_engines_greedy_tokens():
             got = httpx.post(cl.base_url + "/v1/completions", timeout=60, json={
                 "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}).json()
             assert got["choices"][0]["text"] == ref
-        workers = httpx.get(cl.base_url + "/admin/cluster", timeout=10).json()["workers"]
-        assert [w["role"] for w in workers] == ["decode"]
+        deadline = time.monotonic() + 10  # the registry lags by up to a heartbeat
+        while True:
+            workers = httpx.get(cl.base_url + "/admin/cluster", timeout=10).json()["workers"]
+            assert [w["role"] for w in workers] == ["decode"]
+            if workers[0]["extra"]["local_prefills"] >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert workers[0]["extra"]["local_prefills"] >= 2
     finally:
         stop_local(cl.proc)

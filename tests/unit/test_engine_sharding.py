@@ -148,7 +148,8 @@ def test_tp_checked_before_loading_and_default_unsharded():
     with pytest.raises(ValueError, match="num_kv_heads=2"):
         load_engine("tiny", tp=4)
     with pytest.raises(ValueError, match="tp must be >= 1"):
-        load_engine("tiny", tp=0)
+        load_engine("tiny", tp=-1)
+    assert load_engine("tiny", tp=0, slots=1, max_len=32, prefill_buckets=(16,)).tp == 1  # 0: all devices
     with pytest.raises(ValueError, match="needs 2 devices .*xla_force_host_platform_device_count=2"):
         load_engine("tiny", tp=2)  # this process has one CPU device
     e = load_engine("tiny", slots=1, max_len=32, prefill_buckets=(16,))
