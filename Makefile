@@ -26,6 +26,7 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests/unit
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/run_all.py $(if $(QUICK),--quick,)
 
 # Regenerates the committed gRPC stubs (tests/unit/test_proto_fresh.py fails if they are stale).

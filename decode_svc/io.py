@@ -157,7 +157,8 @@ class DecodeIO:
         await pipe.execute()
 
     async def publish_loop(self, done: asyncio.Event) -> None:
-        """Drain the engine's output queue; one pipelined round trip per step."""
+        """Drain the engine's output queue: one pipelined round trip per step, or for every step
+        queued meanwhile when Redis is the slower side (order is kept: FIFO, one pipeline)."""
         while True:
             try:
                 batch = await asyncio.to_thread(self.outputs.get, True, 0.2)
@@ -165,6 +166,11 @@ class DecodeIO:
                 if done.is_set():
                     return
                 continue
+            for _ in range(32):
+                try:
+                    batch = batch + self.outputs.get_nowait()
+                except queue.Empty:
+                    break
             pipe = self.r.pipeline(transaction=False)
             for e in batch:
                 self.owned.add(pipe, e.request_id, e.index, e.token, e.finish, e.error)
