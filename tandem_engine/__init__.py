@@ -8,7 +8,7 @@ N chips by attention head and MLP unit (sharding.py). It imports no Redis, gRPC,
 from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, Prefix, load_engine
 from tandem_engine.model import ModelConfig, config_from_info, reference_forward, reference_greedy
 from tandem_engine.sharding import Layout, make_layout
-from tandem_engine.weights import init_params, load_params, resolve_engine_model, save_hf_checkpoint
+from tandem_engine.weights import init_params, load_params, save_hf_checkpoint
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -24,6 +24,5 @@ __all__ = [
     "make_layout",
     "reference_forward",
     "reference_greedy",
-    "resolve_engine_model",
     "save_hf_checkpoint",
 ]

@@ -35,12 +35,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
-from tandem_core.models import ModelInfo
+from tandem_core.models import ModelInfo, resolve_model
 from tandem_core.types import KVPayload, SamplingParams
 from tandem_engine.model import ModelConfig, config_from_info, decode_forward, prefill_forward
 from tandem_engine.sampling import sample, sampling_arrays, token_keys
 from tandem_engine.sharding import Layout, constrain, make_layout
-from tandem_engine.weights import load_params, resolve_dtype, resolve_engine_model
+from tandem_engine.weights import load_params, resolve_dtype
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -340,7 +340,7 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     tp > 1 splits weights and KV over the first tp devices; or pass a `mesh` with a "tp" axis.
     num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
     before any weight is read)."""
-    info = resolve_engine_model(model)
+    info = resolve_model(model)
     if tp == 0:  # all local devices (the chips of this TPU host)
         tp = len(jax.devices())
     make_layout(info, tp, mesh)  # fail fast on a bad tp

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from safetensors import safe_open
 
 from tandem_core.errors import ModelNotFound
-from tandem_core.models import ModelInfo, resolve_model
+from tandem_core.models import ModelInfo
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -33,11 +33,6 @@ _LAYER_NAMES = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
-
-
-def resolve_engine_model(model: str) -> ModelInfo:
-    """The model's facts, as every service reads them (RoPE from either config.json style)."""
-    return resolve_model(model)
 
 
 def resolve_dtype(dtype: str):
