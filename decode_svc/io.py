@@ -41,7 +41,9 @@ class DecodeIO:
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()
         self.inflight: dict[str, asyncio.Task] = {}
-        self.busy_entries: set[bytes] = set()  # claimed entries not yet acked (pulling, or awaiting token 0)
+        # (stream, entry id) claimed and not yet acked: pulling, or awaiting token 0. Entry ids are
+        # only unique within a stream (ready and direct can share one), hence the pair.
+        self.busy_entries: set[tuple[str, bytes]] = set()
         self.pulled = 0
 
     def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -76,7 +78,12 @@ class DecodeIO:
                 continue
             self.table.unreserve(n - len(got))
             for c, group in got:
-                await self._dispatch(c, group)
+                try:
+                    await self._dispatch(c, group)
+                except Exception:  # noqa: BLE001 - one bad entry must not stop the claim loop
+                    log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
+                    self.table.unreserve()
+                    self.busy_entries.discard((c.stream, c.entry_id))
 
     async def _claim(self, n: int) -> list[tuple[streams.Claimed, str]]:
         """Up to `n` entries: a non-blocking pass over every source in order; if that finds
@@ -97,10 +104,10 @@ class DecodeIO:
 
     async def _dispatch(self, c: streams.Claimed, group: str) -> None:
         """Start one claimed entry; the caller holds a slot reservation for it."""
-        if c.entry_id in self.busy_entries:  # re-claimed while still being worked on
+        if (c.stream, c.entry_id) in self.busy_entries:  # re-claimed while still being worked on
             self.table.unreserve()
             return
-        self.busy_entries.add(c.entry_id)
+        self.busy_entries.add((c.stream, c.entry_id))
         if "notice" in c.fields:
             notice = streams.ReadyNotice.from_json(c.fields["notice"])
             rid = notice.request.request_id
@@ -142,7 +149,7 @@ class DecodeIO:
             await retry(lambda: self.owned.disown(req.request_id), "disown")
             await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
         await retry(lambda: streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
-        self.busy_entries.discard(c.entry_id)
+        self.busy_entries.discard((c.stream, c.entry_id))
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
         return await recovery.resume(
@@ -179,7 +186,7 @@ class DecodeIO:
                     stream, group, entry_id = e.ack
                     pipe.xack(stream, group, entry_id)
                     pipe.xdel(stream, entry_id)
-                    self.busy_entries.discard(entry_id)
+                    self.busy_entries.discard((stream, entry_id))
             results = await self._execute_with_retry(pipe)
             lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
             if lost:  # another pod took these over while this one was stalled: stop decoding them

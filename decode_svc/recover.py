@@ -46,7 +46,8 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     for stream in (keys.ready_stream(io.s.pool), keys.direct_stream(io.s.pool)):
         entries = await streams.dead_consumer_entries(
             io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self,
-            stale_self_ms=int(io.s.stale_pending_s * 1000), busy=io.busy_entries)
+            stale_self_ms=int(io.s.stale_pending_s * 1000),
+            busy={eid for name, eid in io.busy_entries if name == stream})
         if not entries:
             continue
         n = io.table.reserve(len(entries))

@@ -106,14 +106,16 @@ async def claim(
     """XREADGROUP new entries from `streams` (in order of preference), at most `count` in total.
 
     First a non-blocking pass, stream by stream, so an earlier (higher-priority) stream is drained
-    first. If that finds nothing and `block_ms` is set, one XREADGROUP over *all* the streams
-    blocks until any of them gets an entry (None or 0: never block — BLOCK 0 would wait forever).
+    first. If that finds nothing and `block_ms` is set, a plain XREAD over *all* the streams waits
+    until any of them gets a new entry (or the timeout), then the pass runs again. The wait
+    delivers nothing: a multi-stream XREADGROUP would, and its COUNT is per stream, so it could
+    hand back more entries than the caller has room for. (None or 0: never block.)
     """
     out = await _read_each(r, streams, group, consumer, count)
     if out or not block_ms:
         return out
-    resp = await r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=count, block=block_ms)
-    return _claimed(resp)
+    await r.xread({s: "$" for s in streams}, count=1, block=block_ms)
+    return await _read_each(r, streams, group, consumer, count)
 
 
 async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int) -> list[Claimed]:
@@ -127,6 +129,7 @@ async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer
 
 
 def _claimed(resp) -> list[Claimed]:
+    """XREADGROUP's reply as Claimed entries."""
     out = []
     for name, entries in resp or []:
         for entry_id, fields in entries:

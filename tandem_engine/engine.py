@@ -118,7 +118,8 @@ def _insert_core(state: DecodeState, k, v, slot, true_length, first_token, tempe
 
 @partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=(1,))
 def _generate_core(params, state: DecodeState, *, cfg: ModelConfig, layout: Layout | None):
-    logits, k, v = decode_forward(params, state.tokens, state.positions, state.k, state.v, cfg)
+    logits, k, v = decode_forward(params, state.tokens, state.positions, state.k, state.v, cfg,
+                                 active=state.active)
     keys = token_keys(state.seeds, state.step)
     tokens = sample(logits, state.temperature, state.top_k, state.top_p, keys)
     advance = state.active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)

@@ -166,18 +166,83 @@ def prefill_forward(params: dict, tokens: jax.Array, true_length: jax.Array, cfg
 # decode: one token per slot
 
 
-def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: ModelConfig):
+DECODE_CHUNK = 256  # cache positions per step of the decode attention loop
+
+
+def decode_chunks(positions: jax.Array, max_len: int, chunk: int = DECODE_CHUNK,
+                  active: jax.Array | None = None) -> jax.Array:
+    """How many chunks of the cache a decode step visits: ceil((max(positions) + 1) / chunk) over
+    the active slots (all slots when `active` is None), at least 1 and at most
+    ceil(max_len / chunk). An int32 scalar computed on the device (no host round trip)."""
+    chunk = min(chunk, max_len)
+    if active is not None:  # a freed slot keeps its old position; it must not lengthen the loop
+        positions = jnp.where(active, positions, 0)
+    longest = jnp.minimum(jnp.max(positions), max_len - 1) + 1
+    return jnp.maximum((longest + chunk - 1) // chunk, 1).astype(jnp.int32)
+
+
+def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelConfig,
+                             chunk: int = DECODE_CHUNK, num_chunks: jax.Array | None = None):
+    """Flash-decoding over the cache of one layer, reading only the chunks in use.
+
+    q [slots, 1, H, hd]; k_cache, v_cache [num_layers, slots, max_len, KV, hd]; layer: which layer;
+    positions [slots]: slot s attends to cache rows <= positions[s]. The loop visits
+    `num_chunks` chunks (default `decode_chunks(positions, max_len, chunk)`) of `chunk` rows (a
+    dynamic_slice each, so shapes stay static) with an online softmax in float32: a running max,
+    sum and weighted values. Rows past the last chunk are not read; a slot whose position lies
+    beyond them (only an inactive one) gets garbage, never NaN, as row 0 is always read.
+    Query heads are grouped per KV head as in `_grouped_attention` (no repeat of K/V).
+    Returns (out [slots, 1, H*hd] in q's dtype, the number of chunks visited).
+    """
+    slots, max_len = k_cache.shape[1], k_cache.shape[2]
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    groups = cfg.num_heads // kvh
+    chunk = min(chunk, max_len)
+    n = decode_chunks(positions, max_len, chunk) if num_chunks is None else num_chunks
+    qg = q.reshape(slots, kvh, groups, hd)
+    scale = 1.0 / math.sqrt(hd)
+
+    def body(carry):
+        c, m, l, acc = carry
+        # the last chunk may be clamped back to end at max_len: rows an earlier chunk already
+        # covered (< c * chunk) are masked out, so none counts twice
+        start = jnp.minimum(c * chunk, max_len - chunk)
+        k = jax.lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), (1, slots, chunk, kvh, hd))[0]
+        v = jax.lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), (1, slots, chunk, kvh, hd))[0]
+        rows = start + jnp.arange(chunk)
+        ok = (rows[None, :] >= c * chunk) & (rows[None, :] <= positions[:, None])  # [slots, chunk]
+        s = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: row 0 is in chunk 0 for every slot
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgs,bskd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return c + 1, m_new, l, alpha[..., None] * acc + pv
+
+    init = (jnp.int32(0), jnp.full((slots, kvh, groups), -jnp.inf, jnp.float32),
+            jnp.zeros((slots, kvh, groups), jnp.float32), jnp.zeros((slots, kvh, groups, hd), jnp.float32))
+    visited, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < n, body, init)
+    out = (acc / l[..., None]).astype(q.dtype)
+    return out.reshape(slots, 1, cfg.num_heads * hd), visited
+
+
+def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: ModelConfig,
+                   active: jax.Array | None = None):
     """One step for every slot.
 
     tokens, positions [slots] int32: each slot's input token and the position it sits at.
     k_cache, v_cache [num_layers, slots, max_len, KV, hd]. The new K/V are written at `positions`
     (clamped to max_len - 1: staying below max_len is the caller's job) and each slot attends to
-    cache positions <= its own position. Returns (logits [slots, vocab], k_cache, v_cache).
+    cache positions <= its own position. Attention reads the cache in chunks up to the longest
+    slot's position only (`chunked_decode_attention`), so a step's cost follows the tokens in use,
+    not max_len; `active` [slots] bool (optional) leaves free slots out of that length (their
+    logits are then garbage). Returns (logits [slots, vocab], k_cache, v_cache).
     """
     slots, max_len = k_cache.shape[1], k_cache.shape[2]
     write_pos = jnp.minimum(positions, max_len - 1)
     slot_idx = jnp.arange(slots)
-    mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, :]  # [slots, 1, max_len]
+    num_chunks = decode_chunks(write_pos, max_len, active=active)  # once for all layers
     x = params["embed"][tokens][:, None, :]  # [slots, 1, d]
 
     def layer(carry, xs):
@@ -188,7 +253,7 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
         # the whole cache rides in the carry so XLA updates it in place (the state is donated)
         kc = kc.at[i, slot_idx, write_pos].set(k[:, 0].astype(kc.dtype))
         vc = vc.at[i, slot_idx, write_pos].set(v[:, 0].astype(vc.dtype))
-        attn = _grouped_attention(q, kc[i], vc[i], mask, cfg)
+        attn, _ = chunked_decode_attention(q, kc, vc, i, write_pos, cfg, num_chunks=num_chunks)
         x = x + attn @ lp["wo"]
         x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
         return (x, kc, vc), None

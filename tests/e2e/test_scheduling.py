@@ -136,3 +136,14 @@ def test_colocated_mode_gives_the_engines_greedy_tokens():
         assert workers[0]["extra"]["local_prefills"] >= 2
     finally:
         stop_local(cl.proc)
+
+
+def test_route_decisions_are_a_metric_with_a_reason(cluster):
+    httpx.post(cluster.base_url + "/v1/completions", timeout=60,
+               json={"model": "builtin", "prompt": "x", "max_tokens": 2}).raise_for_status()
+    httpx.post(cluster.base_url + "/v1/completions", timeout=60,
+               json={"model": "builtin", "prompt": "def f(x):\n    return x * 2\n" * 4, "max_tokens": 2}
+               ).raise_for_status()
+    text = httpx.get(cluster.base_url + "/metrics", timeout=10).text
+    assert 'tandem_route_total{reason="short_prompt",route="local"}' in text
+    assert 'tandem_route_total{reason="remote",route="remote"}' in text

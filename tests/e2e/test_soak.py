@@ -1,4 +1,5 @@
-"""A bounded soak: hundreds of mixed requests, tens concurrent, against the whole cluster.
+"""A bounded soak (two minutes by default, TANDEM_SOAK_S): rounds of 320 mixed requests, 24
+concurrent, against the whole cluster.
 Every request finishes; no process's resident memory keeps growing (peak of the second half
 within the first half's peak plus a margin, and under a fixed ceiling); and once finished token
 streams have lingered their TTL, Redis holds nothing for the finished requests."""
@@ -19,6 +20,7 @@ from tests.e2e.conftest import start_local, stop_local
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 N, CONCURRENCY, FINISHED_TTL = 320, 24, 2
+SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "120"))  # measured phase: keeps sending for this long
 CEILING = {"gateway": 700 << 20, "prefill_svc": 1500 << 20, "decode_svc": 1500 << 20}
 
 
@@ -29,7 +31,8 @@ def _rss(pid: int) -> int:
     return 0
 
 
-async def _load(base: str, rng: random.Random) -> list[dict]:
+async def _load(base: str, rng: random.Random, duration_s: float = 0.0) -> list[dict]:
+    """N requests, CONCURRENCY at a time; with `duration_s`, rounds of N until that time is up."""
     sem = asyncio.Semaphore(CONCURRENCY)
 
     async def one(i: int, c: httpx.AsyncClient) -> dict:
@@ -43,8 +46,13 @@ async def _load(base: str, rng: random.Random) -> list[dict]:
                 return {"n": body["max_tokens"], "stream": True}
             return {"n": body["max_tokens"], "got": r.json()["usage"]["completion_tokens"]}
 
+    out: list[dict] = []
+    end = time.monotonic() + duration_s
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=64)) as c:
-        return await asyncio.gather(*[one(i, c) for i in range(N)])
+        while True:
+            out += await asyncio.gather(*[one(len(out) + i, c) for i in range(N)])
+            if time.monotonic() >= end:
+                return out
 
 
 def test_bounded_soak():
@@ -61,7 +69,7 @@ def test_bounded_soak():
         assert sorted(set(procs.values())) == ["decode_svc", "gateway", "prefill_svc"]
 
         async def run():
-            task = asyncio.create_task(_load(cl.base_url, random.Random(0)))
+            task = asyncio.create_task(_load(cl.base_url, random.Random(0), SOAK_S))
             while not task.done():
                 samples.extend((time.monotonic(), pid, _rss(pid)) for pid in procs)
                 await asyncio.sleep(0.25)
@@ -70,6 +78,7 @@ def test_bounded_soak():
         # Warm-up first (compiles every bucket the load will hit), then measure.
         asyncio.run(_load(cl.base_url, random.Random(1)))
         results = asyncio.run(run())
+        assert len(results) >= N
         for r in results:
             assert r.get("stream") or r["got"] == r["n"]
         time.sleep(FINISHED_TTL + 1.5)

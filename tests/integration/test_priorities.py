@@ -53,3 +53,28 @@ async def test_high_first_low_not_starved(redis_url, redis_client, engine):
     assert first_low < last_high, "low priority waited for the whole high flood (starved)"
     highs_before_last_high = sum(rid.startswith("high") for rid in order[: last_high + 1])
     assert highs_before_last_high / (last_high + 1) >= 0.6, "high priority did not get the larger share"
+
+
+async def test_unpulled_kv_is_freed_at_lease_end_with_a_clear_error(redis_url, redis_client, engine):
+    r, pool = redis_client, "lease"
+    await streams.ensure_groups(r, pool)
+    await streams.enqueue_request(r, pool, GenerationRequest("orphan", [256, 1, 2, 3], 8), 1000)
+    s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
+                        kv_lease_s=0.5)
+    store = KVStore(1 << 30, s.kv_lease_s)
+    worker = PrefillWorker(s, engine, r, store, "127.0.0.1:1", "prefill-lease")
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        for _ in range(200):  # no decode pod ever pulls it
+            entries = await r.xrange(keys.token_stream("orphan"))
+            if entries and b"f" in entries[-1][1]:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await task
+    fields = entries[-1][1]
+    assert fields[b"f"] == b"error" and b"lease" in fields[b"e"]
+    assert int(entries[0][1][b"i"]) == 0  # token 0 was published before the lease ran out
+    assert store.held_bytes == 0 and len(store) == 0

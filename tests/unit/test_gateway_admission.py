@@ -1,0 +1,39 @@
+"""Admission control decisions of the gateway, apart from Redis: reject at once (429 backlog,
+503 predicted time to first token past the deadline) instead of queueing work that will miss."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.service import ClusterView, GatewayService
+from gateway.settings import GatewaySettings
+from tandem_core.errors import AdmissionRejected, ServiceUnavailable
+
+
+def _svc(**kw) -> GatewayService:
+    return GatewayService(GatewaySettings(model="tiny", **kw))
+
+
+def test_backlog_over_bound_is_429_with_retry_after():
+    svc = _svc(admission_max_backlog=10, retry_after_s=2)
+    with pytest.raises(AdmissionRejected) as e:
+        svc._admit(11, ClusterView(prefill_workers=1, decode_workers=1, decode_free_slots=4))
+    assert e.value.http_status == 429 and e.value.retry_after_s == 2 and "11" in e.value.message
+
+
+def test_predicted_ttft_past_deadline_is_503():
+    svc = _svc(first_token_timeout_s=5, admission_max_backlog=10_000)
+    view = ClusterView(prefill_workers=2, decode_workers=1, decode_free_slots=0, prefill_s=0.5)
+    svc._admit(10, view)  # (10/2 + 1) * 0.5 = 3 s: admitted
+    with pytest.raises(ServiceUnavailable) as e:
+        svc._admit(100, view)  # (100/2 + 1) * 0.5 = 25.5 s > 5 s
+    assert e.value.http_status == 503 and e.value.retry_after_s >= 1
+    assert "predicted time to first token is 25.5s" in e.value.message
+
+
+def test_cluster_view_ignores_draining_workers():
+    v = ClusterView.of([
+        {"role": "prefill", "free_slots": 0, "extra": {"prefill_ema_s": 0.2}},
+        {"role": "prefill", "free_slots": 0, "draining": True, "extra": {"prefill_ema_s": 9.0}},
+        {"role": "decode", "free_slots": 3, "extra": {}},
+    ])
+    assert (v.prefill_workers, v.decode_workers, v.decode_free_slots, v.prefill_s) == (1, 1, 3, 0.2)
