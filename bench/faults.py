@@ -29,8 +29,7 @@ MODEL = "tiny"
 FAST_HEARTBEAT = {"TANDEM_PREFILL_HEARTBEAT_INTERVAL_S": "0.5", "TANDEM_DECODE_HEARTBEAT_INTERVAL_S": "0.5",
                   "TANDEM_DECODE_DRAIN_TIMEOUT_S": "1", "TANDEM_PREFILL_DRAIN_TIMEOUT_S": "10",
                   "TANDEM_PREFILL_STALE_PENDING_S": "5", "TANDEM_DECODE_STALE_PENDING_S": "8",
-                  "TANDEM_DECODE_RECOVER_INTERVAL_S": "0.5", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.5",
-                  "TANDEM_PREFILL_KV_LEASE_S": "20"}
+                  "TANDEM_DECODE_RECOVER_INTERVAL_S": "0.5", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.5"}
 
 
 @dataclass
@@ -47,6 +46,7 @@ class Stream:
 class FaultResult:
     fault: str
     sent: int
+    interrupted: int  # streams with tokens on both sides of the fault
     finished: int
     lost: int
     duplicated: int
@@ -91,9 +91,10 @@ async def stream_one(c: httpx.AsyncClient, prompt: str, max_tokens: int, out: St
                 await _read_sse(resp, out)
                 return
         except httpx.HTTPError as e:
-            if rid is None:
+            if rid is None and not isinstance(e, httpx.ConnectError):  # sent, fate unknown: report it
                 out.error = f"{type(e).__name__}: {e}"
                 return
+            # ConnectError before the request was sent (the gateway restarting): safe to send again
             out.resumes += 1
             await asyncio.sleep(0.3)
     out.error = out.error or "did not finish within 120 s"
@@ -127,8 +128,7 @@ async def run_batch(base: str, ps: list[str], max_tokens: int, inject=None, trig
             deadline = time.monotonic() + 60
             while not await trigger(c, outs) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            fault_at = time.monotonic()
-            await inject()
+            fault_at = await inject() or time.monotonic()  # inject returns the moment it struck
         await asyncio.gather(*tasks)
     return outs, fault_at
 
@@ -138,18 +138,27 @@ def judge(fault: str, ref: list[Stream], got: list[Stream], max_tokens: int, fau
     dup = sum(len(g.indices) - len(set(g.indices)) for g in got)
     missing = sum(len(set(range(max_tokens)) - set(g.indices)) for g in got if g.finish)
     wrong = sum(1 for r, g in zip(ref, got) if g.finish and g.text != r.text)
-    recover = 0.0
-    for g in got:  # the longest wait for a token that spans the fault
-        for a, b in zip(g.times, g.times[1:]):
-            if a <= fault_at <= b or (fault_at and a >= fault_at and not recover):
-                recover = max(recover, b - a)
+    # Streams the fault caught mid-flight: a token before it and another after it. Recovery is
+    # the longest such gap (for a stream not started yet, from the fault to its first token).
+    # (Tokens already in Redis at the fault can still reach the client after it, so the stall is
+    # the longest gap that ends after the fault, not just the one spanning it.)
+    interrupted, recover = 0, 0.0
+    for g in got:
+        before = [t for t in g.times if t <= fault_at]
+        after = [t for t in g.times if t > fault_at]
+        if before and after:
+            interrupted += 1
+            times = before[-1:] + after
+            recover = max(recover, max(b - a for a, b in zip(times, times[1:])))
+        elif after:
+            recover = max(recover, after[0] - fault_at)
     errors = "; ".join(sorted({g.error for g in got if g.error}))[:300]
     for r, g in zip(ref, got):
         if g.finish and g.text != r.text:
             at = next((i for i, (a, b) in enumerate(zip(r.text, g.text)) if a != b), min(len(r.text), len(g.text)))
             errors += f" text differs at char {at}: {r.text[at:at + 12]!r} vs {g.text[at:at + 12]!r};"
-    return FaultResult(fault, len(got), finished, len(got) - finished, dup, missing, wrong, round(recover, 2),
-                       notes or errors)
+    return FaultResult(fault, len(got), interrupted, finished, len(got) - finished, dup, missing, wrong,
+                       round(recover, 2), notes or errors)
 
 
 # ------------------------------------------------------------------ faults
@@ -247,10 +256,12 @@ def _alive(pid: int) -> bool:
 WANT = {"prefill": 1, "decode": 2}
 
 
-async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 40) -> FaultResult:
+async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 400) -> FaultResult:
     kind, trigger, (target, sig) = SCENARIOS[name]
     await wait_healthy(cluster.base_url, WANT)
     ps = prompts(n, long=kind == "long")
+    if kind == "long":
+        max_tokens = min(max_tokens, 140)  # 359-token prompts: stay inside the 512-token context
     ref, _ = await run_batch(cluster.base_url, ps, max_tokens)
 
     async def inject():
@@ -262,9 +273,11 @@ async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 40) -> Fau
             live = [w for w in await wait_healthy(cluster.base_url, WANT) if w["role"] == target]
             pid = min(live, key=lambda w: w["free_slots"])["pid"]
         os.kill(pid, sig)
+        struck = time.monotonic()
         if sig == signal.SIGSTOP:  # paused past its heartbeat's TTL: another pod takes over
             await asyncio.sleep(5)
             os.kill(pid, signal.SIGCONT)
+        return struck
 
     got, fault_at = await run_batch(cluster.base_url, ps, max_tokens, inject, trigger())
     return judge(name, ref, got, max_tokens, fault_at)
@@ -279,20 +292,21 @@ def start_cluster():
 
 def report(results: list[FaultResult], cmd: str) -> str:
     rows = "\n".join(
-        f"| {r.fault} | {r.sent} | {r.finished} | {r.lost} | {r.duplicated} | {r.missing} | {r.wrong_text} | "
+        f"| {r.fault} | {r.sent} | {r.interrupted} | {r.finished} | {r.lost} | {r.duplicated} | {r.missing} | {r.wrong_text} | "
         f"{r.recover_s} | {'yes' if r.ok else 'NO'} | {r.notes} |" for r in results)
     return f"""# Reliability: faults tried and what they cost
 
 Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({os.cpu_count()} cores).
 Cluster: `tandem local --model {MODEL} --prefill 1 --decode 2 --slots 2` with heartbeats every 0.5 s.
-Each fault: 8 greedy, resumable, streamed requests of 40 tokens (`ignore_eos`), first without a fault (the
-reference), then again with the fault injected mid-flight. *Lost*: requests that did not finish;
+Each fault: 8 greedy, resumable, streamed requests of 400 tokens (140 after long prompts) (`ignore_eos`), first without a fault (the
+reference), then again with the fault injected mid-flight. *Interrupted*: streams that had tokens
+both before and after the fault (caught mid-stream); *lost*: requests that did not finish;
 *duplicated* / *missing*: token indices the client saw twice / never; *wrong text*: finished text
-different from the reference; *recover s*: the longest gap between two tokens of a stream across
-the fault.
+different from the reference; *recover s*: the longest wait for a token, after the fault, in an
+interrupted stream (or from the fault to the first token of one that had none yet).
 
-| fault | sent | finished | lost | duplicated | missing | wrong text | recover s | ok | notes |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| fault | sent | interrupted | finished | lost | duplicated | missing | wrong text | recover s | ok | notes |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {rows}
 
 How each is recovered: a prefill pod restarted under the same id reclaims its own pending

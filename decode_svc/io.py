@@ -178,28 +178,38 @@ class DecodeIO:
                     batch = batch + self.outputs.get_nowait()
                 except queue.Empty:
                     break
-            pipe = self.r.pipeline(transaction=False)
-            for e in batch:
-                self.owned.add(pipe, e.request_id, e.index, e.token, e.finish, e.error)
-            for e in batch:
-                if e.ack:
-                    stream, group, entry_id = e.ack
-                    pipe.xack(stream, group, entry_id)
-                    pipe.xdel(stream, entry_id)
-                    self.busy_entries.discard((stream, entry_id))
-            results = await self._execute_with_retry(pipe)
+            results = await self._publish(batch)
             lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
             if lost:  # another pod took these over while this one was stalled: stop decoding them
                 log.warning("fenced off %d requests now owned elsewhere: %s", len(lost), sorted(lost)[:5])
                 self.engine_loop.cancel(lost, silent=True)
 
-    async def _execute_with_retry(self, pipe) -> list | None:
+    def _pipeline(self, batch: list) -> "aioredis.client.Pipeline":
+        pipe = self.r.pipeline(transaction=False)
+        for e in batch:
+            self.owned.add(pipe, e.request_id, e.index, e.token, e.finish, e.error)
+        for e in batch:
+            if e.ack:
+                stream, group, entry_id = e.ack
+                pipe.xack(stream, group, entry_id)
+                pipe.xdel(stream, entry_id)
+        return pipe
+
+    async def _publish(self, batch: list) -> list | None:
+        """Write one batch, retrying through a Redis restart. Each attempt builds its pipeline
+        anew: redis-py empties a pipeline when `execute` fails, so re-running the old one would
+        write nothing and silently lose the step's tokens."""
         for attempt in range(self.s.publish_retries):
             try:
-                return await pipe.execute()
+                results = await self._pipeline(batch).execute()
             except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
                 log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
                 await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
+                continue
+            for e in batch:
+                if e.ack:
+                    self.busy_entries.discard((e.ack[0], e.ack[2]))
+            return results
         log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
                   self.s.publish_retries)
         return None

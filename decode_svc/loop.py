@@ -211,7 +211,9 @@ class EngineLoop:
             finish = None
             if tok in act.stop_ids:
                 finish = FINISH_STOP
-            elif idx + 1 >= act.req.max_tokens or act.prompt_len + idx >= max_len:
+            # A resumed request's prompt already holds tokens 0..start_index-1: the next input
+            # goes to position prompt_len + (idx - start_index), which must stay inside max_len.
+            elif idx + 1 >= act.req.max_tokens or act.prompt_len + idx - act.req.start_index >= max_len:
                 finish = FINISH_LENGTH
             out.append(Emitted(act.req.request_id, idx, tok, finish))
             if finish:

@@ -110,3 +110,20 @@ def test_slow_publisher_and_waiting_inserts_no_livelock(engine):
     for r in reqs:
         first = 0 if int(r.request_id[1:]) % 2 else 1  # local prefills also emit token 0
         assert got[r.request_id] == list(range(first, r.max_tokens)), r.request_id
+
+
+def test_resumed_request_runs_to_max_tokens_not_to_a_double_counted_context(engine):
+    """A request resumed at index 8 (its prompt now holds those 8 tokens) must still emit every
+    index up to max_tokens - 1: the context check counts the resumed tokens once (12-token prompt,
+    60 tokens in all: position 12 + 51 = 63 is the last of max_len 64)."""
+    loop, table, inserts, outputs = _start(engine)
+    try:
+        table.reserve(1)
+        base = [256, 70, 71, 72]
+        req = GenerationRequest("resumed", base + [65] * 8, 60, SamplingParams(), ignore_eos=True, start_index=8)
+        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+        got = _collect(outputs, 1, timeout_s=30)
+        assert [i for i, _f in got["resumed"]] == list(range(9, 60))
+        assert got["resumed"][-1][1] == "length"
+    finally:
+        loop.stop()
