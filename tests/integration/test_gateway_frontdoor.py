@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-import uuid
 
 import grpc
 import httpx
 import openai
 import pytest
-import redis
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from tests.integration.test_gateway_relay import OUT, OUT_IDS, Gateway, _settings, _wait_key, _worker_loop
+from tests.integration.test_gateway_relay import (  # noqa: F401 - fixtures shared by import
+    OUT, OUT_IDS, _wait_key, gateway_factory, gateway_with_worker, sync_redis,
+)
 
 from tandem_core import keys
 
@@ -25,38 +24,8 @@ N_TOKENS = len(OUT_IDS) + 1  # the text, then EOS
 
 @pytest.fixture(scope="module")
 def gw(redis_url):
-    pool = f"gwfd-{uuid.uuid4().hex[:8]}"
-    stop = threading.Event()
-    worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(redis_url, pool, stop)), daemon=True)
-    worker.start()
-    g = Gateway(_settings(redis_url, pool, resume_grace_s=0.6)).start()
-    try:
+    with gateway_with_worker(redis_url, "gwfd", resume_grace_s=0.6) as g:
         yield g
-    finally:
-        g.stop()
-        stop.set()
-        worker.join(timeout=10)
-
-
-@pytest.fixture
-def gateway_factory(redis_url):
-    started: list[Gateway] = []
-
-    def make(**kw) -> Gateway:
-        g = Gateway(_settings(redis_url, f"gwfd-{uuid.uuid4().hex[:8]}", **kw)).start()
-        started.append(g)
-        return g
-
-    yield make
-    for g in started:
-        g.stop()
-
-
-@pytest.fixture
-def sync_redis(redis_url):
-    r = redis.Redis.from_url(redis_url)
-    yield r
-    r.close()
 
 
 def _events(resp: httpx.Response, limit: int | None = None) -> list[tuple[int | None, str]]:

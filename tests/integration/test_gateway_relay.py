@@ -9,6 +9,7 @@ It honours the cancel key like a real worker. The gateway is served by uvicorn i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -130,19 +131,26 @@ def _settings(redis_url: str, pool: str, **kw) -> GatewaySettings:
     )
 
 
-@pytest.fixture(scope="module")
-def cluster(redis_url):
-    pool = f"gw-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def gateway_with_worker(redis_url: str, prefix: str, **kw):
+    """A gateway on a fresh pool with the fake worker thread serving it; both stopped after."""
+    pool = f"{prefix}-{uuid.uuid4().hex[:8]}"
     stop = threading.Event()
     worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(redis_url, pool, stop)), daemon=True)
     worker.start()
-    gw = Gateway(_settings(redis_url, pool)).start()
+    gw = Gateway(_settings(redis_url, pool, **kw)).start()
     try:
         yield gw
     finally:
         gw.stop()
         stop.set()
         worker.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url):
+    with gateway_with_worker(redis_url, "gw") as gw:
+        yield gw
 
 
 @pytest.fixture
