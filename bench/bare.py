@@ -33,7 +33,8 @@ def warm(engine, prompt_lens: set[int]) -> None:
     for b in sorted({engine.bucket_for(n) for n in prompt_lens}):
         prefix = engine.prefill([3] * b, SamplingParams())
         state = engine.insert(prefix, state, 0, SamplingParams())
-    state, toks = engine.generate(state)
+    for rows in engine.batch_buckets:  # a step compiles once per batch bucket
+        state, toks = engine.generate(state, rows)
     state = engine.free(state, 0)
     jax.block_until_ready((state, toks))
 
@@ -67,7 +68,7 @@ def run(engine, work: list[tuple[list[int], int]]) -> dict:
                 left[slot] = out_len - 1
         current = None
         if left:
-            state, toks = engine.generate(state)  # dispatch only
+            state, toks = engine.generate(state, max(left) + 1)  # dispatch only; slots in use only
             current = (toks, list(left))
             steps += 1
         if pending is not None:

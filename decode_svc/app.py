@@ -25,12 +25,18 @@ def build_engine(s: DecodeSettings):
 
     e = s.engine
     return load_engine(e.model, slots=s.slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype, tp=e.tp)
+                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir)
 
 
 async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
     engine = build_engine(s)
+    t0 = time.monotonic()
+    # Compile the decode shapes now, not on a request's clock (and every prefill when this pod
+    # prefills all its prompts; direct short prompts compile their bucket on first use).
+    await asyncio.to_thread(engine.warmup, s.colocated)
+    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s)", time.monotonic() - t0,
+             list(engine.buckets), list(engine.batch_buckets))
     r = streams.connect(s.redis)
     await streams.ensure_groups(r, s.pool)
     table = SlotTable(s.slots)
@@ -38,7 +44,8 @@ async def serve(s: DecodeSettings) -> int:
     outputs: queue.Queue = queue.Queue(maxsize=64)
     loop = asyncio.get_running_loop()
     io: DecodeIO | None = None
-    engine_loop = EngineLoop(engine, table, inserts, outputs, lambda: io and io.notify_slot_freed(loop))
+    engine_loop = EngineLoop(engine, table, inserts, outputs, lambda: io and io.notify_slot_freed(loop),
+                             on_output=lambda: io and io.notify_output(loop))
     io = DecodeIO(s, r, table, engine_loop, inserts, outputs, worker_id)
 
     server = grpc_util.make_server(s.grpc.max_message_bytes)

@@ -40,6 +40,7 @@ class DecodeIO:
                                             s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()
+        self.output_ready = asyncio.Event()  # set (thread-safely) by the engine after each step
         self.inflight: dict[str, asyncio.Task] = {}
         # (stream, entry id) claimed and not yet acked: pulling, or awaiting token 0. Entry ids are
         # only unique within a stream (ready and direct can share one), hence the pair.
@@ -48,6 +49,9 @@ class DecodeIO:
 
     def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.call_soon_threadsafe(self.slot_freed.set)
+
+    def notify_output(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(self.output_ready.set)
 
     def _sources(self) -> list[tuple[list[str], str]]:
         out = []
@@ -164,20 +168,26 @@ class DecodeIO:
         await pipe.execute()
 
     async def publish_loop(self, done: asyncio.Event) -> None:
-        """Drain the engine's output queue: one pipelined round trip per step, or for every step
-        queued meanwhile when Redis is the slower side (order is kept: FIFO, one pipeline)."""
+        """Drain the engine's output queue: one round trip per step, or for every step queued
+        meanwhile when Redis is the slower side (order is kept: FIFO, one pipeline). The engine
+        wakes this loop after each step; the 0.2 s timeout only bounds how late `done` is seen."""
         while True:
-            try:
-                batch = await asyncio.to_thread(self.outputs.get, True, 0.2)
-            except queue.Empty:
-                if done.is_set():
-                    return
-                continue
+            batch: list = []
             for _ in range(32):
                 try:
-                    batch = batch + self.outputs.get_nowait()
+                    batch += self.outputs.get_nowait()
                 except queue.Empty:
                     break
+            if not batch:
+                if done.is_set():
+                    return
+                self.output_ready.clear()
+                if self.outputs.empty():
+                    try:
+                        await asyncio.wait_for(self.output_ready.wait(), timeout=0.2)
+                    except asyncio.TimeoutError:
+                        pass
+                continue
             results = await self._publish(batch)
             lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
             if lost:  # another pod took these over while this one was stalled: stop decoding them
@@ -185,9 +195,9 @@ class DecodeIO:
                 self.engine_loop.cancel(lost, silent=True)
 
     def _pipeline(self, batch: list) -> "aioredis.client.Pipeline":
+        """One script call for every token of the batch, then the acks: one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        for e in batch:
-            self.owned.add(pipe, e.request_id, e.index, e.token, e.finish, e.error)
+        self.owned.add_batch(pipe, [(e.request_id, e.index, e.token, e.finish, e.error) for e in batch])
         for e in batch:
             if e.ack:
                 stream, group, entry_id = e.ack
@@ -196,9 +206,9 @@ class DecodeIO:
         return pipe
 
     async def _publish(self, batch: list) -> list | None:
-        """Write one batch, retrying through a Redis restart. Each attempt builds its pipeline
-        anew: redis-py empties a pipeline when `execute` fails, so re-running the old one would
-        write nothing and silently lose the step's tokens."""
+        """Write one batch, retrying through a Redis restart; 1 (written) / 0 (fenced off) per
+        entry. Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute`
+        fails, so re-running the old one would write nothing and silently lose the step's tokens."""
         for attempt in range(self.s.publish_retries):
             try:
                 results = await self._pipeline(batch).execute()
@@ -209,7 +219,7 @@ class DecodeIO:
             for e in batch:
                 if e.ack:
                     self.busy_entries.discard((e.ack[0], e.ack[2]))
-            return results
+            return results[0]
         log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
                   self.s.publish_retries)
         return None

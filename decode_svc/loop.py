@@ -75,12 +75,14 @@ class LoopStats:
 class EngineLoop:
     def __init__(self, engine, table: SlotTable, inserts: "queue.Queue[Insert | LocalPrefill]",
                  outputs: "queue.Queue[list[Emitted]]", on_slot_freed: Callable[[], None],
-                 pipelined: bool = True, output_timeout_s: float = 30.0) -> None:
+                 pipelined: bool = True, output_timeout_s: float = 30.0,
+                 on_output: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.table = table
         self.inserts = inserts  # pulled KV and local prompts alike: both fill a reserved slot
         self.outputs = outputs
         self.on_slot_freed = on_slot_freed
+        self.on_output = on_output  # wakes the publisher (no thread parked on the queue)
         self.pipelined = pipelined
         self.output_timeout_s = output_timeout_s
         self.stats = LoopStats()
@@ -125,7 +127,7 @@ class EngineLoop:
             t0 = time.perf_counter()
             if self.table.used:
                 snapshot = self.table.snapshot()
-                state, toks = self.engine.generate(state)  # dispatch only: returns before the device is done
+                state, toks = self.engine.generate(state, self.table.rows())  # dispatch only: returns before the device is done
                 current = (toks, snapshot)
                 self.stats.steps += 1
             if not self.pipelined and current is not None:
@@ -233,3 +235,5 @@ class EngineLoop:
         # Blocks when the publisher is behind: that is the back-pressure. A publisher gone for
         # output_timeout_s is a dead pod, and the thread stops rather than hang forever.
         self.outputs.put(batch, timeout=self.output_timeout_s)
+        if self.on_output is not None:
+            self.on_output()

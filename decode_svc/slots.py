@@ -54,6 +54,12 @@ class SlotTable:
                     return s
         return None
 
+    def rows(self) -> int:
+        """One past the highest occupied slot: a step need compute no slot at or above it (slots
+        are filled lowest first, so this follows the number of requests in flight)."""
+        with self._lock:
+            return max(self._active, default=-1) + 1
+
     def release(self, slot: int) -> Active | None:
         with self._lock:
             act = self._active.pop(slot, None)

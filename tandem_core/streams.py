@@ -248,21 +248,33 @@ async def read_tokens(
 
 # ---------------------------------------------------------------- fenced token writes
 
-# XADD one token only while the writer still owns the request (its field in the writer's running
-# hash); the finishing token removes the field. Returns 1 if written, 0 if fenced off.
+# A step's tokens in one call: each XADDed only while the writer still owns its request (its
+# field in the writer's running hash); a finishing token removes the field. KEYS[1] is the running
+# hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then five per item
+# (request id, index, token, finish, error). Returns 1 (written) or 0 (fenced off) per item, in
+# order, so a request that appears twice (two queued steps) is written in index order.
 _PUBLISH_OWNED = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-local f = {'i', ARGV[2], 't', ARGV[3]}
-if ARGV[4] ~= '' then f[#f + 1] = 'f'; f[#f + 1] = ARGV[4] end
-if ARGV[5] ~= '' then f[#f + 1] = 'e'; f[#f + 1] = ARGV[5] end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(f))
-if ARGV[4] ~= '' then
-  redis.call('EXPIRE', KEYS[2], ARGV[8])
-  redis.call('HDEL', KEYS[1], ARGV[1])
-else
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
+local out = {}
+for j = 1, #KEYS - 1 do
+  local b = 3 + (j - 1) * 5
+  local rid, fin, err = ARGV[b + 1], ARGV[b + 4], ARGV[b + 5]
+  if redis.call('HEXISTS', KEYS[1], rid) == 0 then
+    out[j] = 0
+  else
+    local f = {'i', ARGV[b + 2], 't', ARGV[b + 3]}
+    if fin ~= '' then f[#f + 1] = 'f'; f[#f + 1] = fin end
+    if err ~= '' then f[#f + 1] = 'e'; f[#f + 1] = err end
+    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', unpack(f))
+    if fin ~= '' then
+      redis.call('EXPIRE', KEYS[j + 1], ARGV[3])
+      redis.call('HDEL', KEYS[1], rid)
+    else
+      redis.call('EXPIRE', KEYS[j + 1], ARGV[1])
+    end
+    out[j] = 1
+  end
 end
-return 1
+return out
 """
 
 
@@ -281,12 +293,17 @@ class OwnedPublisher:
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running, request_id)
 
-    def add(self, pipe, request_id: str, index: int, token: int, finish: str | None, error: str | None) -> None:
+    def add_batch(self, pipe, items: list[tuple[str, int, int, str | None, str | None]]) -> None:
+        """Queue ONE script call writing every (request id, index, token, finish, error) item, in
+        order; its reply is a list of 1 (written) / 0 (fenced off) per item."""
         # The pipeline loads the script before it executes if Redis lost it (after a restart).
         pipe.scripts.add(self._script)
-        pipe.evalsha(self._script.sha, 2, self.running, keys.token_stream(request_id),
-                     request_id, index, token, finish or "", error or "", self.ttl_s, self.maxlen,
-                     self.finished_ttl_s)
+        names = [self.running]
+        args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
+        for rid, index, token, finish, error in items:
+            names.append(keys.token_stream(rid))
+            args += (rid, index, token, finish or "", error or "")
+        pipe.evalsha(self._script.sha, len(names), *names, *args)
 
 
 async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:

@@ -51,7 +51,12 @@ SERVICES = {
     "decode": (DecodeSettings, "TANDEM_DECODE_", {"redis.url", "redis.password", "grpc.advertise_host", "worker_id"}),
 }
 # Values whose chart default intentionally differs from the code's default.
-DEFAULT_OVERRIDES = {("gateway", "host"): "0.0.0.0"}  # 127.0.0.1 is unreachable from outside a pod
+DEFAULT_OVERRIDES = {
+    ("gateway", "host"): "0.0.0.0",  # 127.0.0.1 is unreachable from outside a pod
+    # the compilationCache emptyDir (the root filesystem is read-only)
+    ("prefill", "engine.compile_cache_dir"): "/var/cache/jax",
+    ("decode", "engine.compile_cache_dir"): "/var/cache/jax",
+}
 # Environment a Tandem container may carry besides its settings.
 RUNTIME_ENV = {"HOME", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR"}
 

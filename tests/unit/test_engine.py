@@ -24,7 +24,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def run_slots(engine: Engine, prompts: dict[int, list[int]], steps: int,
-              sampling: dict[int, SamplingParams] | None = None) -> dict[int, list[int]]:
+              sampling: dict[int, SamplingParams] | None = None, rows: int | None = None) -> dict[int, list[int]]:
     """Prefill each prompt into its slot, generate `steps` times; tokens per slot (index 0 first)."""
     state = engine.init_state()
     out = {}
@@ -35,7 +35,7 @@ def run_slots(engine: Engine, prompts: dict[int, list[int]], steps: int,
         state = engine.insert(prefix, state, slot, sp)
     pending = None
     for _ in range(steps):
-        state, tokens = engine.generate(state)  # dispatch the next step before reading this one
+        state, tokens = engine.generate(state, rows)  # dispatch the next step before reading this one
         if pending is not None:
             host = np.asarray(pending)
             for slot in prompts:
@@ -54,6 +54,50 @@ def test_cached_decode_matches_reference(engine, length):
     got = run_slots(engine, {1: ids}, steps)[1]
     want = reference_greedy(engine.params, engine.cfg, ids, steps + 1, pad_to=MAX_LEN)
     assert got == want
+
+
+def test_batch_buckets(engine):
+    assert engine.batch_buckets == (2, 4)
+    assert [engine.rows_for(n) for n in (None, 0, 1, 2, 3, 4, 9)] == [4, 2, 2, 2, 4, 4, 4]
+
+
+def test_decode_step_updates_the_cache_in_place(engine):
+    """No batch bucket's compiled step copies the whole KV cache (the donated cache is written
+    in place); a one-row write did, which is why there is no bucket of 1."""
+    import re
+
+    from tandem_engine.engine import _generate_core
+
+    state = engine.init_state()
+    shape = ",".join(str(d) for d in state.k.shape)
+    for rows in engine.batch_buckets:
+        hlo = _generate_core.lower(engine.params, state, cfg=engine.cfg, layout=None, rows=rows).compile().as_text()
+        copies = [ln for ln in hlo.splitlines() if re.search(rf"= f32\[{shape}\]\{{[^}}]*\}} copy\(", ln)]
+        assert not copies, f"rows={rows}: {copies[:2]}"
+
+
+def test_step_over_the_slots_in_use_matches_all_slots(engine):
+    """A step over slots [0, rows) gives the same tokens as a step over every slot, greedy and
+    sampled, and leaves the slots above untouched (a request there continues as if alone)."""
+    prompts = {0: prompt(9, seed=1), 1: prompt(23, seed=2)}
+    sampling = {1: SamplingParams(temperature=0.8, top_k=20, seed=7)}
+    full = run_slots(engine, prompts, 10, sampling)
+    assert run_slots(engine, prompts, 10, sampling, rows=2) == full
+    # slot 3 holds a request while steps cover only slots [0, 2): it must not advance meanwhile
+    state = engine.init_state()
+    ids = prompt(12, seed=3)
+    p3 = engine.prefill(ids, GREEDY)
+    state = engine.insert(p3, state, 3, GREEDY)
+    p0 = engine.prefill(prompts[0], GREEDY)
+    state = engine.insert(p0, state, 0, GREEDY)
+    for _ in range(3):
+        state, tokens = engine.generate(state, 1)
+        assert tokens.shape == (2,)
+    got = [p3.first_token]
+    for _ in range(5):
+        state, tokens = engine.generate(state)
+        got.append(int(np.asarray(tokens)[3]))
+    assert got == reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=MAX_LEN)
 
 
 def test_prefix_shape_is_bucket(engine):
