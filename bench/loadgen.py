@@ -47,8 +47,10 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     token_s: list[float] = field(default_factory=list)  # offset of every token event from the run start
     e2e_s: float = math.nan
-    tokens_out: int = 0
+    tokens_out: int = 0  # token events (SSE data lines with a choice)
     error: str | None = None
+    reads: int = 0  # network reads that carried at least one token event
+    usage_tokens: int | None = None  # completion_tokens of the final usage chunk, when one came
 
     @property
     def ok(self) -> bool:
@@ -111,25 +113,31 @@ def make_workload(seed: int, n: int, rate: float, lengths: str | tuple[int, int]
 # the client
 
 
-def _parse_event(data: str) -> tuple[int, str | None]:
-    """(token events in this SSE data line, in-band error). Usage-only chunks count zero."""
+def _parse_event(data: str) -> tuple[int, str | None, int | None]:
+    """(token events in this SSE data line, in-band error, usage completion_tokens). Usage-only
+    chunks count zero events."""
     obj = json.loads(data)
     if "error" in obj:
-        return 0, str(obj["error"].get("message", obj["error"]))
-    return (1 if obj.get("choices") else 0), None
+        return 0, str(obj["error"].get("message", obj["error"])), None
+    usage = obj.get("usage") or {}
+    done = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return (1 if obj.get("choices") else 0), None, (int(done) if done is not None else None)
 
 
 async def _sse_lines(resp):
-    """Lines split on "\n" only: httpx's aiter_lines also splits on the Unicode line boundaries
-    (U+0085, U+2028, ...) that a JSON string carrying generated text may hold unescaped."""
+    """(line, index of the network read that completed it). Lines split on "\n" only: httpx's
+    aiter_lines also splits on the Unicode line boundaries (U+0085, U+2028, ...) that a JSON string
+    carrying generated text may hold unescaped."""
     buf = ""
+    n = 0
     async for text in resp.aiter_text():
+        n += 1
         buf += text
         *lines, buf = buf.split("\n")
         for line in lines:
-            yield line.rstrip("\r")
+            yield line.rstrip("\r"), n
     if buf:
-        yield buf
+        yield buf, n
 
 
 async def _one(client, url: str, model: str, spec: RequestSpec, t0: float, extra: dict,
@@ -139,20 +147,26 @@ async def _one(client, url: str, model: str, spec: RequestSpec, t0: float, extra
     res = RequestResult(spec.kind, spec.prompt_len, spec.output_len, time.perf_counter() - t0)
     start = time.perf_counter()
     last = start
+    last_read = 0
     try:
         async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return res
-            async for line in _sse_lines(resp):
+            async for line, read in _sse_lines(resp):
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
-                n, err = _parse_event(line[5:].strip())
+                n, err, usage = _parse_event(line[5:].strip())
                 if err:
                     res.error = err
                     break
+                if usage is not None:
+                    res.usage_tokens = usage
                 if not n:
                     continue
+                if read != last_read:
+                    res.reads += 1
+                    last_read = read
                 now = time.perf_counter()
                 if res.tokens_out == 0:
                     res.ttft_s = now - start

@@ -18,6 +18,7 @@ BENCHMARKS = [
     "kv_transfer.py",
     "serve.py",
     "interleave.py",  # reuses serve.py's burst runs of the same `make bench`
+    "peer.py",  # vLLM CPU vs Tandem side by side, unpinned (issue 11)
 ]
 
 

@@ -271,7 +271,9 @@ def report(s: dict, rat: dict, plan: Plan, machine: dict, seconds: float, argv: 
         f"Model: `{plan.model}`, {plan.slots} slots / max-num-seqs, max_len {plan.max_len}. Client (every "
         f"system): {CLIENT_NAME}, pinned to CPU 0. Pins: disagg `{PINS['disagg']}` with "
         "`TANDEM_GATEWAY_DIRECT_PREFILL_MAX_TOKENS=0` (all prefill on the prefill pod); colocated "
-        f"`{PINS['colocated']}`; bare engine on CPU 1; vLLM on CPUs 0-1.",
+        f"`{PINS['colocated']}`; bare engine on CPU 1; vLLM on CPUs 0-1 (sharing CPU 0 with the client, "
+        "where vLLM's engine thread binds: not a health-checked peer run; the unpinned, health-checked "
+        "comparison with vLLM is bench/peer.py's section).",
         f"SLOs: TTFT <= {plan.ttft_slo_s * 1e3:.0f} ms and time per output token <= {plan.tpot_slo_s * 1e3:.0f} ms; "
         "goodput = the highest Poisson rate at which >= 90% of requests meet both (DistServe), interpolated "
         "between swept rates.", "",

@@ -27,12 +27,14 @@ BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 class TandemLocal:
-    """`tandem local` in a subprocess; `env` is added to its environment (TANDEM_* settings)."""
+    """`tandem local` in a subprocess; `env` is added to its environment (TANDEM_* settings); `pin`
+    is its own per-role `--pin`, `cpus` a taskset of the whole cluster."""
 
     def __init__(self, name: str, model: str, *, colocated: bool, slots: int, max_len: int, pin: str,
-                 env: dict[str, str], log_path: Path) -> None:
+                 env: dict[str, str], log_path: Path, cpus: str = "") -> None:
         self.name, self.model, self.colocated, self.slots = name, model, colocated, slots
         self.max_len, self.pin, self.env, self.log_path = max_len, pin, env, log_path
+        self.cpus = cpus  # taskset -c on the launcher (and so every child), when given
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -46,7 +48,8 @@ class TandemLocal:
                "--log-level", "WARNING"]
         if self.pin:
             cmd += ["--pin", self.pin]
-        return cmd + (["--colocated"] if self.colocated else ["--prefill", "1", "--decode", "1"])
+        cmd += ["--colocated"] if self.colocated else ["--prefill", "1", "--decode", "1"]
+        return ["taskset", "-c", self.cpus, *cmd] if self.cpus else cmd
 
     def start(self, timeout_s: float = 300.0) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

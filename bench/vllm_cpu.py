@@ -72,12 +72,13 @@ def prepare_model_dir(src: Path, dst: Path) -> Path:
 
 
 class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1:PORT, optionally pinned."""
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1:PORT, optionally pinned
+    (`cpus`: taskset -c on the whole server; `env` is added to its environment)."""
 
     def __init__(self, model_dir: Path, port: int, max_len: int, cpus: str | None, log_path: Path,
-                 max_num_seqs: int = 8) -> None:
+                 max_num_seqs: int = 8, env: dict[str, str] | None = None) -> None:
         self.model_dir, self.port, self.max_len, self.cpus = model_dir, port, max_len, cpus
-        self.log_path, self.max_num_seqs = log_path, max_num_seqs
+        self.log_path, self.max_num_seqs, self.extra_env = log_path, max_num_seqs, dict(env or {})
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -92,7 +93,7 @@ class VLLMServer:
         if self.cpus:
             cmd = ["taskset", "-c", self.cpus, *cmd]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -14,39 +14,57 @@ from tandem_core.streams import ReadyNotice
 from tandem_core.types import KVPayload
 from tandem_proto import kv_pb2, kv_pb2_grpc
 
+_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
+PULL_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['PullKV'].name}"
+
 
 class KVPuller:
     def __init__(self, max_message_bytes: int, max_channels: int = 64, tls: GrpcConfig | None = None) -> None:
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
         self._tls = tls
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, kv_pb2_grpc.KVTransferStub, object]] = {}
         self._max_channels = max_channels
 
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            if len(self._channels) >= self._max_channels:  # bounded: drop the oldest
-                _, old = self._channels.popitem()
+        return self._get(address)[1]
+
+    def _pull_call(self, address: str):
+        """PullKV returning each message's serialized bytes: `kvcodec.parse_chunk` reads them
+        without the copies a protobuf parse makes."""
+        return self._get(address)[2]
+
+    def _get(self, address: str):
+        got = self._stubs.get(address)
+        if got is None:
+            if len(self._stubs) >= self._max_channels:  # bounded: drop the oldest
+                old = self._stubs.pop(next(iter(self._stubs)))
                 # closing is async; the channel is unreferenced and closes on GC
                 del old
             ch = grpc_util.channel(address, self._tls, self._opts)
-            self._channels[address] = ch
-        return kv_pb2_grpc.KVTransferStub(ch)
+            pull = ch.unary_stream(PULL_METHOD, request_serializer=kv_pb2.PullKVRequest.SerializeToString,
+                                   response_deserializer=None)
+            got = self._stubs[address] = (ch, kv_pb2_grpc.KVTransferStub(ch), pull)
+        return got
 
     async def pull(self, notice: ReadyNotice, timeout_s: float) -> KVPayload:
         rid = notice.request.request_id
         dec = kvcodec.Decoder()
+        call = None
         try:
-            call = self._stub(notice.address).PullKV(
+            call = self._pull_call(notice.address)(
                 kv_pb2.PullKVRequest(request_id=rid, capability=notice.capability), timeout=timeout_s
             )
             async for m in call:
-                dec.add(kvcodec.Chunk(m.seq, m.total, m.header, m.data, m.crc32, m.payload_crc32))
+                dec.add(kvcodec.parse_chunk(m))
             return dec.finish()
         except grpc.aio.AioRpcError as e:
             raise KVTransferFailed(
                 f"KV pull of request {rid} from {notice.address} failed: {e.code().name}: {e.details()}"
             ) from e
+        except KVTransferFailed as e:
+            if call is not None:
+                call.cancel()  # stop the sender now, not when the call is collected
+            raise KVTransferFailed(f"KV pull of request {rid} from {notice.address} failed: {e.message}") from e
 
     async def release(self, notice: ReadyNotice, timeout_s: float = 5.0) -> bool:
         """Tell the prefill pod to free a KV nobody will pull (request cancelled). Best effort:
@@ -61,6 +79,6 @@ class KVPuller:
             return False
 
     async def close(self) -> None:
-        for ch in self._channels.values():
+        for ch, *_ in self._stubs.values():
             await ch.close()
-        self._channels.clear()
+        self._stubs.clear()

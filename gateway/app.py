@@ -20,6 +20,7 @@ from gateway import grpc_api
 from gateway.http_api import error_body, router
 from gateway.service import GatewayService, retry_after_header
 from gateway.settings import GatewaySettings
+from gateway.tokens import TokenMux
 from tandem_core import grpc_util, streams
 from tandem_core.errors import TandemError
 
@@ -32,6 +33,8 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.redis = streams.connect(settings.redis)
+        svc.mux = TokenMux(svc.redis, block_ms=settings.relay_block_ms)
+        svc.mux.start()
         try:
             await streams.ensure_groups(svc.redis, settings.pool)
         except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503
@@ -43,6 +46,7 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
             await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
             await server.stop(settings.shutdown_grace_s)
             await svc.drain_background()
+            await svc.mux.stop()
             await svc.redis.aclose()
             log.info("gateway stopped")
 

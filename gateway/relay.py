@@ -1,8 +1,8 @@
 """The token relay: one request's token stream in Redis -> text deltas for a client.
 
 Written once and used by both transports (SSE and gRPC). The life of a relay:
-1. XREAD BLOCK (at most `relay_block_ms` per call) on `tandem:tok:{rid}` from the last entry id,
-   under two deadlines: the whole request (`request_timeout_s`) and, until the first token
+1. Subscribe to `tandem:tok:{rid}` on the gateway's one token reader (gateway/tokens.py: one
+   blocking XREAD for every stream relayed) and take its entries as they come, under two deadlines: the whole request (`request_timeout_s`) and, until the first token
    arrives, `first_token_timeout_s`. Past either: cancel the request and raise DeadlineExceeded.
 2. Every entry carries its token index. An index already relayed is a duplicate (a retried
    worker re-publishes from the start) and is dropped; an index ahead of the next one waits in a
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.metrics import GatewayMetrics
+from gateway.tokens import Subscription, TokenMux
 from gateway.validation import Prepared
 from tandem_core import streams
 from tandem_core.errors import DeadlineExceeded, WorkerFailed
@@ -110,6 +111,7 @@ class _Deadlines:
 
 async def relay(
     r: aioredis.Redis,
+    mux: TokenMux,
     prep: Prepared,
     tokenizer: Tokenizer,
     *,
@@ -132,7 +134,7 @@ async def relay(
     finished = detached = False
     metrics.running.inc()
     try:
-        async for delta in _pump(r, req.request_id, text, dl, state, block_ms, metrics, prep):
+        async for delta in _pump(mux, req.request_id, text, dl, state, block_ms, metrics, prep):
             finished = delta.finish_reason is not None
             yield delta
     except (asyncio.CancelledError, GeneratorExit):
@@ -158,20 +160,29 @@ class _RelayState:
 
 
 async def _pump(
-    r: aioredis.Redis, rid: str, text: TextAssembler, dl: _Deadlines, st: _RelayState,
+    mux: TokenMux, rid: str, text: TextAssembler, dl: _Deadlines, st: _RelayState,
     block_ms: int, metrics: GatewayMetrics, prep: Prepared,
 ) -> AsyncIterator[Delta]:
+    sub = mux.subscribe(rid, st.last_id)
+    try:
+        async for delta in _relay_events(sub, text, dl, st, block_ms, metrics, prep):
+            yield delta
+    finally:
+        mux.unsubscribe(sub)
+
+
+async def _relay_events(
+    sub: Subscription, text: TextAssembler, dl: _Deadlines, st: _RelayState,
+    block_ms: int, metrics: GatewayMetrics, prep: Prepared,
+) -> AsyncIterator[Delta]:
+    rid = sub.request_id
     ahead: dict[int, streams.TokenEvent] = {}  # out-of-order entries, bounded by max_tokens
     while True:
         left, which = dl.remaining(st.next_index > 0)
         if left <= 0:
             raise DeadlineExceeded(f"no {which} within the deadline; request {rid} cancelled")
-        try:
-            events = await streams.read_tokens(r, rid, st.last_id, max(1, min(block_ms, int(left * 1000))))
-        except streams.REDIS_DOWN as e:  # a Redis restart: the stream persists, keep reading
-            log.warning("redis unavailable while relaying request_id=%s: %s; retrying", rid, e)
-            await asyncio.sleep(0.5)
-            continue
+        # A Redis restart shows here only as a longer wait: the reader retries, the stream persists.
+        events = await sub.get(min(block_ms / 1000, left))
         for ev in events:
             st.last_id = ev.entry_id
             if ev.token_id < 0 and ev.finish_reason:  # a finish without a token: terminal

@@ -26,6 +26,7 @@ from gateway.limits import KeyLimiter
 from gateway.metrics import GatewayMetrics, cluster_load
 from gateway.relay import Delta, relay
 from gateway.settings import GatewaySettings
+from gateway.tokens import TokenMux
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
 from tandem_core import keys, streams
 from tandem_core.errors import (
@@ -73,7 +74,8 @@ class GatewayService:
         self._load_ts = -1e9  # when the load gauges were last refreshed (monotonic)
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
-        self.open_streams = 0  # relays in progress: each holds a Redis connection
+        self.open_streams = 0  # relays in progress (all share the one token reader)
+        self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
 
     # ------------------------------------------------------------ auth
 
@@ -146,11 +148,11 @@ class GatewayService:
         429 when the backlog is over its bound, 503 when the predicted time to first token is
         past the first-token deadline. Both carry Retry-After."""
         s = self.settings
-        if self.open_streams >= s.redis.max_connections - 8:  # each relay holds one Redis connection
+        if self.open_streams >= s.max_open_streams:
             self.metrics.requests.labels("rejected").inc()
             raise AdmissionRejected(
                 f"{self.open_streams} streams are open on this gateway, at its bound of "
-                f"{s.redis.max_connections - 8} (redis.max_connections - 8); retry after {s.retry_after_s:g}s",
+                f"{s.max_open_streams} (max_open_streams); retry after {s.retry_after_s:g}s",
                 retry_after_s=s.retry_after_s,
             )
         if backlog > s.admission_max_backlog:
@@ -195,7 +197,7 @@ class GatewayService:
         generated = 0
         self.open_streams += 1
         gen = relay(
-            self._redis(), prep, self.tokenizer, block_ms=s.relay_block_ms,
+            self._redis(), self._mux(), prep, self.tokenizer, block_ms=s.relay_block_ms,
             request_timeout_s=total_s, first_token_timeout_s=first_s,
             cancel_ttl_s=s.token_ttl_s, metrics=self.metrics, background=self.background,
             on_detach=self._grace_cancel(prep) if prep.resumable else None,
@@ -327,6 +329,11 @@ class GatewayService:
             t.cancel()
         if self.background:
             await asyncio.wait(list(self.background), timeout=timeout_s)
+
+    def _mux(self) -> TokenMux:
+        if self.mux is None:
+            raise ServiceUnavailable("the gateway is not connected to Redis yet")
+        return self.mux
 
     def _redis(self) -> aioredis.Redis:
         if self.redis is None:

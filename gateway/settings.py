@@ -34,7 +34,8 @@ class GatewaySettings(BaseSettings):
     # Added with the gateway service:
     grpc_host: str = ""  # gRPC bind host; empty = same as `host`
     grpc_max_message_bytes: PositiveInt = 4 * 1024 * 1024
-    relay_block_ms: int = Field(default=1000, ge=1, le=1000)  # XREAD BLOCK per round trip
+    relay_block_ms: int = Field(default=1000, ge=1, le=1000)  # the token reader's XREAD BLOCK per round trip
+    max_open_streams: PositiveInt = 4096  # relays open at once on this replica; past it: 429
     retry_after_s: PositiveFloat = 1.0  # Retry-After on 429
     shutdown_grace_s: PositiveFloat = 30.0  # SIGTERM: finish open streams for this long
     default_temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default

@@ -12,7 +12,7 @@ from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
 from tandem_core import grpc_util, lifecycle, streams
 from tandem_core.settings import default_worker_id
-from tandem_proto import kv_pb2, kv_pb2_grpc
+from tandem_proto import kv_pb2
 
 log = logging.getLogger(__name__)
 KV_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
@@ -23,7 +23,7 @@ def build_engine(settings: PrefillSettings, slots: int = 1):
 
     e = settings.engine
     return load_engine(e.model, slots=slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype, tp=e.tp)
+                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir)
 
 
 async def serve(settings: PrefillSettings) -> int:
@@ -37,8 +37,8 @@ async def serve(settings: PrefillSettings) -> int:
     port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port, settings.grpc)
     address = f"{settings.grpc.advertise_host}:{port}"
     worker = PrefillWorker(settings, engine, r, store, address, worker_id)
-    kv_pb2_grpc.add_KVTransferServicer_to_server(
-        KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release), server)
+    # PullKV chunks are serialized by kvcodec itself (no protobuf message per chunk)
+    KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release).add_to_server(server)
     health = grpc_util.add_health(server, [KV_SERVICE])
     grpc_util.add_reflection(server, [KV_SERVICE])
     await server.start()

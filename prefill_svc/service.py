@@ -2,12 +2,19 @@
 
 A pull MUST present the request's capability token (else PERMISSION_DENIED, nothing sent). The KV
 is released after the last chunk has been sent, or by an explicit ReleaseKV.
+
+Register it with `servicer.add_to_server(server)`: PullKV's messages are then serialized by
+`kvcodec.serialize_chunk` (the same bytes protobuf writes, with one copy of the data and no
+protobuf arena; measured several times cheaper per byte). Registered with the generated
+`kv_pb2_grpc.add_KVTransferServicer_to_server` it still works, through protobuf messages.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
 
 import grpc
 
@@ -16,6 +23,7 @@ from tandem_core import kvcodec
 from tandem_proto import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
+SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
@@ -23,6 +31,22 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         self._store = store
         self._chunk_bytes = chunk_bytes
         self._on_release = on_release
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-encode")
+        self._raw = False  # True once registered by add_to_server: PullKV yields serialized bytes
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Like `kv_pb2_grpc.add_KVTransferServicer_to_server`, with PullKV's messages serialized by
+        `kvcodec.serialize_chunk`."""
+        self._raw = True
+        handlers = {
+            "PullKV": grpc.unary_stream_rpc_method_handler(
+                self.PullKV, request_deserializer=kv_pb2.PullKVRequest.FromString, response_serializer=None),
+            "ReleaseKV": grpc.unary_unary_rpc_method_handler(
+                self.ReleaseKV, request_deserializer=kv_pb2.ReleaseKVRequest.FromString,
+                response_serializer=kv_pb2.ReleaseKVResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
 
     def _check(self, request_id: str, capability: str):
         held = self._store.get(request_id)
@@ -38,12 +62,19 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             await context.abort(*err)
         held.pulls += 1
         sent = 0
-        for c in kvcodec.encode(held.payload, self._chunk_bytes):
-            yield kv_pb2.KVChunk(
-                seq=c.seq, total=c.total, header=c.header, data=c.data, crc32=c.crc32,
-                payload_crc32=c.payload_crc32,
-            )
-            sent += len(c.data)
+        # Chunks are encoded (running CRC, the copy out of the held arrays) on a worker thread, the
+        # next one while this one is being sent: at most two chunks of a pull are in memory here.
+        # (Encoding the first one on the event loop instead measured slower.)
+        loop = asyncio.get_running_loop()
+        chunks = kvcodec.encode(held.payload, self._chunk_bytes)
+        nxt = loop.run_in_executor(self._pool, _message, chunks, self._raw)
+        try:
+            while (got := await nxt) is not None:
+                nxt = loop.run_in_executor(self._pool, _message, chunks, self._raw)
+                yield got[0]
+                sent += got[1]
+        finally:
+            nxt.cancel()  # a pull cut short (cancelled, deadline) drops the chunk it prefetched
         # The last chunk was handed to the transport: the decode pod has everything.
         if self._store.release(request.request_id):
             self._on_release(request.request_id)
@@ -59,3 +90,13 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         if released:
             self._on_release(request.request_id)
         return kv_pb2.ReleaseKVResponse(released=released)
+
+
+def _message(chunks: Iterator[kvcodec.Chunk], raw: bool) -> tuple[bytes | kv_pb2.KVChunk, int] | None:
+    """The next chunk as a message (serialized bytes when `raw`) and its data size; None at the end."""
+    c = next(chunks, None)
+    if c is None:
+        return None
+    if raw:
+        return kvcodec.serialize_chunk(c), len(c.data)
+    return kv_pb2.KVChunk(seq=c.seq, total=c.total, header=c.header, data=bytes(c.data), crc32=c.crc32), len(c.data)

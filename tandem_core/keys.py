@@ -6,7 +6,8 @@ Keys (all prefixed `tandem:`):
 | `tandem:{pool}:adm:{priority}` | stream, group `prefill` | gateway (XADD) | prefill (XREADGROUP) | MAXLEN ~ admission bound |
 | `tandem:{pool}:direct` | stream, group `decode` | gateway (short prompts) | decode (prefills locally) | MAXLEN ~ |
 | `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
-| `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (XREAD BLOCK) | MAXLEN, EXPIRE ttl |
+| `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (one XREAD BLOCK over all its streams) | MAXLEN, EXPIRE ttl |
+| `tandem:gwwake:{gateway_id}` | stream | the gateway subscribing a new request | the same gateway's token reader | MAXLEN ~ 16, EXPIRE 1 h |
 | `tandem:cancel:{request_id}` | string | gateway | prefill, decode | EXPIRE ttl |
 | `tandem:running:{worker_id}` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields |
 | `tandem:recovering:{worker_id}` | string lock | the pod recovering a dead one | same | EXPIRE 30 s |
@@ -46,6 +47,11 @@ def ready_stream(pool: str) -> str:
 
 def token_stream(request_id: str) -> str:
     return f"{PREFIX}:tok:{request_id}"
+
+
+def gateway_wake_stream(gateway_id: str) -> str:
+    """A gateway's token reader watches this stream too: an XADD ends its blocking read."""
+    return f"{PREFIX}:gwwake:{gateway_id}"
 
 
 def cancel_key(request_id: str) -> str:

@@ -1,16 +1,21 @@
 """KV chunk codec: a `KVPayload` <-> a sequence of chunks small enough for gRPC messages.
 
-Chunk 0 carries a JSON header (dtype, shapes, true_length, first_token, total bytes). Every chunk
-carries the CRC32 of its data; the last carries the CRC32 of the whole payload. The decoder checks
-both and the byte count, so a truncated or corrupted transfer is an error, never a wrong answer.
-The transport (gRPC, a socket in benchmarks) only ever moves these bytes.
+Chunk 0 carries a JSON header (codec version, dtype, shapes, true_length, first_token, total
+bytes). Every chunk carries `crc32`, the running CRC32 of the payload bytes up to and including
+its data, so each chunk is checked as it arrives, and the last chunk's value is the CRC32 of the
+whole payload: one CRC pass per side checks both. The decoder also checks order, count and byte
+count, so a truncated or corrupted transfer is an error, never a wrong answer.
+
+Chunk data is a zero-copy `memoryview` of the payload's arrays (a chunk never spans K and V);
+the transport copies it once into its message. The transport (gRPC, a socket in benchmarks)
+only ever moves these bytes.
 """
 from __future__ import annotations
 
 import json
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Union
 
 import numpy as np
 
@@ -18,6 +23,9 @@ from tandem_core.errors import KVTransferFailed
 from tandem_core.types import KVPayload
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message limit
+CODEC_VERSION = 2  # 2: running CRC32 per chunk (1 had a CRC per chunk and one per payload)
+
+Bytes = Union[bytes, bytearray, memoryview]
 
 
 @dataclass
@@ -25,9 +33,8 @@ class Chunk:
     seq: int
     total: int
     header: bytes
-    data: bytes
-    crc32: int
-    payload_crc32: int = 0
+    data: Bytes
+    crc32: int  # running CRC32 of the payload bytes through this chunk's data
 
 
 def _dtype(name: str) -> np.dtype:
@@ -39,43 +46,104 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
+def _byte_view(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def plan(nbytes: list[int], chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """(segment, offset, length) of every chunk: at most `chunk_bytes` each, never spanning two
+    segments (K, V). At least one chunk."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    out = [(seg, off, min(chunk_bytes, n - off)) for seg, n in enumerate(nbytes) for off in range(0, n, chunk_bytes)]
+    return out or [(0, 0, 0)]
+
+
 def encode(payload: KVPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
-    k = np.ascontiguousarray(payload.k)
-    v = np.ascontiguousarray(payload.v)
+    k, v = payload.k, payload.v
     if k.dtype != v.dtype:
         raise ValueError(f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
-    header = {
-        "dtype": k.dtype.name, "k_shape": list(k.shape), "v_shape": list(v.shape),
+    views = [_byte_view(k), _byte_view(v)]
+    header = json.dumps({
+        "codec": CODEC_VERSION, "dtype": k.dtype.name, "k_shape": list(k.shape), "v_shape": list(v.shape),
         "true_length": int(payload.true_length), "first_token": int(payload.first_token),
-        "nbytes": int(k.nbytes + v.nbytes),
-    }
-    views = [memoryview(k.reshape(-1).view(np.uint8)), memoryview(v.reshape(-1).view(np.uint8))]
-    total_bytes = header["nbytes"]
-    total = max(1, -(-total_bytes // chunk_bytes))
+        "nbytes": len(views[0]) + len(views[1]),
+    }).encode()
+    chunks = plan([len(x) for x in views], chunk_bytes)
     running = 0
-    seq = 0
-    buf = bytearray()
-    for view in views:
-        off = 0
-        while off < len(view):
-            take = min(chunk_bytes - len(buf), len(view) - off)
-            buf += view[off : off + take]
-            off += take
-            if len(buf) == chunk_bytes:
-                running = zlib.crc32(buf, running)
-                yield _chunk(seq, total, header, bytes(buf), running, seq == total - 1)
-                seq += 1
-                buf = bytearray()
-    if buf or seq == 0:
-        running = zlib.crc32(buf, running)
-        yield _chunk(seq, total, header, bytes(buf), running, True)
+    for seq, (seg, off, n) in enumerate(chunks):
+        data = views[seg][off : off + n]
+        running = zlib.crc32(data, running)
+        yield Chunk(seq, len(chunks), header if seq == 0 else b"", data, running)
 
 
-def _chunk(seq: int, total: int, header: dict, data: bytes, running: int, last: bool) -> Chunk:
-    return Chunk(
-        seq=seq, total=total, header=json.dumps(header).encode() if seq == 0 else b"",
-        data=data, crc32=zlib.crc32(data), payload_crc32=running if last else 0,
-    )
+def _put_varint(out: bytearray, val: int) -> None:
+    while val >= 0x80:
+        out.append((val & 0x7F) | 0x80)
+        val >>= 7
+    out.append(val)
+
+
+def serialize_chunk(c: Chunk) -> bytes:
+    """`c` as a serialized `tandem.v1.KVChunk`, byte for byte what `KVChunk(...).SerializeToString()`
+    gives, with one copy of the data and no protobuf arena (which costs a fresh allocation and
+    page faults per message)."""
+    head, tail = bytearray(), bytearray()
+    for out, field, val in ((head, 1, c.seq), (head, 2, c.total), (tail, 7, c.crc32)):
+        if val:
+            _put_varint(out, field << 3)
+            _put_varint(out, val & 0xFFFFFFFFFFFFFFFF)
+    if c.header:
+        _put_varint(head, 3 << 3 | 2)
+        _put_varint(head, len(c.header))
+        head += c.header
+    if len(c.data):
+        _put_varint(head, 4 << 3 | 2)
+        _put_varint(head, len(c.data))
+    return b"".join([head, c.data, tail])
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    val = shift = 0
+    for j in range(i, min(i + 10, len(buf))):
+        b = buf[j]
+        val |= (b & 0x7F) << shift
+        if b < 0x80:
+            return val, j + 1
+        shift += 7
+    raise KVTransferFailed("KV chunk message is malformed (bad varint)")
+
+
+def parse_chunk(msg: bytes) -> Chunk:
+    """A serialized `tandem.v1.KVChunk` -> `Chunk` whose data is a zero-copy view of `msg`.
+
+    The protobuf runtime would copy the data twice (parse, then `.data`); this reads the few
+    scalar fields and slices the bytes. Unknown fields are skipped, as protobuf does."""
+    vals = {1: 0, 2: 0, 7: 0}
+    header, data = b"", memoryview(b"")
+    i, n = 0, len(msg)
+    while i < n:
+        key, i = _varint(msg, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            val, i = _varint(msg, i)
+            vals[field] = val - (1 << 64) if val >= 1 << 63 else val
+        elif wire == 2:
+            ln, i = _varint(msg, i)
+            if i + ln > n:
+                raise KVTransferFailed("KV chunk message is malformed (field past the end)")
+            if field == 3:
+                header = bytes(msg[i : i + ln])
+            elif field == 4:
+                data = memoryview(msg)[i : i + ln]
+            i += ln
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise KVTransferFailed(f"KV chunk message is malformed (wire type {wire})")
+    if i != n:
+        raise KVTransferFailed("KV chunk message is malformed (truncated)")
+    return Chunk(vals[1], vals[2], header, data, vals[7] & 0xFFFFFFFF)
 
 
 def decode(chunks: Iterable[Chunk]) -> KVPayload:
@@ -86,49 +154,60 @@ def decode(chunks: Iterable[Chunk]) -> KVPayload:
 
 
 class Decoder:
-    """Incremental decoder: `add` each chunk as it arrives, then `finish`."""
+    """Incremental decoder: `add` each chunk as it arrives, then `finish`. Holds one buffer of the
+    payload's size (allocated from the header), and nothing else."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._max_bytes = max_bytes
         self._header: dict | None = None
-        self._buf = bytearray()
+        self._buf: np.ndarray | None = None
+        self._off = 0
         self._crc = 0
         self._next = 0
         self._total = -1
-        self._payload_crc: int | None = None
+
+    def _start(self, c: Chunk) -> None:
+        try:
+            h = json.loads(c.header)
+            nbytes = int(h["nbytes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise KVTransferFailed(f"KV stream header is not valid: {e}") from e
+        if h.get("codec") != CODEC_VERSION:
+            raise KVTransferFailed(
+                f"KV codec version {h.get('codec', 1)} from the sender, this side speaks {CODEC_VERSION}")
+        if nbytes < 0 or (self._max_bytes is not None and nbytes > self._max_bytes):
+            raise KVTransferFailed(f"KV payload of {nbytes} bytes is over this side's bound of {self._max_bytes}")
+        self._header, self._total = h, c.total
+        self._buf = np.empty(nbytes, np.uint8)
 
     def add(self, c: Chunk) -> None:
         if c.seq != self._next:
             raise KVTransferFailed(f"KV chunk out of order: got {c.seq}, expected {self._next}")
-        if zlib.crc32(c.data) != c.crc32:
-            raise KVTransferFailed(f"KV chunk {c.seq} checksum mismatch")
         if c.seq == 0:
-            self._header = json.loads(c.header)
-            self._total = c.total
-            self._buf = bytearray(self._header["nbytes"])
-            self._off = 0
-        if self._header is None:
+            self._start(c)
+        if self._buf is None:
             raise KVTransferFailed("KV stream did not start with a header chunk")
         end = self._off + len(c.data)
-        if end > len(self._buf):
-            raise KVTransferFailed(f"KV stream longer than its header says ({len(self._buf)} bytes)")
-        self._buf[self._off : end] = c.data
-        self._off = end
-        self._crc = zlib.crc32(c.data, self._crc)
+        if end > len(self._buf) or c.seq >= self._total or c.total != self._total:
+            raise KVTransferFailed(
+                f"KV stream longer than its header says ({len(self._buf)} bytes, {self._total} chunks)")
+        crc = zlib.crc32(c.data, self._crc)
+        if crc != c.crc32:
+            raise KVTransferFailed(f"KV chunk {c.seq} checksum mismatch")
+        self._buf[self._off : end] = np.frombuffer(c.data, np.uint8)
+        self._off, self._crc = end, crc
         self._next += 1
-        if c.seq == self._total - 1:
-            self._payload_crc = c.payload_crc32
 
     def finish(self) -> KVPayload:
-        h = self._header
-        if h is None or self._next != self._total or self._off != len(self._buf):
+        h, buf = self._header, self._buf
+        if h is None or buf is None or self._next != self._total or self._off != len(buf):
             raise KVTransferFailed(
                 f"KV stream incomplete: {self._next}/{self._total} chunks, "
-                f"{getattr(self, '_off', 0)}/{len(self._buf)} bytes"
+                f"{self._off}/{0 if buf is None else len(buf)} bytes"
             )
-        if self._payload_crc != self._crc:
-            raise KVTransferFailed("KV payload checksum mismatch")
+        # Every chunk's running CRC matched, the last one's is the whole payload's: checked.
         dt = _dtype(h["dtype"])
-        arr = np.frombuffer(self._buf, dtype=dt)
+        arr = buf.view(dt)
         nk = int(np.prod(h["k_shape"]))
         k = arr[:nk].reshape(h["k_shape"])
         v = arr[nk:].reshape(h["v_shape"])

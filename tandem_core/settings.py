@@ -17,7 +17,7 @@ class RedisConfig(BaseModel):
     password: str | None = None
     socket_timeout_s: PositiveFloat = 10.0
     connect_timeout_s: PositiveFloat = 5.0
-    max_connections: PositiveInt = 1024  # client pool bound; the gateway relays one stream per connection
+    max_connections: PositiveInt = 1024  # client pool bound (the gateway reads every token stream on one)
 
 
 class GrpcConfig(BaseModel):

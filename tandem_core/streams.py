@@ -230,23 +230,15 @@ async def read_tokens(
     r: aioredis.Redis, request_id: str, after_id: bytes | str, block_ms: int, count: int = 256
 ) -> list[TokenEvent]:
     resp = await r.xread({keys.token_stream(request_id): after_id}, count=count, block=block_ms)
-    out: list[TokenEvent] = []
-    for _name, entries in resp or []:
-        for entry_id, f in entries:
-            f = {_s(k): v for k, v in f.items()}
-            out.append(
-                TokenEvent(
-                    index=int(f["i"]),
-                    token_id=int(f["t"]),
-                    finish_reason=_s(f["f"]) if "f" in f else None,
-                    error=_s(f["e"]) if "e" in f else None,
-                    entry_id=entry_id,
-                )
-            )
-    return out
+    return [token_event(entry_id, f) for _name, entries in resp or [] for entry_id, f in entries]
 
 
-# ---------------------------------------------------------------- fenced token writes
+def token_event(entry_id: bytes, f: dict) -> TokenEvent:
+    """One token stream entry (fields i, t and optionally f, e; see `add_tokens`)."""
+    fin, err = f.get(b"f"), f.get(b"e")
+    return TokenEvent(index=int(f[b"i"]), token_id=int(f[b"t"]), finish_reason=_s(fin) if fin is not None else None,
+                      error=_s(err) if err is not None else None, entry_id=entry_id)
+
 
 # A step's tokens in one call: each XADDed only while the writer still owns its request (its
 # field in the writer's running hash); a finishing token removes the field. KEYS[1] is the running

@@ -13,20 +13,18 @@ class PullKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("seq", "total", "header", "data", "crc32", "payload_crc32")
+    __slots__ = ("seq", "total", "header", "data", "crc32")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     seq: int
     total: int
     header: bytes
     data: bytes
     crc32: int
-    payload_crc32: int
-    def __init__(self, seq: _Optional[int] = ..., total: _Optional[int] = ..., header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., payload_crc32: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., total: _Optional[int] = ..., header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id", "capability")

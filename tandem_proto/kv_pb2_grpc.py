@@ -50,8 +50,9 @@ class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PullKV(self, request, context):
-        """Server streaming: the first chunk carries the header; every chunk carries its own CRC32,
-        the last one the CRC32 of the whole payload. The capability token must match.
+        """Server streaming: the first chunk carries the header; every chunk carries the running CRC32
+        of the payload through its data, so the last one's is the CRC32 of the whole payload
+        (tandem_core/kvcodec.py). The capability token must match.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -22,12 +22,19 @@ def _payload(seed: int = 0, length: int = 64) -> KVPayload:
                      true_length=length - 3, first_token=42)
 
 
-@pytest.fixture
-async def kv_server():
+def _register(servicer: KVTransferServicer, server, how: str) -> None:
+    if how == "raw":  # PullKV serialized by kvcodec.serialize_chunk
+        servicer.add_to_server(server)
+    else:  # the generated registration: protobuf messages
+        kv_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+
+
+@pytest.fixture(params=["raw", "generated"])
+async def kv_server(request):
     store = KVStore(budget_bytes=64 << 20, lease_s=60)
     released: list[str] = []
     server = grpc_util.make_server(8 << 20)
-    kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(store, 4096, released.append), server)
+    _register(KVTransferServicer(store, 4096, released.append), server, request.param)
     port = grpc_util.bind(server, "127.0.0.1", 0)
     await server.start()
     try:
@@ -102,3 +109,46 @@ def test_store_budget_is_a_hard_bound():
     with pytest.raises(MemoryError):
         store.put("c", p)
     assert store.expired(now=1e18) == ["a", "b"]
+
+
+class _CorruptingServicer(KVTransferServicer):
+    """Flips one data byte of the third chunk on the wire, as a broken link or a buggy peer would."""
+
+    async def PullKV(self, request, context):
+        n = 0
+        async for m in super().PullKV(request, context):
+            if n == 2 and isinstance(m, bytes):
+                i = len(m) // 2  # the middle of a serialized chunk is data
+                m = m[:i] + bytes([m[i] ^ 1]) + m[i + 1 :]
+            elif n == 2:
+                m.data = bytes([m.data[0] ^ 1]) + m.data[1:]
+            n += 1
+            yield m
+
+
+@pytest.mark.parametrize("how", ["raw", "generated"])
+async def test_corrupted_chunk_over_grpc_is_kv_transfer_failed_with_reason(how):
+    store = KVStore(budget_bytes=64 << 20, lease_s=60)
+    server = grpc_util.make_server(8 << 20)
+    _register(_CorruptingServicer(store, 4096, lambda _r: None), server, how)
+    port = grpc_util.bind(server, "127.0.0.1", 0)
+    await server.start()
+    puller = KVPuller(8 << 20)
+    try:
+        held = store.put("rc", _payload(3))
+        with pytest.raises(KVTransferFailed, match=r"request rc .* chunk 2 checksum mismatch"):
+            await puller.pull(_notice("rc", f"127.0.0.1:{port}", held.capability), timeout_s=10)
+    finally:
+        await puller.close()
+        await server.stop(None)
+
+
+async def test_pull_past_its_deadline_fails_and_keeps_kv(kv_server):
+    store, addr, released = kv_server
+    held = store.put("rd", _payload(4, length=16384))  # 8 MiB in 2,048 chunks of 4 KiB
+    puller = KVPuller(8 << 20)
+    with pytest.raises(KVTransferFailed, match="DEADLINE_EXCEEDED"):
+        await puller.pull(_notice("rd", addr, held.capability), timeout_s=0.005)
+    got = await puller.pull(_notice("rd", addr, held.capability), timeout_s=30)  # the KV is still there
+    await puller.close()
+    assert got.k.shape == (2, 16384, 2, 16) and released == ["rd"]

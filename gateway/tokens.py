@@ -1,0 +1,168 @@
+"""One reader for every token stream this gateway relays (the token plane's gateway end).
+
+Before, each relay held its own Redis connection in a blocking XREAD on its own stream: one
+round trip per token per request, and a gateway's concurrency capped by its connection pool.
+`TokenMux` runs one task that XREADs every subscribed stream in ONE blocking call (one round trip
+returns the new entries of all of them) and hands each request's entries to its `Subscription`.
+How it keeps the contract:
+- Nothing is lost: each subscription keeps the id of the last entry handed over, and the next
+  read resumes from it, so entries are delivered once and in stream order (the relay still drops
+  duplicate indices and fills gaps, as before).
+- Bounded: a subscription holding `max_buffered` undelivered entries (a slow client) is left out
+  of reads until its relay catches up; its entries wait in Redis, under the stream's MAXLEN.
+- A read in flight does not see a newcomer's stream, so subscribing XADDs to this gateway's wake
+  stream, which every read also watches: the read returns at once and the next one includes it.
+- Redis down: the reader waits and reads again from the same ids (the streams persist); each
+  relay's own deadlines still apply, so no relay waits past them.
+It knows nothing of HTTP, gRPC or detokenization.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import redis.asyncio as aioredis
+
+from tandem_core import keys, streams
+
+log = logging.getLogger(__name__)
+
+
+class Subscription:
+    """The entries of one request's token stream, as the reader hands them over."""
+
+    def __init__(self, request_id: str, after_id: bytes | str, on_drained=None) -> None:
+        self.request_id = request_id
+        self._on_drained = on_drained  # a paused subscription (buffer full) wants reading again
+        self.stream = keys.token_stream(request_id)
+        self.last_id: bytes | str = after_id  # the reader's cursor: the last entry handed over
+        self._events: list[streams.TokenEvent] = []
+        self._ready = asyncio.Event()
+
+    def _deliver(self, events: list[streams.TokenEvent]) -> None:
+        self._events += events
+        self.last_id = events[-1].entry_id
+        self._ready.set()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._events)
+
+    async def get(self, timeout_s: float) -> list[streams.TokenEvent]:
+        """Everything delivered since the last call; waits at most `timeout_s` for something."""
+        if not self._events:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout=max(0.0, timeout_s))
+            except asyncio.TimeoutError:
+                return []
+        out, self._events = self._events, []
+        if self._on_drained is not None:
+            self._on_drained()
+        return out
+
+
+class TokenMux:
+    def __init__(self, r: aioredis.Redis, block_ms: int = 1000, count: int = 256,
+                 max_buffered: int = 4096) -> None:
+        self.r = r
+        # a blocking read must end before the client's socket timeout calls it a dead connection
+        kw = r.connection_pool.connection_kwargs
+        timeout_s = kw.get("socket_timeout") or kw.get("orig_socket_timeout")
+        if timeout_s:
+            block_ms = max(1, min(block_ms, int(timeout_s * 1000) - 500))
+        self.block_ms, self.count, self.max_buffered = block_ms, count, max_buffered
+        self.wake_stream = keys.gateway_wake_stream(uuid.uuid4().hex[:12])
+        self._subs: dict[str, Subscription] = {}
+        self._changed = asyncio.Event()
+        self._reading = False
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self._pokes: set[asyncio.Task] = set()
+        self.reads = 0  # round trips made (a metric for benchmarks and tests)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="token-mux")
+
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        """End the reader: a poke ends its read (a blocking command cancelled mid-read can leave
+        redis-py waiting on its socket), then the task is awaited, and cancelled if it must be."""
+        if self._task is not None:
+            self._stopping = True
+            self._changed.set()
+            if self._reading:
+                self._wake()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping regardless
+                self._task.cancel()
+            self._task = None
+        try:
+            await self.r.delete(self.wake_stream)
+        except streams.REDIS_DOWN:
+            pass
+
+    def subscribe(self, request_id: str, after_id: bytes | str = "0-0") -> Subscription:
+        sub = Subscription(request_id, after_id, self._changed.set)
+        self._subs[request_id] = sub
+        self._changed.set()
+        if self._reading:  # the read in flight cannot see this stream: end it now
+            self._wake()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if self._subs.get(sub.request_id) is sub:
+            del self._subs[sub.request_id]
+
+    def _wake(self) -> None:
+        async def poke() -> None:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.xadd(self.wake_stream, {"w": 1}, maxlen=16, approximate=True)
+                pipe.expire(self.wake_stream, 3600)  # outlives no gateway by long
+                await pipe.execute()
+            except streams.REDIS_DOWN:
+                pass  # the read fails too and the reader starts over with every stream
+
+        task = asyncio.get_running_loop().create_task(poke())
+        self._pokes.add(task)  # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._pokes.discard)
+
+    async def _run(self) -> None:
+        wake_id: bytes | str = "0-0"  # this gateway's own, new stream: every poke counts
+        while not self._stopping:
+            want = {s.stream: s.last_id for s in self._subs.values() if s.buffered < self.max_buffered}
+            if not want:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            want[self.wake_stream] = wake_id
+            self._reading = True
+            try:
+                resp = await self.r.xread(want, count=self.count, block=self.block_ms)
+            except streams.REDIS_DOWN as e:
+                log.warning("redis unavailable while reading token streams: %s; retrying", e)
+                await asyncio.sleep(0.5)
+                continue
+            except Exception:  # noqa: BLE001 - the reader must outlive any one bad reply
+                log.exception("token read failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
+            finally:
+                self._reading = False
+            self.reads += 1
+            wake_id = self._dispatch(resp, wake_id)
+
+    def _dispatch(self, resp, wake_id):
+        by_stream = {s.stream: s for s in self._subs.values()}
+        for name, entries in resp or []:
+            name = name.decode() if isinstance(name, bytes) else name
+            if name == self.wake_stream:
+                wake_id = entries[-1][0] if entries else wake_id
+                continue
+            sub = by_stream.get(name)
+            if sub is not None and entries:
+                sub._deliver([streams.token_event(eid, f) for eid, f in entries])
+        return wake_id
