@@ -47,6 +47,7 @@ async def serve(s: DecodeSettings) -> int:
     engine_loop = EngineLoop(engine, table, inserts, outputs, lambda: io and io.notify_slot_freed(loop),
                              on_output=lambda: io and io.notify_output(loop))
     io = DecodeIO(s, r, table, engine_loop, inserts, outputs, worker_id)
+    await streams.retry_redis(io.owned.load, "load publish script", log=log)
 
     server = grpc_util.make_server(s.grpc.max_message_bytes)
     port = grpc_util.bind(server, s.grpc.host, s.grpc.port, s.grpc)

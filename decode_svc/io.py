@@ -17,6 +17,7 @@ import logging
 import queue
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from decode_svc.loop import EngineLoop, Insert, LocalPrefill
 from decode_svc.puller import KVPuller
@@ -212,6 +213,9 @@ class DecodeIO:
         for attempt in range(self.s.publish_retries):
             try:
                 results = await self._pipeline(batch).execute()
+            except NoScriptError:  # a restarted Redis without the script: load it, write again
+                await streams.retry_redis(self.owned.load, "load publish script", log=log)
+                continue
             except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
                 log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
                 await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))

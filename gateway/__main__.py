@@ -62,7 +62,8 @@ async def serve(settings: GatewaySettings) -> int:
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)), loop="asyncio", log_config=None,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)), loop="none", http=_http_impl(),
+        log_config=None,
         access_log=settings.log_level.upper() == "DEBUG",
     )
     server = uvicorn.Server(config)
@@ -86,6 +87,24 @@ async def serve(settings: GatewaySettings) -> int:
     return 0 if server.started else 1
 
 
+def _http_impl() -> str:
+    """httptools (C HTTP parser) when installed, else uvicorn's pure-Python h11."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def _loop_factory():
+    """uvloop (libuv) when installed: the relay path is dominated by event-loop work per token."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def _on_signal(server: uvicorn.Server, sig: signal.Signals) -> None:
     if server.should_exit:
         server.force_exit = True
@@ -97,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parse_args(argv)
     settings = GatewaySettings()
     setup_logging("gateway", settings.log_level)
-    return asyncio.run(serve(settings))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(serve(settings))
 
 
 if __name__ == "__main__":

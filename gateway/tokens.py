@@ -38,12 +38,13 @@ class Subscription:
         self.stream = keys.token_stream(request_id)
         self.last_id: bytes | str = after_id  # the reader's cursor: the last entry handed over
         self._events: list[streams.TokenEvent] = []
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None
 
     def _deliver(self, events: list[streams.TokenEvent]) -> None:
         self._events += events
         self.last_id = events[-1].entry_id
-        self._ready.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     @property
     def buffered(self) -> int:
@@ -52,15 +53,26 @@ class Subscription:
     async def get(self, timeout_s: float) -> list[streams.TokenEvent]:
         """Everything delivered since the last call; waits at most `timeout_s` for something."""
         if not self._events:
-            self._ready.clear()
+            # a bare future and a timer: asyncio.wait_for would start a task per call
+            loop = asyncio.get_running_loop()
+            self._waiter = fut = loop.create_future()
+            timer = loop.call_later(max(0.0, timeout_s), _wake_up, fut)
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout=max(0.0, timeout_s))
-            except asyncio.TimeoutError:
+                await fut
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._events:
                 return []
         out, self._events = self._events, []
         if self._on_drained is not None:
             self._on_drained()
         return out
+
+
+def _wake_up(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class TokenMux:
@@ -78,6 +90,8 @@ class TokenMux:
         self._changed = asyncio.Event()
         self._reading = False
         self._stopping = False
+        self._poke_due = False
+        self.poke_after_s = 0.003
         self._task: asyncio.Task | None = None
         self._pokes: set[asyncio.Task] = set()
         self.reads = 0  # round trips made (a metric for benchmarks and tests)
@@ -108,9 +122,18 @@ class TokenMux:
         sub = Subscription(request_id, after_id, self._changed.set)
         self._subs[request_id] = sub
         self._changed.set()
-        if self._reading:  # the read in flight cannot see this stream: end it now
-            self._wake()
+        if self._reading and not self._poke_due:
+            # The read in flight cannot see this stream. Under load it returns within a step
+            # anyway; if it has not a few ms later (quiet streams), end it with a poke. A new
+            # request's first token is a prefill away, so the delay costs it nothing.
+            self._poke_due = True
+            asyncio.get_running_loop().call_later(self.poke_after_s, self._poke_if_still_reading, self.reads)
         return sub
+
+    def _poke_if_still_reading(self, reads_then: int) -> None:
+        self._poke_due = False
+        if self._reading and self.reads == reads_then:
+            self._wake()
 
     def unsubscribe(self, sub: Subscription) -> None:
         if self._subs.get(sub.request_id) is sub:

@@ -288,14 +288,18 @@ class OwnedPublisher:
     def add_batch(self, pipe, items: list[tuple[str, int, int, str | None, str | None]]) -> None:
         """Queue ONE script call writing every (request id, index, token, finish, error) item, in
         order; its reply is a list of 1 (written) / 0 (fenced off) per item."""
-        # The pipeline loads the script before it executes if Redis lost it (after a restart).
-        pipe.scripts.add(self._script)
+        # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
+        # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
         names = [self.running]
         args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
         for rid, index, token, finish, error in items:
             names.append(keys.token_stream(rid))
             args += (rid, index, token, finish or "", error or "")
         pipe.evalsha(self._script.sha, len(names), *names, *args)
+
+    async def load(self) -> None:
+        """(Re)load the fenced-write script into Redis (at start, and after a NOSCRIPT)."""
+        await self.r.script_load(_PUBLISH_OWNED)
 
 
 async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:

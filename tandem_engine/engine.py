@@ -62,7 +62,7 @@ class Prefix:
 class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
-    k: jax.Array  # [num_layers, slots, max_len, num_kv_heads, head_dim]
+    k: jax.Array  # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major)
     v: jax.Array  # same
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits
     tokens: jax.Array  # int32 [slots]: each slot's next input token
@@ -101,13 +101,18 @@ def _logits_core(params, tokens, true_length, *, cfg: ModelConfig):
 @partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def _insert_core(state: DecodeState, k, v, slot, true_length, first_token, temperature, top_k,
                  top_p, seed, *, layout: Layout | None) -> DecodeState:
-    # k, v [L, length, KV, hd] -> rows [0, length) of `slot`; rows past true_length are masked
-    # until decode overwrites them, and so is whatever a previous occupant left further on.
+    # k, v [L, length, KV, hd] -> rows [0, length) of `slot` in the head-major cache [L, slots, KV,
+    # max_len, hd]; rows past true_length are masked until decode overwrites them, and so is
+    # whatever a previous occupant left further on.
     start = (0, slot, 0, 0, 0)
     cache = _kv(layout, True)
+
+    def rows(x):
+        return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
+
     return state._replace(
-        k=constrain(jax.lax.dynamic_update_slice(state.k, k[:, None].astype(state.k.dtype), start), cache),
-        v=constrain(jax.lax.dynamic_update_slice(state.v, v[:, None].astype(state.v.dtype), start), cache),
+        k=constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache),
+        v=constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache),
         positions=state.positions.at[slot].set(true_length),
         tokens=state.tokens.at[slot].set(first_token),
         active=state.active.at[slot].set(True),
@@ -283,7 +288,7 @@ class Engine:
     def init_state(self) -> DecodeState:
         """An all-free DecodeState; the KV cache is allocated here, once."""
         c, s, lay = self.cfg, self.slots, self.layout
-        cache = (c.num_layers, s, self.max_len, c.num_kv_heads, c.head_dim)
+        cache = (c.num_layers, s, c.num_kv_heads, self.max_len, c.head_dim)  # head-major
         kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
         dev = None if lay is None else lay.replicated()
         return DecodeState(

@@ -37,7 +37,7 @@ _LAYER_SPECS = {
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
 }
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
-_KV_CACHE = P(None, None, None, AXIS, None)  # [L, slots, max_len, KV, hd]
+_KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
 
 
 class Layout(NamedTuple):

@@ -25,7 +25,7 @@ def visited(positions, max_len: int, chunk: int = DECODE_CHUNK) -> int:
     """Chunks the attention loop actually ran (its own counter) on a cache of `max_len` rows."""
     slots = len(positions)
     q = jnp.ones((slots, 1, CFG.num_heads, CFG.head_dim))
-    cache = jnp.ones((CFG.num_layers, slots, max_len, CFG.num_kv_heads, CFG.head_dim))
+    cache = jnp.ones((CFG.num_layers, slots, CFG.num_kv_heads, max_len, CFG.head_dim))
     _, n = chunked_decode_attention(q, cache, cache, 1, jnp.asarray(positions, jnp.int32), CFG, chunk)
     return int(n)
 
@@ -49,13 +49,13 @@ def test_chunked_equals_masked_attention(max_len, chunk, dtype, tol):
     slots = 5
     rng = np.random.default_rng(max_len + chunk)
     q = jnp.asarray(rng.standard_normal((slots, 1, CFG.num_heads, CFG.head_dim)), dtype)
-    kv = (CFG.num_layers, slots, max_len, CFG.num_kv_heads, CFG.head_dim)
+    kv = (CFG.num_layers, slots, CFG.num_kv_heads, max_len, CFG.head_dim)  # head-major cache
     k = jnp.asarray(rng.standard_normal(kv), dtype)
     v = jnp.asarray(rng.standard_normal(kv), dtype)
     positions = jnp.asarray([0, 17, chunk - 1 if chunk < max_len else 40, 63, max_len - 1], jnp.int32)
     mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, :]
-    want = _grouped_attention(q.astype(jnp.float32), k[1].astype(jnp.float32),
-                              v[1].astype(jnp.float32), mask, CFG)
+    want = _grouped_attention(q.astype(jnp.float32), jnp.swapaxes(k[1], 1, 2).astype(jnp.float32),
+                              jnp.swapaxes(v[1], 1, 2).astype(jnp.float32), mask, CFG)
     got, n = jax.jit(chunked_decode_attention, static_argnames=("cfg", "chunk"))(
         q, k, v, 1, positions, cfg=CFG, chunk=chunk)
     assert got.dtype == dtype and n == math.ceil(max_len / min(chunk, max_len))

@@ -114,7 +114,7 @@ def test_weights_and_kv_are_split_by_head(results):
     assert results["wq_shard_tp2"] == [KV4.num_layers, d, h // 2]
     assert results["wq_shard_tp4"] == [KV4.num_layers, d, h // 4]
     assert results["greedy_tp1"]["_kv_spec"] == "None"
-    assert results["greedy_tp4"]["_kv_spec"] == "P(None, None, None, 'tp')"
+    assert results["greedy_tp4"]["_kv_spec"] == "P(None, None, 'tp')"
 
 
 def test_greedy_tokens_equal_across_tp(results):
