@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -159,14 +159,14 @@ class ReadyNotice:
     first_token: int
 
     def to_json(self) -> str:
-        d = asdict(self)
-        d["request"] = json.loads(self.request.to_json())
+        d = {"request": self.request.to_dict(), "address": self.address, "capability": self.capability,
+             "kv_bytes": self.kv_bytes, "prefill_worker": self.prefill_worker, "first_token": self.first_token}
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, s: str | bytes) -> "ReadyNotice":
         d = json.loads(s)
-        d["request"] = GenerationRequest.from_json(json.dumps(d["request"]))
+        d["request"] = GenerationRequest.from_dict(d["request"])
         return cls(**d)
 
 

@@ -27,7 +27,7 @@ class SamplingParams:
     seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
@@ -56,15 +56,28 @@ class GenerationRequest:
     start_index: int = 0
     attempt: int = 0
 
+    def to_dict(self) -> dict[str, Any]:
+        """A shallow dict (dataclasses.asdict deep-copies the prompt id by id: measured at a fifth
+        of a prefill pod's Python time)."""
+        d = {f.name: getattr(self, f.name) for f in _REQUEST_FIELDS}
+        d["sampling"] = self.sampling.to_dict()
+        return d
+
     def to_json(self) -> str:
-        d = dataclasses.asdict(self)
-        return json.dumps(d, separators=(",", ":"))
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, s: str | bytes) -> "GenerationRequest":
-        d = json.loads(s)
+        return cls.from_dict(json.loads(s))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerationRequest":
+        d = dict(d)
         d["sampling"] = SamplingParams.from_dict(d.get("sampling") or {})
         return cls(**d)
+
+
+_REQUEST_FIELDS = dataclasses.fields(GenerationRequest)
 
 
 @dataclass
