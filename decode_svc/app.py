@@ -25,7 +25,8 @@ def build_engine(s: DecodeSettings):
 
     e = s.engine
     return load_engine(e.model, slots=s.slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir)
+                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir,
+                       cpu_threads=e.cpu_threads)
 
 
 async def serve(s: DecodeSettings) -> int:

@@ -23,7 +23,8 @@ def build_engine(settings: PrefillSettings, slots: int = 1):
 
     e = settings.engine
     return load_engine(e.model, slots=slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir)
+                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir,
+                       cpu_threads=e.cpu_threads)
 
 
 async def serve(settings: PrefillSettings) -> int:

@@ -40,6 +40,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--colocated", action="store_true",
                    help="no prefill workers: each decode worker prefills locally between steps (JetStream-style)")
     p.add_argument("--max-len", type=int, default=512, help="positions per sequence (prompt + output)")
+    p.add_argument("--cpu-threads", type=int, default=1, metavar="N",
+                   help="XLA CPU compute threads per prefill/decode worker (0: one per core). 1 suits a "
+                   "laptop, where the workers share the cores (idle pool threads spin)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
@@ -108,7 +111,8 @@ class Cluster:
 
     def _engine_env(self, prefix: str) -> dict[str, str]:
         return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
-                f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets)}
+                f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets),
+                f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads)}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
         self.sup.add(Child(name, module, env, _preexec_for(self.pins.get(name.split("-")[0]))))

@@ -49,6 +49,9 @@ class EngineConfig(BaseModel):
     tp: int = Field(default=1, ge=0)  # tensor parallelism over this pod's devices; 0 = all of them
     # JAX's persistent compilation cache: a restarted pod (or a second pod on the node) loads its
     # compiled steps instead of compiling again (seconds instead of tens of seconds). "" turns it off.
+    # XLA CPU intra-op threads (0: one per core). On CPUs that several workers share, 1 wastes
+    # least (idle pool threads spin); on a TPU/GPU host it only sizes the host-side pool.
+    cpu_threads: int = Field(default=0, ge=0)
     compile_cache_dir: str = Field(default_factory=lambda: os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem", "jax"))
 

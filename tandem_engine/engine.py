@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo, resolve_model
 from tandem_core.types import KVPayload, SamplingParams
+from tandem_engine.cpu_pool import limit_cpu_threads
 from tandem_engine.model import ModelConfig, config_from_info, decode_forward, prefill_forward
 from tandem_engine.sampling import sample, sampling_arrays, token_keys
 from tandem_engine.sharding import Layout, constrain, make_layout
@@ -380,7 +381,8 @@ def use_compile_cache(path: str) -> None:
 
 def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
-                tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "") -> Engine:
+                tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
+                cpu_threads: int = 0) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
     random weights) or a HF Llama directory.
 
@@ -388,6 +390,7 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
     before any weight is read)."""
     use_compile_cache(compile_cache_dir)
+    limit_cpu_threads(cpu_threads)  # before anything starts a backend
     info = resolve_model(model)
     if tp == 0:  # all local devices (the chips of this TPU host)
         tp = len(jax.devices())
