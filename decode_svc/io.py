@@ -23,7 +23,7 @@ from decode_svc.loop import EngineLoop, Insert, LocalPrefill
 from decode_svc.puller import KVPuller
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import keys, recovery, streams
+from tandem_core import keys, recovery, streams, token_writes
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -37,7 +37,7 @@ class DecodeIO:
         self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
         self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
         self.puller = KVPuller(s.grpc.max_message_bytes, tls=s.grpc)
-        self.owned = streams.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
+        self.owned = token_writes.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
                                             s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from gateway.tokens import TokenMux
-from tandem_core import keys, streams
+from tandem_core import keys, streams, token_writes
 from tandem_core.types import GenerationRequest
 
 N_STREAMS = 24
@@ -89,7 +89,7 @@ async def test_slow_subscriber_is_bounded_and_resumes(redis_client):
 async def test_reads_what_the_fenced_decode_script_writes(redis_client):
     """The decode pod's batched fenced write and the gateway's reader agree on the entry format;
     a request not owned by the writer is fenced off (nothing written for it)."""
-    pub = streams.OwnedPublisher(redis_client, "mux-decode", ttl_s=60, maxlen=1000)
+    pub = token_writes.OwnedPublisher(redis_client, "mux-decode", ttl_s=60, maxlen=1000)
     await pub.load()
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
     pipe = redis_client.pipeline(transaction=False)

@@ -1,0 +1,72 @@
+"""Fenced token writes: a decode pod's tokens reach a request's token stream only while the pod
+still owns the request (its field in the pod's `tandem:running:` hash, see `keys.running_key`),
+so a pod that wakes up after being replaced cannot double-deliver. One script call writes a whole
+step's tokens (one round trip per step, whatever the batch).
+"""
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from tandem_core import keys
+from tandem_core.types import GenerationRequest
+
+# A step's tokens in one call: each XADDed only while the writer still owns its request (its
+# field in the writer's running hash); a finishing token removes the field. KEYS[1] is the running
+# hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then five per item
+# (request id, index, token, finish, error). Returns 1 (written) or 0 (fenced off) per item, in
+# order, so a request that appears twice (two queued steps) is written in index order.
+_PUBLISH_OWNED = """
+local out = {}
+for j = 1, #KEYS - 1 do
+  local b = 3 + (j - 1) * 5
+  local rid, fin, err = ARGV[b + 1], ARGV[b + 4], ARGV[b + 5]
+  if redis.call('HEXISTS', KEYS[1], rid) == 0 then
+    out[j] = 0
+  else
+    local f = {'i', ARGV[b + 2], 't', ARGV[b + 3]}
+    if fin ~= '' then f[#f + 1] = 'f'; f[#f + 1] = fin end
+    if err ~= '' then f[#f + 1] = 'e'; f[#f + 1] = err end
+    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', unpack(f))
+    if fin ~= '' then
+      redis.call('EXPIRE', KEYS[j + 1], ARGV[3])
+      redis.call('HDEL', KEYS[1], rid)
+    else
+      redis.call('EXPIRE', KEYS[j + 1], ARGV[1])
+    end
+    out[j] = 1
+  end
+end
+return out
+"""
+
+
+class OwnedPublisher:
+    """Token writes of a decode pod, fenced on its running hash (see `keys.running_key`)."""
+
+    def __init__(self, r: aioredis.Redis, worker_id: str, ttl_s: int, maxlen: int, finished_ttl_s: int = 60) -> None:
+        self.r = r
+        self.running = keys.running_key(worker_id)
+        self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
+        self._script = r.register_script(_PUBLISH_OWNED)
+
+    async def own(self, req: GenerationRequest) -> None:
+        await self.r.hset(self.running, req.request_id, req.to_json())
+
+    async def disown(self, request_id: str) -> None:
+        await self.r.hdel(self.running, request_id)
+
+    def add_batch(self, pipe, items: list[tuple[str, int, int, str | None, str | None]]) -> None:
+        """Queue ONE script call writing every (request id, index, token, finish, error) item, in
+        order; its reply is a list of 1 (written) / 0 (fenced off) per item."""
+        # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
+        # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
+        names = [self.running]
+        args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
+        for rid, index, token, finish, error in items:
+            names.append(keys.token_stream(rid))
+            args += (rid, index, token, finish or "", error or "")
+        pipe.evalsha(self._script.sha, len(names), *names, *args)
+
+    async def load(self) -> None:
+        """(Re)load the fenced-write script into Redis (at start, and after a NOSCRIPT)."""
+        await self.r.script_load(_PUBLISH_OWNED)
