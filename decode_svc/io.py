@@ -38,7 +38,7 @@ class DecodeIO:
         self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
         self.puller = KVPuller(s.grpc.max_message_bytes, tls=s.grpc)
         self.owned = token_writes.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
-                                            s.token_finished_ttl_s)
+                                                 s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         self.slot_freed = asyncio.Event()
         self.output_ready = asyncio.Event()  # set (thread-safely) by the engine after each step

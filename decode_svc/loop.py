@@ -127,7 +127,8 @@ class EngineLoop:
             t0 = time.perf_counter()
             if self.table.used:
                 snapshot = self.table.snapshot()
-                state, toks = self.engine.generate(state, self.table.rows())  # dispatch only: returns before the device is done
+                # dispatch only (returns before the device is done), over the slots in use
+                state, toks = self.engine.generate(state, self.table.rows())
                 current = (toks, snapshot)
                 self.stats.steps += 1
             if not self.pipelined and current is not None:

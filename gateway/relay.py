@@ -2,8 +2,9 @@
 
 Written once and used by both transports (SSE and gRPC). The life of a relay:
 1. Subscribe to `tandem:tok:{rid}` on the gateway's one token reader (gateway/tokens.py: one
-   blocking XREAD for every stream relayed) and take its entries as they come, under two deadlines: the whole request (`request_timeout_s`) and, until the first token
-   arrives, `first_token_timeout_s`. Past either: cancel the request and raise DeadlineExceeded.
+   blocking XREAD for every stream relayed) and take its entries as they come, under two deadlines:
+   the whole request (`request_timeout_s`) and, until the first token arrives,
+   `first_token_timeout_s`. Past either: cancel the request and raise DeadlineExceeded.
 2. Every entry carries its token index. An index already relayed is a duplicate (a retried
    worker re-publishes from the start) and is dropped; an index ahead of the next one waits in a
    bounded buffer until the gap is filled, so the client sees each token exactly once, in order.

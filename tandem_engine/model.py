@@ -186,11 +186,12 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
     """Flash-decoding over the cache of one layer, reading only the chunks in use.
 
     q [rows, 1, H, hd]; k_cache, v_cache [num_layers, slots >= rows, KV, max_len, hd] (head-major;
-    only the first rows slots are read); layer: which layer; positions [rows]: slot s attends to cache rows <= positions[s]. The loop visits
-    `num_chunks` chunks (default `decode_chunks(positions, max_len, chunk)`) of `chunk` rows (a
-    dynamic_slice each, so shapes stay static) with an online softmax in float32: a running max,
-    sum and weighted values. Rows past the last chunk are not read; a slot whose position lies
-    beyond them (only an inactive one) gets garbage, never NaN, as row 0 is always read.
+    only the first rows slots are read); layer: which layer; positions [rows]: slot s attends to
+    cache rows <= positions[s]. The loop visits `num_chunks` chunks (default
+    `decode_chunks(positions, max_len, chunk)`) of `chunk` rows (a dynamic_slice each, so shapes
+    stay static) with an online softmax in float32: a running max, sum and weighted values. Rows
+    past the last chunk are not read; a slot whose position lies beyond them (only an inactive one)
+    gets garbage, never NaN, as row 0 is always read.
     Query heads are grouped per KV head as in `_grouped_attention` (no repeat of K/V).
     Returns (out [slots, 1, H*hd] in q's dtype, the number of chunks visited).
     """
@@ -235,14 +236,15 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
                    active: jax.Array | None = None):
     """One step for the first `rows` slots (rows = len(tokens) <= the cache's slots).
 
-    tokens, positions [rows] int32: each slot's input token and the position it sits at.
-    k_cache, v_cache [num_layers, slots, KV, max_len, hd] (head-major: each head's rows are
-    contiguous, so attention is a plain batched matmul); only slots [0, rows) are read or written. The new K/V are written at `positions`
-    (clamped to max_len - 1: staying below max_len is the caller's job) and each slot attends to
-    cache positions <= its own position. Attention reads the cache in chunks up to the longest
-    slot's position only (`chunked_decode_attention`), so a step's cost follows the tokens in use,
-    not max_len; `active` [slots] bool (optional) leaves free slots out of that length (their
-    logits are then garbage). Returns (logits [slots, vocab], k_cache, v_cache).
+    tokens, positions [rows] int32: each slot's input token and the position it sits at. k_cache,
+    v_cache [num_layers, slots, KV, max_len, hd] (head-major: each head's rows are contiguous, so
+    attention is a plain batched matmul); only slots [0, rows) are read or written. The new K/V are
+    written at `positions` (clamped to max_len - 1: staying below max_len is the caller's job) and
+    each slot attends to cache positions <= its own position. Attention reads the cache in chunks up
+    to the longest slot's position only (`chunked_decode_attention`), so a step's cost follows the
+    tokens in use, not max_len; `active` [slots] bool (optional) leaves free slots out of that
+    length (their logits are then garbage).
+    Returns (logits [slots, vocab], k_cache, v_cache).
     """
     slots, max_len = tokens.shape[0], k_cache.shape[3]
     write_pos = jnp.minimum(positions, max_len - 1)
