@@ -155,7 +155,6 @@ async def relay(
 class _RelayState:
     max_tokens: int
     next_index: int = 0
-    last_id: bytes | str = "0-0"
     last_ts: float | None = None
     gateway_finished: bool = False  # the gateway, not a worker, decided the end (max_tokens)
 
@@ -164,7 +163,7 @@ async def _pump(
     mux: TokenMux, rid: str, text: TextAssembler, dl: _Deadlines, st: _RelayState,
     block_ms: int, metrics: GatewayMetrics, prep: Prepared,
 ) -> AsyncIterator[Delta]:
-    sub = mux.subscribe(rid, st.last_id)
+    sub = mux.subscribe(rid)  # from the stream's first entry (a resume replays it all)
     try:
         async for delta in _relay_events(sub, text, dl, st, block_ms, metrics, prep):
             yield delta
@@ -185,7 +184,6 @@ async def _relay_events(
         # A Redis restart shows here only as a longer wait: the reader retries, the stream persists.
         events = await sub.get(min(block_ms / 1000, left))
         for ev in events:
-            st.last_id = ev.entry_id
             if ev.token_id < 0 and ev.finish_reason:  # a finish without a token: terminal
                 yield _finish_without_token(ev, text, st)
                 return

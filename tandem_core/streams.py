@@ -226,13 +226,6 @@ def add_tokens(
     pipe.expire(key, finished_ttl_s if finish_reason else ttl_s)
 
 
-async def read_tokens(
-    r: aioredis.Redis, request_id: str, after_id: bytes | str, block_ms: int, count: int = 256
-) -> list[TokenEvent]:
-    resp = await r.xread({keys.token_stream(request_id): after_id}, count=count, block=block_ms)
-    return [token_event(entry_id, f) for _name, entries in resp or [] for entry_id, f in entries]
-
-
 def token_event(entry_id: bytes, f: dict) -> TokenEvent:
     """One token stream entry (fields i, t and optionally f, e; see `add_tokens`)."""
     fin, err = f.get(b"f"), f.get(b"e")

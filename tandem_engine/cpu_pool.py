@@ -5,7 +5,8 @@ the backend starts; this JAX has no option for it (`--xla_cpu_multi_thread_eigen
 shrink it). On a machine whose few cores are shared by several workers, a pool per worker of
 every core spins idle threads against the others. Measured on 2 cores, 32 slots, the built-in
 model (bench notes in bench/RESULTS.md): with one thread the decode pod spent 37% less CPU per
-token at 8 concurrent streams and served 1.3x the tokens/s; at 32 it was within noise.
+token at 8 concurrent streams and served 1.3x the tokens/s; at 32 it was within noise (measured
+with the pod pinned to one CPU, which gives the same one-thread pool).
 
 `limit_cpu_threads(n)` starts the CPU backend while the process is restricted to n of its CPUs,
 then gives every thread (the pool's included) all of them back: the pool keeps n threads, the

@@ -67,6 +67,8 @@ async def test_newcomer_ends_a_read_in_flight(redis_client):
         await _write(redis_client, "mux-late", 0, 3, "stop")
         events = await _drain(late, 3, timeout_s=10.0)
         assert [e.index for e in events] == [0, 1, 2]
+        # the read in flight was ended by a poke on the wake stream, not by its own timeout
+        assert await redis_client.xlen(mux.wake_stream) >= 1
     finally:
         await mux.stop()
 
