@@ -121,7 +121,8 @@ class DecodeIO:
             task.add_done_callback(lambda _t, rid=rid: self.inflight.pop(rid, None))
             return
         req = GenerationRequest.from_json(c.fields["req"])
-        await streams.retry_redis(lambda: self.owned.own(req), "own", log=log)
+        owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
+        await streams.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
         # Never full: the queue holds at least `slots` items and every item holds a reservation.
         self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
 
@@ -137,6 +138,7 @@ class DecodeIO:
                 await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_CANCELLED), "finish")
             else:
                 payload = await self.puller.pull(notice, self.s.pull_timeout_s)
+                payload.first_token = notice.first_token  # choice i of n shares the KV, not token 0
                 self.pulled += 1
                 # Own before the ack: from here a crash is recovered from the running hash.
                 await retry(lambda: self.owned.own(req), "own", log=log)
@@ -198,7 +200,7 @@ class DecodeIO:
     def _pipeline(self, batch: list) -> "aioredis.client.Pipeline":
         """One script call for every token of the batch, then the acks: one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        self.owned.add_batch(pipe, [(e.request_id, e.index, e.token, e.finish, e.error) for e in batch])
+        self.owned.add_batch(pipe, [e.item() for e in batch])
         for e in batch:
             if e.ack:
                 stream, group, entry_id = e.ack

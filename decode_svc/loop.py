@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,9 +31,12 @@ import numpy as np
 
 from decode_svc.slots import Active, SlotTable
 from tandem_core.errors import TandemError
+from tandem_core.sampling_args import first_finish, insert_args, prefill_args
 from tandem_core.types import (
-    FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload,
+    FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload, choice_ids,
+    encode_prompt_logprobs,
 )
+from tandem_engine.logits import unpack_logprobs, unpack_tokens
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,22 @@ class Emitted:
     finish: str | None = None
     ack: tuple[str, str, bytes] | None = None  # acknowledged after this token is written
     error: str | None = None
+    logprobs: str | None = None  # TokenLogprobs.encode() when the request asked for logprobs
+    prompt_logprobs: str | None = None  # the index -1 entry of an echo with logprobs
+
+    def item(self) -> tuple:
+        """As `token_writes.OwnedPublisher.add_batch` takes it."""
+        return (self.request_id, self.index, self.token, self.finish, self.error, self.logprobs,
+                self.prompt_logprobs)
+
+
+@dataclass
+class HeldChoice:
+    """A choice of a local n > 1 prefill waiting for a free slot (the KV stays on the device)."""
+
+    prefix: object
+    req: GenerationRequest
+    first_token: int
 
 
 @dataclass
@@ -90,6 +110,7 @@ class EngineLoop:
         self._silent: set[str] = set()
         self._cancel_lock = threading.Lock()
         self._stop = threading.Event()
+        self._held: deque[HeldChoice] = deque()  # counted in table.hold()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
 
@@ -127,9 +148,14 @@ class EngineLoop:
             t0 = time.perf_counter()
             if self.table.used:
                 snapshot = self.table.snapshot()
-                # dispatch only (returns before the device is done), over the slots in use
-                state, toks = self.engine.generate(state, self.table.rows())
-                current = (toks, snapshot)
+                # dispatch only (returns before the device is done), over the slots in use; the
+                # step with logprobs (a compiled variant of its own) only when a slot asks for them
+                want = any(a.req.sampling.logprobs is not None for a in snapshot)
+                if want:
+                    state, toks = self.engine.generate(state, self.table.rows(), logprobs=True)
+                else:
+                    state, toks = self.engine.generate(state, self.table.rows())
+                current = (toks, snapshot, want)
                 self.stats.steps += 1
             if not self.pipelined and current is not None:
                 state = self._process(current, state)
@@ -140,47 +166,65 @@ class EngineLoop:
             self.stats.busy_s += time.perf_counter() - t0
 
     def _apply_inserts(self, state, block_s: float):
-        while self.table.free:
+        state = self._apply_held(state)  # choices already prefilled go first
+        while self.table.free and not self._held:
             try:
                 item = self.inserts.get(timeout=block_s) if block_s else self.inserts.get_nowait()
             except queue.Empty:
                 break
             block_s = 0.0
             if isinstance(item, LocalPrefill):
-                prefix = self._local_prefill(item)
-                if prefix is None:
-                    continue
-            else:
-                prefix = self.engine.import_prefix(item.payload)
-            slot = self.table.free_slot_index()
-            state = self.engine.insert(prefix, state, slot, item.req.sampling)
-            stop_ids = frozenset() if item.req.ignore_eos else frozenset(item.req.stop_token_ids)
-            self.table.occupy(Active(item.req, slot, prefix.true_length, next_index=item.req.start_index + 1,
-                                     stop_ids=stop_ids))
+                state = self._local_prefill(item, state)
+                continue
+            prefix = self.engine.import_prefix(item.payload)
+            state = self._insert(state, prefix, item.req, item.payload.first_token)
         return state
 
-    def _local_prefill(self, item: LocalPrefill):
-        """JetStream's interleaving on one pod: prefill between two decode steps. Returns the
-        prefix to insert, or None when token 0 already ends the request (or it failed)."""
+    def _insert(self, state, prefix, req: GenerationRequest, first_token: int, held: bool = False):
+        slot = self.table.free_slot_index()
+        state = self.engine.insert(prefix, state, slot, req.sampling, **insert_args(req, first_token))
+        self.table.occupy(Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
+                                 stop_ids=frozenset(req.stop_token_ids)), held=held)
+        return state
+
+    def _local_prefill(self, item: LocalPrefill, state):
+        """JetStream's interleaving on one pod: prefill between two decode steps, publish token
+        `start_index` of every choice, and insert the choices that go on (the first into the
+        reserved slot; with n > 1 the rest are held until slots free up)."""
         req = item.req
         try:
-            prefix = self.engine.prefill(req.prompt_ids, req.sampling)
+            prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req))
+            prompt_lp = None
+            if req.prompt_logprobs is not None and req.start_index == 0:
+                prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))
         except TandemError as e:
             self.table.unreserve()
-            self._emit([Emitted(req.request_id, req.start_index, -1, FINISH_ERROR, ack=item.ack, error=e.message)])
-            return None
+            ids = choice_ids(req.request_id, req.n)
+            self._emit([Emitted(rid, req.start_index, -1, FINISH_ERROR, error=e.message,
+                                ack=item.ack if rid == ids[-1] else None) for rid in ids])
+            return state
         self.stats.local_prefills += 1
-        first = prefix.first_token
-        finish = None
-        if first in req.stop_token_ids and not req.ignore_eos:
-            finish = FINISH_STOP
-        elif req.max_tokens <= req.start_index + 1 or prefix.true_length >= self.engine.max_len:
-            finish = FINISH_LENGTH
-        self._emit([Emitted(req.request_id, req.start_index, first, finish, ack=item.ack)])
-        if finish:
-            self.table.unreserve()
-            return None
-        return prefix
+        choices = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]
+        out, going = [], []
+        for c, first, lp in zip(choices, prefix.first_tokens, prefix.first_logprobs):
+            finish = first_finish(c, first, prefix.true_length, self.engine.max_len)
+            out.append(Emitted(c.request_id, c.start_index, first, finish,
+                               logprobs=lp.encode() if lp is not None else None))
+            if finish is None:
+                going.append((c, first))
+        out[0].prompt_logprobs = prompt_lp
+        out[-1].ack = item.ack  # acknowledged once every choice's first token is written
+        self._emit(out)
+        self.table.hold(len(going))  # the choices that go on are held, and take the first free slots
+        self.table.unreserve()
+        self._held.extend(HeldChoice(prefix, c, first) for c, first in going)
+        return self._apply_held(state)
+
+    def _apply_held(self, state):
+        while self._held and self.table.free:
+            held = self._held.popleft()
+            state = self._insert(state, held.prefix, held.req, held.first_token, held=True)
+        return state
 
     def _apply_cancels(self, state):
         with self._cancel_lock:
@@ -189,6 +233,11 @@ class EngineLoop:
             ids, self._cancel = self._cancel, set()
             silent, self._silent = self._silent, set()
         out = []
+        for held in [h for h in self._held if h.req.request_id in ids]:
+            self._held.remove(held)
+            self.table.unhold()
+            if held.req.request_id not in silent:
+                out.append(Emitted(held.req.request_id, held.req.start_index + 1, -1, FINISH_CANCELLED))
         for act in self.table.snapshot():
             if act.req.request_id in ids:
                 state = self._free(state, act)
@@ -199,16 +248,17 @@ class EngineLoop:
         return state
 
     def _process(self, step, state):
-        toks, snapshot = step
+        toks, snapshot, want = step
         t0 = time.perf_counter()
         host = np.asarray(toks)  # the one device -> host copy of the step
         self.stats.host_wait_s += time.perf_counter() - t0
+        tokens = unpack_tokens(host) if want else host
         out: list[Emitted] = []
         max_len = self.engine.max_len
         for act in snapshot:
             if act.done:  # finished or cancelled after this step was dispatched
                 continue
-            tok = int(host[act.slot])
+            tok = int(tokens[act.slot])
             idx = act.next_index
             act.next_index += 1
             finish = None
@@ -218,7 +268,9 @@ class EngineLoop:
             # goes to position prompt_len + (idx - start_index), which must stay inside max_len.
             elif idx + 1 >= act.req.max_tokens or act.prompt_len + idx - act.req.start_index >= max_len:
                 finish = FINISH_LENGTH
-            out.append(Emitted(act.req.request_id, idx, tok, finish))
+            k = act.req.sampling.logprobs
+            lp = unpack_logprobs(host[act.slot], k).encode() if want and k is not None else None
+            out.append(Emitted(act.req.request_id, idx, tok, finish, logprobs=lp))
             if finish:
                 state = self._free(state, act)
         self.stats.tokens += len(out)

@@ -29,11 +29,12 @@ class SlotTable:
         self._lock = threading.Lock()
         self._active: dict[int, Active] = {}
         self._reserved = 0  # claimed ready entries not yet inserted (pulling or queued)
+        self._held = 0  # choices of a local n > 1 prefill waiting for a slot (the engine's own)
 
     def reserve(self, n: int) -> int:
         """Reserve up to `n` slots for claims; returns how many were reserved."""
         with self._lock:
-            take = max(0, min(n, self.slots - len(self._active) - self._reserved))
+            take = max(0, min(n, self.slots - len(self._active) - self._reserved - self._held))
             self._reserved += take
             return take
 
@@ -41,11 +42,24 @@ class SlotTable:
         with self._lock:
             self._reserved = max(0, self._reserved - n)
 
-    def occupy(self, act: Active) -> None:
-        """Called by the engine thread when an insert lands; converts one reservation."""
+    def occupy(self, act: Active, held: bool = False) -> None:
+        """Called by the engine thread when an insert lands; converts one reservation (or, with
+        `held`, one held choice)."""
         with self._lock:
             self._active[act.slot] = act
-            self._reserved = max(0, self._reserved - 1)
+            if held:
+                self._held = max(0, self._held - 1)
+            else:
+                self._reserved = max(0, self._reserved - 1)
+
+    def hold(self, n: int) -> None:
+        """The engine keeps `n` more choices to insert: claims stop until they have slots."""
+        with self._lock:
+            self._held += n
+
+    def unhold(self, n: int = 1) -> None:
+        with self._lock:
+            self._held = max(0, self._held - n)
 
     def free_slot_index(self) -> int | None:
         with self._lock:

@@ -34,7 +34,9 @@ from gateway.validation import Prepared
 from tandem_core import streams
 from tandem_core.errors import DeadlineExceeded, WorkerFailed
 from tandem_core.tokenizer import Detokenizer, Tokenizer
-from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from tandem_core.types import (
+    FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenLogprobs, decode_prompt_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +49,21 @@ class Delta:
     token_id: int
     text: str
     finish_reason: str | None = None
-    completion_tokens: int = 0  # tokens relayed so far, this one included
+    completion_tokens: int = 0  # tokens relayed so far, this one included (all choices, when n > 1)
+    choice: int = 0
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on index 0 of an echo with logprobs
 
 
 class TextAssembler:
     """Detokenization plus stop strings for one request. Pure: feed ids, get text."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], eos_ids: tuple[int, ...] | list[int]) -> None:
-        self._detok = Detokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], eos_ids: tuple[int, ...] | list[int],
+                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
+        self._detok = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = stop
+        self._min_tokens = min_tokens  # stop strings match only once this many tokens are out
+        self._fed = 0
         self._max_stop = max((len(s) for s in stop), default=0)
         self._eos = set(eos_ids)
         self._held = ""  # text that may be the start of a stop string
@@ -63,6 +71,7 @@ class TextAssembler:
 
     def feed(self, token_id: int) -> str:
         """Text to emit for this token; sets `stopped` when a stop string matched."""
+        self._fed += 1
         if self.stopped or token_id in self._eos or token_id < 0:
             return ""
         return self._push(self._detok.feed(token_id))
@@ -78,8 +87,8 @@ class TextAssembler:
         return text
 
     def _push(self, new: str) -> str:
-        if not self._stop:
-            return new
+        if not self._stop or self._fed < self._min_tokens:
+            return self._held_out(new)
         pending = self._held + new
         cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -88,6 +97,10 @@ class TextAssembler:
         keep = self._holdback(pending)
         self._held = pending[len(pending) - keep :]
         return pending[: len(pending) - keep]
+
+    def _held_out(self, new: str) -> str:
+        text, self._held = self._held + new, ""
+        return text
 
     def _holdback(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
@@ -129,7 +142,8 @@ async def relay(
     `on_detach` (resumable requests): called instead of cancelling when the caller goes away
     (the relay is cancelled or closed) before the end."""
     req = prep.request
-    text = TextAssembler(tokenizer, prep.stop, req.stop_token_ids)
+    text = TextAssembler(tokenizer, prep.stop, req.stop_token_ids, req.sampling.min_tokens,
+                         prep.skip_special_tokens)
     dl = _Deadlines(prep.arrival_ts, request_timeout_s, first_token_timeout_s)
     state = _RelayState(req.max_tokens)
     finished = detached = False
@@ -146,7 +160,7 @@ async def relay(
         if detached and not finished and on_detach is not None:
             on_detach()
         elif not finished or text.stopped or state.gateway_finished:
-            _cancel_soon(r, req.request_id, cancel_ttl_s, background)
+            cancel_soon(r, req.request_id, cancel_ttl_s, background)
         if state.last_ts is not None and not prep.replay:
             metrics.e2e.observe(state.last_ts - prep.arrival_ts)
 
@@ -157,6 +171,7 @@ class _RelayState:
     next_index: int = 0
     last_ts: float | None = None
     gateway_finished: bool = False  # the gateway, not a worker, decided the end (max_tokens)
+    prompt_logprobs: list | None = None  # from the index -1 entry, handed out with index 0
 
 
 async def _pump(
@@ -184,6 +199,9 @@ async def _relay_events(
         # A Redis restart shows here only as a longer wait: the reader retries, the stream persists.
         events = await sub.get(min(block_ms / 1000, left))
         for ev in events:
+            if ev.prompt_logprobs is not None:  # index -1: the prompt's logprobs (echo)
+                st.prompt_logprobs = decode_prompt_logprobs(ev.prompt_logprobs)
+                continue
             if ev.token_id < 0 and ev.finish_reason:  # a finish without a token: terminal
                 yield _finish_without_token(ev, text, st)
                 return
@@ -222,7 +240,8 @@ def _accept(ev, text: TextAssembler, st: _RelayState, metrics: GatewayMetrics, p
         raise WorkerFailed(ev.error or "worker failed")
     if finish and not text.stopped:
         chunk += text.finish()
-    return Delta(ev.index, ev.token_id, chunk, finish, st.next_index)
+    prompt_lp = st.prompt_logprobs if ev.index == 0 else None
+    return Delta(ev.index, ev.token_id, chunk, finish, st.next_index, logprobs=ev.logprobs, prompt_logprobs=prompt_lp)
 
 
 def _finish_without_token(ev, text: TextAssembler, st: _RelayState) -> Delta:
@@ -244,7 +263,7 @@ def _observe_queue(metrics: GatewayMetrics, prep: Prepared, entry_id: bytes) -> 
     metrics.queue.observe(max(0.0, (t1 - t0) / 1000.0))
 
 
-def _cancel_soon(r: aioredis.Redis, rid: str, ttl_s: int, background: set[asyncio.Task]) -> None:
+def cancel_soon(r: aioredis.Redis, rid: str, ttl_s: int, background: set[asyncio.Task]) -> None:
     """Set the cancel key from a task of its own: the caller may itself be cancelled."""
 
     async def _cancel() -> None:

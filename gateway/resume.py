@@ -47,6 +47,9 @@ class StreamMeta:
     model: str
     prompt_tokens: int
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (vLLM's stream_options.continuous_usage_stats)
+    logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` when `logprobs` is true
+    echo: str | None = None  # completions with echo: the prompt's text, written before the output
 
 
 @dataclass

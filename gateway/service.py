@@ -9,6 +9,7 @@ requests).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import math
@@ -20,11 +21,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway import resume
+from gateway import choices, resume
 from gateway.chat import ChatTemplate
 from gateway.limits import KeyLimiter
+from gateway.logprobs import TokenText
 from gateway.metrics import GatewayMetrics, cluster_load
-from gateway.relay import Delta, relay
+from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
@@ -65,6 +67,7 @@ class GatewayService:
         self.metrics = GatewayMetrics()
         self.redis: aioredis.Redis | None = None
         self.chat_template = ChatTemplate.for_model(self.info)
+        self.token_text = TokenText(self.tokenizer)  # logprobs' token strings
         self.limiter = KeyLimiter(
             settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key,
             lease_ttl_s=settings.request_timeout_s + 10, retry_after_s=settings.retry_after_s,
@@ -108,7 +111,8 @@ class GatewayService:
         """Admit (or 429) and enqueue. `fresh_id` False: the client chose the id, check it is unused."""
         if self.limiter.enabled:
             try:
-                prep.lease = self.limiter.acquire(api_key, prep.prompt_tokens + prep.request.max_tokens)
+                budget = prep.prompt_tokens + prep.request.max_tokens * prep.request.n
+                prep.lease = self.limiter.acquire(api_key, budget)
             except AdmissionRejected:
                 self.metrics.requests.labels("rate_limited").inc()
                 raise
@@ -196,12 +200,15 @@ class GatewayService:
             total_s = first_s = max(prep.request.deadline_ts - time.time(), 2.0)
         generated = 0
         self.open_streams += 1
-        gen = relay(
-            self._redis(), self._mux(), prep, self.tokenizer, block_ms=s.relay_block_ms,
-            request_timeout_s=total_s, first_token_timeout_s=first_s,
+        relay_args = dict(
+            block_ms=s.relay_block_ms, request_timeout_s=total_s, first_token_timeout_s=first_s,
             cancel_ttl_s=s.token_ttl_s, metrics=self.metrics, background=self.background,
-            on_detach=self._grace_cancel(prep) if prep.resumable else None,
         )
+        if prep.request.n > 1:  # one relay per choice's token stream, merged
+            gen = self._choices(prep, relay_args)
+        else:
+            gen = relay(self._redis(), self._mux(), prep, self.tokenizer, **relay_args,
+                        on_detach=self._grace_cancel(prep) if prep.resumable else None)
         try:
             async for delta in gen:
                 generated = delta.completion_tokens
@@ -223,6 +230,24 @@ class GatewayService:
             self.metrics.requests.labels(outcome).inc()
             if prep.lease is not None:
                 prep.lease.release(prep.prompt_tokens + generated)
+
+    async def _choices(self, prep: Prepared, relay_args: dict) -> AsyncIterator[Delta]:
+        """The n choices merged (gateway/choices.py); only choice 0 records latency metrics. A
+        merged stream that ends early also cancels the parent id, which a prefill pod checks
+        before it prefills."""
+        req, finished = prep.request, False
+        gens = [relay(self._redis(), self._mux(),
+                      dataclasses.replace(prep, request=req.choice(i), replay=prep.replay or i > 0),
+                      self.tokenizer, **relay_args) for i in range(req.n)]
+        try:
+            left = req.n
+            async for d in choices.merge(gens):
+                left -= d.finish_reason is not None
+                finished = left == 0
+                yield d
+        finally:
+            if not finished:
+                cancel_soon(self._redis(), req.request_id, self.settings.token_ttl_s, self.background)
 
     def _grace_cancel(self, prep: Prepared) -> Callable[[], None]:
         """on_detach of a resumable request: cancel later, unless a client resumed meanwhile."""

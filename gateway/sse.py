@@ -7,6 +7,9 @@ connection. After the last token: a usage chunk (if `stream_options.include_usag
 `data: {"error": {...}}` the way OpenAI does.
 
 Chat chunks carry `delta.role` on the event of index 0 and `delta.content` on every event.
+With n > 1 each event is one choice's token (`index` is the choice); with logprobs each carries
+that token's logprobs (gateway/logprobs.py); with echo, a completion's first event starts with
+the prompt's text (and, with logprobs, the prompt's logprobs).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from gateway.logprobs import CompletionLogprobs, TokenText, chat_logprobs, empty_completion, merge_completion
 from gateway.relay import Delta
 from gateway.resume import StreamMeta
 from gateway.service import GatewayService
@@ -37,34 +41,84 @@ def usage(meta: StreamMeta, completion_tokens: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
 
-def _choice(meta: StreamMeta, d: Delta) -> dict:
-    if meta.kind == "chat":
-        delta = {"role": "assistant", "content": d.text} if d.index == 0 else {"content": d.text}
-        return {"index": 0, "delta": delta, "finish_reason": d.finish_reason, "logprobs": None}
-    return {"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}
+class Formatter:
+    """One response's chunks (streamed) or body (whole), for any n, with logprobs and echo.
 
+    Per choice it keeps what runs on across chunks: the completions logprobs' text offsets and,
+    for the whole body, the text, finish reason and logprobs so far."""
 
-def chunk(meta: StreamMeta, d: Delta | None, usage_: dict | None = None) -> dict:
-    """One streamed chunk: a token's delta, or (d None) the usage chunk with no choices."""
-    obj = "chat.completion.chunk" if meta.kind == "chat" else "text_completion"
-    c = {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model,
-         "choices": [] if d is None else [_choice(meta, d)]}
-    if meta.include_usage:
-        c["usage"] = usage_
-    return c
+    def __init__(self, meta: StreamMeta, names: TokenText | None = None, prompt_ids: list[int] | None = None) -> None:
+        self.meta = meta
+        self.names = names
+        self.prompt_ids = prompt_ids or []
+        self._offsets: dict[int, CompletionLogprobs] = {}
+        self._text: dict[int, list[str]] = {}
+        self._finish: dict[int, str | None] = {}
+        self._lps: dict[int, list] = {}
+        self.completion_tokens = 0
 
+    def chunk(self, d: Delta | None, usage_: dict | None = None) -> dict:
+        """One streamed chunk: a token's delta, or (d None) the usage chunk with no choices."""
+        m = self.meta
+        obj = "chat.completion.chunk" if m.kind == "chat" else "text_completion"
+        c = {"id": m.request_id, "object": obj, "created": m.created, "model": m.model,
+             "choices": [] if d is None else [self._choice(d)]}
+        if m.continuous_usage and d is not None:
+            c["usage"] = usage(m, d.completion_tokens)
+        elif m.include_usage:
+            c["usage"] = usage_
+        return c
 
-def whole(meta: StreamMeta, text: str, finish: str | None, completion_tokens: int) -> dict:
-    """The non-streamed response body."""
-    if meta.kind == "chat":
-        obj = "chat.completion"
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
-    else:
-        obj = "text_completion"
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model,
-            "choices": [choice], "usage": usage(meta, completion_tokens)}
+    def _choice(self, d: Delta) -> dict:
+        lp = self._logprobs(d)
+        if self.meta.kind == "chat":
+            delta = {"role": "assistant", "content": d.text} if d.index == 0 else {"content": d.text}
+            return {"index": d.choice, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+        text = self.meta.echo + d.text if self.meta.echo is not None and d.index == 0 else d.text
+        return {"index": d.choice, "text": text, "finish_reason": d.finish_reason, "logprobs": lp}
+
+    def _logprobs(self, d: Delta) -> dict | None:
+        m = self.meta
+        if m.logprobs is None or self.names is None:
+            return None
+        if m.kind == "chat":
+            content = [chat_logprobs(self.names, d.token_id, d.logprobs)] if d.logprobs is not None else []
+            return {"content": content, "refusal": None}
+        clp = self._offsets.setdefault(d.choice, CompletionLogprobs(self.names))
+        parts = []
+        if d.index == 0 and m.echo is not None and d.prompt_logprobs is not None:
+            parts.append(clp.prompt(self.prompt_ids, d.prompt_logprobs))
+        if d.token_id >= 0:
+            parts.append(clp.token(d.token_id, d.logprobs))
+        return merge_completion(parts) or empty_completion()
+
+    def add(self, d: Delta) -> None:
+        """Accumulate one Delta into the whole body."""
+        ch = self._choice(d)
+        self._text.setdefault(d.choice, []).append(ch["text"] if "text" in ch else d.text)
+        self._finish[d.choice] = d.finish_reason
+        if ch["logprobs"] is not None:
+            self._lps.setdefault(d.choice, []).append(ch["logprobs"])
+        self.completion_tokens = d.completion_tokens
+
+    def whole(self) -> dict:
+        """The non-streamed response body."""
+        m = self.meta
+        choices = []
+        for i in sorted(self._text):
+            text, finish, lps = "".join(self._text[i]), self._finish.get(i), self._lps.get(i)
+            if m.kind == "chat":
+                lp = {"content": [x for p in lps for x in p["content"]], "refusal": None} if lps else None
+                if m.logprobs is not None and lp is None:
+                    lp = {"content": [], "refusal": None}
+                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                                "finish_reason": finish, "logprobs": lp})
+            else:
+                lp = merge_completion(lps) if lps else None
+                choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": lp})
+        obj = "chat.completion" if m.kind == "chat" else "text_completion"
+        return {"id": m.request_id, "object": obj, "created": m.created, "model": m.model,
+                "choices": choices, "usage": usage(m, self.completion_tokens)}
 
 
 def event(data: dict | str, event_id: int | None = None) -> bytes:
@@ -73,17 +127,26 @@ def event(data: dict | str, event_id: int | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def sse_events(svc: GatewayService, prep: Prepared, start: int = 0) -> AsyncIterator[bytes]:
-    """The request's events from token index `start` on, then usage (if asked) and [DONE]."""
+def formatter(svc: GatewayService, prep: Prepared) -> Formatter:
     meta: StreamMeta = prep.meta
+    names = svc.token_text if meta.logprobs is not None else None
+    return Formatter(meta, names, prep.request.prompt_ids)
+
+
+async def sse_events(svc: GatewayService, prep: Prepared, start: int = 0) -> AsyncIterator[bytes]:
+    """The request's events from token index `start` on, then usage (if asked) and [DONE].
+    With n > 1 the events carry no id (a resume serves one choice)."""
+    meta: StreamMeta = prep.meta
+    fmt = formatter(svc, prep)
+    single = prep.request.n <= 1
     n = 0
     try:
         async for d in svc.stream(prep):
             n = d.completion_tokens
             if d.index >= start:
-                yield event(chunk(meta, d), d.index)
+                yield event(fmt.chunk(d), d.index if single else None)
         if meta.include_usage:
-            yield event(chunk(meta, None, usage(meta, n)))
+            yield event(fmt.chunk(None, usage(meta, n)))
     except TandemError as e:
         yield event({"error": error_body(e)})
     except Exception as e:  # noqa: BLE001 - logged with the traceback, reported in-band
@@ -93,18 +156,15 @@ async def sse_events(svc: GatewayService, prep: Prepared, start: int = 0) -> Asy
     yield event("[DONE]")
 
 
-async def _collect(svc: GatewayService, prep: Prepared) -> tuple[str, str | None, int]:
-    text, finish, n = [], None, 0
+async def _collect(svc: GatewayService, prep: Prepared) -> dict:
+    fmt = formatter(svc, prep)
     async for d in svc.stream(prep):
-        text.append(d.text)
-        finish, n = d.finish_reason, d.completion_tokens
-    return "".join(text), finish, n
+        fmt.add(d)
+    return fmt.whole()
 
 
-async def collect_unless_disconnected(
-    request: Request, svc: GatewayService, prep: Prepared
-) -> tuple[str, str | None, int] | None:
-    """The whole completion, or None if the client hung up first (then the relay is cancelled:
+async def collect_unless_disconnected(request: Request, svc: GatewayService, prep: Prepared) -> dict | None:
+    """The whole response body, or None if the client hung up first (then the relay is cancelled:
     it sets the cancel key, or for a resumable request starts the grace period)."""
     task = asyncio.ensure_future(_collect(svc, prep))
     try:

@@ -2,6 +2,8 @@
 
 Each entry has a lease: KV not pulled before it ends is freed (its request then fails with a
 clear error on the token stream, written by the worker). The store itself does no I/O.
+The n choices of one request (n > 1) hold one payload under n ids: its bytes count once, and
+are freed with the last of them.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class KVStore:
         self.budget_bytes = budget_bytes
         self.lease_s = lease_s
         self._items: dict[str, Held] = {}
+        self._refs: dict[int, int] = {}  # id(payload) -> how many ids hold it
         self.held_bytes = 0
 
     def __len__(self) -> int:
@@ -39,14 +42,23 @@ class KVStore:
         return max(0, (self.budget_bytes - self.held_bytes) // max(1, nbytes))
 
     def put(self, request_id: str, payload: KVPayload) -> Held:
+        return self.put_shared([request_id], payload)[0]
+
+    def put_shared(self, request_ids: list[str], payload: KVPayload) -> list[Held]:
+        """Hold one payload for each id (each with its own capability and lease)."""
         if self.held_bytes + payload.nbytes > self.budget_bytes:
             raise MemoryError(
                 f"KV budget exceeded: holding {self.held_bytes} + {payload.nbytes} > {self.budget_bytes} bytes"
             )
-        held = Held(request_id, payload, secrets.token_urlsafe(16), time.monotonic() + self.lease_s)
-        self._items[request_id] = held
+        out = []
+        for rid in request_ids:
+            self.release(rid)  # a re-put under the same id replaces the old one
+            held = Held(rid, payload, secrets.token_urlsafe(16), time.monotonic() + self.lease_s)
+            self._items[rid] = held
+            out.append(held)
+        self._refs[id(payload)] = self._refs.get(id(payload), 0) + len(out)
         self.held_bytes += payload.nbytes
-        return held
+        return out
 
     def get(self, request_id: str) -> Held | None:
         return self._items.get(request_id)
@@ -55,7 +67,11 @@ class KVStore:
         held = self._items.pop(request_id, None)
         if held is None:
             return False
-        self.held_bytes -= held.payload.nbytes
+        key = id(held.payload)
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.held_bytes -= held.payload.nbytes
         return True
 
     def expired(self, now: float | None = None) -> list[str]:

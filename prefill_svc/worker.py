@@ -24,7 +24,8 @@ from tandem_core import keys, recovery, streams
 from tandem_core.errors import TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.streams import REDIS_DOWN
-from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
+from tandem_core.sampling_args import first_finish, prefill_args
+from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -115,69 +116,85 @@ class PrefillWorker:
             await streams.ack(self.r, c.stream, keys.PREFILL_GROUP, c.entry_id)  # long abandoned
             return
         try:
-            if reclaimed and len((await recovery.streamed_tokens(self.r, rid))[0]) > req.start_index:
+            first_stream = choice_ids(rid, req.n)[0]  # every choice's token 0 is written together
+            if reclaimed and len((await recovery.streamed_tokens(self.r, first_stream))[0]) > req.start_index:
                 log.info("reclaimed request_id=%s was already prefilled by its first owner", rid)
             elif await streams.cancelled(self.r, [rid]):
-                await self._finish(rid, req.start_index, [], FINISH_CANCELLED)
+                await self._finish(req, FINISH_CANCELLED)
             elif req.deadline_ts and time.time() > req.deadline_ts:
-                await self._finish(rid, req.start_index, [], FINISH_ERROR, "deadline passed before prefill")
+                await self._finish(req, FINISH_ERROR, "deadline passed before prefill")
             else:
                 await self._prefill(req)
         except REDIS_DOWN:
             raise
         except TandemError as e:
             log.info("request failed request_id=%s: %s", rid, e.message)
-            await self._finish(rid, req.start_index, [], FINISH_ERROR, e.message)
+            await self._finish(req, FINISH_ERROR, e.message)
         except Exception as e:  # noqa: BLE001 - the request gets an answer, the worker lives on
             log.exception("prefill crashed request_id=%s", rid)
-            await self._finish(rid, req.start_index, [], FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}")
+            await self._finish(req, FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}")
         await streams.ack(self.r, c.stream, keys.PREFILL_GROUP, c.entry_id)
 
     async def _prefill(self, req: GenerationRequest) -> None:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        payload = await loop.run_in_executor(self.device, self._prefill_sync, req)
+        out = await loop.run_in_executor(self.device, self._prefill_sync, req)
         took = time.perf_counter() - t0
         self.prefill_ema_s = took if not self.prefilled else 0.8 * self.prefill_ema_s + 0.2 * took
         self.prefilled += 1
-        first = payload.first_token
-        log.debug("prefilled request_id=%s len=%d in %.1f ms", req.request_id, len(req.prompt_ids),
-                  (time.perf_counter() - t0) * 1e3)
-        rid, at = req.request_id, req.start_index
-        if first in req.stop_token_ids and not req.ignore_eos:
-            await self._finish(rid, at, [first], FINISH_STOP)
-            return
-        if req.max_tokens <= at + 1 or payload.true_length >= self.engine.max_len:
-            await self._finish(rid, at, [first], FINISH_LENGTH)
-            return
-        held = self.store.put(req.request_id, payload)
-        notice = streams.ReadyNotice(
-            request=req, address=self.address, capability=held.capability, kv_bytes=payload.nbytes,
-            prefill_worker=self.worker_id, first_token=first,
-        )
-        # One transaction: token `at` is in the stream if and only if the ready notice is, so a
-        # reclaimed admission entry can tell whether its first owner got this far.
-        pipe = self.r.pipeline(transaction=True)
-        streams.add_tokens(pipe, rid, at, [first], None, self.s.token_ttl_s, self.s.token_maxlen)
-        streams.add_ready(pipe, self.s.pool, notice, self.s.ready_maxlen)
-        await pipe.execute()
+        log.debug("prefilled request_id=%s len=%d n=%d in %.1f ms", req.request_id, len(req.prompt_ids), req.n,
+                  took * 1e3)
+        await self._publish_first(req, *out)
 
     def _prefill_sync(self, req: GenerationRequest):
-        prefix = self.engine.prefill(req.prompt_ids, req.sampling)
-        return self.engine.export_prefix(prefix)
+        """(payload, per-choice first tokens and their logprobs, encoded prompt logprobs or None)."""
+        prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req))
+        prompt_lp = None
+        if req.prompt_logprobs is not None and req.start_index == 0:
+            prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))
+        return self.engine.export_prefix(prefix), prefix.first_tokens, prefix.first_logprobs, prompt_lp
 
-    async def _finish(self, rid: str, index: int, tokens: list[int], reason: str,
-                      error: str | None = None) -> None:
+    async def _publish_first(self, req: GenerationRequest, payload, firsts, logprobs, prompt_lp) -> None:
+        """Token `start_index` of every choice, and a ready notice for each choice that goes on.
+
+        One transaction: a choice's token is in its stream if and only if its ready notice is (or
+        its finish), so a reclaimed admission entry can tell whether its first owner got this far."""
+        at = req.start_index
+        choices = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]
+        pipe = self.r.pipeline(transaction=True)
+        if prompt_lp is not None:
+            streams.add_prompt_logprobs(pipe, choices[0].request_id, prompt_lp, self.s.token_ttl_s, self.s.token_maxlen)
+        going = []
+        for c, first, lp in zip(choices, firsts, logprobs):
+            reason = first_finish(c, first, payload.true_length, self.engine.max_len)
+            streams.add_tokens(pipe, c.request_id, at, [first], reason, self.s.token_ttl_s, self.s.token_maxlen,
+                               finished_ttl_s=self.s.token_finished_ttl_s, logprobs=[lp])
+            if reason is None:
+                going.append((c, first))
+        if going:
+            held = self.store.put_shared([c.request_id for c, _ in going], payload)
+            for (c, first), h in zip(going, held):
+                notice = streams.ReadyNotice(
+                    request=c, address=self.address, capability=h.capability, kv_bytes=payload.nbytes,
+                    prefill_worker=self.worker_id, first_token=first,
+                )
+                streams.add_ready(pipe, self.s.pool, notice, self.s.ready_maxlen)
+        await pipe.execute()
+
+    async def _finish(self, req: GenerationRequest, reason: str, error: str | None = None) -> None:
+        """End the request without a token, on every choice's stream."""
         pipe = self.r.pipeline(transaction=False)
-        streams.add_tokens(pipe, rid, index, tokens, reason, self.s.token_ttl_s,
-                           self.s.token_maxlen, error=error, finished_ttl_s=self.s.token_finished_ttl_s)
+        for rid in choice_ids(req.request_id, req.n):
+            streams.add_tokens(pipe, rid, req.start_index, [], reason, self.s.token_ttl_s,
+                               self.s.token_maxlen, error=error, finished_ttl_s=self.s.token_finished_ttl_s)
         await pipe.execute()
 
     async def _expire_leases(self) -> None:
         for rid in self.store.expired():
             self.store.release(rid)
             log.warning("KV lease ended unpulled request_id=%s: freed", rid)
-            await self._finish(rid, 1, [], FINISH_ERROR, "KV was not pulled by a decode pod within its lease")
+            await self._finish(GenerationRequest(rid, [], 1, start_index=1), FINISH_ERROR,
+                               "KV was not pulled by a decode pod within its lease")
 
     def on_release(self, request_id: str) -> None:
         log.debug("kv released request_id=%s held_bytes=%d", request_id, self.store.held_bytes)

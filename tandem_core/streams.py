@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import keys
 from tandem_core.settings import RedisConfig
-from tandem_core.types import GenerationRequest
+from tandem_core.types import GenerationRequest, TokenLogprobs
 
 
 # What a Redis restart or network blip raises: callers wait and retry these, and only these.
@@ -195,6 +195,8 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     entry_id: bytes = b""
+    logprobs: TokenLogprobs | None = None  # field `l`, when the request asked for logprobs
+    prompt_logprobs: bytes | None = None  # field `p` of the index -1 entry (echo with logprobs)
 
 
 def add_tokens(
@@ -207,16 +209,20 @@ def add_tokens(
     maxlen: int,
     error: str | None = None,
     finished_ttl_s: int = 60,
+    logprobs: list[TokenLogprobs | None] | None = None,
 ) -> None:
     """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here).
 
-    The decode loop calls this for every slot of a step on one pipeline, then executes it once.
-    An error with no token is written as `t=-1`.
+    Entry fields: `i` index, `t` token (-1: none), and when set `f` finish, `e` error, `l` the
+    token's logprobs (`TokenLogprobs.encode`). An error with no token is written as `t=-1`.
     """
     key = keys.token_stream(request_id)
     ids = token_ids or [-1]
     for n, tok in enumerate(ids):
         fields: dict[str, str | int] = {"i": start_index + n, "t": tok}
+        lp = logprobs[n] if logprobs and n < len(logprobs) else None
+        if lp is not None:
+            fields["l"] = lp.encode()
         if n == len(ids) - 1 and finish_reason:
             fields["f"] = finish_reason
             if error:
@@ -226,11 +232,20 @@ def add_tokens(
     pipe.expire(key, finished_ttl_s if finish_reason else ttl_s)
 
 
+def add_prompt_logprobs(pipe, request_id: str, encoded: str, ttl_s: int, maxlen: int) -> None:
+    """Queue the prompt's logprobs (echo) as the stream's index -1 entry, before token 0: readers
+    that know nothing of it drop it as a duplicate index, and resumes ignore it (no token)."""
+    key = keys.token_stream(request_id)
+    pipe.xadd(key, {"i": -1, "t": -1, "p": encoded}, maxlen=maxlen, approximate=True)
+    pipe.expire(key, ttl_s)
+
+
 def token_event(entry_id: bytes, f: dict) -> TokenEvent:
-    """One token stream entry (fields i, t and optionally f, e; see `add_tokens`)."""
-    fin, err = f.get(b"f"), f.get(b"e")
+    """One token stream entry (fields i, t and optionally f, e, l, p; see `add_tokens`)."""
+    fin, err, lp = f.get(b"f"), f.get(b"e"), f.get(b"l")
     return TokenEvent(index=int(f[b"i"]), token_id=int(f[b"t"]), finish_reason=_s(fin) if fin is not None else None,
-                      error=_s(err) if err is not None else None, entry_id=entry_id)
+                      error=_s(err) if err is not None else None, entry_id=entry_id,
+                      logprobs=TokenLogprobs.decode(lp) if lp is not None else None, prompt_logprobs=f.get(b"p"))
 
 
 async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:

@@ -12,18 +12,21 @@ from tandem_core.types import GenerationRequest
 
 # A step's tokens in one call: each XADDed only while the writer still owns its request (its
 # field in the writer's running hash); a finishing token removes the field. KEYS[1] is the running
-# hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then five per item
-# (request id, index, token, finish, error). Returns 1 (written) or 0 (fenced off) per item, in
-# order, so a request that appears twice (two queued steps) is written in index order.
+# hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then seven per item
+# (request id, index, token, finish, error, logprobs `l`, prompt logprobs `p`; '' = none). Returns
+# 1 (written) or 0 (fenced off) per item, in order, so a request that appears twice (two queued
+# steps) is written in index order.
 _PUBLISH_OWNED = """
 local out = {}
 for j = 1, #KEYS - 1 do
-  local b = 3 + (j - 1) * 5
+  local b = 3 + (j - 1) * 7
   local rid, fin, err = ARGV[b + 1], ARGV[b + 4], ARGV[b + 5]
   if redis.call('HEXISTS', KEYS[1], rid) == 0 then
     out[j] = 0
   else
     local f = {'i', ARGV[b + 2], 't', ARGV[b + 3]}
+    if ARGV[b + 6] ~= '' then f[#f + 1] = 'l'; f[#f + 1] = ARGV[b + 6] end
+    if ARGV[b + 7] ~= '' then f[#f + 1] = 'p'; f[#f + 1] = ARGV[b + 7] end
     if fin ~= '' then f[#f + 1] = 'f'; f[#f + 1] = fin end
     if err ~= '' then f[#f + 1] = 'e'; f[#f + 1] = err end
     redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', unpack(f))
@@ -39,6 +42,9 @@ end
 return out
 """
 
+# (request id, index, token, finish, error, logprobs, prompt logprobs): one token entry to write.
+Item = tuple[str, int, int, "str | None", "str | None", "str | None", "str | None"]
+
 
 class OwnedPublisher:
     """Token writes of a decode pod, fenced on its running hash (see `keys.running_key`)."""
@@ -49,22 +55,22 @@ class OwnedPublisher:
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
 
-    async def own(self, req: GenerationRequest) -> None:
-        await self.r.hset(self.running, req.request_id, req.to_json())
+    async def own(self, *reqs: GenerationRequest) -> None:
+        await self.r.hset(self.running, mapping={q.request_id: q.to_json() for q in reqs})
 
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running, request_id)
 
-    def add_batch(self, pipe, items: list[tuple[str, int, int, str | None, str | None]]) -> None:
-        """Queue ONE script call writing every (request id, index, token, finish, error) item, in
-        order; its reply is a list of 1 (written) / 0 (fenced off) per item."""
+    def add_batch(self, pipe, items: list[Item]) -> None:
+        """Queue ONE script call writing every item, in order; its reply is a list of 1 (written)
+        / 0 (fenced off) per item. Logprobs travel pre-encoded (`TokenLogprobs.encode`)."""
         # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
         # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
         names = [self.running]
         args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
-        for rid, index, token, finish, error in items:
+        for rid, index, token, finish, error, logprobs, prompt_logprobs in items:
             names.append(keys.token_stream(rid))
-            args += (rid, index, token, finish or "", error or "")
+            args += (rid, index, token, finish or "", error or "", logprobs or "", prompt_logprobs or "")
         pipe.evalsha(self._script.sha, len(names), *names, *args)
 
     async def load(self) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.tokens import TokenMux
 from tandem_core import keys, streams, token_writes
-from tandem_core.types import GenerationRequest
+from tandem_core.types import GenerationRequest, TokenLogprobs
 
 N_STREAMS = 24
 N_TOKENS = 40
@@ -95,8 +95,10 @@ async def test_reads_what_the_fenced_decode_script_writes(redis_client):
     await pub.load()
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
     pipe = redis_client.pipeline(transaction=False)
-    pub.add_batch(pipe, [("mux-owned", 1, 7, None, None), ("mux-other", 1, 9, None, None),
-                         ("mux-owned", 2, 8, "error", "boom")])
+    lp = TokenLogprobs(-0.25, ((7, -0.25), (3, -2.5)))
+    pub.add_batch(pipe, [("mux-owned", 1, 7, None, None, lp.encode(), None),
+                         ("mux-other", 1, 9, None, None, None, None),
+                         ("mux-owned", 2, 8, "error", "boom", None, "x")])
     (flags,) = await pipe.execute()
     assert flags == [1, 0, 1]
     assert not await redis_client.hexists(keys.running_key("mux-decode"), "mux-owned")  # finished
@@ -106,6 +108,8 @@ async def test_reads_what_the_fenced_decode_script_writes(redis_client):
         events = await _drain(mux.subscribe("mux-owned"), 2)
         assert [(e.index, e.token_id, e.finish_reason, e.error) for e in events] == [
             (1, 7, None, None), (2, 8, "error", "boom")]
+        assert events[0].logprobs == lp and events[1].logprobs is None  # the same codec both ways
+        assert events[1].prompt_logprobs == b"x" and events[0].prompt_logprobs is None
         assert not await redis_client.exists(keys.token_stream("mux-other"))
     finally:
         await mux.stop()
