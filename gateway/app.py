@@ -2,8 +2,8 @@
 the one place where errors become HTTP responses.
 
 `create_app(settings)` builds everything from the settings it is given; nothing reads the
-environment here. The gRPC server (tandem.v1.Tandem, grpc.health.v1, reflection) starts with the
-app and stops with it, after the HTTP side has drained.
+environment here. The gRPC server (tandem.v1.Tandem, grpc.health.v1, reflection v1 and v1alpha)
+starts with the app and stops with it, after the HTTP side has drained.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import grpc_api
+from gateway import grpc_api, openapi
 from gateway.http_api import error_body, router
+from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from gateway.service import GatewayService, retry_after_header
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
@@ -53,6 +54,7 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
     app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = svc
     app.include_router(router)
+    openapi.install(app, [CompletionBody, ChatBody, TokenizeBody, DetokenizeBody])
     _add_error_handlers(app)
     return app
 

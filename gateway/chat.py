@@ -8,8 +8,14 @@ Jinja2 is not installed, the documented default template is used:
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|assistant|>\\n
 
 i.e. every message as `<|{role}|>` on a line of its own followed by its content and a newline,
-then `<|assistant|>\\n` for the reply. A rendered prompt that starts with the BOS token's text has
-it removed, because the tokenizer adds BOS itself. Pure: no I/O after construction.
+then `<|assistant|>\\n` for the reply.
+
+Special tokens follow the tokenizer's own rules, as transformers and vLLM do: a model's template
+writes whatever specials it wants (`{{ bos_token }}` ...) and its text is encoded with
+`add_special_tokens=False`, so a template that writes BOS gets exactly one. The default template
+writes none, so its text is encoded like a completion prompt (`add_special_tokens=True`: the
+tokenizer's post-processor adds BOS if it adds one to any text), which is how the built-in model
+was trained. `ChatTemplate.add_special_tokens` says which. Pure: no I/O after construction.
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._compiled = _compile(source) if source else None
         self.kind = "model" if self._compiled is not None else "default"
+        # How the rendered text is encoded: a model template writes its own specials.
+        self.add_special_tokens = self._compiled is None
 
     @classmethod
     def for_model(cls, info: ModelInfo) -> "ChatTemplate":
@@ -78,8 +86,6 @@ class ChatTemplate:
             )
         except Exception as e:  # noqa: BLE001 - the template's own raise_exception, or a type error on odd input
             raise InvalidRequest(f"the model's chat template rejected the messages: {e}", param="messages") from e
-        if self.bos_token and text.startswith(self.bos_token):
-            text = text[len(self.bos_token):]  # the tokenizer adds BOS
         return text
 
 

@@ -1,9 +1,11 @@
 """HTTP front end: the OpenAI-compatible completions and chat completions APIs, stream resume,
-models, health, metrics, admin.
+models, vLLM's /tokenize and /detokenize, health, metrics, admin.
 
-Bodies are read here with a byte limit (413) and parsed strictly (`schemas.py`), so every
-malformed request gets a 4xx naming the field. Errors leave through one exception handler (see
-`app.py`) in OpenAI's `{"error": {...}}` shape. Response shapes live in `sse.py`.
+POST bodies must be JSON (415 otherwise), are read here with a byte limit (413) and parsed
+strictly (`schemas.py`, `jsonbody.py`), so every malformed request gets a 4xx naming the field;
+/openapi.json documents the bodies and status codes (`openapi.py`). Errors leave through one
+exception handler (see `app.py`) in OpenAI's `{"error": {...}}` shape. Response shapes live in
+`sse.py`.
 """
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gateway import resume
+from gateway import openapi, resume
+from gateway.jsonbody import parse_body
 from gateway.metrics import CONTENT_TYPE
-from gateway.schemas import ChatBody, CompletionBody, parse_body
+from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, chat_messages
 from gateway.service import GatewayService, RequestNotFound
-from gateway.sse import collect_unless_disconnected, error_body, sse_events, whole
-from gateway.validation import CompletionParams, Prepared
-from tandem_core.errors import InvalidRequest
+from gateway.sse import collect_unless_disconnected, error_body, sse_events
+from gateway.validation import CompletionParams, Prepared, check_model
+from tandem_core.errors import InvalidRequest, ModelNotFound
 
 __all__ = ["router", "error_body"]
 
@@ -47,8 +50,29 @@ class BodyTooLarge(InvalidRequest):
     error_type = "request_too_large"
 
 
+class UnsupportedMediaType(InvalidRequest):
+    http_status = 415
+    error_type = "unsupported_media_type"
+
+
+def check_json(request: Request) -> None:
+    """415 unless the body is declared JSON. A missing Content-Type is read as JSON (the strict
+    parse still applies); `curl -d` without -H sends application/x-www-form-urlencoded."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise UnsupportedMediaType(
+        f"Content-Type {declared[:64]!r} is not supported: send the body as JSON with "
+        f"'Content-Type: application/json'", param="Content-Type",
+    )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 as soon as it is known to exceed `limit` bytes."""
+    """The body, or 413 as soon as it is known to exceed `limit` bytes (415 if it is not JSON)."""
+    check_json(request)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body is {declared} bytes, larger than the limit of {limit} bytes")
@@ -63,7 +87,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 # ---------------------------------------------------------------- completions and chat
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses={**openapi.completion_response(
+    "with `stream: true` an SSE stream of `text_completion` chunks"), **openapi.errors(*openapi.GENERATE)},
+    openapi_extra=openapi.json_body(CompletionBody))
 async def completions(request: Request, svc: Service, authorization: Auth = None) -> Response:
     key = svc.check_api_key(authorization)
     body: CompletionBody = parse_body(await read_body(request, svc.settings.max_body_bytes), CompletionBody)
@@ -71,18 +97,23 @@ async def completions(request: Request, svc: Service, authorization: Auth = None
     return await _respond(request, svc, prep, body, "completion", key)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses={**openapi.completion_response(
+    "with `stream: true` an SSE stream of `chat.completion.chunk` chunks"), **openapi.errors(*openapi.GENERATE)},
+    openapi_extra=openapi.json_body(ChatBody))
 async def chat_completions(request: Request, svc: Service, authorization: Auth = None) -> Response:
     key = svc.check_api_key(authorization)
     body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
     params = body.to_params()
-    messages = body.chat_messages()
-    if sum(len(m["content"]) for m in messages) > _BIG_CHAT_CHARS:
-        params.prompt = await asyncio.to_thread(svc.chat_template.render, messages)
-    else:
-        params.prompt = svc.chat_template.render(messages)
+    params.prompt = await _render(svc, body.chat_messages())
+    params.add_special_tokens = svc.chat_template.add_special_tokens
     prep = await _prepare_chat(svc, params)
     return await _respond(request, svc, prep, body, "chat", key)
+
+
+async def _render(svc: GatewayService, messages: list[dict[str, str]]) -> str:
+    if sum(len(m["content"]) for m in messages) > _BIG_CHAT_CHARS:
+        return await asyncio.to_thread(svc.chat_template.render, messages)
+    return svc.chat_template.render(messages)
 
 
 async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepared:
@@ -101,7 +132,9 @@ async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: 
                    kind: str, key: str) -> Response:
     rid = prep.request.request_id
     prep.resumable = body.resumable
-    prep.meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage)
+    prep.meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
+                                  continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
+                                  echo=_echo_text(svc, prep) if prep.echo else None)
     await svc.submit(prep, fresh_id=True, api_key=key)
     if body.stream:
         return StreamingResponse(sse_events(svc, prep), media_type="text/event-stream",
@@ -109,10 +142,19 @@ async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: 
     collected = await collect_unless_disconnected(request, svc, prep)
     if collected is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(whole(prep.meta, *collected), headers={"X-Request-Id": rid})
+    return JSONResponse(collected, headers={"X-Request-Id": rid})
 
 
-@router.get("/v1/requests/{request_id}/stream")
+def _echo_text(svc: GatewayService, prep: Prepared) -> str:
+    """What echo writes before the output: the prompt as sent, or a token-id prompt decoded."""
+    if prep.prompt_text is not None:
+        return prep.prompt_text
+    return svc.tokenizer.decode(prep.request.prompt_ids, skip_special_tokens=prep.skip_special_tokens)
+
+
+@router.get("/v1/requests/{request_id}/stream", responses={
+    200: {"description": "The remaining SSE events", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **openapi.errors(400, 401, 404, 503)})
 async def resume_stream(
     request_id: str, svc: Service, authorization: Auth = None,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
@@ -132,14 +174,71 @@ async def resume_stream(
 # ---------------------------------------------------------------- models, health, metrics, admin
 
 
-@router.get("/v1/models")
+def _model_card(svc: GatewayService) -> dict:
+    return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+            "max_model_len": svc.settings.max_context_len}
+
+
+@router.get("/v1/models", responses=openapi.errors(401))
 async def models(svc: Service, authorization: Auth = None) -> dict:
     svc.check_api_key(authorization)
-    return {
-        "object": "list",
-        "data": [{"id": svc.model_name, "object": "model", "created": 0, "owned_by": "tandem",
-                  "max_model_len": svc.settings.max_context_len}],
-    }
+    return {"object": "list", "data": [_model_card(svc)]}
+
+
+@router.get("/v1/models/{model_id:path}", responses=openapi.errors(401, 404))
+async def model(model_id: str, svc: Service, authorization: Auth = None) -> dict:
+    """The served model under any of its names (`client.models.retrieve`); the card names it by
+    its served name."""
+    svc.check_api_key(authorization)
+    if not model_id:
+        raise ModelNotFound(f"no model id given; this gateway serves {svc.model_name!r}", param="model")
+    check_model(model_id, svc.settings, svc.info)
+    return _model_card(svc)
+
+
+# ---------------------------------------------------------------- vLLM's tokenizer endpoints
+
+
+@router.post("/tokenize", responses=openapi.errors(*openapi.TOKENIZE), openapi_extra=openapi.json_body(TokenizeBody))
+async def tokenize(request: Request, svc: Service, authorization: Auth = None) -> dict:
+    """A prompt's token ids as /v1/completions encodes it, or a conversation's as
+    /v1/chat/completions renders and encodes it."""
+    svc.check_api_key(authorization)
+    body: TokenizeBody = parse_body(await read_body(request, svc.settings.max_body_bytes), TokenizeBody)
+    check_model(body.model, svc.settings, svc.info)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequest("send either prompt or messages", param="prompt")
+    if body.messages is not None:
+        text, add = await _render(svc, chat_messages(body.messages)), svc.chat_template.add_special_tokens
+    else:
+        text, add = body.prompt, True
+    add = add if body.add_special_tokens is None else body.add_special_tokens
+    if len(text) > _BIG_CHAT_CHARS:
+        ids = await asyncio.to_thread(svc.tokenizer.encode, text, add)
+    else:
+        ids = svc.tokenizer.encode(text, add_special_tokens=add)
+    return {"count": len(ids), "max_model_len": svc.settings.max_context_len, "tokens": ids}
+
+
+@router.post("/detokenize", responses=openapi.errors(*openapi.TOKENIZE),
+             openapi_extra=openapi.json_body(DetokenizeBody))
+async def detokenize(request: Request, svc: Service, authorization: Auth = None) -> dict:
+    """Token ids -> text, special tokens included (as vLLM's /detokenize)."""
+    svc.check_api_key(authorization)
+    body: DetokenizeBody = parse_body(await read_body(request, svc.settings.max_body_bytes), DetokenizeBody)
+    check_model(body.model, svc.settings, svc.info)
+    vocab = svc.info.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    if len(body.tokens) > _BIG_CHAT_CHARS:
+        text = await asyncio.to_thread(svc.tokenizer.decode, body.tokens, False)
+    else:
+        text = svc.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return {"prompt": text}
+
+
+# ---------------------------------------------------------------- health, metrics, admin
 
 
 @router.get("/healthz")
@@ -147,20 +246,20 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "Redis is unreachable"}})
 async def readyz(svc: Service) -> JSONResponse:
     if await svc.ready():
         return JSONResponse({"status": "ready"})
     return JSONResponse({"status": "not ready", "reason": "Redis is unreachable"}, status_code=503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(svc: Service) -> Response:
     await svc.refresh_load()
     return PlainTextResponse(svc.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/admin/cluster")
+@router.get("/admin/cluster", responses=openapi.errors(401, 503))
 async def cluster(svc: Service, authorization: Auth = None) -> dict:
     svc.check_admin_key(authorization)
     return await svc.cluster()

@@ -1,83 +1,117 @@
-"""Request bodies of the OpenAI-compatible endpoints, and the strict parse that turns raw bytes
-into one of them.
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models (they are also what
+/openapi.json documents), and their conversion into the transport-neutral `CompletionParams`.
 
-Strict means: the body must be UTF-8 JSON (no NaN/Infinity, no unpaired surrogates, bounded
-nesting), unknown fields are rejected by name, and the OpenAI parameters Tandem cannot serve
-honestly are rejected with "not supported yet" unless they carry their no-op value (clients such
-as LangChain send `presence_penalty: 0` or `logprobs: null` by default). Every failure is an
-`InvalidRequest` naming the field. Transport-neutral output: `CompletionParams` and chat messages.
+Strict: unknown fields are rejected by name; numbers are numbers (`"4"` or `true` for an integer
+is a 400 naming the field, while a JSON integer is a valid float); the OpenAI parameters Tandem
+cannot serve honestly (tools, structured outputs, best_of ...) are rejected with "not supported
+yet" unless they carry their no-op value (clients such as LangChain send `tools: []` or
+`response_format: {"type": "text"}` by default). Range checks that the settings or the model
+decide (n, logit_bias ids, lengths) live in `validation.py`, shared with gRPC; the raw-bytes parse
+lives in `jsonbody.py`.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from gateway.jsonbody import MAX_JSON_DEPTH, load_json, parse_body, validation_error  # noqa: F401 - re-exported
+from gateway.sampling_checks import check_logprobs
 from gateway.validation import CompletionParams
 from tandem_core.errors import InvalidRequest
 
-MAX_JSON_DEPTH = 32
 CHAT_ROLES = ("system", "user", "assistant")
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
+_TOKEN_ID = re.compile(r"^[0-9]{1,12}$")
+
+Number = StrictFloat  # a JSON number (an integer too), never a string or a boolean
+TokenIds = Annotated[list[StrictInt], Field(max_length=4096)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk
+    include_obfuscation: StrictBool | None = None  # newer OpenAI SDKs; accepted, ignored (no padding sent)
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share, plus Tandem's extensions (`top_k`, `ignore_eos`, `priority`,
-    `resumable`). Unsupported OpenAI fields are declared `Any` so they get a clear message."""
+    """Fields both endpoints share, plus the vLLM extras (`top_k`, `repetition_penalty`,
+    `min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`) and Tandem's own
+    (`priority`, `resumable`)."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(default=None, max_length=256)
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: StrictStr | None = Field(default=None, max_length=256)
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    user: str | None = Field(default=None, max_length=256)
+    n: StrictInt | None = 1
+    user: StrictStr | None = Field(default=None, max_length=256)
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
     priority: Literal["normal", "high"] | None = None
     resumable: StrictBool = False
-    # Accepted only with their no-op value (see NOOPS):
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None) -> CompletionParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, logprobs_param: str) -> CompletionParams:
         _check_unsupported(self)
-        if self.n not in (None, 1):
-            raise InvalidRequest(f"n must be 1 (one choice per request), got {self.n}", param="n")
+        if self.resumable and self.n not in (None, 1):
+            raise InvalidRequest("n must be 1 with \"resumable\": true (a resumable stream serves one choice)",
+                                 param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        so = self.stream_options
         return CompletionParams(
             model=self.model, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, priority=self.priority,
+            n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
+            logprobs_param=logprobs_param, skip_special_tokens=self.skip_special_tokens,
+            continuous_usage=bool(so and so.continuous_usage_stats),
         )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends {"<token id>": bias}; the keys must be token ids written as decimal strings."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not _TOKEN_ID.match(k)), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias keys must be token ids (decimal strings), got {bad[:32]!r}",
+                             param="logit_bias")
+    return {int(k): float(v) for k, v in bias.items()}
 
 
 class CompletionBody(_Common):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int]
-    echo: Any = None
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    logprobs: StrictInt | None = None  # 0..5: the sampled token's logprob and the top N
+    echo: StrictBool = False
     best_of: Any = None
     suffix: Any = None
 
     def to_params(self) -> CompletionParams:
-        p = self._params(self.max_tokens)
+        p = self._params(self.max_tokens, check_logprobs(self.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS),
+                         "logprobs")
+        p.echo = self.echo
         prompt = self.prompt
         if isinstance(prompt, list):
             if not prompt:
@@ -96,17 +130,27 @@ class CompletionBody(_Common):
 
 
 class ChatMessage(BaseModel):
+    """One message. The assistant fields the SDK's `message.model_dump()` writes (`refusal`,
+    `tool_calls`, `function_call`, `audio`, `annotations`) are accepted when null or empty."""
+
     model_config = ConfigDict(extra="forbid")
-    role: str = Field(max_length=32)
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = Field(default=None, max_length=256)
+    role: StrictStr = Field(max_length=32)
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = Field(default=None, max_length=256)
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
 
 
 class ChatBody(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None  # 0..20, with logprobs true
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -114,7 +158,7 @@ class ChatBody(_Common):
     response_format: Any = None
     parallel_tool_calls: StrictBool | None = None  # meaningless without tools; accepted
     store: Any = None
-    metadata: dict[str, str] | None = None  # accepted and ignored
+    metadata: dict[str, StrictStr] | None = None  # accepted and ignored
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -129,13 +173,26 @@ class ChatBody(_Common):
                 param="max_completion_tokens",
             )
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(mt)
+        p = self._params(mt, self._top_logprobs(), "top_logprobs")
+        p.max_tokens_to_context = True
+        return p
+
+    def _top_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs \"logprobs\": true", param="top_logprobs")
+        if not self.logprobs:
+            return None
+        return check_logprobs(0 if self.top_logprobs is None else self.top_logprobs, "top_logprobs")
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """The conversation as [{"role", "content"}] with text content only."""
-        if not self.messages:
-            raise InvalidRequest("messages is empty: send at least one message", param="messages")
-        return [_message(i, m) for i, m in enumerate(self.messages)]
+        return chat_messages(self.messages)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The conversation as [{"role", "content"}] with text content only."""
+    if not messages:
+        raise InvalidRequest("messages is empty: send at least one message", param="messages")
+    return [_message(i, m) for i, m in enumerate(messages)]
 
 
 def _message(i: int, m: ChatMessage) -> dict[str, str]:
@@ -145,6 +202,11 @@ def _message(i: int, m: ChatMessage) -> dict[str, str]:
             f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role[:32]!r}",
             param=f"messages[{i}].role",
         )
+    for name in _MESSAGE_NOOPS:
+        value = getattr(m, name)
+        if value not in (None, "", []):
+            raise InvalidRequest(f"messages[{i}].{name} is not supported yet (no tool calls, audio or "
+                                 f"refusals); send null or omit it", param=f"messages[{i}].{name}")
     content = m.content
     if isinstance(content, list):
         content = "".join(_text_part(i, j, part) for j, part in enumerate(content))
@@ -157,6 +219,9 @@ def _message(i: int, m: ChatMessage) -> dict[str, str]:
     if m.name:
         out["name"] = m.name
     return out
+
+
+_MESSAGE_NOOPS = ("refusal", "tool_calls", "function_call", "audio", "annotations")
 
 
 def _text_part(i: int, j: int, part: dict[str, Any]) -> str:
@@ -176,12 +241,6 @@ def _text_part(i: int, j: int, part: dict[str, Any]) -> str:
 
 # Unsupported parameters and the values that mean "off" (accepted and ignored).
 NOOPS: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -205,7 +264,7 @@ def _check_unsupported(body: BaseModel) -> None:
             continue
         if not any(_same(value, x) for x in noops if x is not None):
             raise InvalidRequest(
-                f"{name} is not supported yet (Tandem's workers do not report it); omit it or send "
+                f"{name} is not supported yet; omit it or send "
                 f"{' or '.join(json.dumps(x) for x in noops)}", param=name,
             )
 
@@ -219,86 +278,23 @@ def _same(value: Any, noop: Any) -> bool:
     return type(value) is type(noop) and value == noop
 
 
-# ---------------------------------------------------------------- strict parse
+# ---------------------------------------------------------------- vLLM's /tokenize and /detokenize
 
 
-def _reject_constant(name: str) -> float:
-    raise InvalidRequest(f"request body is not valid JSON: {name} is not a JSON number")
+class TokenizeBody(BaseModel):
+    """POST /tokenize: a completion `prompt` or chat `messages` (as the chat endpoint renders
+    them), with the prompt's ids, their count and the context length."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = Field(default=None, max_length=256)
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: as the completion or chat endpoint encodes
 
 
-def load_json(raw: bytes) -> dict:
-    """UTF-8 JSON object, bounded nesting, no surrogates; else InvalidRequest."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidRequest(f"request body is not valid UTF-8: byte {e.start} ({e.reason})") from e
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
-    except RecursionError as e:
-        raise InvalidRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from e
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    _check_tree(data)
-    return data
+class DetokenizeBody(BaseModel):
+    """POST /detokenize: token ids -> text."""
 
-
-def _check_tree(data: dict) -> None:
-    """Depth bound and well-formed Unicode everywhere (an escaped lone surrogate such as "\\ud800"
-    is valid JSON but not text), without recursion."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
-    while stack:
-        node, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise InvalidRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                                 param=path or None)
-        if isinstance(node, str):
-            _check_text(node, path)
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                _check_text(k, path or "body")
-                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
-
-
-def _check_text(s: str, path: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(
-            f"{path[:200] or 'body'} contains an unpaired surrogate at character {e.start} (invalid Unicode)",
-            param=path[:200] or None,
-        ) from e
-
-
-def parse_body(raw: bytes, model: type[BaseModel]):
-    data = load_json(raw)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from e
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none"}
-
-
-def _loc(loc: tuple) -> str:
-    out = ""
-    for x in loc:
-        if isinstance(x, int):
-            out += f"[{x}]"
-        elif x not in _UNION_TAGS and "[" not in x and x != "body":
-            out += f".{x}" if out else x
-    return out or "body"
-
-
-def validation_error(e: ValidationError) -> InvalidRequest:
-    err = e.errors(include_url=False)[0]
-    field = _loc(err.get("loc", ()))[:200]
-    if err.get("type") == "extra_forbidden":
-        return InvalidRequest(f"unknown field {field!r}", param=field)
-    if err.get("type") == "missing":
-        return InvalidRequest(f"field {field!r} is required", param=field)
-    return InvalidRequest(f"invalid value for {field!r}: {err.get('msg')}", param=field)
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = Field(default=None, max_length=256)
+    tokens: list[StrictInt]

@@ -5,6 +5,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem_core.settings import RedisConfig
+from tandem_core.types import MAX_LOGIT_BIAS
 
 
 class GatewaySettings(BaseSettings):
@@ -19,14 +20,17 @@ class GatewaySettings(BaseSettings):
     pool: str = "default"
     max_context_len: PositiveInt = 512  # must equal the workers' engine max_len
     max_prompt_len: PositiveInt = 512  # the workers' largest prefill bucket
-    max_tokens_limit: PositiveInt = 4096
-    default_max_tokens: PositiveInt = 16
+    max_tokens_limit: PositiveInt = 4096  # also bounds a chat without max_tokens (it runs to the context end)
+    default_max_tokens: PositiveInt = 16  # completions without max_tokens (OpenAI's default)
     request_timeout_s: PositiveFloat = 300.0  # whole request deadline
     first_token_timeout_s: PositiveFloat = 120.0
     admission_max_backlog: PositiveInt = 1024  # above this: 429 with Retry-After
     admission_maxlen: PositiveInt = 10000
     max_body_bytes: PositiveInt = 1024 * 1024
     max_stop_strings: PositiveInt = 8
+    # OpenAI parity (issue 12):
+    max_n: int = Field(default=8, ge=1, le=64)  # choices per request (`n`); each takes a decode slot
+    max_logit_bias: int = Field(default=64, ge=0, le=MAX_LOGIT_BIAS)  # logit_bias entries per request
     api_keys: list[str] = []  # empty: no auth
     admin_key: str = ""
     token_ttl_s: PositiveInt = 600

@@ -3,7 +3,10 @@
 Both transports turn their wire format into one `CompletionParams`, and `build_request` checks it
 against the settings and the model, tokenizes, and returns the `GenerationRequest` to enqueue.
 Every failure is an `InvalidRequest` (or `ModelNotFound`) whose message names the field and the
-limit, so a client can fix the request without reading our code. Pure: no I/O here.
+limit, so a client can fix the request without reading our code. The sampling extras (n,
+penalties, logit_bias, min_tokens, stop_token_ids, logprobs) are checked in `sampling_checks.py`.
+Cheap checks come before tokenization, so a bad field is reported even with a long prompt.
+`Prepared` also carries what the formatters need (echo, logprobs, n, ...). Pure: no I/O here.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import sampling_checks as checks
 from gateway.settings import GatewaySettings
 from tandem_core import keys
 from tandem_core.errors import InvalidRequest, ModelNotFound, PromptTooLong
@@ -40,6 +44,21 @@ class CompletionParams:
     ignore_eos: bool = False
     priority: str | None = None
     request_id: str | None = None
+    # OpenAI parity (issue 12):
+    n: int | None = None  # choices; None = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias
+    min_tokens: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
+    logprobs: int | None = None  # top k alternatives per token (chat: top_logprobs); None = off
+    logprobs_param: str = "logprobs"  # the field a client named it by, for errors
+    echo: bool = False  # completions: the prompt comes back before the completion
+    skip_special_tokens: bool = True
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    add_special_tokens: bool = True  # False: the text already has them (a model's chat template)
+    max_tokens_to_context: bool = False  # chat: no max_tokens = until a stop or the context ends
 
 
 @dataclass
@@ -56,6 +75,13 @@ class Prepared:
     meta: Any = None  # resume.StreamMeta for HTTP streams (what a resume needs to format them)
     lease: Any = None  # limits.Lease held while relaying
     attach_no: int = 0  # which client attachment of a resumable request this relay serves
+    # What the formatters need (issue 12):
+    echo: bool = False
+    logprobs: int | None = None  # top k per token (the sampled token's logprob too); None = off
+    skip_special_tokens: bool = True
+    continuous_usage: bool = False
+    n: int = 1
+    prompt_text: str | None = None  # the prompt as sent (None for token ids): what echo returns
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,22 +121,37 @@ def _tokenize(p: CompletionParams, tokenizer: Tokenizer, info: ModelInfo) -> lis
         return list(p.prompt_ids)
     if not p.prompt:
         raise InvalidRequest("prompt is empty: send a non-empty string", param="prompt")
-    return tokenizer.encode(p.prompt)
+    ids = tokenizer.encode(p.prompt, add_special_tokens=p.add_special_tokens)
+    if not ids:  # e.g. a chat template that renders nothing the tokenizer keeps
+        raise InvalidRequest("prompt is empty after tokenization", param="prompt")
+    return ids
 
 
-def _check_lengths(n_prompt: int, max_tokens: int | None, s: GatewaySettings) -> int:
+def _default_max_tokens(n_prompt: int, p: CompletionParams, s: GatewaySettings) -> int:
+    """Without max_tokens: completions get default_max_tokens (OpenAI's 16); chat runs until a stop
+    or the context ends (OpenAI, vLLM), bounded by max_tokens_limit. Both are clamped to what fits
+    in the context and, with a per-key token budget, to what the budget can ever admit."""
+    room = s.max_context_len - n_prompt
+    if room <= 0:
+        raise PromptTooLong(
+            f"prompt is {n_prompt} tokens and leaves no room for output in the context of "
+            f"{s.max_context_len} tokens", param="prompt",
+        )
+    cap = s.max_tokens_limit if p.max_tokens_to_context else s.default_max_tokens
+    budget = s.tokens_per_minute_per_key - n_prompt
+    if s.tokens_per_minute_per_key and budget > 0:
+        cap = min(cap, budget)
+    return min(cap, room)
+
+
+def _check_lengths(n_prompt: int, p: CompletionParams, s: GatewaySettings) -> int:
     if n_prompt > s.max_prompt_len:
         raise PromptTooLong(
             f"prompt is {n_prompt} tokens, longer than the limit of {s.max_prompt_len} tokens", param="prompt"
         )
-    if max_tokens is None:  # default: as many as fit, up to default_max_tokens
-        room = s.max_context_len - n_prompt
-        if room <= 0:
-            raise PromptTooLong(
-                f"prompt is {n_prompt} tokens and leaves no room for output in the context of "
-                f"{s.max_context_len} tokens", param="prompt",
-            )
-        return min(s.default_max_tokens, room)
+    max_tokens = p.max_tokens
+    if max_tokens is None:
+        return _default_max_tokens(n_prompt, p, s)
     if max_tokens <= 0:
         raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if max_tokens > s.max_tokens_limit:
@@ -125,7 +166,7 @@ def _check_lengths(n_prompt: int, max_tokens: int | None, s: GatewaySettings) ->
     return max_tokens
 
 
-def _check_sampling(p: CompletionParams, s: GatewaySettings, vocab_size: int) -> SamplingParams:
+def _check_sampling(p: CompletionParams, s: GatewaySettings, vocab_size: int) -> dict:
     temperature = s.default_temperature if p.temperature is None else p.temperature
     if not 0.0 <= temperature <= 2.0:
         raise InvalidRequest(f"temperature must be in [0, 2], got {temperature}", param="temperature")
@@ -139,7 +180,7 @@ def _check_sampling(p: CompletionParams, s: GatewaySettings, vocab_size: int) ->
         top_k = 0  # keeps every token: the same as off
     if p.seed is not None and not -(2**63) <= p.seed < 2**63:
         raise InvalidRequest("seed must fit in a signed 64-bit integer", param="seed")
-    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=p.seed)
+    return dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=p.seed)
 
 
 def _check_stop(stop: list[str], s: GatewaySettings) -> list[str]:
@@ -180,19 +221,28 @@ def build_request(
     model = check_model(p.model, s, info)
     priority, rid = _check_ids(p)
     sampling = _check_sampling(p, s, info.vocab_size)
+    sampling.update(checks.check_processing(p, s.max_logit_bias, info.vocab_size))
+    n = checks.check_n(p.n, s.max_n)
     stop = _check_stop(p.stop, s)
+    stop_ids = checks.check_stop_token_ids(p.stop_token_ids, () if p.ignore_eos else info.eos_token_ids,
+                                           info.vocab_size)
     prompt_ids = _tokenize(p, tokenizer, info)
-    max_tokens = _check_lengths(len(prompt_ids), p.max_tokens, s)
+    max_tokens = _check_lengths(len(prompt_ids), p, s)
+    sampling["min_tokens"] = checks.check_min_tokens(p.min_tokens, max_tokens)
     now = time.time()
     req = GenerationRequest(
         request_id=rid,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=sampling,
-        stop_token_ids=[] if p.ignore_eos else list(info.eos_token_ids),
+        sampling=SamplingParams(**sampling),
+        stop_token_ids=stop_ids,
         ignore_eos=p.ignore_eos,
         priority=priority,
         deadline_ts=now + s.request_timeout_s,
         enqueued_ts=now,
+        n=n,
+        prompt_logprobs=p.logprobs if p.echo and p.logprobs is not None else None,
     )
-    return Prepared(request=req, stop=stop, model=model, arrival_ts=arrival)
+    return Prepared(request=req, stop=stop, model=model, arrival_ts=arrival, echo=p.echo, logprobs=p.logprobs,
+                    skip_special_tokens=p.skip_special_tokens, continuous_usage=p.continuous_usage, n=n,
+                    prompt_text=p.prompt if p.prompt_ids is None else None)

@@ -54,12 +54,29 @@ CHAT_CASES = [
      "messages[0].content[0]", ["only text", "image_url"]),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text",
      ["string"]),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
+    ({"messages": [{"role": "user", "content": "x", "tool_callz": []}]}, "messages[0].tool_callz",
      ["unknown field"]),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]},
+     "messages[0].tool_calls", ["not supported yet"]),
+    ({"messages": [{"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}]},
+     "messages[0].annotations", ["not supported yet"]),
+    ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]},
+     "messages[0].function_call", ["not supported yet"]),
+    ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages[0].refusal",
+     ["not supported yet"]),
     ({"messages": "hello"}, "messages", []),
-    ({"messages": USER, "n": 3}, "n", ["1"]),
-    ({"messages": USER, "logprobs": True}, "logprobs", ["not supported yet"]),
-    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", ["not supported yet"]),
+    ({"messages": USER, "n": 9}, "n", ["between 1 and 8"]),
+    ({"messages": USER, "n": 0}, "n", ["between 1 and 8"]),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", ["between 0 and 20", "21"]),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", ["logprobs", "true"]),
+    ({"messages": USER, "logprobs": False, "top_logprobs": 2}, "top_logprobs", ["logprobs", "true"]),
+    ({"messages": USER, "logprobs": 1}, "logprobs", ["boolean"]),
+    ({"messages": USER, "echo": True}, "echo", ["unknown field"]),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", ["[-2, 2]"]),
+    ({"messages": USER, "logit_bias": {"300": 5}}, "logit_bias", ["300", "vocabulary"]),
+    ({"messages": USER, "max_completion_tokens": "3"}, "max_completion_tokens", ["integer"]),
+    ({"messages": USER, "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation",
+     ["boolean"]),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools", ["not supported yet"]),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", ["not supported yet"]),
     ({"messages": USER, "max_completion_tokens": 21}, "max_tokens", ["21", "20"]),
@@ -106,11 +123,28 @@ def test_malformed_bodies(client, raw, param, words, same):
 def test_unsupported_noop_values_are_accepted_as_off(client):
     # Validation passes (the request then fails on the prompt limit, after the no-op fields).
     body = {"prompt": "x" * 100, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
-            "logit_bias": {}, "echo": False, "best_of": 1, "n": 1, "user": "u1"}
+            "logit_bias": {}, "echo": False, "best_of": 1, "n": 1, "user": "u1", "suffix": None}
     _err(client.post("/v1/completions", json=body), 400, "prompt", "64")
     chat = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "x" * 100}]}],
-            "logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"},
+            "logprobs": False, "tools": [], "response_format": {"type": "text"},
             "parallel_tool_calls": False, "store": False, "metadata": {"a": "b"}}
+    _err(client.post("/v1/chat/completions", json=chat), 400, "messages", "after the chat template")
+
+
+def test_supported_parity_fields_pass_validation(client):
+    """Every issue-12 field with a real value is accepted (the request then fails on the prompt
+    limit, which is checked after them), and so is an assistant message as the SDK dumps it."""
+    body = {"prompt": "x" * 100, "logprobs": 5, "echo": True, "n": 8, "presence_penalty": -2,
+            "frequency_penalty": 2, "repetition_penalty": 1.3, "logit_bias": {"65": -100, "66": 100},
+            "min_tokens": 2, "stop_token_ids": [10, 13], "skip_special_tokens": False, "ignore_eos": True,
+            "temperature": 1, "top_p": 1, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False}}
+    _err(client.post("/v1/completions", json=body), 400, "prompt", "64")
+    dumped = {"content": "hello", "refusal": None, "role": "assistant", "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": []}
+    chat = {"messages": [{"role": "user", "content": "x" * 100}, dumped, {**dumped, "annotations": None,
+                                                                          "tool_calls": None}],
+            "logprobs": True, "top_logprobs": 20, "n": 2, "presence_penalty": 0.5}
     _err(client.post("/v1/chat/completions", json=chat), 400, "messages", "after the chat template")
 
 
@@ -155,8 +189,9 @@ def test_model_template_from_tokenizer_config(tmp_path):
     info = resolve_model("tiny").__class__(**{**resolve_model("tiny").__dict__, "path": str(tmp_path)})
     t = ChatTemplate.for_model(info)
     assert t.kind == "model"
-    # BOS text is removed: the tokenizer adds the BOS id itself.
-    assert t.render([{"role": "user", "content": "hi"}]) == "[user]hi</s>[assistant]"
+    # The template writes BOS itself: its text is kept, and encoded without adding specials.
+    assert t.render([{"role": "user", "content": "hi"}]) == "<s>[user]hi</s>[assistant]"
+    assert not t.add_special_tokens and ChatTemplate().add_special_tokens
     with pytest.raises(InvalidRequest, match="system must come first"):
         t.render([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
     assert ChatTemplate("{% for %}").kind == "default"  # a broken template falls back, logged

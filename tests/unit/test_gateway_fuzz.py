@@ -22,7 +22,7 @@ from gateway.settings import GatewaySettings
 from tandem_core import keys, streams
 from tandem_core.models import BYTE_EOS
 from tandem_core.settings import RedisConfig
-from tandem_core.types import GenerationRequest
+from tandem_core.types import GenerationRequest, choice_ids
 
 POOL = f"gwf-{uuid.uuid4().hex[:8]}"
 FUZZ = settings(max_examples=150, deadline=None, derandomize=False,
@@ -41,7 +41,8 @@ async def _answer_all(redis_url: str, stop: threading.Event) -> None:
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             pipe = r.pipeline(transaction=False)
-            streams.add_tokens(pipe, req.request_id, 0, [BYTE_EOS], "stop", 30, 100)
+            for rid in {req.request_id, *choice_ids(req.request_id, req.n)}:  # n > 1: every choice's stream
+                streams.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
             await pipe.execute()
             await streams.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
     await r.aclose()
@@ -73,7 +74,8 @@ junk = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st.dictio
                                                                                        max_size=4), max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos", "priority", "resumable",
-          "logprobs", "top_logprobs", "presence_penalty", "echo", "tools", "response_format"]
+          "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+          "min_tokens", "stop_token_ids", "skip_special_tokens", "echo", "tools", "response_format"]
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | junk},
                                 optional={"content": st.text(max_size=30) | junk, "name": junk})
 BASES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
@@ -86,9 +88,13 @@ NEAR = {  # values close to valid, per field: many such bodies pass and reach th
     "seed": st.integers(-(2**64), 2**64), "stop": st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3),
                                                                                           max_size=3),
     "stream": st.booleans(), "stream_options": st.none() | st.just({"include_usage": True}),
-    "n": st.integers(0, 2), "user": st.text(max_size=5), "ignore_eos": st.booleans(),
+    "n": st.integers(0, 3), "user": st.text(max_size=5), "ignore_eos": st.booleans(),
     "priority": st.sampled_from(["high", "normal", "low"]), "resumable": st.booleans(),
-    "logprobs": st.none() | st.booleans(),
+    "logprobs": st.none() | st.booleans() | st.integers(-1, 6), "top_logprobs": st.none() | st.integers(-1, 21),
+    "echo": st.booleans(), "presence_penalty": st.floats(-2.5, 2.5), "repetition_penalty": st.floats(-0.1, 2.1),
+    "logit_bias": st.dictionaries(st.integers(-1, 300).map(str), st.floats(-110, 110), max_size=3),
+    "min_tokens": st.integers(-1, 40), "stop_token_ids": st.lists(st.integers(-1, 300), max_size=3),
+    "skip_special_tokens": st.booleans(),
 }
 
 
