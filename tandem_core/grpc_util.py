@@ -1,11 +1,21 @@
-"""gRPC helpers: server bootstrap with health and reflection, and error <-> status mapping."""
+"""gRPC helpers: server bootstrap with health and reflection, and error <-> status mapping.
+
+Reflection is served as `grpc.reflection.v1alpha.ServerReflection` and, for newer clients
+(grpcurl, Postman, grpcui try v1 first), as `grpc.reflection.v1.ServerReflection`. grpcio-reflection
+ships v1alpha only (1.85.1 is the newest on PyPI), and the two protocols are the same messages
+under another package name, field for field; so the v1 service is the same servicer behind a
+generic handler, its messages parsed and written with the v1alpha classes (the bytes are the
+same), and the v1 file descriptor (v1alpha's, renamed) is added to the pool so that clients can
+resolve the v1 service itself too.
+"""
 from __future__ import annotations
 
 import logging
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from tandem_core.errors import TandemError
 from tandem_core.settings import GrpcConfig
@@ -35,8 +45,44 @@ async def set_serving(h: health.aio.HealthServicer, names: list[str], serving: b
         await h.set(n, status)
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+_V1_FILE = "grpc/reflection/v1/reflection.proto"
+
+
+def _add_v1_descriptor() -> None:
+    """grpc/reflection/v1/reflection.proto in the default pool: v1alpha's file, package renamed."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(_V1_FILE)
+        return
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fdp)
+    old, new = f".{fdp.package}.", ".grpc.reflection.v1."
+    fdp.name, fdp.package = _V1_FILE, "grpc.reflection.v1"
+    for msg in fdp.message_type:
+        for f in msg.field:
+            if f.type_name.startswith(old):
+                f.type_name = new + f.type_name[len(old):]
+    for svc in fdp.service:
+        for m in svc.method:
+            m.input_type, m.output_type = (new + t[len(old):] for t in (m.input_type, m.output_type))
+    pool.AddSerializedFile(fdp.SerializeToString())
+
+
 def add_reflection(server: grpc.aio.Server, full_names: list[str]) -> None:
-    reflection.enable_server_reflection([*full_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    """Reflection v1alpha and v1 (see the module docstring), listing `full_names`, health and both."""
+    _add_v1_descriptor()
+    names = [*full_names, reflection.SERVICE_NAME, REFLECTION_V1, health.SERVICE_NAME]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: GrpcConfig | None = None) -> int:

@@ -24,19 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem_proto/generate.proto\x12\ttandem.v1\"c\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xd7\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.tandem.v1.SamplingParameters\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x32O\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem_proto/generate.proto\x12\ttandem.v1\"\xd8\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12@\n\nlogit_bias\x18\x08 \x03(\x0b\x32,.tandem.v1.SamplingParameters.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xd8\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.tandem.v1.SamplingParameters\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x00\x88\x01\x01\x12\t\n\x01n\x18\x0c \x01(\x05\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x14\n\x0c\x63hoice_index\x18\x07 \x01(\x05\x12\x14\n\x07logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob2O\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem_proto.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=42
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=141
-  _globals['_GENERATEREQUEST']._serialized_start=144
-  _globals['_GENERATEREQUEST']._serialized_end=359
-  _globals['_GENERATERESPONSE']._serialized_start=362
-  _globals['_GENERATERESPONSE']._serialized_end=493
-  _globals['_TANDEM']._serialized_start=495
-  _globals['_TANDEM']._serialized_end=574
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=43
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=387
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=307
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=355
+  _globals['_GENERATEREQUEST']._serialized_start=390
+  _globals['_GENERATEREQUEST']._serialized_end=734
+  _globals['_TOPLOGPROB']._serialized_start=736
+  _globals['_TOPLOGPROB']._serialized_end=797
+  _globals['_GENERATERESPONSE']._serialized_start=800
+  _globals['_GENERATERESPONSE']._serialized_end=1032
+  _globals['_TANDEM']._serialized_start=1034
+  _globals['_TANDEM']._serialized_end=1113
 # @@protoc_insertion_point(module_scope)

@@ -202,6 +202,67 @@ def test_grpc_reflection_lists_the_services(gw):
         assert method.input_type.full_name == "tandem.v1.GenerateRequest" and method.server_streaming
 
 
+def test_grpc_reflection_v1_beside_v1alpha(gw):
+    """A v1 client (its messages built from the v1 descriptors the server serves) lists the
+    services and resolves both reflection services and tandem.v1.Tandem."""
+    from google.protobuf import descriptor_pool, message_factory
+
+    from tandem_core.grpc_util import REFLECTION_V1
+
+    pool = descriptor_pool.Default()
+    req_cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest"))
+    resp_cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse"))
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as ch:
+        call = ch.stream_stream(f"/{REFLECTION_V1}/ServerReflectionInfo", request_serializer=req_cls.SerializeToString,
+                                response_deserializer=resp_cls.FromString)
+        asks = [req_cls(list_services=""), req_cls(file_containing_symbol=REFLECTION_V1),
+                req_cls(file_containing_symbol="tandem.v1.Tandem")]
+        listed, v1_file, tandem_file = list(call(iter(asks), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"tandem.v1.Tandem", "grpc.health.v1.Health", REFLECTION_V1, "grpc.reflection.v1alpha.ServerReflection"} <= names
+    from google.protobuf import descriptor_pb2
+
+    v1 = descriptor_pb2.FileDescriptorProto.FromString(v1_file.file_descriptor_response.file_descriptor_proto[0])
+    assert v1.package == "grpc.reflection.v1" and v1.service[0].method[0].input_type.startswith(".grpc.reflection.v1.")
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b).name
+             for b in tandem_file.file_descriptor_response.file_descriptor_proto]
+    assert "tandem_proto/generate.proto" in files
+
+
+def test_grpc_generate_takes_the_http_sampling_fields(gw):
+    from tandem_proto import generate_pb2, generate_pb2_grpc
+
+    sampling = generate_pb2.SamplingParameters(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                                               logit_bias={65: 1.0}, min_tokens=1, temperature=0)
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as ch:
+        stub = generate_pb2_grpc.TandemStub(ch)
+        ok = list(stub.Generate(generate_pb2.GenerateRequest(
+            prompt="hello", max_tokens=64, sampling=sampling, stop_token_ids=[10], skip_special_tokens=True), timeout=30))
+        assert "".join(r.text for r in ok) == OUT and ok[-1].finish_reason == "stop"
+        assert all(r.choice_index == 0 for r in ok)
+        bad = [({"logprobs": 21}, "logprobs"), ({"n": 99}, "n"), ({"stop_token_ids": [999]}, "stop_token_ids"),
+               ({"sampling": generate_pb2.SamplingParameters(logit_bias={999: 1.0})}, "logit_bias"),
+               ({"sampling": generate_pb2.SamplingParameters(logit_bias={5: 500.0})}, "[-100, 100]"),
+               ({"sampling": generate_pb2.SamplingParameters(presence_penalty=3)}, "presence_penalty"),
+               ({"sampling": generate_pb2.SamplingParameters(repetition_penalty=0)}, "repetition_penalty")]
+        for fields, word in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(generate_pb2.GenerateRequest(prompt="hi", **fields), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details(), fields
+
+
+def test_chat_without_max_tokens_is_not_cut_at_16(gw):
+    """LangChain's ChatOpenAI() sends no max_tokens: the reply runs to its stop, not 16 tokens."""
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}])
+    assert out.choices[0].message.content == OUT and out.choices[0].finish_reason == "stop"
+    # and the SDK's own dump of that reply, sent back as history, is accepted
+    history = [{"role": "user", "content": "hello"}, out.choices[0].message.model_dump(), {"role": "user",
+                                                                                          "content": "again"}]
+    again = client.chat.completions.create(model="tiny", messages=history, max_tokens=64)
+    assert again.choices[0].message.content == OUT
+
+
 def test_inference_extension_gauges(gw):
     text = httpx.get(f"{gw.url}/metrics").text
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",

@@ -71,6 +71,38 @@ def test_grpc_params_mapping():
     assert (p.prompt, p.prompt_ids, p.max_tokens, p.stop, p.priority) == (None, [256, 1], 3, ["a"], "high")
     assert (p.temperature, round(p.top_p, 3), p.top_k, p.seed) == (0.5, 0.9, 4, 7)
     assert not p.ignore_eos and to_params(generate_pb2.GenerateRequest(prompt="x", ignore_eos=True)).ignore_eos
+    # issue 12: unset optional / zero fields are "off"
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens,
+            p.stop_token_ids, p.logprobs, p.skip_special_tokens) == (None, None, None, None, None, None, [], None, True)
+    p = to_params(generate_pb2.GenerateRequest(
+        prompt="x", n=3, stop_token_ids=[5, 6], logprobs=0, skip_special_tokens=False,
+        sampling=generate_pb2.SamplingParameters(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.5,
+                                                 logit_bias={7: -100, 8: 2.5}, min_tokens=4),
+    ))
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (3, 0.5, -1.0, 1.5)
+    assert (p.logit_bias, p.min_tokens, p.stop_token_ids) == ({7: -100.0, 8: 2.5}, 4, [5, 6])
+    assert p.logprobs == 0 and not p.skip_special_tokens and p.temperature == 0.0
+    bad = to_params(generate_pb2.GenerateRequest(prompt="x", sampling=generate_pb2.SamplingParameters(
+        repetition_penalty=0)))
+    assert bad.repetition_penalty == 0.0  # set explicitly: validation says (0, 2]
+
+
+def test_grpc_response_reads_choice_and_logprobs_when_present():
+    from types import SimpleNamespace
+
+    from gateway.grpc_api import to_response
+    from gateway.relay import Delta
+    from tandem_core.types import TokenLogprobs
+
+    tok = ByteTokenizer()
+    old = SimpleNamespace(index=2, token_id=104, text="h", finish_reason=None)  # a Delta without the new fields
+    r = to_response("r1", old, 9, tok)
+    assert (r.choice_index, r.HasField("logprob"), list(r.top_logprobs), r.prompt_tokens) == (0, False, [], 0)
+    d = Delta(3, 104, "h", "stop", 4)
+    d.choice, d.logprobs = 2, TokenLogprobs(-0.25, ((104, -0.25), (0xC3, -2.0)))
+    r = to_response("r1", d, 9, tok)
+    assert (r.choice_index, r.logprob, r.finish_reason, r.prompt_tokens) == (2, -0.25, "stop", 9)
+    assert [(t.token_id, t.logprob, t.text) for t in r.top_logprobs] == [(104, -0.25, "h"), (0xC3, -2.0, "\ufffd")]
 
 
 def test_build_request_defaults():
