@@ -153,7 +153,7 @@ def _echo_text(svc: GatewayService, prep: Prepared) -> str:
 
 
 @router.get("/v1/requests/{request_id}/stream", responses={
-    200: {"description": "The remaining SSE events", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: openapi.sse_response("The remaining SSE events"),
     **openapi.errors(400, 401, 404, 503)})
 async def resume_stream(
     request_id: str, svc: Service, authorization: Auth = None,

@@ -59,6 +59,16 @@ def json_body(model: type[BaseModel], description: str = "") -> dict[str, Any]:
                             "content": {"application/json": {"schema": schema}}}}
 
 
+# One server-sent event as schema tools read a text/event-stream: `data` is a chunk's JSON (or
+# "[DONE]"), `id` the token index (absent on the usage chunk and [DONE]).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "id": {"type": "string"}, "event": {"type": "string"}}}
+
+
+def sse_response(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}}
+
+
 def completion_response(stream_doc: str) -> dict[int | str, dict[str, Any]]:
     """200 of the completion endpoints: a JSON object, or an SSE stream with `stream: true`."""
     obj = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
@@ -68,7 +78,7 @@ def completion_response(stream_doc: str) -> dict[int | str, dict[str, Any]]:
                           "usage": {"type": ["object", "null"]}}}
     return {200: {"description": f"The completion; {stream_doc}",
                   "content": {"application/json": {"schema": obj},
-                              "text/event-stream": {"schema": {"type": "string"}}}}}
+                              "text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def install(app: FastAPI, models: list[type[BaseModel]]) -> None:

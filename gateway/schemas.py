@@ -15,7 +15,9 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictStr, WithJsonSchema,
+)
 
 from gateway.jsonbody import MAX_JSON_DEPTH, load_json, parse_body, validation_error  # noqa: F401 - re-exported
 from gateway.sampling_checks import check_logprobs
@@ -28,7 +30,70 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
 _TOKEN_ID = re.compile(r"^[0-9]{1,12}$")
 
 Number = StrictFloat  # a JSON number (an integer too), never a string or a boolean
-TokenIds = Annotated[list[StrictInt], Field(max_length=4096)]
+
+
+def _integral(value: Any) -> Any:
+    """4.0 is the integer 4 in JSON (and in JSON Schema); 4.5, "4" and true are not."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, Strict(), BeforeValidator(_integral)]
+
+
+def _doc(default: Any = None, **schema: Any) -> Any:
+    """A field whose documented bounds (JSON Schema, in /openapi.json) are enforced by the checks
+    in validation.py and sampling_checks.py, with their own messages, not by pydantic."""
+    return Field(default=default, json_schema_extra=schema)
+
+
+# Unsupported parameters and the values that mean "off" (accepted and ignored).
+NOOPS: dict[str, tuple] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+}
+
+
+
+
+def _const_schema(value: Any) -> dict:
+    if value is None:
+        return {"type": "null"}
+    if value == [] or value == {}:
+        return {"type": "array" if value == [] else "object", "maxItems" if value == [] else "maxProperties": 0}
+    return {"const": value}
+
+
+def _noop(name: str) -> Any:
+    """An unsupported field: documented as accepting only its no-op values (see NOOPS)."""
+    return Field(default=None, json_schema_extra={"anyOf": [_const_schema(v) for v in NOOPS[name]],
+                                                  "description": "not supported yet: only its no-op values"})
+
+
+def _empty() -> Any:
+    """A message field the SDK writes as null or empty (`message.model_dump()`)."""
+    return Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}, {"const": ""},
+                                                            {"type": "array", "maxItems": 0}]})
+
+
+StopString = Annotated[StrictStr, Field(json_schema_extra={"minLength": 1, "maxLength": 256})]
+TokenId = Annotated[JsonInt, Field(json_schema_extra={"minimum": 0})]
+Bias = Annotated[Number, Field(json_schema_extra={"minimum": -100, "maximum": 100})]
+TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+Content = Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "items": TEXT_PART})]
 
 
 class StreamOptions(BaseModel):
@@ -41,26 +106,27 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints share, plus the vLLM extras (`top_k`, `repetition_penalty`,
     `min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`) and Tandem's own
-    (`priority`, `resumable`)."""
+    (`priority`, `resumable`). Upper bounds that the settings decide (max_tokens, n, stop
+    strings, logit_bias entries) are not in the schema; a request past them gets a 400."""
 
     model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = Field(default=None, max_length=256)
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    max_tokens: JsonInt | None = _doc(minimum=1)
+    temperature: Number | None = _doc(minimum=0, maximum=2)
+    top_p: Number | None = _doc(exclusiveMinimum=0, maximum=1)
+    top_k: JsonInt | None = _doc(minimum=0)
+    seed: JsonInt | None = _doc(minimum=-(2**63), maximum=2**63 - 1)
+    stop: StopString | list[StopString] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = 1
+    n: JsonInt | None = _doc(1, minimum=1)
     user: StrictStr | None = Field(default=None, max_length=256)
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
-    repetition_penalty: Number | None = None
-    min_tokens: StrictInt | None = None
-    stop_token_ids: TokenIds | None = None
+    presence_penalty: Number | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: Number | None = _doc(minimum=-2, maximum=2)
+    logit_bias: dict[str, Bias] | None = _doc(propertyNames={"pattern": "^[0-9]{1,12}$"})
+    repetition_penalty: Number | None = _doc(exclusiveMinimum=0, maximum=2)
+    min_tokens: JsonInt | None = _doc(minimum=0)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=4096)] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: Literal["normal", "high"] | None = None
@@ -102,11 +168,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 class CompletionBody(_Common):
     """POST /v1/completions."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt]
-    logprobs: StrictInt | None = None  # 0..5: the sampled token's logprob and the top N
+    prompt: StrictStr | list[StrictStr] | list[TokenId] = _doc(..., minLength=1, minItems=1)
+    logprobs: JsonInt | None = _doc(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)  # the sampled token's + top N
     echo: StrictBool = False
-    best_of: Any = None
-    suffix: Any = None
+    best_of: Any = _noop("best_of")
+    suffix: Any = _noop("suffix")
 
     def to_params(self) -> CompletionParams:
         p = self._params(self.max_tokens, check_logprobs(self.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS),
@@ -133,37 +199,39 @@ class ChatMessage(BaseModel):
     """One message. The assistant fields the SDK's `message.model_dump()` writes (`refusal`,
     `tool_calls`, `function_call`, `audio`, `annotations`) are accepted when null or empty."""
 
-    model_config = ConfigDict(extra="forbid")
-    role: StrictStr = Field(max_length=32)
-    content: StrictStr | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra={  # content may be omitted by the assistant only
+        "if": {"properties": {"role": {"enum": ["system", "user", "developer"]}}},
+        "then": {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}}})
+    role: StrictStr = Field(max_length=32, json_schema_extra={"enum": [*CHAT_ROLES, *_ROLE_ALIASES]})
+    content: StrictStr | Content | None = None
     name: StrictStr | None = Field(default=None, max_length=256)
-    refusal: Any = None
-    tool_calls: Any = None
-    function_call: Any = None
-    audio: Any = None
-    annotations: Any = None
+    refusal: Any = _empty()
+    tool_calls: Any = _empty()
+    function_call: Any = _empty()
+    audio: Any = _empty()
+    annotations: Any = _empty()
 
 
 class ChatBody(_Common):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None
+    messages: list[ChatMessage] = _doc(..., minItems=1)
+    max_completion_tokens: JsonInt | None = _doc(minimum=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None  # 0..20, with logprobs true
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
+    top_logprobs: JsonInt | None = _doc(minimum=0, maximum=20)  # with logprobs true
+    tools: Any = _noop("tools")
+    tool_choice: Any = _noop("tool_choice")
+    functions: Any = _noop("functions")
+    function_call: Any = _noop("function_call")
+    response_format: Any = _noop("response_format")
     parallel_tool_calls: StrictBool | None = None  # meaningless without tools; accepted
-    store: Any = None
+    store: Any = _noop("store")
     metadata: dict[str, StrictStr] | None = None  # accepted and ignored
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    service_tier: Any = None
+    modalities: Any = _noop("modalities")
+    audio: Any = _noop("audio")
+    prediction: Any = _noop("prediction")
+    reasoning_effort: Any = _noop("reasoning_effort")
+    service_tier: Any = _noop("service_tier")
 
     def to_params(self) -> CompletionParams:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -239,24 +307,6 @@ def _text_part(i: int, j: int, part: dict[str, Any]) -> str:
     return text
 
 
-# Unsupported parameters and the values that mean "off" (accepted and ignored).
-NOOPS: dict[str, tuple] = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "store": (None, False),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "reasoning_effort": (None,),
-    "service_tier": (None, "auto", "default"),
-}
-
-
 def _check_unsupported(body: BaseModel) -> None:
     for name, noops in NOOPS.items():
         value = getattr(body, name, None)
@@ -297,4 +347,4 @@ class DetokenizeBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = Field(default=None, max_length=256)
-    tokens: list[StrictInt]
+    tokens: list[TokenId]

@@ -104,6 +104,10 @@ def test_bodies_to_params():
     assert top.to_params().logprobs == 20
     off = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "logprobs": False})
     assert off.to_params().logprobs is None
+    # 4.0 is the integer 4 in JSON (and JSON Schema); 4.5, "4" and true are refused (test_gateway_validation)
+    whole = CompletionBody.model_validate({"prompt": [1.0, 2], "max_tokens": 4.0, "n": 2.0, "seed": -1.0})
+    assert (whole.prompt, whole.max_tokens, whole.n, whole.seed) == ([1, 2], 4, 2, -1)
+    assert all(type(x) is int for x in (*whole.prompt, whole.max_tokens, whole.n, whole.seed))
 
 
 # ---------------------------------------------------------------- content type

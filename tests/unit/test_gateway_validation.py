@@ -103,7 +103,7 @@ CASES = [
     # strict types: a string or a boolean where a number is expected
     ({"prompt": "hello", "max_tokens": "4"}, 400, "max_tokens", ["integer"]),
     ({"prompt": "hello", "max_tokens": True}, 400, "max_tokens", ["integer"]),
-    ({"prompt": "hello", "max_tokens": 4.0}, 400, "max_tokens", ["integer"]),
+    ({"prompt": "hello", "max_tokens": 4.5}, 400, "max_tokens", ["integer"]),
     ({"prompt": "hello", "top_p": True}, 400, "top_p", ["number"]),
     ({"prompt": "hello", "temperature": "0.5"}, 400, "temperature", ["number"]),
     ({"prompt": "hello", "n": "2"}, 400, "n", ["integer"]),
