@@ -214,10 +214,10 @@ class EngineLoop:
                 going.append((c, first))
         out[0].prompt_logprobs = prompt_lp
         out[-1].ack = item.ack  # acknowledged once every choice's first token is written
-        self._emit(out)
         self.table.hold(len(going))  # the choices that go on are held, and take the first free slots
         self.table.unreserve()
         self._held.extend(HeldChoice(prefix, c, first) for c, first in going)
+        self._emit(out)
         return self._apply_held(state)
 
     def _apply_held(self, state):

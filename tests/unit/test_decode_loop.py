@@ -127,3 +127,73 @@ def test_resumed_request_runs_to_max_tokens_not_to_a_double_counted_context(engi
         assert got["resumed"][-1][1] == "length"
     finally:
         loop.stop()
+
+
+def test_local_prefill_of_n_choices_waits_for_slots_and_never_overfills(engine):
+    """n=3 on a 2-slot pod: one prefill, three first tokens; the third choice is held until a slot
+    frees, claims see no room meanwhile, and every choice finishes with all its tokens."""
+    loop, table, inserts, outputs = _start(engine)
+    try:
+        assert table.reserve(1) == 1
+        req = GenerationRequest("multi", [256, 70, 71, 72], 5, SamplingParams(temperature=1.0, seed=3), n=3)
+        inserts.put(LocalPrefill(req, ("s", "g", b"1-0")))
+        seen: dict[str, list] = {}
+        deadline = time.monotonic() + 30
+        while sum(1 for v in seen.values() if v and v[-1][1]) < 3:
+            assert time.monotonic() < deadline, seen
+            try:
+                batch = outputs.get(timeout=1)
+            except queue.Empty:
+                continue
+            for e in batch:
+                seen.setdefault(e.request_id, []).append((e.index, e.finish))
+            assert table.used <= SLOTS
+            if len(seen) == 3 and all(len(v) == 1 for v in seen.values()):
+                assert table.reserve(1) == 0, "a held choice must keep claims out"
+        assert sorted(seen) == ["multi~0", "multi~1", "multi~2"]
+        for rid, toks in seen.items():
+            assert [i for i, _ in toks] == list(range(5)) and toks[-1][1] == "length", (rid, toks)
+        assert table.used == 0 and table.reserved == 0
+    finally:
+        loop.stop()
+    assert loop.error is None
+
+
+def test_logprobs_ride_with_their_tokens_and_others_are_untouched(engine):
+    """A slot with logprobs and one without in the same steps: the first gets a logprob per token
+    (its greedy token is its best alternative), the second gets no logprobs and its plain tokens."""
+    alone = _run_one(engine, _req("plain", 6))
+    loop, table, inserts, outputs = _start(engine)
+    try:
+        with_lp = GenerationRequest("lp", [256, 70, 71, 72], 6, SamplingParams(logprobs=2), ignore_eos=True)
+        for req in (with_lp, _req("plain", 6)):
+            table.reserve(1)
+            inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+        got: dict[str, list] = {}
+        deadline = time.monotonic() + 30
+        while sum(1 for v in got.values() if v[-1].finish) < 2:
+            assert time.monotonic() < deadline
+            for e in outputs.get(timeout=5):
+                got.setdefault(e.request_id, []).append(e)
+    finally:
+        loop.stop()
+    assert [e.token for e in got["plain"]] == alone and all(e.logprobs is None for e in got["plain"])
+    from tandem_core.types import TokenLogprobs
+    for e in got["lp"]:
+        lp = TokenLogprobs.decode(e.logprobs)
+        assert len(lp.top) == 2 and lp.top[0][0] == e.token and lp.logprob == pytest.approx(lp.top[0][1])
+
+
+def _run_one(engine, req) -> list[int]:
+    loop, table, inserts, outputs = _start(engine)
+    try:
+        table.reserve(1)
+        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+        toks: list[int] = []
+        while True:
+            for e in outputs.get(timeout=30):
+                toks.append(e.token)
+                if e.finish:
+                    return toks
+    finally:
+        loop.stop()
