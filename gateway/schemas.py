@@ -2,7 +2,8 @@
 /openapi.json documents), and their conversion into the transport-neutral `CompletionParams`.
 
 Strict: unknown fields are rejected by name; numbers are numbers (`"4"` or `true` for an integer
-is a 400 naming the field, while a JSON integer is a valid float); the OpenAI parameters Tandem
+is a 400 naming the field, while a JSON integer is a valid float and 4.0 a valid integer, as in
+JSON Schema); the OpenAI parameters Tandem
 cannot serve honestly (tools, structured outputs, best_of ...) are rejected with "not supported
 yet" unless they carry their no-op value (clients such as LangChain send `tools: []` or
 `response_format: {"type": "text"}` by default). Range checks that the settings or the model
@@ -64,8 +65,6 @@ NOOPS: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
 }
-
-
 
 
 def _const_schema(value: Any) -> dict:
