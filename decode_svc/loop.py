@@ -212,7 +212,8 @@ class EngineLoop:
                                logprobs=lp.encode() if lp is not None else None))
             if finish is None:
                 going.append((c, first))
-        out[0].prompt_logprobs = prompt_lp
+        if prompt_lp is not None:  # the index -1 entry, before token 0 (see streams.add_prompt_logprobs)
+            out.insert(0, Emitted(choices[0].request_id, -1, -1, prompt_logprobs=prompt_lp))
         out[-1].ack = item.ack  # acknowledged once every choice's first token is written
         self.table.hold(len(going))  # the choices that go on are held, and take the first free slots
         self.table.unreserve()

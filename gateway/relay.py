@@ -199,8 +199,9 @@ async def _relay_events(
         # A Redis restart shows here only as a longer wait: the reader retries, the stream persists.
         events = await sub.get(min(block_ms / 1000, left))
         for ev in events:
-            if ev.prompt_logprobs is not None:  # index -1: the prompt's logprobs (echo)
+            if ev.prompt_logprobs is not None:  # the prompt's logprobs (echo)
                 st.prompt_logprobs = decode_prompt_logprobs(ev.prompt_logprobs)
+            if ev.index < 0:  # the index -1 entry carries nothing else
                 continue
             if ev.token_id < 0 and ev.finish_reason:  # a finish without a token: terminal
                 yield _finish_without_token(ev, text, st)
