@@ -6,6 +6,7 @@ services only ever move bytes. `load_engine(..., tp=N)` (or `mesh=`) splits weig
 N chips by attention head and MLP unit (sharding.py). It imports no Redis, gRPC, HTTP or settings.
 """
 from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, Prefix, load_engine
+from tandem_engine.logits import PACKED_WIDTH, unpack_logprobs, unpack_tokens
 from tandem_engine.model import ModelConfig, config_from_info, reference_forward, reference_greedy
 from tandem_engine.sharding import Layout, make_layout
 from tandem_engine.weights import init_params, load_params, save_hf_checkpoint
@@ -15,6 +16,7 @@ __all__ = [
     "DecodeState",
     "Engine",
     "Layout",
+    "PACKED_WIDTH",
     "ModelConfig",
     "Prefix",
     "config_from_info",
@@ -25,4 +27,6 @@ __all__ = [
     "reference_forward",
     "reference_greedy",
     "save_hf_checkpoint",
+    "unpack_logprobs",
+    "unpack_tokens",
 ]

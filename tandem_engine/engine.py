@@ -2,22 +2,23 @@
 
 Life of a request through the engine:
   1. prefill pod: `prefill(prompt_ids, sampling)` pads the prompt to a length bucket, runs it, and
-     samples token index 0 from the last prompt position -> `Prefix` (device KV + first token).
+     samples the first token (index `start_index`, 0 for a new request) from the last prompt
+     position -> `Prefix` (device KV + first token; with `choices`, one first token per choice
+     from the same logits; with logprobs on, their logprobs).
   2. `export_prefix` copies the KV to host numpy (`KVPayload`); the transport moves only bytes.
   3. decode pod: `import_prefix(payload)` puts it back on the device; `insert(prefix, state, slot,
-     sampling)` writes it into a free slot of the `DecodeState` with that request's sampling params.
+     sampling, history=...)` writes it into a free slot of the `DecodeState` with that request's
+     sampling params and penalty state (the prompt it holds; the output in it, if resumed).
   4. `generate(state, rows)` runs ONE step for the slots in use (the smallest batch bucket that
      holds slots [0, rows)) and returns tokens still on the device, so the caller can dispatch the
-     next step before copying them (pipelining). The token a slot returns
-     at its n-th step is token index n.
+     next step before copying them (pipelining); `logprobs=True` returns them packed with their
+     logprobs (logits.py), still one device -> host copy. The token a slot returns at its n-th
+     step is token index start_index + n.
   5. `free(state, slot)` marks the slot inactive when the request finishes.
 
-Public methods do host work (validation, padding, seeds); private jitted cores do device work and
-donate the `DecodeState` so the KV cache is updated in place. The cores take the params and a
-hashable `ModelConfig` as arguments, so engines with the same architecture share compiled code.
-With tp > 1 they also take a static `Layout` (sharding.py): params and the KV cache arrive
-sharded by head, jit propagates that through the layers, and the cores pin only the KV they
-return, so a donated cache keeps its sharding step after step. tp == 1 is the unsharded path.
+Public methods do host work (validation, padding, seeds); the jitted cores (cores.py) do device
+work and donate the `DecodeState` so the KV cache is updated in place. Logits processing
+(penalties, logit_bias, min_tokens) and logprobs live in logits.py, in the contract's order.
 
 Positions: a slot's position must stay below `max_len`; the caller finishes a request (reason
 "length") before its position reaches `max_len`. Past that, writes clamp to the last cache row
@@ -28,9 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from functools import partial
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,113 +39,45 @@ from jax.sharding import Mesh
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo, resolve_model
-from tandem_core.types import KVPayload, SamplingParams
+from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
+from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_core, logits_core,
+                                 prefill_core, prompt_logprobs_core)
 from tandem_engine.cpu_pool import limit_cpu_threads
-from tandem_engine.model import ModelConfig, config_from_info, decode_forward, prefill_forward
-from tandem_engine.sampling import sample, sampling_arrays, token_keys
-from tandem_engine.sharding import Layout, constrain, make_layout
+from tandem_engine.logits import (check_output_from, history_arrays, init_slot_logits, slot_logits, stack,
+                                  unpack_logprobs, unpack_tokens)
+from tandem_engine.model import config_from_info
+from tandem_engine.sampling import sampling_arrays
+from tandem_engine.sharding import make_layout
 from tandem_engine.weights import load_params, resolve_dtype
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+__all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "Prefix", "load_engine", "use_compile_cache"]
 
 
 @dataclass
 class Prefix:
     """One prefilled prompt on the device. k, v: [num_layers, length, num_kv_heads, head_dim]
-    (length = the prefill bucket, >= true_length; rows past true_length are padding)."""
+    (length = the prefill bucket, >= true_length; rows past true_length are padding).
+    One first token per choice (`first_token == first_tokens[0]`), already on the host, and its
+    logprobs when the request asked for them (None otherwise)."""
 
     k: jax.Array
     v: jax.Array
     true_length: int
-    first_token: int  # token index 0, already on the host
+    first_token: int
+    first_tokens: list[int] = field(default_factory=list)
+    first_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.first_tokens:
+            self.first_tokens = [int(self.first_token)]
+        if not self.first_logprobs:
+            self.first_logprobs = [None] * len(self.first_tokens)
 
 
-class DecodeState(NamedTuple):
-    """Everything one decode step reads and writes, as device arrays (a pytree)."""
-
-    k: jax.Array  # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major)
-    v: jax.Array  # same
-    positions: jax.Array  # int32 [slots]: where each slot's next input token sits
-    tokens: jax.Array  # int32 [slots]: each slot's next input token
-    active: jax.Array  # bool [slots]
-    step: jax.Array  # int32 [slots]: token index the next generate produces
-    temperature: jax.Array  # float32 [slots]
-    top_k: jax.Array  # int32 [slots]
-    top_p: jax.Array  # float32 [slots]
-    seeds: jax.Array  # uint32 [slots, 2]
-
-
-# ---------------------------------------------------------------------------------------------
-# jitted cores (device work only)
-
-
-def _kv(layout: Layout | None, cache: bool):
-    if layout is None:
-        return None
-    return layout.kv_cache() if cache else layout.kv_prefix()
-
-
-@partial(jax.jit, static_argnames=("cfg", "layout"))
-def _prefill_core(params, tokens, true_length, temperature, top_k, top_p, seed, *,
-                  cfg: ModelConfig, layout: Layout | None):
-    logits, k, v = prefill_forward(params, tokens, true_length, cfg)
-    keys = token_keys(seed[None], jnp.zeros((1,), jnp.int32))  # token index 0
-    first = sample(logits[None], temperature[None], top_k[None], top_p[None], keys)[0]
-    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), first
-
-
-@partial(jax.jit, static_argnames=("cfg",))
-def _logits_core(params, tokens, true_length, *, cfg: ModelConfig):
-    return prefill_forward(params, tokens, true_length, cfg)[0]
-
-
-@partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
-def _insert_core(state: DecodeState, k, v, slot, true_length, first_token, temperature, top_k,
-                 top_p, seed, *, layout: Layout | None) -> DecodeState:
-    # k, v [L, length, KV, hd] -> rows [0, length) of `slot` in the head-major cache [L, slots, KV,
-    # max_len, hd]; rows past true_length are masked until decode overwrites them, and so is
-    # whatever a previous occupant left further on.
-    start = (0, slot, 0, 0, 0)
-    cache = _kv(layout, True)
-
-    def rows(x):
-        return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
-
-    return state._replace(
-        k=constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache),
-        v=constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache),
-        positions=state.positions.at[slot].set(true_length),
-        tokens=state.tokens.at[slot].set(first_token),
-        active=state.active.at[slot].set(True),
-        step=state.step.at[slot].set(1),
-        temperature=state.temperature.at[slot].set(temperature),
-        top_k=state.top_k.at[slot].set(top_k),
-        top_p=state.top_p.at[slot].set(top_p),
-        seeds=state.seeds.at[slot].set(seed),
-    )
-
-
-@partial(jax.jit, static_argnames=("cfg", "layout", "rows"), donate_argnums=(1,))
-def _generate_core(params, state: DecodeState, *, cfg: ModelConfig, layout: Layout | None, rows: int):
-    # Only slots [0, rows) are computed (the caller keeps every active slot below `rows`): a step
-    # costs what the batch in use costs, not what the slot count would. Rows past it stay as they are.
-    active = state.active[:rows]
-    logits, k, v = decode_forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
-                                 active=active)
-    keys = token_keys(state.seeds[:rows], state.step[:rows])
-    tokens = sample(logits, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
-    advance = active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)
-    cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
-    new = state._replace(
-        k=constrain(k, cache), v=constrain(v, cache), tokens=state.tokens.at[:rows].set(tokens),
-        positions=state.positions.at[:rows].add(advance), step=state.step.at[:rows].add(advance),
-    )
-    return new, tokens
-
-
-@partial(jax.jit, donate_argnums=(0,))
-def _free_core(state: DecodeState, slot) -> DecodeState:
-    return state._replace(active=state.active.at[slot].set(False))
+def _stack_sampling(picks: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
+    rows = [sampling_arrays(p) for p in picks]
+    return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,22 +159,52 @@ class Engine:
         padded[:n] = ids
         return padded, n
 
-    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Prefix:
-        """Run one prompt; sample its first token (index 0). Blocks until that token is on the
-        host (the KV stays on the device)."""
+    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
+                choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
+                output_from: int | None = None, stop_ids: Sequence[int] = ()) -> Prefix:
+        """Run one prompt (one forward pass) and sample its first token, token index
+        `start_index`: one per element of `choices` (each with its own params and seed, all from
+        the same logits), else one from `sampling`. Blocks until the tokens are on the host (the KV
+        stays on the device).
+
+        `output_from`: where output already streamed starts in prompt_ids (a resumed request;
+        default: no output yet). Repetition penalty sees all of prompt_ids, presence/frequency
+        count prompt_ids[output_from:]. min_tokens holds `stop_ids` back while start_index <
+        min_tokens. A choice with logprobs on gets its first token's logprobs in `first_logprobs`."""
         padded, n = self._pad_prompt(prompt_ids)
-        s = sampling_arrays(sampling)
-        k, v, first = _prefill_core(
-            self.params, padded, np.int32(n), s["temperature"], s["top_k"], s["top_p"], s["seed"],
-            cfg=self.cfg, layout=self.layout,
+        picks = [sampling] if choices is None else list(choices)
+        if not picks:
+            raise InvalidRequest("choices is empty: at least one is required", param="n")
+        out_from = check_output_from(output_from, n)
+        if int(start_index) < 0:
+            raise InvalidRequest(f"start_index must be >= 0, got {start_index}", param="start_index")
+        s = _stack_sampling(picks)
+        proc = stack([slot_logits(p, self.info.vocab_size, stop_ids) for p in picks])
+        k, v, packed = prefill_core(
+            self.params, padded, np.int32(n), np.int32(out_from), np.int32(start_index),
+            s["temperature"], s["top_k"], s["top_p"], s["seed"], proc, cfg=self.cfg, layout=self.layout,
         )
-        return Prefix(k=k, v=v, true_length=n, first_token=int(first))
+        host = np.asarray(packed)  # the one device -> host copy: tokens and logprobs
+        tokens = [int(t) for t in unpack_tokens(host)]
+        lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
+        return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`
         computes them (same bucket, same sharding). For parity checks and scoring."""
         padded, n = self._pad_prompt(prompt_ids)
-        return np.asarray(_logits_core(self.params, padded, np.int32(n), cfg=self.cfg))
+        return np.asarray(logits_core(self.params, padded, np.int32(n), cfg=self.cfg))
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> list[TokenLogprobs | None]:
+        """Echo's logprobs: None for position 0 (nothing predicts it); for i > 0, the logprob of
+        prompt_ids[i] given prompt_ids[:i] from the raw model logits (no penalties) and the top k.
+        One forward pass over the prompt's bucket (logits at every position)."""
+        if not 0 <= int(k) <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}",
+                                 param="prompt_logprobs")
+        padded, n = self._pad_prompt(prompt_ids)
+        host = np.asarray(prompt_logprobs_core(self.params, padded, cfg=self.cfg))  # row i scores i + 1
+        return [None] + [unpack_logprobs(host[i - 1], k) for i in range(1, n)]
 
     def export_prefix(self, prefix: Prefix) -> KVPayload:
         """Device -> host numpy, same layout [num_layers, length, num_kv_heads, head_dim]
@@ -303,36 +265,56 @@ class Engine:
             top_k=jnp.zeros((s,), jnp.int32, device=dev),
             top_p=jnp.ones((s,), jnp.float32, device=dev),
             seeds=jnp.zeros((s, 2), jnp.uint32, device=dev),
+            history=jnp.zeros((s, c.vocab_size), jnp.int32, device=dev),
+            processing=init_slot_logits(s, c.vocab_size, dev),
         )
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.slots:
             raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
 
-    def insert(self, prefix: Prefix, state: DecodeState, slot: int,
-               sampling: SamplingParams) -> DecodeState:
-        """Write `prefix` into `slot` (donates `state`). Its next step produces token index 1."""
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int, sampling: SamplingParams, *,
+               first_token: int | None = None, history: Sequence[int] | None = None,
+               output_from: int | None = None, start_index: int = 0,
+               stop_ids: Sequence[int] = ()) -> DecodeState:
+        """Write `prefix` into `slot` (donates `state`) with the request's sampling and processing
+        params. `first_token` (default prefix.first_token: choice i inserts its own) is token index
+        `start_index`; the slot's next step produces start_index + 1.
+
+        `history`: the prompt ids the prefix holds (len == prefix.true_length), the penalty state:
+        repetition sees all of it, presence/frequency count history[output_from:] (the output so
+        far; default none) plus the first token. None: nothing seen but the first token."""
         self._check_slot(slot)
         length = prefix.k.shape[1]
         if length > self.max_len:
             raise PromptTooLong(f"prefix has {length} positions; this engine's max_len is {self.max_len}")
+        first = int(prefix.first_token if first_token is None else first_token)
+        if not 0 <= first < self.info.vocab_size:
+            raise ValueError(f"first token {first} is outside the vocabulary [0, {self.info.vocab_size})")
         s = sampling_arrays(sampling)
+        proc = slot_logits(sampling, self.info.vocab_size, stop_ids)
+        hist_ids, hist_len, out_from = history_arrays(history, output_from, prefix.true_length, length,
+                                                      self.info.vocab_size)
         k, v = prefix.k, prefix.v
         if self.layout is not None:  # a prefix from an engine on other chips moves here first
             k, v = self._place_kv(k), self._place_kv(v)
         elif len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
             k, v = jax.device_put(k, state.k.sharding), jax.device_put(v, state.v.sharding)
-        return _insert_core(
-            state, k, v, np.int32(slot), np.int32(prefix.true_length),
-            np.int32(prefix.first_token), s["temperature"], s["top_k"], s["top_p"], s["seed"],
-            layout=self.layout,
+        return insert_core(
+            state, k, v, np.int32(slot), np.int32(prefix.true_length), np.int32(first),
+            np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],
+            hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout,
         )
 
-    def generate(self, state: DecodeState, rows: int | None = None) -> tuple[DecodeState, jax.Array]:
+    def generate(self, state: DecodeState, rows: int | None = None, *,
+                 logprobs: bool = False) -> tuple[DecodeState, jax.Array]:
         """One decode step (donates `state`). `rows`: every active slot is below it (None: all
         slots); the step computes the smallest batch bucket >= rows. Returns int32 tokens
-        [bucket] still on the device (index by slot): no host round trip here."""
-        return _generate_core(self.params, state, cfg=self.cfg, layout=self.layout, rows=self.rows_for(rows))
+        [bucket] still on the device (index by slot): no host round trip here. `logprobs=True`
+        (a second compiled variant): int32 [bucket, PACKED_WIDTH] instead, tokens and logprobs
+        packed (read with logits.unpack_tokens / unpack_logprobs)."""
+        return generate_core(self.params, state, cfg=self.cfg, layout=self.layout, rows=self.rows_for(rows),
+                             logprobs=bool(logprobs))
 
     def rows_for(self, rows: int | None) -> int:
         """The batch bucket a step over slots [0, rows) computes (powers of two, then `slots`)."""
@@ -343,12 +325,13 @@ class Engine:
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten."""
         self._check_slot(slot)
-        return _free_core(state, np.int32(slot))
+        return free_core(state, np.int32(slot))
 
-    def warmup(self, prefill: bool = True) -> None:
-        """Compile every bucket's insert and every batch bucket's decode step, and with `prefill`
-        every bucket's prefill, so no request pays for a compilation (decode pods call this
-        before they report ready)."""
+    def warmup(self, prefill: bool = True, logprobs: bool = True) -> None:
+        """Compile every bucket's insert and every batch bucket's decode step (with `logprobs`
+        its logprobs variant too: it doubles the step compiles), and with `prefill` every bucket's
+        prefill (one choice), so no request pays for a compilation (decode pods call this before
+        they report ready)."""
         state = self.init_state()
         c = self.cfg
         for b in self.buckets:
@@ -360,6 +343,8 @@ class Engine:
             state = self.insert(prefix, state, 0, SamplingParams())
         for rows in self.batch_buckets:
             state, tokens = self.generate(state, rows)
+            if logprobs:
+                state, tokens = self.generate(state, rows, logprobs=True)
         state = self.free(state, 0)
         jax.block_until_ready((state, tokens))
 

@@ -12,9 +12,10 @@ Params pytree (weights stored as `x @ W`, i.e. transposed from HF's [out, in]):
     norm    [d]
     lm_head [d, vocab]   (absent when word embeddings are tied: logits use embed.T)
 
-Three forwards: `prefill_forward` (one padded prompt, returns its KV), `decode_forward` (one token per
-slot against the slot cache) and `reference_forward` (plain full recompute, no cache, a Python loop
-over layers) which tests use as ground truth for the other two.
+Three forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
+same pass with logits at every position), `decode_forward` (one token per slot against the slot
+cache) and `reference_forward` (plain full recompute, no cache, a Python loop over layers) which
+tests use as ground truth for the other two.
 """
 from __future__ import annotations
 
@@ -145,6 +146,20 @@ def prefill_forward(params: dict, tokens: jax.Array, true_length: jax.Array, cfg
     real positions). Returns (logits [vocab] at position true_length - 1, k, v) with k and v
     [num_layers, T, KV, hd] in the weight dtype.
     """
+    x, ks, vs = _prefill_layers(params, tokens, cfg)
+    last = jax.lax.dynamic_index_in_dim(x, true_length - 1, axis=0, keepdims=False)
+    return logits_from_hidden(params, last, cfg), ks, vs
+
+
+def prefill_logits_all(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Logits [T, vocab] at every position of one padded prompt (prompt logprobs, echo): the
+    same layers as `prefill_forward`, the LM head on every row instead of the last real one."""
+    x, _, _ = _prefill_layers(params, tokens, cfg)
+    return logits_from_hidden(params, x, cfg)
+
+
+def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
+    """Hidden states [T, d] after the last layer, and the KV [num_layers, T, KV, hd]."""
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
     mask = (positions[None, :] <= positions[:, None])[None]  # [1, T, T] causal
@@ -158,8 +173,7 @@ def prefill_forward(params: dict, tokens: jax.Array, true_length: jax.Array, cfg
         return x, (k[0], v[0])
 
     x, (ks, vs) = jax.lax.scan(layer, x, params["layers"])
-    last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
-    return logits_from_hidden(params, last, cfg), ks, vs
+    return x[0], ks, vs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 Every slot carries its own temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off) and seed.
 The randomness of token index n of a request is `fold_in(key(seed), n)`, so a seeded request draws
 the same tokens whichever pod, slot or batch it runs in (the prefill pod draws index 0, the decode
-pod indices 1, 2, ...). Requests without a seed get one from a per-process counter.
+pod indices 1, 2, ...; a resumed request continues at its start_index, so with its seed it draws
+what the unbroken run would have).
+Requests without a seed get one from a per-process counter. Sampling draws from the processed
+logits (logits.py: penalties, logit_bias, min_tokens come first).
 """
 from __future__ import annotations
 

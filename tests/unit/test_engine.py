@@ -62,18 +62,22 @@ def test_batch_buckets(engine):
 
 
 def test_decode_step_updates_the_cache_in_place(engine):
-    """No batch bucket's compiled step copies the whole KV cache (the donated cache is written
-    in place); a one-row write did, which is why there is no bucket of 1."""
+    """No batch bucket's compiled step, with or without logprobs, copies the whole KV cache or
+    the penalty history (the donated state is written in place); a one-row write did, which is
+    why there is no bucket of 1."""
     import re
 
-    from tandem_engine.engine import _generate_core
+    from tandem_engine.cores import generate_core
 
     state = engine.init_state()
-    shape = ",".join(str(d) for d in state.k.shape)
+    big = {f"f32\\[{','.join(map(str, state.k.shape))}\\]", f"s32\\[{','.join(map(str, state.history.shape))}\\]"}
     for rows in engine.batch_buckets:
-        hlo = _generate_core.lower(engine.params, state, cfg=engine.cfg, layout=None, rows=rows).compile().as_text()
-        copies = [ln for ln in hlo.splitlines() if re.search(rf"= f32\[{shape}\]\{{[^}}]*\}} copy\(", ln)]
-        assert not copies, f"rows={rows}: {copies[:2]}"
+        for logprobs in (False, True):
+            hlo = generate_core.lower(engine.params, state, cfg=engine.cfg, layout=None, rows=rows,
+                                      logprobs=logprobs).compile().as_text()
+            copies = [ln for ln in hlo.splitlines() for shape in big
+                      if re.search(rf"= {shape}\{{[^}}]*\}} copy\(", ln)]
+            assert not copies, f"rows={rows} logprobs={logprobs}: {copies[:2]}"
 
 
 def test_step_over_the_slots_in_use_matches_all_slots(engine):

@@ -1,0 +1,133 @@
+"""The Engine's jitted cores (device work only) and the `DecodeState` they read and write.
+
+The public `Engine` (engine.py) does the host work (validation, padding, seeds) and calls these.
+The cores take the params and a hashable `ModelConfig` as arguments, so engines with the same
+architecture share compiled code; with tp > 1 they also take a static `Layout` (sharding.py) and pin
+only the KV they return, so a donated cache keeps its sharding step after step. The state is
+donated to insert, generate and free: the KV cache and the penalty history are updated in place.
+
+Token indices: `step` is the index of the token a slot's next generate produces, counted over the
+whole request (a resumed request starts at start_index + 1), so a seeded request draws token n with
+`fold_in(key(seed), n)` wherever and whenever it runs, and min_tokens compares against it directly.
+No I/O, no host state here.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tandem_engine.logits import SlotLogits, apply, history_row, logprobs_of, pack, process, record
+from tandem_engine.model import ModelConfig, decode_forward, prefill_forward, prefill_logits_all
+from tandem_engine.sampling import sample, token_keys
+from tandem_engine.sharding import Layout, constrain
+
+
+class DecodeState(NamedTuple):
+    """Everything one decode step reads and writes, as device arrays (a pytree)."""
+
+    k: jax.Array  # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major)
+    v: jax.Array  # same
+    positions: jax.Array  # int32 [slots]: where each slot's next input token sits
+    tokens: jax.Array  # int32 [slots]: each slot's next input token
+    active: jax.Array  # bool [slots]
+    step: jax.Array  # int32 [slots]: token index (over the request) the next generate produces
+    temperature: jax.Array  # float32 [slots]
+    top_k: jax.Array  # int32 [slots]
+    top_p: jax.Array  # float32 [slots]
+    seeds: jax.Array  # uint32 [slots, 2]
+    history: jax.Array  # int32 [slots, vocab]: penalty state (logits.py: 2 x output count | prompt)
+    processing: SlotLogits  # per-slot penalties, bias, stop ids, min_tokens
+
+
+def _kv(layout: Layout | None, cache: bool):
+    if layout is None:
+        return None
+    return layout.kv_cache() if cache else layout.kv_prefix()
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout"))
+def prefill_core(params, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
+                 proc: SlotLogits, *, cfg: ModelConfig, layout: Layout | None):
+    """One forward pass; one first token per choice (the leading axis of temperature .. proc),
+    all from the same logits. Returns (k, v, packed [choices, PACKED_WIDTH])."""
+    logits, k, v = prefill_forward(params, tokens, true_length, cfg)
+    n, vocab = temperature.shape[0], logits.shape[-1]
+    hist = history_row(tokens, true_length, output_from, vocab)
+    idx = jnp.full((n,), index, jnp.int32)
+    processed = apply(jnp.broadcast_to(logits, (n, vocab)), jnp.broadcast_to(hist, (n, vocab)), proc, idx)
+    first = sample(processed, temperature, top_k, top_p, token_keys(seed, idx))
+    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), pack(logprobs_of(processed), first)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def logits_core(params, tokens, true_length, *, cfg: ModelConfig):
+    return prefill_forward(params, tokens, true_length, cfg)[0]
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def prompt_logprobs_core(params, tokens, *, cfg: ModelConfig):
+    """Packed [T, PACKED_WIDTH]: row i scores tokens[i + 1] given tokens[:i + 1] (raw logits)."""
+    lp = logprobs_of(prefill_logits_all(params, tokens, cfg))
+    return pack(lp, jnp.roll(tokens, -1))
+
+
+@partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
+def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, temperature, top_k,
+                top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits, *,
+                layout: Layout | None) -> DecodeState:
+    # k, v [L, length, KV, hd] -> rows [0, length) of `slot` in the head-major cache [L, slots, KV,
+    # max_len, hd]; rows past true_length are masked until decode overwrites them, and so is
+    # whatever a previous occupant left further on.
+    start = (0, slot, 0, 0, 0)
+    cache = _kv(layout, True)
+
+    def rows(x):
+        return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
+
+    # the penalty state: the prompt (seen), the output so far in it (counted), the first token
+    vocab = state.history.shape[1]
+    hist = history_row(hist_ids, hist_len, output_from, vocab).at[first_token].add(2, mode="drop")
+    return state._replace(
+        k=constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache),
+        v=constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache),
+        positions=state.positions.at[slot].set(true_length),
+        tokens=state.tokens.at[slot].set(first_token),
+        active=state.active.at[slot].set(True),
+        step=state.step.at[slot].set(step),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+        seeds=state.seeds.at[slot].set(seed),
+        history=state.history.at[slot].set(hist),
+        processing=SlotLogits(*(a.at[slot].set(x) for a, x in zip(state.processing, proc))),
+    )
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs"), donate_argnums=(1,))
+def generate_core(params, state: DecodeState, *, cfg: ModelConfig, layout: Layout | None, rows: int,
+                  logprobs: bool = False):
+    # Only slots [0, rows) are computed (the caller keeps every active slot below `rows`): a step
+    # costs what the batch in use costs, not what the slot count would. Rows past it stay as they are.
+    active = state.active[:rows]
+    step = state.step[:rows]
+    logits, k, v = decode_forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
+                                  active=active)
+    processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
+    keys = token_keys(state.seeds[:rows], step)
+    tokens = sample(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
+    advance = active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)
+    cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
+    new = state._replace(
+        k=constrain(k, cache), v=constrain(v, cache), tokens=state.tokens.at[:rows].set(tokens),
+        positions=state.positions.at[:rows].add(advance), step=state.step.at[:rows].add(advance),
+        history=record(state.history, tokens, advance),
+    )
+    return new, (pack(logprobs_of(processed), tokens) if logprobs else tokens)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def free_core(state: DecodeState, slot) -> DecodeState:
+    return state._replace(active=state.active.at[slot].set(False))
