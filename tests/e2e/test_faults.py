@@ -35,3 +35,48 @@ def test_supervisor_restarted_the_killed_workers(fault_cluster):
     assert sorted(w["id"] for w in workers) == ["decode-0", "decode-1", "prefill-0"]
     log = "".join(fault_cluster.log)
     assert "exited with code -9; restarting" in log
+
+
+def test_each_choice_of_n_resumes_after_a_decode_pod_dies(fault_cluster):
+    """A streamed n=2 greedy request, its decode pod SIGKILLed mid-stream: each choice resumes on
+    its own (from its own token stream) and both end with the unbroken run's text, every index once."""
+    seen = len(fault_cluster.log)
+    r = asyncio.run(_n_choices_through_a_kill(fault_cluster.base_url))
+    assert r["killed"], "the decode pod was never killed: this test proved nothing"
+    resumed = [line for line in fault_cluster.log[seen:] if "resumed request_id=" in line and "~" in line]
+    assert resumed, "no choice was resumed after the kill"
+    assert r["finish"] == ["length", "length"], r
+    assert r["counts"] == [r["max_tokens"]] * 2, r
+    assert r["texts"] == [r["reference"]] * 2, r
+
+
+async def _n_choices_through_a_kill(base: str) -> dict:
+    import json
+    import os
+    import signal
+
+    import httpx
+
+    await faults.wait_healthy(base, faults.WANT)
+    prompt, max_tokens = faults.prompts(1)[0], 300
+    body = {"model": faults.MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base, timeout=180) as c:
+        reference = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        texts, counts, finish, killed = ["", ""], [0, 0], [None, None], False
+        async with c.stream("POST", "/v1/completions", json={**body, "n": 2, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for ch in chunk["choices"]:
+                    i = ch["index"]
+                    texts[i] += ch["text"]
+                    counts[i] += 1
+                    finish[i] = ch["finish_reason"] or finish[i]
+                if not killed and min(counts) >= 20:
+                    live = [w for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
+                    os.kill(min(live, key=lambda w: w["free_slots"])["pid"], signal.SIGKILL)
+                    killed = True
+    return {"texts": texts, "counts": counts, "finish": finish, "reference": reference, "max_tokens": max_tokens,
+            "killed": killed}
