@@ -15,6 +15,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 BENCHMARKS = [
     "engine.py",
+    "processing.py",  # penalties, bias and logprobs vs the plain decode step (issue 12)
     "kv_transfer.py",
     "serve.py",
     "interleave.py",  # reuses serve.py's burst runs of the same `make bench`

@@ -384,10 +384,6 @@ class ClusterView:
                    sum(times) / len(times) if times else 0.0)
 
 
-def _s(x) -> str:
-    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
-
-
 def _bearer_ok(authorization: str | None, allowed: list[str]) -> bool:
     if not authorization:
         return False
