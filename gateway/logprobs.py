@@ -24,9 +24,12 @@ class TokenText:
         self._tok = tokenizer
         self.text = lru_cache(maxsize=cache_size)(self._text)
 
-    def _text(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+    def _text(self, token_id: int) -> tuple[str, tuple[int, ...], int]:
+        """(text, bytes, how many characters it adds to the response's text: 0 for a special
+        token such as BOS, which the text leaves out)."""
         raw = self._tok.token_bytes(token_id)
-        return raw.decode("utf-8", errors="replace"), tuple(raw)
+        shown = len(self._tok.decode([token_id])) if token_id >= 0 else 0
+        return raw.decode("utf-8", errors="replace"), tuple(raw), shown
 
 
 class CompletionLogprobs:
@@ -48,23 +51,23 @@ class CompletionLogprobs:
         return out
 
     def _add(self, out: dict, token_id: int, lp: TokenLogprobs | None) -> None:
-        text = self.names.text(token_id)[0]
+        text, _raw, shown = self.names.text(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(None if lp is None else lp.logprob)
         out["top_logprobs"].append(None if lp is None else {self.names.text(t)[0]: v for t, v in lp.top})
         out["text_offset"].append(self.offset)
-        self.offset += len(text)
+        self.offset += shown
 
 
 def chat_logprobs(names: TokenText, token_id: int, lp: TokenLogprobs) -> dict:
     """One token's entry of chat's `logprobs.content`."""
-    text, raw = names.text(token_id)
+    text, raw, _ = names.text(token_id)
     return {"token": text, "logprob": lp.logprob, "bytes": list(raw),
             "top_logprobs": [_alt(names, t, v) for t, v in lp.top]}
 
 
 def _alt(names: TokenText, token_id: int, logprob: float) -> dict:
-    text, raw = names.text(token_id)
+    text, raw, _ = names.text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 

@@ -81,15 +81,15 @@ def test_chat_logprobs_shape_whole_and_streamed():
 
 def test_completion_echo_and_logprobs_shape():
     names = TokenText(ByteTokenizer())
-    f = Formatter(_meta("completion", logprobs=1, echo="hi"), names, [104, 105])
-    prompt_lp = [None, TokenLogprobs(-3.0, ((104, -1.0),))]
+    f = Formatter(_meta("completion", logprobs=1, echo="hi"), names, [256, 104, 105])  # BOS first
+    prompt_lp = [None, TokenLogprobs(-2.0, ((104, -2.0),)), TokenLogprobs(-3.0, ((104, -1.0),))]
     f.add(Delta(0, 33, "!", None, 1, logprobs=TokenLogprobs(-0.5, ((33, -0.5),)), prompt_logprobs=prompt_lp))
     f.add(Delta(1, 33, "!", "length", 2, logprobs=TokenLogprobs(-0.25, ((33, -0.25),))))
     ch = f.whole()["choices"][0]
     assert ch["text"] == "hi!!"
-    assert ch["logprobs"] == {"tokens": ["h", "i", "!", "!"], "token_logprobs": [None, -3.0, -0.5, -0.25],
-                              "top_logprobs": [None, {"h": -1.0}, {"!": -0.5}, {"!": -0.25}],
-                              "text_offset": [0, 1, 2, 3]}
+    assert ch["logprobs"] == {"tokens": ["", "h", "i", "!", "!"], "token_logprobs": [None, -2.0, -3.0, -0.5, -0.25],
+                              "top_logprobs": [None, {"h": -2.0}, {"h": -1.0}, {"!": -0.5}, {"!": -0.25}],
+                              "text_offset": [0, 0, 1, 2, 3]}  # BOS adds no text: offsets follow the text
 
 
 def test_n_choices_whole_body_and_continuous_usage():
