@@ -191,3 +191,27 @@ def test_langchain_logprobs_and_n(local):
                       max_tokens=6, n=2, max_retries=0)
     gens = many.generate([[HumanMessage("def add(a, b):")]]).generations[0]
     assert len(gens) == 2 and all(isinstance(g.text, str) for g in gens)
+
+
+def test_grpc_generate_with_n_logprobs_and_penalties(local, engine):
+    """The gRPC front end takes the same fields: n choices tagged by choice_index, each token with
+    its logprob and top alternatives, penalties giving the engine's tokens."""
+    import grpc
+
+    from tandem_proto import generate_pb2, generate_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{local.grpc_port}") as ch:
+        stub = generate_pb2_grpc.TandemStub(ch)
+        req = generate_pb2.GenerateRequest(
+            prompt_token_ids=LONG, max_tokens=6, n=2, logprobs=2, ignore_eos=True,
+            sampling=generate_pb2.SamplingParameters(temperature=0, frequency_penalty=1.5, repetition_penalty=1.3))
+        got: dict[int, list] = {0: [], 1: []}
+        for resp in stub.Generate(req, timeout=120):
+            got[resp.choice_index].append(resp)
+    want = reference(engine, LONG, 6, SamplingParams(frequency_penalty=1.5, repetition_penalty=1.3), stop_ids=())
+    for choice in (0, 1):
+        assert [r.token_id for r in got[choice]] == want
+        assert got[choice][-1].finish_reason == "length"
+        for r in got[choice]:
+            assert len(r.top_logprobs) == 2 and r.top_logprobs[0].token_id == r.token_id
+            assert r.logprob == pytest.approx(r.top_logprobs[0].logprob)
