@@ -108,6 +108,12 @@ class GenerationRequest:
     a failure, the request resumes from its prompt plus the tokens already streamed (they are in
     `prompt_ids`), and `start_index` is how many were streamed. `attempt` counts resumes.
 
+    `grammar` (structured outputs, tools): a JSON-serializable spec every token must keep to,
+    `{"kind": "json_schema", "schema": {...}}`, `{"kind": "json_object"}`, `{"kind": "regex",
+    "pattern": "..."}`, `{"kind": "choice", "choices": ["a", "b"]}` or `{"kind": "lark", "grammar":
+    "..."}` (llguidance's Lark dialect, which embeds JSON schemas with `%json`); None = free text.
+    Whoever samples a token of this request (prefill pod, decode pod) masks the logits with it.
+
     `n` > 1: one prefill serves n choices. Whoever prefills splits the request into `choice(i)`
     requests (ids `<request_id>~<i>`, each with its own seed and token stream) that decode and
     resume on their own. `prompt_logprobs` (echo with logprobs): the prefill writes the prompt's
@@ -127,6 +133,7 @@ class GenerationRequest:
     attempt: int = 0
     n: int = 1
     prompt_logprobs: int | None = None
+    grammar: dict | None = None
 
     @property
     def output_from(self) -> int:
