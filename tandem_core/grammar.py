@@ -1,0 +1,298 @@
+"""Structured outputs: from a request's grammar spec (tandem_core.types.GenerationRequest.grammar)
+to the allowed-token bitmask each sampler applies before it draws a token.
+
+Why llguidance: its masks take microseconds per step (measured ~3-6 us for a small JSON schema on
+the built-in 2048-token vocabulary; an Earley parser over a token trie with lexer-level slicing, so
+large vocabularies stay cheap too), it is correct on the token/byte boundary (tokens that span
+several lexemes, partial UTF-8), it compiles JSON Schema, regexes, choices and Lark with `%json`
+from one code path, bounds its own per-step work (lexer fuel, Earley items) and grammar size, and it
+is one small Rust wheel with numpy only: no torch, no transformers (llguidance.hf imports
+transformers, so the tokenizer is built here from token byte strings instead). xgrammar needs torch
+for its tokenizer info; outlines-core compiles a whole-vocabulary index per schema (seconds for a
+large schema, memory per schema).
+
+JSON is compiled compact: `whitespace_flexible` off, separators "," and ":" only, so no token can
+be spent on whitespace and a strict schema can always be closed; once the grammar is complete the
+mask allows only EOS, so a constrained request ends with finish "stop".
+
+Who calls what: the gateway calls `check_spec` to refuse a bad spec with a 400 before enqueueing;
+the prefill pod and the decode pod call `compile_spec` (LRU-cached, bounded by the caller's size)
+and keep one `Matcher` per request choice while its slot lives. No JAX here, no I/O.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import llguidance as llg
+import numpy as np
+
+from tandem_core.errors import InvalidRequest, TandemError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+MAX_SPEC_BYTES = 64 * 1024  # a schema / grammar / pattern bigger than this is refused (400)
+MAX_CHOICES = 256
+DEFAULT_CACHE_SIZE = 128  # compiled grammars kept per tokenizer (LRU); settings pass their own
+DEFAULT_MASK_DEADLINE_S = 0.05  # one mask slower than this fails its request (llguidance's own
+# fuel limits bound the work; this catches a pathological grammar on a slow host)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+LIMITS = dict(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
+              max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
+
+
+class GrammarError(TandemError):
+    """A constrained request cannot go on: its grammar rejected a token, or a mask failed or ran
+    past its deadline. Fails that request only."""
+
+    error_type = "grammar_error"
+
+
+# ---------------------------------------------------------------------------------------------
+# the llguidance tokenizer, built from a Tandem tokenizer's token bytes
+
+
+class _TokenTable:
+    """What llguidance.TokenizerWrapper reads: token byte strings, EOS, special ids, encode."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tok = tokenizer
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]  # b"": never allowed
+        eos = tuple(tokenizer.eos_token_ids)
+        if not eos:
+            raise InvalidRequest("this model's tokenizer has no EOS token, so a grammar could never end",
+                                 param="grammar")
+        self.eos_token_id = int(eos[0])
+        self.bos_token_id = tokenizer.bos_token_id
+        # special tokens have bytes but no text (decode skips them): a grammar must never emit them
+        named = {int(i) for i in (*eos, tokenizer.bos_token_id) if i is not None and 0 <= i < vocab_size}
+        self.special_token_ids = sorted(named | {i for i, b in enumerate(self.tokens)
+                                                 if b and tokenizer.decode([i]) == ""})
+
+    def __call__(self, s: str | bytes) -> list[int]:
+        text = s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+def _vocab_size(tokenizer) -> int:
+    size = getattr(tokenizer, "vocab_size", None)
+    if size:
+        return int(size)
+    hi = 1  # token ids are contiguous: grow past the last id that has bytes, then bisect
+    while tokenizer.token_bytes(hi):
+        hi *= 2
+    lo = hi // 2
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if tokenizer.token_bytes(mid) else (lo, mid)
+    return hi
+
+
+_lltokenizers: "weakref.WeakKeyDictionary[Any, dict[int, llg.LLTokenizer]]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def ll_tokenizer(tokenizer, vocab_size: int | None = None) -> llg.LLTokenizer:
+    """The llguidance tokenizer of a Tandem tokenizer (cached per tokenizer and vocab size).
+    `vocab_size`: the model's (the mask width); default the tokenizer's own."""
+    n = int(vocab_size or _vocab_size(tokenizer))
+    with _lock:
+        per = _lltokenizers.setdefault(tokenizer, {})
+        if n not in per:
+            eos = [int(t) for t in tokenizer.eos_token_ids if 0 <= int(t) < n]
+            per[n] = llg.LLTokenizer(llg.TokenizerWrapper(_TokenTable(tokenizer, n)), n_vocab=n,
+                                     eos_token=eos or None)
+        return per[n]
+
+
+# ---------------------------------------------------------------------------------------------
+# spec -> llguidance grammar
+
+
+def _sized(name: str, text: str) -> str:
+    if len(text.encode("utf-8")) > MAX_SPEC_BYTES:
+        raise InvalidRequest(f"grammar {name} is {len(text.encode('utf-8'))} bytes; at most {MAX_SPEC_BYTES} "
+                             f"are allowed", param="grammar")
+    return text
+
+
+def _field(spec: dict, name: str, kind: type) -> Any:
+    value = spec.get(name)
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"grammar kind {spec['kind']!r} needs {name!r} as a {kind.__name__}, got "
+                             f"{type(value).__name__}", param="grammar")
+    return value
+
+
+def _choice_grammar(spec: dict) -> str:
+    choices = _field(spec, "choices", list)
+    if not 0 < len(choices) <= MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequest(f"grammar choices must be 1 to {MAX_CHOICES} non-empty strings", param="grammar")
+    return llg.LLMatcher.grammar_from_lark(_sized("choices", "start: " + " | ".join(json.dumps(c) for c in choices)))
+
+
+def grammar_of(spec: dict) -> str:
+    """The llguidance grammar (its serialized form) of a spec; InvalidRequest for a malformed one."""
+    if not isinstance(spec, dict) or spec.get("kind") not in KINDS:
+        kind = spec.get("kind") if isinstance(spec, dict) else type(spec).__name__
+        raise InvalidRequest(f"grammar kind {kind!r} is not supported; use one of {', '.join(KINDS)}",
+                             param="grammar")
+    kind = spec["kind"]
+    if kind == "json_schema":
+        schema = spec.get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest("grammar json_schema needs 'schema' as a JSON object", param="grammar")
+        text = _sized("schema", json.dumps(schema, separators=(",", ":")))
+        return llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', overrides=JSON_OPTIONS)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(_sized("pattern", _field(spec, "pattern", str)))
+    if kind == "choice":
+        return _choice_grammar(spec)
+    return llg.LLMatcher.grammar_from_lark(_sized("grammar", _field(spec, "grammar", str)))
+
+
+def _limits() -> llg.LLParserLimits:
+    return llg.LLParserLimits(**LIMITS, verbose_errors=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile (cached) and match
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A validated grammar for one tokenizer: `matcher()` copies its pristine matcher (cheap)."""
+
+    kind: str
+    template: llg.LLMatcher  # never advanced: each Matcher starts from a deep copy of it
+    tokenizer: llg.LLTokenizer
+    vocab_size: int
+
+    def matcher(self, tokens: Sequence[int] = (), deadline_s: float = DEFAULT_MASK_DEADLINE_S) -> "Matcher":
+        return Matcher(self, tokens, deadline_s)
+
+
+_cache: "OrderedDict[tuple[int, str], Compiled]" = OrderedDict()
+
+
+def _spec_key(spec: dict) -> str:
+    try:
+        return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"grammar spec is not JSON-serializable: {e}", param="grammar") from None
+
+
+def _compile(spec: dict, llt: llg.LLTokenizer) -> Compiled:
+    try:
+        grammar = grammar_of(spec)
+    except ValueError as e:  # llguidance: the schema or grammar is not valid JSON/text
+        raise InvalidRequest(f"grammar {spec.get('kind')} is malformed: {e}", param="grammar") from None
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, llt, limits=_limits())
+    if failed:
+        raise InvalidRequest(f"grammar {spec['kind']} is not supported: {messages[0].strip()}", param="grammar")
+    template = llg.LLMatcher(llt, grammar, log_level=0, limits=_limits())
+    if template.is_error():
+        raise InvalidRequest(f"grammar {spec['kind']} is not supported: {template.get_error()}", param="grammar")
+    return Compiled(spec["kind"], template, llt, llt.vocab_size)
+
+
+def compile_spec(spec: dict, tokenizer, *, vocab_size: int | None = None,
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> Compiled:
+    """The compiled grammar of `spec` for `tokenizer` (a Tandem tokenizer), from an LRU cache of at
+    most `cache_size` grammars (settings pass it). `vocab_size`: the model's, i.e. the mask width.
+    InvalidRequest names what is wrong: the kind, the field, the unsupported construct, the size."""
+    if cache_size < 1:
+        raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+    llt = ll_tokenizer(tokenizer, vocab_size)
+    key = (id(llt), _spec_key(spec))
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
+    compiled = _compile(spec, llt)  # outside the lock: llguidance drops the GIL while it builds
+    with _lock:
+        _cache[key] = compiled
+        _cache.move_to_end(key)
+        while len(_cache) > cache_size:
+            _cache.popitem(last=False)
+    return compiled
+
+
+def cache_len() -> int:
+    with _lock:
+        return len(_cache)
+
+
+def check_spec(spec: dict, tokenizer, *, vocab_size: int | None = None,
+               cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    """Validate only (the gateway, before enqueueing): InvalidRequest for a spec no pod could run.
+    The compiled grammar is cached, so a colocated pod that serves it next pays nothing."""
+    compile_spec(spec, tokenizer, vocab_size=vocab_size, cache_size=cache_size)
+
+
+class Matcher:
+    """One request choice's position in its grammar. `tokens`: the output so far (a resume:
+    prompt_ids[output_from:], then the first token); GrammarError if they do not match.
+    Owned by one thread; lives only while its slot does."""
+
+    def __init__(self, compiled: Compiled, tokens: Sequence[int] = (),
+                 deadline_s: float = DEFAULT_MASK_DEADLINE_S) -> None:
+        self.compiled = compiled
+        self.deadline_s = float(deadline_s)
+        self.eos = compiled.tokenizer.eos_token
+        self.width = (compiled.vocab_size + 31) // 32
+        self._m = compiled.template.deep_copy()
+        self.rebuild(tokens)
+
+    def rebuild(self, tokens: Sequence[int]) -> None:
+        """Restart from the grammar's start and consume `tokens` (the output streamed so far)."""
+        self._m.reset()
+        toks = [int(t) for t in tokens]
+        if toks and not self._m.consume_tokens(toks):
+            raise GrammarError(f"the {len(toks)} tokens already generated do not match the grammar "
+                               f"{self.compiled.kind}: {self._m.get_error()}")
+
+    def mask_into(self, row: np.ndarray) -> None:
+        """Write the allowed-token bitmask (int32 [width], bit t % 32 of word t // 32) into `row`."""
+        if row.dtype != np.int32 or row.shape != (self.width,) or not row.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"mask row must be contiguous int32 [{self.width}], got {row.dtype} {row.shape}")
+        t0 = time.perf_counter()
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        took = time.perf_counter() - t0
+        if self._m.is_error():
+            raise GrammarError(f"grammar {self.compiled.kind} failed: {self._m.get_error()}")
+        if took > self.deadline_s:
+            raise GrammarError(f"grammar {self.compiled.kind} took {took * 1e3:.1f} ms for one token mask; "
+                               f"the deadline is {self.deadline_s * 1e3:.0f} ms")
+
+    def mask(self) -> np.ndarray:
+        """The allowed-token bitmask, int32 [ceil(vocab / 32)] (llguidance's packed layout)."""
+        row = np.zeros((self.width,), np.int32)
+        self.mask_into(row)
+        return row
+
+    def consume(self, token_id: int) -> None:
+        """Advance past a sampled token; GrammarError if the grammar rejects it."""
+        if not self._m.consume_token(int(token_id)):
+            raise GrammarError(f"token {int(token_id)} is not allowed by the grammar {self.compiled.kind}: "
+                               f"{self._m.get_error()}")
+
+    def done(self) -> bool:
+        """The grammar is complete: only EOS may follow (or EOS was consumed)."""
+        return self._m.is_stopped()
+
+    def accepting(self) -> bool:
+        """The output so far is a complete sentence of the grammar (EOS is allowed now)."""
+        return self._m.is_accepting()
+
+
+def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab / 32)] with every bit set: an unconstrained slot's mask row."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, np.int32)
