@@ -19,7 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tandem_engine.logits import SlotLogits, apply, history_row, logprobs_of, pack, process, record
+from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
+                                  record)
 from tandem_engine.model import ModelConfig, decode_forward, prefill_forward, prefill_logits_all
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
@@ -50,14 +51,17 @@ def _kv(layout: Layout | None, cache: bool):
 
 @partial(jax.jit, static_argnames=("cfg", "layout"))
 def prefill_core(params, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
-                 proc: SlotLogits, *, cfg: ModelConfig, layout: Layout | None):
+                 proc: SlotLogits, masks=None, *, cfg: ModelConfig, layout: Layout | None):
     """One forward pass; one first token per choice (the leading axis of temperature .. proc),
-    all from the same logits. Returns (k, v, packed [choices, PACKED_WIDTH])."""
+    all from the same logits; `masks` [choices, words] (a grammar's) or None (a variant of its
+    own, traced without the mask). Returns (k, v, packed [choices, PACKED_WIDTH])."""
     logits, k, v = prefill_forward(params, tokens, true_length, cfg)
     n, vocab = temperature.shape[0], logits.shape[-1]
     hist = history_row(tokens, true_length, output_from, vocab)
     idx = jnp.full((n,), index, jnp.int32)
     processed = apply(jnp.broadcast_to(logits, (n, vocab)), jnp.broadcast_to(hist, (n, vocab)), proc, idx)
+    if masks is not None:
+        processed = apply_mask(processed, masks)
     first = sample(processed, temperature, top_k, top_p, token_keys(seed, idx))
     return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), pack(logprobs_of(processed), first)
 
@@ -107,15 +111,19 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs"), donate_argnums=(1,))
-def generate_core(params, state: DecodeState, *, cfg: ModelConfig, layout: Layout | None, rows: int,
-                  logprobs: bool = False):
+def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, layout: Layout | None,
+                  rows: int, logprobs: bool = False):
     # Only slots [0, rows) are computed (the caller keeps every active slot below `rows`): a step
     # costs what the batch in use costs, not what the slot count would. Rows past it stay as they are.
+    # masks int32 [rows, words] (grammars; all-ones rows for free slots) or None: a None traces a
+    # variant without the mask, so an unconstrained batch runs exactly the code it ran before.
     active = state.active[:rows]
     step = state.step[:rows]
     logits, k, v = decode_forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
                                   active=active)
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
+    if masks is not None:
+        processed = apply_mask(processed, masks)
     keys = token_keys(state.seeds[:rows], step)
     tokens = sample(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
     advance = active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)

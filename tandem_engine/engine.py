@@ -43,8 +43,8 @@ from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, Token
 from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_core, logits_core,
                                  prefill_core, prompt_logprobs_core)
 from tandem_engine.cpu_pool import limit_cpu_threads
-from tandem_engine.logits import (check_output_from, history_arrays, init_slot_logits, slot_logits, stack,
-                                  unpack_logprobs, unpack_tokens)
+from tandem_engine.logits import (check_output_from, history_arrays, init_slot_logits, mask_rows, slot_logits,
+                                  stack, unpack_logprobs, unpack_tokens)
 from tandem_engine.model import config_from_info
 from tandem_engine.sampling import sampling_arrays
 from tandem_engine.sharding import make_layout
@@ -161,7 +161,8 @@ class Engine:
 
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
                 choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
-                output_from: int | None = None, stop_ids: Sequence[int] = ()) -> Prefix:
+                output_from: int | None = None, stop_ids: Sequence[int] = (),
+                masks: np.ndarray | None = None) -> Prefix:
         """Run one prompt (one forward pass) and sample its first token, token index
         `start_index`: one per element of `choices` (each with its own params and seed, all from
         the same logits), else one from `sampling`. Blocks until the tokens are on the host (the KV
@@ -170,7 +171,9 @@ class Engine:
         `output_from`: where output already streamed starts in prompt_ids (a resumed request;
         default: no output yet). Repetition penalty sees all of prompt_ids, presence/frequency
         count prompt_ids[output_from:]. min_tokens holds `stop_ids` back while start_index <
-        min_tokens. A choice with logprobs on gets its first token's logprobs in `first_logprobs`."""
+        min_tokens. A choice with logprobs on gets its first token's logprobs in `first_logprobs`.
+        `masks`: int32 [choices, ceil(vocab / 32)] allowed-token bitmasks (grammars; all-ones for
+        an unconstrained choice), applied after processing: sampling and logprobs see them."""
         padded, n = self._pad_prompt(prompt_ids)
         picks = [sampling] if choices is None else list(choices)
         if not picks:
@@ -180,9 +183,12 @@ class Engine:
             raise InvalidRequest(f"start_index must be >= 0, got {start_index}", param="start_index")
         s = _stack_sampling(picks)
         proc = stack([slot_logits(p, self.info.vocab_size, stop_ids) for p in picks])
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
         k, v, packed = prefill_core(
             self.params, padded, np.int32(n), np.int32(out_from), np.int32(start_index),
-            s["temperature"], s["top_k"], s["top_p"], s["seed"], proc, cfg=self.cfg, layout=self.layout,
+            s["temperature"], s["top_k"], s["top_p"], s["seed"], proc, m, cfg=self.cfg, layout=self.layout,
         )
         host = np.asarray(packed)  # the one device -> host copy: tokens and logprobs
         tokens = [int(t) for t in unpack_tokens(host)]
@@ -306,14 +312,19 @@ class Engine:
             hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout,
         )
 
-    def generate(self, state: DecodeState, rows: int | None = None, *,
-                 logprobs: bool = False) -> tuple[DecodeState, jax.Array]:
+    def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
+                 masks: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
         """One decode step (donates `state`). `rows`: every active slot is below it (None: all
         slots); the step computes the smallest batch bucket >= rows. Returns int32 tokens
         [bucket] still on the device (index by slot): no host round trip here. `logprobs=True`
         (a second compiled variant): int32 [bucket, PACKED_WIDTH] instead, tokens and logprobs
-        packed (read with logits.unpack_tokens / unpack_logprobs)."""
-        return generate_core(self.params, state, cfg=self.cfg, layout=self.layout, rows=self.rows_for(rows),
+        packed (read with logits.unpack_tokens / unpack_logprobs). `masks` (grammars): int32
+        [<= bucket, ceil(vocab / 32)] allowed-token bitmasks by slot, all-ones for an
+        unconstrained slot (missing rows are padded so); a compiled variant of its own, so a
+        batch without masks runs the unmasked step."""
+        bucket = self.rows_for(rows)
+        m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
+        return generate_core(self.params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
                              logprobs=bool(logprobs))
 
     def rows_for(self, rows: int | None) -> int:
@@ -327,11 +338,11 @@ class Engine:
         self._check_slot(slot)
         return free_core(state, np.int32(slot))
 
-    def warmup(self, prefill: bool = True, logprobs: bool = True) -> None:
+    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False) -> None:
         """Compile every bucket's insert and every batch bucket's decode step (with `logprobs`
-        its logprobs variant too: it doubles the step compiles), and with `prefill` every bucket's
-        prefill (one choice), so no request pays for a compilation (decode pods call this before
-        they report ready)."""
+        its logprobs variant too: it doubles the step compiles; with `masks` the grammar-masked
+        step too), and with `prefill` every bucket's prefill (one choice), so no request pays for
+        a compilation (decode pods call this before they report ready)."""
         state = self.init_state()
         c = self.cfg
         for b in self.buckets:
@@ -345,6 +356,9 @@ class Engine:
             state, tokens = self.generate(state, rows)
             if logprobs:
                 state, tokens = self.generate(state, rows, logprobs=True)
+            if masks:
+                ones = np.full((rows, (self.info.vocab_size + 31) // 32), -1, np.int32)
+                state, tokens = self.generate(state, rows, masks=ones)
         state = self.free(state, 0)
         jax.block_until_ready((state, tokens))
 

@@ -5,7 +5,9 @@ The order is the contract's (tandem_core.types.SamplingParams), the same on ever
   logits -> repetition_penalty (prompt or output tokens: positive / p, negative * p, HF/vLLM)
   -> presence/frequency (output tokens: - presence * (count > 0) - frequency * count, OpenAI)
   -> logit_bias (added) -> min_tokens (stop ids at -inf while the token index < min_tokens)
-  = the processed logits. logprobs = log_softmax(processed), -inf clamped to LOGPROB_FLOOR.
+  = the processed logits -> a grammar's allowed-token mask (`apply_mask`, only in the compiled
+  variants that take masks) = what sampling draws from. logprobs = log_softmax of that, -inf
+  clamped to LOGPROB_FLOOR.
 
 Each slot's penalty state is one int32 row over the vocabulary, `history` = 2 x (times the token was
 output) + 1 if it sits in the prompt and was never output: seen (for repetition) is `> 0`, the
@@ -132,6 +134,19 @@ def history_arrays(history: Sequence[int] | None, output_from: int | None, true_
     return ids, true_length, check_output_from(output_from, true_length)
 
 
+def mask_rows(masks, rows: int, vocab: int) -> np.ndarray:
+    """Validated grammar masks as int32 [rows, ceil(vocab / 32)]: fewer rows are padded with
+    all-ones rows (unconstrained), so one compiled variant serves a batch bucket."""
+    words = (vocab + 31) // 32
+    m = np.asarray(masks)
+    if m.ndim != 2 or m.shape[1] != words or m.shape[0] > rows or m.dtype != np.int32:
+        raise ValueError(f"masks must be int32 [<= {rows}, {words}] (a bitmask over {vocab} tokens), got "
+                         f"{m.dtype} {list(m.shape)}")
+    if m.shape[0] == rows:
+        return m
+    return np.concatenate([m, np.full((rows - m.shape[0], words), -1, np.int32)])
+
+
 def stack(rows: Sequence[SlotLogits]) -> SlotLogits:
     """One SlotLogits with a leading axis from per-request ones (the choices of a prefill)."""
     return SlotLogits(*(np.stack(xs) for xs in zip(*rows)))
@@ -200,6 +215,17 @@ def process(logits, history, p: SlotLogits, index, active) -> jax.Array:
     on = jnp.any(active & (p_rows.penalized | holding))
     return jax.lax.cond(on, lambda _: apply(logits, history[:rows], p_rows, index),
                         lambda _: logits.astype(jnp.float32), None)
+
+
+def apply_mask(processed: jax.Array, masks: jax.Array) -> jax.Array:
+    """Grammar-constrained logits: each row's disallowed tokens at -inf. masks int32 [n, ceil(vocab
+    / 32)] (llguidance's packed bitmask: bit t % 32 of word t // 32 set = token t allowed; an
+    all-ones row leaves its logits bit for bit as they were). Applied after processing, so
+    sampling and logprobs both see the constrained distribution."""
+    n, vocab = processed.shape
+    bits = (masks[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [n, words, 32]
+    allowed = bits.reshape(n, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed, processed, -jnp.inf)
 
 
 def logprobs_of(processed: jax.Array) -> jax.Array:
