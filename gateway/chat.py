@@ -8,7 +8,13 @@ Jinja2 is not installed, the documented default template is used:
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|assistant|>\\n
 
 i.e. every message as `<|{role}|>` on a line of its own followed by its content and a newline,
-then `<|assistant|>\\n` for the reply.
+then `<|assistant|>\\n` for the reply. With tools (issue 13) the first system block (one is
+added if the conversation has none) ends with a `# Tools` section listing the functions as JSON
+and asking for Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(`tools.tools_block`); an assistant message's `tool_calls` are written in that same format after
+its content, and a tool result is a `<|tool|>` block. A model's own template gets `tools=` and
+the messages with `tool_calls` (arguments as objects) and `tool_call_id`, as Hugging Face
+templates expect.
 
 Special tokens follow the tokenizer's own rules, as transformers and vLLM do: a model's template
 writes whatever specials it wants (`{{ bos_token }}` ...) and its text is encoded with
@@ -25,15 +31,27 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gateway.tools import format_call, tools_block
 from tandem_core.errors import InvalidRequest
 from tandem_core.models import ModelInfo
 
 log = logging.getLogger(__name__)
 
 
-def default_template(messages: list[dict[str, str]]) -> str:
-    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+def default_template(messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    msgs = list(messages)
+    if tools:
+        block = tools_block(tools)
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{block}" if msgs[0]["content"] else block}
+        else:
+            msgs.insert(0, {"role": "system", "content": block})
+    return "".join(f"<|{m['role']}|>\n{_with_calls(m)}\n" for m in msgs) + "<|assistant|>\n"
+
+
+def _with_calls(m: dict[str, Any]) -> str:
+    calls = [format_call(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or ()]
+    return "\n".join([m["content"], *calls] if m["content"] else calls)
 
 
 def _token_text(tok: Any) -> str:
@@ -76,13 +94,14 @@ class ChatTemplate:
         return cls(_pick_template(cfg.get("chat_template")), _token_text(cfg.get("bos_token")),
                    _token_text(cfg.get("eos_token")))
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
         if self._compiled is None:
-            return default_template(messages)
+            return default_template(messages, tools)
+        extra = {"tools": tools} if tools else {}
         try:
             text = self._compiled.render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                eos_token=self.eos_token,
+                eos_token=self.eos_token, **extra,
             )
         except Exception as e:  # noqa: BLE001 - the template's own raise_exception, or a type error on odd input
             raise InvalidRequest(f"the model's chat template rejected the messages: {e}", param="messages") from e

@@ -104,16 +104,18 @@ async def chat_completions(request: Request, svc: Service, authorization: Auth =
     key = svc.check_api_key(authorization)
     body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
     params = body.to_params()
-    params.prompt = await _render(svc, body.chat_messages())
+    tools = body.tool_plan()
+    params.prompt = await _render(svc, body.chat_messages(), tools.tools)
     params.add_special_tokens = svc.chat_template.add_special_tokens
     prep = await _prepare_chat(svc, params)
-    return await _respond(request, svc, prep, body, "chat", key)
+    return await _respond(request, svc, prep, body, "chat", key, tools.parse)
 
 
-async def _render(svc: GatewayService, messages: list[dict[str, str]]) -> str:
-    if sum(len(m["content"]) for m in messages) > _BIG_CHAT_CHARS:
-        return await asyncio.to_thread(svc.chat_template.render, messages)
-    return svc.chat_template.render(messages)
+async def _render(svc: GatewayService, messages: list[dict], tools: list[dict] | None = None) -> str:
+    size = sum(len(m["content"]) for m in messages) + (len(tools) * 256 if tools else 0)
+    if size > _BIG_CHAT_CHARS:
+        return await asyncio.to_thread(svc.chat_template.render, messages, tools)
+    return svc.chat_template.render(messages, tools)
 
 
 async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepared:
@@ -129,12 +131,12 @@ async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepar
 
 
 async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: CompletionBody | ChatBody,
-                   kind: str, key: str) -> Response:
+                   kind: str, key: str, tools: bool = False) -> Response:
     rid = prep.request.request_id
     prep.resumable = body.resumable
     prep.meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
                                   continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
-                                  echo=_echo_text(svc, prep) if prep.echo else None)
+                                  echo=_echo_text(svc, prep) if prep.echo else None, tools=tools)
     await svc.submit(prep, fresh_id=True, api_key=key)
     if body.stream:
         return StreamingResponse(sse_events(svc, prep), media_type="text/event-stream",

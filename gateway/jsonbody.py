@@ -79,12 +79,17 @@ def parse_body(raw: bytes, model: type[BaseModel]):
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
 
 
+def _model_name(x: str) -> bool:
+    """A union member's class name in an error's location (fields are snake_case)."""
+    return x[:1].isupper() and x.isidentifier() and "_" not in x
+
+
 def _loc(loc: tuple) -> str:
     out = ""
     for x in loc:
         if isinstance(x, int):
             out += f"[{x}]"
-        elif x not in _UNION_TAGS and "[" not in x and x != "body":
+        elif x not in _UNION_TAGS and "[" not in x and x != "body" and not _model_name(x):
             out += f".{x}" if out else x
     return out or "body"
 

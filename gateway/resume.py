@@ -50,6 +50,7 @@ class StreamMeta:
     continuous_usage: bool = False  # usage on every chunk (vLLM's stream_options.continuous_usage_stats)
     logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` when `logprobs` is true
     echo: str | None = None  # completions with echo: the prompt's text, written before the output
+    tools: bool = False  # chat with tools: the output is parsed for tool calls (toolparse.py)
 
 
 @dataclass

@@ -4,11 +4,12 @@
 Strict: unknown fields are rejected by name; numbers are numbers (`"4"` or `true` for an integer
 is a 400 naming the field, while a JSON integer is a valid float and 4.0 a valid integer, as in
 JSON Schema); the OpenAI parameters Tandem
-cannot serve honestly (tools, structured outputs, best_of ...) are rejected with "not supported
-yet" unless they carry their no-op value (clients such as LangChain send `tools: []` or
-`response_format: {"type": "text"}` by default). Range checks that the settings or the model
-decide (n, logit_bias ids, lengths) live in `validation.py`, shared with gRPC; the raw-bytes parse
-lives in `jsonbody.py`.
+cannot serve honestly (best_of, suffix, the legacy functions/function_call, audio ...) are rejected
+with "not supported yet" unless they carry their no-op value. Structured outputs
+(`response_format`, vLLM's `guided_*` and `structured_outputs`) become a grammar spec in
+`structured.py`; `tools`/`tool_choice` a prompt section and maybe a grammar in `tools.py`. Range
+checks that the settings or the model decide (n, logit_bias ids, lengths) live in `validation.py`,
+shared with gRPC; the raw-bytes parse lives in `jsonbody.py`.
 """
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ from pydantic import (
 
 from gateway.jsonbody import MAX_JSON_DEPTH, load_json, parse_body, validation_error  # noqa: F401 - re-exported
 from gateway.sampling_checks import check_logprobs
+from gateway.structured import ChoiceList, JsonSchema, ResponseFormat, StructuredOutputs, guided_specs, one_spec
+from gateway.structured import response_format_spec
+from gateway.tools import ToolCallIn, ToolChoice, ToolDef, ToolPlan, history_calls, plan
 from gateway.validation import CompletionParams
 from tandem_core.errors import InvalidRequest
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
 _TOKEN_ID = re.compile(r"^[0-9]{1,12}$")
@@ -53,11 +57,8 @@ def _doc(default: Any = None, **schema: Any) -> Any:
 NOOPS: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
+    "functions": (None, []),  # legacy: send tools
+    "function_call": (None, "none"),  # legacy: send tool_choice
     "store": (None, False),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -130,6 +131,14 @@ class _Common(BaseModel):
     skip_special_tokens: StrictBool = True
     priority: Literal["normal", "high"] | None = None
     resumable: StrictBool = False
+    guided_json: JsonSchema | StrictStr | None = None  # vLLM's structured-output extras (structured.py)
+    guided_regex: StrictStr | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: StrictStr | None = None  # llguidance's Lark dialect
+    structured_outputs: StructuredOutputs | None = None
+
+    def _specs(self) -> list[tuple[str, dict]]:
+        return guided_specs(self)
 
     @property
     def include_usage(self) -> bool:
@@ -142,7 +151,8 @@ class _Common(BaseModel):
                                  param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         so = self.stream_options
-        return CompletionParams(
+        grammar_param, grammar = one_spec(self._specs())
+        return CompletionParams(grammar=grammar, grammar_param=grammar_param,
             model=self.model, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, priority=self.priority,
             n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -195,17 +205,19 @@ class CompletionBody(_Common):
 
 
 class ChatMessage(BaseModel):
-    """One message. The assistant fields the SDK's `message.model_dump()` writes (`refusal`,
-    `tool_calls`, `function_call`, `audio`, `annotations`) are accepted when null or empty."""
+    """One message. An assistant's `tool_calls` and a tool result's `tool_call_id` are read; the
+    other assistant fields the SDK's `message.model_dump()` writes (`refusal`, `function_call`,
+    `audio`, `annotations`) are accepted when null or empty."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={  # content may be omitted by the assistant only
-        "if": {"properties": {"role": {"enum": ["system", "user", "developer"]}}},
+        "if": {"properties": {"role": {"enum": ["system", "user", "developer", "tool"]}}},
         "then": {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}}})
     role: StrictStr = Field(max_length=32, json_schema_extra={"enum": [*CHAT_ROLES, *_ROLE_ALIASES]})
     content: StrictStr | Content | None = None
     name: StrictStr | None = Field(default=None, max_length=256)
     refusal: Any = _empty()
-    tool_calls: Any = _empty()
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = Field(default=None, max_length=128)
     function_call: Any = _empty()
     audio: Any = _empty()
     annotations: Any = _empty()
@@ -218,12 +230,12 @@ class ChatBody(_Common):
     max_completion_tokens: JsonInt | None = _doc(minimum=1)
     logprobs: StrictBool | None = None
     top_logprobs: JsonInt | None = _doc(minimum=0, maximum=20)  # with logprobs true
-    tools: Any = _noop("tools")
-    tool_choice: Any = _noop("tool_choice")
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
     functions: Any = _noop("functions")
     function_call: Any = _noop("function_call")
-    response_format: Any = _noop("response_format")
-    parallel_tool_calls: StrictBool | None = None  # meaningless without tools; accepted
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: StrictBool | None = None  # with tool_choice "required": false = one call
     store: Any = _noop("store")
     metadata: dict[str, StrictStr] | None = None  # accepted and ignored
     modalities: Any = _noop("modalities")
@@ -244,6 +256,15 @@ class ChatBody(_Common):
         p.max_tokens_to_context = True
         return p
 
+    def _specs(self) -> list[tuple[str, dict]]:
+        spec = response_format_spec(self.response_format)
+        forced = self.tool_plan().grammar
+        return ([("tool_choice", forced)] if forced else []) + ([("response_format", spec)] if spec else []) \
+            + guided_specs(self)
+
+    def tool_plan(self) -> ToolPlan:
+        return plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def _top_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs \"logprobs\": true", param="top_logprobs")
@@ -255,14 +276,15 @@ class ChatBody(_Common):
         return chat_messages(self.messages)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The conversation as [{"role", "content"}] with text content only."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as [{"role", "content"}] with text content only, plus an assistant's
+    `tool_calls` and a tool result's `tool_call_id`."""
     if not messages:
         raise InvalidRequest("messages is empty: send at least one message", param="messages")
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
-def _message(i: int, m: ChatMessage) -> dict[str, str]:
+def _message(i: int, m: ChatMessage) -> dict[str, Any]:
     role = _ROLE_ALIASES.get(m.role, m.role)
     if role not in CHAT_ROLES:
         raise InvalidRequest(
@@ -272,8 +294,8 @@ def _message(i: int, m: ChatMessage) -> dict[str, str]:
     for name in _MESSAGE_NOOPS:
         value = getattr(m, name)
         if value not in (None, "", []):
-            raise InvalidRequest(f"messages[{i}].{name} is not supported yet (no tool calls, audio or "
-                                 f"refusals); send null or omit it", param=f"messages[{i}].{name}")
+            raise InvalidRequest(f"messages[{i}].{name} is not supported yet (no legacy function calls, "
+                                 f"audio or refusals); send null or omit it", param=f"messages[{i}].{name}")
     content = m.content
     if isinstance(content, list):
         content = "".join(_text_part(i, j, part) for j, part in enumerate(content))
@@ -282,13 +304,30 @@ def _message(i: int, m: ChatMessage) -> dict[str, str]:
             raise InvalidRequest(f"messages[{i}].content is required for role {role!r}",
                                  param=f"messages[{i}].content")
         content = ""
-    out = {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
     if m.name:
         out["name"] = m.name
+    _tool_fields(i, m, role, out)
     return out
 
 
-_MESSAGE_NOOPS = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+def _tool_fields(i: int, m: ChatMessage, role: str, out: dict[str, Any]) -> None:
+    if m.tool_calls:
+        if role != "assistant":
+            raise InvalidRequest(f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                                 param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = history_calls(m.tool_calls)
+    if role == "tool":
+        if not m.tool_call_id:
+            raise InvalidRequest(f"messages[{i}].tool_call_id is required for role 'tool' (the id of the call "
+                                 f"it answers)", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = m.tool_call_id
+    elif m.tool_call_id is not None:
+        raise InvalidRequest(f"messages[{i}].tool_call_id belongs on a 'tool' message only",
+                             param=f"messages[{i}].tool_call_id")
+
+
+_MESSAGE_NOOPS = ("refusal", "function_call", "audio", "annotations")
 
 
 def _text_part(i: int, j: int, part: dict[str, Any]) -> str:

@@ -101,9 +101,9 @@ class GatewayService:
     # ------------------------------------------------------------ request path
 
     async def prepare(self, params: CompletionParams) -> Prepared:
-        """Validate and tokenize; long prompts are tokenized in a thread."""
+        """Validate and tokenize; long prompts are tokenized, and grammars checked (compiled), in a thread."""
         args = (params, self.settings, self.info, self.tokenizer)
-        if params.prompt is not None and len(params.prompt) > _BIG_PROMPT_CHARS:
+        if params.grammar is not None or (params.prompt is not None and len(params.prompt) > _BIG_PROMPT_CHARS):
             return await asyncio.to_thread(build_request, *args)
         return build_request(*args)
 

@@ -52,3 +52,5 @@ class GatewaySettings(BaseSettings):
     resume_grace_s: PositiveFloat = 30.0  # "resumable": a dropped client has this long to resume
     max_concurrent_requests_per_key: int = Field(default=0, ge=0)  # per API key, per replica; 0 = off
     tokens_per_minute_per_key: int = Field(default=0, ge=0)  # prompt + max_tokens, per replica; 0 = off
+    # Structured outputs and tools (issue 13):
+    max_grammar_bytes: PositiveInt = 65536  # a request's grammar spec (schema, regex, Lark, tools) as JSON

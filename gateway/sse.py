@@ -9,7 +9,10 @@ connection. After the last token: a usage chunk (if `stream_options.include_usag
 Chat chunks carry `delta.role` on the event of index 0 and `delta.content` on every event.
 With n > 1 each event is one choice's token (`index` is the choice); with logprobs each carries
 that token's logprobs (gateway/logprobs.py); with echo, a completion's first event starts with
-the prompt's text (and, with logprobs, the prompt's logprobs).
+the prompt's text (and, with logprobs, the prompt's logprobs). A chat with tools parses each
+choice's text for tool calls (`toolparse.ToolCallStream`): text that may open a call is held
+back, a completed call goes out as `delta.tool_calls` (name and arguments whole) and the choice
+finishes with "tool_calls"; the whole body gets `message.tool_calls` the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from gateway.logprobs import CompletionLogprobs, TokenText, chat_logprobs, empty
 from gateway.relay import Delta
 from gateway.resume import StreamMeta
 from gateway.service import GatewayService
+from gateway.toolparse import ToolCallStream
 from gateway.validation import Prepared
 from tandem_core.errors import TandemError, WorkerFailed
 
@@ -55,6 +59,7 @@ class Formatter:
         self._text: dict[int, list[str]] = {}
         self._finish: dict[int, str | None] = {}
         self._lps: dict[int, list] = {}
+        self._calls: dict[int, ToolCallStream] = {}  # chat with tools: each choice's parser
         self.completion_tokens = 0
 
     def chunk(self, d: Delta | None, usage_: dict | None = None) -> dict:
@@ -72,10 +77,31 @@ class Formatter:
     def _choice(self, d: Delta) -> dict:
         lp = self._logprobs(d)
         if self.meta.kind == "chat":
-            delta = {"role": "assistant", "content": d.text} if d.index == 0 else {"content": d.text}
-            return {"index": d.choice, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+            text, calls, finish = self._tool_calls(d) if self.meta.tools else (d.text, [], d.finish_reason)
+            delta = {"role": "assistant", "content": text} if d.index == 0 else {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
+            return {"index": d.choice, "delta": delta, "finish_reason": finish, "logprobs": lp}
         text = self.meta.echo + d.text if self.meta.echo is not None and d.index == 0 else d.text
         return {"index": d.choice, "text": text, "finish_reason": d.finish_reason, "logprobs": lp}
+
+    def _tool_calls(self, d: Delta) -> tuple[str, list[dict], str | None]:
+        """This delta's text past the tool-call parser, the calls it completed, its finish reason."""
+        parser = self._calls.setdefault(d.choice, ToolCallStream(self.meta.request_id, d.choice))
+        text, calls = parser.feed(d.text)
+        finish = d.finish_reason
+        if finish is not None:
+            text += parser.finish()
+            if finish == "stop" and parser.calls:
+                finish = "tool_calls"
+        return text, calls, finish
+
+    def _message(self, i: int, text: str) -> dict:
+        parser = self._calls.get(i)
+        if parser is None or not parser.calls:
+            return {"role": "assistant", "content": text, "refusal": None}
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in parser.calls]
+        return {"role": "assistant", "content": text.strip() or None, "refusal": None, "tool_calls": calls}
 
     def _logprobs(self, d: Delta) -> dict | None:
         m = self.meta
@@ -95,8 +121,8 @@ class Formatter:
     def add(self, d: Delta) -> None:
         """Accumulate one Delta into the whole body."""
         ch = self._choice(d)
-        self._text.setdefault(d.choice, []).append(ch["text"] if "text" in ch else d.text)
-        self._finish[d.choice] = d.finish_reason
+        self._text.setdefault(d.choice, []).append(ch["text"] if "text" in ch else ch["delta"]["content"])
+        self._finish[d.choice] = ch["finish_reason"]
         if ch["logprobs"] is not None:
             self._lps.setdefault(d.choice, []).append(ch["logprobs"])
         self.completion_tokens = d.completion_tokens
@@ -111,8 +137,8 @@ class Formatter:
                 lp = {"content": [x for p in lps for x in p["content"]], "refusal": None} if lps else None
                 if m.logprobs is not None and lp is None:
                     lp = {"content": [], "refusal": None}
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "finish_reason": finish, "logprobs": lp})
+                choices.append({"index": i, "message": self._message(i, text), "finish_reason": finish,
+                                "logprobs": lp})
             else:
                 lp = merge_completion(lps) if lps else None
                 choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": lp})

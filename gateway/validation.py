@@ -4,7 +4,9 @@ Both transports turn their wire format into one `CompletionParams`, and `build_r
 against the settings and the model, tokenizes, and returns the `GenerationRequest` to enqueue.
 Every failure is an `InvalidRequest` (or `ModelNotFound`) whose message names the field and the
 limit, so a client can fix the request without reading our code. The sampling extras (n,
-penalties, logit_bias, min_tokens, stop_token_ids, logprobs) are checked in `sampling_checks.py`.
+penalties, logit_bias, min_tokens, stop_token_ids, logprobs) are checked in `sampling_checks.py`;
+a grammar spec (structured outputs, forced tool calls) is size-checked and, where the grammar
+library is installed, checked by it in `structured.py` before anything is enqueued.
 Cheap checks come before tokenization, so a bad field is reported even with a long prompt.
 `Prepared` also carries what the formatters need (echo, logprobs, n, ...). Pure: no I/O here.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import sampling_checks as checks
+from gateway.structured import check_grammar
 from gateway.settings import GatewaySettings
 from tandem_core import keys
 from tandem_core.errors import InvalidRequest, ModelNotFound, PromptTooLong
@@ -59,6 +62,9 @@ class CompletionParams:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     add_special_tokens: bool = True  # False: the text already has them (a model's chat template)
     max_tokens_to_context: bool = False  # chat: no max_tokens = until a stop or the context ends
+    # Structured outputs and tools (issue 13):
+    grammar: dict | None = None  # GenerationRequest.grammar
+    grammar_param: str | None = None  # the field that set it, for errors
 
 
 @dataclass
@@ -213,6 +219,16 @@ def _check_ids(p: CompletionParams) -> tuple[str, str]:
     return priority, rid
 
 
+def _check_grammar(p: CompletionParams, s: GatewaySettings, tokenizer: Tokenizer, vocab_size: int) -> None:
+    if p.grammar is None:
+        return
+    param = p.grammar_param or "grammar"
+    if p.ignore_eos:
+        raise InvalidRequest(f"ignore_eos cannot be combined with {param}: a constrained output ends with EOS "
+                             f"once it is complete", param="ignore_eos")
+    check_grammar(p.grammar, param, s.max_grammar_bytes, tokenizer, vocab_size)
+
+
 def build_request(
     p: CompletionParams, s: GatewaySettings, info: ModelInfo, tokenizer: Tokenizer
 ) -> Prepared:
@@ -226,6 +242,7 @@ def build_request(
     stop = _check_stop(p.stop, s)
     stop_ids = checks.check_stop_token_ids(p.stop_token_ids, () if p.ignore_eos else info.eos_token_ids,
                                            info.vocab_size)
+    _check_grammar(p, s, tokenizer, info.vocab_size)
     prompt_ids = _tokenize(p, tokenizer, info)
     max_tokens = _check_lengths(len(prompt_ids), p, s)
     sampling["min_tokens"] = checks.check_min_tokens(p.min_tokens, max_tokens)
@@ -242,6 +259,7 @@ def build_request(
         enqueued_ts=now,
         n=n,
         prompt_logprobs=p.logprobs if p.echo and p.logprobs is not None else None,
+        grammar=p.grammar,
     )
     return Prepared(request=req, stop=stop, model=model, arrival_ts=arrival, echo=p.echo, logprobs=p.logprobs,
                     skip_special_tokens=p.skip_special_tokens, continuous_usage=p.continuous_usage, n=n,
