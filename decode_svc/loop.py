@@ -16,6 +16,15 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
    them in one pipelined Redis round trip. If Redis falls behind, `outputs` fills and this thread
    blocks: back-pressure instead of unbounded memory.
 Every step's batch is delivered (or the thread stops): no step's tokens are skipped silently.
+
+Constrained slots (a request with a grammar, tandem_core/grammar.py): the slot keeps a Matcher,
+rebuilt at insert from the output so far (prompt_ids[output_from:], then token `start_index`), so a
+request resumed on another pod carries on where its stream left off. Step n+1's mask needs token n
+on the host, so while any constrained slot is active the step runs unpipelined: the pending step
+is drained, its tokens fed to the matchers, the masks computed, then the step is dispatched with
+them and its tokens read at once. Unconstrained batches stay pipelined and use the maskless
+compiled step. A complete grammar finishes its request with EOS ("stop") without another step;
+a matcher error finishes that request with "error", never the loop. Matchers live with their slot.
 """
 from __future__ import annotations
 
@@ -31,10 +40,11 @@ import numpy as np
 
 from decode_svc.slots import Active, SlotTable
 from tandem_core.errors import TandemError
+from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S, GrammarError, Grammars, Matcher
 from tandem_core.sampling_args import first_finish, insert_args, prefill_args
 from tandem_core.types import (
     FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload, choice_ids,
-    encode_prompt_logprobs,
+    TokenLogprobs, encode_prompt_logprobs,
 )
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
 
@@ -88,15 +98,27 @@ class LoopStats:
     tokens: int = 0
     local_prefills: int = 0
     host_wait_s: float = 0.0  # time blocked copying tokens to the host
+    constrained_steps: int = 0  # steps run with grammar masks (unpipelined)
+    mask_s: float = 0.0  # host time computing those masks
     busy_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+
+
+def _consume(matcher: Matcher, token: int) -> str | None:
+    """Feed a sampled token to its slot's matcher: None, or why the grammar rejected it."""
+    try:
+        matcher.consume(token)
+    except GrammarError as e:
+        return e.message
+    return None
 
 
 class EngineLoop:
     def __init__(self, engine, table: SlotTable, inserts: "queue.Queue[Insert | LocalPrefill]",
                  outputs: "queue.Queue[list[Emitted]]", on_slot_freed: Callable[[], None],
                  pipelined: bool = True, output_timeout_s: float = 30.0,
-                 on_output: Callable[[], None] | None = None) -> None:
+                 on_output: Callable[[], None] | None = None, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
+                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S) -> None:
         self.engine = engine
         self.table = table
         self.inserts = inserts  # pulled KV and local prompts alike: both fill a reserved slot
@@ -111,6 +133,8 @@ class EngineLoop:
         self._cancel_lock = threading.Lock()
         self._stop = threading.Event()
         self._held: deque[HeldChoice] = deque()  # counted in table.hold()
+        self.grammars = Grammars(engine.info, cache_size=grammar_cache_size, deadline_s=mask_deadline_s)
+        self._matchers: dict[int, Matcher] = {}  # slot -> its request's matcher, while it lives
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
 
@@ -144,26 +168,65 @@ class EngineLoop:
             state = self._apply_cancels(state)
             idle = pending is None and self.table.used == 0
             state = self._apply_inserts(state, block_s=0.05 if idle else 0.0)
-            current = None
+            current, masks = None, None
             t0 = time.perf_counter()
+            if pending is not None and self._matchers:  # the masks need the pending step's tokens
+                state, pending = self._process(pending, state), None
+            if self._matchers:
+                state, masks = self._masks(state)
             if self.table.used:
                 snapshot = self.table.snapshot()
                 # dispatch only (returns before the device is done), over the slots in use; the
-                # step with logprobs (a compiled variant of its own) only when a slot asks for them
+                # step with logprobs (a compiled variant of its own) only when a slot asks for them,
+                # the masked one only when a slot has a grammar
                 want = any(a.req.sampling.logprobs is not None for a in snapshot)
-                if want:
-                    state, toks = self.engine.generate(state, self.table.rows(), logprobs=True)
-                else:
-                    state, toks = self.engine.generate(state, self.table.rows())
+                kw = {"logprobs": True} if want else {}
+                if masks is not None:
+                    kw["masks"] = masks
+                state, toks = self.engine.generate(state, self.table.rows(), **kw)
                 current = (toks, snapshot, want)
                 self.stats.steps += 1
-            if not self.pipelined and current is not None:
-                state = self._process(current, state)
+            if (not self.pipelined or masks is not None) and current is not None:
+                state = self._process(current, state)  # pending is None here: the order holds
                 current = None
             if pending is not None:
                 state = self._process(pending, state)
             pending = current
             self.stats.busy_s += time.perf_counter() - t0
+
+    def _masks(self, state):
+        """(state, masks [rows, words] for the next step, or None if no constrained slot is left).
+        A complete grammar finishes its request here with EOS; a failed mask fails its request."""
+        t0 = time.perf_counter()
+        out: list[Emitted] = []
+        rows = self.table.rows()
+        masks = np.full((rows, self._words()), -1, np.int32)
+        for act in self.table.snapshot():
+            m = self._matchers.get(act.slot)
+            if m is None:
+                continue
+            try:
+                if not m.done():
+                    m.mask_into(masks[act.slot])
+                    continue
+                k = act.req.sampling.logprobs  # EOS is certain under the grammar: logprob 0
+                lp = TokenLogprobs(0.0, ((m.eos, 0.0),)[:k]).encode() if k is not None else None
+                out.append(Emitted(act.req.request_id, act.next_index, m.eos, FINISH_STOP, logprobs=lp))
+            except GrammarError as e:
+                log.warning("grammar failed request_id=%s: %s", act.req.request_id, e.message)
+                out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_ERROR, error=e.message))
+            state = self._free(state, act)
+        self.stats.mask_s += time.perf_counter() - t0
+        if out:
+            self.stats.tokens += sum(e.token >= 0 for e in out)
+            self._emit(out)
+        if not self._matchers or not self.table.used:
+            return state, None
+        self.stats.constrained_steps += 1
+        return state, masks[: self.table.rows()]
+
+    def _words(self) -> int:
+        return (self.engine.info.vocab_size + 31) // 32
 
     def _apply_inserts(self, state, block_s: float):
         state = self._apply_held(state)  # choices already prefilled go first
@@ -181,8 +244,19 @@ class EngineLoop:
         return state
 
     def _insert(self, state, prefix, req: GenerationRequest, first_token: int, held: bool = False):
+        matcher = None
+        if req.grammar is not None:  # the output so far, then token start_index: a resume carries on
+            try:
+                matcher = self.grammars.matcher(req.grammar, [*req.prompt_ids[req.output_from:], first_token])
+            except TandemError as e:  # this request fails; its reservation (or hold) is given back
+                self.table.unhold() if held else self.table.unreserve()
+                self.on_slot_freed()
+                self._emit([Emitted(req.request_id, req.start_index + 1, -1, FINISH_ERROR, error=e.message)])
+                return state
         slot = self.table.free_slot_index()
         state = self.engine.insert(prefix, state, slot, req.sampling, **insert_args(req, first_token))
+        if matcher is not None:
+            self._matchers[slot] = matcher
         self.table.occupy(Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
                                  stop_ids=frozenset(req.stop_token_ids)), held=held)
         return state
@@ -193,7 +267,7 @@ class EngineLoop:
         reserved slot; with n > 1 the rest are held until slots free up)."""
         req = item.req
         try:
-            prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req))
+            prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req, self.grammars))
             prompt_lp = None
             if req.prompt_logprobs is not None and req.start_index == 0:
                 prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))
@@ -262,16 +336,19 @@ class EngineLoop:
             tok = int(tokens[act.slot])
             idx = act.next_index
             act.next_index += 1
-            finish = None
-            if tok in act.stop_ids:
+            finish, matcher = None, self._matchers.get(act.slot)
+            error = None if matcher is None else _consume(matcher, tok)
+            if error is not None:  # sampled under its mask, so never expected: fails this one only
+                tok, finish = -1, FINISH_ERROR
+            elif tok in act.stop_ids or (matcher is not None and matcher.done() and tok == matcher.eos):
                 finish = FINISH_STOP
             # A resumed request's prompt already holds tokens 0..start_index-1: the next input
             # goes to position prompt_len + (idx - start_index), which must stay inside max_len.
             elif idx + 1 >= act.req.max_tokens or act.prompt_len + idx - act.req.start_index >= max_len:
                 finish = FINISH_LENGTH
             k = act.req.sampling.logprobs
-            lp = unpack_logprobs(host[act.slot], k).encode() if want and k is not None else None
-            out.append(Emitted(act.req.request_id, idx, tok, finish, logprobs=lp))
+            lp = unpack_logprobs(host[act.slot], k).encode() if want and k is not None and tok >= 0 else None
+            out.append(Emitted(act.req.request_id, idx, tok, finish, logprobs=lp, error=error))
             if finish:
                 state = self._free(state, act)
         self.stats.tokens += len(out)
@@ -280,6 +357,7 @@ class EngineLoop:
         return state
 
     def _free(self, state, act: Active):
+        self._matchers.pop(act.slot, None)
         self.table.release(act.slot)
         state = self.engine.free(state, act.slot)
         self.on_slot_freed()

@@ -22,6 +22,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from tandem_core import keys, recovery, streams
 from tandem_core.errors import TandemError
+from tandem_core.grammar import DEFAULT_CACHE_SIZE, Grammars
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.streams import REDIS_DOWN
 from tandem_core.sampling_args import first_finish, prefill_args
@@ -45,6 +46,8 @@ class PrefillWorker:
         self.prefilled = 0
         self._last_reclaim = 0.0
         self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
+        # token 0 of a constrained request is masked too (compiled grammars: LRU, bounded)
+        self.grammars = Grammars(engine.info, cache_size=getattr(settings, "grammar_cache_size", DEFAULT_CACHE_SIZE))
 
     def _max_prefix_bytes(self) -> int:
         i = self.engine.info
@@ -148,7 +151,7 @@ class PrefillWorker:
 
     def _prefill_sync(self, req: GenerationRequest):
         """(payload, per-choice first tokens and their logprobs, encoded prompt logprobs or None)."""
-        prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req))
+        prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req, self.grammars))
         prompt_lp = None
         if req.prompt_logprobs is not None and req.start_index == 0:
             prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))

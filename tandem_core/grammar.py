@@ -12,8 +12,10 @@ for its tokenizer info; outlines-core compiles a whole-vocabulary index per sche
 large schema, memory per schema).
 
 JSON is compiled compact: `whitespace_flexible` off, separators "," and ":" only, so no token can
-be spent on whitespace and a strict schema can always be closed; once the grammar is complete the
-mask allows only EOS, so a constrained request ends with finish "stop".
+be spent on whitespace and a strict schema can always be closed; an integer without bounds gets
+the safe-integer range (`bounded`: at most 16 digits); once the grammar is complete the mask
+allows only EOS, so a constrained request ends with finish "stop". Strings without maxLength and
+the fraction of a number stay unbounded (a schema that wants a short answer says so).
 
 Who calls what: the gateway calls `check_spec` to refuse a bad spec with a 400 before enqueueing;
 the prefill pod and the decode pod call `compile_spec` (LRU-cached, bounded by the caller's size)
@@ -38,8 +40,8 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_SPEC_BYTES = 64 * 1024  # a schema / grammar / pattern bigger than this is refused (400)
 MAX_CHOICES = 256
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept per tokenizer (LRU); settings pass their own
-DEFAULT_MASK_DEADLINE_S = 0.05  # one mask slower than this fails its request (llguidance's own
-# fuel limits bound the work; this catches a pathological grammar on a slow host)
+DEFAULT_MASK_DEADLINE_S = 0.05  # one mask taking more CPU than this fails its request (llguidance's
+# own fuel limits bound a step to ~15 ms of work; this catches what slips past them)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 LIMITS = dict(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
               max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
@@ -128,6 +130,28 @@ def _field(spec: dict, name: str, kind: type) -> Any:
     return value
 
 
+SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): the integers every JSON reader holds exactly
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
+
+
+def bounded(schema: Any) -> Any:
+    """The schema with every integer that has no bound on a side bounded to the safe-integer
+    range, so an integer has at most 16 digits: left unbounded, a small model at temperature 1
+    writes digits until max_tokens (seen: 60 digits of an "age"). A copy; data values untouched."""
+    if isinstance(schema, list):
+        return [bounded(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYS else bounded(v)) for k, v in schema.items()}
+    types = out.get("type")
+    if types == "integer" or (isinstance(types, list) and types == ["integer"]):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
+
+
 def _choice_grammar(spec: dict) -> str:
     choices = _field(spec, "choices", list)
     if not 0 < len(choices) <= MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
@@ -146,8 +170,8 @@ def grammar_of(spec: dict) -> str:
         schema = spec.get("schema")
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("grammar json_schema needs 'schema' as a JSON object", param="grammar")
-        text = _sized("schema", json.dumps(schema, separators=(",", ":")))
-        return llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+        _sized("schema", json.dumps(schema, separators=(",", ":")))
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)), overrides=JSON_OPTIONS)
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', overrides=JSON_OPTIONS)
     if kind == "regex":
@@ -263,9 +287,9 @@ class Matcher:
         """Write the allowed-token bitmask (int32 [width], bit t % 32 of word t // 32) into `row`."""
         if row.dtype != np.int32 or row.shape != (self.width,) or not row.flags["C_CONTIGUOUS"]:
             raise ValueError(f"mask row must be contiguous int32 [{self.width}], got {row.dtype} {row.shape}")
-        t0 = time.perf_counter()
-        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        took = time.perf_counter() - t0
+        t0 = time.thread_time()  # CPU time of this thread: a busy host's preemption is not the grammar's
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)  # runs here, GIL dropped
+        took = time.thread_time() - t0
         if self._m.is_error():
             raise GrammarError(f"grammar {self.compiled.kind} failed: {self._m.get_error()}")
         if took > self.deadline_s:
@@ -296,3 +320,39 @@ class Matcher:
 def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
     """int32 [rows, ceil(vocab / 32)] with every bit set: an unconstrained slot's mask row."""
     return np.full((rows, (vocab_size + 31) // 32), -1, np.int32)
+
+
+class Grammars:
+    """A worker's grammar front: compiled grammars (LRU, `cache_size` from settings) and matchers
+    for the model an engine serves. The tokenizer loads on the first constrained request, so a pod
+    that never sees one never builds it."""
+
+    def __init__(self, info, *, cache_size: int = DEFAULT_CACHE_SIZE,
+                 deadline_s: float = DEFAULT_MASK_DEADLINE_S) -> None:
+        self.info = info  # tandem_core.models.ModelInfo: the tokenizer and the mask width
+        self.cache_size = int(cache_size)
+        self.deadline_s = float(deadline_s)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tandem_core.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.info)
+        return self._tokenizer
+
+    def compiled(self, spec: dict) -> Compiled:
+        return compile_spec(spec, self.tokenizer, vocab_size=self.info.vocab_size, cache_size=self.cache_size)
+
+    def matcher(self, spec: dict, tokens: Sequence[int] = ()) -> Matcher:
+        """A matcher past `tokens` (the output so far); InvalidRequest / GrammarError if it cannot be."""
+        return self.compiled(spec).matcher(tokens, self.deadline_s)
+
+    def first_masks(self, req) -> np.ndarray | None:
+        """Token `start_index`'s masks, one row per choice (they share the grammar and the output so
+        far, prompt_ids[output_from:]), for Engine.prefill; None for a request without a grammar."""
+        if req.grammar is None:
+            return None
+        row = self.matcher(req.grammar, req.prompt_ids[req.output_from:]).mask()
+        return np.tile(row, (max(1, req.n), 1))

@@ -11,12 +11,19 @@ from typing import Any
 from tandem_core.types import FINISH_LENGTH, FINISH_STOP, GenerationRequest
 
 
-def prefill_args(req: GenerationRequest) -> dict[str, Any]:
+def prefill_args(req: GenerationRequest, grammars=None) -> dict[str, Any]:
     """`Engine.prefill` keywords: one first token per choice (n > 1), the index it has, where
-    the output already streamed starts in the prompt (a resume) and the ids min_tokens holds back."""
+    the output already streamed starts in the prompt (a resume) and the ids min_tokens holds back.
+    A request with a grammar gets its token masks from `grammars` (tandem_core.grammar.Grammars;
+    InvalidRequest / GrammarError if the spec cannot run); without one the key is left out."""
     choices = [req.choice(i).sampling for i in range(req.n)] if req.n > 1 else None
-    return {"choices": choices, "start_index": req.start_index, "output_from": req.output_from,
-            "stop_ids": list(req.stop_token_ids)}
+    kw = {"choices": choices, "start_index": req.start_index, "output_from": req.output_from,
+          "stop_ids": list(req.stop_token_ids)}
+    if req.grammar is not None:
+        if grammars is None:
+            raise ValueError(f"request {req.request_id} has a grammar but this caller passed no Grammars")
+        kw["masks"] = grammars.first_masks(req)
+    return kw
 
 
 def insert_args(req: GenerationRequest, first_token: int) -> dict[str, Any]:
