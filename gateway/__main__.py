@@ -65,6 +65,7 @@ async def serve(settings: GatewaySettings) -> int:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)), loop="none", http=_http_impl(),
+        timeout_keep_alive=max(1, int(settings.http_keep_alive_s)),
         log_config=None,
         access_log=settings.log_level.upper() == "DEBUG",
     )
