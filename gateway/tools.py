@@ -8,7 +8,10 @@ default chat template lists the functions in a system block and asks for that fo
 - `"auto"`: free text, parsed afterwards for `<tool_call>` blocks (`toolparse.py`);
 - `"required"` or a named function: a Lark grammar (llguidance's dialect, one `%json` schema per
   function) forces `<tool_call>` + `{"name": <that function>, "arguments": <its parameters
-  schema>}` + `</tool_call>`, so the arguments always parse and validate;
+  schema>}` + `</tool_call>`, so the arguments always parse and validate. One call, unless
+  `"parallel_tool_calls": true` with "required" (then 1..MAX_PARALLEL_CALLS): OpenAI's default
+  is parallel, but a grammar that may go on with another call lets a small model start one it
+  cannot finish within max_tokens, and a cut call is no call;
 - `"none"`: no tools in the prompt, plain text.
 The legacy `functions`/`function_call` fields stay refused (send `tools`/`tool_choice`).
 
@@ -103,7 +106,7 @@ def plan(tools: list[ToolDef] | None, choice: ToolChoice | None, parallel: bool 
     if choice == "auto":
         return ToolPlan(shown, parse=True)
     if choice == "required":
-        return ToolPlan(shown, parse=True, grammar=call_grammar(tools, many=parallel is not False))
+        return ToolPlan(shown, parse=True, grammar=call_grammar(tools, many=parallel is True))
     wanted = choice.function.name
     picked = [t for t in tools if t.function.name == wanted]
     if not picked:

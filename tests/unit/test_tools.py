@@ -172,11 +172,12 @@ def test_named_function_forces_its_schema():
 
 
 def test_required_allows_any_tool_and_parallel_calls():
-    g = _body(tools=[WEATHER, TIME], tool_choice="required").to_params().grammar["grammar"]
+    g = _body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=True).to_params().grammar["grammar"]
     assert g.startswith("start: call{1,8}\n") and "body: fn_0 | fn_1\n" in g
     assert '"name":{"const":"get_time"},"arguments":{"type":"object","properties":{},"additionalProperties":false}' in g
-    one = _body(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False).to_params().grammar
-    assert one["grammar"].startswith("start: call\n")
+    for parallel in (False, None):  # absent: one call too (it ends within max_tokens)
+        one = _body(tools=[WEATHER], tool_choice="required", parallel_tool_calls=parallel).to_params().grammar
+        assert one["grammar"].startswith("start: call\n") and "body: fn_0\n" in one["grammar"]
 
 
 @pytest.mark.parametrize("kw,param,words", [
