@@ -210,8 +210,11 @@ async def tokenize(request: Request, svc: Service, authorization: Auth = None) -
     check_model(body.model, svc.settings, svc.info)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send either prompt or messages", param="prompt")
+    if body.tools is not None and body.messages is None:
+        raise InvalidRequest("tools needs messages (they are rendered with the chat template)", param="tools")
     if body.messages is not None:
-        text, add = await _render(svc, chat_messages(body.messages)), svc.chat_template.add_special_tokens
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+        text, add = await _render(svc, chat_messages(body.messages), tools), svc.chat_template.add_special_tokens
     else:
         text, add = body.prompt, True
     add = add if body.add_special_tokens is None else body.add_special_tokens

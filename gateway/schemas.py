@@ -377,6 +377,7 @@ class TokenizeBody(BaseModel):
     model: StrictStr | None = Field(default=None, max_length=256)
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None  # with messages: rendered as chat does
     add_special_tokens: StrictBool | None = None  # default: as the completion or chat endpoint encodes
 
 

@@ -150,6 +150,10 @@ def test_tokenize_and_detokenize(client):
     assert raw["tokens"] == list(b"hello")
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == [BYTE_BOS, *b"<|user|>\nhi\n<|assistant|>\n"]
+    fn = {"type": "function", "function": {"name": "f"}}
+    with_tools = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], "tools": [fn]})
+    assert bytes(with_tools.json()["tokens"][1:]).decode().startswith("<|system|>\n# Tools\n"), with_tools.text
+    _err(client.post("/tokenize", json={"prompt": "a", "tools": [fn]}), 400, "tools", "messages")
     text = client.post("/detokenize", json={"tokens": [BYTE_BOS, *b"h\xc3\xa9llo", BYTE_EOS]}).json()
     assert text == {"prompt": "héllo"}
     _err(client.post("/detokenize", json={"tokens": [1, 258]}), 400, "tokens", "258", "vocabulary")
