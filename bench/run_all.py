@@ -16,6 +16,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 BENCHMARKS = [
     "engine.py",
     "processing.py",  # penalties, bias and logprobs vs the plain decode step (issue 12)
+    "constrained.py",  # grammar-constrained slots (0/50/100%) vs the plain decode step (issue 13)
     "kv_transfer.py",
     "serve.py",
     "interleave.py",  # reuses serve.py's burst runs of the same `make bench`
