@@ -325,3 +325,29 @@ def test_bad_resume_fails_that_request_only(builtin):
                  expect_constrained=False)
     assert got["bad"][-1].finish == "error" and "grammar" in got["bad"][-1].error
     assert [e.index for e in got["plain"]] == list(range(6)) and got["plain"][-1].finish == "length"
+
+
+def test_complete_grammar_forces_eos_and_stop_even_with_ignore_eos(engine):
+    """The byte-level tiny preset under a one-answer choice: the tokens are forced ("a", "b"), then
+    the complete grammar ends the request with EOS, "stop", logprob 0 (certain), without a step."""
+    loop, table, inserts, outputs = _start(engine)
+    try:
+        table.reserve(1)
+        req = GenerationRequest("forced", [256, 70, 71], 20, SamplingParams(temperature=1.0, seed=2, logprobs=1),
+                                ignore_eos=True, grammar={"kind": "choice", "choices": ["ab"]})
+        inserts.put(LocalPrefill(req, ("s", "g", b"3-0")))
+        got: list = []
+        deadline = time.monotonic() + 60
+        while not (got and got[-1].finish):
+            assert time.monotonic() < deadline, got
+            try:
+                got += outputs.get(timeout=1)
+            except queue.Empty:
+                continue
+    finally:
+        loop.stop()
+    assert loop.error is None
+    assert [(e.index, e.token, e.finish) for e in got] == [(0, 97, None), (1, 98, None), (2, 257, "stop")]
+    from tandem_core.types import TokenLogprobs
+    assert TokenLogprobs.decode(got[-1].logprobs).logprob == 0.0
+    assert all(TokenLogprobs.decode(e.logprobs).logprob == pytest.approx(0.0, abs=1e-4) for e in got)
