@@ -35,7 +35,7 @@ async def serve(s: DecodeSettings) -> int:
     t0 = time.monotonic()
     # Compile the decode shapes now, not on a request's clock (and every prefill when this pod
     # prefills all its prompts; direct short prompts compile their bucket on first use).
-    await asyncio.to_thread(engine.warmup, s.colocated)
+    await asyncio.to_thread(engine.warmup, s.colocated, True, True)  # plain, logprobs and masked steps
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s)", time.monotonic() - t0,
              list(engine.buckets), list(engine.batch_buckets))
     r = streams.connect(s.redis)
@@ -46,7 +46,8 @@ async def serve(s: DecodeSettings) -> int:
     loop = asyncio.get_running_loop()
     io: DecodeIO | None = None
     engine_loop = EngineLoop(engine, table, inserts, outputs, lambda: io and io.notify_slot_freed(loop),
-                             on_output=lambda: io and io.notify_output(loop))
+                             on_output=lambda: io and io.notify_output(loop),
+                             grammar_cache_size=s.engine.grammar_cache_size, mask_deadline_s=s.engine.mask_deadline_s)
     io = DecodeIO(s, r, table, engine_loop, inserts, outputs, worker_id)
     await streams.retry_redis(io.owned.load, "load publish script", log=log)
 

@@ -22,7 +22,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from tandem_core import keys, recovery, streams
 from tandem_core.errors import TandemError
-from tandem_core.grammar import DEFAULT_CACHE_SIZE, Grammars
+from tandem_core.grammar import Grammars
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.streams import REDIS_DOWN
 from tandem_core.sampling_args import first_finish, prefill_args
@@ -47,7 +47,8 @@ class PrefillWorker:
         self._last_reclaim = 0.0
         self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
         # token 0 of a constrained request is masked too (compiled grammars: LRU, bounded)
-        self.grammars = Grammars(engine.info, cache_size=getattr(settings, "grammar_cache_size", DEFAULT_CACHE_SIZE))
+        self.grammars = Grammars(engine.info, cache_size=settings.engine.grammar_cache_size,
+                                 deadline_s=settings.engine.mask_deadline_s)
 
     def _max_prefix_bytes(self) -> int:
         i = self.engine.info

@@ -54,6 +54,10 @@ class EngineConfig(BaseModel):
     cpu_threads: int = Field(default=0, ge=0)
     compile_cache_dir: str = Field(default_factory=lambda: os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem", "jax"))
+    # Structured outputs: compiled grammars kept (LRU), and the CPU time one token mask may take
+    # before its request fails (the others go on).
+    grammar_cache_size: PositiveInt = 128
+    mask_deadline_s: PositiveFloat = 0.05
 
 
 def default_worker_id(role: str) -> str:
