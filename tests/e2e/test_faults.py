@@ -60,8 +60,8 @@ async def _n_choices_through_a_kill(base: str) -> dict:
 
     import httpx
 
-    await faults.wait_healthy(base, faults.WANT)
-    prompt, max_tokens = faults.prompts(1)[0], 300
+    decode_pids = [w["pid"] for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
+    prompt, max_tokens = faults.prompts(1)[0], 420  # + the ~70-token prompt: inside the 512 context
     body = {"model": faults.MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=base, timeout=180) as c:
         reference = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
@@ -77,10 +77,9 @@ async def _n_choices_through_a_kill(base: str) -> dict:
                     texts[i] += ch["text"]
                     counts[i] += 1
                     finish[i] = ch["finish_reason"] or finish[i]
-                if not killed and min(counts) >= 20:  # every decode pod: whichever holds the choices
-                    for w in await faults.wait_healthy(base, faults.WANT):
-                        if w["role"] == "decode":
-                            os.kill(w["pid"], signal.SIGKILL)
+                if not killed and min(counts) >= 10:  # every decode pod (whichever holds the choices), at once
+                    for pid in decode_pids:
+                        os.kill(pid, signal.SIGKILL)
                     killed = True
     return {"texts": texts, "counts": counts, "finish": finish, "reference": reference, "max_tokens": max_tokens,
             "killed": killed}
@@ -112,7 +111,7 @@ async def _constrained_through_a_kill(base: str, schema: dict) -> tuple[str, str
 
     import httpx
 
-    await faults.wait_healthy(base, faults.WANT)
+    decode_pids = [w["pid"] for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
     body = {"model": faults.MODEL, "prompt": faults.prompts(1)[0], "max_tokens": 400, "temperature": 1.0,
             "seed": 5, "stream": True, "structured_outputs": {"json": schema}}
     text, finish, count, killed = "", None, 0, False
@@ -128,9 +127,8 @@ async def _constrained_through_a_kill(base: str, schema: dict) -> tuple[str, str
                     text += ch["text"]
                     count += 1
                     finish = ch["finish_reason"] or finish
-                if not killed and count >= 30:
-                    for w in await faults.wait_healthy(base, faults.WANT):
-                        if w["role"] == "decode":
-                            os.kill(w["pid"], signal.SIGKILL)
+                if not killed and count >= 20:  # at once: the reply must still be streaming
+                    for pid in decode_pids:
+                        os.kill(pid, signal.SIGKILL)
                     killed = True
     return text, finish, killed

@@ -77,6 +77,4 @@ def test_async_completions_and_chat(local):
 
 def test_unsupported_parameter_is_a_clear_400(local):
     with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        _sync(local).chat.completions.create(
-            model=local.model, messages=MESSAGES, max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+        _sync(local).completions.create(model=local.model, prompt="x", max_tokens=2, suffix="y")
