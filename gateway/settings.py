@@ -42,8 +42,9 @@ class GatewaySettings(BaseSettings):
     max_open_streams: PositiveInt = 4096  # relays open at once on this replica; past it: 429
     retry_after_s: PositiveFloat = 1.0  # Retry-After on 429
     shutdown_grace_s: PositiveFloat = 30.0  # SIGTERM: finish open streams for this long
-    # Idle keep-alive connections stay open this long: longer than clients' pools (httpx: 5 s) and
-    # load balancers keep them, so a request never races the server closing its connection.
+    # Idle keep-alive connections stay open this long: longer than a client pool keeps them (httpx: 5 s),
+    # so a reused connection does not race the server closing it. Behind a load balancer that keeps
+    # backend connections longer (Google Cloud's: 600 s), raise it above that.
     http_keep_alive_s: PositiveFloat = 75.0
     default_temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default
     # Scheduling (issue 4):
