@@ -76,3 +76,18 @@ def cluster():
     finally:
         stop_local(c.proc)
         assert c.proc.returncode == 0, "tandem local did not stop cleanly:\n" + "".join(c.log[-30:])
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def both_paths(request):
+    """Each test twice: on the session's disaggregated cluster (the built-in model; a long prompt
+    goes through the prefill pod, a short one is prefilled by the decode pod), then on a colocated
+    cluster of this module's own."""
+    if request.param == "disaggregated":
+        yield request.getfixturevalue("cluster")
+        return
+    c = start_local(slots=4, extra=["--colocated"])
+    try:
+        yield c
+    finally:
+        stop_local(c.proc)

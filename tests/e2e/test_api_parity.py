@@ -16,24 +16,11 @@ import pytest
 from tandem_core.types import SamplingParams
 from tandem_engine.engine import load_engine
 
-from tests.e2e.conftest import start_local, stop_local
 
 pytestmark = pytest.mark.e2e
 LONG = [0] + [300 + (i * 37) % 1500 for i in range(40)]  # > direct_prefill_max_tokens: the prefill pod
 SHORT = [0, 400, 401, 402]  # routed straight to the decode pod, which prefills it
 EOS = 1
-
-
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
-def local(request):
-    if request.param == "disaggregated":
-        yield request.getfixturevalue("cluster")
-        return
-    c = start_local(slots=4, extra=["--colocated"])
-    try:
-        yield c
-    finally:
-        stop_local(c.proc)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +44,10 @@ def reference(engine, prompt: list[int], n: int, sampling: SamplingParams, stop_
 
 
 @pytest.mark.parametrize("prompt", [LONG, SHORT], ids=["prefill-pod", "decode-prefills"])
-def test_penalties_and_bias_give_the_engines_tokens(local, engine, prompt):
-    client = _client(local)
+def test_penalties_and_bias_give_the_engines_tokens(both_paths, engine, prompt):
+    client = _client(both_paths)
     kw = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"300": 5})
-    got = client.completions.create(model=local.model, prompt=prompt, max_tokens=12, temperature=0,
+    got = client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=12, temperature=0,
                                     extra_body={"repetition_penalty": 1.3, "ignore_eos": True}, **kw)
     s = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3, logit_bias=((300, 5.0),))
     want = reference(engine, prompt, 12, s, stop_ids=())
@@ -76,9 +63,9 @@ def engine_text(ids: list[int]) -> str:
 
 
 @pytest.mark.parametrize("prompt", [LONG, SHORT], ids=["prefill-pod", "decode-prefills"])
-def test_completion_logprobs_and_echo(local, engine, prompt):
-    client = _client(local)
-    r = client.completions.create(model=local.model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+def test_completion_logprobs_and_echo(both_paths, engine, prompt):
+    client = _client(both_paths)
+    r = client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
                                   echo=True, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(prompt) + 6 == len(lp.token_logprobs) == len(lp.top_logprobs)
@@ -88,88 +75,90 @@ def test_completion_logprobs_and_echo(local, engine, prompt):
     assert lp.text_offset == sorted(lp.text_offset)
     # the first output token's logprobs are the engine's, to float precision
     logits_lp = engine.prompt_logprobs(prompt, 3)
-    assert all(math.isclose(a, b.logprob, abs_tol=1e-3) for a, b in zip(lp.token_logprobs[1:len(prompt)], logits_lp[1:]))
+    pairs = zip(lp.token_logprobs[1:len(prompt)], logits_lp[1:])
+    assert all(math.isclose(a, b.logprob, abs_tol=1e-3) for a, b in pairs)
     prefix = engine.prefill(prompt, SamplingParams(logprobs=3))
     assert math.isclose(lp.token_logprobs[len(prompt)], prefix.first_logprobs[0].logprob, abs_tol=1e-3)
     echoed = engine_text(prompt)
     assert r.choices[0].text.startswith(echoed)
 
-    chunks = list(client.completions.create(model=local.model, prompt=prompt, max_tokens=6, temperature=0,
+    chunks = list(client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=6, temperature=0,
                                             logprobs=3, stream=True, extra_body={"ignore_eos": True}))
     streamed = [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs[len(prompt):], abs=1e-6)
 
 
-def test_chat_logprobs_streamed_and_whole(local):
-    client = _client(local)
+def test_chat_logprobs_streamed_and_whole(both_paths):
+    client = _client(both_paths)
     msgs = [{"role": "user", "content": "def add(a, b):"}]
-    whole = client.chat.completions.create(model=local.model, messages=msgs, max_tokens=8, temperature=0,
+    whole = client.chat.completions.create(model=both_paths.model, messages=msgs, max_tokens=8, temperature=0,
                                            logprobs=True, top_logprobs=4)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
     for c in content:
         assert len(c.top_logprobs) == 4 and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)
         assert bytes(c.bytes).decode("utf-8", "replace") == c.token
-    chunks = list(client.chat.completions.create(model=local.model, messages=msgs, max_tokens=8, temperature=0,
+    chunks = list(client.chat.completions.create(model=both_paths.model, messages=msgs, max_tokens=8, temperature=0,
                                                  logprobs=True, top_logprobs=4, stream=True))
     streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in content]
 
 
 @pytest.mark.parametrize("prompt", [LONG, SHORT], ids=["prefill-pod", "decode-prefills"])
-def test_n_choices_one_request(local, prompt):
-    client = _client(local)
-    r = client.completions.create(model=local.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3,
+def test_n_choices_one_request(both_paths, prompt):
+    client = _client(both_paths)
+    r = client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3,
                                   extra_body={"ignore_eos": True})
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == 30
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1, "independent seeds: three samples should not all agree"
-    again = client.completions.create(model=local.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3,
+    again = client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=10, temperature=1.0,
+                                      seed=11, n=3,
                                       extra_body={"ignore_eos": True})
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts  # seeded: reproducible
     # streamed: chunks tagged by choice assemble to the same texts
     parts = {0: "", 1: "", 2: ""}
-    for ch in client.completions.create(model=local.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11,
+    for ch in client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11,
                                         n=3, stream=True, extra_body={"ignore_eos": True}):
         for c in ch.choices:
             parts[c.index] += c.text
     assert [parts[i] for i in range(3)] == texts
     # choice 0 of n is the request with n=1 and the same seed
-    one = client.completions.create(model=local.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11,
+    one = client.completions.create(model=both_paths.model, prompt=prompt, max_tokens=10, temperature=1.0, seed=11,
                                     extra_body={"ignore_eos": True})
     assert one.choices[0].text == texts[0]
 
 
-def test_min_tokens_holds_back_eos(local):
-    client = _client(local)
-    r = client.completions.create(model=local.model, prompt=SHORT, max_tokens=10, temperature=0,
+def test_min_tokens_holds_back_eos(both_paths):
+    client = _client(both_paths)
+    r = client.completions.create(model=both_paths.model, prompt=SHORT, max_tokens=10, temperature=0,
                                   logit_bias={str(EOS): 100}, extra_body={"min_tokens": 3})
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
-    r = client.completions.create(model=local.model, prompt=LONG, max_tokens=10, temperature=0,
+    r = client.completions.create(model=both_paths.model, prompt=LONG, max_tokens=10, temperature=0,
                                   logit_bias={str(EOS): 100})
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
 
 
-def test_chat_without_max_tokens_runs_to_the_context_end(local):
-    client = _client(local)
-    r = client.chat.completions.create(model=local.model, messages=[{"role": "user", "content": "x = 1"}],
+def test_chat_without_max_tokens_runs_to_the_context_end(both_paths):
+    client = _client(both_paths)
+    r = client.chat.completions.create(model=both_paths.model, messages=[{"role": "user", "content": "x = 1"}],
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.prompt_tokens + r.usage.completion_tokens == local.max_len
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == both_paths.max_len
 
 
-def test_cancel_frees_every_choice(local):
+def test_cancel_frees_every_choice(both_paths):
     """A streamed n=3 request dropped after its first chunk: all three slots come back."""
-    with httpx.stream("POST", local.base_url + "/v1/completions", timeout=60,
-                      json={"model": local.model, "prompt": LONG, "max_tokens": 400, "n": 3, "stream": True,
+    with httpx.stream("POST", both_paths.base_url + "/v1/completions", timeout=60,
+                      json={"model": both_paths.model, "prompt": LONG, "max_tokens": 400, "n": 3, "stream": True,
                             "temperature": 1.0, "ignore_eos": True}) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 break
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        workers = httpx.get(local.base_url + "/admin/cluster", timeout=10).json()["workers"]
+        workers = httpx.get(both_paths.base_url + "/admin/cluster", timeout=10).json()["workers"]
         dec = [w for w in workers if w["role"] == "decode"]
         if dec and all(int(w["free_slots"]) == int(w["slots"]) for w in dec):
             return
@@ -177,30 +166,30 @@ def test_cancel_frees_every_choice(local):
     pytest.fail(f"slots not freed after the client left: {dec}")
 
 
-def test_langchain_logprobs_and_n(local):
+def test_langchain_logprobs_and_n(both_paths):
     from langchain_core.messages import HumanMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=local.model, base_url=local.base_url + "/v1", api_key="unused", temperature=0,
+    llm = ChatOpenAI(model=both_paths.model, base_url=both_paths.base_url + "/v1", api_key="unused", temperature=0,
                      max_tokens=6, logprobs=True, max_retries=0)
     msg = llm.invoke("def add(a, b):")
     content = msg.response_metadata["logprobs"]["content"]
     assert len(content) == msg.response_metadata["token_usage"]["completion_tokens"]
     assert all(c["logprob"] <= 0 for c in content)
-    many = ChatOpenAI(model=local.model, base_url=local.base_url + "/v1", api_key="unused", temperature=1.0,
+    many = ChatOpenAI(model=both_paths.model, base_url=both_paths.base_url + "/v1", api_key="unused", temperature=1.0,
                       max_tokens=6, n=2, max_retries=0)
     gens = many.generate([[HumanMessage("def add(a, b):")]]).generations[0]
     assert len(gens) == 2 and all(isinstance(g.text, str) for g in gens)
 
 
-def test_grpc_generate_with_n_logprobs_and_penalties(local, engine):
+def test_grpc_generate_with_n_logprobs_and_penalties(both_paths, engine):
     """The gRPC front end takes the same fields: n choices tagged by choice_index, each token with
     its logprob and top alternatives, penalties giving the engine's tokens."""
     import grpc
 
     from tandem_proto import generate_pb2, generate_pb2_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{local.grpc_port}") as ch:
+    with grpc.insecure_channel(f"127.0.0.1:{both_paths.grpc_port}") as ch:
         stub = generate_pb2_grpc.TandemStub(ch)
         req = generate_pb2.GenerateRequest(
             prompt_token_ids=LONG, max_tokens=6, n=2, logprobs=2, ignore_eos=True,

@@ -5,8 +5,13 @@ The scenarios live in bench/faults.py, which also writes docs/reliability.md fro
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 
+import httpx
+import jsonschema
 import pytest
 
 from bench import faults
@@ -42,93 +47,62 @@ def test_each_choice_of_n_resumes_after_a_decode_pod_dies(fault_cluster):
     """A streamed n=2 greedy request, every decode pod SIGKILLed mid-stream: each choice resumes on
     its own (from its own token stream) and both end with the unbroken run's text, every index once."""
     seen = len(fault_cluster.log)
-    r = asyncio.run(_n_choices_through_a_kill(fault_cluster.base_url))
-    assert r["killed"], "the decode pod was never killed: this test proved nothing"
-    assert r["finish"] == ["length", "length"], r
-    assert r["counts"] == [r["max_tokens"]] * 2, r
-    assert r["texts"] == [r["reference"]] * 2, r
-    deadline = time.monotonic() + 20  # the launcher relays its children's logs as they come
-    while not [x for x in fault_cluster.log[seen:] if "resumed request_id=" in x and "~" in x]:
-        assert time.monotonic() < deadline, "no choice resumed after the kill:\n" + "".join(fault_cluster.log[-40:])
-        time.sleep(0.2)
-
-
-async def _n_choices_through_a_kill(base: str) -> dict:
-    import json
-    import os
-    import signal
-
-    import httpx
-
-    decode_pids = [w["pid"] for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
-    prompt, max_tokens = faults.prompts(1)[0], 420  # + the ~70-token prompt: inside the 512 context
-    body = {"model": faults.MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=base, timeout=180) as c:
-        reference = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
-        texts, counts, finish, killed = ["", ""], [0, 0], [None, None], False
-        async with c.stream("POST", "/v1/completions", json={**body, "n": 2, "stream": True}) as resp:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for ch in chunk["choices"]:
-                    i = ch["index"]
-                    texts[i] += ch["text"]
-                    counts[i] += 1
-                    finish[i] = ch["finish_reason"] or finish[i]
-                if not killed and min(counts) >= 10:  # every decode pod (whichever holds the choices), at once
-                    for pid in decode_pids:
-                        os.kill(pid, signal.SIGKILL)
-                    killed = True
-    return {"texts": texts, "counts": counts, "finish": finish, "reference": reference, "max_tokens": max_tokens,
-            "killed": killed}
+    body = {"model": faults.MODEL, "prompt": faults.prompts(1)[0], "max_tokens": 420,  # + ~70 prompt tokens < 512
+            "temperature": 0, "ignore_eos": True}
+    reference = httpx.post(fault_cluster.base_url + "/v1/completions", json=body, timeout=180).json()
+    chunks, killed = asyncio.run(_stream_killing_decode(fault_cluster.base_url, {**body, "n": 2}, after=20))
+    assert killed, "the decode pods were never killed: this test proved nothing"
+    for i in (0, 1):
+        mine = [ch for ch in chunks if ch["index"] == i]
+        assert len(mine) == 420 and mine[-1]["finish_reason"] == "length", (i, len(mine), mine[-1:])
+        assert "".join(ch["text"] for ch in mine) == reference["choices"][0]["text"]
+    _wait_for_log(fault_cluster, seen, lambda line: "resumed request_id=" in line and "~" in line)
 
 
 def test_constrained_json_stays_valid_through_a_decode_pod_kill(fault_cluster):
     """A streamed json_schema request at temperature 1, every decode pod SIGKILLed mid-stream: the
     request resumes on a fresh pod whose matcher is rebuilt from the tokens already streamed, so
     the whole reply still parses and validates."""
-    import jsonschema
-
     schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 120, "maxLength": 130},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["text", "n"], "additionalProperties": False}
     seen = len(fault_cluster.log)
-    text, finish, killed = asyncio.run(_constrained_through_a_kill(fault_cluster.base_url, schema))
-    assert killed and finish == "stop", (killed, finish, text)
-    jsonschema.validate(__import__("json").loads(text), schema)
-    deadline = time.monotonic() + 20
-    while not [x for x in fault_cluster.log[seen:] if "resumed request_id=" in x]:
-        assert time.monotonic() < deadline, "the request never resumed:\n" + "".join(fault_cluster.log[-40:])
-        time.sleep(0.2)
-
-
-async def _constrained_through_a_kill(base: str, schema: dict) -> tuple[str, str | None, bool]:
-    import json
-    import os
-    import signal
-
-    import httpx
-
-    decode_pids = [w["pid"] for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
     body = {"model": faults.MODEL, "prompt": faults.prompts(1)[0], "max_tokens": 400, "temperature": 1.0,
-            "seed": 5, "stream": True, "structured_outputs": {"json": schema}}
-    text, finish, count, killed = "", None, 0, False
+            "seed": 5, "structured_outputs": {"json": schema}}
+    chunks, killed = asyncio.run(_stream_killing_decode(fault_cluster.base_url, body, after=20))
+    text = "".join(ch["text"] for ch in chunks)
+    assert killed and chunks[-1]["finish_reason"] == "stop", (killed, chunks[-1:], text)
+    jsonschema.validate(json.loads(text), schema)
+    _wait_for_log(fault_cluster, seen, lambda line: "resumed request_id=" in line)
+
+
+async def _stream_killing_decode(base: str, body: dict, after: int) -> tuple[list[dict], bool]:
+    """Stream `body`; once `after` chunks have arrived, SIGKILL every decode pod at once (pids read
+    before the stream, so nothing delays the kill while the reply is still being generated).
+    Returns every streamed choice, in order, and whether the kill happened."""
+    decode_pids = [w["pid"] for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
+    got: list[dict] = []
+    killed = False
     async with httpx.AsyncClient(base_url=base, timeout=180) as c:
-        async with c.stream("POST", "/v1/completions", json=body) as resp:
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             assert resp.status_code == 200, await resp.aread()
             async for line in resp.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
-                for ch in chunk["choices"]:
-                    text += ch["text"]
-                    count += 1
-                    finish = ch["finish_reason"] or finish
-                if not killed and count >= 20:  # at once: the reply must still be streaming
+                got += chunk["choices"]
+                if not killed and len(got) >= after:
                     for pid in decode_pids:
                         os.kill(pid, signal.SIGKILL)
                     killed = True
-    return text, finish, killed
+    return got, killed
+
+
+def _wait_for_log(cluster, seen: int, match, timeout_s: float = 20) -> None:
+    """Until a line after index `seen` of the cluster's log matches (the launcher relays its
+    children's logs as they come)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(match(line) for line in cluster.log[seen:]):
+        assert time.monotonic() < deadline, "not in the log:\n" + "".join(cluster.log[-40:])
+        time.sleep(0.2)

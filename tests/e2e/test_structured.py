@@ -10,7 +10,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.conftest import start_local, stop_local
 
 pytestmark = pytest.mark.e2e
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -29,53 +28,41 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=150)
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
-def local(request):
-    if request.param == "disaggregated":
-        yield request.getfixturevalue("cluster")
-        return
-    c = start_local(slots=4, extra=["--colocated"])
-    try:
-        yield c
-    finally:
-        stop_local(c.proc)
-
-
 def _client(c) -> openai.OpenAI:
     return openai.OpenAI(base_url=c.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("prompt", ["Person:", LONG_PROMPT], ids=["decode-prefills", "prefill-pod"])
-def test_json_schema_is_valid_ten_times_in_ten(local, prompt):
-    client = _client(local)
+def test_json_schema_is_valid_ten_times_in_ten(both_paths, prompt):
+    client = _client(both_paths)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for i in range(10):
-        r = client.chat.completions.create(model=local.model, messages=[{"role": "user", "content": prompt}],
+        r = client.chat.completions.create(model=both_paths.model, messages=[{"role": "user", "content": prompt}],
                                            response_format=fmt, temperature=1.0, seed=i, max_tokens=256)
         assert r.choices[0].finish_reason == "stop", r
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
 
 
-def test_json_object_and_guided_extras(local):
-    client = _client(local)
-    r = client.chat.completions.create(model=local.model, messages=[{"role": "user", "content": "JSON:"}],
+def test_json_object_and_guided_extras(both_paths):
+    client = _client(both_paths)
+    r = client.chat.completions.create(model=both_paths.model, messages=[{"role": "user", "content": "JSON:"}],
                                        response_format={"type": "json_object"}, temperature=1.0, max_tokens=128)
     if r.choices[0].finish_reason != "length":  # an open object may run past max_tokens
         assert isinstance(json.loads(r.choices[0].message.content), dict)
-    c = client.completions.create(model=local.model, prompt="Answer:", max_tokens=8, temperature=1.0,
+    c = client.completions.create(model=both_paths.model, prompt="Answer:", max_tokens=8, temperature=1.0,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert c.choices[0].text in ("yes", "no")
-    c = client.completions.create(model=local.model, prompt="Code:", max_tokens=8, temperature=1.0,
+    c = client.completions.create(model=both_paths.model, prompt="Code:", max_tokens=8, temperature=1.0,
                                   extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
     assert len(c.choices[0].text) == 6 and c.choices[0].text[3] == "-"
 
 
-def test_langchain_with_structured_output(local):
+def test_langchain_with_structured_output(both_paths):
     """json_schema: a validated Person 10 times in 10. json_mode only promises a JSON object (the
     schema is not sent), so that is what is checked: the raw reply parses as one, every time."""
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=local.model, base_url=local.base_url + "/v1", api_key="unused", temperature=1.0,
+    llm = ChatOpenAI(model=both_paths.model, base_url=both_paths.base_url + "/v1", api_key="unused", temperature=1.0,
                      max_tokens=256, max_retries=0)
     structured = llm.with_structured_output(Person, method="json_schema")
     for _ in range(10):
@@ -91,12 +78,12 @@ def test_langchain_with_structured_output(local):
         assert isinstance(json.loads(out["raw"].content), dict)
 
 
-def test_tools_required_and_named_give_valid_arguments(local):
-    client = _client(local)
+def test_tools_required_and_named_give_valid_arguments(both_paths):
+    client = _client(both_paths)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         for i in range(5):
-            r = client.chat.completions.create(model=local.model, messages=msgs, tools=TOOLS, tool_choice=choice,
+            r = client.chat.completions.create(model=both_paths.model, messages=msgs, tools=TOOLS, tool_choice=choice,
                                                temperature=1.0, seed=i, max_tokens=200)
             msg = r.choices[0].message
             assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls, r
@@ -106,15 +93,15 @@ def test_tools_required_and_named_give_valid_arguments(local):
     # the call and its result sent back as history are accepted
     history = msgs + [msg.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 12}'}]
-    r = client.chat.completions.create(model=local.model, messages=history, tools=TOOLS, max_tokens=8,
+    r = client.chat.completions.create(model=both_paths.model, messages=history, tools=TOOLS, max_tokens=8,
                                        temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_streamed_tool_call_deltas_assemble(local):
-    client = _client(local)
+def test_streamed_tool_call_deltas_assemble(both_paths):
+    client = _client(both_paths)
     stream = client.chat.completions.create(
-        model=local.model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+        model=both_paths.model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
         tool_choice="required", temperature=1.0, max_tokens=200, stream=True)
     calls: dict[int, dict] = {}
     finish = None
@@ -134,10 +121,10 @@ def test_streamed_tool_call_deltas_assemble(local):
         jsonschema.validate(json.loads(c["arguments"]), WEATHER)
 
 
-def test_langchain_bind_tools(local):
+def test_langchain_bind_tools(both_paths):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=local.model, base_url=local.base_url + "/v1", api_key="unused", temperature=1.0,
+    llm = ChatOpenAI(model=both_paths.model, base_url=both_paths.base_url + "/v1", api_key="unused", temperature=1.0,
                      max_tokens=200, max_retries=0)
     msg = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Rome?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
