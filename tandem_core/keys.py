@@ -4,6 +4,8 @@ Keys (all prefixed `tandem:`):
 | key | type | written by | read by | bound |
 | --- | --- | --- | --- | --- |
 | `tandem:{pool}:adm:{priority}` | stream, group `prefill` | gateway (XADD) | prefill (XREADGROUP) | MAXLEN ~ admission bound |
+| `tandem:{pool}:adm:{priority}:pod:{worker_id}` | stream, group `prefill` | gateway (prefix routing) | that prefill pod first; any pod once it is dead | MAXLEN ~ admission bound |
+| `tandem:{pool}:podstreams` | set of worker ids | gateway (SADD with each routed XADD) | prefill pods' reclaim (removed, with the streams, once dead and empty) | one per pod |
 | `tandem:{pool}:direct` | stream, group `decode` | gateway (short prompts) | decode (prefills locally) | MAXLEN ~ |
 | `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
 | `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (one XREAD BLOCK over all its streams) | MAXLEN, EXPIRE ttl |
@@ -34,6 +36,17 @@ WORKERS = f"{PREFIX}:workers"
 
 def admission_stream(pool: str, priority: str) -> str:
     return f"{PREFIX}:{pool}:adm:{priority}"
+
+
+def pod_admission_stream(pool: str, priority: str, worker_id: str) -> str:
+    """Prompts the gateway routed to one prefill pod, likeliest to hold their prefix in its cache.
+    That pod reads it before the shared stream of the same priority; when it is dead, any pod does."""
+    return f"{admission_stream(pool, priority)}:pod:{worker_id}"
+
+
+def pod_streams_set(pool: str) -> str:
+    """Worker ids that may have per-pod admission streams (so a dead pod's are found and drained)."""
+    return f"{PREFIX}:{pool}:podstreams"
 
 
 def direct_stream(pool: str) -> str:

@@ -62,3 +62,12 @@ class EngineConfig(BaseModel):
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+class PrefixCacheConfig(BaseModel):
+    """A pod's prefix cache (tandem_engine/prefix_cache.py): KV of prompt prefixes already seen, in
+    blocks of `block_size` tokens, under its own byte budget (LRU), apart from the held-KV budget."""
+
+    enabled: bool = True
+    block_size: PositiveInt = 16  # tokens per block; a prompt's trailing partial block is always computed
+    budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # host memory for cached blocks; 0 = off
