@@ -15,6 +15,7 @@ from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
 from tandem_core import grpc_util, lifecycle, streams
 from tandem_core.settings import default_worker_id
+from tandem_engine.prefix_cache import cache_for
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.Decode"
@@ -26,7 +27,7 @@ def build_engine(s: DecodeSettings):
     e = s.engine
     return load_engine(e.model, slots=s.slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
                        dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir,
-                       cpu_threads=e.cpu_threads)
+                       cpu_threads=e.cpu_threads, prefix_chunk=s.prefix_cache.chunk_tokens)
 
 
 async def serve(s: DecodeSettings) -> int:
@@ -35,7 +36,10 @@ async def serve(s: DecodeSettings) -> int:
     t0 = time.monotonic()
     # Compile the decode shapes now, not on a request's clock (and every prefill when this pod
     # prefills all its prompts; direct short prompts compile their bucket on first use).
-    await asyncio.to_thread(engine.warmup, s.colocated, True, True)  # plain, logprobs and masked steps
+    c = s.prefix_cache
+    cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
+    # plain, logprobs and masked steps; colocated: every prefill bucket and the prefill over a cached prefix
+    await asyncio.to_thread(engine.warmup, s.colocated, True, True, s.colocated and cache.enabled)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s)", time.monotonic() - t0,
              list(engine.buckets), list(engine.batch_buckets))
     r = streams.connect(s.redis)
@@ -47,7 +51,8 @@ async def serve(s: DecodeSettings) -> int:
     io: DecodeIO | None = None
     engine_loop = EngineLoop(engine, table, inserts, outputs, lambda: io and io.notify_slot_freed(loop),
                              on_output=lambda: io and io.notify_output(loop),
-                             grammar_cache_size=s.engine.grammar_cache_size, mask_deadline_s=s.engine.mask_deadline_s)
+                             grammar_cache_size=s.engine.grammar_cache_size, mask_deadline_s=s.engine.mask_deadline_s,
+                             prefix_cache=cache)
     io = DecodeIO(s, r, table, engine_loop, inserts, outputs, worker_id)
     await streams.retry_redis(io.owned.load, "load publish script", log=log)
 
@@ -64,7 +69,7 @@ async def serve(s: DecodeSettings) -> int:
         return streams.WorkerInfo(
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
             free_slots=table.free, draining=state["draining"],
-            extra={"steps": engine_loop.stats.steps, "tokens": engine_loop.stats.tokens, "pulled": io.pulled,
+            extra={"prefix_cache": engine_loop.prefix_cache.summary(), "steps": engine_loop.stats.steps, "tokens": engine_loop.stats.tokens, "pulled": io.pulled,
                    "local_prefills": engine_loop.stats.local_prefills, "colocated": s.colocated},
         )
 

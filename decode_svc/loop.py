@@ -47,6 +47,8 @@ from tandem_core.types import (
     TokenLogprobs, encode_prompt_logprobs,
 )
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
+from tandem_engine.prefix_cache import PrefixCache
+from tandem_engine.prefix_cache import prefill as cached_prefill
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +120,10 @@ class EngineLoop:
                  outputs: "queue.Queue[list[Emitted]]", on_slot_freed: Callable[[], None],
                  pipelined: bool = True, output_timeout_s: float = 30.0,
                  on_output: Callable[[], None] | None = None, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
-                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S) -> None:
+                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None) -> None:
         self.engine = engine
+        # local prefills reuse cached prefixes (None: a cache that is off, counting prefill tokens only)
+        self.prefix_cache = prefix_cache or PrefixCache(1, 0, enabled=False)
         self.table = table
         self.inserts = inserts  # pulled KV and local prompts alike: both fill a reserved slot
         self.outputs = outputs
@@ -267,7 +271,8 @@ class EngineLoop:
         reserved slot; with n > 1 the rest are held until slots free up)."""
         req = item.req
         try:
-            prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req, self.grammars))
+            prefix, _ = cached_prefill(self.engine, self.prefix_cache, req.prompt_ids, req.sampling,
+                                       **prefill_args(req, self.grammars))
             prompt_lp = None
             if req.prompt_logprobs is not None and req.start_index == 0:
                 prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tandem_core.settings import EngineConfig, GrpcConfig, RedisConfig
+from tandem_core.settings import EngineConfig, GrpcConfig, PrefixCacheConfig, RedisConfig
 
 
 class DecodeSettings(BaseSettings):
@@ -13,6 +13,7 @@ class DecodeSettings(BaseSettings):
     redis: RedisConfig = RedisConfig()  # TANDEM_DECODE_REDIS__URL
     grpc: GrpcConfig = GrpcConfig(port=50062)  # gRPC health
     engine: EngineConfig = EngineConfig()  # TANDEM_DECODE_ENGINE__MODEL
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # local prefills (colocated, direct); TANDEM_DECODE_PREFIX_CACHE__*
     pool: str = "default"
     worker_id: str = ""  # default: decode-<hostname>-<pid>
     slots: PositiveInt = 8  # fixed decode batch

@@ -12,6 +12,7 @@ from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
 from tandem_core import grpc_util, lifecycle, streams
 from tandem_core.settings import default_worker_id
+from tandem_engine.prefix_cache import cache_for
 from tandem_proto import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,16 @@ def build_engine(settings: PrefillSettings, slots: int = 1):
     e = settings.engine
     return load_engine(e.model, slots=slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
                        dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir,
-                       cpu_threads=e.cpu_threads)
+                       cpu_threads=e.cpu_threads, prefix_chunk=settings.prefix_cache.chunk_tokens)
 
 
 async def serve(settings: PrefillSettings) -> int:
     worker_id = settings.worker_id or default_worker_id("prefill")
     engine = build_engine(settings)
+    c = settings.prefix_cache
+    cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
+    if cache.enabled:  # the prefill over a cached prefix: one compiled shape, compiled before ready
+        await asyncio.to_thread(engine.warmup_prefix)
     store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
     r = streams.connect(settings.redis)
     await streams.ensure_groups(r, settings.pool)
@@ -37,7 +42,7 @@ async def serve(settings: PrefillSettings) -> int:
     server = grpc_util.make_server(settings.grpc.max_message_bytes)
     port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port, settings.grpc)
     address = f"{settings.grpc.advertise_host}:{port}"
-    worker = PrefillWorker(settings, engine, r, store, address, worker_id)
+    worker = PrefillWorker(settings, engine, r, store, address, worker_id, cache)
     # PullKV chunks are serialized by kvcodec itself (no protobuf message per chunk)
     KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release).add_to_server(server)
     health = grpc_util.add_health(server, [KV_SERVICE])
@@ -51,7 +56,7 @@ async def serve(settings: PrefillSettings) -> int:
     def info() -> streams.WorkerInfo:
         return streams.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
                                   held_kv_bytes=store.held_bytes, draining=draining,
-                                  extra={"kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,
+                                  extra={"prefix_cache": cache.summary(), "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,
                                          "prefill_ema_s": round(worker.prefill_ema_s, 6)})
 
     hb_stop = asyncio.Event()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tandem_core.settings import EngineConfig, GrpcConfig, RedisConfig
+from tandem_core.settings import EngineConfig, GrpcConfig, PrefixCacheConfig, RedisConfig
 
 
 class PrefillSettings(BaseSettings):
@@ -13,6 +13,7 @@ class PrefillSettings(BaseSettings):
     redis: RedisConfig = RedisConfig()  # TANDEM_PREFILL_REDIS__URL
     grpc: GrpcConfig = GrpcConfig(port=50061)  # KV transfer + gRPC health
     engine: EngineConfig = EngineConfig()  # TANDEM_PREFILL_ENGINE__MODEL
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # TANDEM_PREFILL_PREFIX_CACHE__ENABLED
     pool: str = "default"
     worker_id: str = ""  # default: prefill-<hostname>-<pid>
     kv_budget_bytes: PositiveInt = 256 * 1024 * 1024  # held KV above this stops claiming prompts

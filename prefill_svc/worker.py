@@ -27,14 +27,18 @@ from tandem_core.scheduling import PriorityRotation
 from tandem_core.streams import REDIS_DOWN
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
+from tandem_engine.prefix_cache import PrefixCache
+from tandem_engine.prefix_cache import prefill as cached_prefill
 
 log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
     def __init__(self, settings: PrefillSettings, engine, r: aioredis.Redis, store: KVStore,
-                 address: str, worker_id: str) -> None:
+                 address: str, worker_id: str, prefix_cache: PrefixCache | None = None) -> None:
         self.s = settings
+        # the KV of prefixes seen before (None: off; only the prefill tokens computed are counted)
+        self.cache = prefix_cache or PrefixCache(1, 0, enabled=False)
         self.engine = engine
         self.r = r
         self.store = store
@@ -152,11 +156,12 @@ class PrefillWorker:
 
     def _prefill_sync(self, req: GenerationRequest):
         """(payload, per-choice first tokens and their logprobs, encoded prompt logprobs or None)."""
-        prefix = self.engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req, self.grammars))
+        prefix, payload = cached_prefill(self.engine, self.cache, req.prompt_ids, req.sampling, export=True,
+                                         **prefill_args(req, self.grammars))
         prompt_lp = None
         if req.prompt_logprobs is not None and req.start_index == 0:
             prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))
-        return self.engine.export_prefix(prefix), prefix.first_tokens, prefix.first_logprobs, prompt_lp
+        return payload, prefix.first_tokens, prefix.first_logprobs, prompt_lp
 
     async def _publish_first(self, req: GenerationRequest, payload, firsts, logprobs, prompt_lp) -> None:
         """Token `start_index` of every choice, and a ready notice for each choice that goes on.

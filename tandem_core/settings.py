@@ -71,3 +71,4 @@ class PrefixCacheConfig(BaseModel):
     enabled: bool = True
     block_size: PositiveInt = 16  # tokens per block; a prompt's trailing partial block is always computed
     budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # host memory for cached blocks; 0 = off
+    chunk_tokens: PositiveInt = 64  # a prompt after a cached prefix runs in chunks of this many (one compiled shape)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
-from tandem_engine.model import ModelConfig, decode_forward, prefill_forward, prefill_logits_all
+from tandem_engine.model import (ModelConfig, decode_forward, prefill_forward, prefill_logits_all,
+                                 prefill_suffix_forward)
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
 
@@ -56,6 +57,27 @@ def prefill_core(params, tokens, true_length, output_from, index, temperature, t
     all from the same logits; `masks` [choices, words] (a grammar's) or None (a variant of its
     own, traced without the mask). Returns (k, v, packed [choices, PACKED_WIDTH])."""
     logits, k, v = prefill_forward(params, tokens, true_length, cfg)
+    packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
+                           proc, masks)
+    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), packed
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=(4, 5))
+def prefill_cached_core(params, suffix, start, suffix_length, k_buf, v_buf, tokens, true_length, output_from,
+                        index, temperature, top_k, top_p, seed, proc: SlotLogits, masks=None, *,
+                        cfg: ModelConfig, layout: Layout | None):
+    """`prefill_core` over a cached prefix: only `suffix` (the next chunk of the prompt, from
+    `start` on) runs; k_buf, v_buf [L, S, KV, hd] (donated) hold the KV of rows [0, start).
+    `tokens` is the whole prompt padded to S (the penalty state sees all of it). Returns (k, v
+    [L, S, KV, hd] with the chunk's rows written, packed: first tokens from the chunk's last row)."""
+    logits, k, v = prefill_suffix_forward(params, suffix, start, suffix_length, k_buf, v_buf, cfg)
+    packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
+                           proc, masks)
+    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), packed
+
+
+def _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed, proc, masks):
+    """Process and sample one first token per choice from the last prompt position's logits."""
     n, vocab = temperature.shape[0], logits.shape[-1]
     hist = history_row(tokens, true_length, output_from, vocab)
     idx = jnp.full((n,), index, jnp.int32)
@@ -63,7 +85,7 @@ def prefill_core(params, tokens, true_length, output_from, index, temperature, t
     if masks is not None:
         processed = apply_mask(processed, masks)
     first = sample(processed, temperature, top_k, top_p, token_keys(seed, idx))
-    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), pack(logprobs_of(processed), first)
+    return pack(logprobs_of(processed), first)
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -27,8 +27,6 @@ No I/O, no tokenizer, no settings here.
 """
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,20 +36,19 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
-from tandem_core.models import ModelInfo, resolve_model
+from tandem_core.models import ModelInfo
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
 from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_core, logits_core,
-                                 prefill_core, prompt_logprobs_core)
-from tandem_engine.cpu_pool import limit_cpu_threads
+                                 prefill_cached_core, prefill_core, prompt_logprobs_core)
 from tandem_engine.logits import (check_output_from, history_arrays, init_slot_logits, mask_rows, slot_logits,
                                   stack, unpack_logprobs, unpack_tokens)
 from tandem_engine.model import config_from_info
 from tandem_engine.sampling import sampling_arrays
 from tandem_engine.sharding import make_layout
-from tandem_engine.weights import load_params, resolve_dtype
+from tandem_engine.weights import resolve_dtype
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
-__all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "Prefix", "load_engine", "use_compile_cache"]
+__all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "Prefix"]
 
 
 @dataclass
@@ -75,6 +72,13 @@ class Prefix:
             self.first_logprobs = [None] * len(self.first_tokens)
 
 
+@dataclass
+class _Cached:
+    k: np.ndarray
+    v: np.ndarray
+    length: int
+
+
 def _stack_sampling(picks: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
     rows = [sampling_arrays(p) for p in picks]
     return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
@@ -94,7 +98,7 @@ class Engine:
 
     def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
                  prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
-                 tp: int = 1, mesh: Mesh | None = None):
+                 tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -111,6 +115,8 @@ class Engine:
         self.buckets = tuple(sorted({int(b) for b in prefill_buckets if 0 < b <= max_len})) or (
             self.max_len,
         )
+        # a prompt over a cached prefix runs in chunks of this many tokens (one compiled shape)
+        self.prefix_chunk = max(1, min(int(prefix_chunk), self.buckets[-1]))
         self.dtype = dtype
         self._jdtype = resolve_dtype(dtype)
         # Decode steps compile once per batch bucket: 2, 4, 8, ... below slots, and slots itself.
@@ -162,7 +168,7 @@ class Engine:
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
                 choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
                 output_from: int | None = None, stop_ids: Sequence[int] = (),
-                masks: np.ndarray | None = None) -> Prefix:
+                masks: np.ndarray | None = None, cached=None) -> Prefix:
         """Run one prompt (one forward pass) and sample its first token, token index
         `start_index`: one per element of `choices` (each with its own params and seed, all from
         the same logits), else one from `sampling`. Blocks until the tokens are on the host (the KV
@@ -173,7 +179,10 @@ class Engine:
         count prompt_ids[output_from:]. min_tokens holds `stop_ids` back while start_index <
         min_tokens. A choice with logprobs on gets its first token's logprobs in `first_logprobs`.
         `masks`: int32 [choices, ceil(vocab / 32)] allowed-token bitmasks (grammars; all-ones for
-        an unconstrained choice), applied after processing: sampling and logprobs see them."""
+        an unconstrained choice), applied after processing: sampling and logprobs see them.
+        `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
+        arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
+        only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
         padded, n = self._pad_prompt(prompt_ids)
         picks = [sampling] if choices is None else list(choices)
         if not picks:
@@ -186,14 +195,44 @@ class Engine:
         if masks is not None and len(masks) != len(picks):
             raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
         m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
-        k, v, packed = prefill_core(
-            self.params, padded, np.int32(n), np.int32(out_from), np.int32(start_index),
-            s["temperature"], s["top_k"], s["top_p"], s["seed"], proc, m, cfg=self.cfg, layout=self.layout,
-        )
+        rest = (np.int32(n), np.int32(out_from), np.int32(start_index), s["temperature"], s["top_k"], s["top_p"],
+                s["seed"], proc, m)
+        if cached is not None and int(cached.length) > 0:
+            k, v, packed = self._prefill_over(padded, n, cached, rest)
+        else:
+            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
         host = np.asarray(packed)  # the one device -> host copy: tokens and logprobs
         tokens = [int(t) for t in unpack_tokens(host)]
         lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
         return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
+
+    def _prefill_over(self, padded: np.ndarray, n: int, cached, rest: tuple):
+        """The prompt after a cached prefix, in chunks of `prefix_chunk` tokens over one KV buffer
+        of the largest bucket (one compiled shape whatever the lengths), then cut to the prompt's
+        bucket. The last chunk's first tokens are the prompt's."""
+        c, cfg, chunk = int(cached.length), self.cfg, self.prefix_chunk
+        if not 0 < c < n:
+            raise ValueError(f"a cached prefix of {c} tokens must be shorter than the prompt ({n} tokens)")
+        want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
+        if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
+            raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
+        size = self.buckets[-1]
+        bufs = []
+        for kv in (cached.k, cached.v):
+            buf = np.zeros((cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim), self._jdtype)
+            buf[:, :c] = kv
+            bufs.append(self._place_kv(buf))
+        k, v = bufs
+        whole = np.zeros((size,), np.int32)
+        whole[:n] = padded[:n]
+        for start in range(c, n, chunk):
+            m = min(chunk, n - start)
+            piece = np.zeros((chunk,), np.int32)
+            piece[:m] = whole[start:start + m]
+            k, v, packed = prefill_cached_core(self.params, piece, np.int32(start), np.int32(m),
+                                               k, v, whole, *rest, cfg=self.cfg, layout=self.layout)
+        bucket = padded.shape[0]
+        return k[:, :bucket], v[:, :bucket], packed
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`
@@ -338,11 +377,22 @@ class Engine:
         self._check_slot(slot)
         return free_core(state, np.int32(slot))
 
-    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False) -> None:
+    def warmup_prefix(self) -> None:
+        """Compile the prefill over a cached prefix (one shape for every length: `_prefill_over`)."""
+        c = self.cfg
+        if self.buckets[-1] < 2:
+            return
+        kv = np.zeros((c.num_layers, 1, c.num_kv_heads, c.head_dim), self._jdtype)
+        self.prefill([0, 0], SamplingParams(), cached=_Cached(kv, kv, 1))
+
+    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False) -> None:
         """Compile every bucket's insert and every batch bucket's decode step (with `logprobs`
         its logprobs variant too: it doubles the step compiles; with `masks` the grammar-masked
         step too), and with `prefill` every bucket's prefill (one choice), so no request pays for
-        a compilation (decode pods call this before they report ready)."""
+        a compilation (decode pods call this before they report ready). `prefix`: the prefill over a
+        cached prefix too (`warmup_prefix`)."""
+        if prefix:
+            self.warmup_prefix()
         state = self.init_state()
         c = self.cfg
         for b in self.buckets:
@@ -361,39 +411,3 @@ class Engine:
                 state, tokens = self.generate(state, rows, masks=ones)
         state = self.free(state, 0)
         jax.block_until_ready((state, tokens))
-
-
-def use_compile_cache(path: str) -> None:
-    """Keep compiled executables in `path` across processes (JAX's persistent cache, on every
-    backend); every compilation is cached, however quick. "" leaves the cache off."""
-    if not path:
-        return
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:  # a read-only home in a container: compile every time, say so once
-        logging.getLogger(__name__).warning("compilation cache %s unusable (%s); compiling without it", path, e)
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
-                prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
-                tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
-                cpu_threads: int = 0) -> Engine:
-    """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
-    random weights) or a HF Llama directory.
-
-    tp > 1 splits weights and KV over the first tp devices; or pass a `mesh` with a "tp" axis.
-    num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
-    before any weight is read)."""
-    use_compile_cache(compile_cache_dir)
-    limit_cpu_threads(cpu_threads)  # before anything starts a backend
-    info = resolve_model(model)
-    if tp == 0:  # all local devices (the chips of this TPU host)
-        tp = len(jax.devices())
-    make_layout(info, tp, mesh)  # fail fast on a bad tp
-    params = load_params(info, dtype)
-    return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
-                  dtype=dtype, tp=tp, mesh=mesh)

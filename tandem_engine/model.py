@@ -13,7 +13,8 @@ Params pytree (weights stored as `x @ W`, i.e. transposed from HF's [out, in]):
     lm_head [d, vocab]   (absent when word embeddings are tied: logits use embed.T)
 
 Three forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
-same pass with logits at every position), `decode_forward` (one token per slot against the slot
+same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
+cached prefix's KV), `decode_forward` (one token per slot against the slot
 cache) and `reference_forward` (plain full recompute, no cache, a Python loop over layers) which
 tests use as ground truth for the other two.
 """
@@ -174,6 +175,39 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
 
     x, (ks, vs) = jax.lax.scan(layer, x, params["layers"])
     return x[0], ks, vs
+
+
+def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, true_length: jax.Array,
+                           k_buf: jax.Array, v_buf: jax.Array, cfg: ModelConfig):
+    """Prefill the rest of a prompt over KV already computed for its first `start` tokens (a
+    prefix-cache hit; JetStream's `existing_prefix`).
+
+    tokens [T] int32: prompt tokens start .. start + true_length - 1, then padding. k_buf, v_buf
+    [num_layers, S, KV, hd]: rows [0, start) hold the cached prefix's KV (the rest is ignored and
+    overwritten). The suffix's KV is written at rows start + i (rows past S are dropped: only
+    padding lands there as long as start + true_length <= S) and each suffix position attends to
+    every row <= its own. Returns (logits [vocab] at prompt position start + true_length - 1, k, v
+    [num_layers, S, KV, hd]): the same arrays `prefill_forward` returns for the whole prompt padded
+    to S, up to float rounding in the row blocking.
+    """
+    t, s = tokens.shape[0], k_buf.shape[1]
+    positions = start + jnp.arange(t, dtype=jnp.int32)
+    mask = (jnp.arange(s)[None, :] <= positions[:, None])[None]  # [1, T, S]
+    x = params["embed"][tokens][None]  # [1, T, d]
+
+    def layer(x, xs):
+        lp, kc, vc = xs  # kc, vc [S, KV, hd]
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(h, lp, positions[None], cfg)
+        kc = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
+        vc = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
+        x = x + _grouped_attention(q, kc[None], vc[None], mask, cfg) @ lp["wo"]
+        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
+        return x, (kc, vc)
+
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], k_buf, v_buf))
+    last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
+    return logits_from_hidden(params, last, cfg), ks, vs
 
 
 # ---------------------------------------------------------------------------------------------

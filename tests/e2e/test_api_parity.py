@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tandem_core.types import SamplingParams
-from tandem_engine.engine import load_engine
+from tandem_engine import load_engine
 
 
 pytestmark = pytest.mark.e2e

@@ -1,0 +1,52 @@
+"""Building an Engine: the persistent compilation cache, CPU threads, weights, tp."""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+from jax.sharding import Mesh
+
+from tandem_core.models import resolve_model
+from tandem_engine.cpu_pool import limit_cpu_threads
+from tandem_engine.engine import DEFAULT_BUCKETS, Engine
+from tandem_engine.sharding import make_layout
+from tandem_engine.weights import load_params
+
+__all__ = ["load_engine", "use_compile_cache"]
+
+
+def use_compile_cache(path: str) -> None:
+    """Keep compiled executables in `path` across processes (JAX's persistent cache, on every
+    backend); every compilation is cached, however quick. "" leaves the cache off."""
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a read-only home in a container: compile every time, say so once
+        logging.getLogger(__name__).warning("compilation cache %s unusable (%s); compiling without it", path, e)
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
+                prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
+                tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
+                cpu_threads: int = 0, prefix_chunk: int = 64) -> Engine:
+    """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
+    random weights) or a HF Llama directory.
+
+    tp > 1 splits weights and KV over the first tp devices; or pass a `mesh` with a "tp" axis.
+    num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
+    before any weight is read)."""
+    use_compile_cache(compile_cache_dir)
+    limit_cpu_threads(cpu_threads)  # before anything starts a backend
+    info = resolve_model(model)
+    if tp == 0:  # all local devices (the chips of this TPU host)
+        tp = len(jax.devices())
+    make_layout(info, tp, mesh)  # fail fast on a bad tp
+    params = load_params(info, dtype)
+    return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
+                  dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk)
