@@ -123,7 +123,7 @@ class EngineLoop:
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None) -> None:
         self.engine = engine
         # local prefills reuse cached prefixes (None: a cache that is off, counting prefill tokens only)
-        self.prefix_cache = prefix_cache or PrefixCache(1, 0, enabled=False)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(1, 0, enabled=False)
         self.table = table
         self.inserts = inserts  # pulled KV and local prompts alike: both fill a reserved slot
         self.outputs = outputs

@@ -38,7 +38,7 @@ class PrefillWorker:
                  address: str, worker_id: str, prefix_cache: PrefixCache | None = None) -> None:
         self.s = settings
         # the KV of prefixes seen before (None: off; only the prefill tokens computed are counted)
-        self.cache = prefix_cache or PrefixCache(1, 0, enabled=False)
+        self.cache = prefix_cache if prefix_cache is not None else PrefixCache(1, 0, enabled=False)
         self.engine = engine
         self.r = r
         self.store = store
@@ -60,6 +60,8 @@ class PrefillWorker:
         return 2 * i.num_layers * max(self.engine.buckets) * i.num_kv_heads * i.head_dim * itemsize
 
     async def run(self, stop: asyncio.Event) -> None:
+        for prio in keys.PRIORITIES:
+            await streams.ensure_group(self.r, self._own_stream(prio), keys.PREFILL_GROUP)
         await self._reclaim(include_self=True)  # a restart under the same id: its own leftovers first
         rotation = PriorityRotation(self.s.pool, self.s.priority_high_weight)
         while not stop.is_set():
@@ -76,7 +78,7 @@ class PrefillWorker:
         if room == 0:
             await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
             return
-        claimed = await streams.claim(self.r, rotation.next_order(), keys.PREFILL_GROUP, self.worker_id, room,
+        claimed = await streams.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
                                       self.s.claim_block_ms)
         for c in claimed:
             await self._handle_until_done(c)
@@ -95,27 +97,64 @@ class PrefillWorker:
                 await asyncio.sleep(0.5)
 
     async def _reclaim(self, include_self: bool = False) -> None:
-        """Take over admission entries claimed by a dead pod (never acked), budget permitting."""
+        """Take over admission entries claimed by a dead pod (never acked), and the per-pod streams
+        of a dead or draining pod (prompts routed to it for its prefix cache), budget permitting."""
         now = time.monotonic()
         if not include_self and now - self._last_reclaim < self.s.recover_interval_s:
             return
         self._last_reclaim = now
-        for prio in keys.PRIORITIES:
-            stream = keys.admission_stream(self.s.pool, prio)
-            try:
-                dead = await streams.dead_consumer_entries(
-                    self.r, stream, keys.PREFILL_GROUP, self.worker_id, include_self,
-                    stale_self_ms=int(self.s.stale_pending_s * 1000))
-                room = min(len(dead), self.store.room_for(self.max_prefix_bytes))
-                claimed = await streams.claim_ids(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
-                                                  [eid for _c, eid in dead[:room]], 0 if include_self else 1000)
-                # (own stale entries are re-claimed too: XCLAIM resets their idle time)
-            except Exception as e:  # noqa: BLE001
-                log.warning("reclaim failed: %s", e)
-                return
-            for c in claimed:
-                log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
-                await self._handle_until_done(c)
+        try:
+            for prio in keys.PRIORITIES:
+                for stream in (keys.admission_stream(self.s.pool, prio), self._own_stream(prio)):
+                    await self._reclaim_pending(stream, include_self)
+            await self._adopt_orphans()
+        except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
+            log.warning("reclaim failed: %s", e)
+
+    async def _reclaim_pending(self, stream: str, include_self: bool) -> None:
+        dead = await streams.dead_consumer_entries(
+            self.r, stream, keys.PREFILL_GROUP, self.worker_id, include_self,
+            stale_self_ms=int(self.s.stale_pending_s * 1000))
+        room = min(len(dead), self.store.room_for(self.max_prefix_bytes))
+        claimed = await streams.claim_ids(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
+                                          [eid for _c, eid in dead[:room]], 0 if include_self else 1000)
+        # (own stale entries are re-claimed too: XCLAIM resets their idle time)
+        for c in claimed:
+            log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
+            await self._handle_until_done(c)
+
+    async def _adopt_orphans(self) -> None:
+        """Prompts routed to a prefill pod that is gone or draining: read them here; once a dead
+        pod's streams are empty they and its set entry go, atomically (a gateway's routed XADD
+        re-adds the entry in the same transaction, so none is stranded)."""
+        live = {w["id"]: w for w in await streams.list_workers(self.r) if w["role"] == "prefill"}
+        for wid in await streams.pod_stream_owners(self.r, self.s.pool):
+            if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
+                continue
+            for prio in keys.PRIORITIES:
+                stream = keys.pod_admission_stream(self.s.pool, prio, wid)
+                if wid not in live:
+                    await self._reclaim_pending(stream, False)
+                room = self.store.room_for(self.max_prefix_bytes)
+                if room and await self.r.exists(stream):
+                    await streams.ensure_group(self.r, stream, keys.PREFILL_GROUP)  # re-created by a late XADD
+                    for c in await streams.claim(self.r, [stream], keys.PREFILL_GROUP, self.worker_id, room, None):
+                        log.info("took admission entry %s routed to prefill pod %s (gone or draining)", c.entry_id, wid)
+                        await self._handle_until_done(c)
+            if wid not in live:
+                await streams.forget_pod_streams(self.r, self.s.pool, wid)
+
+    def _own_stream(self, prio: str) -> str:
+        return keys.pod_admission_stream(self.s.pool, prio, self.worker_id)
+
+    def _claim_order(self, rotation: PriorityRotation) -> list[str]:
+        """The rotation's order, each priority's per-pod stream (prompts routed here for this pod's
+        prefix cache) just before its shared stream."""
+        by_stream = {keys.admission_stream(self.s.pool, p): p for p in keys.PRIORITIES}
+        out = []
+        for stream in rotation.next_order():
+            out += [self._own_stream(by_stream[stream]), stream]
+        return out
 
     async def _handle(self, c: streams.Claimed, reclaimed: bool = False) -> None:
         req = GenerationRequest.from_json(c.fields["req"])

@@ -144,6 +144,28 @@ async def ack(r: aioredis.Redis, stream: str, group: str, entry_id: bytes) -> No
     await pipe.execute()
 
 
+async def pod_stream_owners(r: aioredis.Redis, pool: str) -> list[str]:
+    """Worker ids that may have per-pod admission streams (keys.pod_streams_set)."""
+    return sorted(_s(x) for x in await r.smembers(keys.pod_streams_set(pool)))
+
+
+_FORGET_POD = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('XLEN', KEYS[i]) > 0 then return 0 end
+end
+for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('SREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+async def forget_pod_streams(r: aioredis.Redis, pool: str, worker_id: str) -> bool:
+    """Delete a dead pod's per-pod admission streams and its set entry, only if every one is
+    empty (one script: a routed XADD, which re-adds the set entry with it, lands before or after)."""
+    names = [keys.pod_admission_stream(pool, p, worker_id) for p in keys.PRIORITIES]
+    return bool(await r.eval(_FORGET_POD, 1 + len(names), keys.pod_streams_set(pool), *names, worker_id))
+
+
 # ---------------------------------------------------------------- ready notices
 
 
