@@ -44,6 +44,10 @@ All settings come from environment variables (nested blocks use "__"):
   TANDEM_GATEWAY_RESUME_GRACE_S        "resumable" requests: time a dropped client has to resume (30)
   TANDEM_GATEWAY_MAX_CONCURRENT_REQUESTS_PER_KEY  per API key and replica (0: no limit)
   TANDEM_GATEWAY_TOKENS_PER_MINUTE_PER_KEY        prompt + max_tokens per key and replica (0: no limit)
+  TANDEM_GATEWAY_PREFIX_ROUTING        send prompts to the prefill pod likeliest to hold their prefix (true)
+  TANDEM_GATEWAY_PREFIX_BLOCK_SIZE     tokens per prefix block; must equal the pods' prefix_cache.block_size (16)
+  TANDEM_GATEWAY_PREFIX_ROUTE_MAX_BACKLOG  a pod's own queue this long: shared queue instead (4)
+  TANDEM_GATEWAY_PREFIX_INDEX_ENTRIES  block -> pod entries the router remembers, LRU (100000)
   TANDEM_GATEWAY_LOG_LEVEL             DEBUG/INFO/WARNING (INFO)
 """
 

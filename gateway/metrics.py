@@ -12,10 +12,16 @@ EPP flags --total-queued-requests-metric, --total-running-requests-metric,
 --kv-cache-usage-percentage-metric, --lora-info-metric). They describe the whole cluster behind
 this gateway, computed from the Redis registry at scrape time (`cluster_load`), so every replica
 reports the same numbers; see docs/api.md.
+
+The prefix-cache counters (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in
+prompt tokens, as vLLM counts them, and `tandem_prefill_tokens_computed_total`) are cluster-wide
+too: each pod heartbeats its cumulative counts and `PodCounters` turns them into increments.
+Like the gauges, every replica reports the whole cluster: aggregate replicas with max, not sum.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -67,11 +73,38 @@ class GatewayMetrics:
             "tandem_predicted_ttft_seconds", "Predicted time to first token for a request admitted now",
             registry=reg,
         )
+        self.prefix_routes = Counter(
+            "tandem_prefix_route", "Remote prompts by cache-aware routing decision (gateway/prefix_route.py)",
+            ["reason"], registry=reg,
+        )
         self._add_inference_extension_gauges(reg)
+        self._add_prefix_cache_counters(reg)
+
+    def _add_prefix_cache_counters(self, reg: CollectorRegistry) -> None:
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the pods' prefix caches (cluster)",
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the pods' prefix caches (cluster)", registry=reg,
+        )
+        self.prefill_computed = Counter(
+            "tandem_prefill_tokens_computed", "Prompt tokens the pods actually prefilled (cluster)",
+            registry=reg,
+        )
+        self._pod_counters = PodCounters()
+
+    def observe_prefix_cache(self, workers: list[dict]) -> None:
+        """Advance the prefix-cache counters by what each pod's heartbeat added since the last look."""
+        d = self._pod_counters.deltas(workers)
+        self.prefix_queries.inc(d["queries"])
+        self.prefix_hits.inc(d["hits"])
+        self.prefill_computed.inc(d["computed"])
 
     def _add_inference_extension_gauges(self, reg: CollectorRegistry) -> None:
         self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests queued: admission backlog (incl. direct) + ready queue",
+            "vllm:num_requests_waiting",
+            "Requests queued: admission backlog (shared, per-pod and direct streams) + ready queue",
             ["model_name"], registry=reg,
         )
         self.running_cluster = Gauge(
@@ -97,6 +130,71 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PodCounters:
+    """Increments of the pods' cumulative prefix-cache counts between two registry reads.
+
+    The last values per worker id are kept; the delta is value - last, and a value below the last
+    (or a new pid) means the pod restarted (its counts began again at 0), so the delta is the value
+    itself. A pod seen for the first time contributes its whole count. At most `max_pods` worker ids are
+    remembered (least recently seen forgotten), so pod churn cannot grow it without bound.
+    """
+
+    FIELDS = ("queries", "hits", "computed")
+
+    def __init__(self, max_pods: int = 4096) -> None:
+        self.max_pods = max_pods
+        self._last: OrderedDict[str, dict] = OrderedDict()
+
+    def deltas(self, workers: list[dict]) -> dict[str, int]:
+        out = dict.fromkeys(self.FIELDS, 0)
+        for w in workers:
+            pc, wid = prefix_cache_of(w), w.get("id")
+            if pc is None or wid is None:
+                continue
+            now = {f: max(0, int(pc.get(f) or 0)) for f in self.FIELDS}
+            now["pid"] = w.get("pid")
+            last = self._last.pop(wid, None)
+            # A restart resets every count: any count going down (or a new pid) means all did.
+            restarted = last is None or last["pid"] != now["pid"] or any(now[f] < last[f] for f in self.FIELDS)
+            for f in self.FIELDS:
+                out[f] += now[f] if restarted else now[f] - last[f]
+            self._last[wid] = now
+        while len(self._last) > self.max_pods:
+            self._last.popitem(last=False)
+        return out
+
+
+def prefix_cache_of(worker: dict) -> dict | None:
+    """The pod's heartbeat `extra["prefix_cache"]`, or None when it publishes none."""
+    pc = (worker.get("extra") or {}).get("prefix_cache")
+    return pc if isinstance(pc, dict) else None
+
+
+def prefix_cache_summary(workers: list[dict], gateway_block_size: int) -> dict:
+    """`/admin/cluster`'s prefix_cache section: per pod its cache size and hit rate, and totals.
+    `block_size_mismatch` lists pods whose block size is not the gateway's prefix_block_size
+    (their caches still work; routing to them is then a worse guess)."""
+    rows, tot = [], dict.fromkeys(("queries", "hits", "computed", "bytes", "blocks", "evicted"), 0)
+    for w in workers:
+        pc = prefix_cache_of(w)
+        if pc is None:
+            continue
+        row = {"id": w.get("id"), "role": w.get("role"), "enabled": bool(pc.get("enabled")),
+               "block_size": pc.get("block_size"), "budget_bytes": int(pc.get("budget_bytes") or 0)}
+        for k in tot:
+            row[k] = int(pc.get(k) or 0)
+            tot[k] += row[k]
+        row["hit_rate"] = _rate(row["hits"], row["queries"])
+        rows.append(row)
+    mismatch = [r["id"] for r in rows if r["enabled"] and r["block_size"] not in (None, gateway_block_size)]
+    return {"workers": rows, "totals": {**tot, "hit_rate": _rate(tot["hits"], tot["queries"])},
+            "gateway_block_size": gateway_block_size, "block_size_mismatch": mismatch}
+
+
+def _rate(hits: int, queries: int) -> float | None:
+    return round(hits / queries, 4) if queries else None
 
 
 def cluster_load(workers: list[dict], admission_backlog: int, ready: int) -> tuple[int, int, float]:

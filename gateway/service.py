@@ -21,11 +21,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway import choices, resume
+from gateway import choices, pod_streams, resume
 from gateway.chat import ChatTemplate
 from gateway.limits import KeyLimiter
 from gateway.logprobs import TokenText
-from gateway.metrics import GatewayMetrics, cluster_load
+from gateway.metrics import GatewayMetrics, cluster_load, prefix_cache_summary
+from gateway.prefix_route import PrefixRouter, prefix_route_pods
 from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
@@ -40,6 +41,7 @@ from tandem_core.errors import (
     Unauthenticated,
 )
 from tandem_core.models import ModelInfo, resolve_model
+from tandem_core.prefix import cache_salt
 from tandem_core.scheduling import choose_route, predicted_ttft_s
 from tandem_core.tokenizer import Tokenizer, load_tokenizer
 from tandem_core.types import GenerationRequest
@@ -79,6 +81,10 @@ class GatewayService:
         self._view_cache: tuple[float, ClusterView] | None = None
         self.open_streams = 0  # relays in progress (all share the one token reader)
         self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
+        self.router = PrefixRouter(  # the same salt on every replica of the pool: rendezvous agrees
+            settings.prefix_block_size, settings.prefix_index_entries, settings.prefix_route_max_backlog,
+            salt=cache_salt("gateway", settings.pool), enabled=settings.prefix_routing,
+        )
 
     # ------------------------------------------------------------ auth
 
@@ -127,9 +133,10 @@ class GatewayService:
         r = self._redis()
         s = self.settings
         try:
-            backlog = await streams.admission_backlog(r, s.pool)
-            self.metrics.backlog.set(backlog)
             view = await self._view(r)
+            queued = await pod_streams.read_backlog(r, s.pool, view.prefill_ids)
+            backlog = queued.total
+            self.metrics.backlog.set(backlog)
             self._admit(backlog, view)
             rid = prep.request.request_id
             if not fresh_id and await r.exists(keys.token_stream(rid), keys.cancel_key(rid)):
@@ -142,8 +149,14 @@ class GatewayService:
             self.metrics.routes.labels("local" if route.direct else "remote", route.reason).inc()
             if prep.resumable and prep.meta is not None:
                 await resume.save(r, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
-            prep.enqueue_entry_id = await streams.enqueue_request(
-                r, s.pool, prep.request, maxlen=s.admission_maxlen, direct=route.direct)
+            pod = None
+            if not route.direct:  # cache-aware: the pod likeliest to hold the prefix, unless busy
+                pick = self.router.choose(prep.request.prompt_ids, view.prefill_ids,
+                                          queued.of_priority(prep.request.priority))
+                self.metrics.prefix_routes.labels(pick.reason).inc()
+                pod = pick.pod
+            prep.enqueue_entry_id = await pod_streams.enqueue(
+                r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=route.direct)
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=s.retry_after_s) from e
 
@@ -181,7 +194,7 @@ class GatewayService:
         """The registry, summarised for routing; refreshed at most every cluster_view_ttl_s."""
         now = time.monotonic()
         if self._view_cache is None or now - self._view_cache[0] > self.settings.cluster_view_ttl_s:
-            self._view_cache = (now, ClusterView.of(await streams.list_workers(r)))
+            self._view_cache = (now, ClusterView.of(await streams.list_workers(r), self.settings.pool))
         return self._view_cache[1]
 
     def _record(self, prep: Prepared, api_key: str) -> resume.ResumeRecord:
@@ -306,21 +319,22 @@ class GatewayService:
         s = self.settings
         try:
             workers = await streams.list_workers(r)
-            admission = {p: await r.xlen(keys.admission_stream(s.pool, p)) for p in keys.PRIORITIES}
-            backlog = await streams.admission_backlog(r, s.pool)
+            queued = await pod_streams.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
             ready = await r.xlen(keys.ready_stream(s.pool))
-            direct = await r.xlen(keys.direct_stream(s.pool))
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
+        backlog = queued.total
         self.metrics.backlog.set(backlog)
+        self.metrics.observe_prefix_cache(workers)
         waiting, running, kv = cluster_load(workers, backlog, ready)
         self.metrics.set_load(self.model_name, waiting, running, kv)
         return {
             "workers": workers,
             "load": {"waiting": waiting, "running": running, "kv_cache_usage": round(kv, 4)},
-            "queues": {"pool": s.pool, "admission": admission, "admission_backlog": backlog, "ready": ready,
-                       "direct": direct,
+            "queues": {"pool": s.pool, "admission": queued.shared, "pod_admission": queued.pods,
+                       "admission_backlog": backlog, "ready": ready, "direct": queued.direct,
                        "admission_max_backlog": s.admission_max_backlog},
+            "prefix_cache": prefix_cache_summary(workers, s.prefix_block_size),
             "model": {"name": self.model_name, "model": s.model, "max_context_len": s.max_context_len,
                       "max_prompt_len": s.max_prompt_len},
         }
@@ -337,9 +351,11 @@ class GatewayService:
         async def read() -> None:
             r = self._redis()
             workers = await streams.list_workers(r)
-            backlog = await streams.admission_backlog(r, self.settings.pool)
+            pods = ClusterView.of(workers, self.settings.pool).prefill_ids
+            backlog = await pod_streams.total_backlog(r, self.settings.pool, pods)
             ready = await r.xlen(keys.ready_stream(self.settings.pool))
             self.metrics.backlog.set(backlog)
+            self.metrics.observe_prefix_cache(workers)
             self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready))
 
         try:
@@ -372,16 +388,17 @@ class ClusterView:
     decode_workers: int = 0
     decode_free_slots: int = 0
     prefill_s: float = 0.0  # mean of the prefill workers' recent per-prompt prefill time
+    prefill_ids: tuple[str, ...] = ()  # live prefill pods that take per-pod entries (prefix_route_pods)
 
     @classmethod
-    def of(cls, workers: list[dict]) -> "ClusterView":
+    def of(cls, workers: list[dict], pool: str | None = None) -> "ClusterView":
         live = [w for w in workers if not w.get("draining")]
         pre = [w for w in live if w["role"] == "prefill"]
         dec = [w for w in live if w["role"] == "decode"]
         times = [float(w.get("extra", {}).get("prefill_ema_s") or 0) for w in pre]
         times = [t for t in times if t > 0]
         return cls(len(pre), len(dec), sum(int(w["free_slots"]) for w in dec),
-                   sum(times) / len(times) if times else 0.0)
+                   sum(times) / len(times) if times else 0.0, prefix_route_pods(pre, pool))
 
 
 def _bearer_ok(authorization: str | None, allowed: list[str]) -> bool:

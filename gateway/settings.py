@@ -58,3 +58,10 @@ class GatewaySettings(BaseSettings):
     tokens_per_minute_per_key: int = Field(default=0, ge=0)  # prompt + max_tokens, per replica; 0 = off
     # Structured outputs and tools (issue 13):
     max_grammar_bytes: PositiveInt = 65536  # a request's grammar spec (schema, regex, Lark, tools) as JSON
+    # Prefix caching and cache-aware routing (issue 14, gateway/prefix_route.py):
+    prefix_routing: bool = True  # route remote prompts to the prefill pod likeliest to hold their prefix
+    # Tokens per block of the prefix hash chain: MUST equal the pods' prefix_cache.block_size (and be
+    # the same on every gateway replica), or the gateway's guess of who holds a prefix is worse.
+    prefix_block_size: PositiveInt = 16
+    prefix_route_max_backlog: PositiveInt = 4  # a pod's own stream this long: use the shared stream
+    prefix_index_entries: PositiveInt = 100_000  # block key -> pod entries the router remembers (LRU)

@@ -175,7 +175,7 @@ def test_api_keys_and_admin_key(redis_url):
         assert c.get("/admin/cluster").status_code == 401
         assert c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}).status_code == 401
         view = c.get("/admin/cluster", headers={"Authorization": "Bearer adm"}).json()
-        assert set(view) == {"workers", "load", "queues", "model"}
+        assert set(view) == {"workers", "load", "queues", "model", "prefix_cache"}
         assert c.get("/healthz").status_code == 200  # probes need no key
 
 

@@ -1,0 +1,111 @@
+"""The gateway's side of the per-pod admission streams (cache-aware routing, gateway/prefix_route.py).
+
+A prompt routed to prefill pod P goes to `keys.pod_admission_stream(pool, priority, P)` instead of
+the shared admission stream, and P's id joins the set `keys.pod_streams_set(pool)`. Both writes are
+one MULTI/EXEC: a prefill pod reclaiming a dead P removes it from the set only when its streams are
+empty (atomically), so an entry can never land in a stream nobody will look for.
+
+What the pods MUST do for this to hold (prefill_svc): read their own per-pod stream before the
+shared stream of the same priority, with consumer group `prefill` created at id 0 (the gateway
+XADDs without creating the group, so entries written before the group exists must still be
+delivered); XDEL every entry they ack, so XLEN is the backlog, as on the shared streams; drain a
+dead pod's per-pod streams and remove it from the set. And advertise it: the gateway routes to a
+pod only when its heartbeat `extra` carries `"prefix_cache"` with `"enabled": true`, and `"pool"`
+equal to the gateway's when present (gateway.prefix_route.prefix_route_pods), so pods that do not
+read per-pod streams (an older version's, another pool's) never get entries there.
+
+The admission backlog the gateway bounds (429), predicts time to first token from and reports
+(`/admin/cluster`, `vllm:num_requests_waiting`) is the shared streams plus every per-pod stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from tandem_core import keys, streams
+from tandem_core.types import GenerationRequest
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Admission entries not yet finished by a prefill, by where they wait."""
+
+    shared: dict[str, int] = field(default_factory=dict)  # priority -> XLEN of the shared stream
+    direct: int = 0  # the direct stream (decode pods prefill those)
+    pods: dict[str, dict[str, int]] = field(default_factory=dict)  # worker id -> priority -> XLEN
+
+    @property
+    def total(self) -> int:
+        return sum(self.shared.values()) + self.direct + sum(sum(p.values()) for p in self.pods.values())
+
+    def of_priority(self, priority: str) -> dict[str, int]:
+        """worker id -> entries in its per-pod stream of `priority` (the router's busy check)."""
+        return {pod: n.get(priority, 0) for pod, n in self.pods.items()}
+
+
+async def read_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> Backlog:
+    """The shared streams' lengths, the set of pods with per-pod streams, and the per-pod lengths.
+
+    One round trip when every member of the set is in `known_pods` (the live prefill pods, whose
+    lengths are read speculatively beside SMEMBERS); a second one only for members not known,
+    i.e. dead pods whose streams are not drained yet."""
+    known = list(dict.fromkeys(known_pods))
+    pipe = r.pipeline(transaction=False)
+    for prio in keys.PRIORITIES:
+        pipe.xlen(keys.admission_stream(pool, prio))
+    pipe.xlen(keys.direct_stream(pool))
+    pipe.smembers(keys.pod_streams_set(pool))
+    _add_xlens(pipe, pool, known)
+    res = await pipe.execute()
+    n = len(keys.PRIORITIES)
+    shared = dict(zip(keys.PRIORITIES, (int(x) for x in res[:n])))
+    direct, members = int(res[n]), {_s(m) for m in res[n + 1]}
+    pods = _by_pod(known, res[n + 2:])
+    unknown = sorted(members - set(known))
+    if unknown:
+        pipe = r.pipeline(transaction=False)
+        _add_xlens(pipe, pool, unknown)
+        pods.update(_by_pod(unknown, await pipe.execute()))
+    # Known live pods outside the set have no per-pod streams yet (all zero): keep them out.
+    pods = {p: v for p, v in pods.items() if p in members or any(v.values())}
+    return Backlog(shared, direct, pods)
+
+
+async def pod_backlog(r: aioredis.Redis, pool: str, pods: list[str]) -> dict[str, dict[str, int]]:
+    """worker id -> priority -> XLEN of its per-pod stream, for `pods` and every set member."""
+    return (await read_backlog(r, pool, pods)).pods
+
+
+async def total_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> int:
+    """`streams.admission_backlog` plus the per-pod streams."""
+    return (await read_backlog(r, pool, known_pods)).total
+
+
+async def enqueue(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: int, *,
+                  pod: str | None = None, direct: bool = False) -> bytes:
+    """XADD the request to pod `pod`'s per-pod stream (with SADD of its id to the set, in one
+    MULTI/EXEC), or, with `pod` None, as `streams.enqueue_request` does. Returns the entry id."""
+    if pod is None or direct:
+        return await streams.enqueue_request(r, pool, req, maxlen=maxlen, direct=direct)
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(keys.pod_admission_stream(pool, req.priority, pod), {"rid": req.request_id, "req": req.to_json()},
+              maxlen=maxlen, approximate=True)
+    pipe.sadd(keys.pod_streams_set(pool), pod)
+    entry_id, _ = await pipe.execute()
+    return entry_id
+
+
+def _add_xlens(pipe, pool: str, pods: list[str]) -> None:
+    for pod in pods:
+        for prio in keys.PRIORITIES:
+            pipe.xlen(keys.pod_admission_stream(pool, prio, pod))
+
+
+def _by_pod(pods: list[str], lens: list) -> dict[str, dict[str, int]]:
+    n = len(keys.PRIORITIES)
+    return {pod: dict(zip(keys.PRIORITIES, (int(x) for x in lens[i * n:(i + 1) * n]))) for i, pod in enumerate(pods)}
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
