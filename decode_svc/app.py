@@ -69,7 +69,8 @@ async def serve(s: DecodeSettings) -> int:
         return streams.WorkerInfo(
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
             free_slots=table.free, draining=state["draining"],
-            extra={"prefix_cache": engine_loop.prefix_cache.summary(), "steps": engine_loop.stats.steps, "tokens": engine_loop.stats.tokens, "pulled": io.pulled,
+            extra={"pool": s.pool, "prefix_cache": engine_loop.prefix_cache.summary(),
+                   "steps": engine_loop.stats.steps, "tokens": engine_loop.stats.tokens, "pulled": io.pulled,
                    "local_prefills": engine_loop.stats.local_prefills, "colocated": s.colocated},
         )
 

@@ -56,7 +56,8 @@ async def serve(settings: PrefillSettings) -> int:
     def info() -> streams.WorkerInfo:
         return streams.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
                                   held_kv_bytes=store.held_bytes, draining=draining,
-                                  extra={"prefix_cache": cache.summary(), "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,
+                                  extra={"pool": settings.pool, "prefix_cache": cache.summary(),
+                                         "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,
                                          "prefill_ema_s": round(worker.prefill_ema_s, 6)})
 
     hb_stop = asyncio.Event()

@@ -44,6 +44,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="XLA CPU compute threads per prefill/decode worker (0: one per core). 1 suits a "
                    "laptop, where the workers share the cores (idle pool threads spin)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
+    p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
+                   help="host memory per worker for the KV of prompt prefixes already seen (0: no prefix cache)")
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
                         "roles: prefill, decode, gateway, redis")
@@ -112,7 +114,8 @@ class Cluster:
     def _engine_env(self, prefix: str) -> dict[str, str]:
         return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets),
-                f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads)}
+                f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads),
+                f"{prefix}PREFIX_CACHE__BUDGET_BYTES": str(self.a.prefix_cache_bytes)}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
         self.sup.add(Child(name, module, env, _preexec_for(self.pins.get(name.split("-")[0]))))
