@@ -1,5 +1,6 @@
 """Tensor parallelism: greedy tokens are the same at tp 1, 2 and 4; a prefix made at tp=2 decodes
-to the same tokens in engines at tp=4 and tp=1; bfloat16 shards too; a bad tp says what to do.
+to the same tokens in engines at tp=4 and tp=1; a prefill over a cached prefix shards too, and so
+does bfloat16; a bad tp says what to do.
 
 XLA_FLAGS must be set before JAX starts, so the multi-device checks run in a child process (this
 same file run as a script, with four host CPU devices) that prints one JSON line; the test reads it
@@ -77,6 +78,13 @@ def child(workdir: str) -> dict:
     # a device prefix on chips 2-3 handed straight to another engine is moved there by insert
     for tp in (4, 1):
         res[f"direct_2_to_{tp}"] = decode(engines[tp], {1: engines[2].prefill(prompts()[1], GREEDY)})
+    # a prompt over a cached prefix at tp=4: the cached rows go back onto the chips by head
+    from tandem_engine.prefix_cache import cache_for
+    from tandem_engine.prefix_cache import prefill as cached_prefill
+    cache = cache_for(engines[4], 16, 1 << 24)
+    cached_prefill(engines[4], cache, prompts()[2][:20], GREEDY)
+    res["cached_tp4"] = decode(engines[4], {2: cached_prefill(engines[4], cache, prompts()[2], GREEDY)[0]})
+    res["cached_tp4_hits"] = cache.stats.hits
     # bfloat16 weights and KV, sharded
     for tp in (1, 2):
         e = load_engine(str(ckpt), tp=tp, dtype="bfloat16", **KW)
@@ -131,6 +139,11 @@ def test_prefix_moves_between_tp(results):
     assert tokens(results["moved_2_to_1"]) == want
     assert tokens(results["direct_2_to_4"]) == {"1": want["1"]}
     assert tokens(results["direct_2_to_1"]) == {"1": want["1"]}
+
+
+def test_cached_prefix_prefill_shards(results):
+    assert results["cached_tp4_hits"] == 16
+    assert tokens(results["cached_tp4"]) == {"2": tokens(results["greedy_tp1"])["2"]}
 
 
 def test_bfloat16_shards(results):
