@@ -73,12 +73,14 @@ def prepare_model_dir(src: Path, dst: Path) -> Path:
 
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1:PORT, optionally pinned
-    (`cpus`: taskset -c on the whole server; `env` is added to its environment)."""
+    (`cpus`: taskset -c on the whole server; `env` is added to its environment, `args` to its
+    command line)."""
 
     def __init__(self, model_dir: Path, port: int, max_len: int, cpus: str | None, log_path: Path,
-                 max_num_seqs: int = 8, env: dict[str, str] | None = None) -> None:
+                 max_num_seqs: int = 8, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.model_dir, self.port, self.max_len, self.cpus = model_dir, port, max_len, cpus
         self.log_path, self.max_num_seqs, self.extra_env = log_path, max_num_seqs, dict(env or {})
+        self.extra_args = tuple(args)  # more server flags, e.g. ("--enable-prefix-caching",)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -89,7 +91,7 @@ class VLLMServer:
         cmd = [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", str(self.max_len), "--max-num-seqs", str(self.max_num_seqs),
-               "--served-model-name", "bench"]
+               "--served-model-name", "bench", *self.extra_args]
         if self.cpus:
             cmd = ["taskset", "-c", self.cpus, *cmd]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",

@@ -8,13 +8,14 @@ import math
 import pytest
 
 from bench import prefix as pb
+from bench import prefix_report as pr
 from bench.loadgen import RequestResult
 
 VOCAB = 2048
 
 
-def _plan(**kw) -> pb.Plan:
-    return pb.Plan(**{"conversations": 6, **kw})
+def _plan(**kw) -> pr.Plan:
+    return pr.Plan(**{"conversations": 6, **kw})
 
 
 def test_workload_shape_and_determinism():
@@ -44,8 +45,8 @@ def test_every_turn_shares_the_system_prompt_and_extends_the_previous_one():
 
 
 def test_prompts_stay_below_the_largest_bucket_and_too_long_fails():
-    convs = pb.build_workload(pb.Plan(), VOCAB)  # the full 32 x 4 plan
-    assert max(len(t) for c in convs for t in c) < pb.MAX_PROMPT
+    convs = pb.build_workload(pr.Plan(), VOCAB)  # the full 32 x 4 plan
+    assert max(len(t) for c in convs for t in c) < pr.MAX_PROMPT
     with pytest.raises(ValueError):
         pb.build_workload(_plan(system_len=450), VOCAB)
 
@@ -74,20 +75,20 @@ def test_parse_counters_vllm_text():
         "tandem_prefill_tokens_computed_total 5e1",
         "unrelated_total 1",
     ])
-    got = pb.parse_counters(text)
-    assert got == {pb.HITS: 130.0, pb.QUERIES: 200.0, pb.COMPUTED: 50.0}
+    got = pr.parse_counters(text)
+    assert got == {pr.HITS: 130.0, pr.QUERIES: 200.0, pr.COMPUTED: 50.0}
 
 
 def test_parse_counters_missing_and_bare_names():
-    got = pb.parse_counters("vllm:prefix_cache_hits 4\nsomething_else 1\n")
-    assert got[pb.HITS] == 4.0 and got[pb.QUERIES] is None and got[pb.COMPUTED] is None
-    assert pb.parse_counters("") == {n: None for n in pb.COUNTERS}
+    got = pr.parse_counters("vllm:prefix_cache_hits 4\nsomething_else 1\n")
+    assert got[pr.HITS] == 4.0 and got[pr.QUERIES] is None and got[pr.COMPUTED] is None
+    assert pr.parse_counters("") == {n: None for n in pr.COUNTERS}
 
 
 def test_counter_delta_keeps_missing_as_none():
-    before = {pb.HITS: 10.0, pb.QUERIES: None, pb.COMPUTED: 3.0}
-    after = {pb.HITS: 40.0, pb.QUERIES: 5.0, pb.COMPUTED: 3.0}
-    assert pb.counter_delta(before, after) == {pb.HITS: 30.0, pb.QUERIES: None, pb.COMPUTED: 0.0}
+    before = {pr.HITS: 10.0, pr.QUERIES: None, pr.COMPUTED: 3.0}
+    after = {pr.HITS: 40.0, pr.QUERIES: 5.0, pr.COMPUTED: 3.0}
+    assert pr.counter_delta(before, after) == {pr.HITS: 30.0, pr.QUERIES: None, pr.COMPUTED: 0.0}
 
 
 def _result(turn: int, ttft: float, prompt_len: int = 100, tokens: int = 24) -> RequestResult:
@@ -97,11 +98,11 @@ def _result(turn: int, ttft: float, prompt_len: int = 100, tokens: int = 24) -> 
 
 def _summary(ttft: float, delta: dict, kind: str = "tandem") -> dict:
     results = [_result(t, ttft * t) for t in (1, 2, 3, 4) for _ in range(3)]
-    return pb.summarize_system(results, [t for t in (1, 2, 3, 4) for _ in range(3)], 1.0, delta, kind)
+    return pr.summarize_system(results, [t for t in (1, 2, 3, 4) for _ in range(3)], 1.0, delta, kind)
 
 
 def test_summarize_system_per_turn_and_hit_rate():
-    s = _summary(0.01, {pb.HITS: 900.0, pb.QUERIES: 1200.0, pb.COMPUTED: 300.0})
+    s = _summary(0.01, {pr.HITS: 900.0, pr.QUERIES: 1200.0, pr.COMPUTED: 300.0})
     assert s["prompt_tokens"] == 1200 and s["hit_rate"] == pytest.approx(0.75)
     assert s["hits_per_query"] == pytest.approx(0.75) and s["prefill_computed"] == 300.0
     assert s["ttft_ms_by_turn"]["1"]["p50"] == pytest.approx(10.0)
@@ -110,40 +111,40 @@ def test_summarize_system_per_turn_and_hit_rate():
 
 
 def test_summarize_vllm_computes_prefill_from_hits_and_missing_stays_none():
-    s = _summary(0.01, {pb.HITS: 1000.0, pb.QUERIES: 1200.0, pb.COMPUTED: None}, kind="vllm")
+    s = _summary(0.01, {pr.HITS: 1000.0, pr.QUERIES: 1200.0, pr.COMPUTED: None}, kind="vllm")
     assert s["prefill_computed"] == 200
-    t = _summary(0.01, {pb.HITS: None, pb.QUERIES: None, pb.COMPUTED: None})
+    t = _summary(0.01, {pr.HITS: None, pr.QUERIES: None, pr.COMPUTED: None})
     assert t["hit_rate"] is None and t["prefill_computed"] is None
 
 
 def test_unhealthy_when_a_request_fails_or_tokens_bundle():
     results = [_result(1, 0.01), RequestResult("turn2", 100, 24, 0.0, error="HTTP 500")]
-    s = pb.summarize_system(results, [1, 2], 1.0, {}, "tandem")
+    s = pr.summarize_system(results, [1, 2], 1.0, {}, "tandem")
     assert not s["health"]["healthy"] and "1 requests failed" in s["health"]["reasons"][0]
     bundled = _result(1, 0.01, tokens=12)
     bundled.usage_tokens = 24
-    s = pb.summarize_system([bundled], [1], 1.0, {}, "tandem")
+    s = pr.summarize_system([bundled], [1], 1.0, {}, "tandem")
     assert not s["health"]["healthy"]
 
 
 def test_a_rare_merged_event_stays_healthy():
     results = [_result(1, 0.01) for _ in range(200)]
     results[0].tokens_out = 23  # one event carried two tokens: 4800 / 4799 tokens per event
-    s = pb.summarize_system(results, [1] * 200, 1.0, {}, "vllm")
+    s = pr.summarize_system(results, [1] * 200, 1.0, {}, "vllm")
     assert s["health"]["healthy"] and s["health"]["short_streams"] == 1
 
 
 def test_settled_counters_waits_for_two_equal_reads(monkeypatch):
-    reads = iter([{pb.HITS: 1.0}, {pb.HITS: 5.0}, {pb.HITS: 9.0}, {pb.HITS: 9.0}, {pb.HITS: 10.0}])
+    reads = iter([{pr.HITS: 1.0}, {pr.HITS: 5.0}, {pr.HITS: 9.0}, {pr.HITS: 9.0}, {pr.HITS: 10.0}])
     monkeypatch.setattr(pb, "read_counters", lambda url: next(reads))
-    assert asyncio.run(pb.settled_counters("http://x", gap_s=0.0)) == {pb.HITS: 9.0}
+    assert asyncio.run(pb.settled_counters("http://x", gap_s=0.0)) == {pr.HITS: 9.0}
 
 
 def test_ratios_and_verdicts():
-    systems = {"tandem-cache": _summary(0.01, {pb.HITS: 1000.0, pb.QUERIES: 1200.0, pb.COMPUTED: 200.0}),
-               "tandem-nocache": _summary(0.04, {pb.HITS: 0.0, pb.QUERIES: 1200.0, pb.COMPUTED: 1200.0}),
-               "vllm": _summary(0.02, {pb.HITS: 900.0, pb.QUERIES: 1200.0, pb.COMPUTED: None}, "vllm")}
-    rows = {r["ratio"]: r for r in pb.ratio_rows(systems)}
+    systems = {"tandem-cache": _summary(0.01, {pr.HITS: 1000.0, pr.QUERIES: 1200.0, pr.COMPUTED: 200.0}),
+               "tandem-nocache": _summary(0.04, {pr.HITS: 0.0, pr.QUERIES: 1200.0, pr.COMPUTED: 1200.0}),
+               "vllm": _summary(0.02, {pr.HITS: 900.0, pr.QUERIES: 1200.0, pr.COMPUTED: None}, "vllm")}
+    rows = {r["ratio"]: r for r in pr.ratio_rows(systems)}
     cache = rows["TTFT p50 tandem-cache / tandem-nocache"]
     assert cache["value"] == pytest.approx(0.25) and cache["verdict"] == "met"
     hit = rows["tandem-cache hit rate (hits / prompt tokens)"]
@@ -152,15 +153,15 @@ def test_ratios_and_verdicts():
 
 
 def test_report_marks_missing_counters_na_and_withholds_ratios():
-    systems = {"tandem-cache": _summary(0.01, {pb.HITS: None, pb.QUERIES: None, pb.COMPUTED: None}),
-               "tandem-nocache": _summary(0.01, {pb.HITS: None, pb.QUERIES: None, pb.COMPUTED: None}),
+    systems = {"tandem-cache": _summary(0.01, {pr.HITS: None, pr.QUERIES: None, pr.COMPUTED: None}),
+               "tandem-nocache": _summary(0.01, {pr.HITS: None, pr.QUERIES: None, pr.COMPUTED: None}),
                "vllm": {"status": "skipped", "reason": "vLLM CPU is not installed"}}
-    doc = {"plan": vars(pb.Plan()), "systems": systems, "argv": ["--quick"], "seconds": 12.0, "code": "abc",
+    doc = {"plan": vars(pr.Plan()), "systems": systems, "argv": ["--quick"], "seconds": 12.0, "code": "abc",
            "machine": {"nproc": 2, "cpu": "X", "mem_gib": 1.0, "date": "today", "python": "3.11"}}
-    md = pb.report(doc)
+    md = pr.report(doc)
     assert md.startswith("## Prefix caching (bench/prefix.py)")
     assert "n/a" in md and "python bench/prefix.py --quick" in md and "2 CPUs (X)" in md
-    rows = {r["ratio"]: r for r in pb.ratio_rows(systems)}
+    rows = {r["ratio"]: r for r in pr.ratio_rows(systems)}
     hit = rows["tandem-cache hit rate (hits / prompt tokens)"]
     assert hit["value"] is None and hit["verdict"] == "-" and "n/a" in hit["why"]
     vs = rows["TTFT p50 tandem-cache / vllm"]
@@ -169,8 +170,8 @@ def test_report_marks_missing_counters_na_and_withholds_ratios():
 
 
 def test_ttft_ratio_withheld_for_an_unhealthy_system():
-    bad = pb.summarize_system([RequestResult("turn1", 100, 24, 0.0, error="boom"), _result(1, 0.02)], [1, 1],
+    bad = pr.summarize_system([RequestResult("turn1", 100, 24, 0.0, error="boom"), _result(1, 0.02)], [1, 1],
                               1.0, {}, "tandem")
-    rows = pb.ratio_rows({"tandem-cache": _summary(0.01, {}), "tandem-nocache": bad})
+    rows = pr.ratio_rows({"tandem-cache": _summary(0.01, {}), "tandem-nocache": bad})
     assert rows[0]["value"] is None and "tandem-nocache unhealthy" in rows[0]["why"]
     assert not math.isnan(_summary(0.01, {})["ttft_ms"]["p50"])
