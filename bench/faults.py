@@ -40,6 +40,7 @@ class Stream:
     finish: str | None = None
     error: str | None = None
     resumes: int = 0
+    refused: int = 0  # 429/503 answers before admission (the client waited Retry-After and sent again)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class FaultResult:
     wrong_text: int
     recover_s: float
     notes: str = ""
+    refused: int = 0  # 429/503 answers the clients got (and retried after Retry-After)
 
     @property
     def ok(self) -> bool:
@@ -82,6 +84,7 @@ async def stream_one(c: httpx.AsyncClient, prompt: str, max_tokens: int, out: St
             async with req as resp:
                 if resp.status_code in (429, 503) and rid is None:  # not admitted: retry, as clients do
                     out.resumes += 1
+                    out.refused += 1
                     await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
                     continue
                 rid = resp.headers.get("x-request-id", rid)
@@ -118,17 +121,25 @@ async def _read_sse(resp: httpx.Response, out: Stream) -> None:
                 out.finish = ch["finish_reason"] or out.finish
 
 
-async def run_batch(base: str, ps: list[str], max_tokens: int, inject=None, trigger=None) -> tuple[list[Stream], float]:
-    """Stream all prompts at once; when `trigger(streams)` first holds, `await inject()`."""
+async def run_batch(base: str, ps: list[str], max_tokens: int, inject=None, trigger=None,
+                    late: int = 0) -> tuple[list[Stream], float]:
+    """Stream all prompts at once; when `trigger(streams)` first holds, `await inject()`. The last
+    `late` prompts are sent only once the fault has struck (requests arriving during it)."""
     outs = [Stream() for _ in ps]
+    first = len(ps) - late
     fault_at = 0.0
     async with httpx.AsyncClient(base_url=base, timeout=240) as c:
-        tasks = [asyncio.create_task(stream_one(c, p, max_tokens, o)) for p, o in zip(ps, outs)]
+        tasks = [asyncio.create_task(stream_one(c, p, max_tokens, o)) for p, o in zip(ps[:first], outs)]
         if inject is not None:
             deadline = time.monotonic() + 60
-            while not await trigger(c, outs) and time.monotonic() < deadline:
+            while not await trigger(c, outs[:first]) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            fault_at = await inject() or time.monotonic()  # inject returns the moment it struck
+            injecting = asyncio.create_task(inject())
+            if late:
+                await asyncio.sleep(0.2)  # the fault has struck; the late requests arrive during it
+                tasks += [asyncio.create_task(stream_one(c, p, max_tokens, o))
+                          for p, o in zip(ps[first:], outs[first:])]
+            fault_at = await injecting or time.monotonic()  # inject returns the moment it struck
         await asyncio.gather(*tasks)
     return outs, fault_at
 
@@ -158,7 +169,7 @@ def judge(fault: str, ref: list[Stream], got: list[Stream], max_tokens: int, fau
             at = next((i for i, (a, b) in enumerate(zip(r.text, g.text)) if a != b), min(len(r.text), len(g.text)))
             errors += f" text differs at char {at}: {r.text[at:at + 12]!r} vs {g.text[at:at + 12]!r};"
     return FaultResult(fault, len(got), interrupted, finished, len(got) - finished, dup, missing, wrong,
-                       round(recover, 2), notes or errors)
+                       round(recover, 2), notes or errors, refused=sum(g.refused for g in got))
 
 
 # ------------------------------------------------------------------ faults
@@ -223,11 +234,17 @@ SCENARIOS = {
     "SIGKILL decode mid-stream": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGKILL)),
     "SIGSTOP decode past its heartbeat, then SIGCONT": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGSTOP)),
     "restart Redis (append-only file on)": ("short", lambda: tokens_at_least(5), ("redis", signal.SIGTERM)),
+    "Redis down for 3 s (SIGKILL) while new requests arrive": ("short", lambda: tokens_at_least(5),
+                                                                ("redis-outage", signal.SIGKILL)),
     "SIGKILL the gateway mid-stream; clients resume": ("short", lambda: tokens_at_least(5),
                                                        ("gateway", signal.SIGKILL)),
     "SIGTERM decode mid-stream (drain, hand back)": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGTERM)),
     "SIGTERM prefill with KV waiting (drain)": ("short", ready_waiting, ("prefill", signal.SIGTERM)),
 }
+
+
+REDIS_OUTAGE_S = 3.0
+LATE_ARRIVALS = {"Redis down for 3 s (SIGKILL) while new requests arrive"}  # half the requests arrive during the fault
 
 
 async def wait_healthy(base: str, want: dict[str, int], timeout_s: float = 120) -> list[dict]:
@@ -265,6 +282,13 @@ async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 400) -> Fa
     ref, _ = await run_batch(cluster.base_url, ps, max_tokens)
 
     async def inject():
+        if target == "redis-outage":  # a Redis pod restart takes seconds: hold the launcher's restart back
+            os.kill(cluster.proc.pid, signal.SIGSTOP)
+            os.kill(redis_pid(cluster.log), sig)
+            struck = time.monotonic()
+            await asyncio.sleep(REDIS_OUTAGE_S)  # the late requests are sent meanwhile (run_batch)
+            os.kill(cluster.proc.pid, signal.SIGCONT)
+            return struck
         if target == "redis":
             pid = redis_pid(cluster.log)
         elif target == "gateway":
@@ -279,7 +303,8 @@ async def run_fault(cluster, name: str, n: int = 8, max_tokens: int = 400) -> Fa
             os.kill(pid, signal.SIGCONT)
         return struck
 
-    got, fault_at = await run_batch(cluster.base_url, ps, max_tokens, inject, trigger())
+    late = n // 2 if name in LATE_ARRIVALS else 0  # sent just after the fault: the gateway must hold them
+    got, fault_at = await run_batch(cluster.base_url, ps, max_tokens, inject, trigger(), late=late)
     return judge(name, ref, got, max_tokens, fault_at)
 
 
@@ -292,7 +317,7 @@ def start_cluster():
 
 def report(results: list[FaultResult], cmd: str) -> str:
     rows = "\n".join(
-        f"| {r.fault} | {r.sent} | {r.interrupted} | {r.finished} | {r.lost} | {r.duplicated} | {r.missing} | {r.wrong_text} | "
+        f"| {r.fault} | {r.sent} | {r.interrupted} | {r.finished} | {r.refused} | {r.lost} | {r.duplicated} | {r.missing} | {r.wrong_text} | "
         f"{r.recover_s} | {'yes' if r.ok else 'NO'} | {r.notes} |" for r in results)
     return f"""# Reliability: faults tried and what they cost
 
@@ -300,13 +325,14 @@ Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({o
 Cluster: `tandem local --model {MODEL} --prefill 1 --decode 2 --slots 2` with heartbeats every 0.5 s.
 Each fault: 8 greedy, resumable, streamed requests of 400 tokens (140 after long prompts) (`ignore_eos`), first without a fault (the
 reference), then again with the fault injected mid-flight. *Interrupted*: streams that had tokens
-both before and after the fault (caught mid-stream); *lost*: requests that did not finish;
+both before and after the fault (caught mid-stream); *refused*: 429/503 answers the clients got
+before their request was admitted (they waited Retry-After and sent it again); *lost*: requests that did not finish;
 *duplicated* / *missing*: token indices the client saw twice / never; *wrong text*: finished text
 different from the reference; *recover s*: the longest wait for a token, after the fault, in an
 interrupted stream (or from the fault to the first token of one that had none yet).
 
-| fault | sent | interrupted | finished | lost | duplicated | missing | wrong text | recover s | ok | notes |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| fault | sent | interrupted | finished | refused | lost | duplicated | missing | wrong text | recover s | ok | notes |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {rows}
 
 How each is recovered: a prefill pod restarted under the same id reclaims its own pending
@@ -314,14 +340,18 @@ admission entries; pulls from a dead prefill pod fail fast and the request resum
 plus the tokens already streamed; a dead decode pod's running requests (its `tandem:running:` hash)
 are resumed by another decode pod or by its own restart; a paused decode pod is fenced off by the
 same hash when it wakes, so it cannot double-deliver; Redis restarts with its append-only file,
-and every client of it retries; the clients' requests are `resumable`, so when the gateway dies
+and every client of it retries; requests that arrive while it is down wait in the gateway
+(`redis_hold_s`) and are enqueued, once, when it is back (in "Redis down for 3 s (SIGKILL) while
+new requests arrive", the launcher is paused so Redis stays down 3 s, and half the requests are sent during
+that); the clients' requests are `resumable`, so when the gateway dies
 they reattach to its restarted replica with `GET /v1/requests/{{id}}/stream?from=N`; a draining
 decode pod (SIGTERM, drain deadline 1 s here) hands its running requests back; a draining
 prefill pod keeps serving the KV it holds until it is pulled. The launcher restarts every
 process that exits, as the kubelet would.
 
-Not covered here: a Redis that dies without writing its append-only file (SIGKILL loses up to
-the last second of writes with `appendfsync everysec`), a paused *prefill* pod (its admission
+Not covered here: a Redis that dies before its append-only file reaches the disk (with
+`appendfsync everysec` a machine crash can lose up to the last second of writes; the SIGKILL above
+restarts from what the file holds, which was every write here, as far as the results show), a paused *prefill* pod (its admission
 entries are reclaimed, and when it wakes it may publish a second ready notice), and the network
 partitions that only a real cluster has.
 """

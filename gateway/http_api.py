@@ -251,10 +251,14 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "Redis is unreachable"}})
+@router.get("/readyz", responses={503: {"description": "Redis has been unreachable for longer than redis_hold_s"}})
 async def readyz(svc: Service) -> JSONResponse:
-    if await svc.ready():
+    state = await svc.ready()
+    if state == "ready":
         return JSONResponse({"status": "ready"})
+    if state == "degraded":  # still 200: new requests wait for Redis (gateway/hold.py)
+        return JSONResponse({"status": "degraded", "reason": "Redis is unreachable; new requests wait for it",
+                             "waiting_requests": svc.hold.holding})
     return JSONResponse({"status": "not ready", "reason": "Redis is unreachable"}, status_code=503)
 
 

@@ -36,6 +36,10 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        self.waiting_for_redis = Gauge(
+            "tandem_requests_waiting_for_redis", "New requests waiting for an unreachable Redis (gateway/hold.py)",
+            registry=reg,
+        )
         self.ttft = Histogram(
             "tandem_ttft_seconds", "Request arrival to first token relayed", buckets=_LATENCY_BUCKETS,
             registry=reg,

@@ -2,8 +2,8 @@
 
 A prompt routed to prefill pod P goes to `keys.pod_admission_stream(pool, priority, P)` instead of
 the shared admission stream, and P's id joins the set `keys.pod_streams_set(pool)`. Both writes are
-one MULTI/EXEC: a prefill pod reclaiming a dead P removes it from the set only when its streams are
-empty (atomically), so an entry can never land in a stream nobody will look for.
+one script (`enqueue`): a prefill pod reclaiming a dead P removes it from the set only when its
+streams are empty (atomically), so an entry can never land in a stream nobody will look for.
 
 What the pods MUST do for this to hold (prefill_svc): read their own per-pod stream before the
 shared stream of the same priority, with consumer group `prefill` created at id 0 (the gateway
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, streams
+from tandem_core import keys
 from tandem_core.types import GenerationRequest
 
 
@@ -82,18 +82,34 @@ async def total_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()
     return (await read_backlog(r, pool, known_pods)).total
 
 
+# XADD unless this request id was enqueued already (its marker), then the marker (the entry id) and,
+# for a per-pod stream, the pod's set entry: one script, so a retry after a lost reply is a no-op.
+_ENQUEUE = """
+local seen = redis.call('GET', KEYS[2])
+if seen then return seen end
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'rid', ARGV[1], 'req', ARGV[2])
+redis.call('SET', KEYS[2], id, 'EX', ARGV[4])
+if #KEYS > 2 then redis.call('SADD', KEYS[3], ARGV[5]) end
+return id
+"""
+MARKER_TTL_S = 120  # longer than any hold (redis_hold_s) plus the retries of one admission
+
+
 async def enqueue(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: int, *,
                   pod: str | None = None, direct: bool = False) -> bytes:
-    """XADD the request to pod `pod`'s per-pod stream (with SADD of its id to the set, in one
-    MULTI/EXEC), or, with `pod` None, as `streams.enqueue_request` does. Returns the entry id."""
-    if pod is None or direct:
-        return await streams.enqueue_request(r, pool, req, maxlen=maxlen, direct=direct)
-    pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.pod_admission_stream(pool, req.priority, pod), {"rid": req.request_id, "req": req.to_json()},
-              maxlen=maxlen, approximate=True)
-    pipe.sadd(keys.pod_streams_set(pool), pod)
-    entry_id, _ = await pipe.execute()
-    return entry_id
+    """XADD the request to pod `pod`'s per-pod stream (with SADD of its id to the set), to the
+    direct stream, or to the shared admission stream of its priority; returns the entry id.
+    Idempotent by request id for MARKER_TTL_S: a second call returns the first call's entry id and
+    writes nothing (the gateway retries an enqueue whose reply a Redis outage swallowed)."""
+    if direct:
+        stream, extra, args = keys.direct_stream(pool), [], []
+    elif pod is None:
+        stream, extra, args = keys.admission_stream(pool, req.priority), [], []
+    else:
+        stream, extra, args = keys.pod_admission_stream(pool, req.priority, pod), [keys.pod_streams_set(pool)], [pod]
+    got = await r.eval(_ENQUEUE, 2 + len(extra), stream, keys.admitted_key(req.request_id), *extra,
+                       req.request_id, req.to_json(), maxlen, MARKER_TTL_S, *args)
+    return got if isinstance(got, bytes) else str(got).encode()
 
 
 def _add_xlens(pipe, pool: str, pods: list[str]) -> None:

@@ -23,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway import choices, pod_streams, resume
 from gateway.chat import ChatTemplate
+from gateway.hold import RedisHold
 from gateway.limits import KeyLimiter
 from gateway.logprobs import TokenText
 from gateway.metrics import GatewayMetrics, cluster_load, prefix_cache_summary
@@ -81,6 +82,10 @@ class GatewayService:
         self._view_cache: tuple[float, ClusterView] | None = None
         self.open_streams = 0  # relays in progress (all share the one token reader)
         self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
+        # new requests wait for an unreachable Redis (a restart, a failover) instead of failing
+        self.hold = RedisHold(settings.redis_hold_s, settings.redis_hold_max, settings.retry_after_s,
+                              _REDIS_DOWN)
+        self.metrics.waiting_for_redis.set_function(lambda: self.hold.holding)
         self.router = PrefixRouter(  # the same salt on every replica of the pool: rendezvous agrees
             settings.prefix_block_size, settings.prefix_index_entries, settings.prefix_route_max_backlog,
             salt=cache_salt("gateway", settings.pool), enabled=settings.prefix_routing,
@@ -130,35 +135,39 @@ class GatewayService:
             raise
 
     async def _enqueue(self, prep: Prepared, fresh_id: bool, api_key: str) -> None:
+        """Admit and enqueue; while Redis does not answer, the request waits for it (gateway/hold.py)."""
+        checked = [fresh_id]  # the request-id check, done once (a retry would see its own stream)
+        await self.hold.call(lambda: self._enqueue_once(prep, api_key, checked), prep.request.deadline_ts)
+
+    async def _enqueue_once(self, prep: Prepared, api_key: str, checked: list[bool]) -> None:
         r = self._redis()
         s = self.settings
-        try:
-            view = await self._view(r)
-            queued = await pod_streams.read_backlog(r, s.pool, view.prefill_ids)
-            backlog = queued.total
-            self.metrics.backlog.set(backlog)
-            self._admit(backlog, view)
-            rid = prep.request.request_id
-            if not fresh_id and await r.exists(keys.token_stream(rid), keys.cancel_key(rid)):
+        view = await self._view(r)
+        queued = await pod_streams.read_backlog(r, s.pool, view.prefill_ids)
+        backlog = queued.total
+        self.metrics.backlog.set(backlog)
+        self._admit(backlog, view)
+        rid = prep.request.request_id
+        if not checked[0]:
+            if await r.exists(keys.token_stream(rid), keys.cancel_key(rid)):
                 raise InvalidRequest(f"request_id {rid!r} is already in use", param="request_id")
-            route = choose_route(
-                len(prep.request.prompt_ids), direct_max_tokens=s.direct_prefill_max_tokens, backlog=backlog,
-                prefill_workers=view.prefill_workers, decode_free_slots=view.decode_free_slots,
-                backlog_threshold=s.direct_backlog_threshold,
-            )
-            self.metrics.routes.labels("local" if route.direct else "remote", route.reason).inc()
-            if prep.resumable and prep.meta is not None:
-                await resume.save(r, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
-            pod = None
-            if not route.direct:  # cache-aware: the pod likeliest to hold the prefix, unless busy
-                pick = self.router.choose(prep.request.prompt_ids, view.prefill_ids,
-                                          queued.of_priority(prep.request.priority))
-                self.metrics.prefix_routes.labels(pick.reason).inc()
-                pod = pick.pod
-            prep.enqueue_entry_id = await pod_streams.enqueue(
-                r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=route.direct)
-        except _REDIS_DOWN as e:
-            raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=s.retry_after_s) from e
+            checked[0] = True
+        route = choose_route(
+            len(prep.request.prompt_ids), direct_max_tokens=s.direct_prefill_max_tokens, backlog=backlog,
+            prefill_workers=view.prefill_workers, decode_free_slots=view.decode_free_slots,
+            backlog_threshold=s.direct_backlog_threshold,
+        )
+        self.metrics.routes.labels("local" if route.direct else "remote", route.reason).inc()
+        if prep.resumable and prep.meta is not None:
+            await resume.save(r, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
+        pod = None
+        if not route.direct:  # cache-aware: the pod likeliest to hold the prefix, unless busy
+            pick = self.router.choose(prep.request.prompt_ids, view.prefill_ids,
+                                      queued.of_priority(prep.request.priority))
+            self.metrics.prefix_routes.labels(pick.reason).inc()
+            pod = pick.pod
+        prep.enqueue_entry_id = await pod_streams.enqueue(
+            r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=route.direct)
 
     def _admit(self, backlog: int, view: "ClusterView") -> None:
         """Reject at once rather than queue work that will miss (Mooncake's early rejection):
@@ -308,11 +317,19 @@ class GatewayService:
 
     # ------------------------------------------------------------ cluster view
 
-    async def ready(self) -> bool:
+    async def ready(self) -> str:
+        """"ready"; "degraded" while Redis has not answered for less than redis_hold_s (new
+        requests wait for it); "not ready" after that, or before the gateway has a Redis client."""
         try:
-            return bool(await asyncio.wait_for(self._redis().ping(), timeout=2.0))
-        except (asyncio.TimeoutError, *_REDIS_DOWN, ServiceUnavailable):
-            return False
+            if await asyncio.wait_for(self._redis().ping(), timeout=2.0):
+                self.hold.note_ok()
+                return "ready"
+        except ServiceUnavailable:
+            return "not ready"
+        except (asyncio.TimeoutError, *_REDIS_DOWN):
+            pass
+        self.hold.note_down()
+        return "degraded" if self.hold.degraded else "not ready"
 
     async def cluster(self) -> dict:
         r = self._redis()

@@ -41,6 +41,10 @@ class GatewaySettings(BaseSettings):
     relay_block_ms: int = Field(default=1000, ge=1, le=1000)  # the token reader's XREAD BLOCK per round trip
     max_open_streams: PositiveInt = 4096  # relays open at once on this replica; past it: 429
     retry_after_s: PositiveFloat = 1.0  # Retry-After on 429
+    # Redis outages (a pod restart, a failover): a new request waits this long for Redis before its
+    # 503, and at most this many wait at once on a replica (gateway/hold.py).
+    redis_hold_s: PositiveFloat = 15.0
+    redis_hold_max: PositiveInt = 1024
     shutdown_grace_s: PositiveFloat = 30.0  # SIGTERM: finish open streams for this long
     # Idle keep-alive connections stay open this long: longer than a client pool keeps them (httpx: 5 s),
     # so a reused connection does not race the server closing it. Behind a load balancer that keeps

@@ -10,6 +10,7 @@ Keys (all prefixed `tandem:`):
 | `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
 | `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (one XREAD BLOCK over all its streams) | MAXLEN, EXPIRE ttl |
 | `tandem:gwwake:{gateway_id}` | stream | the gateway subscribing a new request | the same gateway's token reader | MAXLEN ~ 16, EXPIRE 1 h |
+| `tandem:admitted:{request_id}` | string: admission entry id | gateway (in the enqueue script) | gateway (a retried enqueue) | EXPIRE 120 s |
 | `tandem:cancel:{request_id}` | string | gateway | prefill, decode | EXPIRE ttl |
 | `tandem:running:{worker_id}` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields |
 | `tandem:recovering:{worker_id}` | string lock | the pod recovering a dead one | same | EXPIRE 30 s |
@@ -65,6 +66,11 @@ def token_stream(request_id: str) -> str:
 def gateway_wake_stream(gateway_id: str) -> str:
     """A gateway's token reader watches this stream too: an XADD ends its blocking read."""
     return f"{PREFIX}:gwwake:{gateway_id}"
+
+
+def admitted_key(request_id: str) -> str:
+    """The admission entry id of a request the gateway enqueued (a retried enqueue is a no-op)."""
+    return f"{PREFIX}:admitted:{request_id}"
 
 
 def cancel_key(request_id: str) -> str:

@@ -179,11 +179,14 @@ def test_api_keys_and_admin_key(redis_url):
         assert c.get("/healthz").status_code == 200  # probes need no key
 
 
-def test_redis_down_is_not_ready_and_503(redis_url):
-    s = _settings(f"redis://127.0.0.1:{free_port()}/0")
+def test_redis_down_is_degraded_then_not_ready_and_503(redis_url):
+    s = _settings(f"redis://127.0.0.1:{free_port()}/0", redis_hold_s=0.3)
     with TestClient(create_app(s)) as c:
         assert c.get("/healthz").status_code == 200
-        assert c.get("/readyz").status_code == 503
-        resp = _post(c, prompt="hello")
-        assert resp.status_code == 503 and "Redis" in resp.json()["error"]["message"]
+        ready = c.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["status"] == "degraded"  # new requests wait for Redis
+        resp = _post(c, prompt="hello")  # waits redis_hold_s for Redis, then 503
+        message = resp.json()["error"]["message"]
+        assert resp.status_code == 503 and "Redis is unreachable" in message and "waited" in message
         assert "retry-after" in resp.headers
+        assert c.get("/readyz").status_code == 503  # longer than redis_hold_s into the outage
