@@ -34,8 +34,6 @@ def test_fault_loses_and_duplicates_nothing(fault_cluster, name):
     r = asyncio.run(faults.run_fault(fault_cluster, name))
     assert r.finished == r.sent, r
     assert (r.duplicated, r.missing, r.wrong_text) == (0, 0, 0), r
-    if name in faults.LATE_ARRIVALS:  # requests arriving during a Redis outage wait, they are not refused
-        assert r.refused == 0, r
 
 
 def test_supervisor_restarted_the_killed_workers(fault_cluster):
