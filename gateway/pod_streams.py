@@ -72,11 +72,6 @@ async def read_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ())
     return Backlog(shared, direct, pods)
 
 
-async def pod_backlog(r: aioredis.Redis, pool: str, pods: list[str]) -> dict[str, dict[str, int]]:
-    """worker id -> priority -> XLEN of its per-pod stream, for `pods` and every set member."""
-    return (await read_backlog(r, pool, pods)).pods
-
-
 async def total_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> int:
     """`streams.admission_backlog` plus the per-pod streams."""
     return (await read_backlog(r, pool, known_pods)).total

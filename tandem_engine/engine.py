@@ -43,6 +43,7 @@ from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_c
 from tandem_engine.logits import (check_output_from, history_arrays, init_slot_logits, mask_rows, slot_logits,
                                   stack, unpack_logprobs, unpack_tokens)
 from tandem_engine.model import config_from_info
+from tandem_engine.prefix_cache import Hit
 from tandem_engine.sampling import sampling_arrays
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
@@ -70,13 +71,6 @@ class Prefix:
             self.first_tokens = [int(self.first_token)]
         if not self.first_logprobs:
             self.first_logprobs = [None] * len(self.first_tokens)
-
-
-@dataclass
-class _Cached:
-    k: np.ndarray
-    v: np.ndarray
-    length: int
 
 
 def _stack_sampling(picks: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
@@ -383,7 +377,7 @@ class Engine:
         if self.buckets[-1] < 2:
             return
         kv = np.zeros((c.num_layers, 1, c.num_kv_heads, c.head_dim), self._jdtype)
-        self.prefill([0, 0], SamplingParams(), cached=_Cached(kv, kv, 1))
+        self.prefill([0, 0], SamplingParams(), cached=Hit(kv, kv, length=1, blocks=1))
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False) -> None:
         """Compile every bucket's insert and every batch bucket's decode step (with `logprobs`
