@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,36 +69,35 @@ def prompts(n: int, long: bool = False) -> list[str]:
 
 
 async def stream_one(c: httpx.AsyncClient, prompt: str, max_tokens: int, out: Stream) -> None:
-    """One streamed request. It is `resumable`: when the connection breaks (a gateway died),
-    the client reattaches with Last-Event-ID, as an SSE client would, until the stream ends."""
+    """One streamed request. It is `resumable` and carries its own `X-Request-Id`: when the
+    connection breaks (a gateway died), the client reattaches with the stream's next index, as an
+    SSE client would, until the stream ends; when it broke before any answer, it sends the POST
+    again with the same id, which the gateway replays instead of running twice."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "resumable": True}
-    rid = None
+    rid, answered = f"fault-{uuid.uuid4().hex}", False
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            if rid is None:
-                req = c.stream("POST", "/v1/completions", json=body)
+            if not answered:
+                req = c.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid})
             else:
                 nxt = out.indices[-1] + 1 if out.indices else 0
                 req = c.stream("GET", f"/v1/requests/{rid}/stream", params={"from": nxt})
             async with req as resp:
-                if resp.status_code in (429, 503) and rid is None:  # not admitted: retry, as clients do
+                if resp.status_code in (429, 503) and not answered:  # not admitted: retry, as clients do
                     out.resumes += 1
                     out.refused += 1
                     await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
                     continue
-                rid = resp.headers.get("x-request-id", rid)
                 if resp.status_code != 200:
                     out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                     return
+                answered = True
                 await _read_sse(resp, out)
                 return
-        except httpx.HTTPError as e:
-            if rid is None and not isinstance(e, httpx.ConnectError):  # sent, fate unknown: report it
-                out.error = f"{type(e).__name__}: {e}"
-                return
-            # ConnectError before the request was sent (the gateway restarting): safe to send again
+        except httpx.HTTPError:
+            # The gateway died or is restarting: resume (or send the POST again: same id, so safe).
             out.resumes += 1
             await asyncio.sleep(0.3)
     out.error = out.error or "did not finish within 120 s"

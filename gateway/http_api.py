@@ -43,6 +43,8 @@ def get_service(request: Request) -> GatewayService:
 
 Service = Annotated[GatewayService, Depends(get_service)]
 Auth = Annotated[str | None, Header(alias="Authorization")]
+# A client-chosen request id: sending the same POST again with it is safe (see `_respond`).
+ClientId = Annotated[str | None, Header(alias="X-Request-Id")]
 
 
 class BodyTooLarge(InvalidRequest):
@@ -90,25 +92,30 @@ async def read_body(request: Request, limit: int) -> bytes:
 @router.post("/v1/completions", responses={**openapi.completion_response(
     "with `stream: true` an SSE stream of `text_completion` chunks"), **openapi.errors(*openapi.GENERATE)},
     openapi_extra=openapi.json_body(CompletionBody))
-async def completions(request: Request, svc: Service, authorization: Auth = None) -> Response:
+async def completions(request: Request, svc: Service, authorization: Auth = None,
+                      client_id: ClientId = None) -> Response:
     key = svc.check_api_key(authorization)
     body: CompletionBody = parse_body(await read_body(request, svc.settings.max_body_bytes), CompletionBody)
-    prep = await svc.prepare(body.to_params())
-    return await _respond(request, svc, prep, body, "completion", key)
+    params = body.to_params()
+    params.request_id = client_id
+    prep = await svc.prepare(params)
+    return await _respond(request, svc, prep, body, "completion", key, chosen_id=client_id is not None)
 
 
 @router.post("/v1/chat/completions", responses={**openapi.completion_response(
     "with `stream: true` an SSE stream of `chat.completion.chunk` chunks"), **openapi.errors(*openapi.GENERATE)},
     openapi_extra=openapi.json_body(ChatBody))
-async def chat_completions(request: Request, svc: Service, authorization: Auth = None) -> Response:
+async def chat_completions(request: Request, svc: Service, authorization: Auth = None,
+                           client_id: ClientId = None) -> Response:
     key = svc.check_api_key(authorization)
     body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
     params = body.to_params()
     tools = body.tool_plan()
     params.prompt = await _render(svc, body.chat_messages(), tools.tools)
     params.add_special_tokens = svc.chat_template.add_special_tokens
+    params.request_id = client_id or f"chatcmpl-{uuid.uuid4().hex}"
     prep = await _prepare_chat(svc, params)
-    return await _respond(request, svc, prep, body, "chat", key, tools.parse)
+    return await _respond(request, svc, prep, body, "chat", key, tools.parse, chosen_id=client_id is not None)
 
 
 async def _render(svc: GatewayService, messages: list[dict], tools: list[dict] | None = None) -> str:
@@ -120,7 +127,6 @@ async def _render(svc: GatewayService, messages: list[dict], tools: list[dict] |
 
 async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepared:
     """Like `prepare`, with prompt errors reported against `messages` (what the client sent)."""
-    params.request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         return await svc.prepare(params)
     except InvalidRequest as e:
@@ -131,13 +137,21 @@ async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepar
 
 
 async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: CompletionBody | ChatBody,
-                   kind: str, key: str, tools: bool = False) -> Response:
+                   kind: str, key: str, tools: bool = False, chosen_id: bool = False) -> Response:
+    """Submit and answer. With a client-chosen id (`X-Request-Id`), a POST that reaches the gateway
+    again after its client lost the first one unanswered is not run twice: a resumable request
+    already admitted is replayed from its first event (`GatewayService.resend`)."""
     rid = prep.request.request_id
     prep.resumable = body.resumable
     prep.meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
                                   continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
                                   echo=_echo_text(svc, prep) if prep.echo else None, tools=tools)
-    await svc.submit(prep, fresh_id=True, api_key=key)
+    again = await svc.resend(prep, key) if chosen_id else None
+    if again is not None:
+        log.info("request_id=%s sent again: replaying it from its first event", rid)
+        prep = again
+    else:
+        await svc.submit(prep, fresh_id=not chosen_id, api_key=key)
     if body.stream:
         return StreamingResponse(sse_events(svc, prep), media_type="text/event-stream",
                                  headers={**_SSE_HEADERS, "X-Request-Id": rid})

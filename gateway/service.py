@@ -149,7 +149,7 @@ class GatewayService:
         self._admit(backlog, view)
         rid = prep.request.request_id
         if not checked[0]:
-            if await r.exists(keys.token_stream(rid), keys.cancel_key(rid)):
+            if await r.exists(keys.token_stream(rid), keys.cancel_key(rid), keys.admitted_key(rid)):
                 raise InvalidRequest(f"request_id {rid!r} is already in use", param="request_id")
             checked[0] = True
         route = choose_route(
@@ -314,6 +314,25 @@ class GatewayService:
                                 stop_token_ids=rec.stop_token_ids, deadline_ts=rec.deadline_ts)
         return Prepared(request=req, stop=rec.stop, model=rec.meta.model, arrival_ts=time.monotonic(),
                         resumable=True, replay=True, meta=rec.meta, attach_no=attach_no)
+
+    async def resend(self, prep: Prepared, api_key: str) -> Prepared | None:
+        """A POST sent again with the `X-Request-Id` of a request already admitted (its client lost
+        the connection before any answer, e.g. the gateway died): a resumable one is replayed from
+        its first event, as a resume would; None when that id was never admitted (send it now)."""
+        r, rid = self._redis(), prep.request.request_id
+        seen = await self.hold.call(lambda: r.exists(keys.admitted_key(rid), keys.token_stream(rid)),
+                                    prep.request.deadline_ts)
+        if not seen:
+            return None
+        in_use = InvalidRequest(
+            f"request_id {rid!r} is already in use; a POST is safe to send again with the same "
+            f"X-Request-Id only with \"resumable\": true and the same API key", param="request_id")
+        if not prep.resumable:
+            raise in_use
+        try:
+            return await self.reattach(rid, api_key)
+        except RequestNotFound:
+            raise in_use from None
 
     # ------------------------------------------------------------ cluster view
 

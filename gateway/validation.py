@@ -214,7 +214,7 @@ def _check_ids(p: CompletionParams) -> tuple[str, str]:
     rid = p.request_id or f"cmpl-{uuid.uuid4().hex}"
     if not _REQUEST_ID.match(rid):
         raise InvalidRequest(
-            "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'", param="request_id"
+            "request_id (X-Request-Id over HTTP) must be 1-128 characters of letters, digits, '.', '_', ':' or '-'", param="request_id"
         )
     return priority, rid
 

@@ -154,6 +154,35 @@ def test_only_resumable_requests_of_the_same_key_resume(gateway_factory):
     assert resp.status_code == 404 and "resumable" in resp.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_post_sent_again_with_its_request_id_is_replayed_not_run_twice(gw, sync_redis, kind):
+    """A client that lost its POST unanswered (the gateway died) sends it again with the same
+    X-Request-Id: a resumable one already admitted is replayed from its first event."""
+    rid = f"client-chosen-{kind}"
+    path, body = _body(kind, "resend me", max_tokens=64, stream=True, resumable=True)
+    with httpx.stream("POST", gw.url + path, json=body, headers={"X-Request-Id": rid}, timeout=30) as resp:
+        assert resp.status_code == 200 and resp.headers["x-request-id"] == rid
+        first = _events(resp, limit=3)  # ... then the connection drops
+    assert json.loads(first[0][1])["id"] == rid
+    entries_before = sync_redis.xlen(keys.admission_stream("gwfd", "normal"))
+    with httpx.stream("POST", gw.url + path, json=body, headers={"X-Request-Id": rid}, timeout=30) as resp:
+        assert resp.status_code == 200
+        again = _events(resp)
+    assert [i for i, _ in again] == list(range(N_TOKENS)) + [None]  # the whole stream, from index 0
+    assert _text(again, kind) == OUT
+    assert sync_redis.xlen(keys.admission_stream("gwfd", "normal")) <= entries_before  # not enqueued again
+    whole = httpx.post(gw.url + path, json={**body, "stream": False}, headers={"X-Request-Id": rid}, timeout=30)
+    assert whole.status_code == 200 and whole.json()["id"] == rid  # a whole-response resend replays too
+    content = whole.json()["choices"][0]
+    assert (content["message"]["content"] if kind == "chat" else content["text"]) == OUT
+
+    plain = {**body, "resumable": False}  # without resumable the id may not be reused
+    resp = httpx.post(gw.url + path, json=plain, headers={"X-Request-Id": rid}, timeout=30)
+    assert resp.status_code == 400 and "already in use" in resp.json()["error"]["message"]
+    bad = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": "no spaces allowed"}, timeout=30)
+    assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------- per-key limits
 
 
