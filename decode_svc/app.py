@@ -77,7 +77,8 @@ async def serve(s: DecodeSettings) -> int:
     engine_loop.start()
     hb_stop, pub_done = asyncio.Event(), asyncio.Event()
     tasks = [
-        asyncio.create_task(lifecycle.heartbeat_loop(r, info, s.heartbeat_interval_s, hb_stop)),
+        asyncio.create_task(lifecycle.heartbeat_loop(r, info, s.heartbeat_interval_s, hb_stop, io.peers,
+                                                           io.resync.kick)),
         asyncio.create_task(io.publish_loop(pub_done)),
         asyncio.create_task(io.cancel_loop(hb_stop)),
     ]

@@ -21,9 +21,10 @@ from redis.exceptions import NoScriptError
 
 from decode_svc.loop import EngineLoop, Insert, LocalPrefill
 from decode_svc.puller import KVPuller
+from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import keys, recovery, streams, token_writes
+from tandem_core import keys, lifecycle, recovery, streams, token_writes
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -47,6 +48,13 @@ class DecodeIO:
         # only unique within a stream (ready and direct can share one), hence the pair.
         self.busy_entries: set[tuple[str, bytes]] = set()
         self.pulled = 0
+        # Whether a missing heartbeat means a dead peer yet (fed by this pod's heartbeat loop).
+        self.peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(s.heartbeat_interval_s))
+        # This pod's recent writes, written again when Redis comes back without them (resync.py).
+        self.journal = Journal(s.resync_window_s)
+        self.resync = Resync(r, self.journal, worker_id, self._rewrite,
+                             lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
+                             self.owned.load)
 
     def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.call_soon_threadsafe(self.slot_freed.set)
@@ -123,6 +131,7 @@ class DecodeIO:
         req = GenerationRequest.from_json(c.fields["req"])
         owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
         await streams.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
+        self.journal.add("own", owned)
         # Never full: the queue holds at least `slots` items and every item holds a reservation.
         self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
 
@@ -142,6 +151,7 @@ class DecodeIO:
                 self.pulled += 1
                 # Own before the ack: from here a crash is recovered from the running hash.
                 await retry(lambda: self.owned.own(req), "own", log=log)
+                self.journal.add("own", [req])
                 self.inserts.put_nowait(Insert(payload, req))
         except KVTransferFailed as e:
             # The prefill pod is gone (or its KV is): prefill again from what was streamed.
@@ -154,8 +164,10 @@ class DecodeIO:
             log.warning("insert failed request_id=%s: %s", req.request_id, msg)
             self.table.unreserve()
             await retry(lambda: self.owned.disown(req.request_id), "disown")
+            self.journal.add("disown", req.request_id)
             await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
         await retry(lambda: streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
+        self.journal.add("ack", (c.stream, keys.DECODE_GROUP, c.entry_id))
         self.busy_entries.discard((c.stream, c.entry_id))
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
@@ -165,10 +177,33 @@ class DecodeIO:
         )
 
     async def _finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
+        await self._write_finish(rid, index, reason, error)
+        self.journal.add("finish", (rid, index, reason, error))
+
+    async def _write_finish(self, rid: str, index: int, reason: str, error: str | None) -> None:
         pipe = self.r.pipeline(transaction=False)
         streams.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error,
                            finished_ttl_s=self.s.token_finished_ttl_s)
         await pipe.execute()
+
+    async def _rewrite(self, kind: str, payload, fenced: set[str]) -> None:
+        """Write one journal entry again (resync.py); requests fenced off in the window are left
+        to their new owner."""
+        retry = streams.retry_redis
+        if kind == "own":
+            reqs = [q for q in payload if q.request_id not in fenced]
+            if reqs:
+                await retry(lambda: self.owned.own(*reqs), "own again")
+        elif kind == "disown":
+            await retry(lambda: self.owned.disown(payload), "disown again")
+        elif kind == "finish":
+            await retry(lambda: self._write_finish(*payload), "finish again")
+        elif kind == "ack":
+            await retry(lambda: streams.ack(self.r, *payload), "ack again")
+        elif kind == "tokens":
+            items, acks = payload
+            items = [it for it in items if it[0] not in fenced]
+            await retry(lambda: self._tokens_pipeline(items, acks).execute(), "tokens again")
 
     async def publish_loop(self, done: asyncio.Event) -> None:
         """Drain the engine's output queue: one round trip per step, or for every step queued
@@ -191,21 +226,34 @@ class DecodeIO:
                     except asyncio.TimeoutError:
                         pass
                 continue
+            gen = self.resync.reconciles
             results = await self._publish(batch)
             lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
+            if lost and await self._redis_changed(gen):
+                lost = set()  # a Redis that lost this pod's running fields: the journal put them back
             if lost:  # another pod took these over while this one was stalled: stop decoding them
                 log.warning("fenced off %d requests now owned elsewhere: %s", len(lost), sorted(lost)[:5])
+                self.journal.add("fenced", lost)
                 self.engine_loop.cancel(lost, silent=True)
 
-    def _pipeline(self, batch: list) -> "aioredis.client.Pipeline":
-        """One script call for every token of the batch, then the acks: one round trip."""
+    async def _redis_changed(self, gen: int) -> bool:
+        """Whether a write came back fenced off because Redis changed under it (a reconcile ran
+        since `gen`, or runs now), not because another pod took the request over."""
+        try:
+            changed = await self.resync.current()
+        except Exception as e:  # noqa: BLE001 - cannot tell: take the fence at its word
+            log.warning("could not read Redis's run_id: %s", e)
+            changed = False
+        return changed or self.resync.reconciles != gen
+
+    def _tokens_pipeline(self, items: list, acks: list) -> "aioredis.client.Pipeline":
+        """One script call for every token item, then the acks: one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        self.owned.add_batch(pipe, [e.item() for e in batch])
-        for e in batch:
-            if e.ack:
-                stream, group, entry_id = e.ack
-                pipe.xack(stream, group, entry_id)
-                pipe.xdel(stream, entry_id)
+        if items:
+            self.owned.add_batch(pipe, items)
+        for stream, group, entry_id in acks:
+            pipe.xack(stream, group, entry_id)
+            pipe.xdel(stream, entry_id)
         return pipe
 
     async def _publish(self, batch: list) -> list | None:
@@ -214,7 +262,8 @@ class DecodeIO:
         fails, so re-running the old one would write nothing and silently lose the step's tokens."""
         for attempt in range(self.s.publish_retries):
             try:
-                results = await self._pipeline(batch).execute()
+                items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
+                results = await self._tokens_pipeline(items, acks).execute()
             except NoScriptError:  # a restarted Redis without the script: load it, write again
                 await streams.retry_redis(self.owned.load, "load publish script", log=log)
                 continue
@@ -225,6 +274,7 @@ class DecodeIO:
             for e in batch:
                 if e.ack:
                     self.busy_entries.discard((e.ack[0], e.ack[2]))
+            self.journal.add("tokens", (items, acks))
             return results[0]
         log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
                   self.s.publish_retries)

@@ -6,7 +6,9 @@ Two kinds of leftovers, both found from Redis alone:
    transaction, which also fences off the pod if it was only paused;
 2. entries of the ready/direct streams delivered to a dead consumer and never acked: this pod
    claims them (XCLAIM) for slots it has free, as if it had read them itself.
-"Dead" means no registry entry (its heartbeat key expired). A pod restarted under the same id
+"Dead" means no registry entry (its heartbeat key expired), and counts only once this pod has
+itself talked to the same Redis for a heartbeat TTL (`io.peers`, tandem_core.lifecycle.PeerJudge):
+after a Redis outage or restart every entry can be gone at once. A pod restarted under the same id
 recovers its own previous leftovers once at startup, before it claims anything new.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
         wid = key.decode().split(":", 2)[2]
         if wid == me and not include_self:
             continue
-        if wid != me and await streams.worker_alive(r, wid):
+        if wid != me and (not io.peers.trusted or await streams.worker_alive(r, wid)):
             continue
         if not await r.set(keys.recovering_key(wid), me, nx=True, ex=30):
             continue  # another pod is on it
@@ -47,7 +49,7 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
         entries = await streams.dead_consumer_entries(
             io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self,
             stale_self_ms=int(io.s.stale_pending_s * 1000),
-            busy={eid for name, eid in io.busy_entries if name == stream})
+            busy={eid for name, eid in io.busy_entries if name == stream}, others=io.peers.trusted)
         if not entries:
             continue
         n = io.table.reserve(len(entries))

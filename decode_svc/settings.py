@@ -32,6 +32,7 @@ class DecodeSettings(BaseSettings):
     stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
     max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
     admission_maxlen: PositiveInt = 10000
+    resync_window_s: PositiveFloat = 5.0  # own writes kept to write again to a Redis that lost them
     publish_retries: PositiveInt = 30  # ~1 minute of retries through a Redis restart
     drain_timeout_s: PositiveFloat = 30.0
     log_level: str = "INFO"

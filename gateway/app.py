@@ -7,6 +7,7 @@ starts with the app and stops with it, after the HTTP side has drained.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -41,9 +42,14 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
         except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503
             log.warning("Redis unreachable at startup (%s); continuing, /readyz will say so", e)
         server, health = await _start_grpc(settings, svc)
+        watch_stop = asyncio.Event()
+        watch = asyncio.create_task(svc.readmit.watch(watch_stop))
         try:
             yield
         finally:
+            watch_stop.set()
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
             await server.stop(settings.shutdown_grace_s)
             await svc.drain_background()

@@ -28,6 +28,7 @@ from gateway.limits import KeyLimiter
 from gateway.logprobs import TokenText
 from gateway.metrics import GatewayMetrics, cluster_load, prefix_cache_summary
 from gateway.prefix_route import PrefixRouter, prefix_route_pods
+from gateway.readmit import Readmitter
 from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
@@ -49,7 +50,7 @@ from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+_REDIS_DOWN = streams.REDIS_DOWN  # restarts and Sentinel failovers alike (MasterNotFoundError, READONLY)
 _BIG_PROMPT_CHARS = 8192  # tokenize longer prompts off the event loop
 ANONYMOUS = "anonymous"  # the one limiter key when no api_keys are configured
 
@@ -86,6 +87,8 @@ class GatewayService:
         self.hold = RedisHold(settings.redis_hold_s, settings.redis_hold_max, settings.retry_after_s,
                               _REDIS_DOWN)
         self.metrics.waiting_for_redis.set_function(lambda: self.hold.holding)
+        # admissions a restarted or failed-over Redis lost are enqueued again (gateway/readmit.py)
+        self.readmit = Readmitter(self._redis, settings.pool, settings.admission_maxlen)
         self.router = PrefixRouter(  # the same salt on every replica of the pool: rendezvous agrees
             settings.prefix_block_size, settings.prefix_index_entries, settings.prefix_route_max_backlog,
             salt=cache_salt("gateway", settings.pool), enabled=settings.prefix_routing,
@@ -168,6 +171,7 @@ class GatewayService:
             pod = pick.pod
         prep.enqueue_entry_id = await pod_streams.enqueue(
             r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=route.direct)
+        self.readmit.add(prep.request, pod, route.direct)
 
     def _admit(self, backlog: int, view: "ClusterView") -> None:
         """Reject at once rather than queue work that will miss (Mooncake's early rejection):
@@ -248,6 +252,7 @@ class GatewayService:
             raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=s.retry_after_s) from e
         finally:
             self.open_streams -= 1
+            self.readmit.discard(prep.request.request_id)
             await gen.aclose()
             self.metrics.requests.labels(outcome).inc()
             if prep.lease is not None:

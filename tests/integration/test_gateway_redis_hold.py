@@ -115,3 +115,37 @@ async def _enqueue_once(url: str, req: GenerationRequest) -> bytes:
         return await pod_streams.enqueue(r, f"idem-{uuid.uuid4().hex[:8]}", req, 1000)
     finally:
         await r.aclose()
+
+
+
+@pytest.mark.parametrize("appendonly", [False, True])
+async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendonly):
+    """Redis restarted without persistence (every admission lost): the open ones are enqueued
+    again, where they were routed; restarted from its AOF (nothing lost): none is enqueued twice.
+    A request whose relay ended is not this gateway's to readmit."""
+    from gateway.readmit import Readmitter
+
+    proc = RedisProcess(appendonly=appendonly).start()
+    r = aioredis.Redis.from_url(proc.url)
+    pool = f"readmit-{uuid.uuid4().hex[:8]}"
+    rm = Readmitter(lambda: r, pool, 1000)
+    try:
+        assert await rm.check() == 0  # the first look only learns the run_id
+        reqs = [GenerationRequest(f"req-{i}-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4) for i in range(3)]
+        for q, pod in zip(reqs, (None, "prefill-x", None)):
+            await pod_streams.enqueue(r, pool, q, 1000, pod=pod)
+            rm.add(q, pod, False)
+        rm.discard(reqs[2].request_id)  # its relay ended
+        proc.stop()
+        proc.start()  # a new run_id
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await rm.check()  # the old connection is gone (the watch loop looks again next round)
+        assert await rm.check() == (0 if appendonly else 2)
+        shared = await r.xlen(keys.admission_stream(pool, "normal"))
+        routed = await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-x"))
+        assert (shared, routed) == ((2, 1) if appendonly else (1, 1))  # kept, or back once
+        assert await r.sismember(keys.pod_streams_set(pool), "prefill-x")
+        assert await rm.check() == 0  # the same Redis again: nothing
+    finally:
+        await r.aclose()
+        proc.stop()

@@ -1,0 +1,99 @@
+"""Enqueueing again the admissions a Redis restart or failover lost.
+
+Redis with `appendfsync everysec`, or a replica that Sentinel promotes, can come back with the
+state of a moment up to a second or two before the failure: a prefix of the writes (see
+decode_svc/resync.py for the workers' side). An admission entry written in that last stretch is
+gone, and with it the only trace of the request outside this gateway; its client would wait for
+a first token until the deadline. The gateway knows what it admitted, so it puts those back.
+
+`Readmitter` keeps the admission of every request this replica is relaying (the request, where
+it was routed, when), and watches Redis's `run_id` (it changes on a restart and on a failover).
+On a change, every request whose token stream does not exist yet is enqueued again with the same
+script as the first time (gateway/pod_streams.py `enqueue`), which is a no-op while the request's
+marker survives. The marker is written by the same script as the entry, so it survived exactly
+when the entry did (a prefix keeps both or neither): an admission is never enqueued twice, and a
+lost one is enqueued once. Requests older than the marker's TTL are left alone (their marker can
+no longer tell) and forgotten.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from gateway import pod_streams
+from tandem_core import keys
+from tandem_core.types import GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Admission:
+    req: GenerationRequest
+    pod: str | None
+    direct: bool
+    at: float  # monotonic time of the first enqueue
+
+
+class Readmitter:
+    def __init__(self, redis: Callable[[], aioredis.Redis], pool: str, maxlen: int,
+                 interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._redis, self.pool, self.maxlen = redis, pool, maxlen
+        self.interval_s, self.clock = interval_s, clock
+        self.open: dict[str, Admission] = {}  # request id -> its admission, while relayed here
+        self.run_id: str | None = None
+        self.readmitted = 0  # admissions enqueued again, ever
+
+    def add(self, req: GenerationRequest, pod: str | None, direct: bool) -> None:
+        self.open[req.request_id] = Admission(req, pod, direct, self.clock())
+
+    def discard(self, request_id: str) -> None:
+        self.open.pop(request_id, None)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`: look at Redis's run_id every `interval_s`, readmit on a change."""
+        while not stop.is_set():
+            try:
+                await self.check()
+            except Exception as e:  # noqa: BLE001 - Redis down: look again next round
+                log.debug("run_id check failed: %s", e)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def check(self) -> int:
+        """Readmit if Redis changed since the last look; how many were enqueued again."""
+        info = await self._redis().info("server")
+        run_id = str(info.get("run_id") or "")
+        self._forget_old()
+        if not run_id or run_id == self.run_id:
+            return 0
+        first, self.run_id = self.run_id is None, run_id
+        return 0 if first else await self.readmit()
+
+    def _forget_old(self) -> None:
+        """Admissions whose relay never ended here (a client gone before its stream began)."""
+        oldest = self.clock() - pod_streams.MARKER_TTL_S
+        for rid in [rid for rid, a in self.open.items() if a.at < oldest]:
+            del self.open[rid]
+
+    async def readmit(self) -> int:
+        r, n = self._redis(), 0
+        oldest = self.clock() - (pod_streams.MARKER_TTL_S - 10)  # the marker still answers for these
+        for rid, adm in list(self.open.items()):
+            if adm.at < oldest or await r.exists(keys.token_stream(rid)):
+                continue
+            if await r.exists(keys.admitted_key(rid)):
+                continue  # its entry survived
+            await pod_streams.enqueue(r, self.pool, adm.req, self.maxlen, pod=adm.pod, direct=adm.direct)
+            n += 1
+            log.warning("request_id=%s: its admission was lost with Redis's last writes; enqueued again", rid)
+        self.readmitted += n
+        log.warning("Redis changed (run_id %s): %d of %d open requests enqueued again", self.run_id, n, len(self.open))
+        return n
