@@ -1,8 +1,9 @@
 """`tandem local`: a whole Tandem cluster on this machine, as separate processes.
 
-An embedded real `redis-server` on a free loopback port, N prefill workers, M decode workers and
-the gateway, each a child process configured through the same environment variables the Helm
-chart sets. Prints the URL when the cluster answers; Ctrl-C / SIGTERM drains and stops everything.
+An embedded real `redis-server` on a free loopback port (or, with `--redis-sentinel`, an external
+Redis found through its Sentinels), N prefill workers, M decode workers and the gateway, each a
+child process configured through the same environment variables the Helm chart sets. Prints the
+URL when the cluster answers; Ctrl-C / SIGTERM drains and stops everything.
 Children die with the launcher (PR_SET_PDEATHSIG), so nothing outlives it.
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tandem local",
-        description="Run a local Tandem cluster: embedded Redis, prefill and decode workers and the "
-        "gateway as separate processes. The gateway serves the OpenAI API on http://HOST:PORT/v1.",
+        description="Run a local Tandem cluster: embedded Redis (or an external one through Redis "
+        "Sentinel, --redis-sentinel), prefill and decode workers and the gateway as separate processes. "
+        "The gateway serves the OpenAI API on http://HOST:PORT/v1.",
     )
     p.add_argument("--model", default=os.environ.get("TANDEM_MODEL", "builtin"),
                    help="preset name (builtin, tiny, small-100m) or a Hugging Face Llama directory")
@@ -52,9 +54,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-persistence", action="store_true",
                    help="run the embedded Redis without its append-only file (by default it is on, so a "
                    "restarted Redis keeps queued requests and token streams)")
+    p.add_argument("--redis-sentinel", default="", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="use an external Redis through these Redis Sentinels instead of the embedded one "
+                   "(no redis-server is started); every service follows the sentinels to a promoted "
+                   "replica after a failover")
+    p.add_argument("--redis-master", default="tandem", metavar="NAME",
+                   help="with --redis-sentinel: the master name the sentinels monitor (default: tandem)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
     return p.parse_args(argv)
+
+
+def _sentinel_hosts(spec: str) -> list[str]:
+    """`--redis-sentinel a:26379,b:26379` -> ["a:26379", "b:26379"], each checked as host:port."""
+    hosts = [h.strip() for h in spec.split(",") if h.strip()]
+    for h in hosts:
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise SystemExit(f"--redis-sentinel: {h!r} is not HOST:PORT (e.g. 127.0.0.1:26379)")
+    return hosts
 
 
 def _die_with_parent() -> None:
@@ -95,19 +113,24 @@ def _preexec_for(cpus: set[int] | None):
 class Cluster:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
-        self.redis = RedisProcess(appendonly=not a.no_persistence)
+        self.sentinels = _sentinel_hosts(a.redis_sentinel)
+        # external Redis through Sentinel: nothing of ours to start, supervise or stop
+        self.redis = None if self.sentinels else RedisProcess(appendonly=not a.no_persistence)
         self.pins = _pin_map(a.pin)
-        self.redis.preexec = _preexec_for(self.pins.get("redis"))
+        if self.redis is not None:
+            self.redis.preexec = _preexec_for(self.pins.get("redis"))
         self.sup = Supervisor()
         self.grpc_port = a.grpc_port or free_port()
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
 
     def _env(self, prefix: str, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)  # user-set TANDEM_* settings pass through; ours below win
-        env.update({
-            f"{prefix}REDIS__URL": self.redis.url, f"{prefix}LOG_LEVEL": self.a.log_level,
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update({f"{prefix}LOG_LEVEL": self.a.log_level, "PYTHONUNBUFFERED": "1"})
+        if self.redis is not None:
+            env[f"{prefix}REDIS__URL"] = self.redis.url
+        else:
+            env[f"{prefix}REDIS__SENTINEL__HOSTS"] = json.dumps(self.sentinels)
+            env[f"{prefix}REDIS__SENTINEL__MASTER_NAME"] = self.a.redis_master
         env.update(extra)
         return env
 
@@ -121,8 +144,11 @@ class Cluster:
         self.sup.add(Child(name, module, env, _preexec_for(self.pins.get(name.split("-")[0]))))
 
     def start(self) -> None:
-        self.redis.start()
-        log.info("redis pid=%d url=%s", self.redis.pid, self.redis.url)
+        if self.redis is not None:
+            self.redis.start()
+            log.info("redis pid=%d url=%s", self.redis.pid, self.redis.url)
+        else:
+            log.info("redis through sentinels %s, master %r", ",".join(self.sentinels), self.a.redis_master)
         for i in range(0 if self.a.colocated else self.a.prefill):
             pre = "TANDEM_PREFILL_"
             self._spawn(f"prefill-{i}", "prefill_svc", self._env(pre, {
@@ -168,6 +194,9 @@ class Cluster:
 
     def check_children(self) -> None:
         """Supervision: restart whatever died (Redis too, on its port with its data)."""
+        if self.redis is None:  # external: its failovers are the sentinels' job
+            self.sup.tick()
+            return
         alive = self.redis.proc is not None and self.redis.proc.poll() is None
         self.sup.tick(restart_redis=self._restart_redis, redis_alive=alive)
 
@@ -177,7 +206,8 @@ class Cluster:
 
     def stop(self, grace_s: float = 40.0) -> None:
         self.sup.stop(grace_s)  # gateway first: stop accepting, then workers drain through Redis
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
         log.info("cluster stopped")
 
 

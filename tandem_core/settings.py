@@ -7,17 +7,46 @@ from __future__ import annotations
 import os
 import socket
 
-from pydantic import BaseModel, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, field_validator
+
+
+class SentinelConfig(BaseModel):
+    """Redis Sentinel: ask these sentinels where the primary of `master_name` is, and ask again
+    after a failover, so a promoted replica takes over without a restart of any service.
+
+    `hosts` empty (the default) = no Sentinel: `RedisConfig.url` names the one Redis. Set, the
+    url is not used; `RedisConfig.password` authenticates to the primary (and, with `auth`, to the
+    sentinels too, which is how Bitnami's chart sets them up). From the environment a list is JSON:
+    TANDEM_GATEWAY_REDIS__SENTINEL__HOSTS='["10.0.0.5:26379","10.0.0.6:26379"]'.
+    """
+
+    hosts: list[str] = []  # "host:port" of each sentinel
+    master_name: str = Field(default="tandem", min_length=1)  # `sentinel monitor <name> ...`
+    auth: bool = False  # the sentinels require a password: the same as Redis's (redis.password)
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_port(cls, hosts: list[str]) -> list[str]:
+        for h in hosts:
+            host, _, port = h.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"sentinel host {h!r} is not host:port (e.g. 10.0.0.5:26379)")
+        return hosts
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(h.rpartition(":")[0].strip("[]"), int(h.rpartition(":")[2])) for h in self.hosts]
 
 
 class RedisConfig(BaseModel):
-    """Where the admission/ready/token streams live. `rediss://` URLs use TLS."""
+    """Where the admission/ready/token streams live. `rediss://` URLs use TLS. With
+    `sentinel.hosts` set, the primary is found (and found again after a failover) through Sentinel."""
 
     url: str = "redis://127.0.0.1:6379/0"
     password: str | None = None
     socket_timeout_s: PositiveFloat = 10.0
     connect_timeout_s: PositiveFloat = 5.0
     max_connections: PositiveInt = 1024  # client pool bound (the gateway reads every token stream on one)
+    sentinel: SentinelConfig = SentinelConfig()
 
 
 class GrpcConfig(BaseModel):

@@ -10,17 +10,22 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import keys
-from tandem_core.settings import RedisConfig
+from tandem_core.redis_client import RedisConfigError, connect  # noqa: F401 - services call streams.connect
 from tandem_core.types import GenerationRequest, TokenLogprobs
 
 
-# What a Redis restart or network blip raises: callers wait and retry these, and only these.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# What a Redis restart, a network blip or a Sentinel failover raises: callers wait and retry
+# these, and only these. During a failover the Sentinel client raises MasterNotFoundError (a
+# ConnectionError: no sentinel reports a healthy primary yet), and a primary demoted to replica
+# answers writes with READONLY (the Sentinel client turns that into a ConnectionError and asks
+# the sentinels again; a plain client gets ReadOnlyError).
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, MasterNotFoundError, ReadOnlyError, ConnectionError, OSError)
 
 
 async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
@@ -37,18 +42,6 @@ async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
             if log:
                 log.warning("redis unavailable during %s: %s; retrying", what, e)
             await asyncio.sleep(0.5)
-
-
-def connect(cfg: RedisConfig) -> aioredis.Redis:
-    """One client per process; `decode_responses=False` keeps token ids cheap to parse."""
-    return aioredis.Redis.from_url(
-        cfg.url,
-        password=cfg.password,
-        socket_timeout=cfg.socket_timeout_s,
-        socket_connect_timeout=cfg.connect_timeout_s,
-        health_check_interval=30,
-        max_connections=cfg.max_connections,
-    )
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:

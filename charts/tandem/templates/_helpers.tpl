@@ -109,9 +109,26 @@ Output: YAML map NAME: "value" (a ConfigMap's data).
 {{/* Mount path of the external Redis CA. */}}
 {{- define "tandem.redis.caDir" -}}/etc/tandem/redis-ca{{- end }}
 
-{{/* The URL every service gets as <PREFIX>REDIS__URL. */}}
+{{/* Whether the services find Redis through Sentinel (externalRedis.sentinel.hosts). */}}
+{{- define "tandem.redis.sentinel" -}}
+{{- if and (not .Values.redis.enabled) .Values.externalRedis.sentinel.hosts }}true{{ end }}
+{{- end }}
+
+{{/*
+A component's settings (as JSON) with settings.redis.sentinel taken from externalRedis.sentinel,
+so the sentinels are written once for all three services. args: dict "root" $ "settings" map
+*/}}
+{{- define "tandem.redis.withSentinel" -}}
+{{- $s := deepCopy .settings }}
+{{- $x := .root.Values.externalRedis.sentinel }}
+{{- $_ := set $s.redis "sentinel" (dict "hosts" $x.hosts "master_name" $x.masterName "auth" $x.auth) }}
+{{- toJson $s }}
+{{- end }}
+
+{{/* The URL every service gets as <PREFIX>REDIS__URL ("" with Sentinel: the sentinels say where). */}}
 {{- define "tandem.redis.url" -}}
-{{- if .Values.redis.enabled }}
+{{- if include "tandem.redis.sentinel" . }}
+{{- else if .Values.redis.enabled }}
 {{- printf "redis://%s.%s.svc:%d/0" (include "tandem.redis.fullname" .) .Release.Namespace (int .Values.redis.port) }}
 {{- else }}
 {{- $url := .Values.externalRedis.url }}
@@ -141,9 +158,11 @@ Output: YAML map NAME: "value" (a ConfigMap's data).
 {{- end }}
 {{- end }}
 
-{{/* host:port of Redis for KEDA. */}}
+{{/* host:port of Redis for KEDA (with Sentinel: the sentinels, comma-separated). */}}
 {{- define "tandem.redis.address" -}}
-{{- if .Values.redis.enabled }}
+{{- if include "tandem.redis.sentinel" . }}
+{{- join "," .Values.externalRedis.sentinel.hosts }}
+{{- else if .Values.redis.enabled }}
 {{- printf "%s.%s.svc:%d" (include "tandem.redis.fullname" .) .Release.Namespace (int .Values.redis.port) }}
 {{- else }}
 {{- $u := urlParse .Values.externalRedis.url }}
@@ -152,7 +171,7 @@ Output: YAML map NAME: "value" (a ConfigMap's data).
 {{- end }}
 
 {{- define "tandem.redis.db" -}}
-{{- if .Values.redis.enabled }}0{{ else }}{{ default "0" (trimPrefix "/" (urlParse .Values.externalRedis.url).path) }}{{ end }}
+{{- if or .Values.redis.enabled (include "tandem.redis.sentinel" .) }}0{{ else }}{{ default "0" (trimPrefix "/" (urlParse .Values.externalRedis.url).path) }}{{ end }}
 {{- end }}
 
 {{- define "tandem.redis.tls" -}}

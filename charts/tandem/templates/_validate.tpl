@@ -6,13 +6,23 @@ Included once, from templates/validate.yaml.
 {{- $v := .Values }}
 
 {{/* Redis: exactly one source. */}}
+{{- $sentinel := $v.externalRedis.sentinel }}
 {{- if and $v.redis.enabled $v.externalRedis.url }}
 {{- fail "tandem: both redis.enabled=true and externalRedis.url are set; use one Redis (set redis.enabled=false to use the external one)" }}
 {{- end }}
-{{- if and (not $v.redis.enabled) (not $v.externalRedis.url) }}
-{{- fail "tandem: no Redis configured; set redis.enabled=true for the bundled StatefulSet or externalRedis.url (e.g. rediss://10.0.0.3:6378/0 for Memorystore)" }}
+{{- if and $v.redis.enabled $sentinel.hosts }}
+{{- fail "tandem: both redis.enabled=true and externalRedis.sentinel.hosts are set; use one Redis (set redis.enabled=false to use the one behind the sentinels)" }}
 {{- end }}
-{{- if not $v.redis.enabled }}
+{{- if and $v.externalRedis.url $sentinel.hosts }}
+{{- fail "tandem: externalRedis.url and externalRedis.sentinel.hosts are both set; with Sentinel the services ask the sentinels where the primary is, so leave externalRedis.url empty" }}
+{{- end }}
+{{- if and (not $v.redis.enabled) (not $v.externalRedis.url) (not $sentinel.hosts) }}
+{{- fail "tandem: no Redis configured; set redis.enabled=true for the bundled StatefulSet, externalRedis.url (e.g. rediss://10.0.0.3:6378/0 for Memorystore) or externalRedis.sentinel.hosts (Redis Sentinel)" }}
+{{- end }}
+{{- if and $sentinel.hosts $v.externalRedis.tls.caSecret }}
+{{- fail "tandem: externalRedis.tls.caSecret is set with externalRedis.sentinel; TLS through Sentinel is not supported yet, use externalRedis.url for a TLS endpoint" }}
+{{- end }}
+{{- if and (not $v.redis.enabled) (not $sentinel.hosts) }}
 {{- $u := urlParse $v.externalRedis.url }}
 {{- if not (has $u.scheme (list "redis" "rediss")) }}
 {{- fail (printf "tandem: externalRedis.url %q must start with redis:// or rediss:// (TLS)" $v.externalRedis.url) }}

@@ -1,6 +1,8 @@
 {{/* GatewaySettings as env (TANDEM_GATEWAY_*); redis.url is chart-owned. */}}
 {{- define "tandem.gateway.configData" -}}
-{{- include "tandem.settingsEnv" (dict "prefix" "TANDEM_GATEWAY_" "settings" .Values.gateway.settings) | trim }}
+{{- $s := .Values.gateway.settings }}
+{{- if include "tandem.redis.sentinel" . }}{{ $s = include "tandem.redis.withSentinel" (dict "root" . "settings" $s) | fromJson }}{{ end }}
+{{- include "tandem.settingsEnv" (dict "prefix" "TANDEM_GATEWAY_" "settings" $s) | trim }}
 TANDEM_GATEWAY_REDIS__URL: {{ include "tandem.redis.url" . | quote }}
 {{- end }}
 

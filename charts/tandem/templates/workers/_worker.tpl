@@ -6,7 +6,9 @@ own settings. args: dict "root" $ "component" "prefill"|"decode" "prefix" "TANDE
 {{/* The settings ConfigMap data for a worker (redis.url is chart-owned, added here). */}}
 {{- define "tandem.worker.configData" -}}
 {{- $c := index .root.Values .component }}
-{{- include "tandem.settingsEnv" (dict "prefix" .prefix "settings" $c.settings) | trim }}
+{{- $s := $c.settings }}
+{{- if include "tandem.redis.sentinel" .root }}{{ $s = include "tandem.redis.withSentinel" (dict "root" .root "settings" $s) | fromJson }}{{ end }}
+{{- include "tandem.settingsEnv" (dict "prefix" .prefix "settings" $s) | trim }}
 {{ .prefix }}REDIS__URL: {{ include "tandem.redis.url" .root | quote }}
 {{- end }}
 
