@@ -241,9 +241,9 @@ class DecodeIO:
         since `gen`, or runs now), not because another pod took the request over."""
         try:
             changed = await self.resync.current()
-        except Exception as e:  # noqa: BLE001 - cannot tell: take the fence at its word
-            log.warning("could not read Redis's run_id: %s", e)
-            changed = False
+        except Exception as e:  # noqa: BLE001 - cannot tell yet: decide on the next step's write
+            log.warning("could not read Redis's run_id (%s): fenced-off writes wait for the next step", e)
+            return True
         return changed or self.resync.reconciles != gen
 
     def _tokens_pipeline(self, items: list, acks: list) -> "aioredis.client.Pipeline":

@@ -8,12 +8,17 @@ a first token until the deadline. The gateway knows what it admitted, so it puts
 
 `Readmitter` keeps the admission of every request this replica is relaying (the request, where
 it was routed, when), and watches Redis's `run_id` (it changes on a restart and on a failover).
-On a change, every request whose token stream does not exist yet is enqueued again with the same
-script as the first time (gateway/pod_streams.py `enqueue`), which is a no-op while the request's
-marker survives. The marker is written by the same script as the entry, so it survived exactly
-when the entry did (a prefix keeps both or neither): an admission is never enqueued twice, and a
-lost one is enqueued once. Requests older than the marker's TTL are left alone (their marker can
-no longer tell) and forgotten.
+On a change it waits `grace_s`: within a heartbeat the decode pods write their journal again,
+which re-creates the token stream of every request they hold. Then every request without a
+token stream is enqueued again (a token 0 the client already has does not count: the prefill
+pod's commit of it may be what was lost), with the same script as the first time
+(gateway/pod_streams.py `enqueue`), which is a no-op while the request's marker survives. The
+marker is written by the same script as the entry, so it survived exactly when the entry did (a
+prefix keeps both or neither): a surviving admission is never enqueued twice, and a lost one is
+enqueued once. Requests older than the marker's TTL are left alone (their marker can no longer
+tell) and forgotten. A request a decode pod is pulling when Redis changes has no token stream yet
+and may be enqueued again, then decoded twice (the client sees each index once, the first
+written; the same tokens when greedy or seeded).
 """
 from __future__ import annotations
 
@@ -42,9 +47,9 @@ class Admission:
 
 class Readmitter:
     def __init__(self, redis: Callable[[], aioredis.Redis], pool: str, maxlen: int,
-                 interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval_s: float = 1.0, grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._redis, self.pool, self.maxlen = redis, pool, maxlen
-        self.interval_s, self.clock = interval_s, clock
+        self.interval_s, self.grace_s, self.clock = interval_s, grace_s, clock
         self.open: dict[str, Admission] = {}  # request id -> its admission, while relayed here
         self.run_id: str | None = None
         self.readmitted = 0  # admissions enqueued again, ever
@@ -61,7 +66,7 @@ class Readmitter:
             try:
                 await self.check()
             except Exception as e:  # noqa: BLE001 - Redis down: look again next round
-                log.debug("run_id check failed: %s", e)
+                log.info("run_id check or readmission failed: %s; trying again in %gs", e, self.interval_s)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
             except asyncio.TimeoutError:
@@ -74,8 +79,13 @@ class Readmitter:
         self._forget_old()
         if not run_id or run_id == self.run_id:
             return 0
-        first, self.run_id = self.run_id is None, run_id
-        return 0 if first else await self.readmit()
+        if self.run_id is None:
+            self.run_id = run_id
+            return 0
+        await asyncio.sleep(self.grace_s)
+        n = await self.readmit(run_id)  # a failure (a stale connection) leaves run_id: the next look redoes it
+        self.run_id = run_id
+        return n
 
     def _forget_old(self) -> None:
         """Admissions whose relay never ended here (a client gone before its stream began)."""
@@ -83,7 +93,7 @@ class Readmitter:
         for rid in [rid for rid, a in self.open.items() if a.at < oldest]:
             del self.open[rid]
 
-    async def readmit(self) -> int:
+    async def readmit(self, run_id: str) -> int:
         r, n = self._redis(), 0
         oldest = self.clock() - (pod_streams.MARKER_TTL_S - 10)  # the marker still answers for these
         for rid, adm in list(self.open.items()):
@@ -95,5 +105,6 @@ class Readmitter:
             n += 1
             log.warning("request_id=%s: its admission was lost with Redis's last writes; enqueued again", rid)
         self.readmitted += n
-        log.warning("Redis changed (run_id %s): %d of %d open requests enqueued again", self.run_id, n, len(self.open))
+        log.warning("Redis changed (run_id %s -> %s): %d of %d open requests enqueued again", self.run_id, run_id, n,
+                    len(self.open))
         return n

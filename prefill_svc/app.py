@@ -42,7 +42,8 @@ async def serve(settings: PrefillSettings) -> int:
     server = grpc_util.make_server(settings.grpc.max_message_bytes)
     port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port, settings.grpc)
     address = f"{settings.grpc.advertise_host}:{port}"
-    worker = PrefillWorker(settings, engine, r, store, address, worker_id, cache)
+    peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(settings.heartbeat_interval_s))
+    worker = PrefillWorker(settings, engine, r, store, address, worker_id, cache, peers)
     # PullKV chunks are serialized by kvcodec itself (no protobuf message per chunk)
     KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release).add_to_server(server)
     health = grpc_util.add_health(server, [KV_SERVICE])
@@ -61,7 +62,7 @@ async def serve(settings: PrefillSettings) -> int:
                                          "prefill_ema_s": round(worker.prefill_ema_s, 6)})
 
     hb_stop = asyncio.Event()
-    hb = asyncio.create_task(lifecycle.heartbeat_loop(r, info, settings.heartbeat_interval_s, hb_stop))
+    hb = asyncio.create_task(lifecycle.heartbeat_loop(r, info, settings.heartbeat_interval_s, hb_stop, peers))
     await grpc_util.set_serving(health, [KV_SERVICE], True)
     log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
              engine.info.name, store.budget_bytes)

@@ -19,6 +19,11 @@ Keys (all prefixed `tandem:`):
 | `tandem:worker:{worker_id}` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
 | `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
 
+Fences: a decode pod writes a request's tokens only while the request is in its running hash
+(tandem_core/token_writes.py); a prefill pod writes token 0 and the ready notice, and acks the
+admission entry, only while that entry is pending to it in group `prefill` (the consumer group's
+pending list is the fence: XCLAIM moves it; tandem_core/entry_fence.py). No extra key is needed.
+
 Fields:
 - admission and direct entries: `rid` (request id), `req` (GenerationRequest JSON)
 - ready entry: `rid`, `notice` (ReadyNotice JSON: request, prefill address, capability, kv bytes)

@@ -128,7 +128,7 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
     proc = RedisProcess(appendonly=appendonly).start()
     r = aioredis.Redis.from_url(proc.url)
     pool = f"readmit-{uuid.uuid4().hex[:8]}"
-    rm = Readmitter(lambda: r, pool, 1000)
+    rm = Readmitter(lambda: r, pool, 1000, grace_s=0.1)
     try:
         assert await rm.check() == 0  # the first look only learns the run_id
         reqs = [GenerationRequest(f"req-{i}-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4) for i in range(3)]

@@ -19,6 +19,7 @@ from tandem_core import keys
 from tandem_core.errors import AdmissionRejected, InvalidRequest
 from tandem_core.models import resolve_model
 from tandem_core.settings import RedisConfig
+from tests.unit.clock import Clock
 
 POOL = f"gwa-{uuid.uuid4().hex[:8]}"
 
@@ -205,13 +206,6 @@ def test_model_template_from_tokenizer_config(tmp_path):
 
 # ---------------------------------------------------------------- per-key limits
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_concurrency_limit_per_key():

@@ -3,14 +3,8 @@ only after a whole heartbeat TTL of unbroken contact with the same Redis."""
 from __future__ import annotations
 
 from tandem_core.lifecycle import PeerJudge, heartbeat_ttl_s
+from tests.unit.clock import Clock
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_a_fresh_worker_waits_a_ttl_before_judging_peers():

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from decode_svc import resync
 from decode_svc.resync import Journal
+from tests.unit.clock import Clock
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_the_journal_keeps_the_last_window_of_writes():
