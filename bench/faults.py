@@ -297,10 +297,11 @@ SCENARIOS = {
 # `python bench/faults.py --pending` runs them. Redis back with the state of 0.3 s before it
 # died (what `appendfsync everysec` or a trailing replica leaves): decode pods write their journal
 # again (decode_svc/resync.py), the gateway enqueues again the admissions that are gone
-# (gateway/readmit.py). Without those, 3 and 4 of 8 requests were lost in 2 runs; with them, on
-# 2026-12-01, "mid-stream" lost 2 of 8 in 1 run of 5 and "burst" 0 in the last 3 runs (2 of 8 in
-# 3 runs before a readmission fix). The lost requests had a token stream or a marker after the
-# restart (so the gateway did not enqueue them again) and then no further token; not explained yet.
+# (gateway/readmit.py). Without those, 3 and 4 of 8 requests were lost in 2 runs. With them (and
+# token 0 in the decode journal: a lost admission left a stream of tokens 1.. that the gateway
+# would not enqueue again and no one could complete), on 2026-12-01: "mid-stream" lost none in 3
+# runs (before the token-0 fix, 2 of 8 in 2 of 6); "burst" lost 2 of 8 in 1 of 2 runs. The
+# burst's losses are not explained yet.
 PENDING = {
     "Redis restarts without its last 0.3 s of writes (the fsync window)": (
         "short", lambda: tokens_at_least(5), ("redis-rollback", signal.SIGKILL)),

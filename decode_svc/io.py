@@ -152,6 +152,10 @@ class DecodeIO:
                 # Own before the ack: from here a crash is recovered from the running hash.
                 await retry(lambda: self.owned.own(req), "own", log=log)
                 self.journal.add("own", [req])
+                # and the first token, which the prefill pod wrote: a Redis that lost that write
+                # (and the admission) gets it back from here, since no one else still has it
+                self.journal.add("tokens", ([(req.request_id, req.start_index, notice.first_token,
+                                              None, None, None, None)], []))
                 self.inserts.put_nowait(Insert(payload, req))
         except KVTransferFailed as e:
             # The prefill pod is gone (or its KV is): prefill again from what was streamed.

@@ -4,7 +4,9 @@ Redis runs with `appendfsync everysec`, and a replica that Sentinel promotes tra
 either way the Redis that comes back can hold the state of a moment up to a second or two before
 the failure. That state is consistent (the append-only file and the replication stream are ordered
 logs: what survives is a prefix of the writes), but this pod's latest writes are missing:
-- token entries: a gap in a token stream, which the gateway's relay would wait on until the deadline;
+- token entries: a gap in a token stream, which the gateway's relay would wait on until the deadline
+  (the first token too: the prefill pod wrote it, but this pod has it from the ready notice, and
+  when the admission was lost with it nobody else can write it again);
 - running-hash fields: the fence would then throw away this pod's own next tokens as "owned elsewhere";
 - acks of ready entries: the entry would be delivered again and the request decoded twice;
 - finishes and disowns.
