@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from gateway import pod_streams
 from tandem.redis_proc import RedisProcess
-from tandem_core import keys
+from tandem_core import keys, streams
 from tandem_core.types import GenerationRequest
 from tests.integration.test_gateway_relay import OUT, Gateway, _settings, _worker_loop
 
@@ -45,6 +45,10 @@ def test_a_request_sent_while_redis_is_down_waits_and_is_served(own_redis):
     stop = threading.Event()
     worker = threading.Thread(target=lambda: asyncio.run(_worker_loop(own_redis.url, pool, stop)), daemon=True)
     try:
+        # The worker's registration is on disk before the outage, so the gateway routes the held
+        # request to the admission stream the worker reads (with no prefill pod registered it
+        # would go to the decode pods' direct stream, which this worker does not read).
+        asyncio.run(_register_fake_prefill(own_redis.url))
         own_redis.stop()
         assert httpx.get(gw.url + "/readyz", timeout=10).json()["status"] == "degraded"
         restarted = restart_later(own_redis, 1.5)
@@ -65,6 +69,14 @@ def test_a_request_sent_while_redis_is_down_waits_and_is_served(own_redis):
         gw.stop()
         if worker.is_alive():
             worker.join(timeout=10)
+
+
+async def _register_fake_prefill(url: str) -> None:
+    r = aioredis.Redis.from_url(url)
+    try:
+        await streams.heartbeat(r, streams.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 60)
+    finally:
+        await r.aclose()
 
 
 def test_past_the_hold_a_request_gets_503_with_retry_after(own_redis):
