@@ -82,6 +82,7 @@ class DecodeIO:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            started = self.resync.started  # before the claim: a reconcile during it counts too
             try:
                 got = await self._claim(n)
             except Exception as e:  # noqa: BLE001 - Redis blip: retry
@@ -92,7 +93,7 @@ class DecodeIO:
             self.table.unreserve(n - len(got))
             for c, group in got:
                 try:
-                    await self._dispatch(c, group)
+                    await self._dispatch(c, group, started)
                 except Exception:  # noqa: BLE001 - one bad entry must not stop the claim loop
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
                     self.table.unreserve()
@@ -115,8 +116,10 @@ class DecodeIO:
                    await streams.claim(self.r, names, group, self.worker_id, n, self.s.claim_block_ms)]
         return got
 
-    async def _dispatch(self, c: streams.Claimed, group: str) -> None:
-        """Start one claimed entry; the caller holds a slot reservation for it."""
+    async def _dispatch(self, c: streams.Claimed, group: str, started: int | None = None) -> None:
+        """Start one claimed entry; the caller holds a slot reservation for it. `started`: the
+        reconciles begun (Resync.started) before it was claimed (default: now)."""
+        started = self.resync.started if started is None else started
         if (c.stream, c.entry_id) in self.busy_entries:  # re-claimed while still being worked on
             self.table.unreserve()
             return
@@ -124,7 +127,7 @@ class DecodeIO:
         if "notice" in c.fields:
             notice = streams.ReadyNotice.from_json(c.fields["notice"])
             rid = notice.request.request_id
-            task = asyncio.create_task(self._pull_one(c, notice))
+            task = asyncio.create_task(self._pull_one(c, notice, started))
             self.inflight[rid] = task
             task.add_done_callback(lambda _t, rid=rid: self.inflight.pop(rid, None))
             return
@@ -135,7 +138,7 @@ class DecodeIO:
         # Never full: the queue holds at least `slots` items and every item holds a reservation.
         self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
 
-    async def _pull_one(self, c: streams.Claimed, notice: streams.ReadyNotice) -> None:
+    async def _pull_one(self, c: streams.Claimed, notice: streams.ReadyNotice, started: int) -> None:
         """Pull, own, insert, ack. Each Redis step is retried through an outage; the slot stays
         reserved meanwhile, and the entry is acked only once the request is safely owned."""
         req = notice.request
@@ -154,8 +157,10 @@ class DecodeIO:
                 self.journal.add("own", [req])
                 # and the first token, which the prefill pod wrote: a Redis that lost that write
                 # (and the admission) gets it back from here, since no one else still has it
-                self.journal.add("tokens", ([(req.request_id, req.start_index, notice.first_token,
-                                              None, None, None, None)], []))
+                first = [(req.request_id, req.start_index, notice.first_token, None, None, None, None)]
+                self.journal.add("tokens", (first, []))
+                if self.resync.missed_since(started):  # read from a Redis gone since: its replay may miss it
+                    await retry(lambda: self._write_tokens(first), "first token again", log=log)
                 self.inserts.put_nowait(Insert(payload, req))
         except KVTransferFailed as e:
             # The prefill pod is gone (or its KV is): prefill again from what was streamed.
@@ -207,7 +212,15 @@ class DecodeIO:
         elif kind == "tokens":
             items, acks = payload
             items = [it for it in items if it[0] not in fenced]
-            await retry(lambda: self._tokens_pipeline(items, acks).execute(), "tokens again")
+            await retry(lambda: self._write_tokens(items, acks), "tokens again")
+
+    async def _write_tokens(self, items: list, acks: list | None = None) -> None:
+        """Token items (and acks) in one round trip; a Redis without the script gets it first."""
+        try:
+            await self._tokens_pipeline(items, acks or []).execute()
+        except NoScriptError:
+            await self.owned.load()
+            await self._tokens_pipeline(items, acks or []).execute()
 
     async def publish_loop(self, done: asyncio.Event) -> None:
         """Drain the engine's output queue: one round trip per step, or for every step queued
@@ -230,25 +243,34 @@ class DecodeIO:
                     except asyncio.TimeoutError:
                         pass
                 continue
-            gen = self.resync.reconciles
-            results = await self._publish(batch)
-            lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
-            if lost and await self._redis_changed(gen):
-                lost = set()  # a Redis that lost this pod's running fields: the journal put them back
+            lost = await self._publish_fenced(batch)
             if lost:  # another pod took these over while this one was stalled: stop decoding them
                 log.warning("fenced off %d requests now owned elsewhere: %s", len(lost), sorted(lost)[:5])
                 self.journal.add("fenced", lost)
                 self.engine_loop.cancel(lost, silent=True)
 
-    async def _redis_changed(self, gen: int) -> bool:
-        """Whether a write came back fenced off because Redis changed under it (a reconcile ran
-        since `gen`, or runs now), not because another pod took the request over."""
-        try:
-            changed = await self.resync.current()
-        except Exception as e:  # noqa: BLE001 - cannot tell yet: decide on the next step's write
-            log.warning("could not read Redis's run_id (%s): fenced-off writes wait for the next step", e)
-            return True
-        return changed or self.resync.reconciles != gen
+    async def _publish_fenced(self, batch: list) -> set[str]:
+        """Write one batch; the requests whose tokens the fence refused because another pod owns
+        them. A refusal because the Redis that came back lacked this pod's running fields is not
+        one: once the reconcile has put them back, the refused tokens are written again (the
+        batch may have been in flight when the replay took its copy of the journal, and a token
+        never written is a gap the relay waits on until its deadline)."""
+        gen = self.resync.reconciles
+        results = await self._publish(batch)
+        lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
+        if not lost:
+            return lost
+        try:  # a reconcile ran since `gen`, or runs now (this waits for it)
+            changed = await self.resync.current() or self.resync.reconciles != gen
+        except Exception as e:  # noqa: BLE001 - Redis went again: its reconcile replays the journal, batch and all
+            log.warning("could not read Redis's run_id (%s): refused writes wait for the reconcile", e)
+            return set()
+        if not changed:
+            return lost
+        again = [e for e in batch if e.request_id in lost]
+        log.info("writing again %d token entries refused across a Redis change", len(again))
+        results = await self._publish(again)
+        return {e.request_id for e, ok in zip(again, results or []) if ok == 0}
 
     def _tokens_pipeline(self, items: list, acks: list) -> "aioredis.client.Pipeline":
         """One script call for every token item, then the acks: one round trip."""

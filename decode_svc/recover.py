@@ -53,12 +53,13 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
         if not entries:
             continue
         n = io.table.reserve(len(entries))
+        started = io.resync.started  # (DecodeIO._dispatch: a reconcile begun after this counts)
         claimed = await streams.claim_ids(io.r, stream, keys.DECODE_GROUP, io.worker_id,
                                           [eid for _c, eid in entries[:n]], min_idle_ms=0 if include_self else 1000)
         io.table.unreserve(n - len(claimed))
         for c in claimed:
             log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
-            await io._dispatch(c, keys.DECODE_GROUP)
+            await io._dispatch(c, keys.DECODE_GROUP, started)
         got += len(claimed)
     return got
 

@@ -84,6 +84,9 @@ class Resync:
         self.run_id: str | None = None  # the Redis this pod last reconciled with
         self._lock = asyncio.Lock()
         self.reconciles = 0
+        # reconciles begun: a write journaled after one began may have missed its replay
+        # (`missed_since`); it counts up in the same step as the replay takes its copy of the journal
+        self.started = 0
         self._task: asyncio.Task | None = None
 
     def kick(self, run_id: str | None) -> None:
@@ -121,8 +124,16 @@ class Resync:
             self.run_id = run_id
             return not first
 
+    def missed_since(self, started: int) -> bool:
+        """Whether a reconcile began after `self.started` read `started`: a write journaled since
+        then that belongs to the Redis of before (the first token of a ready notice read there)
+        may not be in that reconcile's replay, so its caller writes it itself. (False: the write
+        is in the journal before any reconcile still to come takes its copy.)"""
+        return self.started != started
+
     async def _reconcile(self, run_id: str) -> None:
         t0 = time.monotonic()
+        self.started += 1
         entries = list(self.journal.entries)
         fenced = self.journal.fenced_ids()
         await self._before()

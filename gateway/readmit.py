@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway import pod_streams
-from tandem_core import keys
+from tandem_core import keys, streams
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class Admission:
 
 
 class Readmitter:
+    RETRY_S = 0.25  # how soon to look again after a failed look (Redis down, a stale connection)
+
     def __init__(self, redis: Callable[[], aioredis.Redis], pool: str, maxlen: int,
                  interval_s: float = 1.0, grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._redis, self.pool, self.maxlen = redis, pool, maxlen
@@ -62,15 +64,27 @@ class Readmitter:
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Until `stop`: look at Redis's run_id every `interval_s`, readmit on a change."""
+        failing = False
         while not stop.is_set():
+            wait = self.interval_s
             try:
                 await self.check()
-            except Exception as e:  # noqa: BLE001 - Redis down: look again next round
-                log.info("run_id check or readmission failed: %s; trying again in %gs", e, self.interval_s)
+                failing = False
+            except Exception as e:  # noqa: BLE001 - Redis down: look again soon
+                if not failing:
+                    log.info("run_id check or readmission failed: %s; looking again every %gs", e, self.RETRY_S)
+                failing, wait = True, min(wait, self.RETRY_S)
+                await self._close_idle()  # those of before a restart would each fail once more
             try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+                await asyncio.wait_for(stop.wait(), timeout=wait)
             except asyncio.TimeoutError:
                 pass
+
+    async def _close_idle(self) -> None:
+        try:
+            await self._redis().connection_pool.disconnect(inuse_connections=False)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
     async def check(self) -> int:
         """Readmit if Redis changed since the last look; how many were enqueued again."""
@@ -83,9 +97,23 @@ class Readmitter:
             self.run_id = run_id
             return 0
         await asyncio.sleep(self.grace_s)
-        n = await self.readmit(run_id)  # a failure (a stale connection) leaves run_id: the next look redoes it
+        n = await self._readmit_soon(run_id)  # a failure leaves run_id: the next look redoes it
         self.run_id = run_id
         return n
+
+    async def _readmit_soon(self, run_id: str, tries: int = 3) -> int:
+        """`readmit`, tried again at once when it fails on Redis. Each idle pooled connection
+        from before the restart fails once when first used, so they are closed first (the ones
+        in use fail and reconnect on their own); waiting for the next look, and its grace, would
+        cost the requests it puts back seconds more."""
+        for _ in range(tries - 1):
+            try:
+                return await self.readmit(run_id)
+            except streams.REDIS_DOWN as e:
+                log.info("readmission failed: %s; closing idle connections and trying again", e)
+                await self._close_idle()
+                await asyncio.sleep(0.1)
+        return await self.readmit(run_id)
 
     def _forget_old(self) -> None:
         """Admissions whose relay never ended here (a client gone before its stream began)."""

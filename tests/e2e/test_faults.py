@@ -45,12 +45,9 @@ def test_fault_loses_and_duplicates_nothing(fault_cluster, name):
 
 def written_twice(cluster, since_ms: int) -> list[str]:
     """Token streams begun since `since_ms` (Redis time) with some token index written twice."""
-    import re
-
     import redis
 
-    url = [m.group(1) for line in cluster.log if (m := re.search(r"redis pid=\d+ url=(\S+)", line))][-1]
-    r = redis.Redis.from_url(url)
+    r = redis.Redis.from_url(faults.redis_url(cluster.log))
     out = []
     try:
         for key in r.scan_iter(match="tandem:tok:*", count=1000):

@@ -161,3 +161,27 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
     finally:
         await r.aclose()
         proc.stop()
+
+
+async def test_readmission_does_not_wait_a_round_for_the_connections_of_before():
+    """The pool still holds connections from before the restart, each of which fails once when
+    first used; readmission closes them and goes on at once instead of waiting for the next look."""
+    from gateway.readmit import Readmitter
+
+    proc = RedisProcess(appendonly=False).start()
+    r = aioredis.Redis.from_url(proc.url)
+    pool = f"readmit-{uuid.uuid4().hex[:8]}"
+    rm = Readmitter(lambda: r, pool, 1000, grace_s=0.1)
+    try:
+        await rm.check()
+        req = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
+        await pod_streams.enqueue(r, pool, req, 1000)
+        rm.add(req, None, False)
+        await asyncio.gather(*[r.ping() for _ in range(4)])  # four idle connections in the pool
+        proc.stop()
+        proc.start()  # everything lost (no persistence)
+        assert await rm._readmit_soon("after") == 1
+        assert await r.xlen(keys.admission_stream(pool, "normal")) == 1
+    finally:
+        await r.aclose()
+        proc.stop()

@@ -2,8 +2,10 @@
 `window_s` only when told Redis is the same one, so an outage does not age it out."""
 from __future__ import annotations
 
+import asyncio
+
 from decode_svc import resync
-from decode_svc.resync import Journal
+from decode_svc.resync import Journal, Resync
 from tests.unit.clock import Clock
 
 
@@ -38,3 +40,32 @@ def test_the_journal_is_bounded(monkeypatch):
     for i in range(5):
         j.add("disown", f"r{i}")
     assert [p for _t, _k, p in j.entries] == ["r2", "r3", "r4"] and j.dropped == 2
+
+
+async def test_a_write_journaled_while_a_reconcile_replays_is_told_to_write_itself():
+    """A decode pod journals the first token of a ready notice it read from the Redis of before;
+    if the reconcile with the new one has already taken its copy of the journal, that token would
+    never be written again (the relay would wait on index 0 forever), so `missed_since` says so."""
+    written, gate = [], asyncio.Event()
+
+    async def write(_kind, payload, _fenced):
+        written.append(payload)
+
+    async def resume(_req):
+        return "resumed"
+
+    rs = Resync(None, Journal(5.0, Clock()), "decode-0", write, resume, gate.wait)
+    await rs.seen("run-a")  # the first Redis: nothing to reconcile
+    claimed = rs.started  # a ready notice is claimed from run-a
+    assert not rs.missed_since(claimed)
+    rs.journal.add("ack", "before")
+    reconcile = asyncio.create_task(rs.seen("run-b"))
+    await asyncio.sleep(0)  # it has its copy of the journal and waits to load scripts
+    rs.journal.add("tokens", "first token")  # the pull ends now
+    assert rs.missed_since(claimed)
+    gate.set()
+    assert await reconcile
+    assert written == ["before"]  # the first token was not in the replay: the pod writes it itself
+    later = rs.started  # a notice claimed from run-b: the next reconcile (if any) replays it
+    rs.journal.add("tokens", "another")
+    assert not rs.missed_since(later)
