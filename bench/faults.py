@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MODEL = "tiny"
+CLIENT_WAIT_S = float(os.environ.get("TANDEM_FAULT_CLIENT_WAIT_S", "120"))  # a client's patience
 FAST_HEARTBEAT = {"TANDEM_PREFILL_HEARTBEAT_INTERVAL_S": "0.5", "TANDEM_DECODE_HEARTBEAT_INTERVAL_S": "0.5",
                   "TANDEM_DECODE_DRAIN_TIMEOUT_S": "1", "TANDEM_PREFILL_DRAIN_TIMEOUT_S": "10",
                   "TANDEM_PREFILL_STALE_PENDING_S": "5", "TANDEM_DECODE_STALE_PENDING_S": "8",
@@ -80,7 +81,7 @@ async def stream_one(c: httpx.AsyncClient, prompt: str, max_tokens: int, out: St
             "ignore_eos": True, "resumable": True}
     rid, answered = f"fault-{uuid.uuid4().hex}", False
     out.request_id = rid
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + CLIENT_WAIT_S
     while time.monotonic() < deadline:
         try:
             if not answered:
@@ -104,7 +105,7 @@ async def stream_one(c: httpx.AsyncClient, prompt: str, max_tokens: int, out: St
             # The gateway died or is restarting: resume (or send the POST again: same id, so safe).
             out.resumes += 1
             await asyncio.sleep(0.3)
-    out.error = out.error or f"{GAVE_UP} 120 s"
+    out.error = out.error or f"{GAVE_UP} {CLIENT_WAIT_S:g} s"
 
 
 async def _read_sse(resp: httpx.Response, out: Stream) -> None:
@@ -610,18 +611,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cluster's log level (DEBUG: every claim, prefill and pull; with --cluster-log)")
     ap.add_argument("--pending", action="store_true",
                     help="run the PENDING faults instead (not yet passing every time; printed, nothing written)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run each chosen fault N times on the same cluster (to catch a rare loss)")
+    ap.add_argument("--stop-on-loss", action="store_true", help="stop at the first fault that loses a request")
     a = ap.parse_args(argv)
     from tests.e2e.conftest import stop_local
 
     cluster = start_cluster(a.log_level)
     results = []
     try:
-        for name in PENDING if a.pending else SCENARIOS:
-            if a.only and a.only not in name:
-                continue
+        names = [n for n in (PENDING if a.pending else SCENARIOS) if not a.only or a.only in n]
+        for name in [n for n in names for _ in range(a.repeat)]:
             r = asyncio.run(run_fault(cluster, name))
             print(f"{name}: {r}", flush=True)
             results.append(r)
+            if r.lost:
+                from bench import fault_explain
+                print(fault_explain.explain(cluster.log, redis_url(cluster.log), r.notes), flush=True)
+                if a.stop_on_loss:
+                    break
     finally:
         stop_local(cluster.proc)
         if a.cluster_log:

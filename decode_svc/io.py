@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import time
+from collections import OrderedDict
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
@@ -30,6 +32,8 @@ from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
 
 log = logging.getLogger(__name__)
+
+MAX_FINISHED = 10_000  # `DecodeIO.finished_here` holds at most this many request ids
 
 
 class DecodeIO:
@@ -52,9 +56,14 @@ class DecodeIO:
         self.peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(s.heartbeat_interval_s))
         # This pod's recent writes, written again when Redis comes back without them (resync.py).
         self.journal = Journal(s.resync_window_s)
+        # Requests whose finish this pod wrote while it owned them (rid -> when), for a replay's
+        # sake: Redis may have lost their earlier tokens, whose rewrite the fence would refuse
+        # once the finish removed the field (resync.py); bounded, and kept twice the window.
+        self.finished_here: OrderedDict[str, float] = OrderedDict()
+        self.replay_refused: list = []  # journal token items the fence refused in the replay running
         self.resync = Resync(r, self.journal, worker_id, self._rewrite,
                              lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
-                             self.owned.load)
+                             self.owned.load, self._after_replay)
 
     def notify_slot_freed(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.call_soon_threadsafe(self.slot_freed.set)
@@ -155,6 +164,8 @@ class DecodeIO:
                 # Own before the ack: from here a crash is recovered from the running hash.
                 await retry(lambda: self.owned.own(req), "own", log=log)
                 self.journal.add("own", [req])
+                log.debug("pulled and owned request_id=%s (entry %s, from index %d)", req.request_id, c.entry_id,
+                          req.start_index)
                 # and the first token, which the prefill pod wrote: a Redis that lost that write
                 # (and the admission) gets it back from here, since no one else still has it
                 first = [(req.request_id, req.start_index, notice.first_token, None, None, None, None)]
@@ -199,6 +210,8 @@ class DecodeIO:
         """Write one journal entry again (resync.py); requests fenced off in the window are left
         to their new owner."""
         retry = streams.retry_redis
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("journal again: %s %s", kind, _journal_summary(kind, payload))
         if kind == "own":
             reqs = [q for q in payload if q.request_id not in fenced]
             if reqs:
@@ -212,15 +225,38 @@ class DecodeIO:
         elif kind == "tokens":
             items, acks = payload
             items = [it for it in items if it[0] not in fenced]
-            await retry(lambda: self._write_tokens(items, acks), "tokens again")
+            results = await retry(lambda: self._write_tokens(items, acks), "tokens again")
+            self.replay_refused += [it for it, ok in zip(items, results[0] if items else []) if ok == 0]
 
-    async def _write_tokens(self, items: list, acks: list | None = None) -> None:
-        """Token items (and acks) in one round trip; a Redis without the script gets it first."""
+    async def _after_replay(self) -> None:
+        """Journal tokens the fence refused during a replay: those of a request this pod has
+        finished since (its finish removed the field, maybe in a write in flight as the replay
+        began) are written without the fence, or the relay would wait on the gap forever; the
+        rest belong to requests another pod owns now."""
+        refused, self.replay_refused = self.replay_refused, []
+        mine = [it for it in refused if it[0] in self.finished_here]
+        have = {rid: await streams.retry_redis(lambda rid=rid: self._streamed_indices(rid), "read tokens")
+                for rid in {it[0] for it in mine}}
+        missing = [it for it in mine if it[1] not in have[it[0]]]  # most survived: only the gaps
+        if missing:
+            log.info("writing %d missing journal tokens of %d requests this pod finished meanwhile", len(missing),
+                     len({it[0] for it in missing}))
+            await streams.retry_redis(lambda: self._write_tokens(missing, fenced=False), "tokens of finished requests")
+        if len(mine) < len(refused):
+            log.warning("journal tokens written again were refused (owned elsewhere): %s",
+                        sorted({it[0] for it in refused if it[0] not in self.finished_here})[:5])
+
+    async def _streamed_indices(self, rid: str) -> set[int]:
+        return {int(f[b"i"]) for _id, f in await self.r.xrange(keys.token_stream(rid))}
+
+    async def _write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list:
+        """Token items (and acks) in one round trip; a Redis without the script gets it first.
+        The pipeline's replies: with items, the first is 1 (written) / 0 (fenced off) per item."""
         try:
-            await self._tokens_pipeline(items, acks or []).execute()
+            return await self._tokens_pipeline(items, acks or [], fenced).execute()
         except NoScriptError:
             await self.owned.load()
-            await self._tokens_pipeline(items, acks or []).execute()
+            return await self._tokens_pipeline(items, acks or [], fenced).execute()
 
     async def publish_loop(self, done: asyncio.Event) -> None:
         """Drain the engine's output queue: one round trip per step, or for every step queued
@@ -245,7 +281,8 @@ class DecodeIO:
                 continue
             lost = await self._publish_fenced(batch)
             if lost:  # another pod took these over while this one was stalled: stop decoding them
-                log.warning("fenced off %d requests now owned elsewhere: %s", len(lost), sorted(lost)[:5])
+                log.warning("fenced off %d requests now owned elsewhere: %s", len(lost),
+                            sorted({(e.request_id, e.index) for e in batch if e.request_id in lost})[:5])
                 self.journal.add("fenced", lost)
                 self.engine_loop.cancel(lost, silent=True)
 
@@ -268,15 +305,16 @@ class DecodeIO:
         if not changed:
             return lost
         again = [e for e in batch if e.request_id in lost]
-        log.info("writing again %d token entries refused across a Redis change", len(again))
+        log.info("writing again %d token entries refused across a Redis change: %s", len(again),
+                 [(e.request_id, e.index, e.finish) for e in again][:8])
         results = await self._publish(again)
         return {e.request_id for e, ok in zip(again, results or []) if ok == 0}
 
-    def _tokens_pipeline(self, items: list, acks: list) -> "aioredis.client.Pipeline":
+    def _tokens_pipeline(self, items: list, acks: list, fenced: bool = True) -> "aioredis.client.Pipeline":
         """One script call for every token item, then the acks: one round trip."""
         pipe = self.r.pipeline(transaction=False)
         if items:
-            self.owned.add_batch(pipe, items)
+            self.owned.add_batch(pipe, items, fenced)
         for stream, group, entry_id in acks:
             pipe.xack(stream, group, entry_id)
             pipe.xdel(stream, entry_id)
@@ -287,6 +325,9 @@ class DecodeIO:
         entry. Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute`
         fails, so re-running the old one would write nothing and silently lose the step's tokens."""
         for attempt in range(self.s.publish_retries):
+            # Never alongside a reconcile's replay: a finish written before the replay has put back
+            # the request's earlier tokens would end its ownership and leave them refused (a gap).
+            await self.resync.wait_idle()
             try:
                 items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
                 results = await self._tokens_pipeline(items, acks).execute()
@@ -296,15 +337,35 @@ class DecodeIO:
             except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
                 log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
                 await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
+                await self._reconcile_if_new()
                 continue
             for e in batch:
                 if e.ack:
                     self.busy_entries.discard((e.ack[0], e.ack[2]))
             self.journal.add("tokens", (items, acks))
+            self._note_finished(items, results[0])
             return results[0]
         log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
                   self.s.publish_retries)
         return None
+
+    async def _reconcile_if_new(self) -> None:
+        """After a failed write: if Redis came back as another server, reconcile before the
+        retry lands on it (the heartbeat may notice only later)."""
+        try:
+            await self.resync.current()
+        except Exception:  # noqa: BLE001 - still down: the next attempt looks again
+            pass
+
+    def _note_finished(self, items: list, results: list) -> None:
+        now = time.monotonic()
+        for it, ok in zip(items, results):
+            if it[3] and ok == 1:  # a finish this pod wrote while it owned the request
+                self.finished_here[it[0]] = now
+        horizon = now - 2 * self.journal.window_s
+        while self.finished_here and (len(self.finished_here) > MAX_FINISHED
+                                      or next(iter(self.finished_here.values())) < horizon):
+            self.finished_here.popitem(last=False)
 
     async def cancel_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -317,3 +378,12 @@ class DecodeIO:
                 except Exception as e:  # noqa: BLE001
                     log.warning("cancel poll failed: %s", e)
             await asyncio.sleep(self.s.cancel_poll_s)
+
+
+def _journal_summary(kind: str, payload) -> object:
+    """A journal entry in a log line: request ids, and the index and finish of each token."""
+    if kind == "own":
+        return [q.request_id for q in payload]
+    if kind == "tokens":
+        return [(it[0], it[1], it[3]) for it in payload[0]]
+    return payload

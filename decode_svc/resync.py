@@ -22,6 +22,13 @@ first). A request fenced off in the window (taken over while this pod was stalle
 again; if the Redis that came back still lists it in this pod's running hash (the takeover was
 lost with the rest), it is resumed from its streamed tokens, as a dead pod's would be.
 
+Order matters as much as content: the replay writes a request's tokens under the fence, and a
+finish removes the request's field. So no new step is written while a replay runs (the publish
+loop waits for it, and after a failed write it looks at Redis's run_id, reconciling first if the
+server changed), and journal tokens the fence refuses during a replay are written without it when
+this pod itself wrote that request's finish meanwhile (a write in flight as the replay began):
+either way the relay never waits on a gap behind a finish.
+
 No other pod acts on this pod's entries meanwhile: peers take a missing heartbeat for a death only
 a heartbeat TTL after they too meet the new Redis (tandem_core.lifecycle.PeerJudge), and this pod
 reconciles at its first beat on it or its first write, whichever comes first.
@@ -77,10 +84,12 @@ class Resync:
 
     def __init__(self, r: aioredis.Redis, journal: Journal, worker_id: str,
                  write: Callable[[str, Any, set[str]], Awaitable[None]],
-                 resume: Callable[[Any], Awaitable[str]], before: Callable[[], Awaitable[None]]) -> None:
+                 resume: Callable[[Any], Awaitable[str]], before: Callable[[], Awaitable[None]],
+                 after: Callable[[], Awaitable[None]] | None = None) -> None:
         self.r, self.journal, self.worker_id = r, journal, worker_id
-        # DecodeIO's: write one journal entry again; resume one request; ready a new Redis (scripts)
-        self._write, self._resume, self._before = write, resume, before
+        # DecodeIO's: write one journal entry again; resume one request; ready a new Redis
+        # (scripts); settle what the replay's rewrites left refused
+        self._write, self._resume, self._before, self._after = write, resume, before, after
         self.run_id: str | None = None  # the Redis this pod last reconciled with
         self._lock = asyncio.Lock()
         self.reconciles = 0
@@ -124,6 +133,13 @@ class Resync:
             self.run_id = run_id
             return not first
 
+    async def wait_idle(self) -> None:
+        """Return once no reconcile is running (at once when none is): the publish loop's writes
+        must land after a replay, never among its rewrites."""
+        if self._lock.locked():
+            async with self._lock:
+                pass
+
     def missed_since(self, started: int) -> bool:
         """Whether a reconcile began after `self.started` read `started`: a write journaled since
         then that belongs to the Redis of before (the first token of a ready notice read there)
@@ -139,7 +155,12 @@ class Resync:
         await self._before()
         for _t, kind, payload in entries:
             await self._write(kind, payload, fenced)
+        if self._after is not None:
+            await self._after()
         resumed = await self._resume_fenced(fenced)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("after the reconcile this pod's running hash holds %s",
+                      sorted(await running_requests(self.r, self.worker_id)))
         self.reconciles += 1
         log.warning("Redis changed (run_id %s -> %s): wrote again %d journal entries of the last %gs, "
                     "resumed %d requests fenced off meanwhile, in %.2fs", self.run_id, run_id, len(entries),

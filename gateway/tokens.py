@@ -154,6 +154,7 @@ class TokenMux:
 
     async def _run(self) -> None:
         wake_id: bytes | str = "0-0"  # this gateway's own, new stream: every poke counts
+        failed = 0  # reads failed in a row (Redis down): the first good one after says so
         while not self._stopping:
             want: dict[str, bytes | str] = {}
             for sub in self._subs.values():  # a stream relayed twice is read from the earlier cursor
@@ -170,7 +171,9 @@ class TokenMux:
             try:
                 resp = await self.r.xread(want, count=self.count, block=self.block_ms)
             except streams.REDIS_DOWN as e:
-                log.warning("redis unavailable while reading token streams: %s; retrying", e)
+                if not failed:
+                    log.warning("redis unavailable while reading token streams: %s; retrying", e)
+                failed += 1
                 await asyncio.sleep(0.5)
                 continue
             except Exception:  # noqa: BLE001 - the reader must outlive any one bad reply
@@ -180,6 +183,12 @@ class TokenMux:
             finally:
                 self._reading = False
             self.reads += 1
+            if failed:
+                log.info("reading token streams again after %d failed reads: %d streams", failed, len(want) - 1)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("token read cursors %s; got %s", want,
+                              [(n, len(e), e[0][0], e[-1][0]) for n, e in resp or [] if e])
+                failed = 0
             wake_id = self._dispatch(resp, wake_id, want)
 
     def _dispatch(self, resp, wake_id, read_from: dict):

@@ -13,15 +13,17 @@ from tandem_core.types import GenerationRequest
 # A step's tokens in one call: each XADDed only while the writer still owns its request (its
 # field in the writer's running hash); a finishing token removes the field. KEYS[1] is the running
 # hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then seven per item
-# (request id, index, token, finish, error, logprobs `l`, prompt logprobs `p`; '' = none). Returns
-# 1 (written) or 0 (fenced off) per item, in order, so a request that appears twice (two queued
-# steps) is written in index order.
+# (request id, index, token, finish, error, logprobs `l`, prompt logprobs `p`; '' = none), then
+# '1' to write without the fence (tokens of a request this writer itself finished: see
+# `OwnedPublisher.add_batch`). Returns 1 (written) or 0 (fenced off) per item, in order, so a
+# request that appears twice (two queued steps) is written in index order.
 _PUBLISH_OWNED = """
 local out = {}
+local unfenced = ARGV[3 + (#KEYS - 1) * 7 + 1] == '1'
 for j = 1, #KEYS - 1 do
   local b = 3 + (j - 1) * 7
   local rid, fin, err = ARGV[b + 1], ARGV[b + 4], ARGV[b + 5]
-  if redis.call('HEXISTS', KEYS[1], rid) == 0 then
+  if not unfenced and redis.call('HEXISTS', KEYS[1], rid) == 0 then
     out[j] = 0
   else
     local f = {'i', ARGV[b + 2], 't', ARGV[b + 3]}
@@ -61,9 +63,12 @@ class OwnedPublisher:
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running, request_id)
 
-    def add_batch(self, pipe, items: list[Item]) -> None:
+    def add_batch(self, pipe, items: list[Item], fenced: bool = True) -> None:
         """Queue ONE script call writing every item, in order; its reply is a list of 1 (written)
-        / 0 (fenced off) per item. Logprobs travel pre-encoded (`TokenLogprobs.encode`)."""
+        / 0 (fenced off) per item. Logprobs travel pre-encoded (`TokenLogprobs.encode`).
+        `fenced=False` writes without the ownership check: only for tokens of a request whose
+        finish this writer wrote while it owned it (no other pod can own it since), when Redis
+        lost some of its earlier tokens and their rewrite would otherwise be refused."""
         # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
         # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
         names = [self.running]
@@ -71,6 +76,7 @@ class OwnedPublisher:
         for rid, index, token, finish, error, logprobs, prompt_logprobs in items:
             names.append(keys.token_stream(rid))
             args += (rid, index, token, finish or "", error or "", logprobs or "", prompt_logprobs or "")
+        args.append("" if fenced else "1")
         pipe.evalsha(self._script.sha, len(names), *names, *args)
 
     async def load(self) -> None:

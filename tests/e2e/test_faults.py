@@ -33,7 +33,7 @@ def fault_cluster():
 def test_fault_loses_and_duplicates_nothing(fault_cluster, name):
     since_ms = int(time.time() * 1000)
     r = asyncio.run(faults.run_fault(fault_cluster, name))
-    assert r.finished == r.sent, r
+    assert r.finished == r.sent, f"{r}\n{_explain(fault_cluster, r)}"
     assert (r.duplicated, r.missing, r.wrong_text) == (0, 0, 0), r
     if faults.SCENARIOS[name][2][0] == "prefill-holding":
         # The gateway drops a repeated index, so the client cannot tell: look in Redis. A woken
@@ -41,6 +41,13 @@ def test_fault_loses_and_duplicates_nothing(fault_cluster, name):
         # ready notice a second run of tokens 1..) into the request's token stream.
         time.sleep(1.0)  # the woken pod's last writes, if it made any
         assert written_twice(fault_cluster, since_ms) == []
+
+
+def _explain(cluster, r) -> str:
+    """The lost requests' log lines and Redis state (a rare loss leaves only this message)."""
+    from bench import fault_explain
+
+    return fault_explain.explain(cluster.log, faults.redis_url(cluster.log), r.notes)
 
 
 def written_twice(cluster, since_ms: int) -> list[str]:

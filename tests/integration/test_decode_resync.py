@@ -64,3 +64,84 @@ async def test_a_step_refused_while_the_reconcile_replays_is_written_again():
         await io.puller.close()
         await r.aclose()
         proc.stop()
+
+
+async def _restarted_mid_replay(proc, r, io, req_id: str):
+    """Journal own + tokens 1..3 of one request, restart Redis empty, and start a reconcile that
+    pauses just after it has put the running field back (before the tokens). Returns the
+    reconcile task and the event that lets it go on."""
+    await io.owned.load()
+    assert not await io.resync.current()
+    req = GenerationRequest(req_id, [256, 65], 5)
+    await io.owned.own(req)
+    io.journal.add("own", [req])
+    assert await io._publish_fenced([Emitted(req_id, i, 70 + i) for i in (1, 2, 3)]) == set()
+    proc.stop()
+    proc.start()
+    await r.connection_pool.disconnect()
+    write, owned_back, go_on = io.resync._write, asyncio.Event(), asyncio.Event()
+
+    async def paused_write(kind, payload, fenced):
+        await write(kind, payload, fenced)
+        if kind == "own":
+            owned_back.set()
+            await go_on.wait()
+
+    io.resync._write = paused_write
+    reconcile = asyncio.create_task(io.resync.current())
+    await owned_back.wait()
+    return reconcile, go_on
+
+
+def _io(proc, r, pool: str) -> DecodeIO:
+    s = DecodeSettings(redis=RedisConfig(url=proc.url), engine=EngineConfig(model="tiny", max_len=64),
+                       pool=pool, slots=2)
+    return DecodeIO(s, r, SlotTable(2), None, queue.Queue(2), queue.Queue(8), "decode-r")
+
+
+async def test_a_finish_waits_for_the_replay_so_earlier_tokens_are_not_refused():
+    """The field is back, the tokens not yet: a finishing step written now would remove the field
+    and leave the replayed tokens 1..3 refused, a gap the relay waits on forever. The publish
+    waits for the replay instead."""
+    proc = RedisProcess(appendonly=False).start()
+    r = aioredis.Redis.from_url(proc.url)
+    io = _io(proc, r, "resync-finish")
+    try:
+        reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-f")
+        publish = asyncio.create_task(io._publish_fenced([Emitted("req-f", 4, 74, "length")]))
+        await asyncio.sleep(0.2)
+        assert not publish.done()  # held until the replay is over
+        go_on.set()
+        assert await reconcile
+        assert await publish == set()
+        assert await _indices(r, "req-f") == [1, 2, 3, 4]
+    finally:
+        await io.puller.close()
+        await r.aclose()
+        proc.stop()
+
+
+async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written_unfenced():
+    """A finish that reached Redis while the replay ran (a write in flight as it began) removed
+    the field; the replay's rewrites of that request's earlier tokens are refused, then written
+    without the fence because this pod itself finished it. Another pod's request stays fenced."""
+    proc = RedisProcess(appendonly=False).start()
+    r = aioredis.Redis.from_url(proc.url)
+    io = _io(proc, r, "resync-unfenced")
+    try:
+        reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-u")
+        finish = [("req-u", 4, 74, "length", None, None, None)]
+        io._note_finished(finish, (await io._write_tokens(finish))[0])  # the write in flight
+        assert "req-u" in io.finished_here and not await r.hexists(keys.running_key("decode-r"), "req-u")
+        go_on.set()
+        assert await reconcile
+        assert await _indices(r, "req-u") == [1, 2, 3, 4]
+
+        # Refused tokens of a request this pod did not finish are not forced in.
+        io.replay_refused = [("req-x", 1, 71, None, None, None, None)]
+        await io._after_replay()
+        assert await _indices(r, "req-x") == []
+    finally:
+        await io.puller.close()
+        await r.aclose()
+        proc.stop()
