@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import grpc_api, openapi
+from gateway import grpc_api, load_publisher, openapi
 from gateway.http_api import error_body, router
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from gateway.service import GatewayService, retry_after_header
@@ -44,12 +44,13 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
         server, health = await _start_grpc(settings, svc)
         watch_stop = asyncio.Event()
         watch = asyncio.create_task(svc.readmit.watch(watch_stop))
+        report = asyncio.create_task(load_publisher.publish_loop(svc, load_publisher.INTERVAL_S, watch_stop))
         try:
             yield
         finally:
             watch_stop.set()
             watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            await asyncio.gather(watch, report, return_exceptions=True)
             await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
             await server.stop(settings.shutdown_grace_s)
             await svc.drain_background()

@@ -30,6 +30,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+_FINISHED = ("stop", "length", "tool_calls")  # outcomes of tandem_requests that ran to their end
 
 
 class GatewayMetrics:
@@ -61,6 +62,13 @@ class GatewayMetrics:
             ["outcome"], registry=reg,
         )
         self.running = Gauge("tandem_requests_running", "Requests being relayed now", registry=reg)
+        # what the planner sizes the cluster from (gateway/load_publisher.py publishes them to Redis)
+        self.admitted = Counter("tandem_requests_admitted", "Requests enqueued for prefill", registry=reg)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of the requests admitted",
+                                     registry=reg)
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Output tokens relayed, counted when a request ends", registry=reg,
+        )
         self.backlog = Gauge(
             "tandem_admission_backlog", "Admission entries not yet acked (last seen)", registry=reg
         )
@@ -134,6 +142,19 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def load_counts(self) -> dict[str, float]:
+        """The cumulative counts tandem_core/load_report.py publishes for the planner."""
+        def value(name: str) -> float:
+            return float(self.registry.get_sample_value(name) or 0.0)
+
+        finished = sum(float(s.value) for m in self.requests.collect() for s in m.samples
+                       if s.name == "tandem_requests_total" and s.labels.get("outcome") in _FINISHED)
+        return {"admitted": value("tandem_requests_admitted_total"),
+                "prompt_tokens": value("tandem_prompt_tokens_total"), "finished": finished,
+                "output_tokens": value("tandem_generation_tokens_total"),
+                "ttft_sum": value("tandem_ttft_seconds_sum"), "ttft_count": value("tandem_ttft_seconds_count"),
+                "itl_sum": value("tandem_itl_seconds_sum"), "itl_count": value("tandem_itl_seconds_count")}
 
 
 class PodCounters:

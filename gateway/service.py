@@ -134,6 +134,8 @@ class GatewayService:
             if prep.lease is not None:
                 prep.lease.release(0)
             raise
+        self.metrics.admitted.inc()
+        self.metrics.prompt_tokens.inc(prep.prompt_tokens)
 
     async def _enqueue(self, prep: Prepared, fresh_id: bool, api_key: str) -> None:
         """Admit and enqueue; while Redis does not answer, the request waits for it (gateway/hold.py)."""
@@ -253,6 +255,7 @@ class GatewayService:
             self.readmit.discard(prep.request.request_id)
             await gen.aclose()
             self.metrics.requests.labels(outcome).inc()
+            self.metrics.generation_tokens.inc(generated)
             if prep.lease is not None:
                 prep.lease.release(prep.prompt_tokens + generated)
 

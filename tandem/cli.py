@@ -1,15 +1,16 @@
 """The `tandem` command: `tandem local` runs a whole cluster on this machine; `tandem prefill`,
-`tandem decode` and `tandem gateway` run one service each (what the Helm chart starts)."""
+`tandem decode`, `tandem gateway` and `tandem planner` run one service each (what the Helm chart starts)."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: tandem {local,prefill,decode,gateway} [--help]
+USAGE = """usage: tandem {local,prefill,decode,gateway,planner} [--help]
 
   local     start a local cluster: embedded Redis, prefill and decode workers, gateway
   prefill   run one prefill worker (settings from TANDEM_PREFILL_* environment variables)
   decode    run one decode worker (settings from TANDEM_DECODE_* environment variables)
   gateway   run the HTTP/gRPC gateway (settings from TANDEM_GATEWAY_* environment variables)
+  planner   size prefill and decode pods to TTFT/ITL targets (settings from TANDEM_PLANNER_*)
 
 `tandem COMMAND --help` explains each one."""
 
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         from decode_svc.__main__ import main as run
     elif cmd == "gateway":
         from gateway.__main__ import main as run
+    elif cmd == "planner":
+        from planner.__main__ import main as run
     else:
         print(f"tandem: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

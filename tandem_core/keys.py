@@ -18,6 +18,9 @@ Keys (all prefixed `tandem:`):
 | `tandem:gw:resume:{request_id}` | string | gateway (resumable requests) | gateway resume endpoint | EXPIRE (gateway/resume.py) |
 | `tandem:worker:{worker_id}` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
 | `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
+| `tandem:gwload:{gateway_id}` | hash: cumulative load counts (tandem_core/load_report.py) | each gateway replica | planner | EXPIRE 30 s |
+| `tandem:gateways` | sorted set id -> last load report | each gateway replica | planner | pruned by readers |
+| `tandem:planner:{pool}:decision` | hash `prefill`, `decode`, `ts`, `reason` | planner (mode local) | `tandem local --planner` | one per pool |
 
 Fences: a decode pod writes a request's tokens only while the request is in its running hash
 (tandem_core/token_writes.py); a prefill pod writes token 0 and the ready notice, and acks the
@@ -38,6 +41,7 @@ PREFILL_GROUP = "prefill"
 DECODE_GROUP = "decode"
 PRIORITIES = ("high", "normal")  # highest first
 WORKERS = f"{PREFIX}:workers"
+GATEWAYS = f"{PREFIX}:gateways"
 
 
 def admission_stream(pool: str, priority: str) -> str:
@@ -98,3 +102,13 @@ def resume_marker(request_id: str, index: int) -> str:
 
 def worker_key(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
+
+
+def gateway_load_key(gateway_id: str) -> str:
+    """One gateway replica's cumulative load counts, for the planner."""
+    return f"{PREFIX}:gwload:{gateway_id}"
+
+
+def planner_decision_key(pool: str) -> str:
+    """The replicas the planner wants for `pool` (mode local: `tandem local --planner` follows it)."""
+    return f"{PREFIX}:planner:{pool}:decision"

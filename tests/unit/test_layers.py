@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"prefill_svc", "decode_svc", "gateway"}
+SERVICES = {"prefill_svc", "decode_svc", "gateway", "planner"}
 JAX = {"jax", "jaxlib", "tandem_engine", "flax", "ml_dtypes"}
 
 
@@ -43,4 +43,10 @@ def test_services_never_import_each_other():
 
 def test_gateway_has_no_jax():
     for f, mods in _imports("gateway").items():
+        assert not mods & JAX, f"{f} imports {mods & JAX}"
+
+
+def test_planner_has_no_jax():
+    """The planner runs from the gateway's image, which has no JAX."""
+    for f, mods in _imports("planner").items():
         assert not mods & JAX, f"{f} imports {mods & JAX}"

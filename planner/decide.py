@@ -1,0 +1,154 @@
+"""How many prefill and decode pods the next interval needs: pure functions of the measured
+profile, the SLO targets and the predicted load, plus the bounds and cooldowns around them.
+
+Prefill. A pod runs one prompt at a time, `s = profile.prefill_seconds(prompt_tokens)` each. Seen
+as a queue, a pod kept at utilisation rho answers in about s / (1 - rho) (M/M/1, conservative for
+pods that share one queue), so meeting the TTFT target T (less the hand-off) needs
+rho <= 1 - s / T; never above `max_utilization` either. Replicas = ceil(load * s / rho), where
+load is the planned arrival rate plus the backlog spread over one interval.
+
+Decode. The largest batch b whose step time meets the ITL target is the most one pod may run;
+it then makes max_utilization * b / itl(b) tokens/s. Replicas = ceil(load * output_tokens /
+that), with the ready backlog counted like prefill's.
+
+A target no replica count can meet (one prompt's prefill alone longer than the TTFT target, one
+step alone longer than the ITL target) is infeasible: the planner says which and holds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.predict import Forecast, LoadPredictor
+from planner.profile import Profile
+from planner.settings import RoleBounds, SLOConfig
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One interval of the cluster, as the signals (planner/signals.py) or the simulator saw it."""
+
+    t: float  # end of the interval, seconds on any monotonic clock
+    interval_s: float
+    arrivals: int  # requests admitted in the interval
+    prompt_tokens_mean: float | None  # of the requests admitted (None: none)
+    output_tokens_mean: float | None  # of the requests finished (None: none)
+    prefill_backlog: int = 0  # admission entries not yet taken by a prefill pod
+    decode_backlog: int = 0  # prefilled requests waiting for a decode slot
+    ttft_mean_s: float | None = None  # measured, for the record and the gauges
+    itl_mean_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    t: float
+    prefill: int  # replicas to run now
+    decode: int
+    wanted_prefill: int | None  # what the load needs, before bounds and cooldowns (None: held)
+    wanted_decode: int | None
+    held: str = ""  # why the current replicas are kept ("" = a decision was made)
+    notes: tuple[str, ...] = ()
+    forecast: Forecast | None = None
+
+    def replicas(self, role: str) -> int:
+        return self.prefill if role == "prefill" else self.decode
+
+
+class Infeasible(ValueError):
+    """The SLO targets cannot be met by any number of pods with this profile."""
+
+
+def prefill_needed(rate: float, prompt_tokens: float, profile: Profile, slo: SLOConfig,
+                   max_utilization: float) -> int:
+    s = profile.prefill_seconds(prompt_tokens)
+    budget = slo.ttft_s - profile.handoff_s
+    if s >= budget:
+        raise Infeasible(f"one {prompt_tokens:.0f}-token prefill takes {s * 1000:.0f} ms, at or past the TTFT target "
+                         f"{slo.ttft_s * 1000:.0f} ms less the {profile.handoff_s * 1000:.0f} ms hand-off")
+    rho = min(max_utilization, 1.0 - s / budget)
+    return math.ceil(rate * s / rho - 1e-9)
+
+
+def decode_needed(rate: float, output_tokens: float, profile: Profile, slo: SLOConfig,
+                  max_utilization: float) -> int:
+    b = profile.decode_batch_for_itl(slo.itl_s)
+    if b == 0:
+        raise Infeasible(f"one request alone steps every {profile.decode_itl(1) * 1000:.1f} ms, past the ITL "
+                         f"target {slo.itl_s * 1000:.1f} ms")
+    per_pod = max_utilization * b / profile.decode_itl(b)  # tokens/s
+    return math.ceil(rate * output_tokens / per_pod - 1e-9)
+
+
+@dataclass
+class PlanConfig:
+    slo: SLOConfig
+    bounds: dict[str, RoleBounds]
+    max_utilization: float = 0.8
+    scale_up_cooldown_s: float = 60.0
+    scale_down_cooldown_s: float = 300.0
+
+
+@dataclass
+class Planner:
+    """Turns observations into decisions. Holds the predictor, each role's recent wants (the
+    scale-down window) and when each role last changed; nothing else."""
+
+    profile: Profile
+    cfg: PlanConfig
+    predictor: LoadPredictor = field(default_factory=LoadPredictor)
+    started_at: float | None = None
+    last_up: dict[str, float] = field(default_factory=dict)
+    wants: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {r: [] for r in ROLES})
+
+    def hold(self, t: float, current: dict[str, int], reason: str, forecast: Forecast | None = None) -> Decision:
+        return Decision(t, current["prefill"], current["decode"], None, None, held=reason, forecast=forecast)
+
+    def step(self, obs: Observation, current: dict[str, int]) -> Decision:
+        """The replicas for the next interval, given this one's observation and what runs now."""
+        if self.started_at is None:
+            self.started_at = obs.t - obs.interval_s
+        self.predictor.observe(obs.arrivals / obs.interval_s, obs.prompt_tokens_mean, obs.output_tokens_mean)
+        if not self.predictor.ready:
+            return self.hold(obs.t, current, "warming up: no finished request seen yet")
+        fc = self.predictor.forecast()
+        load_p = fc.planned_rate + obs.prefill_backlog / obs.interval_s
+        load_d = fc.planned_rate + obs.decode_backlog / obs.interval_s
+        u = self.cfg.max_utilization
+        try:
+            wanted = {"prefill": prefill_needed(load_p, fc.prompt_tokens, self.profile, self.cfg.slo, u),
+                      "decode": decode_needed(load_d, fc.output_tokens, self.profile, self.cfg.slo, u)}
+        except Infeasible as e:
+            return self.hold(obs.t, current, f"SLO infeasible: {e}", fc)
+        notes, out = [], {}
+        for role in ROLES:
+            out[role], note = self._bounded(role, wanted[role], current[role], obs.t)
+            if note:
+                notes.append(note)
+        return Decision(obs.t, out["prefill"], out["decode"], wanted["prefill"], wanted["decode"],
+                        notes=tuple(notes), forecast=fc)
+
+    def _bounded(self, role: str, wanted: int, current: int, t: float) -> tuple[int, str]:
+        b, cfg = self.cfg.bounds[role], self.cfg
+        note = ""
+        floor = b.min_replicas if b.allow_zero else max(1, b.min_replicas)
+        target = min(max(wanted, floor), b.max_replicas)
+        if wanted > b.max_replicas:
+            note = f"{role}: the load needs {wanted} pods, capped at max_replicas {b.max_replicas} (SLO at risk)"
+        window = self.wants[role]
+        window.append((t, target))
+        while window and window[0][0] < t - cfg.scale_down_cooldown_s:
+            window.pop(0)
+        if target > current:
+            since = t - self.last_up.get(role, -math.inf)
+            if since < cfg.scale_up_cooldown_s:
+                return current, note or f"{role}: up to {target} waits for the scale-up cooldown ({since:.0f}/{cfg.scale_up_cooldown_s:.0f} s)"
+            self.last_up[role] = t
+            return target, note
+        if target < current:
+            if t - self.started_at < cfg.scale_down_cooldown_s:
+                return current, note or f"{role}: no scale-down in the first {cfg.scale_down_cooldown_s:.0f} s"
+            # the most wanted over the window: a dip shorter than it does not scale down
+            return max(min(current, max(w for _, w in window)), floor), note
+        return current, note

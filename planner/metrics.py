@@ -1,0 +1,72 @@
+"""The planner's Prometheus metrics (a registry of its own, like the gateway's)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from planner.decide import ROLES, Decision, Observation
+
+
+class PlannerMetrics:
+    def __init__(self) -> None:
+        reg = self.registry = CollectorRegistry(auto_describe=True)
+        self.desired = Gauge("tandem_planner_desired_replicas", "Replicas the planner wants now (after bounds "
+                             "and cooldowns; KEDA's metrics-api trigger can follow it)", ["role"], registry=reg)
+        self.wanted = Gauge("tandem_planner_needed_replicas", "Replicas the predicted load needs, before bounds "
+                            "and cooldowns (NaN while holding)", ["role"], registry=reg)
+        self.current = Gauge("tandem_planner_current_replicas", "Replicas running (or last set)", ["role"],
+                             registry=reg)
+        self.rate = Gauge("tandem_planner_predicted_rate", "Requests/s predicted for the next interval", registry=reg)
+        self.margin = Gauge("tandem_planner_predicted_margin", "Requests/s added to the prediction for safety",
+                            registry=reg)
+        self.lengths = Gauge("tandem_planner_predicted_tokens", "Mean tokens per request predicted",
+                             ["kind"], registry=reg)
+        self.observed = Gauge("tandem_planner_observed", "Last interval as measured (arrival rate req/s, "
+                              "TTFT and ITL seconds, backlogs)", ["signal"], registry=reg)
+        self.held = Gauge("tandem_planner_holding", "1 while the planner keeps the replicas as they are "
+                          "(bad profile, no signals, infeasible SLO, not the leader)", registry=reg)
+        self.holds = Counter("tandem_planner_holds", "Intervals held, by why", ["reason"], registry=reg)
+        self.decisions = Counter("tandem_planner_decisions", "Intervals decided", registry=reg)
+        self.scale_events = Counter("tandem_planner_scale_events", "Replica changes decided",
+                                    ["role", "direction"], registry=reg)
+        self.leader = Gauge("tandem_planner_leader", "1 when this planner may scale (holds the Lease)",
+                            registry=reg)
+
+    def record(self, d: Decision, current: dict[str, int], obs: Observation | None) -> None:
+        for r in ROLES:
+            self.desired.labels(r).set(d.replicas(r))
+            self.current.labels(r).set(current[r])
+            w = d.wanted_prefill if r == "prefill" else d.wanted_decode
+            self.wanted.labels(r).set(float("nan") if w is None else w)
+            if d.replicas(r) != current[r] and not d.held:
+                self.scale_events.labels(r, "up" if d.replicas(r) > current[r] else "down").inc()
+        self.held.set(1 if d.held else 0)
+        if d.held:
+            self.holds.labels(hold_kind(d.held)).inc()
+        else:
+            self.decisions.inc()
+        if d.forecast is not None:
+            self.rate.set(d.forecast.rate)
+            self.margin.set(d.forecast.margin)
+            self.lengths.labels("prompt").set(d.forecast.prompt_tokens)
+            self.lengths.labels("output").set(d.forecast.output_tokens)
+        if obs is not None:
+            self.observed.labels("arrival_rate").set(obs.arrivals / obs.interval_s)
+            self.observed.labels("prefill_backlog").set(obs.prefill_backlog)
+            self.observed.labels("decode_backlog").set(obs.decode_backlog)
+            for name, v in (("ttft_s", obs.ttft_mean_s), ("itl_s", obs.itl_mean_s)):
+                if v is not None:
+                    self.observed.labels(name).set(v)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def hold_kind(reason: str) -> str:
+    """A short label for a hold reason (the reason text itself goes to the log and /decision)."""
+    for prefix, kind in (("capacity profile", "profile"), ("SLO infeasible", "infeasible"),
+                         ("Redis", "redis"), ("no gateway", "no_signal"), ("warming up", "warming_up"),
+                         ("first interval", "warming_up"), ("not the leader", "not_leader"),
+                         ("Kubernetes", "kubernetes")):
+        if reason.startswith(prefix):
+            return kind
+    return "other"

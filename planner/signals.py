@@ -1,0 +1,82 @@
+"""The planner's view of the cluster, read from Redis once per interval.
+
+- Load: the gateways' cumulative counts (tandem_core/load_report.py), turned into this
+  interval's increments: requests admitted, their mean prompt length, requests finished, their mean
+  output length, mean TTFT and ITL.
+- Backlogs: admission entries not yet prefilled (the shared streams of every priority, the direct
+  stream and every pod's own stream, as the gateway counts them) and prefilled requests waiting
+  for a decode slot (the ready stream); pods XDEL what they ack, so XLEN is the backlog.
+- Pods: the live, non-draining prefill and decode pods of this pool in the registry, and what
+  they report of their throughput.
+The first read only sets the baseline of the counts; every later one is an `Observation`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from planner.decide import Observation
+from tandem_core import keys, load_report, streams
+
+
+class NoSignal(RuntimeError):
+    """The cluster's signals are missing (no gateway reports its load); the planner holds."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    observation: Observation | None  # None on the first read (the baseline)
+    live: dict[str, int]  # role -> live, non-draining pods of the pool
+    gateways: int
+
+
+class Signals:
+    def __init__(self, r: aioredis.Redis, pool: str) -> None:
+        self.r, self.pool = r, pool
+        self.increments = load_report.Increments()
+        self.last_t: float | None = None
+
+    async def backlogs(self) -> tuple[int, int]:
+        """(admission entries not yet prefilled, prefilled requests waiting for a decode slot)."""
+        owners = await streams.pod_stream_owners(self.r, self.pool)
+        pipe = self.r.pipeline(transaction=False)
+        for prio in keys.PRIORITIES:
+            for wid in owners:
+                pipe.xlen(keys.pod_admission_stream(self.pool, prio, wid))
+        pipe.xlen(keys.ready_stream(self.pool))
+        res = await pipe.execute()
+        return await streams.admission_backlog(self.r, self.pool) + sum(int(x) for x in res[:-1]), int(res[-1])
+
+    async def live_pods(self) -> dict[str, int]:
+        out = {"prefill": 0, "decode": 0}
+        for w in await streams.list_workers(self.r):
+            pool = (w.get("extra") or {}).get("pool", self.pool)
+            if w["role"] in out and not w.get("draining") and pool == self.pool:
+                out[w["role"]] += 1
+        return out
+
+    async def read(self, t: float) -> Snapshot:
+        reports = await load_report.read(self.r)
+        d = self.increments.step(reports)
+        live = await self.live_pods()
+        if self.last_t is None:
+            self.last_t = t
+            return Snapshot(None, live, len(reports))
+        interval, self.last_t = max(1e-3, t - self.last_t), t
+        if not reports:
+            raise NoSignal("no gateway has reported its load for 10 s or more (tandem:gateways is empty): "
+                           "is a gateway running against this Redis?")
+        prefill_backlog, ready = await self.backlogs()
+        obs = Observation(
+            t=t, interval_s=interval, arrivals=int(round(d["admitted"])),
+            prompt_tokens_mean=_mean(d["prompt_tokens"], d["admitted"]),
+            output_tokens_mean=_mean(d["output_tokens"], d["finished"]),
+            prefill_backlog=prefill_backlog, decode_backlog=ready,
+            ttft_mean_s=_mean(d["ttft_sum"], d["ttft_count"]), itl_mean_s=_mean(d["itl_sum"], d["itl_count"]),
+        )
+        return Snapshot(obs, live, len(reports))
+
+
+def _mean(total: float, n: float) -> float | None:
+    return total / n if n > 0 else None

@@ -1,0 +1,158 @@
+"""The planner's decisions, apart from its calls: predictor, replica math, bounds and cooldowns,
+holds, the Lease protocol and what would be sent to the Kubernetes API (planner/)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.decide import Infeasible, Observation, PlanConfig, Planner, decode_needed, prefill_needed
+from planner.kube import LeaseKeeper, RecordingApi, lease_action, lease_body
+from planner.predict import LoadPredictor
+from planner.profile import parse_profile
+from planner.settings import PlannerSettings, RoleBounds, SLOConfig
+from tandem_core.load_report import Increments
+from tests.unit.clock import Clock
+
+PROFILE = parse_profile({
+    "format": "tandem-capacity-profile/v1", "model": "test",
+    "prefill": {"points": [{"tokens": 16, "seconds": 0.01}, {"tokens": 512, "seconds": 0.2}]},
+    "decode": {"slots": 8, "points": [{"batch": 1, "itl_s": 0.005}, {"batch": 8, "itl_s": 0.012}]},
+    "handoff_s": 0.01,
+})
+
+
+def planner(**kw) -> Planner:
+    bounds = {"prefill": RoleBounds(max_replicas=kw.pop("max_p", 16)), "decode": RoleBounds(max_replicas=kw.pop("max_d", 16))}
+    cfg = PlanConfig(slo=SLOConfig(ttft_s=kw.pop("ttft", 1.0), itl_s=kw.pop("itl", 0.05)), bounds=bounds,
+                     scale_up_cooldown_s=kw.pop("up", 0.0), scale_down_cooldown_s=kw.pop("down", 0.0))
+    return Planner(PROFILE, cfg, predictor=LoadPredictor(margin_sigmas=kw.pop("sigmas", 0.0)))
+
+
+def obs(t: float, rate: float, isl: float = 200, osl: float = 100, interval: float = 10.0, **kw) -> Observation:
+    return Observation(t=t, interval_s=interval, arrivals=round(rate * interval), prompt_tokens_mean=isl,
+                       output_tokens_mean=osl, **kw)
+
+
+def test_replicas_follow_the_profile_and_the_queueing_bound():
+    s = PROFILE.prefill_seconds(200)
+    # rho = min(0.8, 1 - s / (1.0 - 0.01)) = 0.8 here: 20 req/s * s / 0.8
+    assert prefill_needed(20, 200, PROFILE, SLOConfig(ttft_s=1.0), 0.8) == math.ceil(20 * s / 0.8)
+    # a tight TTFT target lowers the utilisation a pod may run at, so more pods
+    tight = prefill_needed(40, 200, PROFILE, SLOConfig(ttft_s=0.2), 0.8)
+    assert tight == math.ceil(40 * s / (1 - s / 0.19))
+    assert tight > prefill_needed(40, 200, PROFILE, SLOConfig(ttft_s=1.0), 0.8)
+    # decode: a loose ITL target lets a pod run all 8 slots: 0.8 * 8 / 0.012 tokens/s each
+    assert decode_needed(20, 100, PROFILE, SLOConfig(itl_s=0.05), 0.8) == math.ceil(2000 / (0.8 * 8 / 0.012))
+    # a target between batch 1 and 8 caps the batch: fewer tokens per pod, more pods
+    assert PROFILE.decode_batch_for_itl(0.007) == 3
+    assert decode_needed(20, 100, PROFILE, SLOConfig(itl_s=0.007), 0.8) > decode_needed(20, 100, PROFILE, SLOConfig(itl_s=0.05), 0.8)
+
+
+def test_targets_no_replica_count_meets_are_infeasible_and_held():
+    with pytest.raises(Infeasible, match="TTFT target"):
+        prefill_needed(1, 512, PROFILE, SLOConfig(ttft_s=0.15), 0.8)
+    with pytest.raises(Infeasible, match="ITL"):
+        decode_needed(1, 100, PROFILE, SLOConfig(itl_s=0.004), 0.8)
+    p = planner(ttft=0.15)
+    d = p.step(obs(10, 5, isl=512), {"prefill": 2, "decode": 3})
+    assert d.held.startswith("SLO infeasible") and (d.prefill, d.decode) == (2, 3)
+
+
+def test_scale_up_is_immediate_and_down_waits_for_the_window():
+    p = planner(down=60.0)
+    cur = {"prefill": 1, "decode": 1}
+    d = p.step(obs(10, 40), cur)
+    assert d.prefill > 1 and d.decode > 1 and not d.held
+    high = {"prefill": d.prefill, "decode": d.decode}
+    t = 10
+    for _ in range(5):  # the load drops; within the first window nothing scales down
+        t += 10
+        d = p.step(obs(t, 1), high)
+        assert (d.prefill, d.decode) == (high["prefill"], high["decode"])
+    for _ in range(12):  # once the high wants leave the 60 s window, it comes down to the floor
+        t += 10
+        d = p.step(obs(t, 1), {"prefill": d.prefill, "decode": d.decode})
+    assert (d.prefill, d.decode) == (1, 1)
+
+
+def test_scale_up_cooldown_and_max_bound_say_why():
+    p = planner(up=100.0, max_p=2)
+    d = p.step(obs(10, 40), {"prefill": 1, "decode": 1})
+    assert d.prefill == 2 and any("capped at max_replicas 2" in n for n in d.notes)
+    first = d.decode
+    d = p.step(obs(20, 80), {"prefill": 2, "decode": first})
+    assert d.decode == first and any("decode: up to" in n and "scale-up cooldown" in n for n in d.notes)
+    d = p.step(obs(120, 80), {"prefill": 2, "decode": first})
+    assert d.decode > first  # the cooldown is over
+
+
+def test_never_scales_to_zero_unless_allowed():
+    with pytest.raises(ValueError, match="allow_zero"):
+        RoleBounds(min_replicas=0)
+    p = planner()
+    d = p.step(obs(10, 0.0, isl=None, osl=None), {"prefill": 1, "decode": 1})
+    assert d.held  # no request seen: nothing to size from
+    d = p.step(obs(20, 0.0, isl=100, osl=10), {"prefill": 1, "decode": 1})
+    assert (d.prefill, d.decode) == (1, 1)
+
+
+def test_backlog_adds_capacity_to_drain_it_within_an_interval():
+    quiet = planner().step(obs(10, 1), {"prefill": 1, "decode": 1})
+    queued = planner().step(obs(10, 1, prefill_backlog=400), {"prefill": 1, "decode": 1})
+    assert queued.prefill > quiet.prefill and queued.decode == quiet.decode
+
+
+def test_predictor_tracks_a_trend_and_its_margin_grows_with_noise():
+    steady, noisy = LoadPredictor(margin_sigmas=2), LoadPredictor(margin_sigmas=2)
+    for i in range(12):
+        steady.observe(10 + i, 100, 50)
+        noisy.observe(10 + i + (8 if i % 2 else -8), 100, 50)
+    assert steady.forecast().rate == pytest.approx(22, abs=1.0)  # the trend carries it one step on
+    assert noisy.forecast().margin > 4 * steady.forecast().margin
+    with pytest.raises(ValueError, match="no forecast"):
+        LoadPredictor().forecast()
+
+
+def test_increments_survive_restarts_and_new_reporters():
+    inc = Increments(("admitted",))
+    assert inc.step([{"id": "a", "pid": 1, "admitted": 100}]) == {"admitted": 0}  # baseline
+    assert inc.step([{"id": "a", "pid": 1, "admitted": 130}, {"id": "b", "pid": 2, "admitted": 7}]) == {"admitted": 30}
+    # a restarted: its count began again; b went on
+    assert inc.step([{"id": "a", "pid": 9, "admitted": 4}, {"id": "b", "pid": 2, "admitted": 10}]) == {"admitted": 7}
+
+
+def test_lease_protocol():
+    now = 1_000_000.0
+    assert lease_action(None, "me", now) == "create"
+    mine = lease_body("l", "ns", "me", 15, now, None)
+    assert mine["spec"]["holderIdentity"] == "me" and mine["spec"]["leaseTransitions"] == 0
+    assert lease_action(mine, "me", now + 5) == "renew"
+    assert lease_action(mine, "other", now + 5) == "wait"
+    assert lease_action(mine, "other", now + 16) == "take"
+    mine["metadata"]["resourceVersion"] = "7"
+    taken = lease_body("l", "ns", "other", 15, now + 16, mine)
+    assert taken["spec"]["leaseTransitions"] == 1 and taken["metadata"]["resourceVersion"] == "7"
+
+
+async def test_one_planner_holds_the_lease_and_the_other_takes_over_when_it_stops():
+    clock = Clock(1_000_000.0)
+    a = RecordingApi(replicas={"p": 1, "d": 1})
+    b = RecordingApi(store=a.store)
+    ka = LeaseKeeper(a, "ns", "tandem-planner", "a", 15, clock)
+    kb = LeaseKeeper(b, "ns", "tandem-planner", "b", 15, clock)
+    assert await ka.refresh() and not await kb.refresh()
+    clock.t += 10
+    assert await ka.refresh() and not await kb.refresh()  # a renews in time
+    clock.t += 16  # a stopped renewing
+    assert await kb.refresh() and not await ka.refresh()
+    assert [c["verb"] for c in a.calls] == ["GET", "POST", "GET", "PUT", "GET"]
+    assert b.calls[-1]["verb"] == "PUT" and b.calls[-1]["body"]["spec"]["holderIdentity"] == "b"
+    assert b.calls[-1]["path"] == "/apis/coordination.k8s.io/v1/namespaces/ns/leases/tandem-planner"
+
+
+def test_settings_reject_nonsense():
+    with pytest.raises(ValueError, match="min_replicas 5 > max_replicas 2"):
+        RoleBounds(min_replicas=5, max_replicas=2)
+    with pytest.raises(ValueError):
+        PlannerSettings(mode="sometimes")
