@@ -17,6 +17,7 @@ import signal
 import time
 import urllib.request
 
+from tandem.planner_follow import PlannerFollower
 from tandem.redis_proc import RedisProcess, free_port
 from tandem.supervisor import Child, Supervisor
 
@@ -60,9 +61,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "replica after a failover")
     p.add_argument("--redis-master", default="tandem", metavar="NAME",
                    help="with --redis-sentinel: the master name the sentinels monitor (default: tandem)")
+    p.add_argument("--planner", action="store_true",
+                   help="also run the planner (tandem planner, mode local): it sizes the prefill and decode "
+                   "workers to its TTFT/ITL targets (TANDEM_PLANNER_* settings pass through), and this launcher "
+                   "starts workers and drains them (SIGTERM) to follow it; --prefill/--decode are the start")
+    p.add_argument("--planner-port", type=int, default=9300, help="the planner's HTTP port (/metrics, /decision, /keda)")
+    p.add_argument("--planner-interval", type=float, default=10.0, metavar="S", help="seconds between its decisions")
+    p.add_argument("--planner-max", type=int, default=3, metavar="N", help="most workers of each role it may start")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.planner and (a.colocated or a.redis_sentinel):
+        p.error("--planner sizes separate prefill and decode workers with the embedded Redis: "
+                "not with --colocated or --redis-sentinel")
+    if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
+        p.error(f"--planner: --prefill and --decode must be between 1 and --planner-max ({a.planner_max})")
+    return a
 
 
 def _sentinel_hosts(spec: str) -> list[str]:
@@ -122,6 +136,8 @@ class Cluster:
         self.sup = Supervisor()
         self.grpc_port = a.grpc_port or free_port()
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
+        self.next_index = {"prefill": 0, "decode": 0}
+        self.follower: PlannerFollower | None = None
 
     def _env(self, prefix: str, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)  # user-set TANDEM_* settings pass through; ours below win
@@ -149,22 +165,40 @@ class Cluster:
             log.info("redis pid=%d url=%s", self.redis.pid, self.redis.url)
         else:
             log.info("redis through sentinels %s, master %r", ",".join(self.sentinels), self.a.redis_master)
-        for i in range(0 if self.a.colocated else self.a.prefill):
-            pre = "TANDEM_PREFILL_"
-            self._spawn(f"prefill-{i}", "prefill_svc", self._env(pre, {
-                **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
-                f"{pre}WORKER_ID": f"prefill-{i}", f"{pre}KV_BUDGET_BYTES": str(self.a.kv_budget_bytes)}))
-        for i in range(self.a.decode):
-            pre = "TANDEM_DECODE_"
-            self._spawn(f"decode-{i}", "decode_svc", self._env(pre, {
-                **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
-                f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots),
-                f"{pre}COLOCATED": "true" if self.a.colocated else "false"}))
+        for _ in range(0 if self.a.colocated else self.a.prefill):
+            self.spawn_worker("prefill")
+        for _ in range(self.a.decode):
+            self.spawn_worker("decode")
+        if self.a.planner:
+            self.follower = PlannerFollower(self, self.redis.url)
+            self.follower.start(self.a.prefill, self.a.decode)
+            pre = "TANDEM_PLANNER_"
+            self._spawn("planner", "planner", self._env(pre, {
+                f"{pre}MODE": "local", f"{pre}HOST": "127.0.0.1", f"{pre}PORT": str(self.a.planner_port),
+                f"{pre}INTERVAL_S": str(self.a.planner_interval),
+                f"{pre}PREFILL__MAX_REPLICAS": str(self.a.planner_max),
+                f"{pre}DECODE__MAX_REPLICAS": str(self.a.planner_max)}))
         pre = "TANDEM_GATEWAY_"
         self._spawn("gateway", "gateway", self._env(pre, {
             f"{pre}HOST": self.a.host, f"{pre}PORT": str(self.a.port), f"{pre}GRPC_PORT": str(self.grpc_port),
             f"{pre}MODEL": self.a.model, f"{pre}MAX_CONTEXT_LEN": str(self.a.max_len),
             f"{pre}MAX_PROMPT_LEN": str(max(self.buckets))}))
+
+    def spawn_worker(self, role: str) -> None:
+        """Start the next worker of `role`; indices are never reused (a draining worker keeps its id)."""
+        i = self.next_index[role]
+        self.next_index[role] += 1
+        if role == "prefill":
+            pre = "TANDEM_PREFILL_"
+            self._spawn(f"prefill-{i}", "prefill_svc", self._env(pre, {
+                **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
+                f"{pre}WORKER_ID": f"prefill-{i}", f"{pre}KV_BUDGET_BYTES": str(self.a.kv_budget_bytes)}))
+            return
+        pre = "TANDEM_DECODE_"
+        self._spawn(f"decode-{i}", "decode_svc", self._env(pre, {
+            **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
+            f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots),
+            f"{pre}COLOCATED": "true" if self.a.colocated else "false"}))
 
     def url(self) -> str:
         host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host
@@ -199,6 +233,8 @@ class Cluster:
             return
         alive = self.redis.proc is not None and self.redis.proc.poll() is None
         self.sup.tick(restart_redis=self._restart_redis, redis_alive=alive)
+        if self.follower is not None and alive:
+            self.follower.follow()
 
     def _restart_redis(self) -> None:
         self.redis.start()

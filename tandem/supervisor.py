@@ -24,6 +24,7 @@ class Child:
     restarts: int = 0
     crashes: list[float] = field(default_factory=list)  # exit times within the crash window
     restart_at: float = 0.0
+    retiring: bool = False  # asked to drain and leave (a scale-down): not restarted when it exits
 
     def start(self) -> None:
         # Own session: the terminal's Ctrl-C reaches only the launcher, which stops the children
@@ -57,13 +58,17 @@ class Supervisor:
         if not redis_alive and restart_redis:
             log.warning("redis exited; restarting it on the same port with its data")
             restart_redis()
-        for c in self.children:
+        for c in list(self.children):
             if c.proc is None:
                 if now >= c.restart_at:
                     c.start()
                 continue
             code = c.proc.poll()
             if code is None:
+                continue
+            if c.retiring:
+                log.info("%s (pid %d) drained and exited with code %s", c.name, c.proc.pid, code)
+                self.children.remove(c)
                 continue
             c.crashes = [t for t in c.crashes if now - t < self.window_s] + [now]
             if len(c.crashes) > self.max_crashes:
@@ -73,9 +78,27 @@ class Supervisor:
             log.warning("%s (pid %d) exited with code %s; restarting in %.1fs", c.name, c.proc.pid, code, delay)
             c.proc, c.restarts, c.restart_at = None, c.restarts + 1, now + delay
 
+    def retire(self, name: str) -> None:
+        """Scale-down: SIGTERM the child (it drains: a prefill pod keeps its held KV until pulled,
+        a decode pod finishes its requests) and let it go when it exits."""
+        for c in self.children:
+            if c.name == name and not c.retiring:
+                c.retiring = True
+                if c.running():
+                    c.proc.send_signal(signal.SIGTERM)
+                    log.info("retiring %s (pid %d): draining", c.name, c.proc.pid)
+                else:
+                    self.children.remove(c)
+                return
+
+    def active(self, prefix: str) -> list[Child]:
+        """Children named `prefix-N` that are not retiring, in start order."""
+        return [c for c in self.children if c.name.startswith(prefix + "-") and not c.retiring]
+
     def stop(self, grace_s: float) -> None:
-        """SIGTERM in reverse start order (gateway first), then wait; SIGKILL stragglers."""
-        for c in reversed(self.children):
+        """SIGTERM the gateway first, then the rest in reverse start order; wait; SIGKILL stragglers."""
+        order = sorted(reversed(self.children), key=lambda c: c.name != "gateway")
+        for c in order:
             if c.running():
                 c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s

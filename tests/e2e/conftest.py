@@ -32,12 +32,13 @@ class LocalCluster:
 
 
 def start_local(model: str = "builtin", *, prefill: int = 1, decode: int = 1, slots: int = 4,
-                max_len: int = 512, extra: list[str] | None = None, timeout_s: float = 240) -> LocalCluster:
+                max_len: int = 512, extra: list[str] | None = None, timeout_s: float = 240,
+                env: dict[str, str] | None = None) -> LocalCluster:
     port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "local", "--model", model, "--port", str(port),
            "--grpc-port", str(grpc_port), "--prefill", str(prefill), "--decode", str(decode),
            "--slots", str(slots), "--max-len", str(max_len), *(extra or [])]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             encoding="utf-8", errors="replace")
     log: list[str] = []
