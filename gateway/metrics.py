@@ -63,9 +63,10 @@ class GatewayMetrics:
         )
         self.running = Gauge("tandem_requests_running", "Requests being relayed now", registry=reg)
         # what the planner sizes the cluster from (gateway/load_publisher.py publishes them to Redis)
-        self.admitted = Counter("tandem_requests_admitted", "Requests enqueued for prefill", registry=reg)
-        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of the requests admitted",
-                                     registry=reg)
+        self.admitted = Counter("tandem_requests_admitted", "Requests enqueued, by where they are prefilled "
+                                "(remote: a prefill pod; local: a decode pod)", ["route"], registry=reg)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of the requests admitted, by route",
+                                     ["route"], registry=reg)
         self.generation_tokens = Counter(
             "tandem_generation_tokens", "Output tokens relayed, counted when a request ends", registry=reg,
         )
@@ -143,6 +144,10 @@ class GatewayMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def count_admitted(self, route: str, prompt_tokens: int) -> None:
+        self.admitted.labels(route).inc()
+        self.prompt_tokens.labels(route).inc(prompt_tokens)
+
     def load_counts(self) -> dict[str, float]:
         """The cumulative counts tandem_core/load_report.py publishes for the planner."""
         def value(name: str) -> float:
@@ -150,8 +155,12 @@ class GatewayMetrics:
 
         finished = sum(float(s.value) for m in self.requests.collect() for s in m.samples
                        if s.name == "tandem_requests_total" and s.labels.get("outcome") in _FINISHED)
-        return {"admitted": value("tandem_requests_admitted_total"),
-                "prompt_tokens": value("tandem_prompt_tokens_total"), "finished": finished,
+        adm = {r: float(self.registry.get_sample_value("tandem_requests_admitted_total", {"route": r}) or 0.0)
+               for r in ("remote", "local")}
+        tok = {r: float(self.registry.get_sample_value("tandem_prompt_tokens_total", {"route": r}) or 0.0)
+               for r in ("remote", "local")}
+        return {"admitted": adm["remote"] + adm["local"], "prompt_tokens": tok["remote"] + tok["local"],
+                "admitted_remote": adm["remote"], "prompt_tokens_remote": tok["remote"], "finished": finished,
                 "output_tokens": value("tandem_generation_tokens_total"),
                 "ttft_sum": value("tandem_ttft_seconds_sum"), "ttft_count": value("tandem_ttft_seconds_count"),
                 "itl_sum": value("tandem_itl_seconds_sum"), "itl_count": value("tandem_itl_seconds_count")}

@@ -129,20 +129,20 @@ class GatewayService:
                 self.metrics.requests.labels("rate_limited").inc()
                 raise
         try:
-            await self._enqueue(prep, fresh_id, api_key)
+            direct = await self._enqueue(prep, fresh_id, api_key)
         except BaseException:
             if prep.lease is not None:
                 prep.lease.release(0)
             raise
-        self.metrics.admitted.inc()
-        self.metrics.prompt_tokens.inc(prep.prompt_tokens)
+        self.metrics.count_admitted("local" if direct else "remote", prep.prompt_tokens)
 
-    async def _enqueue(self, prep: Prepared, fresh_id: bool, api_key: str) -> None:
-        """Admit and enqueue; while Redis does not answer, the request waits for it (gateway/hold.py)."""
+    async def _enqueue(self, prep: Prepared, fresh_id: bool, api_key: str) -> bool:
+        """Admit and enqueue; while Redis does not answer, the request waits for it (gateway/hold.py).
+        True when the prompt went to the decode pods' direct stream."""
         checked = [fresh_id]  # the request-id check, done once (a retry would see its own stream)
-        await self.hold.call(lambda: self._enqueue_once(prep, api_key, checked), prep.request.deadline_ts)
+        return await self.hold.call(lambda: self._enqueue_once(prep, api_key, checked), prep.request.deadline_ts)
 
-    async def _enqueue_once(self, prep: Prepared, api_key: str, checked: list[bool]) -> None:
+    async def _enqueue_once(self, prep: Prepared, api_key: str, checked: list[bool]) -> bool:
         r = self._redis()
         s = self.settings
         view = await self._view(r)
@@ -172,6 +172,7 @@ class GatewayService:
         prep.enqueue_entry_id = await pod_streams.enqueue(
             r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=route.direct)
         self.readmit.add(prep.request, pod, route.direct)
+        return route.direct
 
     def _admit(self, backlog: int, view: "ClusterView") -> None:
         """Reject at once rather than queue work that will miss (Mooncake's early rejection):

@@ -39,6 +39,10 @@ class Observation:
     decode_backlog: int = 0  # prefilled requests waiting for a decode slot
     ttft_mean_s: float | None = None  # measured, for the record and the gauges
     itl_mean_s: float | None = None
+    # Of the arrivals, those prefilled on prefill pods (short prompts may be prefilled on decode
+    # pods) and their mean prompt length; None = all of them, as `arrivals` and `prompt_tokens_mean`.
+    prefill_arrivals: int | None = None
+    prefill_prompt_tokens_mean: float | None = None
 
 
 @dataclass(frozen=True)
@@ -97,10 +101,16 @@ class Planner:
 
     profile: Profile
     cfg: PlanConfig
-    predictor: LoadPredictor = field(default_factory=LoadPredictor)
+    predictor: LoadPredictor = field(default_factory=LoadPredictor)  # all arrivals: sizes decode
+    remote: LoadPredictor | None = None  # arrivals prefilled on prefill pods: sizes prefill
     started_at: float | None = None
     last_up: dict[str, float] = field(default_factory=dict)
     wants: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {r: [] for r in ROLES})
+
+    def __post_init__(self) -> None:
+        if self.remote is None:
+            p = self.predictor
+            self.remote = LoadPredictor(p.smoothing, p.trend_smoothing, p.margin_sigmas, p.window)
 
     def hold(self, t: float, current: dict[str, int], reason: str, forecast: Forecast | None = None) -> Decision:
         return Decision(t, current["prefill"], current["decode"], None, None, held=reason, forecast=forecast)
@@ -110,14 +120,17 @@ class Planner:
         if self.started_at is None:
             self.started_at = obs.t - obs.interval_s
         self.predictor.observe(obs.arrivals / obs.interval_s, obs.prompt_tokens_mean, obs.output_tokens_mean)
+        remote = obs.arrivals if obs.prefill_arrivals is None else obs.prefill_arrivals
+        self.remote.observe(remote / obs.interval_s, obs.prefill_prompt_tokens_mean or obs.prompt_tokens_mean,
+                            obs.output_tokens_mean)
         if not self.predictor.ready:
             return self.hold(obs.t, current, "warming up: no finished request seen yet")
-        fc = self.predictor.forecast()
-        load_p = fc.planned_rate + obs.prefill_backlog / obs.interval_s
+        fc, fr = self.predictor.forecast(), self.remote.forecast()
+        load_p = fr.planned_rate + obs.prefill_backlog / obs.interval_s
         load_d = fc.planned_rate + obs.decode_backlog / obs.interval_s
         u = self.cfg.max_utilization
         try:
-            wanted = {"prefill": prefill_needed(load_p, fc.prompt_tokens, self.profile, self.cfg.slo, u),
+            wanted = {"prefill": prefill_needed(load_p, fr.prompt_tokens, self.profile, self.cfg.slo, u),
                       "decode": decode_needed(load_d, fc.output_tokens, self.profile, self.cfg.slo, u)}
         except Infeasible as e:
             return self.hold(obs.t, current, f"SLO infeasible: {e}", fc)

@@ -1,7 +1,8 @@
 """The planner's view of the cluster, read from Redis once per interval.
 
 - Load: the gateways' cumulative counts (tandem_core/load_report.py), turned into this
-  interval's increments: requests admitted, their mean prompt length, requests finished, their mean
+  interval's increments: requests admitted and their mean prompt length (all of them, which size
+  decode, and those routed to prefill pods, which size prefill), requests finished and their mean
   output length, mean TTFT and ITL.
 - Backlogs: admission entries not yet prefilled (the shared streams of every priority, the direct
   stream and every pod's own stream, as the gateway counts them) and prefilled requests waiting
@@ -74,6 +75,8 @@ class Signals:
             output_tokens_mean=_mean(d["output_tokens"], d["finished"]),
             prefill_backlog=prefill_backlog, decode_backlog=ready,
             ttft_mean_s=_mean(d["ttft_sum"], d["ttft_count"]), itl_mean_s=_mean(d["itl_sum"], d["itl_count"]),
+            prefill_arrivals=int(round(d["admitted_remote"])),
+            prefill_prompt_tokens_mean=_mean(d["prompt_tokens_remote"], d["admitted_remote"]),
         )
         return Snapshot(obs, live, len(reports))
 

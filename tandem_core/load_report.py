@@ -1,7 +1,8 @@
 """What the gateways saw of the load, in Redis, for the planner (planner/signals.py).
 
 Each gateway replica writes its cumulative counts every few seconds: requests admitted and their
-prompt tokens, requests finished and their output tokens, and the sums and counts of its TTFT and
+prompt tokens (all, and those routed to prefill pods: short prompts may be prefilled on decode
+pods, tandem_core/scheduling.py), requests finished and their output tokens, and the sums and counts of its TTFT and
 ITL histograms. A reader turns the counts of every replica into increments over its own interval
 (`Increments`), so replicas can come and go, restart (their counts start again at 0) or miss a
 report without the planner seeing a jump. Keys: `keys.gateway_load_key(id)` (a hash, expiring
@@ -16,8 +17,8 @@ import redis.asyncio as aioredis
 
 from tandem_core import keys
 
-FIELDS = ("admitted", "prompt_tokens", "finished", "output_tokens", "ttft_sum", "ttft_count",
-          "itl_sum", "itl_count")
+FIELDS = ("admitted", "prompt_tokens", "admitted_remote", "prompt_tokens_remote", "finished", "output_tokens",
+          "ttft_sum", "ttft_count", "itl_sum", "itl_count")  # remote: prefilled on a prefill pod
 
 
 async def publish(r: aioredis.Redis, gateway_id: str, pid: int, counts: dict[str, float], ttl_s: int) -> None:

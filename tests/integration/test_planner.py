@@ -46,6 +46,7 @@ def settings(redis_url: str, pool: str, profile_path: str, **kw) -> PlannerSetti
 
 async def report(r, gid: str, admitted: float, prompt_tokens: float, finished: float, output_tokens: float) -> None:
     await load_report.publish(r, gid, 1, {"admitted": admitted, "prompt_tokens": prompt_tokens, "finished": finished,
+                                          "admitted_remote": admitted, "prompt_tokens_remote": prompt_tokens,
                                           "output_tokens": output_tokens, "ttft_sum": finished * 0.3,
                                           "ttft_count": finished, "itl_sum": output_tokens * 0.02,
                                           "itl_count": output_tokens}, ttl_s=30)
@@ -75,6 +76,7 @@ def test_a_gateway_reports_what_it_admitted_and_served(redis_url):
     rep = max(reps, key=lambda x: x["ts"])
     assert rep["finished"] >= 3 and rep["output_tokens"] >= 3 and rep["prompt_tokens"] >= 3 * 2
     assert rep["ttft_count"] >= 3 and rep["ttft_sum"] > 0
+    assert rep["admitted_remote"] == rep["admitted"]  # direct prefill is off in these gateways' settings
 
 
 async def test_local_mode_decides_from_the_reports_and_writes_the_decision(redis_client, redis_url, profile_path):

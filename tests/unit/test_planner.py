@@ -103,6 +103,13 @@ def test_backlog_adds_capacity_to_drain_it_within_an_interval():
     assert queued.prefill > quiet.prefill and queued.decode == quiet.decode
 
 
+def test_prompts_prefilled_on_decode_pods_do_not_size_prefill():
+    all_remote = planner().step(obs(10, 40), {"prefill": 1, "decode": 1})
+    mostly_direct = planner().step(obs(10, 40, prefill_arrivals=40, prefill_prompt_tokens_mean=200),
+                                   {"prefill": 1, "decode": 1})
+    assert mostly_direct.prefill < all_remote.prefill and mostly_direct.decode == all_remote.decode
+
+
 def test_predictor_tracks_a_trend_and_its_margin_grows_with_noise():
     steady, noisy = LoadPredictor(margin_sigmas=2), LoadPredictor(margin_sigmas=2)
     for i in range(12):
