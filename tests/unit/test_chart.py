@@ -33,10 +33,15 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+if __name__ == "__main__":  # `python tests/unit/test_chart.py --write-schema`: import from this checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from decode_svc.settings import DecodeSettings
 from gateway.settings import GatewaySettings
+from planner.settings import PlannerSettings
 from prefill_svc.settings import PrefillSettings
 from tandem_core import keys
+from tests.unit.crds import published_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
@@ -49,7 +54,11 @@ SERVICES = {
     "gateway": (GatewaySettings, "TANDEM_GATEWAY_", {"redis.url", "redis.password", "api_keys", "admin_key"}),
     "prefill": (PrefillSettings, "TANDEM_PREFILL_", {"redis.url", "redis.password", "grpc.advertise_host", "worker_id"}),
     "decode": (DecodeSettings, "TANDEM_DECODE_", {"redis.url", "redis.password", "grpc.advertise_host", "worker_id"}),
+    "planner": (PlannerSettings, "TANDEM_PLANNER_", {"redis.url", "redis.password", "profile_path", "prefill.deployment",
+                                                      "decode.deployment", "kubernetes.namespace", "kubernetes.lease_name"}),
 }
+# Components rendered only when their values turn them on.
+OPTIONAL = {"planner"}
 # Values whose chart default intentionally differs from the code's default.
 DEFAULT_OVERRIDES = {
     ("gateway", "host"): "0.0.0.0",  # 127.0.0.1 is unreachable from outside a pod
@@ -68,6 +77,10 @@ PROFILES = {
     "everything-off": ["ci/minimal-values.yaml"],
     # Every optional object at once (KEDA + external Redis TLS + routes + monitoring).
     "everything-on": ["ci/tpu-values.yaml", "ci/external-redis-values.yaml", "ci/keda-values.yaml"],
+    # The planner scaling the workers itself, and the InferencePool behind the HTTPRoute ...
+    "planner": ["ci/planner-values.yaml"],
+    # ... and KEDA following the planner instead.
+    "planner-keda": ["ci/planner-values.yaml", "ci/planner-keda-values.yaml"],
 }
 
 # Structural schemas for the CRDs kubernetes-validate cannot know.
@@ -91,7 +104,7 @@ CRD_SCHEMAS = {
             "maxReplicaCount": {"type": "integer", "minimum": 1},
             "pollingInterval": {"type": "integer"}, "cooldownPeriod": {"type": "integer"},
             "advanced": {"type": "object"},
-            "triggers": {"type": "array", "minItems": 1, "items": {
+            "triggers": {"type": "array", "minItems": 1, "items": {"oneOf": [{
                 "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
                 "properties": {
                     "type": {"const": "redis-streams"},
@@ -99,7 +112,14 @@ CRD_SCHEMAS = {
                     "metadata": {"type": "object", "additionalProperties": {"type": "string"},
                                  "required": ["address", "stream", "consumerGroup", "lagCount"]},
                     "authenticationRef": {"type": "object", "required": ["name"]},
-                }}},
+                }}, {
+                "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
+                "properties": {
+                    "type": {"const": "metrics-api"},
+                    "metricType": {"enum": ["AverageValue", "Value"]},
+                    "metadata": {"type": "object", "additionalProperties": {"type": "string"},
+                                 "required": ["url", "valueLocation", "targetValue"]},
+                }}]}},
         }}),
     ("keda.sh/v1alpha1", "TriggerAuthentication"): _crd({
         "type": "object", "additionalProperties": False, "required": ["secretTargetRef"],
@@ -117,17 +137,9 @@ CRD_SCHEMAS = {
         "type": "object", "required": ["selector", "endpoints"],
         "properties": {"selector": {"type": "object", "required": ["matchLabels"]},
                        "endpoints": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["port"]}}}}),
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"): _crd({
-        "type": "object", "additionalProperties": False, "required": ["parentRefs", "rules"],
-        "properties": {
-            "parentRefs": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["name"]}},
-            "hostnames": {"type": "array", "items": {"type": "string"}},
-            "rules": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "additionalProperties": False,
-                "properties": {"matches": {"type": "array"}, "timeouts": {"type": "object"},
-                               "backendRefs": {"type": "array", "minItems": 1, "items": {
-                                   "type": "object", "required": ["name", "port"],
-                                   "properties": {"name": _NAME, "port": {"type": "integer"}}}}}}}}}),
+    # Gateway API and Inference Extension objects: the published CRDs' own schemas (tests/unit/crds).
+    **{(api, kind): {"allOf": [published_schema(api, kind), _crd({"type": "object"})]}
+       for api, kind in (("gateway.networking.k8s.io/v1", "HTTPRoute"), ("inference.networking.k8s.io/v1", "InferencePool"))},
     ("networking.gke.io/v1", "HealthCheckPolicy"): _crd({
         "type": "object", "required": ["default", "targetRef"],
         "properties": {"targetRef": {"type": "object", "required": ["group", "kind", "name"]}}}),
@@ -207,6 +219,20 @@ class Rendered:
 @functools.lru_cache(maxsize=None)
 def rendered(profile: str) -> Rendered:
     return Rendered(profile_values(profile))
+
+
+def components(profile: str) -> list[str]:
+    """The services a profile runs (the OPTIONAL ones only when its values enable them)."""
+    vals = profile_values(profile)
+    return [c for c in SERVICES if c not in OPTIONAL or vals.get(c, {}).get("enabled")]
+
+
+def planner_scaled(r: Rendered) -> set[str]:
+    """Deployments the planner resizes itself (mode kubernetes), by the names the chart gives it."""
+    if not (r.values["planner"]["enabled"] and r.values["planner"]["settings"]["mode"] == "kubernetes"):
+        return set()
+    env = r.container_env("planner")
+    return {env[f"TANDEM_PLANNER_{role}__DEPLOYMENT"]["value"] for role in ("PREFILL", "DECODE")}
 
 
 def pod_labels(workload: dict) -> dict:
@@ -427,7 +453,15 @@ def test_service_target_ports_exist_on_containers(profile):
     for route in r.kind("HTTPRoute"):
         for rule in route["spec"]["rules"]:
             for b in rule["backendRefs"]:
-                service_port(b["name"], b["port"])
+                if b.get("kind") != "InferencePool":
+                    service_port(b["name"], b["port"])
+                    continue
+                # The pool's pods serve its target ports, and its endpoint picker's Service exists.
+                pool = r.get("InferencePool", b["name"])["spec"]
+                (w,) = [w for w in r.workloads() if selects(pool["selector"]["matchLabels"], pod_labels(w))]
+                for tp in pool["targetPorts"]:
+                    assert any(_port_of(c, tp["number"]) for c in containers(w)), (b["name"], tp)
+                service_port(pool["endpointPickerRef"]["name"], pool["endpointPickerRef"]["port"]["number"])
     for sm in r.kind("ServiceMonitor"):
         (svc,) = [s for s in r.kind("Service") if selects(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
         for ep in sm["spec"]["endpoints"]:
@@ -516,6 +550,7 @@ def test_lifecycle_matches_each_services_drain(profile):
         for component in ("gateway", "prefill", "decode"):
             assert r.get("PodDisruptionBudget", f"{RELEASE}-tandem-{component}")
     autoscaled = {o["spec"]["scaleTargetRef"]["name"] for o in r.kind("HorizontalPodAutoscaler") + r.kind("ScaledObject")}
+    autoscaled |= planner_scaled(r)
     for d in r.kind("Deployment"):
         # A fixed replica count would fight the autoscaler on every upgrade.
         assert ("replicas" in d["spec"]) == (d["metadata"]["name"] not in autoscaled)
@@ -524,11 +559,17 @@ def test_lifecycle_matches_each_services_drain(profile):
 @pytest.mark.parametrize("profile", PROFILES)
 def test_pods_are_hardened(profile):
     r = rendered(profile)
+    # Only pods that call the Kubernetes API get a token, each on a ServiceAccount of its own.
+    api_clients = ({f"{RELEASE}-tandem-planner"} if planner_scaled(r) else set()) | (
+        {f"{RELEASE}-tandem-epp"} if r.values["inferencePool"]["enabled"] else set())
     for w in r.workloads():
         spec = w["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] != 0
-        assert spec["automountServiceAccountToken"] is False
+        name = w["metadata"]["name"]
+        assert spec["automountServiceAccountToken"] is (name in api_clients), name
+        if name in api_clients:
+            assert spec["serviceAccountName"] == name and r.get("ServiceAccount", name)["automountServiceAccountToken"]
         for c in containers(w):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
@@ -547,25 +588,50 @@ def _peers_allow(policy: dict, labels: dict, port: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("profile", ["default", "keda", "external-redis-tls"])
+@pytest.mark.parametrize("profile", ["default", "keda", "external-redis-tls", "planner", "planner-keda"])
 def test_network_policy_allows_what_the_services_need_and_nothing_else(profile):
     r = rendered(profile)
-    labels = {c: pod_labels(r.component(c)) for c in ("gateway", "prefill", "decode")}
-    pol = {c: r.get("NetworkPolicy", f"{RELEASE}-tandem-{c}") for c in ("gateway", "prefill", "decode")}
+    netpol = r.values["networkPolicy"]
+    running = components(profile) + (["epp"] if r.values["inferencePool"]["enabled"] else [])
+    labels = {c: pod_labels(r.component(c)) for c in running}
+    pol = {c: r.get("NetworkPolicy", f"{RELEASE}-tandem-{c}") for c in running}
+    assert len(r.kind("NetworkPolicy")) == len(running) + r.values["redis"]["enabled"]
     kv_port = r.values["prefill"]["settings"]["grpc"]["port"]
     assert _peers_allow(pol["prefill"], labels["decode"], kv_port)
     assert not _peers_allow(pol["prefill"], labels["gateway"], kv_port)
     assert len(pol["prefill"]["spec"]["ingress"]) == 1 and len(pol["prefill"]["spec"]["ingress"][0]["from"]) == 1
     assert pol["decode"]["spec"]["ingress"] == []
+    gw_port = r.values["gateway"]["settings"]["port"]
     gw_ports = {p["containerPort"] for p in r.component("gateway")["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    assert {p["port"] for p in pol["gateway"]["spec"]["ingress"][0]["ports"]} == gw_ports
-    assert not _peers_allow(pol["gateway"], labels["prefill"], r.values["gateway"]["settings"]["port"])
+    gw_rules = pol["gateway"]["spec"]["ingress"]
+    assert {p["port"] for p in gw_rules[0]["ports"]} == gw_ports
+    assert not _peers_allow(pol["gateway"], labels["prefill"], gw_port)
+    assert len(gw_rules) == 1 + bool(netpol["metricsFrom"]) + ("epp" in running)
+    if "epp" in running:
+        # The endpoint picker scrapes the gateways' /metrics (HTTP port only); the proxy calls it.
+        assert _peers_allow(pol["gateway"], labels["epp"], gw_port)
+        assert not _peers_allow(pol["gateway"], labels["epp"], r.values["gateway"]["settings"]["grpc_port"])
+        epp_rules = pol["epp"]["spec"]["ingress"]
+        assert epp_rules[0]["from"][1:] == netpol["gatewayFrom"] and {p["port"] for p in epp_rules[0]["ports"]} == {9002, 9003}
+        assert [(rule["from"], [p["port"] for p in rule["ports"]]) for rule in epp_rules[1:]] == (
+            [(netpol["metricsFrom"], [9090])] if netpol["metricsFrom"] else [])
+    if "planner" in running:
+        # Only KEDA (when it follows the planner) and the metrics scrapers reach the planner.
+        want = (netpol["kedaFrom"] if r.values["planner"]["keda"] else []) + netpol["metricsFrom"]
+        rules = pol["planner"]["spec"]["ingress"]
+        assert rules == ([{"from": want, "ports": [{"port": r.values["planner"]["settings"]["port"], "protocol": "TCP"}]}]
+                         if want else [])
+        assert not any(_peers_allow(p, labels["planner"], port) for p in pol.values() for port in (gw_port, kv_port))
     if r.values["redis"]["enabled"]:
         redis_pol = r.get("NetworkPolicy", f"{RELEASE}-tandem-redis")
-        for c in ("gateway", "prefill", "decode"):
+        for c in components(profile):
             assert _peers_allow(redis_pol, labels[c], r.values["redis"]["port"]), c
-        keda_on = r.values["prefill"]["keda"]["enabled"] or r.values["decode"]["keda"]["enabled"]
-        assert (len(redis_pol["spec"]["ingress"]) == 2) == keda_on
+        if "epp" in running:
+            assert not _peers_allow(redis_pol, labels["epp"], r.values["redis"]["port"])
+        # KEDA reaches Redis only when a trigger reads the streams (not when it follows the planner).
+        keda_reads = any(t["type"] == "redis-streams" for so in r.kind("ScaledObject") for t in so["spec"]["triggers"])
+        assert (len(redis_pol["spec"]["ingress"]) == 2) == keda_reads
+        assert len(redis_pol["spec"]["ingress"][0]["from"]) == len(components(profile))
     else:
         assert all(p["metadata"]["name"] != f"{RELEASE}-tandem-redis" for p in r.kind("NetworkPolicy"))
 
@@ -607,7 +673,7 @@ def test_bundled_redis_persists_and_uses_a_password():
     assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"]
     secret = r.get("Secret", f"{RELEASE}-tandem-redis")
     assert len(secret["data"]["redis-password"]) > 20
-    for component in SERVICES:
+    for component in components("default"):
         ref = r.container_env(component)[SERVICES[component][1] + "REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": secret["metadata"]["name"], "key": "redis-password"}
 
@@ -615,7 +681,8 @@ def test_bundled_redis_persists_and_uses_a_password():
 def test_external_redis_uses_tls_with_the_mounted_ca():
     r = rendered("external-redis-tls")
     assert not r.kind("StatefulSet")
-    for component, (_, prefix, _) in SERVICES.items():
+    for component in components("external-redis-tls"):
+        prefix = SERVICES[component][1]
         env = r.container_env(component)
         url = env[prefix + "REDIS__URL"]["value"]
         assert url.startswith("rediss://10.0.0.3:6378/0?ssl_ca_certs=")

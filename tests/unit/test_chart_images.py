@@ -42,3 +42,4 @@ def test_gateway_image_requirements_exclude_jax(tmp_path, monkeypatch):
     names = {re.split(r"[\[<>=!~;]", r, 1)[0].lower() for r in reqs}
     assert "jax" not in names and "jaxlib" not in names
     assert {"redis", "grpcio", "fastapi", "pydantic-settings", "tokenizers"} <= names
+    assert "kubernetes" in names, "the planner (tandem planner, run from the gateway image) needs the kubernetes client"

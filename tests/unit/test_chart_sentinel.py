@@ -25,6 +25,7 @@ VALUES = {
                       "sentinel": {"hosts": HOSTS, "masterName": "mymaster", "auth": True}},
     "prefill": {"keda": {"enabled": True}},
     "decode": {"keda": {"enabled": True}},
+    "planner": {"enabled": True},
 }
 
 
@@ -47,7 +48,7 @@ def test_every_service_gets_the_sentinels_and_parses_them(r, component, monkeypa
     for name, e in env.items():
         if name.startswith("TANDEM_"):
             monkeypatch.setenv(name, e.get("value", "s3cret" if "PASSWORD" in name else '["k"]' if "KEYS" in name else "x"))
-    if component != "gateway":
+    if component in ("prefill", "decode"):
         monkeypatch.setenv(prefix + "GRPC__ADVERTISE_HOST", "10.0.0.7")
     s = cls().redis.sentinel
     assert (s.hosts, s.master_name, s.auth) == (HOSTS, "mymaster", True)

@@ -226,3 +226,21 @@ so the sentinels are written once for all three services. args: dict "root" $ "s
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* ---- Scaling ---- */}}
+
+{{/*
+Who sets a worker Deployment's replicas: "hpa" (autoscaling), "keda" (stream lag), "planner-keda"
+(KEDA on the planner's /keda), "planner" (the planner through the scale subresource) or "" (the
+chart's `replicas`). Conflicting combinations are refused in _validate.tpl.
+args: dict "root" $ "component" "prefill"|"decode"
+*/}}
+{{- define "tandem.scaler" -}}
+{{- $v := .root.Values }}
+{{- $c := index $v .component }}
+{{- if $c.autoscaling.enabled }}hpa
+{{- else if and $v.planner.enabled $v.planner.keda }}planner-keda
+{{- else if $c.keda.enabled }}keda
+{{- else if and $v.planner.enabled (eq (toString $v.planner.settings.mode) "kubernetes") }}planner
+{{- end }}
+{{- end }}

@@ -101,4 +101,66 @@ Included once, from templates/validate.yaml.
 {{- if and $v.grpcTLS.enabled (not $v.grpcTLS.secretName) }}
 {{- fail "tandem: grpcTLS.enabled=true needs grpcTLS.secretName (a Secret with tls.crt, tls.key, ca.crt)" }}
 {{- end }}
+{{- include "tandem.validate.planner" . }}
+{{- end }}
+
+{{/* The planner: one owner of the worker replicas, bounds it can keep, a profile it can read. */}}
+{{- define "tandem.validate.planner" -}}
+{{- $v := .Values }}
+{{- $pl := $v.planner }}
+{{- if and $pl.keda (not $pl.enabled) }}
+{{- fail "tandem: planner.keda=true makes KEDA follow the planner, but planner.enabled=false; enable the planner or set planner.keda=false" }}
+{{- end }}
+{{- if $pl.enabled }}
+{{- $mode := toString $pl.settings.mode }}
+{{- if eq $mode "local" }}
+{{- fail "tandem: planner.settings.mode=local is for `tandem local --planner`; in a cluster use off (publish, optionally with planner.keda=true) or kubernetes (scale the Deployments)" }}
+{{- end }}
+{{- if and (gt (int $pl.replicas) 1) (ne $mode "kubernetes") }}
+{{- fail (printf "tandem: planner.replicas=%d with planner.settings.mode=%s: each replica would decide on its own; use 1 replica, or mode=kubernetes where a Lease makes one of them active" (int $pl.replicas) $mode) }}
+{{- end }}
+{{- if ne (toString $pl.settings.pool) (toString $v.prefill.settings.pool) }}
+{{- fail (printf "tandem: planner.settings.pool (%q) must equal prefill/decode settings.pool (%q): it sizes that pool" (toString $pl.settings.pool) (toString $v.prefill.settings.pool)) }}
+{{- end }}
+{{- range $component := list "prefill" "decode" }}
+{{- $c := index $v $component }}
+{{- $b := index $pl.settings $component }}
+{{- if eq $mode "kubernetes" }}
+{{- if $c.autoscaling.enabled }}
+{{- fail (printf "tandem: planner.settings.mode=kubernetes scales %s itself, and %s.autoscaling.enabled=true gives the same Deployment an HPA; they would fight over its replicas. Turn one off (planner.keda=true with mode=off lets KEDA follow the planner)" $component $component) }}
+{{- end }}
+{{- if or $c.keda.enabled $pl.keda }}
+{{- fail (printf "tandem: planner.settings.mode=kubernetes scales %s itself, and KEDA (%s) would scale the same Deployment; they would fight over its replicas. Either the planner scales (set %s.keda.enabled=false and planner.keda=false) or KEDA follows the planner (planner.keda=true with planner.settings.mode=off)" $component (ternary "planner.keda" (printf "%s.keda.enabled" $component) (eq (toString $pl.keda) "true")) $component) }}
+{{- end }}
+{{- end }}
+{{- if and $pl.keda $c.autoscaling.enabled }}
+{{- fail (printf "tandem: planner.keda=true and %s.autoscaling.enabled=true; KEDA creates its own HorizontalPodAutoscaler for %s, turn %s.autoscaling off" $component $component $component) }}
+{{- end }}
+{{- if and (eq (int $b.min_replicas) 0) (not $b.allow_zero) }}
+{{- fail (printf "tandem: planner.settings.%s.min_replicas=0 lets the planner scale %s to zero when idle; set planner.settings.%s.allow_zero=true to mean it" $component $component $component) }}
+{{- end }}
+{{- if gt (int $b.min_replicas) (int $b.max_replicas) }}
+{{- fail (printf "tandem: planner.settings.%s.min_replicas (%d) > max_replicas (%d)" $component (int $b.min_replicas) (int $b.max_replicas)) }}
+{{- end }}
+{{- end }}
+{{- $source := include "tandem.planner.profileSource" . }}
+{{- if eq $source "inline" }}
+{{- $doc := fromJson (include "tandem.planner.profileJson" .) }}
+{{- if hasKey $doc "Error" }}
+{{- fail (printf "tandem: planner.profile is not valid JSON (%s); give the capacity profile's JSON (--set-file planner.profile=profile.json) or the name of a ConfigMap holding it" (get $doc "Error")) }}
+{{- end }}
+{{- if ne (toString (get $doc "format")) "tandem-capacity-profile/v1" }}
+{{- fail (printf "tandem: planner.profile has format %q, want \"tandem-capacity-profile/v1\" (make one with python bench/capacity.py)" (toString (get $doc "format"))) }}
+{{- end }}
+{{- $dec := get $doc "decode" }}
+{{- $slots := ternary (get (default dict $dec) "slots") 0 (kindIs "map" $dec) }}
+{{- if and $slots (ne (int $slots) (int $v.decode.settings.slots)) }}
+{{- fail (printf "tandem: planner.profile was measured with %d decode slots but decode.settings.slots=%d; profile the pods as they run (bench/capacity.py) or match the slots" (int $slots) (int $v.decode.settings.slots)) }}
+{{- end }}
+{{- else if eq $source "configmap" }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$" (trim (toString $pl.profile))) }}
+{{- fail (printf "tandem: planner.profile %q is neither JSON (it must start with '{') nor a ConfigMap name" (trunc 40 (trim (toString $pl.profile)))) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -42,7 +42,7 @@ metadata:
   labels:
     {{- include "tandem.labels" . | nindent 4 }}
 spec:
-  {{- if not (or $c.autoscaling.enabled $c.keda.enabled) }}
+  {{- if not (include "tandem.scaler" .) }}
   replicas: {{ $c.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
