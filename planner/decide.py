@@ -43,6 +43,10 @@ class Observation:
     # pods) and their mean prompt length; None = all of them, as `arrivals` and `prompt_tokens_mean`.
     prefill_arrivals: int | None = None
     prefill_prompt_tokens_mean: float | None = None
+    # What the pods did (their heartbeats), for the record: the decision uses the profile.
+    prefilled_per_s: float | None = None
+    decoded_tokens_per_s: float | None = None
+    prefill_seconds_seen: float | None = None  # the prefill pods' mean recent seconds a prompt
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ class PlannerMetrics:
         self.lengths = Gauge("tandem_planner_predicted_tokens", "Mean tokens per request predicted",
                              ["kind"], registry=reg)
         self.observed = Gauge("tandem_planner_observed", "Last interval as measured (arrival rate req/s, "
-                              "TTFT and ITL seconds, backlogs)", ["signal"], registry=reg)
+                              "TTFT and ITL seconds, backlogs, pods' prompts/s and tokens/s, seconds a prompt)", ["signal"], registry=reg)
         self.held = Gauge("tandem_planner_holding", "1 while the planner keeps the replicas as they are "
                           "(bad profile, no signals, infeasible SLO, not the leader)", registry=reg)
         self.holds = Counter("tandem_planner_holds", "Intervals held, by why", ["reason"], registry=reg)
@@ -53,7 +53,9 @@ class PlannerMetrics:
             self.observed.labels("arrival_rate").set(obs.arrivals / obs.interval_s)
             self.observed.labels("prefill_backlog").set(obs.prefill_backlog)
             self.observed.labels("decode_backlog").set(obs.decode_backlog)
-            for name, v in (("ttft_s", obs.ttft_mean_s), ("itl_s", obs.itl_mean_s)):
+            for name, v in (("ttft_s", obs.ttft_mean_s), ("itl_s", obs.itl_mean_s),
+                            ("prefilled_per_s", obs.prefilled_per_s), ("decoded_tokens_per_s", obs.decoded_tokens_per_s),
+                            ("prefill_seconds_seen", obs.prefill_seconds_seen)):
                 if v is not None:
                     self.observed.labels(name).set(v)
 

@@ -147,7 +147,9 @@ def decision_json(d: Decision, current: dict[str, int], obs) -> dict:
     if obs is not None:
         out["observed"] = {"interval_s": round(obs.interval_s, 3), "arrivals": obs.arrivals,
                            "prompt_tokens_mean": obs.prompt_tokens_mean, "output_tokens_mean": obs.output_tokens_mean,
-                           "prefill_arrivals": obs.prefill_arrivals,
+                           "prefill_arrivals": obs.prefill_arrivals, "prefilled_per_s": obs.prefilled_per_s,
+                           "decoded_tokens_per_s": obs.decoded_tokens_per_s,
+                           "prefill_seconds_seen": obs.prefill_seconds_seen,
                            "prefill_backlog": obs.prefill_backlog, "decode_backlog": obs.decode_backlog,
                            "ttft_mean_s": obs.ttft_mean_s, "itl_mean_s": obs.itl_mean_s}
     return out

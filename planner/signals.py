@@ -8,7 +8,8 @@
   stream and every pod's own stream, as the gateway counts them) and prefilled requests waiting
   for a decode slot (the ready stream); pods XDEL what they ack, so XLEN is the backlog.
 - Pods: the live, non-draining prefill and decode pods of this pool in the registry, and what
-  they report of their throughput.
+  their heartbeats report of their throughput (prompts prefilled, tokens decoded, a prefill pod's
+  recent seconds a prompt), published beside the decision so the profile can be checked.
 The first read only sets the baseline of the counts; every later one is an `Observation`.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Signals:
     def __init__(self, r: aioredis.Redis, pool: str) -> None:
         self.r, self.pool = r, pool
         self.increments = load_report.Increments()
+        self.pod_increments = load_report.Increments(("prefilled", "tokens"))
         self.last_t: float | None = None
 
     async def backlogs(self) -> tuple[int, int]:
@@ -49,18 +51,26 @@ class Signals:
         res = await pipe.execute()
         return await streams.admission_backlog(self.r, self.pool) + sum(int(x) for x in res[:-1]), int(res[-1])
 
-    async def live_pods(self) -> dict[str, int]:
-        out = {"prefill": 0, "decode": 0}
+    async def pods(self) -> tuple[dict[str, int], dict[str, float]]:
+        """(live non-draining pods per role, what the pool's pods did since the last read:
+        prompts prefilled, tokens decoded, and the prefill pods' mean recent seconds a prompt)."""
+        live, reps, ema = {"prefill": 0, "decode": 0}, [], []
         for w in await streams.list_workers(self.r):
-            pool = (w.get("extra") or {}).get("pool", self.pool)
-            if w["role"] in out and not w.get("draining") and pool == self.pool:
-                out[w["role"]] += 1
-        return out
+            extra = w.get("extra") or {}
+            if w["role"] not in live or extra.get("pool", self.pool) != self.pool:
+                continue
+            live[w["role"]] += 0 if w.get("draining") else 1
+            reps.append({"id": w["id"], "pid": w["pid"], "prefilled": extra.get("prefilled", 0),
+                         "tokens": extra.get("tokens", 0)})
+            if w["role"] == "prefill" and extra.get("prefill_ema_s"):
+                ema.append(float(extra["prefill_ema_s"]))
+        done = self.pod_increments.step(reps)
+        return live, {**done, "prefill_s": sum(ema) / len(ema) if ema else 0.0}
 
     async def read(self, t: float) -> Snapshot:
         reports = await load_report.read(self.r)
         d = self.increments.step(reports)
-        live = await self.live_pods()
+        live, done = await self.pods()
         if self.last_t is None:
             self.last_t = t
             return Snapshot(None, live, len(reports))
@@ -77,6 +87,8 @@ class Signals:
             ttft_mean_s=_mean(d["ttft_sum"], d["ttft_count"]), itl_mean_s=_mean(d["itl_sum"], d["itl_count"]),
             prefill_arrivals=int(round(d["admitted_remote"])),
             prefill_prompt_tokens_mean=_mean(d["prompt_tokens_remote"], d["admitted_remote"]),
+            prefilled_per_s=done["prefilled"] / interval, decoded_tokens_per_s=done["tokens"] / interval,
+            prefill_seconds_seen=done["prefill_s"] or None,
         )
         return Snapshot(obs, live, len(reports))
 

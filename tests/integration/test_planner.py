@@ -17,7 +17,7 @@ from planner.app import create_app
 from planner.kube import RecordingApi
 from planner.service import PlannerService, build_connector
 from planner.settings import KubernetesConfig, PlannerSettings, RoleBounds, SLOConfig
-from tandem_core import keys, load_report
+from tandem_core import keys, load_report, streams
 from tandem_core.settings import RedisConfig
 from tests.integration.test_gateway_relay import gateway_with_worker
 from tests.unit.clock import Clock
@@ -84,13 +84,21 @@ async def test_local_mode_decides_from_the_reports_and_writes_the_decision(redis
     clock = Clock(100.0)
     s = settings(redis_url, pool, profile_path, mode="local", interval_s=10)
     svc = PlannerService(s, redis_client, clock=clock)
+
+    async def beat(tokens: int) -> None:  # a decode pod of this pool, as its heartbeat says
+        await streams.heartbeat(redis_client, streams.WorkerInfo(
+            "decode", f"{pool}-d0", 7, "127.0.0.1:1", 4, 4, extra={"pool": pool, "tokens": tokens}), 30)
+
     await report(redis_client, "gw-a", 0, 0, 0, 0)
+    await beat(100)
     d = await svc.tick()
     assert d.held.startswith("first interval") and svc.metrics.held._value.get() == 1
     clock.t += 10
     # 40 requests of 64 tokens in 10 s: 4 req/s x 0.5 s / 0.8 = 2.5 -> 3 prefill pods (plus the margin)
     await report(redis_client, "gw-a", 40, 40 * 64, 40, 40 * 20)
+    await beat(300)
     d = await svc.tick()
+    assert svc.history[-1]["observed"]["decoded_tokens_per_s"] == pytest.approx(20.0)
     assert not d.held and d.prefill >= 3 and d.decode >= 1, d
     got = await redis_client.hgetall(keys.planner_decision_key(pool))
     assert int(got[b"prefill"]) == d.prefill and int(got[b"decode"]) == d.decode
