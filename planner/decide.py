@@ -3,9 +3,10 @@ profile, the SLO targets and the predicted load, plus the bounds and cooldowns a
 
 Prefill. A pod runs one prompt at a time, `s = profile.prefill_seconds(prompt_tokens)` each. Seen
 as a queue, a pod kept at utilisation rho answers in about s / (1 - rho) (M/M/1, conservative for
-pods that share one queue), so meeting the TTFT target T (less the hand-off) needs
-rho <= 1 - s / T; never above `max_utilization` either. Replicas = ceil(load * s / rho), where
-load is the planned arrival rate plus the backlog spread over one interval.
+pods that share one queue), so meeting the TTFT target T needs rho <= 1 - s / T (the prefill pod
+publishes the first token itself: the hand-off to decode is in the first gap, not in TTFT);
+never above `max_utilization` either. Replicas = ceil(load * s / rho), where load is the planned
+arrival rate plus the backlog spread over one interval.
 
 Decode. The largest batch b whose step time meets the ITL target is the most one pod may run;
 it then makes max_utilization * b / itl(b) tokens/s. Replicas = ceil(load * output_tokens /
@@ -71,11 +72,11 @@ class Infeasible(ValueError):
 def prefill_needed(rate: float, prompt_tokens: float, profile: Profile, slo: SLOConfig,
                    max_utilization: float) -> int:
     s = profile.prefill_seconds(prompt_tokens)
-    budget = slo.ttft_s - profile.handoff_s
-    if s >= budget:
+    # the prefill pod publishes the first token itself: the hand-off to decode is not in TTFT
+    if s >= slo.ttft_s:
         raise Infeasible(f"one {prompt_tokens:.0f}-token prefill takes {s * 1000:.0f} ms, at or past the TTFT target "
-                         f"{slo.ttft_s * 1000:.0f} ms less the {profile.handoff_s * 1000:.0f} ms hand-off")
-    rho = min(max_utilization, 1.0 - s / budget)
+                         f"{slo.ttft_s * 1000:.0f} ms")
+    rho = min(max_utilization, 1.0 - s / slo.ttft_s)
     return math.ceil(rate * s / rho - 1e-9)
 
 

@@ -36,11 +36,11 @@ def obs(t: float, rate: float, isl: float = 200, osl: float = 100, interval: flo
 
 def test_replicas_follow_the_profile_and_the_queueing_bound():
     s = PROFILE.prefill_seconds(200)
-    # rho = min(0.8, 1 - s / (1.0 - 0.01)) = 0.8 here: 20 req/s * s / 0.8
+    # rho = min(0.8, 1 - s / 1.0) = 0.8 here: 20 req/s * s / 0.8
     assert prefill_needed(20, 200, PROFILE, SLOConfig(ttft_s=1.0), 0.8) == math.ceil(20 * s / 0.8)
     # a tight TTFT target lowers the utilisation a pod may run at, so more pods
     tight = prefill_needed(40, 200, PROFILE, SLOConfig(ttft_s=0.2), 0.8)
-    assert tight == math.ceil(40 * s / (1 - s / 0.19))
+    assert tight == math.ceil(40 * s / (1 - s / 0.2))
     assert tight > prefill_needed(40, 200, PROFILE, SLOConfig(ttft_s=1.0), 0.8)
     # decode: a loose ITL target lets a pod run all 8 slots: 0.8 * 8 / 0.012 tokens/s each
     assert decode_needed(20, 100, PROFILE, SLOConfig(itl_s=0.05), 0.8) == math.ceil(2000 / (0.8 * 8 / 0.012))
