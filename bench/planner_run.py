@@ -72,7 +72,7 @@ def workload(phases: list[tuple[float, float]], seed: int, prompt_median: int, o
             arrivals.append(t)
             t += rng.exponential(1.0 / rate)
         t0 += secs
-    lens = chat_lengths(rng, len(arrivals), prompt_median, output_median, max_prompt=480, max_output=64)
+    lens = chat_lengths(rng, len(arrivals), prompt_median, output_median, max_prompt=440, max_output=64)
     return [RequestSpec(a, p, o, "short", rng.integers(3, vocab, p).tolist()) for a, (p, o) in zip(arrivals, lens)]
 
 
