@@ -74,7 +74,9 @@ class Signals:
         if self.last_t is None:
             self.last_t = t
             return Snapshot(None, live, len(reports))
-        interval, self.last_t = max(1e-3, t - self.last_t), t
+        # the counts cover the span between each gateway's two reports, not exactly the interval
+        wall, self.last_t = max(1e-3, t - self.last_t), t
+        interval = max(1e-3, d["span_s"] or wall)
         if not reports:
             raise NoSignal("no gateway has reported its load for 10 s or more (tandem:gateways is empty): "
                            "is a gateway running against this Redis?")
@@ -87,7 +89,7 @@ class Signals:
             ttft_mean_s=_mean(d["ttft_sum"], d["ttft_count"]), itl_mean_s=_mean(d["itl_sum"], d["itl_count"]),
             prefill_arrivals=int(round(d["admitted_remote"])),
             prefill_prompt_tokens_mean=_mean(d["prompt_tokens_remote"], d["admitted_remote"]),
-            prefilled_per_s=done["prefilled"] / interval, decoded_tokens_per_s=done["tokens"] / interval,
+            prefilled_per_s=done["prefilled"] / wall, decoded_tokens_per_s=done["tokens"] / wall,
             prefill_seconds_seen=done["prefill_s"] or None,
         )
         return Snapshot(obs, live, len(reports))

@@ -21,8 +21,9 @@ FIELDS = ("admitted", "prompt_tokens", "admitted_remote", "prompt_tokens_remote"
           "ttft_sum", "ttft_count", "itl_sum", "itl_count")  # remote: prefilled on a prefill pod
 
 
-async def publish(r: aioredis.Redis, gateway_id: str, pid: int, counts: dict[str, float], ttl_s: int) -> None:
-    now = time.time()
+async def publish(r: aioredis.Redis, gateway_id: str, pid: int, counts: dict[str, float], ttl_s: int,
+                  now: float | None = None) -> None:
+    now = time.time() if now is None else now
     fields = {f: float(counts.get(f, 0.0)) for f in FIELDS}
     pipe = r.pipeline(transaction=False)
     pipe.hset(keys.gateway_load_key(gateway_id), mapping={**fields, "pid": pid, "ts": now})
@@ -65,7 +66,11 @@ class Increments:
         self._last: OrderedDict[str, dict] = OrderedDict()
 
     def step(self, reports: list[dict]) -> dict[str, float]:
+        """Summed increments, plus `span_s`: the mean time between the two reports each increment
+        came from (by the reporters' own `ts`; 0 when none has two), so a rate is increments /
+        span_s whatever the phase of the reports against the reader's interval."""
         out = dict.fromkeys(self.fields, 0.0)
+        spans = []
         for rep in reports:
             rid = rep.get("id")
             if rid is None:
@@ -83,7 +88,11 @@ class Increments:
             else:
                 for f in self.fields:
                     out[f] += now[f] - last[f]
+                if rep.get("ts") and last.get("ts"):
+                    spans.append(float(rep["ts"]) - last["ts"])
+            now["ts"] = float(rep.get("ts") or 0.0)
             self._last[rid] = now
         while len(self._last) > self.max_ids:
             self._last.popitem(last=False)
+        out["span_s"] = sum(spans) / len(spans) if spans else 0.0
         return out

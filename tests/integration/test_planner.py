@@ -22,6 +22,7 @@ from tandem_core.settings import RedisConfig
 from tests.integration.test_gateway_relay import gateway_with_worker
 from tests.unit.clock import Clock
 
+T0 = time.time()  # report times: the gateway's clock, 10 s apart like the planner's fake one
 PROFILE = {
     "format": "tandem-capacity-profile/v1", "model": "test",
     # slow prefill (0.5 s for 64 tokens) so a few requests a second need several prefill pods
@@ -44,12 +45,13 @@ def settings(redis_url: str, pool: str, profile_path: str, **kw) -> PlannerSetti
                            decode=RoleBounds(max_replicas=6, deployment="rel-tandem-decode"), **kw)
 
 
-async def report(r, gid: str, admitted: float, prompt_tokens: float, finished: float, output_tokens: float) -> None:
+async def report(r, gid: str, admitted: float, prompt_tokens: float, finished: float, output_tokens: float,
+                 now: float) -> None:
     await load_report.publish(r, gid, 1, {"admitted": admitted, "prompt_tokens": prompt_tokens, "finished": finished,
                                           "admitted_remote": admitted, "prompt_tokens_remote": prompt_tokens,
                                           "output_tokens": output_tokens, "ttft_sum": finished * 0.3,
                                           "ttft_count": finished, "itl_sum": output_tokens * 0.02,
-                                          "itl_count": output_tokens}, ttl_s=30)
+                                          "itl_count": output_tokens}, ttl_s=30, now=now)
 
 
 def test_a_gateway_reports_what_it_admitted_and_served(redis_url):
@@ -89,13 +91,13 @@ async def test_local_mode_decides_from_the_reports_and_writes_the_decision(redis
         await streams.heartbeat(redis_client, streams.WorkerInfo(
             "decode", f"{pool}-d0", 7, "127.0.0.1:1", 4, 4, extra={"pool": pool, "tokens": tokens}), 30)
 
-    await report(redis_client, "gw-a", 0, 0, 0, 0)
+    await report(redis_client, "gw-a", 0, 0, 0, 0, now=T0)
     await beat(100)
     d = await svc.tick()
     assert d.held.startswith("first interval") and svc.metrics.held._value.get() == 1
     clock.t += 10
     # 40 requests of 64 tokens in 10 s: 4 req/s x 0.5 s / 0.8 = 2.5 -> 3 prefill pods (plus the margin)
-    await report(redis_client, "gw-a", 40, 40 * 64, 40, 40 * 20)
+    await report(redis_client, "gw-a", 40, 40 * 64, 40, 40 * 20, now=T0 + 10)
     await beat(300)
     d = await svc.tick()
     assert svc.history[-1]["observed"]["decoded_tokens_per_s"] == pytest.approx(20.0)
@@ -120,11 +122,11 @@ async def test_kubernetes_mode_patches_the_scale_subresource_only_as_leader(redi
     s_b = s.model_copy(update={"kubernetes": KubernetesConfig(namespace="ns", identity="planner-b")})
     svc_b = PlannerService(s_b, redis_client, connector=build_connector(s_b, redis_client, clock=clock, api=other),
                            clock=clock)
-    await report(redis_client, "gw-a", 0, 0, 0, 0)
+    await report(redis_client, "gw-a", 0, 0, 0, 0, now=T0)
     await svc.tick()
     await svc_b.tick()
     clock.t += 10
-    await report(redis_client, "gw-a", 40, 40 * 64, 40, 40 * 20)
+    await report(redis_client, "gw-a", 40, 40 * 64, 40, 40 * 20, now=T0 + 10)
     d = await svc.tick()
     d_b = await svc_b.tick()
     assert not d.held and d.prefill >= 3

@@ -123,10 +123,13 @@ def test_predictor_tracks_a_trend_and_its_margin_grows_with_noise():
 
 def test_increments_survive_restarts_and_new_reporters():
     inc = Increments(("admitted",))
-    assert inc.step([{"id": "a", "pid": 1, "admitted": 100}]) == {"admitted": 0}  # baseline
-    assert inc.step([{"id": "a", "pid": 1, "admitted": 130}, {"id": "b", "pid": 2, "admitted": 7}]) == {"admitted": 30}
+    assert inc.step([{"id": "a", "pid": 1, "admitted": 100, "ts": 10}]) == {"admitted": 0, "span_s": 0}  # baseline
+    # a went on (its two reports 2 s apart); b is new: its count is from before this reader
+    got = inc.step([{"id": "a", "pid": 1, "admitted": 130, "ts": 12}, {"id": "b", "pid": 2, "admitted": 7, "ts": 12}])
+    assert got == {"admitted": 30, "span_s": 2}
     # a restarted: its count began again; b went on
-    assert inc.step([{"id": "a", "pid": 9, "admitted": 4}, {"id": "b", "pid": 2, "admitted": 10}]) == {"admitted": 7}
+    got = inc.step([{"id": "a", "pid": 9, "admitted": 4, "ts": 16}, {"id": "b", "pid": 2, "admitted": 10, "ts": 16}])
+    assert got == {"admitted": 7, "span_s": 4}
 
 
 def test_lease_protocol():
