@@ -28,6 +28,7 @@ All settings come from environment variables (nested blocks use "__"):
   TANDEM_PLANNER_INTERVAL_S              seconds between decisions (30)
   TANDEM_PLANNER_MARGIN_SIGMAS           safety margin, in standard deviations of recent prediction errors (1)
   TANDEM_PLANNER_MAX_UTILIZATION         never plan a pod past this fraction of its profiled capacity (0.8)
+  TANDEM_PLANNER_CORRECTION              scale the profile by the pods' measured speed (true)
   TANDEM_PLANNER_SCALE_UP_COOLDOWN_S / _SCALE_DOWN_COOLDOWN_S   (60 / 300)
   TANDEM_PLANNER_HOST / _PORT            HTTP bind address (0.0.0.0:9300)
   TANDEM_PLANNER_LOG_LEVEL               DEBUG/INFO/WARNING (INFO)

@@ -12,6 +12,8 @@ Decode. The largest batch b whose step time meets the ITL target is the most one
 it then makes max_utilization * b / itl(b) tokens/s. Replicas = ceil(load * output_tokens /
 that), with the ready backlog counted like prefill's.
 
+Both use the profile scaled by what the pods measurably do (planner/correct.py).
+
 A target no replica count can meet (one prompt's prefill alone longer than the TTFT target, one
 step alone longer than the ITL target) is infeasible: the planner says which and holds.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from planner.correct import Corrections
 from planner.predict import Forecast, LoadPredictor
 from planner.profile import Profile
 from planner.settings import RoleBounds, SLOConfig
@@ -60,6 +63,7 @@ class Decision:
     held: str = ""  # why the current replicas are kept ("" = a decision was made)
     notes: tuple[str, ...] = ()
     forecast: Forecast | None = None
+    corrections: tuple[float, float] | None = None  # (prefill, decode) slowdowns of the profile used
 
     def replicas(self, role: str) -> int:
         return self.prefill if role == "prefill" else self.decode
@@ -70,23 +74,24 @@ class Infeasible(ValueError):
 
 
 def prefill_needed(rate: float, prompt_tokens: float, profile: Profile, slo: SLOConfig,
-                   max_utilization: float) -> int:
-    s = profile.prefill_seconds(prompt_tokens)
+                   max_utilization: float, slowdown: float = 1.0) -> int:
+    """`slowdown`: the measured correction of the profile (planner/correct.py)."""
+    s = profile.prefill_seconds(prompt_tokens) * slowdown
     # the prefill pod publishes the first token itself: the hand-off to decode is not in TTFT
     if s >= slo.ttft_s:
-        raise Infeasible(f"one {prompt_tokens:.0f}-token prefill takes {s * 1000:.0f} ms, at or past the TTFT target "
-                         f"{slo.ttft_s * 1000:.0f} ms")
+        raise Infeasible(f"one {prompt_tokens:.0f}-token prefill takes {s * 1000:.0f} ms (the profile's x "
+                         f"{slowdown:.2f} measured), at or past the TTFT target {slo.ttft_s * 1000:.0f} ms")
     rho = min(max_utilization, 1.0 - s / slo.ttft_s)
     return math.ceil(rate * s / rho - 1e-9)
 
 
 def decode_needed(rate: float, output_tokens: float, profile: Profile, slo: SLOConfig,
-                  max_utilization: float) -> int:
-    b = profile.decode_batch_for_itl(slo.itl_s)
+                  max_utilization: float, slowdown: float = 1.0) -> int:
+    b = profile.decode_batch_for_itl(slo.itl_s / slowdown)
     if b == 0:
-        raise Infeasible(f"one request alone steps every {profile.decode_itl(1) * 1000:.1f} ms, past the ITL "
-                         f"target {slo.itl_s * 1000:.1f} ms")
-    per_pod = max_utilization * b / profile.decode_itl(b)  # tokens/s
+        raise Infeasible(f"one request alone steps every {profile.decode_itl(1) * slowdown * 1000:.1f} ms (the "
+                         f"profile's x {slowdown:.2f} measured), past the ITL target {slo.itl_s * 1000:.1f} ms")
+    per_pod = max_utilization * b / (profile.decode_itl(b) * slowdown)  # tokens/s
     return math.ceil(rate * output_tokens / per_pod - 1e-9)
 
 
@@ -107,6 +112,7 @@ class Planner:
     profile: Profile
     cfg: PlanConfig
     predictor: LoadPredictor = field(default_factory=LoadPredictor)  # all arrivals: sizes decode
+    corrections: Corrections = field(default_factory=Corrections)
     remote: LoadPredictor | None = None  # arrivals prefilled on prefill pods: sizes prefill
     started_at: float | None = None
     last_up: dict[str, float] = field(default_factory=dict)
@@ -130,13 +136,14 @@ class Planner:
                             obs.output_tokens_mean)
         if not self.predictor.ready:
             return self.hold(obs.t, current, "warming up: no finished request seen yet")
+        self.corrections.observe(obs, self.profile, current["decode"])
         fc, fr = self.predictor.forecast(), self.remote.forecast()
         load_p = fr.planned_rate + obs.prefill_backlog / obs.interval_s
         load_d = fc.planned_rate + obs.decode_backlog / obs.interval_s
-        u = self.cfg.max_utilization
+        u, c = self.cfg.max_utilization, self.corrections
         try:
-            wanted = {"prefill": prefill_needed(load_p, fr.prompt_tokens, self.profile, self.cfg.slo, u),
-                      "decode": decode_needed(load_d, fc.output_tokens, self.profile, self.cfg.slo, u)}
+            wanted = {"prefill": prefill_needed(load_p, fr.prompt_tokens, self.profile, self.cfg.slo, u, c.prefill),
+                      "decode": decode_needed(load_d, fc.output_tokens, self.profile, self.cfg.slo, u, c.decode)}
         except Infeasible as e:
             return self.hold(obs.t, current, f"SLO infeasible: {e}", fc)
         notes, out = [], {}
@@ -145,7 +152,7 @@ class Planner:
             if note:
                 notes.append(note)
         return Decision(obs.t, out["prefill"], out["decode"], wanted["prefill"], wanted["decode"],
-                        notes=tuple(notes), forecast=fc)
+                        notes=tuple(notes), forecast=fc, corrections=(c.prefill, c.decode))
 
     def _bounded(self, role: str, wanted: int, current: int, t: float) -> tuple[int, str]:
         b, cfg = self.cfg.bounds[role], self.cfg

@@ -28,6 +28,9 @@ class PlannerMetrics:
         self.decisions = Counter("tandem_planner_decisions", "Intervals decided", registry=reg)
         self.scale_events = Counter("tandem_planner_scale_events", "Replica changes decided",
                                     ["role", "direction"], registry=reg)
+        self.correction = Gauge("tandem_planner_profile_correction", "How much slower the pods measurably are "
+                                "than the capacity profile (planner/correct.py; 1 = as profiled)", ["role"],
+                                registry=reg)
         self.leader = Gauge("tandem_planner_leader", "1 when this planner may scale (holds the Lease)",
                             registry=reg)
 
@@ -44,6 +47,9 @@ class PlannerMetrics:
             self.holds.labels(hold_kind(d.held)).inc()
         else:
             self.decisions.inc()
+        if d.corrections is not None:
+            self.correction.labels("prefill").set(d.corrections[0])
+            self.correction.labels("decode").set(d.corrections[1])
         if d.forecast is not None:
             self.rate.set(d.forecast.rate)
             self.margin.set(d.forecast.margin)

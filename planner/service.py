@@ -16,6 +16,7 @@ from collections import deque
 from redis.exceptions import RedisError
 
 from planner.connectors import KubeScale, LocalFollow, Publish
+from planner.correct import Corrections
 from planner.decide import ROLES, Decision, PlanConfig, Planner
 from planner.kube import KubeApi, LeaseKeeper, RecordingApi, default_identity, default_namespace
 from planner.metrics import PlannerMetrics
@@ -32,7 +33,7 @@ def build_planner(s: PlannerSettings, profile) -> Planner:
     cfg = PlanConfig(slo=s.slo, bounds={"prefill": s.prefill, "decode": s.decode}, max_utilization=s.max_utilization,
                      scale_up_cooldown_s=s.scale_up_cooldown_s, scale_down_cooldown_s=s.scale_down_cooldown_s)
     pred = LoadPredictor(smoothing=s.smoothing, trend_smoothing=s.trend_smoothing, margin_sigmas=s.margin_sigmas)
-    return Planner(profile, cfg, predictor=pred)
+    return Planner(profile, cfg, predictor=pred, corrections=Corrections(enabled=s.correction))
 
 
 def build_connector(s: PlannerSettings, r, clock=time.time, api=None):
@@ -92,7 +93,8 @@ class PlannerService:
         d = self.planner.step(snap.observation, current)
         if not leader and not d.held:
             d = Decision(d.t, current["prefill"], current["decode"], d.wanted_prefill, d.wanted_decode,
-                         held="not the leader: another planner holds the lease", forecast=d.forecast)
+                         held="not the leader: another planner holds the lease", forecast=d.forecast,
+                         corrections=d.corrections)
         if d.held:
             return self._held(t, current, snap.observation, d.held, d)
         if any(d.replicas(r) != current[r] for r in ROLES):
@@ -140,6 +142,8 @@ def decision_json(d: Decision, current: dict[str, int], obs) -> dict:
     out = {"t": round(d.t, 3), "wall_time": round(time.time(), 3), "current": current,
            "desired": {"prefill": d.prefill, "decode": d.decode},
            "needed": {"prefill": d.wanted_prefill, "decode": d.wanted_decode}, "held": d.held, "notes": list(d.notes)}
+    if d.corrections is not None:
+        out["corrections"] = {"prefill": round(d.corrections[0], 3), "decode": round(d.corrections[1], 3)}
     if d.forecast is not None:
         f = d.forecast
         out["forecast"] = {"rate": round(f.rate, 4), "margin": round(f.margin, 4),

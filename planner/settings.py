@@ -67,6 +67,7 @@ class PlannerSettings(BaseSettings):
     trend_smoothing: float = Field(default=0.3, ge=0.0, le=1.0)
     margin_sigmas: float = Field(default=1.0, ge=0.0, le=10.0)
     max_utilization: float = Field(default=0.8, gt=0.0, le=1.0)  # of a pod's profiled capacity
+    correction: bool = True  # scale the profile by the pods' measured speed (planner/correct.py)
     scale_up_cooldown_s: float = Field(default=60.0, ge=0.0)
     scale_down_cooldown_s: float = Field(default=300.0, ge=0.0)  # also: scale down to the max wanted over it
     log_level: str = "INFO"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from planner.correct import LIMIT, Corrections
 from planner.decide import Infeasible, Observation, PlanConfig, Planner, decode_needed, prefill_needed
 from planner.kube import LeaseKeeper, RecordingApi, lease_action, lease_body
 from planner.predict import LoadPredictor
@@ -166,3 +167,20 @@ def test_settings_reject_nonsense():
         RoleBounds(min_replicas=5, max_replicas=2)
     with pytest.raises(ValueError):
         PlannerSettings(mode="sometimes")
+
+
+def test_pods_slower_than_the_profile_get_more_replicas():
+    seen = dict(prefill_seconds_seen=3 * PROFILE.prefill_seconds(200), prefilled_per_s=20.0)
+    plain = planner().step(obs(10, 20), {"prefill": 1, "decode": 1})
+    slow = planner().step(obs(10, 20, **seen), {"prefill": 1, "decode": 1})
+    # one interval at 3x moves the factor halfway: 1 + (3 - 1) / 2 = 2
+    assert slow.corrections[0] == pytest.approx(2.0) and slow.prefill > plain.prefill
+    # decode: 20 req/s x 100 tokens = 2000 tokens/s over 1 pod at 24 ms a gap = 48 per step -> batch 8
+    # (clamped), where the profile steps in 12 ms: 2x slower, so the factor moves halfway, to 1.5
+    slow_d = planner().step(obs(10, 20, itl_mean_s=0.024, decoded_tokens_per_s=2000.0), {"prefill": 1, "decode": 1})
+    assert slow_d.corrections[1] == pytest.approx(1.5) and slow_d.decode > plain.decode
+    off = Planner(PROFILE, planner().cfg, corrections=Corrections(enabled=False))
+    assert off.step(obs(10, 20, **seen), {"prefill": 1, "decode": 1}).corrections == (1.0, 1.0)
+    # a wild measurement is clamped
+    wild = planner().step(obs(10, 20, prefill_seconds_seen=100.0, prefilled_per_s=1.0), {"prefill": 1, "decode": 1})
+    assert wild.corrections[0] == pytest.approx((1 + LIMIT) / 2)
