@@ -109,6 +109,7 @@ def decision_rows(history: list[dict], t_start_wall: float) -> list[list]:
                      f"{h['desired']['prefill']}/{h['desired']['decode']}",
                      f"{h['current']['prefill']}/{h['current']['decode']}",
                      _f(None if ttft is None else ttft * 1000, ".0f"),
+                     "-" if not h.get("corrections") else f"{h['corrections']['prefill']:.2f}/{h['corrections']['decode']:.2f}",
                      (h["held"] or "; ".join(h["notes"]))[:70] or "-"])
     return rows
 
@@ -149,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-median", type=int, default=200)
     p.add_argument("--output-median", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-correction", action="store_true", help="plan from the profile alone (planner/correct.py off)")
     a = p.parse_args(argv)
     phases = phases_of(a.phases or ("1:30,6:60,1:60" if a.quick else "1:40,6:90,1:90"))
     env = {"TANDEM_PLANNER_SLO__TTFT_S": str(a.ttft_s), "TANDEM_PLANNER_SLO__ITL_S": str(a.itl_s),
            "TANDEM_PLANNER_SCALE_UP_COOLDOWN_S": "0", "TANDEM_PLANNER_SCALE_DOWN_COOLDOWN_S": "30",
            "TANDEM_GATEWAY_DIRECT_PREFILL_MAX_TOKENS": "0"}
+    if a.no_correction:
+        env["TANDEM_PLANNER_CORRECTION"] = "false"
     if a.profile:
         env["TANDEM_PLANNER_PROFILE_PATH"] = str(Path(a.profile).resolve())
     OUT.mkdir(parents=True, exist_ok=True)
@@ -196,14 +200,15 @@ def main(argv: list[str] | None = None) -> int:
 def report(doc: dict, a, t_wall: float, argv: list[str]) -> str:
     rows = decision_rows(doc["history"], t_wall)
     heads = ["t s", "observed req/s", "prompt tok", "forecast req/s", "margin", "needed P/D", "desired P/D",
-             "running P/D", "TTFT ms", "held / notes"]
+             "running P/D", "TTFT ms", "correction P/D", "held / notes"]
     ups = sum(1 for x, y in zip(doc["history"], doc["history"][1:]) if y["desired"] != x["desired"])
     return "\n".join([
         "## Planner on a recorded load (bench/planner_run.py)", "",
         f"Measured by `python bench/planner_run.py {' '.join(argv)}` on {machine_line()}. `tandem local --planner` "
         f"(built-in model, 8 slots, starting at 1 prefill + 1 decode worker, at most {a.max_workers} each; the launcher "
         f"starts workers and drains them with SIGTERM to follow the planner); planner every {a.interval_s:g} s, SLO TTFT "
-        f"{a.ttft_s:g} s and ITL {a.itl_s:g} s, scale-down window 30 s, direct prefill off. Load: Poisson phases "
+        f"{a.ttft_s:g} s and ITL {a.itl_s:g} s, scale-down window 30 s, profile correction "
+        f"{'off' if a.no_correction else 'on'}, direct prefill off. Load: Poisson phases "
         f"{', '.join(f'{r:g} req/s for {s:g} s' for r, s in doc['phases'])}; prompts log-normal around "
         f"{a.prompt_median} tokens, outputs around {a.output_median}. The trace is bench/out/planner_trace.jsonl.",
         "", f"{doc['requests']} requests, {doc['errors']} errors, TTFT p50/p90/p99 "

@@ -53,7 +53,8 @@ def test_planner_scales_up_under_load_and_drains_on_the_way_down(tmp_path):
     planner_port = free_port()
     env = {"TANDEM_PLANNER_PROFILE_PATH": str(profile), "TANDEM_PLANNER_SLO__TTFT_S": "3",
            "TANDEM_PLANNER_SLO__ITL_S": "0.2", "TANDEM_PLANNER_MARGIN_SIGMAS": "0",
-           "TANDEM_PLANNER_SCALE_UP_COOLDOWN_S": "0", "TANDEM_PLANNER_SCALE_DOWN_COOLDOWN_S": "8"}
+           "TANDEM_PLANNER_SCALE_UP_COOLDOWN_S": "0", "TANDEM_PLANNER_SCALE_DOWN_COOLDOWN_S": "8",
+           "TANDEM_PLANNER_CORRECTION": "false"}  # the profile is made up: the real pods would correct it away
     cl = start_local("tiny", slots=4, max_len=128, env=env, extra=[
         "--planner", "--planner-port", str(planner_port), "--planner-interval", "2", "--planner-max", "2"])
     base = cl.base_url
