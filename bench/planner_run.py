@@ -150,14 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-median", type=int, default=200)
     p.add_argument("--output-median", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-correction", action="store_true", help="plan from the profile alone (planner/correct.py off)")
+    p.add_argument("--correction", action="store_true",
+                   help="correct the profile by the pods' measured speed (planner/correct.py; tandem local turns it off: "
+                   "its workers share the cores)")
     a = p.parse_args(argv)
     phases = phases_of(a.phases or ("1:30,6:60,1:60" if a.quick else "1:40,6:90,1:90"))
     env = {"TANDEM_PLANNER_SLO__TTFT_S": str(a.ttft_s), "TANDEM_PLANNER_SLO__ITL_S": str(a.itl_s),
            "TANDEM_PLANNER_SCALE_UP_COOLDOWN_S": "0", "TANDEM_PLANNER_SCALE_DOWN_COOLDOWN_S": "30",
            "TANDEM_GATEWAY_DIRECT_PREFILL_MAX_TOKENS": "0"}
-    if a.no_correction:
-        env["TANDEM_PLANNER_CORRECTION"] = "false"
+    env["TANDEM_PLANNER_CORRECTION"] = "true" if a.correction else "false"
     if a.profile:
         env["TANDEM_PLANNER_PROFILE_PATH"] = str(Path(a.profile).resolve())
     OUT.mkdir(parents=True, exist_ok=True)
@@ -208,7 +209,7 @@ def report(doc: dict, a, t_wall: float, argv: list[str]) -> str:
         f"(built-in model, 8 slots, starting at 1 prefill + 1 decode worker, at most {a.max_workers} each; the launcher "
         f"starts workers and drains them with SIGTERM to follow the planner); planner every {a.interval_s:g} s, SLO TTFT "
         f"{a.ttft_s:g} s and ITL {a.itl_s:g} s, scale-down window 30 s, profile correction "
-        f"{'off' if a.no_correction else 'on'}, direct prefill off. Load: Poisson phases "
+        f"{'on' if a.correction else 'off'}, direct prefill off. Load: Poisson phases "
         f"{', '.join(f'{r:g} req/s for {s:g} s' for r, s in doc['phases'])}; prompts log-normal around "
         f"{a.prompt_median} tokens, outputs around {a.output_median}. The trace is bench/out/planner_trace.jsonl.",
         "", f"{doc['requests']} requests, {doc['errors']} errors, TTFT p50/p90/p99 "

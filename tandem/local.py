@@ -173,7 +173,11 @@ class Cluster:
             self.follower = PlannerFollower(self, self.redis.url)
             self.follower.start(self.a.prefill, self.a.decode)
             pre = "TANDEM_PLANNER_"
-            self._spawn("planner", "planner", self._env(pre, {
+            # Workers here share the machine's cores: a correction of the profile would read their
+            # contention as slowness and ask for more of them (a feedback loop), so it is off
+            # unless set (bench/RESULTS.md, planner-run notes).
+            own = {} if f"{pre}CORRECTION" in os.environ else {f"{pre}CORRECTION": "false"}
+            self._spawn("planner", "planner", self._env(pre, {**own,
                 f"{pre}MODE": "local", f"{pre}HOST": "127.0.0.1", f"{pre}PORT": str(self.a.planner_port),
                 f"{pre}INTERVAL_S": str(self.a.planner_interval),
                 f"{pre}PREFILL__MAX_REPLICAS": str(self.a.planner_max),
