@@ -55,28 +55,26 @@ async def report(r, gid: str, admitted: float, prompt_tokens: float, finished: f
 
 
 def test_a_gateway_reports_what_it_admitted_and_served(redis_url):
+    async def reports() -> dict[str, dict]:
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            return {x["id"]: x for x in await load_report.read(r)}
+        finally:
+            await r.aclose()
+
     with gateway_with_worker(redis_url, "plan") as gw:
+        before = asyncio.run(reports())  # other tests' gateways report to this Redis too
         for i in range(3):
             resp = httpx.post(f"{gw.url}/v1/completions", json={"prompt": f"count me {i}", "max_tokens": 5}, timeout=30)
             assert resp.status_code == 200, resp.text
-
-        async def read() -> list[dict]:
-            r = aioredis.Redis.from_url(redis_url)
-            try:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    reps = [x for x in await load_report.read(r) if x["admitted"] >= 3]
-                    if reps:
-                        return reps
-                    await asyncio.sleep(0.2)
-                return []
-            finally:
-                await r.aclose()
-
-        reps = asyncio.run(read())
-    assert reps, "the gateway wrote no load report with its 3 requests"
-    rep = max(reps, key=lambda x: x["ts"])
-    assert rep["finished"] >= 3 and rep["output_tokens"] >= 3 and rep["prompt_tokens"] >= 3 * 2
+        deadline, mine = time.monotonic() + 10, []
+        while not mine and time.monotonic() < deadline:
+            time.sleep(0.2)
+            mine = [x for gid, x in asyncio.run(reports()).items()
+                    if x["admitted"] - before.get(gid, {}).get("admitted", 0) == 3 and x["finished"] >= 3]
+    assert len(mine) == 1, "the gateway wrote no load report with its 3 requests"
+    rep = mine[0]
+    assert rep["output_tokens"] >= 3 and rep["prompt_tokens"] >= 3 * 2
     assert rep["ttft_count"] >= 3 and rep["ttft_sum"] > 0
     assert rep["admitted_remote"] == rep["admitted"]  # direct prefill is off in these gateways' settings
 
