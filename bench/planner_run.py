@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in specs:
             f.write(json.dumps({"arrival_s": round(s.arrival_s, 4), "prompt_tokens": s.prompt_len,
                                 "output_tokens": s.output_len}) + "\n")
-    history = [h for h in history if h["wall_time"] >= t_wall - 1]
+    history = [h for h in history if h["wall_time"] >= t_wall - 1 and h["desired"]]
     ok = [r for r in results if r.ok]
     doc = {"phases": phases, "history": history, "workers": workers, "errors": len(results) - len(ok),
            "requests": len(results), "ttft_ms": pcts([r.ttft_s * 1000 for r in ok]), "wall_s": wall}

@@ -19,7 +19,7 @@ from planner.connectors import KubeScale, LocalFollow, Publish
 from planner.correct import Corrections
 from planner.decide import ROLES, Decision, PlanConfig, Planner
 from planner.kube import KubeApi, LeaseKeeper, RecordingApi, default_identity, default_namespace
-from planner.metrics import PlannerMetrics
+from planner.metrics import PlannerMetrics, hold_kind
 from planner.predict import LoadPredictor
 from planner.profile import ProfileError, load_profile
 from planner.settings import PlannerSettings
@@ -110,12 +110,20 @@ class PlannerService:
         return self._done(d, current, snap.observation)
 
     def _held(self, t, current, obs, reason: str, d: Decision | None = None) -> Decision:
-        if current is None:
-            current = {r: (self.last.replicas(r) if self.last else 0) for r in ROLES}
+        if current is None and self.last is not None:
+            current = {r: self.last.replicas(r) for r in ROLES}
         if reason != self._last_hold:
-            log.warning("holding the current replicas (prefill %d, decode %d): %s", current["prefill"],
-                        current["decode"], reason)
+            log.warning("holding the current replicas (%s): %s", "unknown" if current is None else
+                        f"prefill {current['prefill']}, decode {current['decode']}", reason)
             self._last_hold = reason
+        if current is None:
+            # Nothing known yet (Redis down from the start): no replica count is published at all
+            # (/keda answers 503, the desired gauges stay unset), so nothing follows a made-up 0.
+            self.metrics.held.set(1)
+            self.metrics.holds.labels(hold_kind(reason)).inc()
+            self.history.append({"t": round(t, 3), "wall_time": round(time.time(), 3), "current": None,
+                                 "desired": None, "needed": None, "held": reason, "notes": []})
+            return Decision(t, 0, 0, None, None, held=reason)
         held = Decision(t, current["prefill"], current["decode"], d.wanted_prefill if d else None,
                         d.wanted_decode if d else None, held=reason, notes=d.notes if d else (),
                         forecast=d.forecast if d else None)

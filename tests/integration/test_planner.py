@@ -161,6 +161,7 @@ async def test_bad_profile_missing_signals_and_redis_down_hold(redis_client, red
     down = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
     gone = PlannerService(settings("redis://127.0.0.1:1/0", pool, str(bad)), down, clock=Clock())
     assert (await gone.tick()).held.startswith("Redis unreachable")
+    assert gone.last is None and gone.metrics.held._value.get() == 1  # nothing to publish: not a made-up 0
     await down.aclose()
 
 
