@@ -112,3 +112,16 @@ def merge_summary(values: dict, path: Path = SUMMARY_JSON) -> dict:
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
     return data
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (and a line saying so) when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install -e '.[bench]'): no plots", flush=True)
+        return None
+    return plt

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import plan_trace  # noqa: E402
-from bench.common import BENCH_DIR, machine_info, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
+from bench.common import BENCH_DIR, machine_info, machine_line, markdown_table, merge_summary, pyplot, write_section  # noqa: E402
 from bench.plan_model import ROLES, SimConfig, SimResult, simulate  # noqa: E402
 from bench.plan_policies import HPAPolicy, PlannerPolicy, StaticPolicy, scaled, size_for  # noqa: E402
 from planner.decide import PlanConfig  # noqa: E402
@@ -160,16 +160,6 @@ def binned(res: SimResult, bin_s: float, q: float = 90) -> tuple[np.ndarray, np.
 # plots
 
 
-def _plt():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing (pip install -e '.[bench]'): no plots", flush=True)
-        return None
-    return plt
 
 
 def plot_replicas(plt, trace, results: list[SimResult], out: Path) -> Path:
@@ -329,7 +319,7 @@ def run(args, argv: list[str]) -> int:
     print(md)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"plan_sim{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
-    plt = _plt() if not args.no_write else None
+    plt = pyplot() if not args.no_write else None
     if plt:
         PLOTS.mkdir(parents=True, exist_ok=True)
         plot_replicas(plt, trace, results, PLOTS)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import BENCH_DIR, fmt, machine_line, markdown_table, write_section  # noqa: E402
+from bench.common import BENCH_DIR, fmt, machine_line, markdown_table, pyplot, write_section  # noqa: E402
 from bench.loadgen import RequestSpec, chat_lengths, pcts, run_load  # noqa: E402
 from bench.systems import TandemLocal, model_id, warm_up  # noqa: E402
 from tandem.redis_proc import free_port  # noqa: E402
@@ -115,10 +115,9 @@ def decision_rows(history: list[dict], t_start_wall: float) -> list[list]:
 
 
 def plot(history: list[dict], workers: list, t_start_wall: float, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 3.6))
     t = [h["wall_time"] - t_start_wall for h in history]
     ax.step(t, [h["desired"]["prefill"] for h in history], where="post", label="planner: prefill")

@@ -13,20 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.common import pyplot
+
 DPI = 72
 COLORS = {"disagg": "tab:blue", "colocated": "tab:orange", "vllm": "tab:green", "bare": "tab:gray"}
 
 
-def _plt():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing (pip install -e '.[bench]'): no plots", flush=True)
-        return None
-    return plt
 
 
 def _raw(raw_dir: Path, name: str) -> dict | None:
@@ -99,7 +91,7 @@ def rates_plot(plt, doc: dict, out: Path) -> Path | None:
 
 
 def interleave_plot(raw_dir: Path, out: Path, prefix: str = "") -> Path | None:
-    plt = _plt()
+    plt = pyplot()
     if plt is None:
         return None
     fig, axes = plt.subplots(2, 1, figsize=(10, 4), sharex=True, sharey=True)
@@ -137,7 +129,7 @@ def _save(plt, fig, path: Path) -> Path:
 
 def draw(doc: dict, raw_dir: Path, out: Path) -> list[str]:
     """Every plot that has data; returns their paths."""
-    plt = _plt()
+    plt = pyplot()
     if plt is None:
         return []
     got = [latency_cdf(plt, doc, raw_dir, out), rates_plot(plt, doc, out), interleave_plot(raw_dir, out)]
