@@ -26,6 +26,8 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tandem_core.load_report import Increments
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -167,37 +169,27 @@ class GatewayMetrics:
 
 
 class PodCounters:
-    """Increments of the pods' cumulative prefix-cache counts between two registry reads.
-
-    The last values per worker id are kept; the delta is value - last, and a value below the last
-    (or a new pid) means the pod restarted (its counts began again at 0), so the delta is the value
-    itself. A pod seen for the first time contributes its whole count. At most `max_pods` worker ids are
-    remembered (least recently seen forgotten), so pod churn cannot grow it without bound.
+    """Increments of the pods' cumulative prefix-cache counts between two registry reads
+    (tandem_core/load_report.Increments: a count going down, or a new pid, means the pod restarted
+    and its whole count is new). A pod seen for the first time contributes its whole count. At
+    most `max_pods` worker ids are remembered (least recently seen forgotten), so pod churn cannot
+    grow it without bound.
     """
 
     FIELDS = ("queries", "hits", "computed")
 
     def __init__(self, max_pods: int = 4096) -> None:
-        self.max_pods = max_pods
-        self._last: OrderedDict[str, dict] = OrderedDict()
+        self._inc = Increments(self.FIELDS, max_ids=max_pods, count_new=True)
+
+    @property
+    def _last(self) -> OrderedDict:
+        return self._inc._last
 
     def deltas(self, workers: list[dict]) -> dict[str, int]:
-        out = dict.fromkeys(self.FIELDS, 0)
-        for w in workers:
-            pc, wid = prefix_cache_of(w), w.get("id")
-            if pc is None or wid is None:
-                continue
-            now = {f: max(0, int(pc.get(f) or 0)) for f in self.FIELDS}
-            now["pid"] = w.get("pid")
-            last = self._last.pop(wid, None)
-            # A restart resets every count: any count going down (or a new pid) means all did.
-            restarted = last is None or last["pid"] != now["pid"] or any(now[f] < last[f] for f in self.FIELDS)
-            for f in self.FIELDS:
-                out[f] += now[f] if restarted else now[f] - last[f]
-            self._last[wid] = now
-        while len(self._last) > self.max_pods:
-            self._last.popitem(last=False)
-        return out
+        reports = [{"id": w["id"], "pid": w.get("pid"), **{f: pc.get(f) for f in self.FIELDS}}
+                   for w in workers if (pc := prefix_cache_of(w)) is not None and w.get("id") is not None]
+        got = self._inc.step(reports)
+        return {f: int(got[f]) for f in self.FIELDS}
 
 
 def prefix_cache_of(worker: dict) -> dict | None:

@@ -33,7 +33,7 @@ class Publish:
             self.replicas = {r: max(1, live.get(r, 0)) for r in ROLES}
         return dict(self.replicas)
 
-    async def apply(self, d: Decision) -> None:
+    async def apply(self, d: Decision, current: dict[str, int]) -> None:
         self.replicas = {r: d.replicas(r) for r in ROLES}
 
     async def refresh_leader(self) -> bool:
@@ -52,8 +52,8 @@ class LocalFollow(Publish):
             return {r: int(got[r]) for r in ROLES}
         return await super().current(live)
 
-    async def apply(self, d: Decision) -> None:
-        await super().apply(d)
+    async def apply(self, d: Decision, current: dict[str, int]) -> None:
+        await super().apply(d, current)
         await self.r.hset(self.key, mapping={"prefill": d.prefill, "decode": d.decode, "ts": time.time(),
                                              "reason": "; ".join(d.notes)[:500]})
 
@@ -81,9 +81,9 @@ class KubeScale:
     async def current(self, live: dict[str, int]) -> dict[str, int]:
         return {r: await self.api.read_scale(self.namespace, self.deployments[r]) for r in ROLES}
 
-    async def apply(self, d: Decision) -> None:
-        have = await self.current({})
+    async def apply(self, d: Decision, current: dict[str, int]) -> None:
+        """Patch the roles whose decision differs from `current` (read this tick)."""
         for r in ROLES:
-            if d.replicas(r) != have[r]:
+            if d.replicas(r) != current[r]:
                 await self.api.patch_scale(self.namespace, self.deployments[r], d.replicas(r))
-                log.info("scaled %s/%s %d -> %d", self.namespace, self.deployments[r], have[r], d.replicas(r))
+                log.info("scaled %s/%s %d -> %d", self.namespace, self.deployments[r], current[r], d.replicas(r))

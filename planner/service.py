@@ -103,7 +103,7 @@ class PlannerService:
                      d.wanted_prefill, d.wanted_decode, d.forecast.rate, d.forecast.margin, d.forecast.prompt_tokens,
                      d.forecast.output_tokens, "".join(f"; {n}" for n in d.notes))
         try:
-            await self.connector.apply(d)
+            await self.connector.apply(d, current)
         except Exception as e:
             return self._held(t, current, snap.observation, f"Kubernetes: scale not written ({e})", d)
         self._last_hold = ""
