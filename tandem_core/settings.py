@@ -45,8 +45,19 @@ class RedisConfig(BaseModel):
     password: str | None = None
     socket_timeout_s: PositiveFloat = 10.0
     connect_timeout_s: PositiveFloat = 5.0
-    max_connections: PositiveInt = 1024  # client pool bound (the gateway reads every token stream on one)
+    max_connections: PositiveInt = 1024  # client pool bound (per node on a Redis Cluster)
     sentinel: SentinelConfig = SentinelConfig()
+    # Redis Cluster: `url` names any one node (redis:// or rediss://); redis-py's cluster client
+    # finds the rest and follows failovers and slot moves.
+    cluster: bool = False
+    # Key shards: a request's keys and the pool streams it passes through share a hash tag, one
+    # of `shards`; on a Redis Cluster they spread over the nodes. Every service of a deployment
+    # must use the same count (checked at start against `tandem:meta:shards`). 0 = 1 on a plain
+    # Redis, 16 with `cluster`.
+    shards: int = Field(default=0, ge=0, le=1024)
+
+    def shard_count(self) -> int:
+        return self.shards or (16 if self.cluster else 1)
 
 
 class GrpcConfig(BaseModel):
