@@ -37,7 +37,7 @@ def redis_state(url: str, rid: str) -> str:
         entries = r.xrange(keys.token_stream(rid))
         idx = [int(f[b"i"]) for _id, f in entries]
         fins = [(int(f[b"i"]), f[b"f"].decode()) for _id, f in entries if b"f" in f]
-        owners = [k.decode() for k in r.scan_iter(match=keys.running_key("*"), count=1000) if r.hexists(k, rid)]
+        owners = [k.decode() for k in r.scan_iter(match=keys.RUNNING_PATTERN, count=1000) if r.hexists(k, rid)]
         span = f"{entries[0][0].decode()}..{entries[-1][0].decode()}" if entries else "-"
         info = r.info("server")
         return (f"tokens [{_ranges(idx)}] ids {span} finishes {fins}; running in {owners}; "

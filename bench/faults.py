@@ -374,7 +374,7 @@ async def _most_running(cluster, live: list[dict], timeout_s: float = 5.0) -> in
         while True:
             pipe = r.pipeline(transaction=False)
             for w in live:
-                pipe.hlen(keys.running_key(w["id"]))
+                pipe.hlen(keys.running_key(w["id"], 0))  # tandem local: one shard
             counts = await pipe.execute()
             if max(counts) > 0 or time.monotonic() > deadline:
                 pick = live[counts.index(max(counts))]

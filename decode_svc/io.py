@@ -45,6 +45,7 @@ class DecodeIO:
         self.owned = token_writes.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
                                                  s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
+        self.bells = {g: streams.Doorbell(r, s.pool, [g]) for g in (keys.DECODE_GROUP, keys.PREFILL_GROUP)}
         self.slot_freed = asyncio.Event()
         self.output_ready = asyncio.Event()  # set (thread-safely) by the engine after each step
         self.inflight: dict[str, asyncio.Task] = {}
@@ -73,10 +74,11 @@ class DecodeIO:
 
     def _sources(self) -> list[tuple[list[str], str]]:
         out = []
+        pool, shards = self.s.pool, self.rotation.shard_order()  # (the previous pass's start: fine)
         if not self.s.colocated:
-            out.append(([keys.ready_stream(self.s.pool)], keys.DECODE_GROUP))
+            out.append(([keys.ready_stream(pool, s) for s in shards], keys.DECODE_GROUP))
         if self.s.direct_prefill or self.s.colocated:
-            out.append(([keys.direct_stream(self.s.pool)], keys.DECODE_GROUP))
+            out.append(([keys.direct_stream(pool, s) for s in shards], keys.DECODE_GROUP))
         if self.s.colocated:
             out.append((self.rotation.next_order(), keys.PREFILL_GROUP))
         return out
@@ -121,8 +123,8 @@ class DecodeIO:
         if not got:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
-            got = [(c, group) for c in
-                   await streams.claim(self.r, names, group, self.worker_id, n, self.s.claim_block_ms)]
+            got = [(c, group) for c in await streams.claim(self.r, names, group, self.worker_id, n,
+                                                           self.s.claim_block_ms, self.bells[group])]
         return got
 
     async def _dispatch(self, c: streams.Claimed, group: str, started: int | None = None) -> None:
@@ -226,7 +228,7 @@ class DecodeIO:
             items, acks = payload
             items = [it for it in items if it[0] not in fenced]
             results = await retry(lambda: self._write_tokens(items, acks), "tokens again")
-            self.replay_refused += [it for it, ok in zip(items, results[0] if items else []) if ok == 0]
+            self.replay_refused += [it for it, ok in zip(items, results) if ok == 0]
 
     async def _after_replay(self) -> None:
         """Journal tokens the fence refused during a replay: those of a request this pod has
@@ -249,14 +251,14 @@ class DecodeIO:
     async def _streamed_indices(self, rid: str) -> set[int]:
         return {int(f[b"i"]) for _id, f in await self.r.xrange(keys.token_stream(rid))}
 
-    async def _write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list:
+    async def _write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list[int]:
         """Token items (and acks) in one round trip; a Redis without the script gets it first.
-        The pipeline's replies: with items, the first is 1 (written) / 0 (fenced off) per item."""
+        Returns 1 (written) / 0 (fenced off) per item."""
         try:
-            return await self._tokens_pipeline(items, acks or [], fenced).execute()
+            return await self._execute_tokens(items, acks or [], fenced)
         except NoScriptError:
             await self.owned.load()
-            return await self._tokens_pipeline(items, acks or [], fenced).execute()
+            return await self._execute_tokens(items, acks or [], fenced)
 
     async def publish_loop(self, done: asyncio.Event) -> None:
         """Drain the engine's output queue: one round trip per step, or for every step queued
@@ -310,15 +312,15 @@ class DecodeIO:
         results = await self._publish(again)
         return {e.request_id for e, ok in zip(again, results or []) if ok == 0}
 
-    def _tokens_pipeline(self, items: list, acks: list, fenced: bool = True) -> "aioredis.client.Pipeline":
-        """One script call for every token item, then the acks: one round trip."""
+    async def _execute_tokens(self, items: list, acks: list, fenced: bool = True) -> list[int]:
+        """One script call per shard for the token items, then the acks: one round trip. Returns
+        1 (written) / 0 (fenced off) per item."""
         pipe = self.r.pipeline(transaction=False)
-        if items:
-            self.owned.add_batch(pipe, items, fenced)
+        placed = self.owned.add_batch(pipe, items, fenced)
         for stream, group, entry_id in acks:
             pipe.xack(stream, group, entry_id)
             pipe.xdel(stream, entry_id)
-        return pipe
+        return placed.results(await pipe.execute())
 
     async def _publish(self, batch: list) -> list | None:
         """Write one batch, retrying through a Redis restart; 1 (written) / 0 (fenced off) per
@@ -330,7 +332,7 @@ class DecodeIO:
             await self.resync.wait_idle()
             try:
                 items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
-                results = await self._tokens_pipeline(items, acks).execute()
+                results = await self._execute_tokens(items, acks)
             except NoScriptError:  # a restarted Redis without the script: load it, write again
                 await streams.retry_redis(self.owned.load, "load publish script", log=log)
                 continue
@@ -343,8 +345,8 @@ class DecodeIO:
                 if e.ack:
                     self.busy_entries.discard((e.ack[0], e.ack[2]))
             self.journal.add("tokens", (items, acks))
-            self._note_finished(items, results[0])
-            return results[0]
+            self._note_finished(items, results)
+            return results
         log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
                   self.s.publish_retries)
         return None

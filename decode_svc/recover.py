@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
     r, me = io.r, io.worker_id
     resumed = 0
-    async for key in r.scan_iter(match=keys.running_key("*"), count=100):
-        wid = key.decode().split(":", 2)[2]
+    owners = {keys.running_owner(key) async for key in r.scan_iter(match=keys.RUNNING_PATTERN, count=100)}
+    for wid in sorted(owners):
         if wid == me and not include_self:
             continue
         if wid != me and (not io.peers.trusted or await streams.worker_alive(r, wid)):
@@ -45,7 +45,8 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
 
 async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     got = 0
-    for stream in (keys.ready_stream(io.s.pool), keys.direct_stream(io.s.pool)):
+    pool = io.s.pool
+    for stream in [f(pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]:
         entries = await streams.dead_consumer_entries(
             io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self,
             stale_self_ms=int(io.s.stale_pending_s * 1000),

@@ -44,7 +44,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tandem_core.streams import running_requests
+from tandem_core.streams import running_requests, server_id
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,7 @@ class Resync:
 
     async def current(self) -> bool:
         """Reconcile if Redis is not the one last seen; True if it was new."""
-        info = await self.r.info("server")
-        return await self.seen(str(info.get("run_id") or ""))
+        return await self.seen(await server_id(self.r) or "")
 
     async def seen(self, run_id: str | None) -> bool:
         """Called with each run_id observed (the heartbeat's); reconciles once per new one, and

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys
+from tandem_core import keys, streams
 from tandem_core.types import GenerationRequest
 
 
@@ -51,17 +51,22 @@ async def read_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ())
     lengths are read speculatively beside SMEMBERS); a second one only for members not known,
     i.e. dead pods whose streams are not drained yet."""
     known = list(dict.fromkeys(known_pods))
+    shards = keys.all_shards()
     pipe = r.pipeline(transaction=False)
     for prio in keys.PRIORITIES:
-        pipe.xlen(keys.admission_stream(pool, prio))
-    pipe.xlen(keys.direct_stream(pool))
-    pipe.smembers(keys.pod_streams_set(pool))
+        for shard in shards:
+            pipe.xlen(keys.admission_stream(pool, prio, shard))
+    for shard in shards:
+        pipe.xlen(keys.direct_stream(pool, shard))
+    for shard in shards:
+        pipe.smembers(keys.pod_streams_set(pool, shard))
     _add_xlens(pipe, pool, known)
     res = await pipe.execute()
-    n = len(keys.PRIORITIES)
-    shared = dict(zip(keys.PRIORITIES, (int(x) for x in res[:n])))
-    direct, members = int(res[n]), {_s(m) for m in res[n + 1]}
-    pods = _by_pod(known, res[n + 2:])
+    n, m = len(keys.PRIORITIES), len(shards)
+    shared = {p: sum(int(x) for x in res[i * m:(i + 1) * m]) for i, p in enumerate(keys.PRIORITIES)}
+    direct = sum(int(x) for x in res[n * m:(n + 1) * m])
+    members = {_s(x) for group in res[(n + 1) * m:(n + 2) * m] for x in group}
+    pods = _by_pod(known, res[(n + 2) * m:])
     unknown = sorted(members - set(known))
     if unknown:
         pipe = r.pipeline(transaction=False)
@@ -96,26 +101,38 @@ async def enqueue(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: 
     direct stream, or to the shared admission stream of its priority; returns the entry id.
     Idempotent by request id for MARKER_TTL_S: a second call returns the first call's entry id and
     writes nothing (the gateway retries an enqueue whose reply a Redis outage swallowed)."""
+    shard = keys.request_shard(req.request_id)  # the stream, the marker and the set share its tag
     if direct:
-        stream, extra, args = keys.direct_stream(pool), [], []
+        stream, extra, args = keys.direct_stream(pool, shard), [], []
     elif pod is None:
-        stream, extra, args = keys.admission_stream(pool, req.priority), [], []
+        stream, extra, args = keys.admission_stream(pool, req.priority, shard), [], []
     else:
-        stream, extra, args = keys.pod_admission_stream(pool, req.priority, pod), [keys.pod_streams_set(pool)], [pod]
+        stream = keys.pod_admission_stream(pool, req.priority, pod, shard)
+        extra, args = [keys.pod_streams_set(pool, shard)], [pod]
     got = await r.eval(_ENQUEUE, 2 + len(extra), stream, keys.admitted_key(req.request_id), *extra,
                        req.request_id, req.to_json(), maxlen, MARKER_TTL_S, *args)
+    if keys.shard_count() > 1:  # wake the idle readers (another slot: after the script)
+        pipe = r.pipeline(transaction=False)
+        streams.ring(pipe, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
+        await pipe.execute()
     return got if isinstance(got, bytes) else str(got).encode()
 
 
 def _add_xlens(pipe, pool: str, pods: list[str]) -> None:
     for pod in pods:
         for prio in keys.PRIORITIES:
-            pipe.xlen(keys.pod_admission_stream(pool, prio, pod))
+            for shard in keys.all_shards():
+                pipe.xlen(keys.pod_admission_stream(pool, prio, pod, shard))
 
 
 def _by_pod(pods: list[str], lens: list) -> dict[str, dict[str, int]]:
-    n = len(keys.PRIORITIES)
-    return {pod: dict(zip(keys.PRIORITIES, (int(x) for x in lens[i * n:(i + 1) * n]))) for i, pod in enumerate(pods)}
+    """The replies `_add_xlens` queued, summed over shards: pod -> priority -> entries."""
+    n, m = len(keys.PRIORITIES), keys.shard_count()
+    out = {}
+    for i, pod in enumerate(pods):
+        mine = lens[i * n * m:(i + 1) * n * m]
+        out[pod] = {p: sum(int(x) for x in mine[j * m:(j + 1) * m]) for j, p in enumerate(keys.PRIORITIES)}
+    return out
 
 
 def _s(x) -> str:

@@ -82,14 +82,15 @@ class Readmitter:
 
     async def _close_idle(self) -> None:
         try:
-            await self._redis().connection_pool.disconnect(inuse_connections=False)
+            pool = getattr(self._redis(), "connection_pool", None)  # (a cluster client: per node, its own)
+            if pool is not None:
+                await pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001 - best effort
             pass
 
     async def check(self) -> int:
         """Readmit if Redis changed since the last look; how many were enqueued again."""
-        info = await self._redis().info("server")
-        run_id = str(info.get("run_id") or "")
+        run_id = await streams.server_id(self._redis()) or ""
         self._forget_old()
         if not run_id or run_id == self.run_id:
             return 0

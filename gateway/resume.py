@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def record_key(request_id: str) -> str:
-    return f"{keys.PREFIX}:gw:resume:{request_id}"
+    return keys.gateway_resume_key(request_id)
 
 
 def key_digest(api_key: str) -> str:

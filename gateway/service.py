@@ -363,7 +363,7 @@ class GatewayService:
         try:
             workers = await streams.list_workers(r)
             queued = await pod_streams.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
-            ready = await r.xlen(keys.ready_stream(s.pool))
+            ready = await streams.ready_backlog(r, s.pool)
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
         backlog = queued.total
@@ -396,7 +396,7 @@ class GatewayService:
             workers = await streams.list_workers(r)
             pods = ClusterView.of(workers, self.settings.pool).prefill_ids
             backlog = await pod_streams.total_backlog(r, self.settings.pool, pods)
-            ready = await r.xlen(keys.ready_stream(self.settings.pool))
+            ready = await streams.ready_backlog(r, self.settings.pool)
             self.metrics.backlog.set(backlog)
             self.metrics.observe_prefix_cache(workers)
             self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready))

@@ -14,6 +14,9 @@ How it keeps the contract:
   stream, which every read also watches: the read returns at once and the next one includes it.
 - Redis down: the reader waits and reads again from the same ids (the streams persist); each
   relay's own deadlines still apply, so no relay waits past them.
+- Shards (keys.request_shard): streams of several shards live in different slots, which one
+  XREAD may not span on a Redis Cluster, so there is one reader per shard (`ShardReader`), each
+  with its own wake stream: a gateway's connections grow with shards, not with streams.
 It knows nothing of HTTP, gRPC or detokenization.
 """
 from __future__ import annotations
@@ -76,16 +79,54 @@ def _wake_up(fut: asyncio.Future) -> None:
 
 
 class TokenMux:
+    """Every token stream this gateway relays: one `ShardReader` per key shard."""
+
     def __init__(self, r: aioredis.Redis, block_ms: int = 1000, count: int = 256,
+                 max_buffered: int = 4096) -> None:
+        gateway_id = uuid.uuid4().hex[:12]
+        self._readers = [ShardReader(r, keys.gateway_wake_stream(gateway_id, shard), block_ms, count, max_buffered)
+                         for shard in keys.all_shards()]
+
+    @property
+    def reads(self) -> int:
+        """Round trips made by every reader (a metric for benchmarks and tests)."""
+        return sum(x.reads for x in self._readers)
+
+    def reader_of(self, request_id: str) -> "ShardReader":
+        return self._readers[keys.request_shard(request_id)]
+
+    @property
+    def wake_streams(self) -> list[str]:
+        return [x.wake_stream for x in self._readers]
+
+    def start(self) -> None:
+        for x in self._readers:
+            x.start()
+
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        await asyncio.gather(*(x.stop(timeout_s) for x in self._readers))
+
+    def subscribe(self, request_id: str, after_id: bytes | str = "0-0") -> Subscription:
+        return self.reader_of(request_id).subscribe(request_id, after_id)
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.reader_of(sub.request_id).unsubscribe(sub)
+
+
+class ShardReader:
+    """The streams of one shard, read by one task in one blocking XREAD at a time."""
+
+    def __init__(self, r: aioredis.Redis, wake_stream: str, block_ms: int = 1000, count: int = 256,
                  max_buffered: int = 4096) -> None:
         self.r = r
         # a blocking read must end before the client's socket timeout calls it a dead connection
-        kw = r.connection_pool.connection_kwargs
+        pool = getattr(r, "connection_pool", None)  # a cluster client keeps them per node
+        kw = pool.connection_kwargs if pool is not None else r.nodes_manager.connection_kwargs
         timeout_s = kw.get("socket_timeout") or kw.get("orig_socket_timeout")
         if timeout_s:
             block_ms = max(1, min(block_ms, int(timeout_s * 1000) - 500))
         self.block_ms, self.count, self.max_buffered = block_ms, count, max_buffered
-        self.wake_stream = keys.gateway_wake_stream(uuid.uuid4().hex[:12])
+        self.wake_stream = wake_stream
         self._subs: dict[int, Subscription] = {}  # one request may be relayed twice (a resume)
         self._changed = asyncio.Event()
         self._reading = False

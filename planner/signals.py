@@ -46,10 +46,11 @@ class Signals:
         pipe = self.r.pipeline(transaction=False)
         for prio in keys.PRIORITIES:
             for wid in owners:
-                pipe.xlen(keys.pod_admission_stream(self.pool, prio, wid))
-        pipe.xlen(keys.ready_stream(self.pool))
-        res = await pipe.execute()
-        return await streams.admission_backlog(self.r, self.pool) + sum(int(x) for x in res[:-1]), int(res[-1])
+                for shard in keys.all_shards():
+                    pipe.xlen(keys.pod_admission_stream(self.pool, prio, wid, shard))
+        routed = sum(int(x) for x in await pipe.execute())
+        return (await streams.admission_backlog(self.r, self.pool) + routed,
+                await streams.ready_backlog(self.r, self.pool))
 
     async def pods(self) -> tuple[dict[str, int], dict[str, float]]:
         """(live non-draining pods per role, what the pool's pods did since the last read:

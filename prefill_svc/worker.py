@@ -54,6 +54,7 @@ class PrefillWorker:
         self.address = address
         self.worker_id = worker_id
         self.fence = entry_fence.EntryFence(r, keys.PREFILL_GROUP, worker_id)
+        self.bell = streams.Doorbell(r, settings.pool, [keys.PREFILL_GROUP])  # the wait, with several shards
         # One thread owns the device: every engine call goes through it.
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
         self.max_prefix_bytes = self._max_prefix_bytes()
@@ -96,8 +97,9 @@ class PrefillWorker:
         """The groups of the shared streams and of this pod's own, at id 0: entries already
         there are read too."""
         await streams.ensure_groups(self.r, self.s.pool)
-        for prio in keys.PRIORITIES:
-            await streams.ensure_group(self.r, self._own_stream(prio), keys.PREFILL_GROUP)
+        for shard in keys.all_shards():
+            for prio in keys.PRIORITIES:
+                await streams.ensure_group(self.r, self._own_stream(prio, shard), keys.PREFILL_GROUP)
 
     async def _round(self, rotation: PriorityRotation) -> None:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
@@ -107,7 +109,7 @@ class PrefillWorker:
             await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
             return
         claimed = await streams.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
-                                      self.s.claim_block_ms)
+                                      self.s.claim_block_ms, self.bell)
         for c in claimed:
             await self._handle_until_done(c)
         await self._reclaim()
@@ -132,9 +134,10 @@ class PrefillWorker:
             return
         self._last_reclaim = now
         try:
-            for prio in keys.PRIORITIES:
-                for stream in (keys.admission_stream(self.s.pool, prio), self._own_stream(prio)):
-                    await self._reclaim_pending(stream, include_self)
+            for shard in keys.all_shards():
+                for prio in keys.PRIORITIES:
+                    for stream in (keys.admission_stream(self.s.pool, prio, shard), self._own_stream(prio, shard)):
+                        await self._reclaim_pending(stream, include_self)
             await self._adopt_orphans()
         except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
             log.warning("reclaim failed: %s", e)
@@ -164,8 +167,8 @@ class PrefillWorker:
         for wid in await streams.pod_stream_owners(self.r, self.s.pool):
             if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
                 continue
-            for prio in keys.PRIORITIES:
-                stream = keys.pod_admission_stream(self.s.pool, prio, wid)
+            for stream in [keys.pod_admission_stream(self.s.pool, prio, wid, shard)
+                           for shard in keys.all_shards() for prio in keys.PRIORITIES]:
                 if wid not in live:
                     await self._reclaim_pending(stream, False)
                 room = self.store.room_for(self.max_prefix_bytes)
@@ -177,16 +180,17 @@ class PrefillWorker:
             if wid not in live:
                 await streams.forget_pod_streams(self.r, self.s.pool, wid)
 
-    def _own_stream(self, prio: str) -> str:
-        return keys.pod_admission_stream(self.s.pool, prio, self.worker_id)
+    def _own_stream(self, prio: str, shard: int) -> str:
+        return keys.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
 
     def _claim_order(self, rotation: PriorityRotation) -> list[str]:
-        """The rotation's order, each priority's per-pod stream (prompts routed here for this pod's
-        prefix cache) just before its shared stream."""
-        by_stream = {keys.admission_stream(self.s.pool, p): p for p in keys.PRIORITIES}
+        """The rotation's order of priorities, each one's per-pod streams (prompts routed here for
+        this pod's prefix cache) just before its shared streams, shard by shard."""
         out = []
-        for stream in rotation.next_order():
-            out += [self._own_stream(by_stream[stream]), stream]
+        prios, shards = rotation.next_priorities(), rotation.shard_order()
+        for prio in prios:
+            out += [self._own_stream(prio, s) for s in shards]
+            out += [keys.admission_stream(self.s.pool, prio, s) for s in shards]
         return out
 
     async def _handle(self, c: streams.Claimed, reclaimed: bool = False) -> None:
@@ -241,6 +245,8 @@ class PrefillWorker:
                       held: list[str]) -> None:
         """Write and ack, only while the entry is still this pod's; else free the KV held for it."""
         if await self.fence.commit(c.stream, c.entry_id, writes):
+            if held:
+                await self._ring_decode()
             return
         for rid in held:
             self.store.release(rid)
@@ -252,6 +258,18 @@ class PrefillWorker:
         else:
             log.info("admission entry %s of %s (request_id=%s) was already acked or taken over",
                      eid, c.stream, req.request_id)
+
+    async def _ring_decode(self) -> None:
+        """Wake idle decode pods for the ready notices just committed (several shards only). A
+        hint: failing, it must not fail the commit that is done; their wait times out instead."""
+        if keys.shard_count() == 1:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            streams.ring(pipe, self.s.pool, keys.DECODE_GROUP)
+            await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - Redis down included
+            log.debug("could not ring the decode doorbell: %s", e)
 
     async def _prefill(self, req: GenerationRequest) -> tuple[entry_fence.EntryWrites, list[str]]:
         loop = asyncio.get_running_loop()

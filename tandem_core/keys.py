@@ -36,60 +36,141 @@ Fields:
 """
 from __future__ import annotations
 
+import zlib
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
 PREFIX = "tandem"
 PREFILL_GROUP = "prefill"
 DECODE_GROUP = "decode"
 PRIORITIES = ("high", "normal")  # highest first
 WORKERS = f"{PREFIX}:workers"
 GATEWAYS = f"{PREFIX}:gateways"
+SHARDS_KEY = f"{PREFIX}:meta:shards"
+CHOICE_SEP = "~"  # a choice's id is its parent's, this, and its index (types.choice_id)
+
+_shards = 1  # set once per process from its settings (configure): a deployment-wide constant
 
 
-def admission_stream(pool: str, priority: str) -> str:
-    return f"{PREFIX}:{pool}:adm:{priority}"
+def configure(shards: int) -> None:
+    """This process's shard count (RedisConfig.shard_count()); `streams.connect` calls it and
+    `streams.check_shards` holds it to the count the deployment recorded in Redis."""
+    global _shards
+    if not 1 <= shards <= 1024:
+        raise ValueError(f"redis.shards must be 1..1024, got {shards}")
+    _shards = shards
 
 
-def pod_admission_stream(pool: str, priority: str, worker_id: str) -> str:
+def shard_count() -> int:
+    return _shards
+
+
+def all_shards() -> range:
+    return range(_shards)
+
+
+def request_shard(request_id: str) -> int:
+    """The shard of a request's keys and of the pool streams it passes through. A choice of an
+    n > 1 request (types.choice_id) has its parent's: their first tokens are written together."""
+    if _shards == 1:
+        return 0
+    parent = request_id.split(CHOICE_SEP, 1)[0]
+    return zlib.crc32(parent.encode()) % _shards
+
+
+@lru_cache(maxsize=None)
+def _tags(n: int) -> tuple[str, ...]:
+    """One hash tag per shard, tag i hashing into the i-th of n equal ranges of the 16,384 slots,
+    so shards spread evenly over nodes that own equal contiguous ranges (what `redis-cli
+    --cluster create` and the managed services assign)."""
+    out = []
+    for i in range(n):
+        lo, hi = i * REDIS_CLUSTER_HASH_SLOTS // n, (i + 1) * REDIS_CLUSTER_HASH_SLOTS // n
+        k = 0
+        while not lo <= key_slot(f"s{i}.{k}".encode()) < hi:
+            k += 1
+        out.append(f"{{s{i}.{k}}}")
+    return tuple(out)
+
+
+def tag(shard: int) -> str:
+    """`{...}`: the part of a key Redis Cluster hashes, so keys with one tag share a slot."""
+    return _tags(_shards)[shard]
+
+
+def request_tag(request_id: str) -> str:
+    return tag(request_shard(request_id))
+
+
+def admission_stream(pool: str, priority: str, shard: int) -> str:
+    return f"{PREFIX}:{tag(shard)}:{pool}:adm:{priority}"
+
+
+def admission_streams(pool: str, priority: str) -> list[str]:
+    """One priority's shared admission streams, every shard."""
+    return [admission_stream(pool, priority, s) for s in all_shards()]
+
+
+def pod_admission_stream(pool: str, priority: str, worker_id: str, shard: int) -> str:
     """Prompts the gateway routed to one prefill pod, likeliest to hold their prefix in its cache.
     That pod reads it before the shared stream of the same priority; when it is dead, any pod does."""
-    return f"{admission_stream(pool, priority)}:pod:{worker_id}"
+    return f"{admission_stream(pool, priority, shard)}:pod:{worker_id}"
 
 
-def pod_streams_set(pool: str) -> str:
-    """Worker ids that may have per-pod admission streams (so a dead pod's are found and drained)."""
-    return f"{PREFIX}:{pool}:podstreams"
+def pod_streams_set(pool: str, shard: int) -> str:
+    """Worker ids that may have per-pod admission streams in `shard` (so a dead pod's are found
+    and drained)."""
+    return f"{PREFIX}:{tag(shard)}:{pool}:podstreams"
 
 
-def direct_stream(pool: str) -> str:
+def direct_stream(pool: str, shard: int) -> str:
     """Prompts the gateway routes straight to decode pods (conditional disaggregation)."""
-    return f"{PREFIX}:{pool}:direct"
+    return f"{PREFIX}:{tag(shard)}:{pool}:direct"
 
 
-def ready_stream(pool: str) -> str:
-    return f"{PREFIX}:{pool}:ready"
+def ready_stream(pool: str, shard: int) -> str:
+    return f"{PREFIX}:{tag(shard)}:{pool}:ready"
+
+
+def doorbell(pool: str, group: str) -> str:
+    """With more than one shard no single blocking read covers a group's streams (they live in
+    different slots): writers XADD here after they enqueue, and idle readers block on it. Both
+    groups' bells share one tag, so one XREAD waits on both."""
+    return f"{PREFIX}:{{{pool}.bell}}:{group}"
 
 
 def token_stream(request_id: str) -> str:
-    return f"{PREFIX}:tok:{request_id}"
+    return f"{PREFIX}:{request_tag(request_id)}:tok:{request_id}"
 
 
-def gateway_wake_stream(gateway_id: str) -> str:
-    """A gateway's token reader watches this stream too: an XADD ends its blocking read."""
-    return f"{PREFIX}:gwwake:{gateway_id}"
+def gateway_wake_stream(gateway_id: str, shard: int) -> str:
+    """A gateway's token reader of `shard` watches this stream too: an XADD ends its blocking read."""
+    return f"{PREFIX}:{tag(shard)}:gwwake:{gateway_id}"
 
 
 def admitted_key(request_id: str) -> str:
     """The admission entry id of a request the gateway enqueued (a retried enqueue is a no-op)."""
-    return f"{PREFIX}:admitted:{request_id}"
+    return f"{PREFIX}:{request_tag(request_id)}:admitted:{request_id}"
 
 
 def cancel_key(request_id: str) -> str:
-    return f"{PREFIX}:cancel:{request_id}"
+    return f"{PREFIX}:{request_tag(request_id)}:cancel:{request_id}"
 
 
-def running_key(worker_id: str) -> str:
-    """Requests a decode pod owns. Its token writes are fenced on this hash: once a recoverer
-    removes a request from it, a paused-then-resumed owner can no longer publish for it."""
-    return f"{PREFIX}:running:{worker_id}"
+def running_key(worker_id: str, shard: int) -> str:
+    """Requests of `shard` a decode pod owns. Its token writes are fenced on this hash: once a
+    recoverer removes a request from it, a paused-then-resumed owner can no longer publish for it."""
+    return f"{PREFIX}:{tag(shard)}:running:{worker_id}"
+
+
+RUNNING_PATTERN = f"{PREFIX}:*:running:*"  # SCAN match for every pod's running hashes
+
+
+def running_owner(key: bytes | str) -> str:
+    """The worker id of a `running_key`."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return text.split(":running:", 1)[1]
 
 
 def recovering_key(worker_id: str) -> str:
@@ -97,7 +178,12 @@ def recovering_key(worker_id: str) -> str:
 
 
 def resume_marker(request_id: str, index: int) -> str:
-    return f"{PREFIX}:resume:{request_id}:{index}"
+    return f"{PREFIX}:{request_tag(request_id)}:resume:{request_id}:{index}"
+
+
+def gateway_resume_key(request_id: str) -> str:
+    """A resumable request's record (gateway/resume.py)."""
+    return f"{PREFIX}:{request_tag(request_id)}:gwresume:{request_id}"
 
 
 def worker_key(worker_id: str) -> str:

@@ -47,15 +47,16 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
     gets a clear error instead of looping forever).
     """
     tokens, finished = await streamed_tokens(r, original.request_id)
+    shard = keys.request_shard(original.request_id)  # every key below shares its tag (one slot)
     if finished or await streams.cancelled(r, [original.request_id]):
         if owner:
-            await r.hdel(keys.running_key(owner), original.request_id)
+            await r.hdel(keys.running_key(owner, shard), original.request_id)
         return "finished"
     # Idempotent: two paths can notice the same failure (the dead pod's running hash and its
     # pending ready entry); only the first resumes from a given point.
     if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=120):
         if owner:
-            await r.hdel(keys.running_key(owner), original.request_id)
+            await r.hdel(keys.running_key(owner, shard), original.request_id)
         return "finished"
     attempt = original.attempt + 1
     if len(tokens) >= original.max_tokens or attempt > max_attempts:
@@ -65,10 +66,14 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
                                 priority="high")  # it has waited once already
     pipe = r.pipeline(transaction=True)
     if owner:
-        pipe.hdel(keys.running_key(owner), original.request_id)
-    pipe.xadd(keys.admission_stream(pool, again.priority), {"rid": again.request_id, "req": again.to_json()},
+        pipe.hdel(keys.running_key(owner, keys.request_shard(original.request_id)), original.request_id)
+    pipe.xadd(keys.admission_stream(pool, again.priority, shard), {"rid": again.request_id, "req": again.to_json()},
               maxlen=maxlen, approximate=True)
     await pipe.execute()
+    if keys.shard_count() > 1:  # after the transaction: the bell is in another slot
+        bell = r.pipeline(transaction=False)
+        streams.ring(bell, pool, keys.PREFILL_GROUP)
+        await bell.execute()
     log.info("resumed request_id=%s from index %d (attempt %d): %s", original.request_id, len(tokens), attempt, why)
     return "resumed"
 
@@ -80,7 +85,7 @@ async def _give_up(r: aioredis.Redis, original: GenerationRequest, tokens: list[
     done = len(tokens) >= original.max_tokens
     pipe = r.pipeline(transaction=True)
     if owner:
-        pipe.hdel(keys.running_key(owner), original.request_id)
+        pipe.hdel(keys.running_key(owner, keys.request_shard(original.request_id)), original.request_id)
     streams.add_tokens(pipe, original.request_id, len(tokens), [], "length" if done else FINISH_ERROR,
                        token_ttl_s, token_maxlen,
                        error=None if done else f"request failed {attempt - 1} times ({why}); giving up")

@@ -13,19 +13,32 @@ class PriorityRotation:
 
     High priority goes first, so it is never starved by low. But every `high_weight + 1`-th read
     puts the lower class first, so low priority always gets at least 1/(high_weight + 1) of the
-    reads that find it waiting: slowed under a flood of high, never starved forever.
+    reads that find it waiting: slowed under a flood of high, never starved forever. Within a
+    priority, the shards (keys.all_shards) are read starting one further along each time, so no
+    shard waits behind the others.
     """
 
     def __init__(self, pool: str, high_weight: int = 4) -> None:
+        self.pool = pool
         self.high_weight = max(1, high_weight)
-        self._streams = [keys.admission_stream(pool, p) for p in keys.PRIORITIES]
         self._n = 0
 
-    def next_order(self) -> list[str]:
+    def next_priorities(self) -> list[str]:
         self._n += 1
         if self._n % (self.high_weight + 1) == 0:
-            return list(reversed(self._streams))
-        return list(self._streams)
+            return list(reversed(keys.PRIORITIES))
+        return list(keys.PRIORITIES)
+
+    def shard_order(self) -> list[int]:
+        """Every shard, starting from the one this pass begins with (call after next_priorities)."""
+        n = keys.shard_count()
+        return [(self._n + i) % n for i in range(n)]
+
+    def next_order(self) -> list[str]:
+        """The shared admission streams to read this pass, in order."""
+        prios = self.next_priorities()
+        shards = self.shard_order()
+        return [keys.admission_stream(self.pool, p, s) for p in prios for s in shards]
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,17 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tandem_core import keys
-from tandem_core.redis_client import RedisConfigError, connect  # noqa: F401 - services call streams.connect
+from redis.crc import key_slot
+
+from tandem_core import keys, redis_client
+from tandem_core.redis_client import RedisConfigError
+from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest, TokenLogprobs
 
 
@@ -44,6 +48,26 @@ async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
             await asyncio.sleep(0.5)
 
 
+def connect(cfg: RedisConfig) -> aioredis.Redis:
+    """The process's Redis client (tandem_core.redis_client.connect); also sets the key shard
+    count, which `check_shards` then holds to the deployment's."""
+    keys.configure(cfg.shard_count())
+    return redis_client.connect(cfg)
+
+
+async def check_shards(r: aioredis.Redis) -> None:
+    """Record this deployment's shard count in Redis (the first service to start does), and refuse
+    to start with another: a pod reading 8 shards would never see what a gateway writes to shard 12."""
+    mine = keys.shard_count()
+    await r.set(keys.SHARDS_KEY, mine, nx=True)
+    theirs = await r.get(keys.SHARDS_KEY)
+    if theirs is not None and int(theirs) != mine:
+        raise RedisConfigError(
+            f"this service uses {mine} key shards but the deployment's services use {int(theirs)} "
+            f"({keys.SHARDS_KEY} in Redis): set redis.shards (TANDEM_<SERVICE>_REDIS__SHARDS) to {int(theirs)} "
+            "everywhere, or drain the deployment and delete the key to change it")
+
+
 async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
     """Create the consumer group (and the stream) if missing; idempotent."""
     try:
@@ -54,10 +78,20 @@ async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
 
 
 async def ensure_groups(r: aioredis.Redis, pool: str) -> None:
-    for prio in keys.PRIORITIES:
-        await ensure_group(r, keys.admission_stream(pool, prio), keys.PREFILL_GROUP)
-    await ensure_group(r, keys.ready_stream(pool), keys.DECODE_GROUP)
-    await ensure_group(r, keys.direct_stream(pool), keys.DECODE_GROUP)
+    """Every shard's admission, ready and direct stream groups (after checking the shard count)."""
+    await check_shards(r)
+    for shard in keys.all_shards():
+        for prio in keys.PRIORITIES:
+            await ensure_group(r, keys.admission_stream(pool, prio, shard), keys.PREFILL_GROUP)
+        await ensure_group(r, keys.ready_stream(pool, shard), keys.DECODE_GROUP)
+        await ensure_group(r, keys.direct_stream(pool, shard), keys.DECODE_GROUP)
+
+
+def ring(pipe, pool: str, group: str) -> None:
+    """Queue a ring of `group`'s doorbell (keys.doorbell) after an enqueue, when there is more
+    than one shard; with one, readers block on the streams themselves and no bell is needed."""
+    if keys.shard_count() > 1:
+        pipe.xadd(keys.doorbell(pool, group), {"r": 1}, maxlen=64, approximate=True)
 
 
 # ---------------------------------------------------------------- admission
@@ -67,8 +101,20 @@ async def enqueue_request(r: aioredis.Redis, pool: str, req: GenerationRequest, 
                           direct: bool = False) -> bytes:
     """XADD to the admission stream of the request's priority, or to the direct stream (decode
     pods prefill those themselves)."""
-    stream = keys.direct_stream(pool) if direct else keys.admission_stream(pool, req.priority)
-    return await r.xadd(stream, {"rid": req.request_id, "req": req.to_json()}, maxlen=maxlen, approximate=True)
+    shard = keys.request_shard(req.request_id)
+    stream = keys.direct_stream(pool, shard) if direct else keys.admission_stream(pool, req.priority, shard)
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(stream, {"rid": req.request_id, "req": req.to_json()}, maxlen=maxlen, approximate=True)
+    ring(pipe, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
+    return (await pipe.execute())[0]
+
+
+async def ready_backlog(r: aioredis.Redis, pool: str) -> int:
+    """Ready notices waiting for a decode slot (or pulled and not yet acked), every shard."""
+    pipe = r.pipeline(transaction=False)
+    for shard in keys.all_shards():
+        pipe.xlen(keys.ready_stream(pool, shard))
+    return int(sum(await pipe.execute()))
 
 
 async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
@@ -78,9 +124,10 @@ async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
     (XINFO GROUPS' `lag` is unusable after deletions, and absent before Redis 7).
     """
     pipe = r.pipeline(transaction=False)
-    for prio in keys.PRIORITIES:
-        pipe.xlen(keys.admission_stream(pool, prio))
-    pipe.xlen(keys.direct_stream(pool))
+    for shard in keys.all_shards():
+        for prio in keys.PRIORITIES:
+            pipe.xlen(keys.admission_stream(pool, prio, shard))
+        pipe.xlen(keys.direct_stream(pool, shard))
     return int(sum(await pipe.execute()))
 
 
@@ -93,8 +140,24 @@ class Claimed:
     fields: dict[str, bytes]
 
 
+class Doorbell:
+    """An idle reader's wait on the doorbells of its groups (keys.doorbell), from the last ring it
+    saw: a ring that came while it was reading the streams ends the next wait at once."""
+
+    def __init__(self, r: aioredis.Redis, pool: str, groups: list[str]) -> None:
+        self.r = r
+        self.last: dict[str, bytes | str] = {keys.doorbell(pool, g): "$" for g in dict.fromkeys(groups)}
+
+    async def wait(self, block_ms: int) -> None:
+        got = await self.r.xread(dict(self.last), count=64, block=block_ms)
+        for name, entries in got or []:
+            if entries:
+                self.last[_s(name)] = entries[-1][0]
+
+
 async def claim(
-    r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int, block_ms: int | None
+    r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int, block_ms: int | None,
+    bell: Doorbell | None = None,
 ) -> list[Claimed]:
     """XREADGROUP new entries from `streams` (in order of preference), at most `count` in total.
 
@@ -103,16 +166,34 @@ async def claim(
     until any of them gets a new entry (or the timeout), then the pass runs again. The wait
     delivers nothing: a multi-stream XREADGROUP would, and its COUNT is per stream, so it could
     hand back more entries than the caller has room for. (None or 0: never block.)
+
+    Over more than a few streams (several shards) the pass first reads every stream's length in
+    one pipeline (one round trip; on a Redis Cluster node by node in parallel) and reads only the
+    non-empty ones. Streams of several slots cannot share one command on a Redis Cluster: there
+    the wait is on `bell`, which the writers ring after they enqueue (required then).
     """
-    out = await _read_each(r, streams, group, consumer, count)
+    spread = _is_cluster(r) and len({key_slot(s.encode()) for s in streams}) > 1
+    prefilter = spread or len(streams) > 4
+    out = await _read_each(r, streams, group, consumer, count, prefilter)
     if out or not block_ms:
         return out
-    await r.xread({s: "$" for s in streams}, count=1, block=block_ms)
-    return await _read_each(r, streams, group, consumer, count)
+    if spread:
+        if bell is None:
+            raise ValueError("claim over several shards needs a Doorbell to wait on")
+        await bell.wait(block_ms)
+    else:
+        await r.xread({s: "$" for s in streams}, count=1, block=block_ms)
+    return await _read_each(r, streams, group, consumer, count, prefilter)
 
 
-async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int) -> list[Claimed]:
+async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int,
+                     prefilter: bool = False) -> list[Claimed]:
     out: list[Claimed] = []
+    if prefilter:  # XLEN counts entries pending to others too: a non-empty stream may still give none
+        pipe = r.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xlen(stream)
+        streams = [s for s, n in zip(streams, await pipe.execute()) if n]
     for stream in streams:
         want = count - len(out)
         if want <= 0:
@@ -138,8 +219,11 @@ async def ack(r: aioredis.Redis, stream: str, group: str, entry_id: bytes) -> No
 
 
 async def pod_stream_owners(r: aioredis.Redis, pool: str) -> list[str]:
-    """Worker ids that may have per-pod admission streams (keys.pod_streams_set)."""
-    return sorted(_s(x) for x in await r.smembers(keys.pod_streams_set(pool)))
+    """Worker ids that may have per-pod admission streams in any shard (keys.pod_streams_set)."""
+    pipe = r.pipeline(transaction=False)
+    for shard in keys.all_shards():
+        pipe.smembers(keys.pod_streams_set(pool, shard))
+    return sorted({_s(x) for members in await pipe.execute() for x in members})
 
 
 _FORGET_POD = """
@@ -153,10 +237,14 @@ return 1
 
 
 async def forget_pod_streams(r: aioredis.Redis, pool: str, worker_id: str) -> bool:
-    """Delete a dead pod's per-pod admission streams and its set entry, only if every one is
-    empty (one script: a routed XADD, which re-adds the set entry with it, lands before or after)."""
-    names = [keys.pod_admission_stream(pool, p, worker_id) for p in keys.PRIORITIES]
-    return bool(await r.eval(_FORGET_POD, 1 + len(names), keys.pod_streams_set(pool), *names, worker_id))
+    """Delete a dead pod's per-pod admission streams and its set entry, shard by shard, only if
+    every one of the shard is empty (one script per shard: a routed XADD, which re-adds the set
+    entry with it, lands before or after). True when no shard has any left."""
+    gone = True
+    for shard in keys.all_shards():
+        names = [keys.pod_admission_stream(pool, p, worker_id, shard) for p in keys.PRIORITIES]
+        gone &= bool(await r.eval(_FORGET_POD, 1 + len(names), keys.pod_streams_set(pool, shard), *names, worker_id))
+    return gone
 
 
 # ---------------------------------------------------------------- ready notices
@@ -186,17 +274,17 @@ class ReadyNotice:
 
 
 async def publish_ready(r: aioredis.Redis, pool: str, notice: ReadyNotice, maxlen: int) -> bytes:
-    return await r.xadd(
-        keys.ready_stream(pool),
-        {"rid": notice.request.request_id, "notice": notice.to_json()},
-        maxlen=maxlen,
-        approximate=True,
-    )
+    pipe = r.pipeline(transaction=False)
+    add_ready(pipe, pool, notice, maxlen)
+    ring(pipe, pool, keys.DECODE_GROUP)
+    return (await pipe.execute())[0]
 
 
 def add_ready(pipe, pool: str, notice: ReadyNotice, maxlen: int) -> None:
-    """Queue the ready XADD on a pipeline or transaction (see `publish_ready`)."""
-    pipe.xadd(keys.ready_stream(pool), {"rid": notice.request.request_id, "notice": notice.to_json()},
+    """Queue the ready XADD, in the request's shard, on a pipeline or transaction (see
+    `publish_ready`; the caller rings the doorbell once it is written)."""
+    rid = notice.request.request_id
+    pipe.xadd(keys.ready_stream(pool, keys.request_shard(rid)), {"rid": rid, "notice": notice.to_json()},
               maxlen=maxlen, approximate=True)
 
 
@@ -264,8 +352,11 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
 
 
 async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:
-    raw = await r.hgetall(keys.running_key(worker_id))
-    return {_s(k): GenerationRequest.from_json(v) for k, v in raw.items()}
+    """A decode pod's running hashes, every shard."""
+    pipe = r.pipeline(transaction=False)
+    for shard in keys.all_shards():
+        pipe.hgetall(keys.running_key(worker_id, shard))
+    return {_s(k): GenerationRequest.from_json(v) for raw in await pipe.execute() for k, v in raw.items()}
 
 
 async def worker_alive(r: aioredis.Redis, worker_id: str) -> bool:
@@ -318,10 +409,19 @@ async def request_cancel(r: aioredis.Redis, request_id: str, ttl_s: int) -> None
 
 
 async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
+    """The requests of `request_ids` with a cancel key: one MGET per shard, in one round trip."""
     if not request_ids:
         return set()
-    vals = await r.mget([keys.cancel_key(x) for x in request_ids])
-    return {rid for rid, v in zip(request_ids, vals) if v is not None}
+    by_shard: dict[int, list[str]] = {}
+    for rid in request_ids:
+        by_shard.setdefault(keys.request_shard(rid), []).append(rid)
+    pipe = r.pipeline(transaction=False)
+    for rids in by_shard.values():
+        pipe.mget([keys.cancel_key(x) for x in rids])
+    out = set()
+    for rids, vals in zip(by_shard.values(), await pipe.execute()):
+        out |= {rid for rid, v in zip(rids, vals) if v is not None}
+    return out
 
 
 # ---------------------------------------------------------------- worker registry
@@ -352,9 +452,27 @@ async def heartbeat(r: aioredis.Redis, w: WorkerInfo, ttl_s: int) -> str | None:
     pipe.hset(keys.worker_key(w.id), mapping=fields)
     pipe.expire(keys.worker_key(w.id), ttl_s)
     pipe.zadd(keys.WORKERS, {w.id: now})
+    if _is_cluster(r):
+        await pipe.execute()
+        return await server_id(r)
     pipe.info("server")
     server = (await pipe.execute())[-1]
     return str(server.get("run_id")) if isinstance(server, dict) and server.get("run_id") else None
+
+
+def _is_cluster(r) -> bool:
+    return isinstance(r, RedisCluster)
+
+
+async def server_id(r: aioredis.Redis) -> str | None:
+    """Which Redis answers: its run_id, which changes when it restarts or fails over; on a Redis
+    Cluster every primary's, joined, so a failover of any one of them changes it too."""
+    if not _is_cluster(r):
+        info = await r.info("server")
+        return str(info.get("run_id")) if info.get("run_id") else None
+    per_node = await r.info("server", target_nodes=RedisCluster.PRIMARIES)
+    ids = sorted(str(v.get("run_id")) for v in per_node.values() if isinstance(v, dict) and v.get("run_id"))
+    return ",".join(ids) or None
 
 
 async def deregister(r: aioredis.Redis, worker_id: str) -> None:

@@ -1,7 +1,8 @@
 """Fenced token writes: a decode pod's tokens reach a request's token stream only while the pod
-still owns the request (its field in the pod's `tandem:running:` hash, see `keys.running_key`),
-so a pod that wakes up after being replaced cannot double-deliver. One script call writes a whole
-step's tokens (one round trip per step, whatever the batch).
+still owns the request (its field in the pod's running hash of the request's shard, see
+`keys.running_key`), so a pod that wakes up after being replaced cannot double-deliver. One script
+call per shard writes a whole step's tokens of that shard (all of them in one pipelined round
+trip, whatever the batch): a script may touch only keys of one slot on a Redis Cluster.
 """
 from __future__ import annotations
 
@@ -48,37 +49,73 @@ return out
 Item = tuple[str, int, int, "str | None", "str | None", "str | None", "str | None"]
 
 
+class Placed:
+    """Where `add_batch` put each item: which of its script calls (the first replies of the
+    pipeline, in order) and which position in that call's reply."""
+
+    def __init__(self, calls: list[list[int]], n: int) -> None:
+        self.calls, self.n = calls, n
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def results(self, replies: list) -> list[int]:
+        """1 (written) / 0 (fenced off) per item, in the items' order, from the pipeline's replies."""
+        out = [0] * self.n
+        for call, items in enumerate(self.calls):
+            for k, j in enumerate(items):
+                out[j] = int(replies[call][k])
+        return out
+
+
 class OwnedPublisher:
-    """Token writes of a decode pod, fenced on its running hash (see `keys.running_key`)."""
+    """Token writes of a decode pod, fenced on its running hashes (see `keys.running_key`)."""
 
     def __init__(self, r: aioredis.Redis, worker_id: str, ttl_s: int, maxlen: int, finished_ttl_s: int = 60) -> None:
-        self.r = r
-        self.running = keys.running_key(worker_id)
+        self.r, self.worker_id = r, worker_id
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
 
+    def running(self, request_id: str) -> str:
+        return keys.running_key(self.worker_id, keys.request_shard(request_id))
+
     async def own(self, *reqs: GenerationRequest) -> None:
-        await self.r.hset(self.running, mapping={q.request_id: q.to_json() for q in reqs})
+        by_key: dict[str, dict[str, str]] = {}
+        for q in reqs:
+            by_key.setdefault(self.running(q.request_id), {})[q.request_id] = q.to_json()
+        pipe = self.r.pipeline(transaction=False)
+        for key, fields in by_key.items():
+            pipe.hset(key, mapping=fields)
+        await pipe.execute()
 
     async def disown(self, request_id: str) -> None:
-        await self.r.hdel(self.running, request_id)
+        await self.r.hdel(self.running(request_id), request_id)
 
-    def add_batch(self, pipe, items: list[Item], fenced: bool = True) -> None:
-        """Queue ONE script call writing every item, in order; its reply is a list of 1 (written)
-        / 0 (fenced off) per item. Logprobs travel pre-encoded (`TokenLogprobs.encode`).
-        `fenced=False` writes without the ownership check: only for tokens of a request whose
-        finish this writer wrote while it owned it (no other pod can own it since), when Redis
-        lost some of its earlier tokens and their rewrite would otherwise be refused."""
+    def add_batch(self, pipe, items: list[Item], fenced: bool = True) -> Placed:
+        """Queue one script call per shard writing its items, in order (a request's items stay in
+        one call, so in index order); `Placed.results` turns the replies into 1 (written) / 0
+        (fenced off) per item. Queue it first on `pipe`. Logprobs travel pre-encoded
+        (`TokenLogprobs.encode`). `fenced=False` writes without the ownership check: only for
+        tokens of a request whose finish this writer wrote while it owned it (no other pod can own
+        it since), when Redis lost some of its earlier tokens and their rewrite would otherwise be
+        refused."""
         # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
         # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
-        names = [self.running]
-        args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
-        for rid, index, token, finish, error, logprobs, prompt_logprobs in items:
-            names.append(keys.token_stream(rid))
-            args += (rid, index, token, finish or "", error or "", logprobs or "", prompt_logprobs or "")
-        args.append("" if fenced else "1")
-        pipe.evalsha(self._script.sha, len(names), *names, *args)
+        by_shard: dict[int, list[int]] = {}
+        for j, it in enumerate(items):
+            by_shard.setdefault(keys.request_shard(it[0]), []).append(j)
+        for shard, idx in by_shard.items():
+            names = [keys.running_key(self.worker_id, shard)]
+            args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
+            for j in idx:
+                rid, index, token, finish, error, logprobs, prompt_logprobs = items[j]
+                names.append(keys.token_stream(rid))
+                args += (rid, index, token, finish or "", error or "", logprobs or "", prompt_logprobs or "")
+            args.append("" if fenced else "1")
+            pipe.evalsha(self._script.sha, len(names), *names, *args)
+        return Placed(list(by_shard.values()), len(items))
 
     async def load(self) -> None:
-        """(Re)load the fenced-write script into Redis (at start, and after a NOSCRIPT)."""
+        """(Re)load the fenced-write script into Redis (at start, and after a NOSCRIPT): every
+        primary of a Redis Cluster."""
         await self.r.script_load(_PUBLISH_OWNED)

@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+# CHOICE_SEP is never in a client-chosen request id, so a choice id cannot collide with one;
+# keys.request_shard reads a choice's parent id from it
+from tandem_core.keys import CHOICE_SEP  # noqa: F401 - re-exported
+
 FINISH_STOP = "stop"  # EOS token or stop string
 FINISH_LENGTH = "length"  # max_tokens or context end
 FINISH_CANCELLED = "cancelled"
@@ -170,7 +174,6 @@ class GenerationRequest:
 
 
 _REQUEST_FIELDS = dataclasses.fields(GenerationRequest)
-CHOICE_SEP = "~"  # never in a client-chosen request id, so a choice id cannot collide with one
 
 
 def choice_id(request_id: str, i: int) -> str:

@@ -57,7 +57,7 @@ def written_twice(cluster, since_ms: int) -> list[str]:
     r = redis.Redis.from_url(faults.redis_url(cluster.log))
     out = []
     try:
-        for key in r.scan_iter(match="tandem:tok:*", count=1000):
+        for key in r.scan_iter(match="tandem:*:tok:*", count=1000):
             entries = r.xrange(key)
             if not entries or int(entries[0][0].split(b"-")[0]) < since_ms:
                 continue

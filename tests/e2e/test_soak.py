@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from bench.faults import launcher_children
+from tandem_core import keys
 from tests.e2e.conftest import start_local, stop_local
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -88,8 +89,8 @@ def test_bounded_soak():
         rurl = next(line.split("url=")[1].split()[0] for line in log.splitlines() if "redis pid=" in line)
         r = redis.Redis.from_url(rurl)
         leftovers = [k.decode() for k in r.scan_iter(count=1000)
-                     if k.startswith((b"tandem:tok:", b"tandem:cancel:", b"tandem:resume:"))]
-        running = {k.decode(): r.hlen(k) for k in r.scan_iter(match="tandem:running:*")}
+                     if any(part in k for part in (b":tok:", b":cancel:", b":resume:"))]
+        running = {k.decode(): r.hlen(k) for k in r.scan_iter(match=keys.RUNNING_PATTERN)}
         r.close()
     finally:
         stop_local(cl.proc)

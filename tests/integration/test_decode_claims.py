@@ -48,7 +48,7 @@ async def _publish_backlog(r, engine, store, address, pool):
 
 async def _claimed_unacked(r, pool) -> int:
     """Ready entries delivered to the pod and not yet acked (acked = inserted into a slot)."""
-    return (await r.xpending(keys.ready_stream(pool), keys.DECODE_GROUP))["pending"]
+    return (await r.xpending(keys.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"]
 
 
 async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine):

@@ -131,8 +131,8 @@ async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written
     try:
         reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-u")
         finish = [("req-u", 4, 74, "length", None, None, None)]
-        io._note_finished(finish, (await io._write_tokens(finish))[0])  # the write in flight
-        assert "req-u" in io.finished_here and not await r.hexists(keys.running_key("decode-r"), "req-u")
+        io._note_finished(finish, await io._write_tokens(finish))  # the write in flight
+        assert "req-u" in io.finished_here and not await r.hexists(keys.running_key("decode-r", 0), "req-u")
         go_on.set()
         assert await reconcile
         assert await _indices(r, "req-u") == [1, 2, 3, 4]

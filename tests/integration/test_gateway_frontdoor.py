@@ -164,13 +164,13 @@ def test_a_post_sent_again_with_its_request_id_is_replayed_not_run_twice(gw, syn
         assert resp.status_code == 200 and resp.headers["x-request-id"] == rid
         first = _events(resp, limit=3)  # ... then the connection drops
     assert json.loads(first[0][1])["id"] == rid
-    entries_before = sync_redis.xlen(keys.admission_stream("gwfd", "normal"))
+    entries_before = sync_redis.xlen(keys.admission_stream("gwfd", "normal", 0))
     with httpx.stream("POST", gw.url + path, json=body, headers={"X-Request-Id": rid}, timeout=30) as resp:
         assert resp.status_code == 200
         again = _events(resp)
     assert [i for i, _ in again] == list(range(N_TOKENS)) + [None]  # the whole stream, from index 0
     assert _text(again, kind) == OUT
-    assert sync_redis.xlen(keys.admission_stream("gwfd", "normal")) <= entries_before  # not enqueued again
+    assert sync_redis.xlen(keys.admission_stream("gwfd", "normal", 0)) <= entries_before  # not enqueued again
     whole = httpx.post(gw.url + path, json={**body, "stream": False}, headers={"X-Request-Id": rid}, timeout=30)
     assert whole.status_code == 200 and whole.json()["id"] == rid  # a whole-response resend replays too
     content = whole.json()["choices"][0]

@@ -53,7 +53,7 @@ async def _submit(svc: GatewayService, ids: list[int], priority: str = "normal")
 
 
 async def _pod_entries(r, pod: str, priority: str = "normal") -> list[str]:
-    return [f[b"rid"].decode() for _, f in await r.xrange(keys.pod_admission_stream(POOL, priority, pod))]
+    return [f[b"rid"].decode() for _, f in await r.xrange(keys.pod_admission_stream(POOL, priority, pod, 0))]
 
 
 async def test_routed_entry_lands_in_the_pods_stream_and_set(redis_url, redis_client):
@@ -61,13 +61,13 @@ async def test_routed_entry_lands_in_the_pods_stream_and_set(redis_url, redis_cl
     await _workers(r, "pa", "pb")
     svc = _svc(redis_url, r)
     rid = await _submit(svc, PROMPT)
-    members = {m.decode() for m in await r.smembers(keys.pod_streams_set(POOL))}
+    members = {m.decode() for m in await r.smembers(keys.pod_streams_set(POOL, 0))}
     assert len(members) == 1
     pod = members.pop()
     assert await _pod_entries(r, pod) == [rid]
-    _, fields = (await r.xrange(keys.pod_admission_stream(POOL, "normal", pod)))[0]
+    _, fields = (await r.xrange(keys.pod_admission_stream(POOL, "normal", pod, 0)))[0]
     assert json.loads(fields[b"req"])["request_id"] == rid
-    assert await r.xlen(keys.admission_stream(POOL, "normal")) == 0
+    assert await r.xlen(keys.admission_stream(POOL, "normal", 0)) == 0
     # The same prefix, another tail: the same pod (learned), whatever the tail.
     rid2 = await _submit(svc, PROMPT[:32] + [7, 8, 9])
     assert await _pod_entries(r, pod) == [rid, rid2]
@@ -81,9 +81,9 @@ async def test_busy_pod_sends_to_the_shared_stream(redis_url, redis_client):
     await _workers(r, "pa", "pb")
     svc = _svc(redis_url, r, prefix_route_max_backlog=2)
     rids = [await _submit(svc, PROMPT) for _ in range(3)]
-    pod = (await r.smembers(keys.pod_streams_set(POOL))).pop().decode()
+    pod = (await r.smembers(keys.pod_streams_set(POOL, 0))).pop().decode()
     assert await _pod_entries(r, pod) == rids[:2]
-    shared = await r.xrange(keys.admission_stream(POOL, "normal"))
+    shared = await r.xrange(keys.admission_stream(POOL, "normal", 0))
     assert [f[b"rid"].decode() for _, f in shared] == rids[2:]
     assert 'tandem_prefix_route_total{reason="busy"} 1.0' in svc.metrics.render().decode()
     # Per priority: the pod's high stream is empty, so a high request goes to it.
@@ -99,8 +99,8 @@ async def test_one_pod_or_no_cache_uses_the_shared_stream(redis_url, redis_clien
     await _workers(r, "old1", "old2", extra={"kv_budget_bytes": 1})  # pods that publish no prefix cache
     await _workers(r, "other1", "other2", extra={**_cache(), "pool": "another"})  # another pool's pods
     await _submit(svc, PROMPT[:20])
-    assert await r.xlen(keys.admission_stream(POOL, "normal")) == 2
-    assert not await r.exists(keys.pod_streams_set(POOL))
+    assert await r.xlen(keys.admission_stream(POOL, "normal", 0)) == 2
+    assert not await r.exists(keys.pod_streams_set(POOL, 0))
 
 
 async def test_backlog_counts_per_pod_entries_of_live_and_dead_pods(redis_url, redis_client):

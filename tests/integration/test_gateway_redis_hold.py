@@ -102,12 +102,12 @@ async def test_the_enqueue_is_idempotent_by_request_id(redis_url):
         first = await pod_streams.enqueue(r, pool, req, 1000)
         again = await pod_streams.enqueue(r, pool, req, 1000, pod="prefill-x")  # a retry, routed elsewhere
         assert first == again
-        assert await r.xlen(keys.admission_stream(pool, "normal")) == 1
-        assert not await r.exists(keys.pod_admission_stream(pool, "normal", "prefill-x"))
+        assert await r.xlen(keys.admission_stream(pool, "normal", 0)) == 1
+        assert not await r.exists(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
         assert 0 < await r.ttl(keys.admitted_key(req.request_id)) <= pod_streams.MARKER_TTL_S
         other = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
         await pod_streams.enqueue(r, pool, other, 1000, pod="prefill-x")
-        assert await r.sismember(keys.pod_streams_set(pool), "prefill-x")
+        assert await r.sismember(keys.pod_streams_set(pool, 0), "prefill-x")
     finally:
         await r.aclose()
 
@@ -153,10 +153,10 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
         with pytest.raises(redis.exceptions.ConnectionError):
             await rm.check()  # the old connection is gone (the watch loop looks again next round)
         assert await rm.check() == (0 if appendonly else 2)
-        shared = await r.xlen(keys.admission_stream(pool, "normal"))
-        routed = await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-x"))
+        shared = await r.xlen(keys.admission_stream(pool, "normal", 0))
+        routed = await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
         assert (shared, routed) == ((2, 1) if appendonly else (1, 1))  # kept, or back once
-        assert await r.sismember(keys.pod_streams_set(pool), "prefill-x")
+        assert await r.sismember(keys.pod_streams_set(pool, 0), "prefill-x")
         assert await rm.check() == 0  # the same Redis again: nothing
     finally:
         await r.aclose()
@@ -181,7 +181,7 @@ async def test_readmission_does_not_wait_a_round_for_the_connections_of_before()
         proc.stop()
         proc.start()  # everything lost (no persistence)
         assert await rm._readmit_soon("after") == 1
-        assert await r.xlen(keys.admission_stream(pool, "normal")) == 1
+        assert await r.xlen(keys.admission_stream(pool, "normal", 0)) == 1
     finally:
         await r.aclose()
         proc.stop()

@@ -79,7 +79,7 @@ async def _worker_loop(redis_url: str, pool: str, stop: threading.Event) -> None
     r = aioredis.Redis.from_url(redis_url)
     await streams.ensure_groups(r, pool)
     await streams.heartbeat(r, streams.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 30)
-    adm = [keys.admission_stream(pool, p) for p in keys.PRIORITIES]
+    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     tasks: set[asyncio.Task] = set()
     while not stop.is_set():
         for c in await streams.claim(r, adm, keys.PREFILL_GROUP, "fake-1", count=8, block_ms=100):
@@ -252,10 +252,10 @@ def test_client_disconnect_sets_cancel_key(cluster, sync_redis):
 
 
 def test_nonstream_client_disconnect_sets_cancel_key(cluster, sync_redis):
-    rid_before = set(sync_redis.keys("tandem:tok:*"))
+    rid_before = set(sync_redis.keys("tandem:*:tok:*"))
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "slow gone", "max_tokens": 64}, timeout=0.6)
-    new = [k.decode().rsplit(":", 1)[1] for k in set(sync_redis.keys("tandem:tok:*")) - rid_before]
+    new = [k.decode().rsplit(":", 1)[1] for k in set(sync_redis.keys("tandem:*:tok:*")) - rid_before]
     assert len(new) == 1
     assert _wait_key(sync_redis, keys.cancel_key(new[0]))
 

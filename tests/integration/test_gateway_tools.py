@@ -43,10 +43,10 @@ async def _serve(redis_url: str, pool: str, script: Script, stop: threading.Even
 
     r = aioredis.Redis.from_url(redis_url)
     await streams.ensure_groups(r, pool)
-    adm = [keys.admission_stream(pool, p) for p in keys.PRIORITIES]
+    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
         got = await streams.claim(r, adm, keys.PREFILL_GROUP, "tools", count=8, block_ms=None)
-        got += await streams.claim(r, [keys.direct_stream(pool)], keys.DECODE_GROUP, "tools", count=8, block_ms=50)
+        got += await streams.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, "tools", count=8, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             script.seen.append(req)

@@ -25,8 +25,8 @@ def engine():
 async def route_to(r, pool: str, pod: str, req: GenerationRequest) -> None:
     """What the gateway does for a routed prompt: XADD to the pod's stream and SADD, together."""
     pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.pod_admission_stream(pool, req.priority, pod), {"rid": req.request_id, "req": req.to_json()})
-    pipe.sadd(keys.pod_streams_set(pool), pod)
+    pipe.xadd(keys.pod_admission_stream(pool, req.priority, pod, 0), {"rid": req.request_id, "req": req.to_json()})
+    pipe.sadd(keys.pod_streams_set(pool, 0), pod)
     await pipe.execute()
 
 
@@ -64,8 +64,8 @@ async def test_own_stream_and_a_dead_pods_stream_are_served(redis_url, redis_cli
                 break
             await asyncio.sleep(0.05)
         assert await streams.pod_stream_owners(r, pool) == ["prefill-live"]
-        assert not await r.exists(keys.pod_admission_stream(pool, "high", "prefill-gone"))
-        assert await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-live")) == 0  # acked = deleted
+        assert not await r.exists(keys.pod_admission_stream(pool, "high", "prefill-gone", 0))
+        assert await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-live", 0)) == 0  # acked = deleted
     finally:
         stop.set()
         await task
@@ -91,7 +91,7 @@ async def test_forget_refuses_while_a_stream_has_entries(redis_client):
     await route_to(r, pool, "prefill-x", GenerationRequest("waiting", [1, 2], 1))
     assert not await streams.forget_pod_streams(r, pool, "prefill-x")
     assert await streams.pod_stream_owners(r, pool) == ["prefill-x"]
-    await r.delete(keys.pod_admission_stream(pool, "normal", "prefill-x"))
+    await r.delete(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
     assert await streams.forget_pod_streams(r, pool, "prefill-x")
     assert await streams.pod_stream_owners(r, pool) == []
 

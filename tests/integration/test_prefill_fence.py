@@ -35,7 +35,7 @@ def worker_for(redis_url, r, engine, pool: str, wid: str) -> PrefillWorker:
 async def admit(r, pool: str, req: GenerationRequest) -> str:
     await streams.ensure_groups(r, pool)
     await streams.enqueue_request(r, pool, req, 1000)
-    return keys.admission_stream(pool, req.priority)
+    return keys.admission_stream(pool, req.priority, 0)
 
 
 async def token_indices(r, rid: str) -> list[int]:
@@ -43,7 +43,7 @@ async def token_indices(r, rid: str) -> list[int]:
 
 
 async def ready_rids(r, pool: str) -> list[str]:
-    return [f[b"rid"].decode() for _eid, f in await r.xrange(keys.ready_stream(pool))]
+    return [f[b"rid"].decode() for _eid, f in await r.xrange(keys.ready_stream(pool, 0))]
 
 
 async def owner(r, stream: str) -> list[str]:
@@ -131,7 +131,7 @@ async def test_a_forgotten_pod_stream_gets_its_group_back(redis_url, redis_clien
     task = asyncio.create_task(a.run(stop))
     try:
         await asyncio.sleep(0.3)  # running, its groups created
-        own = keys.pod_admission_stream(pool, "normal", a.worker_id)
+        own = keys.pod_admission_stream(pool, "normal", a.worker_id, 0)
         await r.delete(own)
         req = GenerationRequest("routed", PROMPT, 8)
         await r.xadd(own, {"rid": req.request_id, "req": req.to_json()})

@@ -52,7 +52,7 @@ async def test_many_streams_one_reader_in_order(redis_client):
         assert mux.reads < N_STREAMS * N_TOKENS / 5
     finally:
         await mux.stop()
-    assert not await redis_client.exists(mux.wake_stream)
+    assert not await redis_client.exists(mux.wake_streams[0])
 
 
 async def test_newcomer_ends_a_read_in_flight(redis_client):
@@ -61,14 +61,14 @@ async def test_newcomer_ends_a_read_in_flight(redis_client):
     mux.start()
     try:
         mux.subscribe("mux-quiet")
-        while not mux._reading:
+        while not mux.reader_of("mux-quiet")._reading:
             await asyncio.sleep(0.01)
         late = mux.subscribe("mux-late")
         await _write(redis_client, "mux-late", 0, 3, "stop")
         events = await _drain(late, 3, timeout_s=10.0)
         assert [e.index for e in events] == [0, 1, 2]
         # the read in flight was ended by a poke on the wake stream, not by its own timeout
-        assert await redis_client.xlen(mux.wake_stream) >= 1
+        assert await redis_client.xlen(mux.reader_of("mux-late").wake_stream) >= 1
     finally:
         await mux.stop()
 
@@ -101,7 +101,7 @@ async def test_reads_what_the_fenced_decode_script_writes(redis_client):
                          ("mux-owned", 2, 8, "error", "boom", None, "x")])
     (flags,) = await pipe.execute()
     assert flags == [1, 0, 1]
-    assert not await redis_client.hexists(keys.running_key("mux-decode"), "mux-owned")  # finished
+    assert not await redis_client.hexists(keys.running_key("mux-decode", 0), "mux-owned")  # finished
     mux = TokenMux(redis_client, block_ms=100)
     mux.start()
     try:

@@ -22,7 +22,7 @@ def test_ready_notice_round_trip():
 
 
 def test_keys_are_distinct_and_prefixed():
-    ks = [keys.admission_stream("p", "high"), keys.admission_stream("p", "normal"), keys.ready_stream("p"),
+    ks = [keys.admission_stream("p", "high", 0), keys.admission_stream("p", "normal", 0), keys.ready_stream("p", 0),
           keys.token_stream("r"), keys.cancel_key("r"), keys.worker_key("w"), keys.WORKERS]
     assert len(set(ks)) == len(ks) and all(k.startswith("tandem:") for k in ks)
 

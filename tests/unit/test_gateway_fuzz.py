@@ -34,10 +34,10 @@ async def _answer_all(redis_url: str, stop: threading.Event) -> None:
 
     r = aioredis.Redis.from_url(redis_url)
     await streams.ensure_groups(r, POOL)
-    adm = [keys.admission_stream(POOL, p) for p in keys.PRIORITIES]
+    adm = [keys.admission_stream(POOL, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
         got = await streams.claim(r, adm, keys.PREFILL_GROUP, "fuzz", count=32, block_ms=None)
-        got += await streams.claim(r, [keys.direct_stream(POOL)], keys.DECODE_GROUP, "fuzz", count=32, block_ms=50)
+        got += await streams.claim(r, [keys.direct_stream(POOL, 0)], keys.DECODE_GROUP, "fuzz", count=32, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             pipe = r.pipeline(transaction=False)

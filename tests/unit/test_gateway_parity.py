@@ -32,7 +32,7 @@ def client(redis_url):
     with TestClient(create_app(s)) as c:
         yield c
     r = redis.Redis.from_url(redis_url)
-    assert sum(r.xlen(keys.admission_stream(POOL, p)) for p in keys.PRIORITIES) == 0  # nothing enqueued
+    assert sum(r.xlen(keys.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0  # nothing enqueued
     r.close()
 
 

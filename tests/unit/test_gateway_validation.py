@@ -36,7 +36,7 @@ def client(redis_url):
         yield c
     r = redis.Redis.from_url(redis_url)
     # "changes nothing else": no bad request reached the admission streams
-    assert sum(r.xlen(keys.admission_stream(POOL, p)) for p in keys.PRIORITIES) == 0
+    assert sum(r.xlen(keys.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0
     r.close()
 
 

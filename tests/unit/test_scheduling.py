@@ -7,7 +7,7 @@ from tandem_core.scheduling import PriorityRotation, choose_route, predicted_ttf
 def test_high_first_but_low_gets_a_share():
     rot = PriorityRotation("p", high_weight=4)
     orders = [rot.next_order() for _ in range(100)]
-    high, low = keys.admission_stream("p", "high"), keys.admission_stream("p", "normal")
+    high, low = keys.admission_stream("p", "high", 0), keys.admission_stream("p", "normal", 0)
     assert sum(o[0] == high for o in orders) == 80
     assert sum(o[0] == low for o in orders) == 20
     # Never more than high_weight reads in a row put low last.
