@@ -6,7 +6,7 @@ import sys
 
 USAGE = """usage: tandem {local,prefill,decode,gateway,planner} [--help]
 
-  local     start a local cluster: embedded Redis, prefill and decode workers, gateway
+  local     start a local cluster: embedded (or external) Redis, prefill and decode workers, gateway
   prefill   run one prefill worker (settings from TANDEM_PREFILL_* environment variables)
   decode    run one decode worker (settings from TANDEM_DECODE_* environment variables)
   gateway   run the HTTP/gRPC gateway (settings from TANDEM_GATEWAY_* environment variables)

@@ -1,7 +1,8 @@
 """`tandem local`: a whole Tandem cluster on this machine, as separate processes.
 
-An embedded real `redis-server` on a free loopback port (or, with `--redis-sentinel`, an external
-Redis found through its Sentinels), N prefill workers, M decode workers and the gateway, each a
+An embedded real `redis-server` on a free loopback port (or an external Redis: `--redis-url`, a
+Redis Cluster with `--redis-cluster`, or one found through its Sentinels with `--redis-sentinel`),
+N prefill workers, M decode workers and the gateway, each a
 child process configured through the same environment variables the Helm chart sets. Prints the
 URL when the cluster answers; Ctrl-C / SIGTERM drains and stops everything.
 Children die with the launcher (PR_SET_PDEATHSIG), so nothing outlives it.
@@ -20,6 +21,7 @@ import urllib.request
 from tandem.planner_follow import PlannerFollower
 from tandem.redis_proc import RedisProcess, free_port
 from tandem.supervisor import Child, Supervisor
+from tandem_core.redis_client import redact_url
 
 log = logging.getLogger("tandem.local")
 DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
@@ -28,8 +30,8 @@ DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tandem local",
-        description="Run a local Tandem cluster: embedded Redis (or an external one through Redis "
-        "Sentinel, --redis-sentinel), prefill and decode workers and the gateway as separate processes. "
+        description="Run a local Tandem cluster: embedded Redis (or an external one: --redis-url, "
+        "--redis-cluster, --redis-sentinel), prefill and decode workers and the gateway as separate processes. "
         "The gateway serves the OpenAI API on http://HOST:PORT/v1.",
     )
     p.add_argument("--model", default=os.environ.get("TANDEM_MODEL", "builtin"),
@@ -55,6 +57,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-persistence", action="store_true",
                    help="run the embedded Redis without its append-only file (by default it is on, so a "
                    "restarted Redis keeps queued requests and token streams)")
+    p.add_argument("--redis-url", default="", metavar="URL",
+                   help="use this external Redis instead of the embedded one (redis://[:PASSWORD@]HOST:PORT/DB, "
+                   "rediss:// for TLS): no redis-server is started, and none is restarted; its restarts "
+                   "are waited out by the services as the embedded one's are")
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="with --redis-url: that URL is one node of a Redis Cluster (every service gets "
+                   "TANDEM_<SERVICE>_REDIS__CLUSTER=true and uses the cluster client, which finds the other "
+                   "nodes and follows failovers)")
     p.add_argument("--redis-sentinel", default="", metavar="HOST:PORT[,HOST:PORT...]",
                    help="use an external Redis through these Redis Sentinels instead of the embedded one "
                    "(no redis-server is started); every service follows the sentinels to a promoted "
@@ -71,9 +81,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
     a = p.parse_args(argv)
-    if a.planner and (a.colocated or a.redis_sentinel):
-        p.error("--planner sizes separate prefill and decode workers with the embedded Redis: "
-                "not with --colocated or --redis-sentinel")
+    if a.redis_cluster and not a.redis_url:
+        p.error("--redis-cluster says the external Redis is a Redis Cluster: give one of its nodes with "
+                "--redis-url redis://HOST:PORT (or drop --redis-cluster to run the embedded Redis)")
+    if a.redis_url and a.redis_sentinel:
+        p.error("--redis-url and --redis-sentinel both name the Redis to use: give one of them")
+    if a.redis_url and not a.redis_url.startswith(("redis://", "rediss://")):
+        p.error(f"--redis-url {a.redis_url!r} must start with redis:// (or rediss:// for TLS)")
+    # The launcher follows the planner's decision with a plain Redis client (tandem/planner_follow.py):
+    # it reads an embedded or external URL alike, but cannot find a key on a cluster's other nodes
+    # or the primary behind sentinels.
+    if a.planner and (a.colocated or a.redis_sentinel or a.redis_cluster):
+        p.error("--planner sizes separate prefill and decode workers, following the planner through a plain "
+                "Redis URL (the embedded one or --redis-url): not with --colocated, --redis-sentinel or --redis-cluster")
     if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
         p.error(f"--planner: --prefill and --decode must be between 1 and --planner-max ({a.planner_max})")
     return a
@@ -128,9 +148,12 @@ class Cluster:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.sentinels = _sentinel_hosts(a.redis_sentinel)
-        # external Redis through Sentinel: nothing of ours to start, supervise or stop
-        self.redis = None if self.sentinels else RedisProcess(appendonly=not a.no_persistence)
+        # an external Redis (a URL, a cluster, behind sentinels): nothing of ours to start, supervise or stop
+        external = bool(self.sentinels or a.redis_url)
+        self.redis = None if external else RedisProcess(appendonly=not a.no_persistence)
         self.pins = _pin_map(a.pin)
+        if external and "redis" in self.pins:
+            raise SystemExit("--pin redis=...: there is no embedded Redis to pin with --redis-url or --redis-sentinel")
         if self.redis is not None:
             self.redis.preexec = _preexec_for(self.pins.get("redis"))
         self.sup = Supervisor()
@@ -142,13 +165,20 @@ class Cluster:
     def _env(self, prefix: str, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)  # user-set TANDEM_* settings pass through; ours below win
         env.update({f"{prefix}LOG_LEVEL": self.a.log_level, "PYTHONUNBUFFERED": "1"})
-        if self.redis is not None:
-            env[f"{prefix}REDIS__URL"] = self.redis.url
-        else:
+        if self.sentinels:
             env[f"{prefix}REDIS__SENTINEL__HOSTS"] = json.dumps(self.sentinels)
             env[f"{prefix}REDIS__SENTINEL__MASTER_NAME"] = self.a.redis_master
+        else:
+            env[f"{prefix}REDIS__URL"] = self.redis_url
+        # set either way: a TANDEM_*_REDIS__CLUSTER left in the shell must not contradict what runs
+        env[f"{prefix}REDIS__CLUSTER"] = "true" if self.a.redis_cluster else "false"
         env.update(extra)
         return env
+
+    @property
+    def redis_url(self) -> str:
+        """The URL the children get: the embedded Redis's, or --redis-url."""
+        return self.redis.url if self.redis is not None else self.a.redis_url
 
     def _engine_env(self, prefix: str) -> dict[str, str]:
         return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
@@ -163,14 +193,16 @@ class Cluster:
         if self.redis is not None:
             self.redis.start()
             log.info("redis pid=%d url=%s", self.redis.pid, self.redis.url)
-        else:
+        elif self.sentinels:
             log.info("redis through sentinels %s, master %r", ",".join(self.sentinels), self.a.redis_master)
+        else:
+            log.info("external redis%s %s", " cluster through" if self.a.redis_cluster else "", redact_url(self.a.redis_url))
         for _ in range(0 if self.a.colocated else self.a.prefill):
             self.spawn_worker("prefill")
         for _ in range(self.a.decode):
             self.spawn_worker("decode")
         if self.a.planner:
-            self.follower = PlannerFollower(self, self.redis.url)
+            self.follower = PlannerFollower(self, self.redis_url)
             self.follower.start(self.a.prefill, self.a.decode)
             pre = "TANDEM_PLANNER_"
             # Workers here share the machine's cores: a correction of the profile would read their
@@ -231,12 +263,13 @@ class Cluster:
         raise TimeoutError(f"cluster not ready within {self.a.ready_timeout}s ({last})")
 
     def check_children(self) -> None:
-        """Supervision: restart whatever died (Redis too, on its port with its data)."""
-        if self.redis is None:  # external: its failovers are the sentinels' job
+        """Supervision: restart whatever died (an embedded Redis too, on its port with its data)."""
+        if self.redis is None:  # external: its restarts and failovers are not ours to handle
             self.sup.tick()
-            return
-        alive = self.redis.proc is not None and self.redis.proc.poll() is None
-        self.sup.tick(restart_redis=self._restart_redis, redis_alive=alive)
+            alive = True
+        else:
+            alive = self.redis.proc is not None and self.redis.proc.poll() is None
+            self.sup.tick(restart_redis=self._restart_redis, redis_alive=alive)
         if self.follower is not None and alive:
             self.follower.follow()
 

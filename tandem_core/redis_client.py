@@ -1,45 +1,107 @@
-"""The one Redis client of a process: a plain URL or a Sentinel-managed primary (docs/redis-ha.md).
+"""The one Redis client of a process: a plain URL, a Sentinel-managed primary, or a Redis Cluster
+(docs/redis-ha.md).
 
 `connect(cfg)` returns a redis-py asyncio client; with `cfg.sentinel.hosts` it asks the sentinels
 for the primary on every new connection, so after a failover it reconnects to the promoted
-replica by itself. A short blocking probe first checks that the settings name the right kind of
-server (RedisConfigError says what to change); an unreachable Redis passes, services wait for it.
+replica by itself; with `cfg.cluster` it is redis-py's cluster client, which learns the slot map
+from the node the URL names and follows MOVED replies and failovers. A short blocking probe first
+checks that the settings name the right kind of server (RedisConfigError says what to change);
+an unreachable Redis passes, services wait for it.
+
+`CLUSTER_DOWN` lists what the cluster client raises while a failover or a slot move is under way
+(on top of ConnectionError/TimeoutError): callers wait those out like a restart, as REDIS_DOWN.
 """
 from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import NodesManager, RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.exceptions import AskError, ClusterError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 
 from tandem_core.settings import RedisConfig
+
+# Transient errors of the cluster client, none of which ran the command: ClusterError covers
+# CLUSTERDOWN (ClusterDownError, MasterDownError: a master failed and no replica has taken over
+# yet) and "TTL exhausted" (redirections that did not settle); AskError covers MovedError, which a
+# MULTI/EXEC raises once its retries are spent on a slot that changed owner; TryAgainError is a
+# multi-key command during a slot migration; SlotNotCoveredError is a slot map with a hole (a
+# RedisClusterException, not a RedisError). Not listed, on purpose: the cluster client's usage
+# errors (CrossSlotTransactionError, "Keys in request don't hash to the same slot"), which a retry
+# cannot fix. A cluster with no reachable node raises ConnectionError (see _NodesManager).
+CLUSTER_DOWN = (ClusterError, AskError, TryAgainError, SlotNotCoveredError)
 
 
 class RedisConfigError(ValueError):
     """The Redis settings name the wrong kind of server: fix the settings, retrying cannot help."""
 
 
-def connect(cfg: RedisConfig) -> aioredis.Redis:
+def connect(cfg: RedisConfig) -> aioredis.Redis | RedisCluster:
     """One client per process; `decode_responses=False` keeps token ids cheap to parse.
 
     With `cfg.sentinel.hosts` the client asks the sentinels for the primary of
     `cfg.sentinel.master_name` on every new connection, so after a failover it reconnects to the
     promoted replica by itself; meanwhile its commands raise REDIS_DOWN errors, which services
-    ride through as they do a restart. Before returning, one short blocking probe checks the
-    settings against what answers (RedisConfigError when a plain URL points at a sentinel, a
-    sentinel address is a plain Redis, or no sentinel knows the master name); an unreachable Redis
-    passes, since services wait for it.
+    ride through as they do a restart. With `cfg.cluster` it is redis-py's RedisCluster:
+    `cfg.url` names any one node (rediss:// = TLS), `max_connections` bounds each node's pool,
+    and during a failover its commands raise ConnectionError or CLUSTER_DOWN errors.
+    Before returning, one short blocking probe checks the settings against what answers
+    (RedisConfigError when a plain URL points at a sentinel or a cluster node, a cluster URL at
+    a plain Redis, a sentinel address is a plain Redis, or no sentinel knows the master name); an
+    unreachable Redis passes, since services wait for it.
     """
     common = dict(password=cfg.password, socket_timeout=cfg.socket_timeout_s,
                   socket_connect_timeout=cfg.connect_timeout_s, health_check_interval=30,
                   max_connections=cfg.max_connections)
+    if cfg.cluster and cfg.sentinel.hosts:
+        raise RedisConfigError(
+            "redis.cluster=true and redis.sentinel.hosts are both set: a Redis Cluster fails over by itself, "
+            "without sentinels. For a cluster, set redis.url to one of its nodes and leave redis.sentinel.hosts "
+            "empty; for Sentinel, set redis.cluster=false (TANDEM_<SERVICE>_REDIS__CLUSTER)")
+    if cfg.cluster:
+        _check_server(cfg)
+        try:
+            client = RedisCluster.from_url(cfg.url, **common)
+        except RedisClusterException as e:  # e.g. a database other than 0, a unix socket
+            raise RedisConfigError(f"redis.cluster=true with redis.url {redact_url(cfg.url)}: {e} "
+                                   "(a Redis Cluster has database 0 only: redis://HOST:PORT or rediss://HOST:PORT)") from e
+        client.nodes_manager.__class__ = _NodesManager
+        return client
     if not cfg.sentinel.hosts:
-        _check_not_sentinel(cfg)
+        _check_server(cfg)
         return aioredis.Redis.from_url(cfg.url, **common)
     _check_sentinels(cfg)
     sentinel = Sentinel(cfg.sentinel.addresses(), sentinel_kwargs=_sentinel_kwargs(cfg))
     return sentinel.master_for(cfg.sentinel.master_name, connection_class=_FailoverConnection, **common)
+
+
+class _NodesManager(NodesManager):
+    """redis-py's cluster slot map, refreshed on every topology change, but saying why it could
+    not be. The stock one raises RedisClusterException (not a RedisError) when no node answers,
+    which would end a service that is waiting for Redis to come up: here that is a
+    ConnectionError (REDIS_DOWN), and a node that answers but is not in cluster mode (a plain
+    Redis brought up where the cluster was expected) is a RedisConfigError. Every path that
+    refreshes the map (commands, pipelines, MULTI/EXEC retries) goes through this `initialize`,
+    which is why the manager, not the client, is subclassed (`__class__` is swapped after
+    construction: redis-py builds the manager itself, and no slots are added)."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args, **kwargs) -> None:
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisClusterException as e:
+            if type(e) is not RedisClusterException:  # SlotNotCoveredError etc. keep their type
+                raise
+            cause = e.__cause__  # the last node's failure; a refused CLUSTER SLOTS is "not enabled"
+            if isinstance(cause, RedisClusterException) and "not enabled" in str(cause):
+                raise RedisConfigError(
+                    f"redis.cluster=true but the Redis at {', '.join(self.startup_nodes)} refuses CLUSTER SLOTS "
+                    f"({cause.__context__ or cause}): it is not a cluster node; set redis.cluster=false "
+                    "(TANDEM_<SERVICE>_REDIS__CLUSTER), or point redis.url at a node of the Redis Cluster") from e
+            raise RedisConnectionError(f"no Redis Cluster node answered with the slot map: {e}") from e
 
 
 class _FailoverConnection(SentinelManagedConnection):
@@ -66,20 +128,34 @@ def _probe_timeout(cfg: RedisConfig) -> float:
     return min(cfg.connect_timeout_s, cfg.socket_timeout_s, 2.0)  # a start-up check, not a wait
 
 
-def _check_not_sentinel(cfg: RedisConfig) -> None:
-    """A URL that reaches a sentinel would fail later with "unknown command": say why now."""
+def _check_server(cfg: RedisConfig) -> None:
+    """A URL that reaches the wrong kind of server would fail later with "unknown command" (a
+    sentinel), MOVED replies (a cluster node used as a plain Redis) or "cluster support disabled"
+    (the reverse): say why now. One INFO; a Redis that is down or refuses INFO passes."""
     t = _probe_timeout(cfg)
     r = redis.Redis.from_url(cfg.url, password=cfg.password, socket_timeout=t, socket_connect_timeout=t)
     try:
-        mode = r.info("server").get("redis_mode")
+        info = r.info()  # the default sections: server (redis_mode) and cluster (cluster_enabled)
     except (RedisError, OSError):
         return  # down, or refused us: the services' own retries and errors say so
     finally:
         r.close()
-    if mode == "sentinel":
+    url = redact_url(cfg.url)
+    if info.get("redis_mode") == "sentinel":
         raise RedisConfigError(
-            f"redis.url {_redact(cfg.url)} is a Redis Sentinel, not a Redis server: set redis.sentinel.hosts "
-            f"(TANDEM_<SERVICE>_REDIS__SENTINEL__HOSTS, a JSON list of host:port) and redis.sentinel.master_name")
+            f"redis.url {url} is a Redis Sentinel, not a Redis server: set redis.sentinel.hosts "
+            f"(TANDEM_<SERVICE>_REDIS__SENTINEL__HOSTS, a JSON list of host:port) and redis.sentinel.master_name"
+            + (" and redis.cluster=false" if cfg.cluster else ""))
+    enabled = bool(info.get("cluster_enabled"))
+    if cfg.cluster and not enabled:
+        raise RedisConfigError(
+            f"redis.cluster=true but redis.url {url} is a plain Redis (INFO cluster: cluster_enabled:0): set "
+            "redis.cluster=false (TANDEM_<SERVICE>_REDIS__CLUSTER=false), or point redis.url at a node of the Redis Cluster")
+    if enabled and not cfg.cluster:
+        raise RedisConfigError(
+            f"redis.url {url} is a Redis Cluster node (INFO cluster: cluster_enabled:1) but redis.cluster is false: "
+            "set redis.cluster=true (TANDEM_<SERVICE>_REDIS__CLUSTER=true) so the services use the cluster client, "
+            "which sends each key to the node that owns its slot")
 
 
 def _check_sentinels(cfg: RedisConfig) -> None:
@@ -112,6 +188,7 @@ def _check_sentinels(cfg: RedisConfig) -> None:
             + "; set redis.sentinel.master_name (TANDEM_<SERVICE>_REDIS__SENTINEL__MASTER_NAME) to one of those")
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """The URL without its password (for messages and logs)."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url

@@ -1,5 +1,6 @@
 """Shared fixtures: a real Redis (testcontainers when a Docker engine is reachable, else a real
-`redis-server` binary on a free loopback port), killed by PID in teardown."""
+`redis-server` binary on a free loopback port) and a real Redis Cluster (redis-server processes in
+cluster mode), killed by PID in teardown."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tandem.redis_proc import RedisProcess, docker_reachable  # noqa: E402
+from tandem.redis_proc import RedisClusterProcess, RedisProcess, docker_reachable  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +29,24 @@ def redis_url():
         yield proc.url
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A Redis Cluster of 3 masters and 3 replicas on loopback (tandem.redis_proc.RedisClusterProcess),
+    SIGKILLed by PID at the end of the session. Shared: use keys of your own or call `flushall()`,
+    and a test that kills a node calls `heal()` in its teardown, so the next one finds the cluster whole."""
+    cluster = RedisClusterProcess(masters=3, replicas_per_master=1).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(redis_cluster) -> str:
+    """redis://127.0.0.1:PORT of one node (a master at start): what `redis.url` gets with `redis.cluster`."""
+    return redis_cluster.url
 
 
 @pytest.fixture

@@ -49,13 +49,17 @@ RELEASE, NAMESPACE = "rel", "ns"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 
+# Redis settings the chart owns: one value for every service (externalRedis.url / redis, the
+# password Secret, redis.cluster, redis.shards), so the services cannot disagree.
+REDIS_OWNED = {"redis.url", "redis.password", "redis.cluster", "redis.shards"}
 SERVICES = {
     # component: (settings class, env prefix, settings the chart owns instead of values.yaml)
-    "gateway": (GatewaySettings, "TANDEM_GATEWAY_", {"redis.url", "redis.password", "api_keys", "admin_key"}),
-    "prefill": (PrefillSettings, "TANDEM_PREFILL_", {"redis.url", "redis.password", "grpc.advertise_host", "worker_id"}),
-    "decode": (DecodeSettings, "TANDEM_DECODE_", {"redis.url", "redis.password", "grpc.advertise_host", "worker_id"}),
-    "planner": (PlannerSettings, "TANDEM_PLANNER_", {"redis.url", "redis.password", "profile_path", "prefill.deployment",
-                                                      "decode.deployment", "kubernetes.namespace", "kubernetes.lease_name"}),
+    "gateway": (GatewaySettings, "TANDEM_GATEWAY_", REDIS_OWNED | {"api_keys", "admin_key"}),
+    "prefill": (PrefillSettings, "TANDEM_PREFILL_", REDIS_OWNED | {"grpc.advertise_host", "worker_id"}),
+    "decode": (DecodeSettings, "TANDEM_DECODE_", REDIS_OWNED | {"grpc.advertise_host", "worker_id"}),
+    "planner": (PlannerSettings, "TANDEM_PLANNER_", REDIS_OWNED | {"profile_path", "prefill.deployment",
+                                                                   "decode.deployment", "kubernetes.namespace",
+                                                                   "kubernetes.lease_name"}),
 }
 # Components rendered only when their values turn them on.
 OPTIONAL = {"planner"}
@@ -73,6 +77,7 @@ PROFILES = {
     "default": [],
     "tpu": ["ci/tpu-values.yaml"],
     "external-redis-tls": ["ci/external-redis-values.yaml"],
+    "external-redis-cluster": ["ci/external-redis-cluster-values.yaml"],
     "keda": ["ci/keda-values.yaml"],
     "everything-off": ["ci/minimal-values.yaml"],
     # Every optional object at once (KEDA + external Redis TLS + routes + monitoring).

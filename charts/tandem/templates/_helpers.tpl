@@ -141,6 +141,15 @@ so the sentinels are written once for all three services. args: dict "root" $ "s
 {{- end }}
 {{- end }}
 
+{{/*
+redis.cluster and redis.shards of every service, from the one value of each (redis.cluster,
+redis.shards): services that disagreed would not find each other's keys. args: dict "root" $ "prefix" "TANDEM_PREFILL_"
+*/}}
+{{- define "tandem.redis.keysEnv" -}}
+{{ .prefix }}REDIS__CLUSTER: {{ ternary "true" "false" (eq (toString .root.Values.redis.cluster) "true") | quote }}
+{{ .prefix }}REDIS__SHARDS: {{ int .root.Values.redis.shards | quote }}
+{{- end }}
+
 {{/* Secret name and key of the Redis password, or "" when there is none. */}}
 {{- define "tandem.redis.passwordSecret" -}}
 {{- if .Values.redis.enabled }}

@@ -22,6 +22,18 @@ Included once, from templates/validate.yaml.
 {{- if and $sentinel.hosts $v.externalRedis.tls.caSecret }}
 {{- fail "tandem: externalRedis.tls.caSecret is set with externalRedis.sentinel; TLS through Sentinel is not supported yet, use externalRedis.url for a TLS endpoint" }}
 {{- end }}
+{{- if $v.redis.cluster }}
+{{- if $v.redis.enabled }}
+{{- fail "tandem: redis.cluster=true says the Redis is a Redis Cluster, but redis.enabled=true runs the bundled single Redis; set redis.enabled=false and externalRedis.url to one node of the cluster (Memorystore for Redis Cluster: its discovery endpoint)" }}
+{{- end }}
+{{- if $sentinel.hosts }}
+{{- fail "tandem: redis.cluster=true and externalRedis.sentinel.hosts are both set; a Redis Cluster fails over by itself, without sentinels: leave externalRedis.sentinel.hosts empty and set externalRedis.url to one node of the cluster" }}
+{{- end }}
+{{- $db := trimPrefix "/" (urlParse $v.externalRedis.url).path }}
+{{- if not (has $db (list "" "0")) }}
+{{- fail (printf "tandem: externalRedis.url %q selects database %s, but a Redis Cluster has database 0 only; drop /%s from the URL" $v.externalRedis.url $db $db) }}
+{{- end }}
+{{- end }}
 {{- if and (not $v.redis.enabled) (not $sentinel.hosts) }}
 {{- $u := urlParse $v.externalRedis.url }}
 {{- if not (has $u.scheme (list "redis" "rediss")) }}

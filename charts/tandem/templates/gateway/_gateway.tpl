@@ -4,6 +4,7 @@
 {{- if include "tandem.redis.sentinel" . }}{{ $s = include "tandem.redis.withSentinel" (dict "root" . "settings" $s) | fromJson }}{{ end }}
 {{- include "tandem.settingsEnv" (dict "prefix" "TANDEM_GATEWAY_" "settings" $s) | trim }}
 TANDEM_GATEWAY_REDIS__URL: {{ include "tandem.redis.url" . | quote }}
+{{ include "tandem.redis.keysEnv" (dict "root" . "prefix" "TANDEM_GATEWAY_") }}
 {{- end }}
 
 {{/* Secret holding api_keys (JSON list) and admin_key, or "" when auth is off. */}}

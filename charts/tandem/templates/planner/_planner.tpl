@@ -43,6 +43,7 @@ Where planner.profile comes from: "inline" (JSON text, or the profile written as
 {{- if include "tandem.redis.sentinel" . }}{{ $s = include "tandem.redis.withSentinel" (dict "root" . "settings" $s) | fromJson }}{{ end }}
 {{- include "tandem.settingsEnv" (dict "prefix" "TANDEM_PLANNER_" "settings" $s) | trim }}
 TANDEM_PLANNER_REDIS__URL: {{ include "tandem.redis.url" . | quote }}
+{{ include "tandem.redis.keysEnv" (dict "root" . "prefix" "TANDEM_PLANNER_") }}
 TANDEM_PLANNER_PROFILE_PATH: {{ ternary (printf "%s/profile.json" (include "tandem.planner.profileDir" .)) "" (ne (include "tandem.planner.profileSource" .) "") | quote }}
 TANDEM_PLANNER_PREFILL__DEPLOYMENT: {{ include "tandem.componentName" (dict "root" . "component" "prefill") | quote }}
 TANDEM_PLANNER_DECODE__DEPLOYMENT: {{ include "tandem.componentName" (dict "root" . "component" "decode") | quote }}

@@ -10,6 +10,7 @@ own settings. args: dict "root" $ "component" "prefill"|"decode" "prefix" "TANDE
 {{- if include "tandem.redis.sentinel" .root }}{{ $s = include "tandem.redis.withSentinel" (dict "root" .root "settings" $s) | fromJson }}{{ end }}
 {{- include "tandem.settingsEnv" (dict "prefix" .prefix "settings" $s) | trim }}
 {{ .prefix }}REDIS__URL: {{ include "tandem.redis.url" .root | quote }}
+{{ include "tandem.redis.keysEnv" (dict "root" .root "prefix" .prefix) }}
 {{- end }}
 
 {{- define "tandem.worker.configmap" -}}
