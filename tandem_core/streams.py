@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from redis.crc import key_slot
 
 from tandem_core import keys, redis_client
 from tandem_core.redis_client import RedisConfigError
@@ -29,7 +28,10 @@ from tandem_core.types import GenerationRequest, TokenLogprobs
 # ConnectionError: no sentinel reports a healthy primary yet), and a primary demoted to replica
 # answers writes with READONLY (the Sentinel client turns that into a ConnectionError and asks
 # the sentinels again; a plain client gets ReadOnlyError).
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, MasterNotFoundError, ReadOnlyError, ConnectionError, OSError)
+# On a Redis Cluster, a failover or slot move raises redis_client.CLUSTER_DOWN until the client
+# has found the new owner of the slot.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, MasterNotFoundError, ReadOnlyError, ConnectionError, OSError,
+              *redis_client.CLUSTER_DOWN)
 
 
 async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
@@ -409,19 +411,19 @@ async def request_cancel(r: aioredis.Redis, request_id: str, ttl_s: int) -> None
 
 
 async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
-    """The requests of `request_ids` with a cancel key: one MGET per shard, in one round trip."""
+    """The requests of `request_ids` with a cancel key, in one round trip: one MGET, or on a
+    Redis Cluster (whose pipelines refuse MGET) one GET per request."""
     if not request_ids:
         return set()
-    by_shard: dict[int, list[str]] = {}
-    for rid in request_ids:
-        by_shard.setdefault(keys.request_shard(rid), []).append(rid)
-    pipe = r.pipeline(transaction=False)
-    for rids in by_shard.values():
-        pipe.mget([keys.cancel_key(x) for x in rids])
-    out = set()
-    for rids, vals in zip(by_shard.values(), await pipe.execute()):
-        out |= {rid for rid, v in zip(rids, vals) if v is not None}
-    return out
+    names = [keys.cancel_key(x) for x in request_ids]
+    if _is_cluster(r):
+        pipe = r.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        vals = await pipe.execute()
+    else:
+        vals = await r.mget(names)
+    return {rid for rid, v in zip(request_ids, vals) if v is not None}
 
 
 # ---------------------------------------------------------------- worker registry

@@ -112,7 +112,9 @@ class OwnedPublisher:
                 names.append(keys.token_stream(rid))
                 args += (rid, index, token, finish or "", error or "", logprobs or "", prompt_logprobs or "")
             args.append("" if fenced else "1")
-            pipe.evalsha(self._script.sha, len(names), *names, *args)
+            # (execute_command: redis-py's cluster pipeline refuses its evalsha method, but routes
+            # the command itself by its keys)
+            pipe.execute_command("EVALSHA", self._script.sha, len(names), *names, *args)
         return Placed(list(by_shard.values()), len(items))
 
     async def load(self) -> None:

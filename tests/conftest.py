@@ -16,6 +16,17 @@ if str(ROOT) not in sys.path:
 from tandem.redis_proc import RedisClusterProcess, RedisProcess, docker_reachable  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _one_key_shard():
+    """Every test starts with the one key shard of a plain Redis: the count is per process
+    (tandem_core.keys.configure, set by streams.connect), and a cluster test sets 16."""
+    from tandem_core import keys
+
+    keys.configure(1)
+    yield
+    keys.configure(1)
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     if docker_reachable() and not os.environ.get("TANDEM_TEST_NO_DOCKER"):

@@ -645,9 +645,9 @@ def test_network_policy_allows_what_the_services_need_and_nothing_else(profile):
 def test_keda_scales_on_the_real_streams(profile):
     r = rendered(profile)
     expected = {
-        "prefill": ({keys.admission_stream(r.values["prefill"]["settings"]["pool"], p) for p in keys.PRIORITIES}, keys.PREFILL_GROUP),
-        "decode": ({keys.ready_stream(r.values["decode"]["settings"]["pool"])}
-                   | ({keys.direct_stream(r.values["decode"]["settings"]["pool"])} if r.values["decode"]["settings"]["direct_prefill"] else set()),
+        "prefill": ({keys.admission_stream(r.values["prefill"]["settings"]["pool"], p, 0) for p in keys.PRIORITIES}, keys.PREFILL_GROUP),
+        "decode": ({keys.ready_stream(r.values["decode"]["settings"]["pool"], 0)}
+                   | ({keys.direct_stream(r.values["decode"]["settings"]["pool"], 0)} if r.values["decode"]["settings"]["direct_prefill"] else set()),
                    keys.DECODE_GROUP),
     }
     for component, (streams, group) in expected.items():
