@@ -162,7 +162,7 @@ def test_good_variants_render():
     assert r.component("prefill")["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == 4
     assert "google.com/tpu" not in json.dumps(r.component("decode"))
     so = r.get("ScaledObject", f"{RELEASE}-tandem-prefill")
-    assert {t["metadata"]["stream"] for t in so["spec"]["triggers"]} == {"tandem:chat:adm:high", "tandem:chat:adm:normal"}
+    assert {t["metadata"]["stream"] for t in so["spec"]["triggers"]} == {"tandem:{s0.0}:chat:adm:high", "tandem:{s0.0}:chat:adm:normal"}
 
 
 # ------------------------------------------------------------------------------------------------
