@@ -45,7 +45,8 @@ class DecodeIO:
         self.owned = token_writes.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
                                                  s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
-        self.bells = {g: streams.Doorbell(r, s.pool, [g]) for g in (keys.DECODE_GROUP, keys.PREFILL_GROUP)}
+        # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
+        self.bell = streams.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
         self.slot_freed = asyncio.Event()
         self.output_ready = asyncio.Event()  # set (thread-safely) by the engine after each step
         self.inflight: dict[str, asyncio.Task] = {}
@@ -124,7 +125,7 @@ class DecodeIO:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
             got = [(c, group) for c in await streams.claim(self.r, names, group, self.worker_id, n,
-                                                           self.s.claim_block_ms, self.bells[group])]
+                                                           self.s.claim_block_ms, self.bell)]
         return got
 
     async def _dispatch(self, c: streams.Claimed, group: str, started: int | None = None) -> None:

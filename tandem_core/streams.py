@@ -144,10 +144,12 @@ class Claimed:
 
 class Doorbell:
     """An idle reader's wait on the doorbells of its groups (keys.doorbell), from the last ring it
-    saw: a ring that came while it was reading the streams ends the next wait at once."""
+    saw: a ring that came while it was reading the streams ends the next wait at once. So the
+    wait can be long (`block_ms`): its timeout only bounds how late an entry whose writer died
+    between its enqueue and its ring is seen."""
 
-    def __init__(self, r: aioredis.Redis, pool: str, groups: list[str]) -> None:
-        self.r = r
+    def __init__(self, r: aioredis.Redis, pool: str, groups: list[str], block_ms: int = 500) -> None:
+        self.r, self.block_ms = r, block_ms
         self.last: dict[str, bytes | str] = {keys.doorbell(pool, g): "$" for g in dict.fromkeys(groups)}
 
     async def wait(self, block_ms: int) -> None:
@@ -172,7 +174,8 @@ async def claim(
     Over more than a few streams (several shards) the pass first reads every stream's length in
     one pipeline (one round trip; on a Redis Cluster node by node in parallel) and reads only the
     non-empty ones. Streams of several slots cannot share one command on a Redis Cluster: there
-    the wait is on `bell`, which the writers ring after they enqueue (required then).
+    the wait is on `bell`, which the writers ring after they enqueue (required then), for the
+    longer of `block_ms` and the bell's own.
     """
     spread = _is_cluster(r) and len({key_slot(s.encode()) for s in streams}) > 1
     prefilter = spread or len(streams) > 4
@@ -182,7 +185,7 @@ async def claim(
     if spread:
         if bell is None:
             raise ValueError("claim over several shards needs a Doorbell to wait on")
-        await bell.wait(block_ms)
+        await bell.wait(max(block_ms, bell.block_ms))
     else:
         await r.xread({s: "$" for s in streams}, count=1, block=block_ms)
     return await _read_each(r, streams, group, consumer, count, prefilter)
