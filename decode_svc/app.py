@@ -13,7 +13,7 @@ from decode_svc.loop import EngineLoop
 from decode_svc.recover import reclaim_pending, recover_loop, recover_running
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import grpc_util, lifecycle, streams
+from tandem_core import grpc_util, lifecycle, registry, streams
 from tandem_core.settings import default_worker_id
 from tandem_engine.prefix_cache import cache_for
 
@@ -65,8 +65,8 @@ async def serve(s: DecodeSettings) -> int:
     lifecycle.install_stop_signals(stop)
     state = {"draining": False}
 
-    def info() -> streams.WorkerInfo:
-        return streams.WorkerInfo(
+    def info() -> registry.WorkerInfo:
+        return registry.WorkerInfo(
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
             free_slots=table.free, draining=state["draining"],
             extra={"pool": s.pool, "prefix_cache": engine_loop.prefix_cache.summary(),

@@ -17,7 +17,7 @@ import asyncio
 import logging
 
 from decode_svc.io import DecodeIO
-from tandem_core import keys, streams
+from tandem_core import keys, registry, streams
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
     for wid in sorted(owners):
         if wid == me and not include_self:
             continue
-        if wid != me and (not io.peers.trusted or await streams.worker_alive(r, wid)):
+        if wid != me and (not io.peers.trusted or await registry.worker_alive(r, wid)):
             continue
         if not await r.set(keys.recovering_key(wid), me, nx=True, ex=30):
             continue  # another pod is on it

@@ -44,7 +44,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tandem_core.streams import running_requests, server_id
+from tandem_core.registry import server_id
+from tandem_core.streams import running_requests
 
 log = logging.getLogger(__name__)
 

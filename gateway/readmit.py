@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway import pod_streams
-from tandem_core import keys, streams
+from tandem_core import keys, registry, streams
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Readmitter:
 
     async def check(self) -> int:
         """Readmit if Redis changed since the last look; how many were enqueued again."""
-        run_id = await streams.server_id(self._redis()) or ""
+        run_id = await registry.server_id(self._redis()) or ""
         self._forget_old()
         if not run_id or run_id == self.run_id:
             return 0

@@ -31,7 +31,7 @@ from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
-from tandem_core import keys, streams
+from tandem_core import keys, registry, streams
 from tandem_core.errors import (
     AdmissionRejected,
     DeadlineExceeded,
@@ -208,7 +208,7 @@ class GatewayService:
         """The registry, summarised for routing; refreshed at most every cluster_view_ttl_s."""
         now = time.monotonic()
         if self._view_cache is None or now - self._view_cache[0] > self.settings.cluster_view_ttl_s:
-            self._view_cache = (now, ClusterView.of(await streams.list_workers(r), self.settings.pool))
+            self._view_cache = (now, ClusterView.of(await registry.list_workers(r), self.settings.pool))
         return self._view_cache[1]
 
     def _record(self, prep: Prepared, api_key: str) -> resume.ResumeRecord:
@@ -361,7 +361,7 @@ class GatewayService:
         r = self._redis()
         s = self.settings
         try:
-            workers = await streams.list_workers(r)
+            workers = await registry.list_workers(r)
             queued = await pod_streams.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
             ready = await streams.ready_backlog(r, s.pool)
         except _REDIS_DOWN as e:
@@ -393,7 +393,7 @@ class GatewayService:
 
         async def read() -> None:
             r = self._redis()
-            workers = await streams.list_workers(r)
+            workers = await registry.list_workers(r)
             pods = ClusterView.of(workers, self.settings.pool).prefill_ids
             backlog = await pod_streams.total_backlog(r, self.settings.pool, pods)
             ready = await streams.ready_backlog(r, self.settings.pool)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from planner.decide import Observation
-from tandem_core import keys, load_report, streams
+from tandem_core import keys, load_report, registry, streams
 
 
 class NoSignal(RuntimeError):
@@ -56,7 +56,7 @@ class Signals:
         """(live non-draining pods per role, what the pool's pods did since the last read:
         prompts prefilled, tokens decoded, and the prefill pods' mean recent seconds a prompt)."""
         live, reps, ema = {"prefill": 0, "decode": 0}, [], []
-        for w in await streams.list_workers(self.r):
+        for w in await registry.list_workers(self.r):
             extra = w.get("extra") or {}
             if w["role"] not in live or extra.get("pool", self.pool) != self.pool:
                 continue

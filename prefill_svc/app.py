@@ -10,7 +10,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import grpc_util, lifecycle, streams
+from tandem_core import grpc_util, lifecycle, registry, streams
 from tandem_core.settings import default_worker_id
 from tandem_engine.prefix_cache import cache_for
 from tandem_proto import kv_pb2
@@ -54,8 +54,8 @@ async def serve(settings: PrefillSettings) -> int:
     lifecycle.install_stop_signals(stop)
     draining = False
 
-    def info() -> streams.WorkerInfo:
-        return streams.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
+    def info() -> registry.WorkerInfo:
+        return registry.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
                                   held_kv_bytes=store.held_bytes, draining=draining,
                                   extra={"pool": settings.pool, "prefix_cache": cache.summary(),
                                          "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,

@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
-from tandem_core import entry_fence, keys, lifecycle, recovery, streams
+from tandem_core import entry_fence, keys, lifecycle, recovery, registry, streams
 from tandem_core.errors import TandemError
 from tandem_core.grammar import Grammars
 from tandem_core.scheduling import PriorityRotation
@@ -163,7 +163,7 @@ class PrefillWorker:
         re-adds the entry in the same transaction, so none is stranded)."""
         if not self._peers_trusted():
             return  # right after a Redis restart every pod looks gone
-        live = {w["id"]: w for w in await streams.list_workers(self.r) if w["role"] == "prefill"}
+        live = {w["id"]: w for w in await registry.list_workers(self.r) if w["role"] == "prefill"}
         for wid in await streams.pod_stream_owners(self.r, self.s.pool):
             if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
                 continue

@@ -9,7 +9,7 @@ from typing import Callable
 
 import redis.asyncio as aioredis
 
-from tandem_core import streams
+from tandem_core import registry
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class PeerJudge:
 
 
 async def heartbeat_loop(
-    r: aioredis.Redis, info: Callable[[], streams.WorkerInfo], interval_s: float, stop: asyncio.Event,
+    r: aioredis.Redis, info: Callable[[], registry.WorkerInfo], interval_s: float, stop: asyncio.Event,
     judge: PeerJudge | None = None, on_run_id: Callable[[str | None], None] | None = None,
 ) -> None:
     """Publish this worker's registry entry every `interval_s` until `stop`; deregister after.
@@ -75,7 +75,7 @@ async def heartbeat_loop(
     wid = info().id
     while not stop.is_set():
         try:
-            run_id = await streams.heartbeat(r, info(), ttl)
+            run_id = await registry.heartbeat(r, info(), ttl)
             if judge is not None:
                 judge.beat_ok(run_id)
             if on_run_id is not None:
@@ -89,6 +89,6 @@ async def heartbeat_loop(
         except asyncio.TimeoutError:
             pass
     try:
-        await streams.deregister(r, wid)
+        await registry.deregister(r, wid)
     except Exception as e:  # noqa: BLE001
         log.warning("deregister failed: %s", e)

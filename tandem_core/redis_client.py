@@ -192,3 +192,8 @@ def redact_url(url: str) -> str:
     """The URL without its password (for messages and logs)."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+def is_cluster(r) -> bool:
+    """Whether `r` is redis-py's cluster client (`connect` with `redis.cluster`)."""
+    return isinstance(r, RedisCluster)

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tandem_core import keys, redis_client
+from tandem_core import keys, redis_client, registry
 from tandem_core.redis_client import RedisConfigError
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest, TokenLogprobs
@@ -177,7 +176,7 @@ async def claim(
     the wait is on `bell`, which the writers ring after they enqueue (required then), for the
     longer of `block_ms` and the bell's own.
     """
-    spread = _is_cluster(r) and len({key_slot(s.encode()) for s in streams}) > 1
+    spread = redis_client.is_cluster(r) and len({key_slot(s.encode()) for s in streams}) > 1
     prefilter = spread or len(streams) > 4
     out = await _read_each(r, streams, group, consumer, count, prefilter)
     if out or not block_ms:
@@ -364,10 +363,6 @@ async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, Gener
     return {_s(k): GenerationRequest.from_json(v) for raw in await pipe.execute() for k, v in raw.items()}
 
 
-async def worker_alive(r: aioredis.Redis, worker_id: str) -> bool:
-    return bool(await r.exists(keys.worker_key(worker_id)))
-
-
 async def dead_consumer_entries(r: aioredis.Redis, stream: str, group: str, me: str,
                                 include_self: bool = False, limit: int = 100,
                                 stale_self_ms: int | None = None, busy: set[bytes] | None = None,
@@ -390,7 +385,7 @@ async def dead_consumer_entries(r: aioredis.Redis, stream: str, group: str, me: 
             if stale_self_ms is None:
                 continue
             idle = stale_self_ms
-        elif name != me and (not others or await worker_alive(r, name)):
+        elif name != me and (not others or await registry.worker_alive(r, name)):
             continue
         rows = await r.xpending_range(stream, group, min="-", max="+", count=limit, consumername=name, idle=idle)
         out += [(name, row["message_id"]) for row in rows if not (busy and row["message_id"] in busy)]
@@ -419,7 +414,7 @@ async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
     if not request_ids:
         return set()
     names = [keys.cancel_key(x) for x in request_ids]
-    if _is_cluster(r):
+    if redis_client.is_cluster(r):
         pipe = r.pipeline(transaction=False)
         for name in names:
             pipe.get(name)
@@ -427,94 +422,6 @@ async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
     else:
         vals = await r.mget(names)
     return {rid for rid, v in zip(request_ids, vals) if v is not None}
-
-
-# ---------------------------------------------------------------- worker registry
-
-
-@dataclass
-class WorkerInfo:
-    role: str  # "prefill" | "decode"
-    id: str
-    pid: int
-    address: str
-    slots: int = 0
-    free_slots: int = 0
-    held_kv_bytes: int = 0
-    draining: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-async def heartbeat(r: aioredis.Redis, w: WorkerInfo, ttl_s: int) -> str | None:
-    """Write `w`'s registry entry; returns the Redis server's run_id (it changes on a restart)."""
-    now = time.time()
-    fields = {
-        "role": w.role, "id": w.id, "pid": w.pid, "address": w.address, "slots": w.slots,
-        "free_slots": w.free_slots, "held_kv_bytes": w.held_kv_bytes, "draining": int(w.draining),
-        "ts": now, "extra": json.dumps(w.extra),
-    }
-    pipe = r.pipeline(transaction=False)
-    pipe.hset(keys.worker_key(w.id), mapping=fields)
-    pipe.expire(keys.worker_key(w.id), ttl_s)
-    pipe.zadd(keys.WORKERS, {w.id: now})
-    if _is_cluster(r):
-        await pipe.execute()
-        return await server_id(r)
-    pipe.info("server")
-    server = (await pipe.execute())[-1]
-    return str(server.get("run_id")) if isinstance(server, dict) and server.get("run_id") else None
-
-
-def _is_cluster(r) -> bool:
-    return isinstance(r, RedisCluster)
-
-
-async def server_id(r: aioredis.Redis) -> str | None:
-    """Which Redis answers: its run_id, which changes when it restarts or fails over; on a Redis
-    Cluster every primary's, joined, so a failover of any one of them changes it too."""
-    if not _is_cluster(r):
-        info = await r.info("server")
-        return str(info.get("run_id")) if info.get("run_id") else None
-    per_node = await r.info("server", target_nodes=RedisCluster.PRIMARIES)
-    ids = sorted(str(v.get("run_id")) for v in per_node.values() if isinstance(v, dict) and v.get("run_id"))
-    return ",".join(ids) or None
-
-
-async def deregister(r: aioredis.Redis, worker_id: str) -> None:
-    pipe = r.pipeline(transaction=False)
-    pipe.delete(keys.worker_key(worker_id))
-    pipe.zrem(keys.WORKERS, worker_id)
-    await pipe.execute()
-
-
-async def list_workers(r: aioredis.Redis) -> list[dict]:
-    """Live workers with `heartbeat_age_s`; entries whose hash expired are pruned."""
-    ids = [_s(x) for x in await r.zrange(keys.WORKERS, 0, -1)]
-    if not ids:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for wid in ids:
-        pipe.hgetall(keys.worker_key(wid))
-    hashes = await pipe.execute()
-    now = time.time()
-    out, dead = [], []
-    for wid, h in zip(ids, hashes):
-        if not h:
-            dead.append(wid)
-            continue
-        h = {_s(k): _s(v) for k, v in h.items()}
-        out.append(
-            {
-                "role": h["role"], "id": h["id"], "pid": int(h["pid"]), "address": h["address"],
-                "slots": int(h["slots"]), "free_slots": int(h["free_slots"]),
-                "held_kv_bytes": int(h["held_kv_bytes"]), "draining": h.get("draining") == "1",
-                "heartbeat_age_s": round(now - float(h["ts"]), 3),
-                "extra": json.loads(h.get("extra") or "{}"),
-            }
-        )
-    if dead:
-        await r.zrem(keys.WORKERS, *dead)
-    return out
 
 
 def _s(x) -> str:

@@ -12,7 +12,7 @@ from gateway import pod_streams
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.validation import CompletionParams
-from tandem_core import keys, streams
+from tandem_core import keys, registry
 from tandem_core.errors import AdmissionRejected
 from tandem_core.settings import RedisConfig
 
@@ -34,8 +34,8 @@ def _cache(queries: int = 0, hits: int = 0, computed: int = 0) -> dict:
 
 async def _workers(r, *prefill: str, extra=None) -> None:
     for wid in prefill:
-        await streams.heartbeat(r, streams.WorkerInfo("prefill", wid, 1, "127.0.0.1:1", extra=extra or _cache()), 30)
-    await streams.heartbeat(r, streams.WorkerInfo("decode", "dec", 1, "127.0.0.1:2", 4, 0, extra=_cache()), 30)
+        await registry.heartbeat(r, registry.WorkerInfo("prefill", wid, 1, "127.0.0.1:1", extra=extra or _cache()), 30)
+    await registry.heartbeat(r, registry.WorkerInfo("decode", "dec", 1, "127.0.0.1:2", 4, 0, extra=_cache()), 30)
 
 
 def _svc(redis_url, r, **kw) -> GatewayService:

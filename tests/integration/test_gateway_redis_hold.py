@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from gateway import pod_streams
 from tandem.redis_proc import RedisProcess
-from tandem_core import keys, streams
+from tandem_core import keys, registry
 from tandem_core.types import GenerationRequest
 from tests.integration.test_gateway_relay import OUT, Gateway, _settings, _worker_loop
 
@@ -74,7 +74,7 @@ def test_a_request_sent_while_redis_is_down_waits_and_is_served(own_redis):
 async def _register_fake_prefill(url: str) -> None:
     r = aioredis.Redis.from_url(url)
     try:
-        await streams.heartbeat(r, streams.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 60)
+        await registry.heartbeat(r, registry.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 60)
     finally:
         await r.aclose()
 

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tandem.redis_proc import free_port
-from tandem_core import keys, streams
+from tandem_core import keys, registry, streams
 from tandem_core.models import BYTE_EOS
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest
@@ -78,7 +78,7 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
 async def _worker_loop(redis_url: str, pool: str, stop: threading.Event) -> None:
     r = aioredis.Redis.from_url(redis_url)
     await streams.ensure_groups(r, pool)
-    await streams.heartbeat(r, streams.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 30)
+    await registry.heartbeat(r, registry.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 30)
     adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     tasks: set[asyncio.Task] = set()
     while not stop.is_set():
@@ -89,7 +89,7 @@ async def _worker_loop(redis_url: str, pool: str, stop: threading.Event) -> None
             await streams.ack(r, c.stream, keys.PREFILL_GROUP, c.entry_id)
     for t in list(tasks):
         t.cancel()
-    await streams.deregister(r, "fake-prefill")
+    await registry.deregister(r, "fake-prefill")
     await r.aclose()
 
 

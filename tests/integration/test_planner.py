@@ -17,7 +17,7 @@ from planner.app import create_app
 from planner.kube import RecordingApi
 from planner.service import PlannerService, build_connector
 from planner.settings import KubernetesConfig, PlannerSettings, RoleBounds, SLOConfig
-from tandem_core import keys, load_report, streams
+from tandem_core import keys, load_report, registry
 from tandem_core.settings import RedisConfig
 from tests.integration.test_gateway_relay import gateway_with_worker
 from tests.unit.clock import Clock
@@ -86,7 +86,7 @@ async def test_local_mode_decides_from_the_reports_and_writes_the_decision(redis
     svc = PlannerService(s, redis_client, clock=clock)
 
     async def beat(tokens: int) -> None:  # a decode pod of this pool, as its heartbeat says
-        await streams.heartbeat(redis_client, streams.WorkerInfo(
+        await registry.heartbeat(redis_client, registry.WorkerInfo(
             "decode", f"{pool}-d0", 7, "127.0.0.1:1", 4, 4, extra={"pool": pool, "tokens": tokens}), 30)
 
     await report(redis_client, "gw-a", 0, 0, 0, 0, now=T0)

@@ -10,7 +10,7 @@ import pytest
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, streams
+from tandem_core import keys, registry, streams
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 from tandem_engine import load_engine
@@ -46,7 +46,7 @@ def worker_for(redis_url, r, engine, pool: str, wid: str, cache=None) -> Prefill
 
 async def running(worker: PrefillWorker):
     stop = asyncio.Event()
-    await streams.heartbeat(worker.r, streams.WorkerInfo("prefill", worker.worker_id, 1, worker.address), 30)
+    await registry.heartbeat(worker.r, registry.WorkerInfo("prefill", worker.worker_id, 1, worker.address), 30)
     return stop, asyncio.create_task(worker.run(stop))
 
 
@@ -74,7 +74,7 @@ async def test_own_stream_and_a_dead_pods_stream_are_served(redis_url, redis_cli
 async def test_a_draining_pods_prompts_are_taken_and_it_is_not_forgotten(redis_url, redis_client, engine):
     r, pool = redis_client, "podstreams-drain"
     await streams.ensure_groups(r, pool)
-    await streams.heartbeat(r, streams.WorkerInfo("prefill", "prefill-draining", 1, "x", draining=True), 30)
+    await registry.heartbeat(r, registry.WorkerInfo("prefill", "prefill-draining", 1, "x", draining=True), 30)
     await route_to(r, pool, "prefill-draining", GenerationRequest("queued-there", [9, 9, 9], 4))
     worker = worker_for(redis_url, r, engine, pool, "prefill-other")
     stop, task = await running(worker)

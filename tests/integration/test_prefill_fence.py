@@ -13,7 +13,7 @@ import pytest
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, streams
+from tandem_core import keys, registry, streams
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest, choice_ids
 from tandem_engine import load_engine
@@ -74,7 +74,7 @@ async def test_a_woken_pod_publishes_nothing_once_its_entry_was_reclaimed(redis_
     b = worker_for(redis_url, r, engine, pool, "prefill-b")
     (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
     await asyncio.sleep(1.1)  # a reclaim takes entries idle for a second
-    await streams.heartbeat(r, streams.WorkerInfo("prefill", b.worker_id, 1, b.address), 30)
+    await registry.heartbeat(r, registry.WorkerInfo("prefill", b.worker_id, 1, b.address), 30)
     await b._reclaim_pending(stream, False)
     assert sorted(await ready_rids(r, pool)) == choice_ids("once", 2)
 
