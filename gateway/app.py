@@ -36,11 +36,13 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
     async def lifespan(app: FastAPI):
         svc.redis = streams.connect(settings.redis)
         svc.mux = TokenMux(svc.redis, block_ms=settings.relay_block_ms)
-        svc.mux.start()
         try:
             await streams.ensure_groups(svc.redis, settings.pool)
         except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503
             log.warning("Redis unreachable at startup (%s); continuing, /readyz will say so", e)
+        # after the first command: redis-py's cluster client breaks connections when many tasks
+        # (a reader per shard) make its very first commands at once (seen with redis-py 8.1)
+        svc.mux.start()
         server, health = await _start_grpc(settings, svc)
         watch_stop = asyncio.Event()
         watch = asyncio.create_task(svc.readmit.watch(watch_stop))

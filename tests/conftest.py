@@ -70,3 +70,27 @@ async def redis_client(redis_url):
         yield r
     finally:
         await r.aclose()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def any_redis(request):
+    """A test twice: on the plain Redis (one key shard), then on the Redis Cluster (16 key
+    shards, every script and transaction single-slot or CROSSSLOT), each client built by
+    `streams.connect` as the services build theirs, every key deleted first."""
+    from tandem_core import streams
+    from tandem_core.settings import RedisConfig
+
+    if request.param == "redis":
+        cfg = RedisConfig(url=request.getfixturevalue("redis_url"))
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        cfg = RedisConfig(url=cluster.url, cluster=True)
+    r = streams.connect(cfg)
+    await r.ping()  # before concurrent use, as the services do (redis-py's cluster client: gateway/app.py)
+    if request.param == "redis":
+        await r.flushdb()
+    try:
+        yield r
+    finally:
+        await r.aclose()

@@ -35,7 +35,7 @@ def worker_for(redis_url, r, engine, pool: str, wid: str) -> PrefillWorker:
 async def admit(r, pool: str, req: GenerationRequest) -> str:
     await streams.ensure_groups(r, pool)
     await streams.enqueue_request(r, pool, req, 1000)
-    return keys.admission_stream(pool, req.priority, 0)
+    return keys.admission_stream(pool, req.priority, keys.request_shard(req.request_id))
 
 
 async def token_indices(r, rid: str) -> list[int]:
@@ -43,7 +43,8 @@ async def token_indices(r, rid: str) -> list[int]:
 
 
 async def ready_rids(r, pool: str) -> list[str]:
-    return [f[b"rid"].decode() for _eid, f in await r.xrange(keys.ready_stream(pool, 0))]
+    return [f[b"rid"].decode() for shard in keys.all_shards()
+            for _eid, f in await r.xrange(keys.ready_stream(pool, shard))]
 
 
 async def owner(r, stream: str) -> list[str]:
@@ -52,8 +53,8 @@ async def owner(r, stream: str) -> list[str]:
     return [row["consumer"].decode() for row in rows]
 
 
-async def test_normal_publish_writes_token_zero_and_one_notice_per_choice_and_acks(redis_url, redis_client, engine):
-    r, pool = redis_client, "fence-normal"
+async def test_normal_publish_writes_token_zero_and_one_notice_per_choice_and_acks(redis_url, any_redis, engine):
+    r, pool = any_redis, "fence-normal"
     stream = await admit(r, pool, GenerationRequest("two", PROMPT, 8, n=2))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
@@ -65,10 +66,10 @@ async def test_normal_publish_writes_token_zero_and_one_notice_per_choice_and_ac
     assert await r.xlen(stream) == 0 and await owner(r, stream) == []  # acked and deleted
 
 
-async def test_a_woken_pod_publishes_nothing_once_its_entry_was_reclaimed(redis_url, redis_client, engine):
+async def test_a_woken_pod_publishes_nothing_once_its_entry_was_reclaimed(redis_url, any_redis, engine):
     """A claims; A stalls past its heartbeat (it has no registry entry: dead to its peers); B
     reclaims the entry the way a live pod does, and publishes; A wakes and finishes its prefill."""
-    r, pool = redis_client, "fence-reclaimed"
+    r, pool = any_redis, "fence-reclaimed"
     stream = await admit(r, pool, GenerationRequest("once", PROMPT, 8, n=2))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     b = worker_for(redis_url, r, engine, pool, "prefill-b")
@@ -88,10 +89,10 @@ async def test_a_woken_pod_publishes_nothing_once_its_entry_was_reclaimed(redis_
     assert sorted(await ready_rids(r, pool)) == choice_ids("once", 2), "a second ready notice"
 
 
-async def test_a_woken_pod_does_not_ack_the_entry_away_from_its_new_owner(redis_url, redis_client, engine):
+async def test_a_woken_pod_does_not_ack_the_entry_away_from_its_new_owner(redis_url, any_redis, engine):
     """B has reclaimed A's entry but not published yet when A wakes: A writes nothing and leaves
     the entry pending to B, whose own publish then goes through."""
-    r, pool = redis_client, "fence-order"
+    r, pool = any_redis, "fence-order"
     stream = await admit(r, pool, GenerationRequest("mid", PROMPT, 8))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     b = worker_for(redis_url, r, engine, pool, "prefill-b")
@@ -108,10 +109,10 @@ async def test_a_woken_pod_does_not_ack_the_entry_away_from_its_new_owner(redis_
     assert await r.xlen(stream) == 0
 
 
-async def test_an_error_finish_is_fenced_too(redis_url, redis_client, engine):
+async def test_an_error_finish_is_fenced_too(redis_url, any_redis, engine):
     """A request that fails in the prefill (prompt too long for the largest bucket) is finished
     with an error by its owner only: a woken pod does not end a request another pod now serves."""
-    r, pool = redis_client, "fence-error"
+    r, pool = any_redis, "fence-error"
     stream = await admit(r, pool, GenerationRequest("bad", list(range(2, 90)), 8))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
@@ -121,19 +122,19 @@ async def test_an_error_finish_is_fenced_too(redis_url, redis_client, engine):
     assert await owner(r, stream) == ["prefill-b"]
 
 
-async def test_a_forgotten_pod_stream_gets_its_group_back(redis_url, redis_client, engine):
+async def test_a_forgotten_pod_stream_gets_its_group_back(redis_url, any_redis, engine):
     """While a pod was taken for dead, a peer drained and deleted its per-pod stream; a routed
     XADD then re-created the stream without the consumer group. The pod serves it anyway."""
-    r, pool = redis_client, "fence-nogroup"
+    r, pool = any_redis, "fence-nogroup"
     await streams.ensure_groups(r, pool)
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     stop = asyncio.Event()
     task = asyncio.create_task(a.run(stop))
     try:
         await asyncio.sleep(0.3)  # running, its groups created
-        own = keys.pod_admission_stream(pool, "normal", a.worker_id, 0)
-        await r.delete(own)
         req = GenerationRequest("routed", PROMPT, 8)
+        own = keys.pod_admission_stream(pool, "normal", a.worker_id, keys.request_shard(req.request_id))
+        await r.delete(own)
         await r.xadd(own, {"rid": req.request_id, "req": req.to_json()})
         for _ in range(200):
             if await token_indices(r, "routed"):

@@ -31,8 +31,8 @@ async def _drain(sub, want: int, timeout_s: float = 20.0) -> list[streams.TokenE
     return got
 
 
-async def test_many_streams_one_reader_in_order(redis_client):
-    mux = TokenMux(redis_client, block_ms=200)
+async def test_many_streams_one_reader_in_order(any_redis):
+    mux = TokenMux(any_redis, block_ms=200)
     mux.start()
     try:
         rids = [f"mux-{i}" for i in range(N_STREAMS)]
@@ -40,7 +40,7 @@ async def test_many_streams_one_reader_in_order(redis_client):
 
         async def writer(rid: str) -> None:
             for start in range(0, N_TOKENS, 5):  # 5 tokens per "step", interleaved with the others
-                await _write(redis_client, rid, start, 5, "length" if start + 5 == N_TOKENS else None)
+                await _write(any_redis, rid, start, 5, "length" if start + 5 == N_TOKENS else None)
                 await asyncio.sleep(0)
 
         results = await asyncio.gather(*(_drain(s, N_TOKENS) for s in subs), *(writer(r) for r in rids))
@@ -52,34 +52,37 @@ async def test_many_streams_one_reader_in_order(redis_client):
         assert mux.reads < N_STREAMS * N_TOKENS / 5
     finally:
         await mux.stop()
-    assert not await redis_client.exists(mux.wake_streams[0])
+    assert [await any_redis.exists(w) for w in mux.wake_streams] == [0] * keys.shard_count()
 
 
-async def test_newcomer_ends_a_read_in_flight(redis_client):
+async def test_newcomer_ends_a_read_in_flight(any_redis):
     """A read blocks for a minute on a quiet stream; a new subscription must not wait for it."""
-    mux = TokenMux(redis_client, block_ms=60_000)
+    mux = TokenMux(any_redis, block_ms=60_000)
     mux.start()
     try:
         mux.subscribe("mux-quiet")
         while not mux.reader_of("mux-quiet")._reading:
             await asyncio.sleep(0.01)
-        late = mux.subscribe("mux-late")
-        await _write(redis_client, "mux-late", 0, 3, "stop")
+        # a newcomer of the same shard: the reader whose read is in flight
+        late_id = next(f"mux-late-{i}" for i in range(1000)
+                       if keys.request_shard(f"mux-late-{i}") == keys.request_shard("mux-quiet"))
+        late = mux.subscribe(late_id)
+        await _write(any_redis, late_id, 0, 3, "stop")
         events = await _drain(late, 3, timeout_s=10.0)
         assert [e.index for e in events] == [0, 1, 2]
         # the read in flight was ended by a poke on the wake stream, not by its own timeout
-        assert await redis_client.xlen(mux.reader_of("mux-late").wake_stream) >= 1
+        assert await any_redis.xlen(mux.reader_of(late_id).wake_stream) >= 1
     finally:
         await mux.stop()
 
 
-async def test_slow_subscriber_is_bounded_and_resumes(redis_client):
+async def test_slow_subscriber_is_bounded_and_resumes(any_redis):
     """Undelivered entries past max_buffered stay in Redis; nothing is lost once the relay reads."""
-    mux = TokenMux(redis_client, block_ms=100, count=4, max_buffered=8)
+    mux = TokenMux(any_redis, block_ms=100, count=4, max_buffered=8)
     mux.start()
     try:
         sub = mux.subscribe("mux-slow")
-        await _write(redis_client, "mux-slow", 0, 50, "length")
+        await _write(any_redis, "mux-slow", 0, 50, "length")
         await asyncio.sleep(0.5)  # the reader runs meanwhile; nobody takes the entries
         assert sub.buffered <= 8 + 4
         events = await _drain(sub, 50)
@@ -88,21 +91,20 @@ async def test_slow_subscriber_is_bounded_and_resumes(redis_client):
         await mux.stop()
 
 
-async def test_reads_what_the_fenced_decode_script_writes(redis_client):
+async def test_reads_what_the_fenced_decode_script_writes(any_redis):
     """The decode pod's batched fenced write and the gateway's reader agree on the entry format;
     a request not owned by the writer is fenced off (nothing written for it)."""
-    pub = token_writes.OwnedPublisher(redis_client, "mux-decode", ttl_s=60, maxlen=1000)
+    pub = token_writes.OwnedPublisher(any_redis, "mux-decode", ttl_s=60, maxlen=1000)
     await pub.load()
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
-    pipe = redis_client.pipeline(transaction=False)
+    pipe = any_redis.pipeline(transaction=False)
     lp = TokenLogprobs(-0.25, ((7, -0.25), (3, -2.5)))
-    pub.add_batch(pipe, [("mux-owned", 1, 7, None, None, lp.encode(), None),
-                         ("mux-other", 1, 9, None, None, None, None),
-                         ("mux-owned", 2, 8, "error", "boom", None, "x")])
-    (flags,) = await pipe.execute()
-    assert flags == [1, 0, 1]
-    assert not await redis_client.hexists(keys.running_key("mux-decode", 0), "mux-owned")  # finished
-    mux = TokenMux(redis_client, block_ms=100)
+    placed = pub.add_batch(pipe, [("mux-owned", 1, 7, None, None, lp.encode(), None),
+                                  ("mux-other", 1, 9, None, None, None, None),
+                                  ("mux-owned", 2, 8, "error", "boom", None, "x")])
+    assert placed.results(await pipe.execute()) == [1, 0, 1]
+    assert not await any_redis.hexists(pub.running("mux-owned"), "mux-owned")  # finished
+    mux = TokenMux(any_redis, block_ms=100)
     mux.start()
     try:
         events = await _drain(mux.subscribe("mux-owned"), 2)
@@ -110,22 +112,22 @@ async def test_reads_what_the_fenced_decode_script_writes(redis_client):
             (1, 7, None, None), (2, 8, "error", "boom")]
         assert events[0].logprobs == lp and events[1].logprobs is None  # the same codec both ways
         assert events[1].prompt_logprobs == b"x" and events[0].prompt_logprobs is None
-        assert not await redis_client.exists(keys.token_stream("mux-other"))
+        assert not await any_redis.exists(keys.token_stream("mux-other"))
     finally:
         await mux.stop()
 
 
-async def test_one_request_relayed_twice(redis_client):
+async def test_one_request_relayed_twice(any_redis):
     """A resumed request can be relayed on a second connection while the first still reads:
     each subscription gets every entry after its own cursor, once."""
-    mux = TokenMux(redis_client, block_ms=100)
+    mux = TokenMux(any_redis, block_ms=100)
     mux.start()
     try:
         first = mux.subscribe("mux-twice")
-        await _write(redis_client, "mux-twice", 0, 4)
+        await _write(any_redis, "mux-twice", 0, 4)
         early = await _drain(first, 4)
         second = mux.subscribe("mux-twice")  # from the start, as a resume replays
-        await _write(redis_client, "mux-twice", 4, 4, "length")
+        await _write(any_redis, "mux-twice", 4, 4, "length")
         a, b = await asyncio.gather(_drain(first, 4), _drain(second, 8))
         assert [e.index for e in early + a] == list(range(8))
         assert [e.index for e in b] == list(range(8))
