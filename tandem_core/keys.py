@@ -1,26 +1,39 @@
 """The Redis key schema: every key and field Tandem writes, in one place.
 
-Keys (all prefixed `tandem:`):
+Key shards. A request's keys, and the pool streams it passes through, carry the hash tag of its
+shard, `{T}` below (`tag(request_shard(request_id))`, one of `shard_count()`: redis.shards, 1 on a
+plain Redis, 16 on a Redis Cluster by default). So every script and MULTI/EXEC Tandem runs touches
+one slot: the prefill pod's fenced commit (admission entry, token 0, ready notice), the decode
+pod's fenced token write (its running hash of that shard, the token streams), the gateway's
+enqueue (stream, marker, pod set) and a resume (running hash, admission stream). The tags are
+chosen so shard i hashes into the i-th of `shard_count()` equal slot ranges: on nodes that own
+equal contiguous ranges the shards spread evenly. Readers of a pool's streams read every shard's;
+with more than one shard, writers ring the pool's doorbell after enqueueing (no blocking read can
+span slots), and a gateway runs one token reader per shard.
+
+Keys (all prefixed `tandem:`; `<x>` is a value, `{...}` a hash tag):
 | key | type | written by | read by | bound |
 | --- | --- | --- | --- | --- |
-| `tandem:{pool}:adm:{priority}` | stream, group `prefill` | gateway (XADD) | prefill (XREADGROUP) | MAXLEN ~ admission bound |
-| `tandem:{pool}:adm:{priority}:pod:{worker_id}` | stream, group `prefill` | gateway (prefix routing) | that prefill pod first; any pod once it is dead | MAXLEN ~ admission bound |
-| `tandem:{pool}:podstreams` | set of worker ids | gateway (SADD with each routed XADD) | prefill pods' reclaim (removed, with the streams, once dead and empty) | one per pod |
-| `tandem:{pool}:direct` | stream, group `decode` | gateway (short prompts) | decode (prefills locally) | MAXLEN ~ |
-| `tandem:{pool}:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
-| `tandem:tok:{request_id}` | stream | prefill (index 0), decode (1..) | gateway (one XREAD BLOCK over all its streams) | MAXLEN, EXPIRE ttl |
-| `tandem:gwwake:{gateway_id}` | stream | the gateway subscribing a new request | the same gateway's token reader | MAXLEN ~ 16, EXPIRE 1 h |
-| `tandem:admitted:{request_id}` | string: admission entry id | gateway (in the enqueue script) | gateway (a retried enqueue) | EXPIRE 120 s |
-| `tandem:cancel:{request_id}` | string | gateway | prefill, decode | EXPIRE ttl |
-| `tandem:running:{worker_id}` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields |
-| `tandem:recovering:{worker_id}` | string lock | the pod recovering a dead one | same | EXPIRE 30 s |
-| `tandem:resume:{request_id}:{index}` | string | whoever resumes the request from `index` | same (SET NX) | EXPIRE token ttl |
-| `tandem:gw:resume:{request_id}` | string | gateway (resumable requests) | gateway resume endpoint | EXPIRE (gateway/resume.py) |
-| `tandem:worker:{worker_id}` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
+| `tandem:{T}:<pool>:adm:<priority>` | stream, group `prefill` | gateway (XADD) | prefill (XREADGROUP) | MAXLEN ~ admission bound |
+| `tandem:{T}:<pool>:adm:<priority>:pod:<worker_id>` | stream, group `prefill` | gateway (prefix routing) | that prefill pod first; any pod once it is dead | MAXLEN ~ admission bound |
+| `tandem:{T}:<pool>:podstreams` | set of worker ids | gateway (SADD with each routed XADD) | prefill pods' reclaim (removed, with the streams, once dead and empty) | one per pod |
+| `tandem:{T}:<pool>:direct` | stream, group `decode` | gateway (short prompts) | decode (prefills locally) | MAXLEN ~ |
+| `tandem:{T}:<pool>:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
+| `tandem:{<pool>.bell}:<group>` | stream | enqueuers, with more than one shard | idle readers of the group (one XREAD BLOCK) | MAXLEN ~ 64 |
+| `tandem:{T}:tok:<request_id>` | stream | prefill (index 0), decode (1..) | gateway (one XREAD BLOCK per shard over its streams) | MAXLEN, EXPIRE ttl |
+| `tandem:{T}:gwwake:<gateway_id>` | stream | the gateway subscribing a new request | the same gateway's token reader of shard T | MAXLEN ~ 16, EXPIRE 1 h |
+| `tandem:{T}:admitted:<request_id>` | string: admission entry id | gateway (in the enqueue script) | gateway (a retried enqueue) | EXPIRE 120 s |
+| `tandem:{T}:cancel:<request_id>` | string | gateway | prefill, decode | EXPIRE ttl |
+| `tandem:{T}:running:<worker_id>` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields in all |
+| `tandem:recovering:<worker_id>` | string lock | the pod recovering a dead one | same | EXPIRE 30 s |
+| `tandem:{T}:resume:<request_id>:<index>` | string | whoever resumes the request from `index` | same (SET NX) | EXPIRE token ttl |
+| `tandem:{T}:gwresume:<request_id>` | hash | gateway (resumable requests) | gateway resume endpoint | EXPIRE (gateway/resume.py) |
+| `tandem:meta:shards` | string: the deployment's shard count | the first service to start (SET NX) | every service at start | one |
+| `tandem:worker:<worker_id>` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |
 | `tandem:workers` | sorted set id -> last heartbeat | each worker | gateway | pruned by readers |
-| `tandem:gwload:{gateway_id}` | hash: cumulative load counts (tandem_core/load_report.py) | each gateway replica | planner | EXPIRE 30 s |
+| `tandem:gwload:<gateway_id>` | hash: cumulative load counts (tandem_core/load_report.py) | each gateway replica | planner | EXPIRE 30 s |
 | `tandem:gateways` | sorted set id -> last load report | each gateway replica | planner | pruned by readers |
-| `tandem:planner:{pool}:decision` | hash `prefill`, `decode`, `ts`, `reason` | planner (mode local) | `tandem local --planner` | one per pool |
+| `tandem:planner:<pool>:decision` | hash `prefill`, `decode`, `ts`, `reason` | planner (mode local) | `tandem local --planner` | one per pool |
 
 Fences: a decode pod writes a request's tokens only while the request is in its running hash
 (tandem_core/token_writes.py); a prefill pod writes token 0 and the ready notice, and acks the
