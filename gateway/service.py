@@ -79,6 +79,7 @@ class GatewayService:
         self._load_ts = -1e9  # when the load gauges were last refreshed (monotonic)
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
+        self.backlog = pod_streams.BacklogReader()
         self.open_streams = 0  # relays in progress (all share the one token reader)
         self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
         # new requests wait for an unreachable Redis (a restart, a failover) instead of failing
@@ -146,7 +147,7 @@ class GatewayService:
         r = self._redis()
         s = self.settings
         view = await self._view(r)
-        queued = await pod_streams.read_backlog(r, s.pool, view.prefill_ids)
+        queued = await self.backlog.read(r, s.pool, view.prefill_ids)
         backlog = queued.total
         self.metrics.backlog.set(backlog)
         self._admit(backlog, view)

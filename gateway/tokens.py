@@ -27,7 +27,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, streams
+from tandem_core import keys, redis_client, streams
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class ShardReader:
             want[self.wake_stream] = wake_id
             self._reading = True
             try:
-                resp = await self.r.xread(want, count=self.count, block=self.block_ms)
+                resp = await redis_client.xread(self.r, want, count=self.count, block=self.block_ms)
             except streams.REDIS_DOWN as e:
                 if not failed:
                     log.warning("redis unavailable while reading token streams: %s; retrying", e)

@@ -152,7 +152,7 @@ class Doorbell:
         self.last: dict[str, bytes | str] = {keys.doorbell(pool, g): "$" for g in dict.fromkeys(groups)}
 
     async def wait(self, block_ms: int) -> None:
-        got = await self.r.xread(dict(self.last), count=64, block=block_ms)
+        got = await redis_client.xread(self.r, dict(self.last), count=64, block=block_ms)
         for name, entries in got or []:
             if entries:
                 self.last[_s(name)] = entries[-1][0]
@@ -186,7 +186,7 @@ async def claim(
             raise ValueError("claim over several shards needs a Doorbell to wait on")
         await bell.wait(max(block_ms, bell.block_ms))
     else:
-        await r.xread({s: "$" for s in streams}, count=1, block=block_ms)
+        await redis_client.xread(r, {s: "$" for s in streams}, count=1, block=block_ms)
     return await _read_each(r, streams, group, consumer, count, prefilter)
 
 
@@ -202,7 +202,7 @@ async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer
         want = count - len(out)
         if want <= 0:
             break
-        out += _claimed(await r.xreadgroup(group, consumer, {stream: ">"}, count=want))
+        out += _claimed(await redis_client.xreadgroup(r, group, consumer, stream, want))
     return out
 
 

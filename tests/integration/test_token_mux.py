@@ -48,8 +48,11 @@ async def test_many_streams_one_reader_in_order(any_redis):
             assert [e.index for e in events] == list(range(N_TOKENS))
             assert [e.token_id for e in events] == [100 + i for i in range(N_TOKENS)]
             assert events[-1].finish_reason == "length"
-        # one round trip carried many streams' entries: far fewer reads than entries delivered
-        assert mux.reads < N_STREAMS * N_TOKENS / 5
+        writes = N_STREAMS * N_TOKENS / 5
+        if keys.shard_count() == 1:  # one round trip carried many streams' entries: far fewer reads than writes
+            assert mux.reads < writes
+        else:  # a reader per shard (16 for 24 streams): about a read per write, and no busy loop
+            assert mux.reads < 2 * writes
     finally:
         await mux.stop()
     assert [await any_redis.exists(w) for w in mux.wake_streams] == [0] * keys.shard_count()
