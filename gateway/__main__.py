@@ -37,7 +37,7 @@ All settings come from environment variables (nested blocks use "__"):
   TANDEM_GATEWAY_MAX_LOGIT_BIAS        logit_bias entries per request (64, at most 64)
   TANDEM_GATEWAY_REQUEST_TIMEOUT_S     whole-request deadline (300)
   TANDEM_GATEWAY_FIRST_TOKEN_TIMEOUT_S first-token deadline (120)
-  TANDEM_GATEWAY_ADMISSION_MAX_BACKLOG above this backlog: 429 + Retry-After (1024)
+  TANDEM_GATEWAY_ADMISSION_MAX_BACKLOG above this backlog: 429 + Retry-After (8192)
   TANDEM_GATEWAY_API_KEYS              JSON list of accepted bearer keys (empty: no auth)
   TANDEM_GATEWAY_ADMIN_KEY             bearer key for /admin/* (empty: open)
   TANDEM_GATEWAY_SHUTDOWN_GRACE_S      time open streams get on SIGTERM (30)

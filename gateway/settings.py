@@ -24,7 +24,9 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: PositiveInt = 16  # completions without max_tokens (OpenAI's default)
     request_timeout_s: PositiveFloat = 300.0  # whole request deadline
     first_token_timeout_s: PositiveFloat = 120.0
-    admission_max_backlog: PositiveInt = 1024  # above this: 429 with Retry-After
+    # Above this: 429 with Retry-After. Kept under admission_maxlen (the streams' MAXLEN) so nothing queued is
+    # trimmed; in a burst of short requests the TTFT prediction's 503 comes first (bench/token_plane.py, burst).
+    admission_max_backlog: PositiveInt = 8192
     admission_maxlen: PositiveInt = 10000
     max_body_bytes: PositiveInt = 1024 * 1024
     max_stop_strings: PositiveInt = 8
