@@ -71,7 +71,11 @@ def connect(cfg: RedisConfig) -> aioredis.Redis | RedisCluster:
         return client
     if not cfg.sentinel.hosts:
         _check_server(cfg)
-        return aioredis.Redis.from_url(cfg.url, **common)
+        # A blocking pool: past `max_connections` a command waits (up to its socket timeout) for a
+        # connection instead of failing with "Too many connections" (a burst of thousands of
+        # admissions at once did, measured: bench/token_plane.py burst).
+        pool = aioredis.BlockingConnectionPool.from_url(cfg.url, timeout=cfg.socket_timeout_s, **common)
+        return aioredis.Redis.from_pool(pool)  # (from_pool: closing the client closes the pool)
     _check_sentinels(cfg)
     sentinel = Sentinel(cfg.sentinel.addresses(), sentinel_kwargs=_sentinel_kwargs(cfg))
     return sentinel.master_for(cfg.sentinel.master_name, connection_class=_FailoverConnection, **common)
