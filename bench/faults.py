@@ -398,8 +398,8 @@ async def stop_prefill_holding_work(cluster, timeout_s: float = 10.0) -> int:
 
     live = [w for w in await wait_healthy(cluster.base_url, WANT) if w["role"] == "prefill"]
     pool = os.environ.get("TANDEM_PREFILL_POOL", "default")
-    names = [keys.admission_stream(pool, p) for p in keys.PRIORITIES]
-    names += [keys.pod_admission_stream(pool, p, w["id"]) for w in live for p in keys.PRIORITIES]
+    names = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]  # tandem local: one key shard
+    names += [keys.pod_admission_stream(pool, p, w["id"], 0) for w in live for p in keys.PRIORITIES]
     r = aioredis.Redis.from_url(redis_url(cluster.log))
     deadline = time.monotonic() + timeout_s
     try:

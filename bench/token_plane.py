@@ -216,8 +216,7 @@ def plane_key_ops(cfg: PlaneConfig, pubs: list[dict], shards: int) -> dict[str, 
     from bench.token_plane_roles import rid
     from tandem_core import keys
 
-    if hasattr(keys, "configure"):
-        keys.configure(shards)
+    keys.configure(shards)
     ops: dict[str, float] = {}
     for p, pub in enumerate(pubs):
         for slot, gen, _step in np.asarray(pub["starts"]).tolist():
@@ -231,11 +230,8 @@ def plane_key_ops(cfg: PlaneConfig, pubs: list[dict], shards: int) -> dict[str, 
 
 
 def _running_key(keys, worker_id: str, request_id: str) -> str:
-    """The running hash a request's fenced writes check (one per pod, or one per pod and shard)."""
-    try:
-        return keys.running_key(worker_id, keys.request_shard(request_id))
-    except (TypeError, AttributeError):
-        return keys.running_key(worker_id)
+    """The running hash a request's fenced writes check (one per pod and shard)."""
+    return keys.running_key(worker_id, keys.request_shard(request_id))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,8 +120,7 @@ def _setup(cfg: PlaneConfig, cpus: list[int] | None) -> None:
         os.sched_setaffinity(0, set(cpus))
     from tandem_core import keys
 
-    if hasattr(keys, "configure"):  # the key shards (hash tags) of a Redis Cluster deployment
-        keys.configure(cfg.shards)
+    keys.configure(cfg.shards)  # the key shards (hash tags) of the deployment this plane stands for
 
 
 # ---------------------------------------------------------------------------------------------

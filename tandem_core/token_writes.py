@@ -12,13 +12,18 @@ from tandem_core import keys
 from tandem_core.types import GenerationRequest
 
 # A step's tokens in one call: each XADDed only while the writer still owns its request (its
-# field in the writer's running hash); a finishing token removes the field. KEYS[1] is the running
+# field in the writer's running hash); a finishing token removes the field. The stream's TTL is
+# set on every REFRESH-th index (0, 16, 32, ...: a decode pod that prefilled the prompt itself
+# writes token 0) and with the finish, not on every token: a third of the commands a token cost,
+# and a TTL of minutes cannot run out between two refreshes of a stream still being written. KEYS[1] is the running
 # hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then seven per item
 # (request id, index, token, finish, error, logprobs `l`, prompt logprobs `p`; '' = none), then
 # '1' to write without the fence (tokens of a request this writer itself finished: see
 # `OwnedPublisher.add_batch`). Returns 1 (written) or 0 (fenced off) per item, in order, so a
 # request that appears twice (two queued steps) is written in index order.
+EXPIRE_EVERY = 16
 _PUBLISH_OWNED = """
+local REFRESH = """ + str(EXPIRE_EVERY) + """
 local out = {}
 local unfenced = ARGV[3 + (#KEYS - 1) * 7 + 1] == '1'
 for j = 1, #KEYS - 1 do
@@ -36,7 +41,7 @@ for j = 1, #KEYS - 1 do
     if fin ~= '' then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[3])
       redis.call('HDEL', KEYS[1], rid)
-    else
+    elseif tonumber(ARGV[b + 2]) % REFRESH == 0 then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[1])
     end
     out[j] = 1

