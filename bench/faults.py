@@ -286,7 +286,7 @@ SCENARIOS = {
     "SIGKILL decode mid-stream": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGKILL)),
     "SIGSTOP decode past its heartbeat, then SIGCONT": ("short", lambda: tokens_at_least(5), ("decode", signal.SIGSTOP)),
     # a prefill pod paused while it holds claimed, unpublished prompts: the other one reclaims
-    # them, and the woken pod's publish of them is fenced off (tandem_core/entry_fence.py)
+    # them, and the woken pod's publish of them is fenced off (tandem_core/bus/entry_fence.py)
     "SIGSTOP prefill past its heartbeat, then SIGCONT": ("long", at_once, ("prefill-holding", signal.SIGSTOP)),
     "restart Redis (append-only file on)": ("short", lambda: tokens_at_least(5), ("redis", signal.SIGTERM)),
     "SIGKILL the gateway mid-stream; clients resume": ("short", lambda: tokens_at_least(5),

@@ -129,7 +129,7 @@ def raw_pull(port: int, size: int, like) -> tuple[np.ndarray, np.ndarray]:
 
 
 async def grpc_pull(puller, pipe, port: int, size: int, rid: str):
-    from tandem_core.streams import ReadyNotice
+    from tandem_core.bus.ready import ReadyNotice
     from tandem_core.types import GenerationRequest
 
     pipe.send(("put", rid, size))

@@ -139,8 +139,8 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
 
     import redis.asyncio as aioredis
 
-    from tandem_core import streams
-    from tandem_core.token_writes import OwnedPublisher
+    from tandem_core.bus import cancel
+    from tandem_core.bus.token_stream import OwnedPublisher
     from tandem_core.types import GenerationRequest
 
     r = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.pods + 8, client_name=f"tp-pub{index}")
@@ -207,7 +207,7 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
             next_cancel = t_send + cfg.cancel_poll_s
             running = [rid(cfg.run_id, first + j, st[0]) for j, st in enumerate(state) if st[1] < st[2]]
             if running:
-                await streams.cancelled(r, running)
+                await cancel.cancelled(r, running)
         rate = ctl.steps_per_s.value
         if rate > 0:
             next_t = max(next_t + 1.0 / rate, time.monotonic() - 1.0 / rate)  # no catch-up burst

@@ -13,7 +13,8 @@ from decode_svc.loop import EngineLoop
 from decode_svc.recover import reclaim_pending, recover_loop, recover_running
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import grpc_util, lifecycle, registry, streams
+from tandem_core import grpc_util, lifecycle
+from tandem_core.bus import conn, groups, registry
 from tandem_core.settings import default_worker_id
 from tandem_engine.prefix_cache import cache_for
 
@@ -42,8 +43,8 @@ async def serve(s: DecodeSettings) -> int:
     await asyncio.to_thread(engine.warmup, s.colocated, True, True, s.colocated and cache.enabled)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s)", time.monotonic() - t0,
              list(engine.buckets), list(engine.batch_buckets))
-    r = streams.connect(s.redis)
-    await streams.ensure_groups(r, s.pool)
+    r = conn.connect(s.redis)
+    await groups.ensure_groups(r, s.pool)
     table = SlotTable(s.slots)
     inserts: queue.Queue = queue.Queue(maxsize=max(s.insert_queue_size, s.slots))
     outputs: queue.Queue = queue.Queue(maxsize=64)
@@ -54,7 +55,7 @@ async def serve(s: DecodeSettings) -> int:
                              grammar_cache_size=s.engine.grammar_cache_size, mask_deadline_s=s.engine.mask_deadline_s,
                              prefix_cache=cache)
     io = DecodeIO(s, r, table, engine_loop, inserts, outputs, worker_id)
-    await streams.retry_redis(io.owned.load, "load publish script", log=log)
+    await conn.retry_redis(io.owned.load, "load publish script", log=log)
 
     server = grpc_util.make_server(s.grpc.max_message_bytes)
     port = grpc_util.bind(server, s.grpc.host, s.grpc.port, s.grpc)

@@ -26,7 +26,8 @@ from decode_svc.puller import KVPuller
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
-from tandem_core import keys, lifecycle, recovery, streams, token_writes
+from tandem_core import keys, lifecycle, recovery
+from tandem_core.bus import cancel, conn, groups, ready, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -42,11 +43,11 @@ class DecodeIO:
         self.s, self.r, self.table, self.engine_loop = s, r, table, loop_
         self.inserts, self.outputs, self.worker_id = inserts, outputs, worker_id
         self.puller = KVPuller(s.grpc.max_message_bytes, tls=s.grpc)
-        self.owned = token_writes.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
+        self.owned = token_stream.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
                                                  s.token_finished_ttl_s)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
-        self.bell = streams.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
+        self.bell = groups.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
         self.slot_freed = asyncio.Event()
         self.output_ready = asyncio.Event()  # set (thread-safely) by the engine after each step
         self.inflight: dict[str, asyncio.Task] = {}
@@ -111,24 +112,24 @@ class DecodeIO:
                     self.table.unreserve()
                     self.busy_entries.discard((c.stream, c.entry_id))
 
-    async def _claim(self, n: int) -> list[tuple[streams.Claimed, str]]:
+    async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
         """Up to `n` entries: a non-blocking pass over every source in order; if that finds
         nothing, block briefly on all streams of the first source's group at once."""
-        got: list[tuple[streams.Claimed, str]] = []
+        got: list[tuple[groups.Claimed, str]] = []
         sources = self._sources()
         for names, group in sources:
             want = n - len(got)
             if want <= 0:
                 break
-            got += [(c, group) for c in await streams.claim(self.r, names, group, self.worker_id, want, None)]
+            got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
         if not got:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
-            got = [(c, group) for c in await streams.claim(self.r, names, group, self.worker_id, n,
+            got = [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, n,
                                                            self.s.claim_block_ms, self.bell)]
         return got
 
-    async def _dispatch(self, c: streams.Claimed, group: str, started: int | None = None) -> None:
+    async def _dispatch(self, c: groups.Claimed, group: str, started: int | None = None) -> None:
         """Start one claimed entry; the caller holds a slot reservation for it. `started`: the
         reconciles begun (Resync.started) before it was claimed (default: now)."""
         started = self.resync.started if started is None else started
@@ -137,7 +138,7 @@ class DecodeIO:
             return
         self.busy_entries.add((c.stream, c.entry_id))
         if "notice" in c.fields:
-            notice = streams.ReadyNotice.from_json(c.fields["notice"])
+            notice = ready.ReadyNotice.from_json(c.fields["notice"])
             rid = notice.request.request_id
             task = asyncio.create_task(self._pull_one(c, notice, started))
             self.inflight[rid] = task
@@ -145,18 +146,18 @@ class DecodeIO:
             return
         req = GenerationRequest.from_json(c.fields["req"])
         owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
-        await streams.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
+        await conn.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
         self.journal.add("own", owned)
         # Never full: the queue holds at least `slots` items and every item holds a reservation.
         self.inserts.put_nowait(LocalPrefill(req, (c.stream, group, c.entry_id)))
 
-    async def _pull_one(self, c: streams.Claimed, notice: streams.ReadyNotice, started: int) -> None:
+    async def _pull_one(self, c: groups.Claimed, notice: ready.ReadyNotice, started: int) -> None:
         """Pull, own, insert, ack. Each Redis step is retried through an outage; the slot stays
         reserved meanwhile, and the entry is acked only once the request is safely owned."""
         req = notice.request
-        retry = streams.retry_redis
+        retry = conn.retry_redis
         try:
-            if await retry(lambda: streams.cancelled(self.r, [req.request_id]), "cancel check", log=log):
+            if await retry(lambda: cancel.cancelled(self.r, [req.request_id]), "cancel check", log=log):
                 self.table.unreserve()
                 await self.puller.release(notice)
                 await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_CANCELLED), "finish")
@@ -189,7 +190,7 @@ class DecodeIO:
             await retry(lambda: self.owned.disown(req.request_id), "disown")
             self.journal.add("disown", req.request_id)
             await retry(lambda: self._finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
-        await retry(lambda: streams.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
+        await retry(lambda: groups.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
         self.journal.add("ack", (c.stream, keys.DECODE_GROUP, c.entry_id))
         self.busy_entries.discard((c.stream, c.entry_id))
 
@@ -205,14 +206,14 @@ class DecodeIO:
 
     async def _write_finish(self, rid: str, index: int, reason: str, error: str | None) -> None:
         pipe = self.r.pipeline(transaction=False)
-        streams.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error,
+        token_stream.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error,
                            finished_ttl_s=self.s.token_finished_ttl_s)
         await pipe.execute()
 
     async def _rewrite(self, kind: str, payload, fenced: set[str]) -> None:
         """Write one journal entry again (resync.py); requests fenced off in the window are left
         to their new owner."""
-        retry = streams.retry_redis
+        retry = conn.retry_redis
         if log.isEnabledFor(logging.DEBUG):
             log.debug("journal again: %s %s", kind, _journal_summary(kind, payload))
         if kind == "own":
@@ -224,7 +225,7 @@ class DecodeIO:
         elif kind == "finish":
             await retry(lambda: self._write_finish(*payload), "finish again")
         elif kind == "ack":
-            await retry(lambda: streams.ack(self.r, *payload), "ack again")
+            await retry(lambda: groups.ack(self.r, *payload), "ack again")
         elif kind == "tokens":
             items, acks = payload
             items = [it for it in items if it[0] not in fenced]
@@ -238,13 +239,13 @@ class DecodeIO:
         rest belong to requests another pod owns now."""
         refused, self.replay_refused = self.replay_refused, []
         mine = [it for it in refused if it[0] in self.finished_here]
-        have = {rid: await streams.retry_redis(lambda rid=rid: self._streamed_indices(rid), "read tokens")
+        have = {rid: await conn.retry_redis(lambda rid=rid: self._streamed_indices(rid), "read tokens")
                 for rid in {it[0] for it in mine}}
         missing = [it for it in mine if it[1] not in have[it[0]]]  # most survived: only the gaps
         if missing:
             log.info("writing %d missing journal tokens of %d requests this pod finished meanwhile", len(missing),
                      len({it[0] for it in missing}))
-            await streams.retry_redis(lambda: self._write_tokens(missing, fenced=False), "tokens of finished requests")
+            await conn.retry_redis(lambda: self._write_tokens(missing, fenced=False), "tokens of finished requests")
         if len(mine) < len(refused):
             log.warning("journal tokens written again were refused (owned elsewhere): %s",
                         sorted({it[0] for it in refused if it[0] not in self.finished_here})[:5])
@@ -335,7 +336,7 @@ class DecodeIO:
                 items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
                 results = await self._execute_tokens(items, acks)
             except NoScriptError:  # a restarted Redis without the script: load it, write again
-                await streams.retry_redis(self.owned.load, "load publish script", log=log)
+                await conn.retry_redis(self.owned.load, "load publish script", log=log)
                 continue
             except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
                 log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
@@ -375,7 +376,7 @@ class DecodeIO:
             rids = [a.req.request_id for a in self.table.snapshot()]
             if rids:
                 try:
-                    hit = await streams.cancelled(self.r, rids)
+                    hit = await cancel.cancelled(self.r, rids)
                     if hit:
                         self.engine_loop.cancel(hit)
                 except Exception as e:  # noqa: BLE001

@@ -80,7 +80,7 @@ class Emitted:
     prompt_logprobs: str | None = None  # the index -1 entry of an echo with logprobs
 
     def item(self) -> tuple:
-        """As `token_writes.OwnedPublisher.add_batch` takes it."""
+        """As `token_stream.OwnedPublisher.add_batch` takes it."""
         return (self.request_id, self.index, self.token, self.finish, self.error, self.logprobs,
                 self.prompt_logprobs)
 
@@ -291,7 +291,7 @@ class EngineLoop:
                                logprobs=lp.encode() if lp is not None else None))
             if finish is None:
                 going.append((c, first))
-        if prompt_lp is not None:  # the index -1 entry, before token 0 (see streams.add_prompt_logprobs)
+        if prompt_lp is not None:  # the index -1 entry, before token 0 (see token_stream.add_prompt_logprobs)
             out.insert(0, Emitted(choices[0].request_id, -1, -1, prompt_logprobs=prompt_lp))
         out[-1].ack = item.ack  # acknowledged once every choice's first token is written
         self.table.hold(len(going))  # the choices that go on are held, and take the first free slots

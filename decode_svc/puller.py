@@ -10,7 +10,7 @@ import grpc
 from tandem_core import grpc_util, kvcodec
 from tandem_core.errors import KVTransferFailed
 from tandem_core.settings import GrpcConfig
-from tandem_core.streams import ReadyNotice
+from tandem_core.bus.ready import ReadyNotice
 from tandem_core.types import KVPayload
 from tandem_proto import kv_pb2, kv_pb2_grpc
 

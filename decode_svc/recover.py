@@ -17,7 +17,8 @@ import asyncio
 import logging
 
 from decode_svc.io import DecodeIO
-from tandem_core import keys, registry, streams
+from tandem_core import keys
+from tandem_core.bus import reclaim, registry
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
         if not await r.set(keys.recovering_key(wid), me, nx=True, ex=30):
             continue  # another pod is on it
         try:
-            for rid, req in (await streams.running_requests(r, wid)).items():
+            for rid, req in (await reclaim.running_requests(r, wid)).items():
                 outcome = await io.resume(req, f"decode pod {wid} stopped", owner=wid)
                 resumed += outcome == "resumed"
                 log.info("recovered request_id=%s from %s: %s", rid, wid, outcome)
@@ -47,7 +48,7 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     got = 0
     pool = io.s.pool
     for stream in [f(pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]:
-        entries = await streams.dead_consumer_entries(
+        entries = await reclaim.dead_consumer_entries(
             io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self,
             stale_self_ms=int(io.s.stale_pending_s * 1000),
             busy={eid for name, eid in io.busy_entries if name == stream}, others=io.peers.trusted)
@@ -55,7 +56,7 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
             continue
         n = io.table.reserve(len(entries))
         started = io.resync.started  # (DecodeIO._dispatch: a reconcile begun after this counts)
-        claimed = await streams.claim_ids(io.r, stream, keys.DECODE_GROUP, io.worker_id,
+        claimed = await reclaim.claim_ids(io.r, stream, keys.DECODE_GROUP, io.worker_id,
                                           [eid for _c, eid in entries[:n]], min_idle_ms=0 if include_self else 1000)
         io.table.unreserve(n - len(claimed))
         for c in claimed:

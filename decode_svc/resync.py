@@ -44,8 +44,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from tandem_core.registry import server_id
-from tandem_core.streams import running_requests
+from tandem_core.bus.registry import server_id
+from tandem_core.bus.reclaim import running_requests
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBo
 from gateway.service import GatewayService, retry_after_header
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
-from tandem_core import grpc_util, streams
+from tandem_core import grpc_util
+from tandem_core.bus import conn, groups
 from tandem_core.errors import TandemError
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,10 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc.redis = streams.connect(settings.redis)
+        svc.redis = conn.connect(settings.redis)
         svc.mux = TokenMux(svc.redis, block_ms=settings.relay_block_ms)
         try:
-            await streams.ensure_groups(svc.redis, settings.pool)
+            await groups.ensure_groups(svc.redis, settings.pool)
         except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503
             log.warning("Redis unreachable at startup (%s); continuing, /readyz will say so", e)
         # after the first command: redis-py's cluster client breaks connections when many tasks

@@ -5,7 +5,7 @@ should cost its client that wait, not a 503. `RedisHold.call` retries the reques
 (backlog read, checks, enqueue) while Redis does not answer, for at most `hold_s` and never past
 the request's own deadline, and only for `max_held` requests at once on this replica; past either
 bound the client gets the 503 it got before, with Retry-After. The enqueue it retries is
-idempotent (gateway/pod_streams.py `enqueue`: a marker keyed by request id, set in the same script
+idempotent (tandem_core/bus/admission.py `enqueue`: a marker keyed by request id, set in the same script
 as the XADD), so a reply lost on a dying connection never enqueues a request twice.
 
 `degraded`: Redis has failed to answer for less than `hold_s` (`/readyz` says so, and stays 200

@@ -17,7 +17,7 @@ recomputed prefix, never a wrong token (the pods look each block up in their own
 
 Pure: no I/O, no clock. The caller passes the live (non-draining) prefill pods that take per-pod
 entries (`prefix_route_pods` of the registry) and their per-pod backlog for the request's priority
-(gateway/pod_streams.py reads it).
+(tandem_core/bus/admission.py reads it).
 """
 from __future__ import annotations
 

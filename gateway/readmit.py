@@ -12,7 +12,7 @@ On a change it waits `grace_s`: within a heartbeat the decode pods write their j
 which re-creates the token stream of every request they hold. Then every request without a
 token stream is enqueued again (a token 0 the client already has does not count: the prefill
 pod's commit of it may be what was lost), with the same script as the first time
-(gateway/pod_streams.py `enqueue`), which is a no-op while the request's marker survives. The
+(tandem_core/bus/admission.py `enqueue`), which is a no-op while the request's marker survives. The
 marker is written by the same script as the entry, so it survived exactly when the entry did (a
 prefix keeps both or neither): a surviving admission is never enqueued twice, and a lost one is
 enqueued once. Requests older than the marker's TTL are left alone (their marker can no longer
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway import pod_streams
-from tandem_core import keys, registry, streams
+from tandem_core import keys
+from tandem_core.bus import admission, conn, registry
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Readmitter:
         for _ in range(tries - 1):
             try:
                 return await self.readmit(run_id)
-            except streams.REDIS_DOWN as e:
+            except conn.REDIS_DOWN as e:
                 log.info("readmission failed: %s; closing idle connections and trying again", e)
                 await self._close_idle()
                 await asyncio.sleep(0.1)
@@ -118,19 +118,19 @@ class Readmitter:
 
     def _forget_old(self) -> None:
         """Admissions whose relay never ended here (a client gone before its stream began)."""
-        oldest = self.clock() - pod_streams.MARKER_TTL_S
+        oldest = self.clock() - admission.MARKER_TTL_S
         for rid in [rid for rid, a in self.open.items() if a.at < oldest]:
             del self.open[rid]
 
     async def readmit(self, run_id: str) -> int:
         r, n = self._redis(), 0
-        oldest = self.clock() - (pod_streams.MARKER_TTL_S - 10)  # the marker still answers for these
+        oldest = self.clock() - (admission.MARKER_TTL_S - 10)  # the marker still answers for these
         for rid, adm in list(self.open.items()):
             if adm.at < oldest or await r.exists(keys.token_stream(rid)):
                 continue
             if await r.exists(keys.admitted_key(rid)):
                 continue  # its entry survived
-            await pod_streams.enqueue(r, self.pool, adm.req, self.maxlen, pod=adm.pod, direct=adm.direct)
+            await admission.enqueue(r, self.pool, adm.req, self.maxlen, pod=adm.pod, direct=adm.direct)
             n += 1
             log.warning("request_id=%s: its admission was lost with Redis's last writes; enqueued again", rid)
         self.readmitted += n

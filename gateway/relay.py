@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from gateway.metrics import GatewayMetrics
 from gateway.tokens import Subscription, TokenMux
 from gateway.validation import Prepared
-from tandem_core import streams
+from tandem_core.bus import cancel, token_stream
 from tandem_core.errors import DeadlineExceeded, WorkerFailed
 from tandem_core.tokenizer import Detokenizer, Tokenizer
 from tandem_core.types import (
@@ -191,7 +191,7 @@ async def _relay_events(
     block_ms: int, metrics: GatewayMetrics, prep: Prepared,
 ) -> AsyncIterator[Delta]:
     rid = sub.request_id
-    ahead: dict[int, streams.TokenEvent] = {}  # out-of-order entries, bounded by max_tokens
+    ahead: dict[int, token_stream.TokenEvent] = {}  # out-of-order entries, bounded by max_tokens
     while True:
         left, which = dl.remaining(st.next_index > 0)
         if left <= 0:
@@ -269,7 +269,7 @@ def cancel_soon(r: aioredis.Redis, rid: str, ttl_s: int, background: set[asyncio
 
     async def _cancel() -> None:
         try:
-            await streams.request_cancel(r, rid, ttl_s)
+            await cancel.request_cancel(r, rid, ttl_s)
         except Exception:  # noqa: BLE001 - best effort; workers also drop work past deadline_ts
             log.warning("could not set cancel key request_id=%s", rid, exc_info=True)
 

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, streams
+from tandem_core import keys
+from tandem_core.bus import cancel
 from tandem_core.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ async def cancel_unless_attached(r: aioredis.Redis, request_id: str, attach_no: 
     if now is not None and int(now) != attach_no:
         return
     log.info("no client resumed within %.1fs; cancelling request_id=%s", grace_s, request_id)
-    await streams.request_cancel(r, request_id, cancel_ttl_s)
+    await cancel.request_cancel(r, request_id, cancel_ttl_s)
 
 
 def start_index(last_event_id: str | None, from_index: str | None) -> int:

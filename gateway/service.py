@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway import choices, pod_streams, resume
+from gateway import choices, resume
 from gateway.chat import ChatTemplate
 from gateway.hold import RedisHold
 from gateway.limits import KeyLimiter
@@ -31,7 +31,8 @@ from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
-from tandem_core import keys, registry, streams
+from tandem_core import keys
+from tandem_core.bus import admission, conn, ready, registry
 from tandem_core.errors import (
     AdmissionRejected,
     DeadlineExceeded,
@@ -48,7 +49,7 @@ from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
-_REDIS_DOWN = streams.REDIS_DOWN  # restarts and Sentinel failovers alike (MasterNotFoundError, READONLY)
+_REDIS_DOWN = conn.REDIS_DOWN  # restarts and Sentinel failovers alike (MasterNotFoundError, READONLY)
 _BIG_PROMPT_CHARS = 8192  # tokenize longer prompts off the event loop
 ANONYMOUS = "anonymous"  # the one limiter key when no api_keys are configured
 
@@ -79,7 +80,7 @@ class GatewayService:
         self._load_ts = -1e9  # when the load gauges were last refreshed (monotonic)
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
-        self.backlog = pod_streams.BacklogReader()
+        self.backlog = admission.BacklogReader()
         self.open_streams = 0  # relays in progress (all share the one token reader)
         self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
         # new requests wait for an unreachable Redis (a restart, a failover) instead of failing
@@ -170,7 +171,7 @@ class GatewayService:
                                       queued.of_priority(prep.request.priority))
             self.metrics.prefix_routes.labels(pick.reason).inc()
             pod = pick.pod
-        prep.enqueue_entry_id = await pod_streams.enqueue(
+        prep.enqueue_entry_id = await admission.enqueue(
             r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=route.direct)
         self.readmit.add(prep.request, pod, route.direct)
         return route.direct
@@ -363,20 +364,20 @@ class GatewayService:
         s = self.settings
         try:
             workers = await registry.list_workers(r)
-            queued = await pod_streams.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
-            ready = await streams.ready_backlog(r, s.pool)
+            queued = await admission.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
+            ready_n = await ready.ready_backlog(r, s.pool)
         except _REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
         backlog = queued.total
         self.metrics.backlog.set(backlog)
         self.metrics.observe_prefix_cache(workers)
-        waiting, running, kv = cluster_load(workers, backlog, ready)
+        waiting, running, kv = cluster_load(workers, backlog, ready_n)
         self.metrics.set_load(self.model_name, waiting, running, kv)
         return {
             "workers": workers,
             "load": {"waiting": waiting, "running": running, "kv_cache_usage": round(kv, 4)},
             "queues": {"pool": s.pool, "admission": queued.shared, "pod_admission": queued.pods,
-                       "admission_backlog": backlog, "ready": ready, "direct": queued.direct,
+                       "admission_backlog": backlog, "ready": ready_n, "direct": queued.direct,
                        "admission_max_backlog": s.admission_max_backlog},
             "prefix_cache": prefix_cache_summary(workers, s.prefix_block_size),
             "model": {"name": self.model_name, "model": s.model, "max_context_len": s.max_context_len,
@@ -396,11 +397,11 @@ class GatewayService:
             r = self._redis()
             workers = await registry.list_workers(r)
             pods = ClusterView.of(workers, self.settings.pool).prefill_ids
-            backlog = await pod_streams.total_backlog(r, self.settings.pool, pods)
-            ready = await streams.ready_backlog(r, self.settings.pool)
+            backlog = await admission.total_backlog(r, self.settings.pool, pods)
+            ready_n = await ready.ready_backlog(r, self.settings.pool)
             self.metrics.backlog.set(backlog)
             self.metrics.observe_prefix_cache(workers)
-            self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready))
+            self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready_n))
 
         try:
             await asyncio.wait_for(read(), timeout=timeout_s)

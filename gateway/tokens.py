@@ -27,7 +27,8 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, redis_client, streams
+from tandem_core import keys, redis_client
+from tandem_core.bus import conn, token_stream
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ class Subscription:
         self._on_drained = on_drained  # a paused subscription (buffer full) wants reading again
         self.stream = keys.token_stream(request_id)
         self.last_id: bytes | str = after_id  # the reader's cursor: the last entry handed over
-        self._events: list[streams.TokenEvent] = []
+        self._events: list[token_stream.TokenEvent] = []
         self._waiter: asyncio.Future | None = None
 
-    def _deliver(self, events: list[streams.TokenEvent]) -> None:
+    def _deliver(self, events: list[token_stream.TokenEvent]) -> None:
         self._events += events
         self.last_id = events[-1].entry_id
         if self._waiter is not None and not self._waiter.done():
@@ -53,7 +54,7 @@ class Subscription:
     def buffered(self) -> int:
         return len(self._events)
 
-    async def get(self, timeout_s: float) -> list[streams.TokenEvent]:
+    async def get(self, timeout_s: float) -> list[token_stream.TokenEvent]:
         """Everything delivered since the last call; waits at most `timeout_s` for something."""
         if not self._events:
             # a bare future and a timer: asyncio.wait_for would start a task per call
@@ -156,7 +157,7 @@ class ShardReader:
             self._task = None
         try:
             await self.r.delete(self.wake_stream)
-        except streams.REDIS_DOWN:
+        except conn.REDIS_DOWN:
             pass
 
     def subscribe(self, request_id: str, after_id: bytes | str = "0-0") -> Subscription:
@@ -186,7 +187,7 @@ class ShardReader:
                 pipe.xadd(self.wake_stream, {"w": 1}, maxlen=16, approximate=True)
                 pipe.expire(self.wake_stream, 3600)  # outlives no gateway by long
                 await pipe.execute()
-            except streams.REDIS_DOWN:
+            except conn.REDIS_DOWN:
                 pass  # the read fails too and the reader starts over with every stream
 
         task = asyncio.get_running_loop().create_task(poke())
@@ -211,7 +212,7 @@ class ShardReader:
             self._reading = True
             try:
                 resp = await redis_client.xread(self.r, want, count=self.count, block=self.block_ms)
-            except streams.REDIS_DOWN as e:
+            except conn.REDIS_DOWN as e:
                 if not failed:
                     log.warning("redis unavailable while reading token streams: %s; retrying", e)
                 failed += 1
@@ -244,7 +245,7 @@ class ShardReader:
             subs = by_stream.get(name)
             if not subs or not entries:
                 continue
-            events = [streams.token_event(eid, f) for eid, f in entries]
+            events = [token_stream.token_event(eid, f) for eid, f in entries]
             start = _id_key(read_from.get(name, "0-0"))
             for sub in subs:
                 after = _id_key(sub.last_id)

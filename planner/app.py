@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from planner.decide import ROLES
 from planner.service import PlannerService
 from planner.settings import PlannerSettings
-from tandem_core import streams
+from tandem_core.bus import conn
 
 log = logging.getLogger("planner")
 
@@ -31,7 +31,7 @@ def create_app(settings: PlannerSettings, service: PlannerService | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         own = state["svc"] is None
-        r = streams.connect(settings.redis) if own else None
+        r = conn.connect(settings.redis) if own else None
         if own:
             state["svc"] = PlannerService(settings, r)
         stop = asyncio.Event()

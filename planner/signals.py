@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from planner.decide import Observation
-from tandem_core import keys, load_report, registry, streams
+from tandem_core import keys, load_report
+from tandem_core.bus import admission, ready, registry
 
 
 class NoSignal(RuntimeError):
@@ -42,15 +43,15 @@ class Signals:
 
     async def backlogs(self) -> tuple[int, int]:
         """(admission entries not yet prefilled, prefilled requests waiting for a decode slot)."""
-        owners = await streams.pod_stream_owners(self.r, self.pool)
+        owners = await admission.pod_stream_owners(self.r, self.pool)
         pipe = self.r.pipeline(transaction=False)
         for prio in keys.PRIORITIES:
             for wid in owners:
                 for shard in keys.all_shards():
                     pipe.xlen(keys.pod_admission_stream(self.pool, prio, wid, shard))
         routed = sum(int(x) for x in await pipe.execute())
-        return (await streams.admission_backlog(self.r, self.pool) + routed,
-                await streams.ready_backlog(self.r, self.pool))
+        return (await admission.admission_backlog(self.r, self.pool) + routed,
+                await ready.ready_backlog(self.r, self.pool))
 
     async def pods(self) -> tuple[dict[str, int], dict[str, float]]:
         """(live non-draining pods per role, what the pool's pods did since the last read:
@@ -81,12 +82,12 @@ class Signals:
         if not reports:
             raise NoSignal("no gateway has reported its load for 10 s or more (tandem:gateways is empty): "
                            "is a gateway running against this Redis?")
-        prefill_backlog, ready = await self.backlogs()
+        prefill_backlog, decode_backlog = await self.backlogs()
         obs = Observation(
             t=t, interval_s=interval, arrivals=int(round(d["admitted"])),
             prompt_tokens_mean=_mean(d["prompt_tokens"], d["admitted"]),
             output_tokens_mean=_mean(d["output_tokens"], d["finished"]),
-            prefill_backlog=prefill_backlog, decode_backlog=ready,
+            prefill_backlog=prefill_backlog, decode_backlog=decode_backlog,
             ttft_mean_s=_mean(d["ttft_sum"], d["ttft_count"]), itl_mean_s=_mean(d["itl_sum"], d["itl_count"]),
             prefill_arrivals=int(round(d["admitted_remote"])),
             prefill_prompt_tokens_mean=_mean(d["prompt_tokens_remote"], d["admitted_remote"]),

@@ -10,7 +10,8 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import grpc_util, lifecycle, registry, streams
+from tandem_core import grpc_util, lifecycle
+from tandem_core.bus import conn, groups, registry
 from tandem_core.settings import default_worker_id
 from tandem_engine.prefix_cache import cache_for
 from tandem_proto import kv_pb2
@@ -36,8 +37,8 @@ async def serve(settings: PrefillSettings) -> int:
     if cache.enabled:  # the prefill over a cached prefix: one compiled shape, compiled before ready
         await asyncio.to_thread(engine.warmup_prefix)
     store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
-    r = streams.connect(settings.redis)
-    await streams.ensure_groups(r, settings.pool)
+    r = conn.connect(settings.redis)
+    await groups.ensure_groups(r, settings.pool)
 
     server = grpc_util.make_server(settings.grpc.max_message_bytes)
     port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port, settings.grpc)

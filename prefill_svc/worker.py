@@ -9,7 +9,7 @@ Life of one request here:
    unless that token already ends the request (EOS, max_tokens == 1), and the XACK + XDEL of the
    admission entry. A crash before it leaves the entry pending, for this pod's restart or another
    pod to reclaim.
-5. The commit is fenced (tandem_core/entry_fence.py): it writes only while the entry is still
+5. The commit is fenced (tandem_core/bus/entry_fence.py): it writes only while the entry is still
    pending to this pod. A pod paused past its heartbeat (SIGSTOP, a VM stall) whose entry another
    pod reclaimed meanwhile writes nothing when it wakes, frees the KV it held and logs it.
 """
@@ -25,11 +25,12 @@ from redis.exceptions import ResponseError
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
-from tandem_core import entry_fence, keys, lifecycle, recovery, registry, streams
+from tandem_core import keys, lifecycle, recovery
+from tandem_core.bus import admission, cancel, entry_fence, groups, ready, reclaim, registry, token_stream
 from tandem_core.errors import TandemError
 from tandem_core.grammar import Grammars
 from tandem_core.scheduling import PriorityRotation
-from tandem_core.streams import REDIS_DOWN
+from tandem_core.bus.conn import REDIS_DOWN
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
 from tandem_engine.prefix_cache import PrefixCache
@@ -54,7 +55,7 @@ class PrefillWorker:
         self.address = address
         self.worker_id = worker_id
         self.fence = entry_fence.EntryFence(r, keys.PREFILL_GROUP, worker_id)
-        self.bell = streams.Doorbell(r, settings.pool, [keys.PREFILL_GROUP])  # the wait, with several shards
+        self.bell = groups.Doorbell(r, settings.pool, [keys.PREFILL_GROUP])  # the wait, with several shards
         # One thread owns the device: every engine call goes through it.
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
         self.max_prefix_bytes = self._max_prefix_bytes()
@@ -96,10 +97,10 @@ class PrefillWorker:
     async def _ensure_groups(self) -> None:
         """The groups of the shared streams and of this pod's own, at id 0: entries already
         there are read too."""
-        await streams.ensure_groups(self.r, self.s.pool)
+        await groups.ensure_groups(self.r, self.s.pool)
         for shard in keys.all_shards():
             for prio in keys.PRIORITIES:
-                await streams.ensure_group(self.r, self._own_stream(prio, shard), keys.PREFILL_GROUP)
+                await groups.ensure_group(self.r, self._own_stream(prio, shard), keys.PREFILL_GROUP)
 
     async def _round(self, rotation: PriorityRotation) -> None:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
@@ -108,13 +109,13 @@ class PrefillWorker:
         if room == 0:
             await asyncio.sleep(0.02)  # budget full: keep serving pulls, claim nothing
             return
-        claimed = await streams.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
+        claimed = await groups.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
                                       self.s.claim_block_ms, self.bell)
         for c in claimed:
             await self._handle_until_done(c)
         await self._reclaim()
 
-    async def _handle_until_done(self, c: streams.Claimed) -> None:
+    async def _handle_until_done(self, c: groups.Claimed) -> None:
         """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
         published is not done twice) until it is acked or its request's deadline passes."""
         reclaimed = False
@@ -143,11 +144,11 @@ class PrefillWorker:
             log.warning("reclaim failed: %s", e)
 
     async def _reclaim_pending(self, stream: str, include_self: bool) -> None:
-        dead = await streams.dead_consumer_entries(
+        dead = await reclaim.dead_consumer_entries(
             self.r, stream, keys.PREFILL_GROUP, self.worker_id, include_self,
             stale_self_ms=int(self.s.stale_pending_s * 1000), others=self._peers_trusted())
         room = min(len(dead), self.store.room_for(self.max_prefix_bytes))
-        claimed = await streams.claim_ids(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
+        claimed = await reclaim.claim_ids(self.r, stream, keys.PREFILL_GROUP, self.worker_id,
                                           [eid for _c, eid in dead[:room]], 0 if include_self else 1000)
         # (own stale entries are re-claimed too: XCLAIM resets their idle time)
         for c in claimed:
@@ -164,7 +165,7 @@ class PrefillWorker:
         if not self._peers_trusted():
             return  # right after a Redis restart every pod looks gone
         live = {w["id"]: w for w in await registry.list_workers(self.r) if w["role"] == "prefill"}
-        for wid in await streams.pod_stream_owners(self.r, self.s.pool):
+        for wid in await admission.pod_stream_owners(self.r, self.s.pool):
             if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
                 continue
             for stream in [keys.pod_admission_stream(self.s.pool, prio, wid, shard)
@@ -173,12 +174,12 @@ class PrefillWorker:
                     await self._reclaim_pending(stream, False)
                 room = self.store.room_for(self.max_prefix_bytes)
                 if room and await self.r.exists(stream):
-                    await streams.ensure_group(self.r, stream, keys.PREFILL_GROUP)  # re-created by a late XADD
-                    for c in await streams.claim(self.r, [stream], keys.PREFILL_GROUP, self.worker_id, room, None):
+                    await groups.ensure_group(self.r, stream, keys.PREFILL_GROUP)  # re-created by a late XADD
+                    for c in await groups.claim(self.r, [stream], keys.PREFILL_GROUP, self.worker_id, room, None):
                         log.info("took admission entry %s routed to prefill pod %s (gone or draining)", c.entry_id, wid)
                         await self._handle_until_done(c)
             if wid not in live:
-                await streams.forget_pod_streams(self.r, self.s.pool, wid)
+                await admission.forget_pod_streams(self.r, self.s.pool, wid)
 
     def _own_stream(self, prio: str, shard: int) -> str:
         return keys.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
@@ -193,7 +194,7 @@ class PrefillWorker:
             out += [keys.admission_stream(self.s.pool, prio, s) for s in shards]
         return out
 
-    async def _handle(self, c: streams.Claimed, reclaimed: bool = False) -> None:
+    async def _handle(self, c: groups.Claimed, reclaimed: bool = False) -> None:
         """Work out one admission entry's writes, then commit them with its ack, fenced."""
         req = GenerationRequest.from_json(c.fields["req"])
         writes, held = entry_fence.EntryWrites(), []
@@ -223,7 +224,7 @@ class PrefillWorker:
             first_stream = choice_ids(rid, req.n)[0]  # every choice's token 0 is written together
             if reclaimed and len((await recovery.streamed_tokens(self.r, first_stream))[0]) > req.start_index:
                 log.info("reclaimed request_id=%s was already prefilled by its first owner", rid)
-            elif await streams.cancelled(self.r, [rid]):
+            elif await cancel.cancelled(self.r, [rid]):
                 self._add_finish(writes, req, FINISH_CANCELLED)
             elif req.deadline_ts and time.time() > req.deadline_ts:
                 self._add_finish(writes, req, FINISH_ERROR, "deadline passed before prefill")
@@ -241,7 +242,7 @@ class PrefillWorker:
             self._add_finish(writes, req, FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}")
         return writes, []
 
-    async def _commit(self, c: streams.Claimed, req: GenerationRequest, writes: entry_fence.EntryWrites,
+    async def _commit(self, c: groups.Claimed, req: GenerationRequest, writes: entry_fence.EntryWrites,
                       held: list[str]) -> None:
         """Write and ack, only while the entry is still this pod's; else free the KV held for it."""
         if await self.fence.commit(c.stream, c.entry_id, writes):
@@ -266,7 +267,7 @@ class PrefillWorker:
             return
         try:
             pipe = self.r.pipeline(transaction=False)
-            streams.ring(pipe, self.s.pool, keys.DECODE_GROUP)
+            groups.ring(pipe, self.s.pool, keys.DECODE_GROUP)
             await pipe.execute()
         except Exception as e:  # noqa: BLE001 - Redis down included
             log.debug("could not ring the decode doorbell: %s", e)
@@ -301,12 +302,12 @@ class PrefillWorker:
         choices = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]
         writes = entry_fence.EntryWrites()
         if prompt_lp is not None:
-            streams.add_prompt_logprobs(writes, choices[0].request_id, prompt_lp, self.s.token_ttl_s,
+            token_stream.add_prompt_logprobs(writes, choices[0].request_id, prompt_lp, self.s.token_ttl_s,
                                         self.s.token_maxlen)
         going = []
         for c, first, lp in zip(choices, firsts, logprobs):
             reason = first_finish(c, first, payload.true_length, self.engine.max_len)
-            streams.add_tokens(writes, c.request_id, at, [first], reason, self.s.token_ttl_s, self.s.token_maxlen,
+            token_stream.add_tokens(writes, c.request_id, at, [first], reason, self.s.token_ttl_s, self.s.token_maxlen,
                                finished_ttl_s=self.s.token_finished_ttl_s, logprobs=[lp])
             if reason is None:
                 going.append((c, first))
@@ -314,18 +315,18 @@ class PrefillWorker:
             return writes, []
         held = self.store.put_shared([c.request_id for c, _ in going], payload)
         for (c, first), h in zip(going, held):
-            notice = streams.ReadyNotice(
+            notice = ready.ReadyNotice(
                 request=c, address=self.address, capability=h.capability, kv_bytes=payload.nbytes,
                 prefill_worker=self.worker_id, first_token=first,
             )
-            streams.add_ready(writes, self.s.pool, notice, self.s.ready_maxlen)
+            ready.add_ready(writes, self.s.pool, notice, self.s.ready_maxlen)
         return writes, [h.request_id for h in held]
 
     def _add_finish(self, pipe, req: GenerationRequest, reason: str, error: str | None = None) -> None:
         """Queue the request's end without a token, on every choice's stream (a pipeline or
         EntryWrites)."""
         for rid in choice_ids(req.request_id, req.n):
-            streams.add_tokens(pipe, rid, req.start_index, [], reason, self.s.token_ttl_s,
+            token_stream.add_tokens(pipe, rid, req.start_index, [], reason, self.s.token_ttl_s,
                                self.s.token_maxlen, error=error, finished_ttl_s=self.s.token_finished_ttl_s)
 
     async def _finish(self, req: GenerationRequest, reason: str, error: str | None = None) -> None:

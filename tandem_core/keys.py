@@ -36,9 +36,9 @@ Keys (all prefixed `tandem:`; `<x>` is a value, `{...}` a hash tag):
 | `tandem:planner:<pool>:decision` | hash `prefill`, `decode`, `ts`, `reason` | planner (mode local) | `tandem local --planner` | one per pool |
 
 Fences: a decode pod writes a request's tokens only while the request is in its running hash
-(tandem_core/token_writes.py); a prefill pod writes token 0 and the ready notice, and acks the
+(tandem_core/bus/token_stream.py); a prefill pod writes token 0 and the ready notice, and acks the
 admission entry, only while that entry is pending to it in group `prefill` (the consumer group's
-pending list is the fence: XCLAIM moves it; tandem_core/entry_fence.py). No extra key is needed.
+pending list is the fence: XCLAIM moves it; tandem_core/bus/entry_fence.py). No extra key is needed.
 
 Fields:
 - admission and direct entries: `rid` (request id), `req` (GenerationRequest JSON)

@@ -9,7 +9,7 @@ from typing import Callable
 
 import redis.asyncio as aioredis
 
-from tandem_core import registry
+from tandem_core.bus import registry
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import logging
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, streams
+from tandem_core import keys
+from tandem_core.bus import cancel, groups, token_stream
 from tandem_core.types import FINISH_ERROR, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
     """
     tokens, finished = await streamed_tokens(r, original.request_id)
     shard = keys.request_shard(original.request_id)  # every key below shares its tag (one slot)
-    if finished or await streams.cancelled(r, [original.request_id]):
+    if finished or await cancel.cancelled(r, [original.request_id]):
         if owner:
             await r.hdel(keys.running_key(owner, shard), original.request_id)
         return "finished"
@@ -72,7 +73,7 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
     await pipe.execute()
     if keys.shard_count() > 1:  # after the transaction: the bell is in another slot
         bell = r.pipeline(transaction=False)
-        streams.ring(bell, pool, keys.PREFILL_GROUP)
+        groups.ring(bell, pool, keys.PREFILL_GROUP)
         await bell.execute()
     log.info("resumed request_id=%s from index %d (attempt %d): %s", original.request_id, len(tokens), attempt, why)
     return "resumed"
@@ -86,7 +87,7 @@ async def _give_up(r: aioredis.Redis, original: GenerationRequest, tokens: list[
     pipe = r.pipeline(transaction=True)
     if owner:
         pipe.hdel(keys.running_key(owner, keys.request_shard(original.request_id)), original.request_id)
-    streams.add_tokens(pipe, original.request_id, len(tokens), [], "length" if done else FINISH_ERROR,
+    token_stream.add_tokens(pipe, original.request_id, len(tokens), [], "length" if done else FINISH_ERROR,
                        token_ttl_s, token_maxlen,
                        error=None if done else f"request failed {attempt - 1} times ({why}); giving up")
     await pipe.execute()

@@ -19,7 +19,7 @@ from tandem.redis_proc import RedisClusterProcess, RedisProcess, docker_reachabl
 @pytest.fixture(autouse=True)
 def _one_key_shard():
     """Every test starts with the one key shard of a plain Redis: the count is per process
-    (tandem_core.keys.configure, set by streams.connect), and a cluster test sets 16."""
+    (tandem_core.keys.configure, set by conn.connect), and a cluster test sets 16."""
     from tandem_core import keys
 
     keys.configure(1)
@@ -76,8 +76,8 @@ async def redis_client(redis_url):
 async def any_redis(request):
     """A test twice: on the plain Redis (one key shard), then on the Redis Cluster (16 key
     shards, every script and transaction single-slot or CROSSSLOT), each client built by
-    `streams.connect` as the services build theirs, every key deleted first."""
-    from tandem_core import streams
+    `conn.connect` as the services build theirs, every key deleted first."""
+    from tandem_core.bus import conn
     from tandem_core.settings import RedisConfig
 
     if request.param == "redis":
@@ -86,7 +86,7 @@ async def any_redis(request):
         cluster = request.getfixturevalue("redis_cluster")
         cluster.flushall()
         cfg = RedisConfig(url=cluster.url, cluster=True)
-    r = streams.connect(cfg)
+    r = conn.connect(cfg)
     await r.ping()  # before concurrent use, as the services do (redis-py's cluster client: gateway/app.py)
     if request.param == "redis":
         await r.flushdb()

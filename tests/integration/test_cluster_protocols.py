@@ -3,7 +3,7 @@ every multi-key script and transaction is single-slot (a cross-slot one fails wi
 these tests fail if a key escapes its request's tag), the shards spread over the masters, and the
 reads that span shards (claims, backlogs, cancel checks, token readers) see every shard.
 
-Each test runs through `streams.connect` with `redis.cluster`, as the services do."""
+Each test runs through `conn.connect` with `redis.cluster`, as the services do."""
 from __future__ import annotations
 
 import asyncio
@@ -12,12 +12,12 @@ import time
 import pytest
 from redis.crc import key_slot
 
-from gateway import pod_streams
 from gateway.tokens import TokenMux
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, recovery, streams, token_writes
+from tandem_core import keys, recovery
+from tandem_core.bus import admission, cancel, conn, groups, ready, reclaim, token_stream
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest, choice_ids
@@ -36,7 +36,7 @@ def engine():
 async def rc(redis_cluster):
     redis_cluster.flushall()
     cfg = RedisConfig(url=redis_cluster.url, cluster=True)
-    r = streams.connect(cfg)
+    r = conn.connect(cfg)
     assert keys.shard_count() == 16
     try:
         yield r
@@ -81,69 +81,69 @@ async def test_enqueue_prefill_commit_and_claims_never_overfill(rc, redis_cluste
     shard, fenced commit of token 0 + ready notice + ack), and a decode claim of exactly its free
     slots over every shard's ready stream."""
     r = rc
-    await streams.ensure_groups(r, POOL)
+    await groups.ensure_groups(r, POOL)
     s = PrefillSettings(redis=RedisConfig(url=redis_cluster.url, cluster=True),
                         engine=EngineConfig(model="tiny", max_len=64), pool=POOL, claim_block_ms=50)
     worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-cl")
     for shard in keys.all_shards():
         for prio in keys.PRIORITIES:
-            await streams.ensure_group(r, worker._own_stream(prio, shard), keys.PREFILL_GROUP)
+            await groups.ensure_group(r, worker._own_stream(prio, shard), keys.PREFILL_GROUP)
     reqs = [GenerationRequest(rid, [5, 6, 7, 8], 4, priority="high" if i % 3 == 0 else "normal")
             for i, rid in enumerate(RIDS[:24])]
     for i, q in enumerate(reqs):
-        await pod_streams.enqueue(r, POOL, q, 1000, pod="prefill-cl" if i % 4 == 1 else None)
-    again = await pod_streams.enqueue(r, POOL, reqs[0], 1000)  # a retried enqueue: the same entry, nothing new
-    assert again and (await pod_streams.read_backlog(r, POOL, ["prefill-cl"])).total == 24
-    assert await streams.pod_stream_owners(r, POOL) == ["prefill-cl"]
+        await admission.enqueue(r, POOL, q, 1000, pod="prefill-cl" if i % 4 == 1 else None)
+    again = await admission.enqueue(r, POOL, reqs[0], 1000)  # a retried enqueue: the same entry, nothing new
+    assert again and (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 24
+    assert await admission.pod_stream_owners(r, POOL) == ["prefill-cl"]
 
     rotation = PriorityRotation(POOL)
     for _ in range(40):
-        if (await pod_streams.read_backlog(r, POOL, ["prefill-cl"])).total == 0:
+        if (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 0:
             break
         await worker._round(rotation)
-    assert (await pod_streams.read_backlog(r, POOL, ["prefill-cl"])).total == 0
+    assert (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 0
     for q in reqs:
-        assert [streams.token_event(e, f).index for e, f in await r.xrange(keys.token_stream(q.request_id))] == [0]
-    assert await streams.ready_backlog(r, POOL) == 24
+        assert [token_stream.token_event(e, f).index for e, f in await r.xrange(keys.token_stream(q.request_id))] == [0]
+    assert await ready.ready_backlog(r, POOL) == 24
 
-    ready = [keys.ready_stream(POOL, sh) for sh in keys.all_shards()]
-    bell = streams.Doorbell(r, POOL, [keys.DECODE_GROUP])
-    got = await streams.claim(r, ready, keys.DECODE_GROUP, "decode-cl", 5, 50, bell)
+    ready_streams = [keys.ready_stream(POOL, sh) for sh in keys.all_shards()]
+    bell = groups.Doorbell(r, POOL, [keys.DECODE_GROUP])
+    got = await groups.claim(r, ready_streams, keys.DECODE_GROUP, "decode-cl", 5, 50, bell)
     assert len(got) == 5  # never more than the free slots, though entries wait in many shards
-    rest = await streams.claim(r, ready, keys.DECODE_GROUP, "decode-cl", 100, 50, bell)
-    assert sorted(streams.ReadyNotice.from_json(c.fields["notice"]).request.request_id for c in got + rest) \
+    rest = await groups.claim(r, ready_streams, keys.DECODE_GROUP, "decode-cl", 100, 50, bell)
+    assert sorted(ready.ReadyNotice.from_json(c.fields["notice"]).request.request_id for c in got + rest) \
         == sorted(q.request_id for q in reqs)
-    assert await streams.forget_pod_streams(r, POOL, "prefill-cl")
-    assert await streams.pod_stream_owners(r, POOL) == []
+    assert await admission.forget_pod_streams(r, POOL, "prefill-cl")
+    assert await admission.pod_stream_owners(r, POOL) == []
 
 
 async def test_a_blocked_claim_over_all_shards_wakes_on_the_doorbell(rc):
     r = rc
-    await streams.ensure_groups(r, POOL)
+    await groups.ensure_groups(r, POOL)
     names = [keys.admission_stream(POOL, p, sh) for p in keys.PRIORITIES for sh in keys.all_shards()]
-    bell = streams.Doorbell(r, POOL, [keys.PREFILL_GROUP])
+    bell = groups.Doorbell(r, POOL, [keys.PREFILL_GROUP])
 
     async def later():
         await asyncio.sleep(0.3)
-        await streams.enqueue_request(r, POOL, GenerationRequest(RIDS[7], [5, 6], 2), 1000)
+        await admission.enqueue_request(r, POOL, GenerationRequest(RIDS[7], [5, 6], 2), 1000)
 
     t0 = time.monotonic()
     task = asyncio.create_task(later())
-    got = await streams.claim(r, names, keys.PREFILL_GROUP, "prefill-w", 1, 20_000, bell)
+    got = await groups.claim(r, names, keys.PREFILL_GROUP, "prefill-w", 1, 20_000, bell)
     await task
     assert [c.fields["rid"].decode() for c in got] == [RIDS[7]]
     assert time.monotonic() - t0 < 10  # woken by the ring, not the 20 s timeout
     with pytest.raises(ValueError, match="Doorbell"):
-        await streams.claim(r, names, keys.PREFILL_GROUP, "prefill-w", 1, 50)
+        await groups.claim(r, names, keys.PREFILL_GROUP, "prefill-w", 1, 50)
 
 
 async def test_fenced_token_batches_span_shards_and_keep_order(rc):
     r = rc
-    pub = token_writes.OwnedPublisher(r, "decode-cl", ttl_s=60, maxlen=1000)
+    pub = token_stream.OwnedPublisher(r, "decode-cl", ttl_s=60, maxlen=1000)
     await pub.load()
     reqs = [GenerationRequest(rid, [5], 8) for rid in RIDS[:12]]
     await pub.own(*reqs)
-    assert sorted(await streams.running_requests(r, "decode-cl")) == sorted(RIDS[:12])
+    assert sorted(await reclaim.running_requests(r, "decode-cl")) == sorted(RIDS[:12])
     for lost in RIDS[:3]:  # what a recoverer's transaction does to a paused owner
         await r.hdel(pub.running(lost), lost)
     pipe = r.pipeline(transaction=False)
@@ -160,8 +160,8 @@ async def test_fenced_token_batches_span_shards_and_keep_order(rc):
 
 async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     r = rc
-    await streams.ensure_groups(r, POOL)
-    pub = token_writes.OwnedPublisher(r, "decode-dead", ttl_s=60, maxlen=1000)
+    await groups.ensure_groups(r, POOL)
+    pub = token_stream.OwnedPublisher(r, "decode-dead", ttl_s=60, maxlen=1000)
     await pub.load()
     victims = [GenerationRequest(rid, [5, 6], 6) for rid in RIDS[20:28]]
     await pub.own(*victims)
@@ -171,18 +171,18 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     for q in victims:  # the dead pod's requests resume from what was streamed, in one transaction each
         assert await recovery.resume(r, POOL, q, max_attempts=3, maxlen=1000, token_ttl_s=60, token_maxlen=1000,
                                      why="test", owner="decode-dead") == "resumed"
-    assert await streams.running_requests(r, "decode-dead") == {}
-    assert await streams.admission_backlog(r, POOL) == len(victims)
+    assert await reclaim.running_requests(r, "decode-dead") == {}
+    assert await admission.admission_backlog(r, POOL) == len(victims)
 
-    await streams.request_cancel(r, RIDS[21], 60)
-    await streams.request_cancel(r, RIDS[26], 60)
-    assert await streams.cancelled(r, RIDS[20:28]) == {RIDS[21], RIDS[26]}
+    await cancel.request_cancel(r, RIDS[21], 60)
+    await cancel.request_cancel(r, RIDS[26], 60)
+    assert await cancel.cancelled(r, RIDS[20:28]) == {RIDS[21], RIDS[26]}
 
     mux = TokenMux(r, block_ms=200)
     mux.start()
     try:
         subs = {rid: mux.subscribe(rid) for rid in RIDS[30:46]}
-        writer = token_writes.OwnedPublisher(r, "decode-live", ttl_s=60, maxlen=1000)
+        writer = token_stream.OwnedPublisher(r, "decode-live", ttl_s=60, maxlen=1000)
         await writer.load()
         await writer.own(*(GenerationRequest(rid, [5], 4) for rid in subs))
         for i in range(4):
@@ -199,8 +199,8 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     finally:
         await mux.stop()
     assert [await r.exists(w) for w in mux.wake_streams] == [0] * 16  # one reader per shard, its stream gone
-    assert await streams.check_shards(r) is None  # the deployment's count, recorded by ensure_groups
+    assert await conn.check_shards(r) is None  # the deployment's count, recorded by ensure_groups
     keys.configure(8)
-    with pytest.raises(streams.RedisConfigError, match="16"):
-        await streams.check_shards(r)
+    with pytest.raises(conn.RedisConfigError, match="16"):
+        await conn.check_shards(r)
     keys.configure(16)

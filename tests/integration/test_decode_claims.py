@@ -13,7 +13,8 @@ from decode_svc.settings import DecodeSettings
 from decode_svc.slots import SlotTable
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
-from tandem_core import grpc_util, keys, streams
+from tandem_core import grpc_util, keys
+from tandem_core.bus import groups, ready
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
@@ -42,8 +43,8 @@ async def _publish_backlog(r, engine, store, address, pool):
         req = GenerationRequest(f"req-{i}", [256, 65 + i, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
         payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
         held = store.put(req.request_id, payload)
-        notice = streams.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
-        await streams.publish_ready(r, pool, notice, 1000)
+        notice = ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
+        await ready.publish_ready(r, pool, notice, 1000)
 
 
 async def _claimed_unacked(r, pool) -> int:
@@ -54,7 +55,7 @@ async def _claimed_unacked(r, pool) -> int:
 async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine):
     r = redis_client
     pool = "claims"
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
     await _publish_backlog(r, engine, store, address, pool)

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from gateway import pod_streams
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.validation import CompletionParams
-from tandem_core import keys, registry
+from tandem_core import keys
+from tandem_core.bus import admission, registry
 from tandem_core.errors import AdmissionRejected
 from tandem_core.settings import RedisConfig
 
@@ -112,11 +112,11 @@ async def test_backlog_counts_per_pod_entries_of_live_and_dead_pods(redis_url, r
     await _submit(svc, list(range(5, 9)))  # short: the shared stream
     # A dead pod's undrained entry (it is in the set, not in the registry).
     req = (await svc.prepare(CompletionParams(prompt_ids=PROMPT, max_tokens=4))).request
-    await pod_streams.enqueue(r, POOL, req, 100, pod="dead")
-    got = await pod_streams.read_backlog(r, POOL, ["pa", "pb"])
+    await admission.enqueue(r, POOL, req, 100, pod="dead")
+    got = await admission.read_backlog(r, POOL, ["pa", "pb"])
     assert got.total == 4 and got.shared["normal"] == 1 and got.pods["dead"]["normal"] == 1
     assert sum(n["normal"] for n in got.pods.values()) == 3
-    assert await pod_streams.total_backlog(r, POOL) == 4  # no known pods: all found through the set
+    assert await admission.total_backlog(r, POOL) == 4  # no known pods: all found through the set
     cluster = await svc.cluster()
     assert cluster["queues"]["admission_backlog"] == 4
     assert cluster["queues"]["pod_admission"]["dead"] == {"high": 0, "normal": 1}

@@ -14,9 +14,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway import pod_streams
 from tandem.redis_proc import RedisProcess
-from tandem_core import keys, registry
+from tandem_core import keys
+from tandem_core.bus import admission, registry
 from tandem_core.types import GenerationRequest
 from tests.integration.test_gateway_relay import OUT, Gateway, _settings, _worker_loop
 
@@ -99,14 +99,14 @@ async def test_the_enqueue_is_idempotent_by_request_id(redis_url):
     pool = f"idem-{uuid.uuid4().hex[:8]}"
     req = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
     try:
-        first = await pod_streams.enqueue(r, pool, req, 1000)
-        again = await pod_streams.enqueue(r, pool, req, 1000, pod="prefill-x")  # a retry, routed elsewhere
+        first = await admission.enqueue(r, pool, req, 1000)
+        again = await admission.enqueue(r, pool, req, 1000, pod="prefill-x")  # a retry, routed elsewhere
         assert first == again
         assert await r.xlen(keys.admission_stream(pool, "normal", 0)) == 1
         assert not await r.exists(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
-        assert 0 < await r.ttl(keys.admitted_key(req.request_id)) <= pod_streams.MARKER_TTL_S
+        assert 0 < await r.ttl(keys.admitted_key(req.request_id)) <= admission.MARKER_TTL_S
         other = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
-        await pod_streams.enqueue(r, pool, other, 1000, pod="prefill-x")
+        await admission.enqueue(r, pool, other, 1000, pod="prefill-x")
         assert await r.sismember(keys.pod_streams_set(pool, 0), "prefill-x")
     finally:
         await r.aclose()
@@ -124,7 +124,7 @@ def test_sync_client_sees_the_marker(redis_url):
 async def _enqueue_once(url: str, req: GenerationRequest) -> bytes:
     r = aioredis.Redis.from_url(url)
     try:
-        return await pod_streams.enqueue(r, f"idem-{uuid.uuid4().hex[:8]}", req, 1000)
+        return await admission.enqueue(r, f"idem-{uuid.uuid4().hex[:8]}", req, 1000)
     finally:
         await r.aclose()
 
@@ -145,7 +145,7 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
         assert await rm.check() == 0  # the first look only learns the run_id
         reqs = [GenerationRequest(f"req-{i}-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4) for i in range(3)]
         for q, pod in zip(reqs, (None, "prefill-x", None)):
-            await pod_streams.enqueue(r, pool, q, 1000, pod=pod)
+            await admission.enqueue(r, pool, q, 1000, pod=pod)
             rm.add(q, pod, False)
         rm.discard(reqs[2].request_id)  # its relay ended
         proc.stop()
@@ -175,7 +175,7 @@ async def test_readmission_does_not_wait_a_round_for_the_connections_of_before()
     try:
         await rm.check()
         req = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
-        await pod_streams.enqueue(r, pool, req, 1000)
+        await admission.enqueue(r, pool, req, 1000)
         rm.add(req, None, False)
         await asyncio.gather(*[r.ping() for _ in range(4)])  # four idle connections in the pool
         proc.stop()

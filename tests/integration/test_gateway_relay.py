@@ -2,7 +2,7 @@
 
 The worker (a thread with its own event loop) does what prefill + decode do on the wire: it
 claims admission entries through the `prefill` group and writes the request's tokens with
-`streams.add_tokens` on pipelines: index 0 alone, then steps of three, re-publishing one index
+`token_stream.add_tokens` on pipelines: index 0 alone, then steps of three, re-publishing one index
 (a duplicate the gateway must drop) and finishing with EOS ("stop") or at max_tokens ("length").
 It honours the cancel key like a real worker. The gateway is served by uvicorn in a thread.
 """
@@ -30,7 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tandem.redis_proc import free_port
-from tandem_core import keys, registry, streams
+from tandem_core import keys
+from tandem_core.bus import admission, groups, registry, token_stream
 from tandem_core.models import BYTE_EOS
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest
@@ -49,7 +50,7 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
     rid = req.request_id
     if prompt.startswith("fail"):
         pipe = r.pipeline(transaction=False)
-        streams.add_tokens(pipe, rid, 0, [], "error", 60, 1000, error="engine exploded")
+        token_stream.add_tokens(pipe, rid, 0, [], "error", 60, 1000, error="engine exploded")
         await pipe.execute()
         return
     toks = OUT_IDS + ([] if req.ignore_eos else [BYTE_EOS])
@@ -62,14 +63,14 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
     for n, step in enumerate(steps):
         if await r.exists(keys.cancel_key(rid)):
             pipe = r.pipeline(transaction=False)
-            streams.add_tokens(pipe, rid, sent, [], "cancelled", 60, 1000)
+            token_stream.add_tokens(pipe, rid, sent, [], "cancelled", 60, 1000)
             await pipe.execute()
             return
         pipe = r.pipeline(transaction=False)
         last = n == len(steps) - 1
-        streams.add_tokens(pipe, rid, sent, step, finish if last else None, 60, 1000)
+        token_stream.add_tokens(pipe, rid, sent, step, finish if last else None, 60, 1000)
         if sent < DUP_AFTER <= sent + len(step) and not last:
-            streams.add_tokens(pipe, rid, 3, [ord("X")], None, 60, 1000)  # duplicate index 3
+            token_stream.add_tokens(pipe, rid, 3, [ord("X")], None, 60, 1000)  # duplicate index 3
         await pipe.execute()
         sent += len(step)
         await asyncio.sleep(delay)
@@ -77,16 +78,16 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
 
 async def _worker_loop(redis_url: str, pool: str, stop: threading.Event) -> None:
     r = aioredis.Redis.from_url(redis_url)
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     await registry.heartbeat(r, registry.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 30)
     adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     tasks: set[asyncio.Task] = set()
     while not stop.is_set():
-        for c in await streams.claim(r, adm, keys.PREFILL_GROUP, "fake-1", count=8, block_ms=100):
+        for c in await groups.claim(r, adm, keys.PREFILL_GROUP, "fake-1", count=8, block_ms=100):
             t = asyncio.create_task(_serve_one(r, GenerationRequest.from_json(c.fields["req"])))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
-            await streams.ack(r, c.stream, keys.PREFILL_GROUP, c.entry_id)
+            await groups.ack(r, c.stream, keys.PREFILL_GROUP, c.entry_id)
     for t in list(tasks):
         t.cancel()
     await registry.deregister(r, "fake-prefill")
@@ -291,7 +292,7 @@ def test_backlog_over_bound_is_429(gateway_factory, redis_url):
         r = aioredis.Redis.from_url(redis_url)
         for i in range(3):
             req = GenerationRequest(request_id=f"filler-{uuid.uuid4().hex}", prompt_ids=[1], max_tokens=1)
-            await streams.enqueue_request(r, gw.app.state.gateway.settings.pool, req, maxlen=100)
+            await admission.enqueue_request(r, gw.app.state.gateway.settings.pool, req, maxlen=100)
         await r.aclose()
 
     asyncio.run(fill())

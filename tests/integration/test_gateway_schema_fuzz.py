@@ -24,7 +24,8 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import checks as st_checks  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 
-from tandem_core import keys, streams  # noqa: E402
+from tandem_core import keys  # noqa: E402
+from tandem_core.bus import groups, token_stream
 from tandem_core.models import BYTE_EOS  # noqa: E402
 from tandem_core.types import GenerationRequest, choice_ids  # noqa: E402
 from tests.integration.test_gateway_relay import Gateway, _settings  # noqa: E402
@@ -47,18 +48,18 @@ async def _answer_all(redis_url: str, pool: str, stop: threading.Event) -> None:
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
-        got = await streams.claim(r, adm, keys.PREFILL_GROUP, "st", count=32, block_ms=None)
-        got += await streams.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, "st", count=32, block_ms=50)
+        got = await groups.claim(r, adm, keys.PREFILL_GROUP, "st", count=32, block_ms=None)
+        got += await groups.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, "st", count=32, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             pipe = r.pipeline(transaction=False)
             for rid in {req.request_id, *choice_ids(req.request_id, req.n)}:
-                streams.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
+                token_stream.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
             await pipe.execute()
-            await streams.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
+            await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
     await r.aclose()
 
 

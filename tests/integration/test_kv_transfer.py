@@ -10,7 +10,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
 from tandem_core import grpc_util, kvcodec
 from tandem_core.errors import KVTransferFailed
-from tandem_core.streams import ReadyNotice
+from tandem_core.bus.ready import ReadyNotice
 from tandem_core.types import GenerationRequest, KVPayload
 from tandem_proto import kv_pb2, kv_pb2_grpc
 

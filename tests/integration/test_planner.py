@@ -17,7 +17,8 @@ from planner.app import create_app
 from planner.kube import RecordingApi
 from planner.service import PlannerService, build_connector
 from planner.settings import KubernetesConfig, PlannerSettings, RoleBounds, SLOConfig
-from tandem_core import keys, load_report, registry
+from tandem_core import keys, load_report
+from tandem_core.bus import registry
 from tandem_core.settings import RedisConfig
 from tests.integration.test_gateway_relay import gateway_with_worker
 from tests.unit.clock import Clock

@@ -10,7 +10,8 @@ import pytest
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, registry, streams
+from tandem_core import keys
+from tandem_core.bus import admission, groups, registry
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 from tandem_engine import load_engine
@@ -52,7 +53,7 @@ async def running(worker: PrefillWorker):
 
 async def test_own_stream_and_a_dead_pods_stream_are_served(redis_url, redis_client, engine):
     r, pool = redis_client, "podstreams"
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     worker = worker_for(redis_url, r, engine, pool, "prefill-live")
     stop, task = await running(worker)
     try:
@@ -60,10 +61,10 @@ async def test_own_stream_and_a_dead_pods_stream_are_served(redis_url, redis_cli
         await route_to(r, pool, "prefill-gone", GenerationRequest("orphan", [5, 6, 8], 4, priority="high"))
         await first_tokens(r, ["mine", "orphan"])
         for _ in range(100):  # the dead pod's streams and set entry go once empty
-            if await streams.pod_stream_owners(r, pool) == ["prefill-live"]:
+            if await admission.pod_stream_owners(r, pool) == ["prefill-live"]:
                 break
             await asyncio.sleep(0.05)
-        assert await streams.pod_stream_owners(r, pool) == ["prefill-live"]
+        assert await admission.pod_stream_owners(r, pool) == ["prefill-live"]
         assert not await r.exists(keys.pod_admission_stream(pool, "high", "prefill-gone", 0))
         assert await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-live", 0)) == 0  # acked = deleted
     finally:
@@ -73,14 +74,14 @@ async def test_own_stream_and_a_dead_pods_stream_are_served(redis_url, redis_cli
 
 async def test_a_draining_pods_prompts_are_taken_and_it_is_not_forgotten(redis_url, redis_client, engine):
     r, pool = redis_client, "podstreams-drain"
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     await registry.heartbeat(r, registry.WorkerInfo("prefill", "prefill-draining", 1, "x", draining=True), 30)
     await route_to(r, pool, "prefill-draining", GenerationRequest("queued-there", [9, 9, 9], 4))
     worker = worker_for(redis_url, r, engine, pool, "prefill-other")
     stop, task = await running(worker)
     try:
         await first_tokens(r, ["queued-there"])
-        assert "prefill-draining" in await streams.pod_stream_owners(r, pool)
+        assert "prefill-draining" in await admission.pod_stream_owners(r, pool)
     finally:
         stop.set()
         await task
@@ -89,16 +90,16 @@ async def test_a_draining_pods_prompts_are_taken_and_it_is_not_forgotten(redis_u
 async def test_forget_refuses_while_a_stream_has_entries(redis_client):
     r, pool = redis_client, "podstreams-forget"
     await route_to(r, pool, "prefill-x", GenerationRequest("waiting", [1, 2], 1))
-    assert not await streams.forget_pod_streams(r, pool, "prefill-x")
-    assert await streams.pod_stream_owners(r, pool) == ["prefill-x"]
+    assert not await admission.forget_pod_streams(r, pool, "prefill-x")
+    assert await admission.pod_stream_owners(r, pool) == ["prefill-x"]
     await r.delete(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
-    assert await streams.forget_pod_streams(r, pool, "prefill-x")
-    assert await streams.pod_stream_owners(r, pool) == []
+    assert await admission.forget_pod_streams(r, pool, "prefill-x")
+    assert await admission.pod_stream_owners(r, pool) == []
 
 
 async def test_the_pods_cache_hits_on_a_shared_prefix(redis_url, redis_client, engine):
     r, pool = redis_client, "podstreams-cache"
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     cache = cache_for(engine, 16, 1 << 24)
     worker = worker_for(redis_url, r, engine, pool, "prefill-cache", cache)
     stop, task = await running(worker)

@@ -13,7 +13,8 @@ import pytest
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, registry, streams
+from tandem_core import keys
+from tandem_core.bus import admission, groups, reclaim, registry, token_stream
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest, choice_ids
 from tandem_engine import load_engine
@@ -33,13 +34,13 @@ def worker_for(redis_url, r, engine, pool: str, wid: str) -> PrefillWorker:
 
 
 async def admit(r, pool: str, req: GenerationRequest) -> str:
-    await streams.ensure_groups(r, pool)
-    await streams.enqueue_request(r, pool, req, 1000)
+    await groups.ensure_groups(r, pool)
+    await admission.enqueue_request(r, pool, req, 1000)
     return keys.admission_stream(pool, req.priority, keys.request_shard(req.request_id))
 
 
 async def token_indices(r, rid: str) -> list[int]:
-    return [streams.token_event(eid, f).index for eid, f in await r.xrange(keys.token_stream(rid))]
+    return [token_stream.token_event(eid, f).index for eid, f in await r.xrange(keys.token_stream(rid))]
 
 
 async def ready_rids(r, pool: str) -> list[str]:
@@ -57,7 +58,7 @@ async def test_normal_publish_writes_token_zero_and_one_notice_per_choice_and_ac
     r, pool = any_redis, "fence-normal"
     stream = await admit(r, pool, GenerationRequest("two", PROMPT, 8, n=2))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
-    (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
+    (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
     await a._handle(c)
     for rid in choice_ids("two", 2):
         assert await token_indices(r, rid) == [0]
@@ -73,7 +74,7 @@ async def test_a_woken_pod_publishes_nothing_once_its_entry_was_reclaimed(redis_
     stream = await admit(r, pool, GenerationRequest("once", PROMPT, 8, n=2))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     b = worker_for(redis_url, r, engine, pool, "prefill-b")
-    (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
+    (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
     await asyncio.sleep(1.1)  # a reclaim takes entries idle for a second
     await registry.heartbeat(r, registry.WorkerInfo("prefill", b.worker_id, 1, b.address), 30)
     await b._reclaim_pending(stream, False)
@@ -96,8 +97,8 @@ async def test_a_woken_pod_does_not_ack_the_entry_away_from_its_new_owner(redis_
     stream = await admit(r, pool, GenerationRequest("mid", PROMPT, 8))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     b = worker_for(redis_url, r, engine, pool, "prefill-b")
-    (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
-    (taken,) = await streams.claim_ids(r, stream, keys.PREFILL_GROUP, b.worker_id, [c.entry_id], 0)
+    (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
+    (taken,) = await reclaim.claim_ids(r, stream, keys.PREFILL_GROUP, b.worker_id, [c.entry_id], 0)
 
     await a._handle(c)
     assert await token_indices(r, "mid") == [] and await ready_rids(r, pool) == []
@@ -115,8 +116,8 @@ async def test_an_error_finish_is_fenced_too(redis_url, any_redis, engine):
     r, pool = any_redis, "fence-error"
     stream = await admit(r, pool, GenerationRequest("bad", list(range(2, 90)), 8))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
-    (c,) = await streams.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
-    await streams.claim_ids(r, stream, keys.PREFILL_GROUP, "prefill-b", [c.entry_id], 0)
+    (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
+    await reclaim.claim_ids(r, stream, keys.PREFILL_GROUP, "prefill-b", [c.entry_id], 0)
     await a._handle(c)
     assert await token_indices(r, "bad") == []
     assert await owner(r, stream) == ["prefill-b"]
@@ -126,7 +127,7 @@ async def test_a_forgotten_pod_stream_gets_its_group_back(redis_url, any_redis, 
     """While a pod was taken for dead, a peer drained and deleted its per-pod stream; a routed
     XADD then re-created the stream without the consumer group. The pod serves it anyway."""
     r, pool = any_redis, "fence-nogroup"
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     stop = asyncio.Event()
     task = asyncio.create_task(a.run(stop))

@@ -9,7 +9,8 @@ import pytest
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, streams
+from tandem_core import keys
+from tandem_core.bus import admission, groups
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 from tandem_engine import load_engine
@@ -22,12 +23,12 @@ def engine():
 
 async def test_high_first_low_not_starved(redis_url, redis_client, engine):
     r, pool = redis_client, "prio"
-    await streams.ensure_groups(r, pool)
+    await groups.ensure_groups(r, pool)
     n = 24
     for i in range(n):  # low priority queued first, then a flood of high
-        await streams.enqueue_request(r, pool, GenerationRequest(f"low-{i}", [256, 1, 2], 1, priority="normal"), 1000)
+        await admission.enqueue_request(r, pool, GenerationRequest(f"low-{i}", [256, 1, 2], 1, priority="normal"), 1000)
     for i in range(n):
-        await streams.enqueue_request(r, pool, GenerationRequest(f"high-{i}", [256, 1, 2], 1, priority="high"), 1000)
+        await admission.enqueue_request(r, pool, GenerationRequest(f"high-{i}", [256, 1, 2], 1, priority="high"), 1000)
     s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
                         max_batch=2, priority_high_weight=3)
     worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-test")
@@ -57,8 +58,8 @@ async def test_high_first_low_not_starved(redis_url, redis_client, engine):
 
 async def test_unpulled_kv_is_freed_at_lease_end_with_a_clear_error(redis_url, redis_client, engine):
     r, pool = redis_client, "lease"
-    await streams.ensure_groups(r, pool)
-    await streams.enqueue_request(r, pool, GenerationRequest("orphan", [256, 1, 2, 3], 8), 1000)
+    await groups.ensure_groups(r, pool)
+    await admission.enqueue_request(r, pool, GenerationRequest("orphan", [256, 1, 2, 3], 8), 1000)
     s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
                         kv_lease_s=0.5)
     store = KVStore(1 << 30, s.kv_lease_s)

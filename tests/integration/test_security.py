@@ -17,10 +17,11 @@ from decode_svc.puller import KVPuller
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
 from tandem.redis_proc import RedisProcess
-from tandem_core import grpc_util, streams
+from tandem_core import grpc_util
+from tandem_core.bus import conn, groups
 from tandem_core.errors import KVTransferFailed
 from tandem_core.settings import GrpcConfig, RedisConfig
-from tandem_core.streams import ReadyNotice
+from tandem_core.bus.ready import ReadyNotice
 from tandem_core.types import GenerationRequest, KVPayload
 from tandem_proto import kv_pb2_grpc
 
@@ -96,12 +97,12 @@ async def test_redis_password_required_and_used():
     proc = RedisProcess(password="s3cret-pw").start()
     try:
         url = f"redis://127.0.0.1:{proc.port}/0"
-        ok = streams.connect(RedisConfig(url=url, password="s3cret-pw"))
-        await streams.ensure_groups(ok, "sec")
+        ok = conn.connect(RedisConfig(url=url, password="s3cret-pw"))
+        await groups.ensure_groups(ok, "sec")
         assert await ok.ping()
         await ok.aclose()
         for pw in (None, "wrong"):
-            bad = streams.connect(RedisConfig(url=url, password=pw))
+            bad = conn.connect(RedisConfig(url=url, password=pw))
             with pytest.raises(Exception, match="(?i)auth|password|NOAUTH"):
                 await bad.ping()
             await bad.aclose()

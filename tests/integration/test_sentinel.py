@@ -1,5 +1,5 @@
 """Failover of one Redis shard under Sentinel, with real processes on loopback (a primary, a
-replica, three sentinels; tandem.redis_proc.SentinelGroup): the client `streams.connect` builds
+replica, three sentinels; tandem.redis_proc.SentinelGroup): the client `conn.connect` builds
 from `redis.sentinel` settings follows the sentinels to the promoted replica after the primary is
 SIGKILLed, a demoted primary's READONLY is ridden through like a restart (plain commands and Lua
 scripts alike), and settings that name the wrong kind of server fail at start, saying which.
@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tandem.redis_proc import SentinelGroup, free_port
-from tandem_core import streams
+from tandem_core.bus import conn, groups
 from tandem_core.settings import RedisConfig, SentinelConfig
 
 def sentinel_cfg(group: SentinelGroup, **kw) -> RedisConfig:
@@ -41,9 +41,9 @@ def shared_group():
 
 
 async def test_client_follows_the_sentinels_to_the_promoted_replica(group):
-    r = streams.connect(sentinel_cfg(group))
+    r = conn.connect(sentinel_cfg(group))
     try:
-        await streams.ensure_group(r, "s", "g")
+        await groups.ensure_group(r, "s", "g")
         await r.xadd("s", {"i": 0})
         await r.set("before", "1")
         assert await r.execute_command("WAIT", 1, 2000) == 1  # on the replica too, before the kill
@@ -51,7 +51,7 @@ async def test_client_follows_the_sentinels_to_the_promoted_replica(group):
         old = group.kill_primary()
         struck = time.monotonic()
         # The services' own retry: ConnectionError / MasterNotFoundError until a replica is promoted.
-        await streams.retry_redis(lambda: r.set("after", "1"), "write after failover", timeout_s=30)
+        await conn.retry_redis(lambda: r.set("after", "1"), "write after failover", timeout_s=30)
         recovered_s = time.monotonic() - struck
         new = group.master_port()
         assert new is not None and new != old and new == group.replicas[0].port
@@ -68,7 +68,7 @@ async def test_manual_failover_is_ridden_through(group):
     """SENTINEL FAILOVER demotes a live primary while the client holds connections to it (the
     sentinels reconfigure it as a replica and kill its clients): writes, plain and from a Lua
     script, go on on the new primary after the services' retry."""
-    r = streams.connect(sentinel_cfg(group))
+    r = conn.connect(sentinel_cfg(group))
     script = "redis.call('XADD', KEYS[1], '*', 'v', ARGV[1]) return 1"
     try:
         await r.set("k", "0")
@@ -80,8 +80,8 @@ async def test_manual_failover_is_ridden_through(group):
         while _role(old) != "slave" and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert _role(old) == "slave"  # still up, now a replica of the new primary
-        await streams.retry_redis(lambda: r.eval(script, 1, "scripted", "x"), "script after failover", timeout_s=30)
-        await streams.retry_redis(lambda: r.set("k", "1"), "write after failover", timeout_s=30)
+        await conn.retry_redis(lambda: r.eval(script, 1, "scripted", "x"), "script after failover", timeout_s=30)
+        await conn.retry_redis(lambda: r.set("k", "1"), "write after failover", timeout_s=30)
         with redis.Redis(host="127.0.0.1", port=new) as direct:
             assert direct.get("k") == b"1" and direct.xlen("scripted") >= 1
     finally:
@@ -93,22 +93,22 @@ async def test_a_connection_left_on_a_demoted_primary_reads_as_redis_down(group)
     the old primary, now a read-only replica. Plain writes (redis-py) and script writes (ours:
     Redis 6.2 wraps the READONLY in an ERR) both raise a REDIS_DOWN error and drop the connection,
     so the retry reconnects through the sentinels instead of failing the request."""
-    r = streams.connect(sentinel_cfg(group))
+    r = conn.connect(sentinel_cfg(group))
     replica = group.replicas[0].port
     try:
         await r.ping()
         for cmd in (("SET", "k", "1"), ("EVAL", "return redis.call('SET', KEYS[1], '1')", 1, "k")):
-            conn = await r.connection_pool.get_connection()
+            c = await r.connection_pool.get_connection()
             try:
-                await conn.disconnect()
-                await conn.connect_to(("127.0.0.1", replica))  # as if its primary had been demoted
-                await conn.send_command(*cmd)
-                with pytest.raises(streams.REDIS_DOWN) as err:
-                    await conn.read_response()
+                await c.disconnect()
+                await c.connect_to(("127.0.0.1", replica))  # as if its primary had been demoted
+                await c.send_command(*cmd)
+                with pytest.raises(conn.REDIS_DOWN) as err:
+                    await c.read_response()
                 assert "READONLY" in str(err.value) or "now a slave" in str(err.value), err.value
-                assert not conn.is_connected
+                assert not c.is_connected
             finally:
-                await r.connection_pool.release(conn)
+                await r.connection_pool.release(c)
         assert await r.set("k", "2") and await r.get("k") == b"2"  # back on the primary
     finally:
         await r.aclose()
@@ -121,20 +121,20 @@ def _role(port: int) -> str | None:
 
 async def test_a_plain_url_pointing_at_a_sentinel_fails_at_start(shared_group):
     port = shared_group.hosts[0].rpartition(":")[2]
-    with pytest.raises(streams.RedisConfigError, match="is a Redis Sentinel, not a Redis server.*SENTINEL__HOSTS"):
-        streams.connect(RedisConfig(url=f"redis://127.0.0.1:{port}/0"))
+    with pytest.raises(conn.RedisConfigError, match="is a Redis Sentinel, not a Redis server.*SENTINEL__HOSTS"):
+        conn.connect(RedisConfig(url=f"redis://127.0.0.1:{port}/0"))
 
 
 async def test_an_unknown_master_name_fails_at_start(shared_group):
     cfg = RedisConfig(sentinel=SentinelConfig(hosts=shared_group.hosts, master_name="nope"))
-    with pytest.raises(streams.RedisConfigError, match=r"master_name 'nope' is unknown.*monitors \['tandem'\]"):
-        streams.connect(cfg)
+    with pytest.raises(conn.RedisConfigError, match=r"master_name 'nope' is unknown.*monitors \['tandem'\]"):
+        conn.connect(cfg)
 
 
 async def test_a_sentinel_address_that_is_a_plain_redis_fails_at_start(shared_group):
     cfg = RedisConfig(sentinel=SentinelConfig(hosts=[f"127.0.0.1:{shared_group.primary.port}"]))
-    with pytest.raises(streams.RedisConfigError, match="is not a Redis Sentinel"):
-        streams.connect(cfg)
+    with pytest.raises(conn.RedisConfigError, match="is not a Redis Sentinel"):
+        conn.connect(cfg)
 
 
 async def test_sentinels_that_want_a_password_fail_at_start_without_auth(shared_group):
@@ -142,26 +142,26 @@ async def test_sentinels_that_want_a_password_fail_at_start_without_auth(shared_
     without `requirepass` accepts any AUTH, so only this direction can be caught.)"""
     locked = shared_group.add_sentinel("requirepass s3cret\n")
     cfg = RedisConfig(password="s3cret", sentinel=SentinelConfig(hosts=[f"127.0.0.1:{locked.port}"]))
-    with pytest.raises(streams.RedisConfigError, match="refused authentication.*auth=False"):
-        streams.connect(cfg)
-    ok = streams.connect(cfg.model_copy(update={"sentinel": SentinelConfig(hosts=cfg.sentinel.hosts, auth=True)}))
+    with pytest.raises(conn.RedisConfigError, match="refused authentication.*auth=False"):
+        conn.connect(cfg)
+    ok = conn.connect(cfg.model_copy(update={"sentinel": SentinelConfig(hosts=cfg.sentinel.hosts, auth=True)}))
     await ok.aclose()  # with auth the probe passes (this sentinel also monitors `tandem`)
 
 
 async def test_unreachable_sentinels_are_redis_down_not_a_config_error():
     """Nothing answers yet (a rollout, a restart): the client is built and its commands raise
     what services wait through."""
-    r = streams.connect(RedisConfig(sentinel=SentinelConfig(hosts=[f"127.0.0.1:{free_port()}"]),
+    r = conn.connect(RedisConfig(sentinel=SentinelConfig(hosts=[f"127.0.0.1:{free_port()}"]),
                                     connect_timeout_s=0.5, socket_timeout_s=0.5))
     try:
-        with pytest.raises(streams.REDIS_DOWN):
+        with pytest.raises(conn.REDIS_DOWN):
             await r.ping()
     finally:
         await r.aclose()
 
 
 async def test_a_plain_url_still_works(shared_group):
-    r = streams.connect(RedisConfig(url=f"redis://127.0.0.1:{shared_group.primary.port}/0"))
+    r = conn.connect(RedisConfig(url=f"redis://127.0.0.1:{shared_group.primary.port}/0"))
     try:
         assert await r.ping()
     finally:

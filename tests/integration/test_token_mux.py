@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from gateway.tokens import TokenMux
-from tandem_core import keys, streams, token_writes
+from tandem_core import keys
+from tandem_core.bus import token_stream
 from tandem_core.types import GenerationRequest, TokenLogprobs
 
 N_STREAMS = 24
@@ -18,12 +19,12 @@ N_TOKENS = 40
 
 async def _write(r, rid: str, start: int, n: int, finish: str | None = None) -> None:
     pipe = r.pipeline(transaction=False)
-    streams.add_tokens(pipe, rid, start, list(range(100 + start, 100 + start + n)), finish, 60, 1000)
+    token_stream.add_tokens(pipe, rid, start, list(range(100 + start, 100 + start + n)), finish, 60, 1000)
     await pipe.execute()
 
 
-async def _drain(sub, want: int, timeout_s: float = 20.0) -> list[streams.TokenEvent]:
-    got: list[streams.TokenEvent] = []
+async def _drain(sub, want: int, timeout_s: float = 20.0) -> list[token_stream.TokenEvent]:
+    got: list[token_stream.TokenEvent] = []
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     while len(got) < want and loop.time() < end:
@@ -97,7 +98,7 @@ async def test_slow_subscriber_is_bounded_and_resumes(any_redis):
 async def test_reads_what_the_fenced_decode_script_writes(any_redis):
     """The decode pod's batched fenced write and the gateway's reader agree on the entry format;
     a request not owned by the writer is fenced off (nothing written for it)."""
-    pub = token_writes.OwnedPublisher(any_redis, "mux-decode", ttl_s=60, maxlen=1000)
+    pub = token_stream.OwnedPublisher(any_redis, "mux-decode", ttl_s=60, maxlen=1000)
     await pub.load()
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
     pipe = any_redis.pipeline(transaction=False)
@@ -142,7 +143,7 @@ async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the
     """Not on every token (a third of a token's commands), but on index 0 (a decode pod that
     prefilled the prompt writes the stream first), every 16th, and with the finish."""
     r = any_redis
-    pub = token_writes.OwnedPublisher(r, "ttl-decode", ttl_s=600, maxlen=1000, finished_ttl_s=60)
+    pub = token_stream.OwnedPublisher(r, "ttl-decode", ttl_s=600, maxlen=1000, finished_ttl_s=60)
     await pub.load()
     await pub.own(GenerationRequest(request_id="ttl-req", prompt_ids=[1], max_tokens=40))
     stream = keys.token_stream("ttl-req")
@@ -155,10 +156,10 @@ async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the
     await write(0)
     assert 590 < await r.ttl(stream) <= 600
     await r.persist(stream)
-    for i in range(1, token_writes.EXPIRE_EVERY):
+    for i in range(1, token_stream.EXPIRE_EVERY):
         await write(i)
     assert await r.ttl(stream) == -1  # no refresh in between
-    await write(token_writes.EXPIRE_EVERY)
+    await write(token_stream.EXPIRE_EVERY)
     assert 590 < await r.ttl(stream) <= 600
-    await write(token_writes.EXPIRE_EVERY + 1, "length")
+    await write(token_stream.EXPIRE_EVERY + 1, "length")
     assert 50 < await r.ttl(stream) <= 60

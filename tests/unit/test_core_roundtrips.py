@@ -6,7 +6,7 @@ import pytest
 
 from tandem_core import keys, kvcodec
 from tandem_core.models import resolve_model
-from tandem_core.streams import ReadyNotice
+from tandem_core.bus.ready import ReadyNotice
 from tandem_core.tokenizer import ByteTokenizer, Detokenizer
 from tandem_core.types import GenerationRequest, KVPayload, SamplingParams
 

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tandem_core import keys, streams
+from tandem_core import keys
+from tandem_core.bus import groups, token_stream
 from tandem_core.models import BYTE_EOS
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest, choice_ids
@@ -33,18 +34,18 @@ async def _answer_all(redis_url: str, stop: threading.Event) -> None:
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
-    await streams.ensure_groups(r, POOL)
+    await groups.ensure_groups(r, POOL)
     adm = [keys.admission_stream(POOL, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
-        got = await streams.claim(r, adm, keys.PREFILL_GROUP, "fuzz", count=32, block_ms=None)
-        got += await streams.claim(r, [keys.direct_stream(POOL, 0)], keys.DECODE_GROUP, "fuzz", count=32, block_ms=50)
+        got = await groups.claim(r, adm, keys.PREFILL_GROUP, "fuzz", count=32, block_ms=None)
+        got += await groups.claim(r, [keys.direct_stream(POOL, 0)], keys.DECODE_GROUP, "fuzz", count=32, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             pipe = r.pipeline(transaction=False)
             for rid in {req.request_id, *choice_ids(req.request_id, req.n)}:  # n > 1: every choice's stream
-                streams.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
+                token_stream.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
             await pipe.execute()
-            await streams.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
+            await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
     await r.aclose()
 
 

@@ -1,9 +1,15 @@
-"""The gateway's side of the per-pod admission streams (cache-aware routing, gateway/prefix_route.py).
+"""The admission streams: the only writer (`enqueue`, the gateway's) and the backlog readers.
+
+Streams (keys.py): per pool, priority and shard, a shared admission stream; per prefill pod a
+per-pod stream of the same shape (cache-aware routing, gateway/prefix_route.py), whose owners are
+listed in `keys.pod_streams_set`; and a direct stream (decode pods prefill those themselves).
+Prefill pods read them through `bus.groups.claim`.
 
 A prompt routed to prefill pod P goes to `keys.pod_admission_stream(pool, priority, P)` instead of
 the shared admission stream, and P's id joins the set `keys.pod_streams_set(pool)`. Both writes are
 one script (`enqueue`): a prefill pod reclaiming a dead P removes it from the set only when its
-streams are empty (atomically), so an entry can never land in a stream nobody will look for.
+streams are empty (atomically, `forget_pod_streams`), so an entry can never land in a stream nobody
+will look for.
 
 What the pods MUST do for this to hold (prefill_svc): read their own per-pod stream before the
 shared stream of the same priority, with consumer group `prefill` created at id 0 (the gateway
@@ -24,8 +30,64 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, streams
+from tandem_core import keys
+from tandem_core.bus.groups import ring
 from tandem_core.types import GenerationRequest
+
+
+async def enqueue_request(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: int,
+                          direct: bool = False) -> bytes:
+    """XADD to the admission stream of the request's priority, or to the direct stream (decode
+    pods prefill those themselves)."""
+    shard = keys.request_shard(req.request_id)
+    stream = keys.direct_stream(pool, shard) if direct else keys.admission_stream(pool, req.priority, shard)
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(stream, {"rid": req.request_id, "req": req.to_json()}, maxlen=maxlen, approximate=True)
+    ring(pipe, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
+    return (await pipe.execute())[0]
+
+
+async def admission_backlog(r: aioredis.Redis, pool: str) -> int:
+    """Admission entries not yet finished by a prefill, over all priorities.
+
+    Workers XDEL every entry they ack, so XLEN is exactly undelivered + delivered-but-unacked
+    (XINFO GROUPS' `lag` is unusable after deletions, and absent before Redis 7).
+    """
+    pipe = r.pipeline(transaction=False)
+    for shard in keys.all_shards():
+        for prio in keys.PRIORITIES:
+            pipe.xlen(keys.admission_stream(pool, prio, shard))
+        pipe.xlen(keys.direct_stream(pool, shard))
+    return int(sum(await pipe.execute()))
+
+
+async def pod_stream_owners(r: aioredis.Redis, pool: str) -> list[str]:
+    """Worker ids that may have per-pod admission streams in any shard (keys.pod_streams_set)."""
+    pipe = r.pipeline(transaction=False)
+    for shard in keys.all_shards():
+        pipe.smembers(keys.pod_streams_set(pool, shard))
+    return sorted({_s(x) for members in await pipe.execute() for x in members})
+
+
+_FORGET_POD = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('XLEN', KEYS[i]) > 0 then return 0 end
+end
+for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('SREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+async def forget_pod_streams(r: aioredis.Redis, pool: str, worker_id: str) -> bool:
+    """Delete a dead pod's per-pod admission streams and its set entry, shard by shard, only if
+    every one of the shard is empty (one script per shard: a routed XADD, which re-adds the set
+    entry with it, lands before or after). True when no shard has any left."""
+    gone = True
+    for shard in keys.all_shards():
+        names = [keys.pod_admission_stream(pool, p, worker_id, shard) for p in keys.PRIORITIES]
+        gone &= bool(await r.eval(_FORGET_POD, 1 + len(names), keys.pod_streams_set(pool, shard), *names, worker_id))
+    return gone
 
 
 @dataclass(frozen=True)
@@ -98,7 +160,7 @@ class BacklogReader:
 
 
 async def total_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> int:
-    """`streams.admission_backlog` plus the per-pod streams."""
+    """Every admission entry waiting: the shared, direct and per-pod streams."""
     return (await read_backlog(r, pool, known_pods)).total
 
 
@@ -133,7 +195,7 @@ async def enqueue(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: 
                        req.request_id, req.to_json(), maxlen, MARKER_TTL_S, *args)
     if keys.shard_count() > 1:  # wake the idle readers (another slot: after the script)
         pipe = r.pipeline(transaction=False)
-        streams.ring(pipe, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
+        ring(pipe, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
         await pipe.execute()
     return got if isinstance(got, bytes) else str(got).encode()
 

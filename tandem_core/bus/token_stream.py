@@ -1,15 +1,83 @@
-"""Fenced token writes: a decode pod's tokens reach a request's token stream only while the pod
-still owns the request (its field in the pod's running hash of the request's shard, see
-`keys.running_key`), so a pod that wakes up after being replaced cannot double-deliver. One script
-call per shard writes a whole step's tokens of that shard (all of them in one pipelined round
-trip, whatever the batch): a script may touch only keys of one slot on a Redis Cluster.
+"""Token streams: one per request (keys.token_stream), written by the pod that produces its
+tokens and read by the gateway relaying them (gateway/tokens.py). Every entry carries its index, so
+a reader drops duplicates and finds gaps; streams have a MAXLEN and expire.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from tandem_core import keys
-from tandem_core.types import GenerationRequest
+from tandem_core.types import GenerationRequest, TokenLogprobs
+
+
+@dataclass
+class TokenEvent:
+    index: int
+    token_id: int
+    finish_reason: str | None = None
+    error: str | None = None
+    entry_id: bytes = b""
+    logprobs: TokenLogprobs | None = None  # field `l`, when the request asked for logprobs
+    prompt_logprobs: bytes | None = None  # field `p` of the index -1 entry (echo with logprobs)
+
+
+def add_tokens(
+    pipe,
+    request_id: str,
+    start_index: int,
+    token_ids: list[int],
+    finish_reason: str | None,
+    ttl_s: int,
+    maxlen: int,
+    error: str | None = None,
+    finished_ttl_s: int = 60,
+    logprobs: list[TokenLogprobs | None] | None = None,
+) -> None:
+    """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here).
+
+    Entry fields: `i` index, `t` token (-1: none), and when set `f` finish, `e` error, `l` the
+    token's logprobs (`TokenLogprobs.encode`). An error with no token is written as `t=-1`.
+    """
+    key = keys.token_stream(request_id)
+    ids = token_ids or [-1]
+    for n, tok in enumerate(ids):
+        fields: dict[str, str | int] = {"i": start_index + n, "t": tok}
+        lp = logprobs[n] if logprobs and n < len(logprobs) else None
+        if lp is not None:
+            fields["l"] = lp.encode()
+        if n == len(ids) - 1 and finish_reason:
+            fields["f"] = finish_reason
+            if error:
+                fields["e"] = error
+        pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
+    # A finished stream stays just long enough for a dropped client to resume and read its end.
+    pipe.expire(key, finished_ttl_s if finish_reason else ttl_s)
+
+
+def add_prompt_logprobs(pipe, request_id: str, encoded: str, ttl_s: int, maxlen: int) -> None:
+    """Queue the prompt's logprobs (echo) as the stream's index -1 entry, before token 0: readers
+    that know nothing of it drop it as a duplicate index, and resumes ignore it (no token)."""
+    key = keys.token_stream(request_id)
+    pipe.xadd(key, {"i": -1, "t": -1, "p": encoded}, maxlen=maxlen, approximate=True)
+    pipe.expire(key, ttl_s)
+
+
+def token_event(entry_id: bytes, f: dict) -> TokenEvent:
+    """One token stream entry (fields i, t and optionally f, e, l, p; see `add_tokens`)."""
+    fin, err, lp = f.get(b"f"), f.get(b"e"), f.get(b"l")
+    return TokenEvent(index=int(f[b"i"]), token_id=int(f[b"t"]), finish_reason=_s(fin) if fin is not None else None,
+                      error=_s(err) if err is not None else None, entry_id=entry_id,
+                      logprobs=TokenLogprobs.decode(lp) if lp is not None else None, prompt_logprobs=f.get(b"p"))
+
+
+# ---------------------------------------------------------------- fenced writes (decode pods)
+# Fenced token writes: a decode pod's tokens reach a request's token stream only while the pod
+# still owns the request (its field in the pod's running hash of the request's shard, see
+# `keys.running_key`), so a pod that wakes up after being replaced cannot double-deliver. One script
+# call per shard writes a whole step's tokens of that shard (all of them in one pipelined round
+# trip, whatever the batch): a script may touch only keys of one slot on a Redis Cluster.
 
 # A step's tokens in one call: each XADDed only while the writer still owns its request (its
 # field in the writer's running hash); a finishing token removes the field. The stream's TTL is
@@ -126,3 +194,7 @@ class OwnedPublisher:
         """(Re)load the fenced-write script into Redis (at start, and after a NOSCRIPT): every
         primary of a Redis Cluster."""
         await self.r.script_load(_PUBLISH_OWNED)
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)

@@ -1,7 +1,7 @@
 """Fenced commits of a consumer-group entry: a prefill pod's token 0, ready notice and ack of one
 admission entry reach Redis only while that entry is still pending to the pod, so a pod that
 wakes up after its work was reclaimed (SIGSTOP, a long GC or VM pause) publishes nothing twice.
-The decode pods' token writes are fenced the same way on their running hash (token_writes.py).
+The decode pods' token writes are fenced the same way on their running hash (bus/token_stream.py).
 
 Why the consumer group's pending list is the fence, and who can still write, in which order:
 - An admission entry is pending to exactly one consumer at a time. XREADGROUP `>` hands out only
@@ -21,7 +21,7 @@ Why the consumer group's pending list is the fence, and who can still write, in 
   committed finds it acked and writes nothing.
 
 What this module must not know: what the writes are. `EntryWrites` records the XADD/EXPIRE calls
-that `tandem_core.streams` helpers (`add_tokens`, `add_ready`, `add_prompt_logprobs`) queue on a
+that the `bus.token_stream` and `bus.ready` helpers (`add_tokens`, `add_ready`, `add_prompt_logprobs`) queue on a
 pipeline, so the fenced writes are exactly the ones the unfenced code writes. Every key touched is
 passed to the script in KEYS, as Redis Cluster requires (the keys must then share a slot, as the
 transaction this replaces required too).
@@ -65,7 +65,7 @@ return 1
 
 class EntryWrites:
     """The writes that go with one entry's ack, recorded in order. Duck-types the two pipeline
-    methods the `streams.add_*` helpers call, so they can queue here unchanged."""
+    methods the `add_*` helpers call, so they can queue here unchanged."""
 
     def __init__(self) -> None:
         self.keys: list[str] = []

@@ -1,0 +1,27 @@
+"""Cancellation: the gateway sets a request's cancel key (a client went away, a deadline passed);
+the pods working on it check for it (`cancelled`, many requests in one round trip)."""
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from tandem_core import keys, redis_client
+
+
+async def request_cancel(r: aioredis.Redis, request_id: str, ttl_s: int) -> None:
+    await r.set(keys.cancel_key(request_id), "1", ex=ttl_s)
+
+
+async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
+    """The requests of `request_ids` with a cancel key, in one round trip: one MGET, or on a
+    Redis Cluster (whose pipelines refuse MGET) one GET per request."""
+    if not request_ids:
+        return set()
+    names = [keys.cancel_key(x) for x in request_ids]
+    if redis_client.is_cluster(r):
+        pipe = r.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        vals = await pipe.execute()
+    else:
+        vals = await r.mget(names)
+    return {rid for rid, v in zip(request_ids, vals) if v is not None}

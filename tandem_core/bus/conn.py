@@ -1,0 +1,64 @@
+"""Connecting to Redis and telling an outage from an error (redis-py asyncio).
+
+`connect` is every service's client (it also sets the key shard count, which `check_shards` holds
+to the deployment's); `REDIS_DOWN` is what callers wait out and retry, and only that.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import MasterNotFoundError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tandem_core import keys, redis_client
+from tandem_core.redis_client import RedisConfigError
+from tandem_core.settings import RedisConfig
+
+
+# What a Redis restart, a network blip or a Sentinel failover raises: callers wait and retry
+# these, and only these. During a failover the Sentinel client raises MasterNotFoundError (a
+# ConnectionError: no sentinel reports a healthy primary yet), and a primary demoted to replica
+# answers writes with READONLY (the Sentinel client turns that into a ConnectionError and asks
+# the sentinels again; a plain client gets ReadOnlyError).
+# On a Redis Cluster, a failover or slot move raises redis_client.CLUSTER_DOWN until the client
+# has found the new owner of the slot.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, MasterNotFoundError, ReadOnlyError, ConnectionError, OSError,
+              *redis_client.CLUSTER_DOWN)
+
+
+async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
+    """Call `await fn()` until Redis answers (a restart takes seconds), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await fn()
+        except REDIS_DOWN as e:
+            if time.monotonic() > deadline:
+                raise
+            if log:
+                log.warning("redis unavailable during %s: %s; retrying", what, e)
+            await asyncio.sleep(0.5)
+
+
+def connect(cfg: RedisConfig) -> aioredis.Redis:
+    """The process's Redis client (tandem_core.redis_client.connect); also sets the key shard
+    count, which `check_shards` then holds to the deployment's."""
+    keys.configure(cfg.shard_count())
+    return redis_client.connect(cfg)
+
+
+async def check_shards(r: aioredis.Redis) -> None:
+    """Record this deployment's shard count in Redis (the first service to start does), and refuse
+    to start with another: a pod reading 8 shards would never see what a gateway writes to shard 12."""
+    mine = keys.shard_count()
+    await r.set(keys.SHARDS_KEY, mine, nx=True)
+    theirs = await r.get(keys.SHARDS_KEY)
+    if theirs is not None and int(theirs) != mine:
+        raise RedisConfigError(
+            f"this service uses {mine} key shards but the deployment's services use {int(theirs)} "
+            f"({keys.SHARDS_KEY} in Redis): set redis.shards (TANDEM_<SERVICE>_REDIS__SHARDS) to {int(theirs)} "
+            "everywhere, or drain the deployment and delete the key to change it")

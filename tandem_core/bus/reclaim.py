@@ -1,0 +1,62 @@
+"""Finding and taking over work nobody is doing: consumer-group entries pending to dead consumers
+(or lost deliveries of a live one), and a decode pod's running hashes (what it owned when it died).
+"""
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from tandem_core import keys
+from tandem_core.bus import registry
+from tandem_core.bus.groups import Claimed
+from tandem_core.types import GenerationRequest
+
+
+async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:
+    """A decode pod's running hashes, every shard."""
+    pipe = r.pipeline(transaction=False)
+    for shard in keys.all_shards():
+        pipe.hgetall(keys.running_key(worker_id, shard))
+    return {_s(k): GenerationRequest.from_json(v) for raw in await pipe.execute() for k, v in raw.items()}
+
+
+async def dead_consumer_entries(r: aioredis.Redis, stream: str, group: str, me: str,
+                                include_self: bool = False, limit: int = 100,
+                                stale_self_ms: int | None = None, busy: set[bytes] | None = None,
+                                others: bool = True) -> list[tuple[str, bytes]]:
+    """Pending entries (consumer, entry id) that nobody is working on: those of consumers with no
+    live registry entry, all of `me`'s with `include_self` (a restart under the same id), and with
+    `stale_self_ms` those of `me` idle that long and not in `busy` — a delivery whose reply was
+    lost (Redis restarted mid-read) stays pending for its live reader, which never saw it.
+    `others` False: only `me`'s (the caller cannot yet tell a dead peer from a silent one,
+    tandem_core.lifecycle.PeerJudge)."""
+    try:
+        summary = await r.xpending(stream, group)
+    except ResponseError:
+        return []
+    out: list[tuple[str, bytes]] = []
+    for c in summary.get("consumers") or []:
+        name = _s(c["name"])
+        idle = None
+        if name == me and not include_self:
+            if stale_self_ms is None:
+                continue
+            idle = stale_self_ms
+        elif name != me and (not others or await registry.worker_alive(r, name)):
+            continue
+        rows = await r.xpending_range(stream, group, min="-", max="+", count=limit, consumername=name, idle=idle)
+        out += [(name, row["message_id"]) for row in rows if not (busy and row["message_id"] in busy)]
+    return out[:limit]
+
+
+async def claim_ids(r: aioredis.Redis, stream: str, group: str, consumer: str, ids: list[bytes],
+                    min_idle_ms: int = 1000) -> list[Claimed]:
+    """XCLAIM specific pending entries for `consumer` (entries deleted meanwhile are skipped)."""
+    if not ids:
+        return []
+    resp = await r.xclaim(stream, group, consumer, min_idle_time=min_idle_ms, message_ids=ids)
+    return [Claimed(stream, eid, {_s(k): v for k, v in f.items()}) for eid, f in resp or [] if f]
+
+
+def _s(x) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
