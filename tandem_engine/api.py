@@ -1,0 +1,66 @@
+"""What the services may use of an engine: `ServingEngine`, a typed Protocol.
+
+The prefill and decode pods (and tandem_engine.prefix_cache) hold an engine only through this
+Protocol, so the surface a service depends on is written down in one place: anything a service
+calls that is not here is a test failure (tests/unit/test_engine_api.py reads the services' source
+for `engine.<name>`), and `Engine` is checked to provide every member. A second engine (another
+backend, a remote one) is a class with these members; nothing else in the services changes.
+
+The calling rules are `Engine`'s: one thread owns an engine and its DecodeState; states passed
+to insert/generate/free are donated and must not be used again.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
+    import jax
+    import numpy as np
+
+    from tandem_core.models import ModelInfo
+    from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
+    from tandem_engine.cores import DecodeState
+    from tandem_engine.engine import Prefix
+    from tandem_engine.model import ModelConfig
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """The slot API (prefill -> Prefix, insert into a slot, generate a step for every slot, free),
+    the KV's moves to and from the host, and the shapes a service sizes itself by."""
+
+    info: "ModelInfo"  # vocabulary, layers, heads: what a service sizes KV budgets and masks by
+    cfg: "ModelConfig"
+    slots: int
+    max_len: int  # prompt plus output, per slot
+    buckets: tuple[int, ...]  # prefill length buckets (compiled shapes)
+    batch_buckets: tuple[int, ...]  # decode step row buckets (compiled shapes)
+    dtype: str  # "float32" | "bfloat16": the KV's bytes per element
+
+    def prefill(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *,
+                choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
+                output_from: int | None = None, stop_ids: Sequence[int] = (),
+                masks: "np.ndarray | None" = None, cached=None) -> "Prefix": ...
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> "list[TokenLogprobs | None]": ...
+
+    def export_prefix(self, prefix: "Prefix") -> "KVPayload": ...
+
+    def import_prefix(self, payload: "KVPayload") -> "Prefix": ...
+
+    def init_state(self) -> "DecodeState": ...
+
+    def insert(self, prefix: "Prefix", state: "DecodeState", slot: int, sampling: "SamplingParams", *,
+               first_token: int | None = None, history: Sequence[int] | None = None,
+               output_from: int | None = None, start_index: int = 0,
+               stop_ids: Sequence[int] = ()) -> "DecodeState": ...
+
+    def generate(self, state: "DecodeState", rows: int | None = None, *, logprobs: bool = False,
+                 masks: "np.ndarray | None" = None) -> "tuple[DecodeState, jax.Array]": ...
+
+    def free(self, state: "DecodeState", slot: int) -> "DecodeState": ...
+
+    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
+               prefix: bool = False) -> None: ...
+
+    def warmup_prefix(self) -> None: ...
