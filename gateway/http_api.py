@@ -153,9 +153,9 @@ async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: 
     else:
         await svc.submit(prep, fresh_id=not chosen_id, api_key=key)
     if body.stream:
-        return StreamingResponse(sse_events(svc, prep), media_type="text/event-stream",
+        return StreamingResponse(sse_events(svc.stream(prep), prep, svc.token_text), media_type="text/event-stream",
                                  headers={**_SSE_HEADERS, "X-Request-Id": rid})
-    collected = await collect_unless_disconnected(request, svc, prep)
+    collected = await collect_unless_disconnected(request, svc.stream(prep), prep, svc.token_text)
     if collected is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(collected, headers={"X-Request-Id": rid})
@@ -183,7 +183,7 @@ async def resume_stream(
     if not _REQUEST_ID.match(request_id):
         raise RequestNotFound(f"request id {request_id[:64]!r} is not a valid request id", param="request_id")
     prep = await svc.reattach(request_id, key)
-    return StreamingResponse(sse_events(svc, prep, start), media_type="text/event-stream",
+    return StreamingResponse(sse_events(svc.stream(prep), prep, svc.token_text, start), media_type="text/event-stream",
                              headers={**_SSE_HEADERS, "X-Request-Id": request_id})
 
 

@@ -10,36 +10,35 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from gateway import choices, resume
+from gateway.auth import ANONYMOUS, Auth
 from gateway.chat import ChatTemplate
+from gateway.cluster_view import ClusterReport, ClusterView
 from gateway.hold import RedisHold
 from gateway.limits import KeyLimiter
 from gateway.logprobs import TokenText
-from gateway.metrics import GatewayMetrics, cluster_load, prefix_cache_summary
-from gateway.prefix_route import PrefixRouter, prefix_route_pods
+from gateway.metrics import GatewayMetrics
+from gateway.prefix_route import PrefixRouter
 from gateway.readmit import Readmitter
 from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
 from tandem_core import keys
-from tandem_core.bus import admission, conn, ready, registry
+from tandem_core.bus import admission, conn, registry
 from tandem_core.errors import (
     AdmissionRejected,
     DeadlineExceeded,
     InvalidRequest,
     ServiceUnavailable,
     TandemError,
-    Unauthenticated,
 )
 from tandem_core.models import ModelInfo, resolve_model
 from tandem_core.prefix import cache_salt
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 
 _REDIS_DOWN = conn.REDIS_DOWN  # restarts and Sentinel failovers alike (MasterNotFoundError, READONLY)
 _BIG_PROMPT_CHARS = 8192  # tokenize longer prompts off the event loop
-ANONYMOUS = "anonymous"  # the one limiter key when no api_keys are configured
 
 
 class RequestNotFound(TandemError):
@@ -77,7 +75,6 @@ class GatewayService:
         )
         self.background: set[asyncio.Task] = set()
         self.grace_tasks: set[asyncio.Task] = set()
-        self._load_ts = -1e9  # when the load gauges were last refreshed (monotonic)
         self.grpc_port: int | None = None  # the bound port, once serving
         self._view_cache: tuple[float, ClusterView] | None = None
         self.backlog = admission.BacklogReader()
@@ -87,6 +84,8 @@ class GatewayService:
         self.hold = RedisHold(settings.redis_hold_s, settings.redis_hold_max, settings.retry_after_s,
                               _REDIS_DOWN)
         self.metrics.waiting_for_redis.set_function(lambda: self.hold.holding)
+        self.auth = Auth(settings)
+        self.report = ClusterReport(settings, self.metrics, self.model_name, self._redis, self.hold)
         # admissions a restarted or failed-over Redis lost are enqueued again (gateway/readmit.py)
         self.readmit = Readmitter(self._redis, settings.pool, settings.admission_maxlen)
         self.router = PrefixRouter(  # the same salt on every replica of the pool: rendezvous agrees
@@ -94,23 +93,13 @@ class GatewayService:
             salt=cache_salt("gateway", settings.pool), enabled=settings.prefix_routing,
         )
 
-    # ------------------------------------------------------------ auth
+    # ------------------------------------------------------------ auth (gateway/auth.py)
 
     def check_api_key(self, authorization: str | None) -> str:
-        """The caller's key (the limiter's and the resume check's identity), or Unauthenticated."""
-        if not self.settings.api_keys:
-            return ANONYMOUS
-        if not _bearer_ok(authorization, self.settings.api_keys):
-            raise Unauthenticated("missing or invalid API key: send 'Authorization: Bearer <key>'")
-        return authorization.partition(" ")[2].strip()
+        return self.auth.check_api_key(authorization)
 
     def check_admin_key(self, authorization: str | None) -> None:
-        """The admin key when one is set; else an API key when those are set (never open to
-        anonymous callers of a gateway that requires keys); else open."""
-        if not self.settings.admin_key:
-            self.check_api_key(authorization)
-        elif not _bearer_ok(authorization, [self.settings.admin_key]):
-            raise Unauthenticated("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
+        self.auth.check_admin_key(authorization)
 
     # ------------------------------------------------------------ request path
 
@@ -252,7 +241,8 @@ class GatewayService:
             raise
         except _REDIS_DOWN as e:
             outcome = "service_unavailable"
-            raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=s.retry_after_s) from e
+            raise ServiceUnavailable(f"Redis is unreachable: {e}; retry after {s.retry_after_s:g}s",
+                                     retry_after_s=s.retry_after_s) from e
         finally:
             self.open_streams -= 1
             self.readmit.discard(prep.request.request_id)
@@ -318,7 +308,8 @@ class GatewayService:
                 raise missing
             attach_no = await resume.attach(r, request_id)
         except _REDIS_DOWN as e:
-            raise ServiceUnavailable(f"Redis is unreachable: {e}", retry_after_s=self.settings.retry_after_s) from e
+            raise ServiceUnavailable(f"Redis is unreachable: {e}; retry after {self.settings.retry_after_s:g}s",
+                                     retry_after_s=self.settings.retry_after_s) from e
         req = GenerationRequest(request_id=request_id, prompt_ids=[], max_tokens=rec.max_tokens,
                                 stop_token_ids=rec.stop_token_ids, deadline_ts=rec.deadline_ts)
         return Prepared(request=req, stop=rec.stop, model=rec.meta.model, arrival_ts=time.monotonic(),
@@ -343,70 +334,16 @@ class GatewayService:
         except RequestNotFound:
             raise in_use from None
 
-    # ------------------------------------------------------------ cluster view
+    # ------------------------------------------------------------ cluster view (gateway/cluster_view.py)
 
     async def ready(self) -> str:
-        """"ready"; "degraded" while Redis has not answered for less than redis_hold_s (new
-        requests wait for it); "not ready" after that, or before the gateway has a Redis client."""
-        try:
-            if await asyncio.wait_for(self._redis().ping(), timeout=2.0):
-                self.hold.note_ok()
-                return "ready"
-        except ServiceUnavailable:
-            return "not ready"
-        except (asyncio.TimeoutError, *_REDIS_DOWN):
-            pass
-        self.hold.note_down()
-        return "degraded" if self.hold.degraded else "not ready"
+        return await self.report.ready()
 
     async def cluster(self) -> dict:
-        r = self._redis()
-        s = self.settings
-        try:
-            workers = await registry.list_workers(r)
-            queued = await admission.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
-            ready_n = await ready.ready_backlog(r, s.pool)
-        except _REDIS_DOWN as e:
-            raise ServiceUnavailable(f"Redis is unreachable: {e}") from e
-        backlog = queued.total
-        self.metrics.backlog.set(backlog)
-        self.metrics.observe_prefix_cache(workers)
-        waiting, running, kv = cluster_load(workers, backlog, ready_n)
-        self.metrics.set_load(self.model_name, waiting, running, kv)
-        return {
-            "workers": workers,
-            "load": {"waiting": waiting, "running": running, "kv_cache_usage": round(kv, 4)},
-            "queues": {"pool": s.pool, "admission": queued.shared, "pod_admission": queued.pods,
-                       "admission_backlog": backlog, "ready": ready_n, "direct": queued.direct,
-                       "admission_max_backlog": s.admission_max_backlog},
-            "prefix_cache": prefix_cache_summary(workers, s.prefix_block_size),
-            "model": {"name": self.model_name, "model": s.model, "max_context_len": s.max_context_len,
-                      "max_prompt_len": s.max_prompt_len},
-        }
+        return await self.report.cluster()
 
     async def refresh_load(self, timeout_s: float = 1.0) -> None:
-        """Update the inference-extension gauges from Redis before a scrape, at most every
-        cluster_view_ttl_s (endpoint pickers scrape every 50 ms); on failure they keep their last
-        values (a scrape must not fail because Redis is slow)."""
-        now = time.monotonic()
-        if now - self._load_ts < self.settings.cluster_view_ttl_s:
-            return
-        self._load_ts = now
-
-        async def read() -> None:
-            r = self._redis()
-            workers = await registry.list_workers(r)
-            pods = ClusterView.of(workers, self.settings.pool).prefill_ids
-            backlog = await admission.total_backlog(r, self.settings.pool, pods)
-            ready_n = await ready.ready_backlog(r, self.settings.pool)
-            self.metrics.backlog.set(backlog)
-            self.metrics.observe_prefix_cache(workers)
-            self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready_n))
-
-        try:
-            await asyncio.wait_for(read(), timeout=timeout_s)
-        except (asyncio.TimeoutError, *_REDIS_DOWN, ServiceUnavailable) as e:
-            log.debug("load gauges not refreshed: %s", e)
+        await self.report.refresh_load(timeout_s)
 
     async def drain_background(self, timeout_s: float = 2.0) -> None:
         """Let pending cancel-key writes finish before the Redis client closes. Grace timers stop:
@@ -418,42 +355,13 @@ class GatewayService:
 
     def _mux(self) -> TokenMux:
         if self.mux is None:
-            raise ServiceUnavailable("the gateway is not connected to Redis yet")
+            raise ServiceUnavailable("the gateway is not connected to Redis yet; retry once /readyz answers ready")
         return self.mux
 
     def _redis(self) -> aioredis.Redis:
         if self.redis is None:
-            raise ServiceUnavailable("the gateway is not connected to Redis yet")
+            raise ServiceUnavailable("the gateway is not connected to Redis yet; retry once /readyz answers ready")
         return self.redis
-
-
-@dataclass(frozen=True)
-class ClusterView:
-    prefill_workers: int = 0
-    decode_workers: int = 0
-    decode_free_slots: int = 0
-    prefill_s: float = 0.0  # mean of the prefill workers' recent per-prompt prefill time
-    prefill_ids: tuple[str, ...] = ()  # live prefill pods that take per-pod entries (prefix_route_pods)
-
-    @classmethod
-    def of(cls, workers: list[dict], pool: str | None = None) -> "ClusterView":
-        live = [w for w in workers if not w.get("draining")]
-        pre = [w for w in live if w["role"] == "prefill"]
-        dec = [w for w in live if w["role"] == "decode"]
-        times = [float(w.get("extra", {}).get("prefill_ema_s") or 0) for w in pre]
-        times = [t for t in times if t > 0]
-        return cls(len(pre), len(dec), sum(int(w["free_slots"]) for w in dec),
-                   sum(times) / len(times) if times else 0.0, prefix_route_pods(pre, pool))
-
-
-def _bearer_ok(authorization: str | None, allowed: list[str]) -> bool:
-    if not authorization:
-        return False
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return False
-    token = token.strip().encode()
-    return any(hmac.compare_digest(token, k.encode()) for k in allowed)
 
 
 def retry_after_header(err: TandemError) -> dict[str, str]:

@@ -26,7 +26,6 @@ from starlette.requests import Request
 from gateway.logprobs import CompletionLogprobs, TokenText, chat_logprobs, empty_completion, merge_completion
 from gateway.relay import Delta
 from gateway.resume import StreamMeta
-from gateway.service import GatewayService
 from gateway.toolparse import ToolCallStream
 from gateway.validation import Prepared
 from tandem_core.errors import TandemError, WorkerFailed
@@ -153,21 +152,23 @@ def event(data: dict | str, event_id: int | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-def formatter(svc: GatewayService, prep: Prepared) -> Formatter:
+def formatter(prep: Prepared, token_text: TokenText) -> Formatter:
     meta: StreamMeta = prep.meta
-    names = svc.token_text if meta.logprobs is not None else None
+    names = token_text if meta.logprobs is not None else None
     return Formatter(meta, names, prep.request.prompt_ids)
 
 
-async def sse_events(svc: GatewayService, prep: Prepared, start: int = 0) -> AsyncIterator[bytes]:
-    """The request's events from token index `start` on, then usage (if asked) and [DONE].
-    With n > 1 the events carry no id (a resume serves one choice)."""
+async def sse_events(deltas: AsyncIterator[Delta], prep: Prepared, token_text: TokenText,
+                     start: int = 0) -> AsyncIterator[bytes]:
+    """The events of `deltas` (the request's relay, `GatewayService.stream`) from token index
+    `start` on, then usage (if asked) and [DONE]. With n > 1 the events carry no id (a resume
+    serves one choice)."""
     meta: StreamMeta = prep.meta
-    fmt = formatter(svc, prep)
+    fmt = formatter(prep, token_text)
     single = prep.request.n <= 1
     n = 0
     try:
-        async for d in svc.stream(prep):
+        async for d in deltas:
             n = d.completion_tokens
             if d.index >= start:
                 yield event(fmt.chunk(d), d.index if single else None)
@@ -182,17 +183,18 @@ async def sse_events(svc: GatewayService, prep: Prepared, start: int = 0) -> Asy
     yield event("[DONE]")
 
 
-async def _collect(svc: GatewayService, prep: Prepared) -> dict:
-    fmt = formatter(svc, prep)
-    async for d in svc.stream(prep):
+async def _collect(deltas: AsyncIterator[Delta], prep: Prepared, token_text: TokenText) -> dict:
+    fmt = formatter(prep, token_text)
+    async for d in deltas:
         fmt.add(d)
     return fmt.whole()
 
 
-async def collect_unless_disconnected(request: Request, svc: GatewayService, prep: Prepared) -> dict | None:
-    """The whole response body, or None if the client hung up first (then the relay is cancelled:
-    it sets the cancel key, or for a resumable request starts the grace period)."""
-    task = asyncio.ensure_future(_collect(svc, prep))
+async def collect_unless_disconnected(request: Request, deltas: AsyncIterator[Delta], prep: Prepared,
+                                      token_text: TokenText) -> dict | None:
+    """The whole response body of `deltas`, or None if the client hung up first (then the relay
+    is cancelled: it sets the cancel key, or for a resumable request starts the grace period)."""
+    task = asyncio.ensure_future(_collect(deltas, prep, token_text))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)

@@ -131,7 +131,7 @@ async def test_prefix_cache_counters_and_cluster_section(redis_url, redis_client
     svc = _svc(redis_url, r)
     await svc.refresh_load()
     await _workers(r, "pa", extra=_cache(queries=150, hits=80, computed=70))
-    svc._load_ts = -1e9
+    svc.report.load_ts = -1e9
     await svc.refresh_load()
     text = svc.metrics.render().decode()
     # pa 150 + pb 100 queries (the decode pod's cache saw none); hits 80 + 60; computed 70 + 40.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.service import ClusterView, GatewayService
+from gateway.cluster_view import ClusterView
+from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from tandem_core.errors import AdmissionRejected, ServiceUnavailable
 

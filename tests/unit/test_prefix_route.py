@@ -8,7 +8,7 @@ import pytest
 
 from gateway.metrics import GatewayMetrics, PodCounters, prefix_cache_summary
 from gateway.prefix_route import PrefixRouter, rendezvous
-from gateway.service import ClusterView
+from gateway.cluster_view import ClusterView
 from tandem_core.prefix import block_hashes
 
 B = 4  # block size in these tests
