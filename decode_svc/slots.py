@@ -85,13 +85,6 @@ class SlotTable:
         with self._lock:
             return list(self._active.values())
 
-    def by_request(self, request_id: str) -> Active | None:
-        with self._lock:
-            for a in self._active.values():
-                if a.req.request_id == request_id:
-                    return a
-        return None
-
     @property
     def used(self) -> int:
         with self._lock:

@@ -195,7 +195,8 @@ async def _relay_events(
     while True:
         left, which = dl.remaining(st.next_index > 0)
         if left <= 0:
-            raise DeadlineExceeded(f"no {which} within the deadline; request {rid} cancelled")
+            raise DeadlineExceeded(f"no {which} within the deadline; request {rid} cancelled: retry later, or with a "
+                                   "longer timeout")
         # A Redis restart shows here only as a longer wait: the reader retries, the stream persists.
         events = await sub.get(min(block_ms / 1000, left))
         for ev in events:

@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
 
@@ -62,7 +62,6 @@ class ResumeRecord:
     stop_token_ids: list[int]
     deadline_ts: float  # wall clock, as in GenerationRequest
     key: str = ""  # key_digest of the creator's API key
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -71,6 +70,7 @@ class ResumeRecord:
     def from_json(cls, s: str | bytes) -> "ResumeRecord":
         d = json.loads(s)
         d["meta"] = StreamMeta(**d["meta"])
+        d.pop("extra", None)  # written by gateways before it was removed (unused)
         return cls(**d)
 
 

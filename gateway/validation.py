@@ -141,7 +141,7 @@ def _default_max_tokens(n_prompt: int, p: CompletionParams, s: GatewaySettings) 
     if room <= 0:
         raise PromptTooLong(
             f"prompt is {n_prompt} tokens and leaves no room for output in the context of "
-            f"{s.max_context_len} tokens", param="prompt",
+            f"{s.max_context_len} tokens: shorten the prompt", param="prompt",
         )
     cap = s.max_tokens_limit if p.max_tokens_to_context else s.default_max_tokens
     budget = s.tokens_per_minute_per_key - n_prompt
@@ -153,7 +153,8 @@ def _default_max_tokens(n_prompt: int, p: CompletionParams, s: GatewaySettings) 
 def _check_lengths(n_prompt: int, p: CompletionParams, s: GatewaySettings) -> int:
     if n_prompt > s.max_prompt_len:
         raise PromptTooLong(
-            f"prompt is {n_prompt} tokens, longer than the limit of {s.max_prompt_len} tokens", param="prompt"
+            f"prompt is {n_prompt} tokens, longer than the limit of {s.max_prompt_len} tokens: shorten it",
+            param="prompt",
         )
     max_tokens = p.max_tokens
     if max_tokens is None:

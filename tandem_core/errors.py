@@ -6,6 +6,9 @@ from __future__ import annotations
 
 
 class TandemError(Exception):
+    """Every error a caller sees. Its message says what is wrong and what to do next (retry, after
+    how long, or which input or setting to change); `retry_after_s` travels as Retry-After."""
+
     grpc_code = "INTERNAL"
     http_status = 500
     retryable = False
@@ -27,25 +30,25 @@ class InvalidRequest(TandemError):
 
 
 class PromptTooLong(InvalidRequest):
-    pass
+    """The prompt does not fit the limits (max_prompt_len, the context): shorten it or lower
+    max_tokens."""
 
 
 class ModelNotFound(TandemError):
+    """The model named is not served here (or not found on disk): use the model id /v1/models
+    lists, or give a preset name or a Llama checkpoint directory."""
+
     grpc_code = "NOT_FOUND"
     http_status = 404
     error_type = "model_not_found"
 
 
 class Unauthenticated(TandemError):
+    """No valid API key: send 'Authorization: Bearer <key>' with a key the gateway knows."""
+
     grpc_code = "UNAUTHENTICATED"
     http_status = 401
     error_type = "authentication_error"
-
-
-class PermissionDenied(TandemError):
-    grpc_code = "PERMISSION_DENIED"
-    http_status = 403
-    error_type = "permission_error"
 
 
 class AdmissionRejected(TandemError):
@@ -58,6 +61,9 @@ class AdmissionRejected(TandemError):
 
 
 class DeadlineExceeded(TandemError):
+    """The request ran past its deadline and was cancelled everywhere: retry later or with a
+    longer timeout."""
+
     grpc_code = "DEADLINE_EXCEEDED"
     http_status = 504
     retryable = True
@@ -73,13 +79,10 @@ class KVTransferFailed(TandemError):
     error_type = "kv_transfer_error"
 
 
-class KVNotFound(TandemError):
-    grpc_code = "NOT_FOUND"
-    http_status = 404
-    error_type = "kv_not_found"
-
-
 class ServiceUnavailable(TandemError):
+    """Redis or the workers cannot take the request now (an outage, a predicted first token past
+    the deadline): retry after `retry_after_s`."""
+
     grpc_code = "UNAVAILABLE"
     http_status = 503
     retryable = True
@@ -87,7 +90,8 @@ class ServiceUnavailable(TandemError):
 
 
 class WorkerFailed(TandemError):
-    """A worker reported the request failed (its message says why)."""
+    """A worker reported the request failed (its message says why): retry it; a request that
+    fails again the same way is worth a bug report with its request id."""
 
     grpc_code = "INTERNAL"
     http_status = 500

@@ -94,7 +94,7 @@ def resolve_model(name_or_path: str) -> ModelInfo:
     if not cfg_file.is_file():
         raise ModelNotFound(
             f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-            f"nor a directory with config.json"
+            f"nor a directory with config.json: give a preset name or a Hugging Face Llama directory"
         )
     return _from_hf_config(path, json.loads(cfg_file.read_text()))
 

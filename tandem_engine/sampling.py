@@ -78,12 +78,6 @@ def filter_sorted(logits, temperature, top_k, top_p):
     return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
 
-def filter_logits(logits, temperature, top_k, top_p):
-    """`filter_sorted`'s result scattered back to vocabulary order [slots, vocab]."""
-    order, sorted_filtered = filter_sorted(logits, temperature, top_k, top_p)
-    return jnp.take_along_axis(sorted_filtered, jnp.argsort(order, axis=-1), axis=-1)
-
-
 def sample(logits, temperature, top_k, top_p, keys):
     """Tokens int32 [slots]. logits [slots, vocab]; temperature, top_p float32 [slots]; top_k int32
     [slots]; keys typed PRNG keys [slots]. temperature == 0 -> argmax (top_k/top_p ignored).

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from tandem_core import keys
-from tandem_core.bus.groups import ring
 from tandem_core.types import GenerationRequest
 
 
@@ -37,16 +36,10 @@ class ReadyNotice:
         return cls(**d)
 
 
-async def publish_ready(r: aioredis.Redis, pool: str, notice: ReadyNotice, maxlen: int) -> bytes:
-    pipe = r.pipeline(transaction=False)
-    add_ready(pipe, pool, notice, maxlen)
-    ring(pipe, pool, keys.DECODE_GROUP)
-    return (await pipe.execute())[0]
-
-
 def add_ready(pipe, pool: str, notice: ReadyNotice, maxlen: int) -> None:
-    """Queue the ready XADD, in the request's shard, on a pipeline or transaction (see
-    `publish_ready`; the caller rings the doorbell once it is written)."""
+    """Queue the ready XADD, in the request's shard, on a pipeline or transaction (the prefill
+    pod's fenced commit, bus.entry_fence); the caller rings the doorbell (`bus.groups.ring`) once
+    it is written."""
     rid = notice.request.request_id
     pipe.xadd(keys.ready_stream(pool, keys.request_shard(rid)), {"rid": rid, "notice": notice.to_json()},
               maxlen=maxlen, approximate=True)

@@ -44,7 +44,10 @@ async def _publish_backlog(r, engine, store, address, pool):
         payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
         held = store.put(req.request_id, payload)
         notice = ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
-        await ready.publish_ready(r, pool, notice, 1000)
+        pipe = r.pipeline(transaction=False)  # as the prefill pod writes it (without its fence)
+        ready.add_ready(pipe, pool, notice, 1000)
+        groups.ring(pipe, pool, keys.DECODE_GROUP)
+        await pipe.execute()
 
 
 async def _claimed_unacked(r, pool) -> int:

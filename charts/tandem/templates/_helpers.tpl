@@ -202,11 +202,6 @@ redis.shards): services that disagreed would not find each other's keys. args: d
 {{- get $table . | default 0 }}
 {{- end }}
 
-{{/* ---- Checksums: pods roll when their config changes. ---- */}}
-{{- define "tandem.checksum" -}}
-{{- . | sha256sum }}
-{{- end }}
-
 {{/* Secrets every Tandem pod mounts: internal gRPC mTLS material and the external Redis CA. */}}
 {{- define "tandem.commonVolumes" -}}
 {{- if .Values.grpcTLS.enabled }}
