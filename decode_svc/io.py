@@ -113,8 +113,9 @@ class DecodeIO:
                     self.busy_entries.discard((c.stream, c.entry_id))
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
-        """Up to `n` entries: a non-blocking pass over every source in order; if that finds
-        nothing, block briefly on all streams of the first source's group at once."""
+        """Up to `n` entries: one non-blocking pass over every source in order; if that finds
+        nothing, wait briefly on all streams of the first source's group at once, and return
+        (claim_loop's next pass claims what woke it)."""
         got: list[tuple[groups.Claimed, str]] = []
         sources = self._sources()
         for names, group in sources:
@@ -125,8 +126,7 @@ class DecodeIO:
         if not got:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
-            got = [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, n,
-                                                           self.s.claim_block_ms, self.bell)]
+            await groups.wait(self.r, names, self.s.claim_block_ms, self.bell)
         return got
 
     async def _dispatch(self, c: groups.Claimed, group: str, started: int | None = None) -> None:

@@ -61,11 +61,15 @@ class Doorbell:
         self.r, self.block_ms = r, block_ms
         self.last: dict[str, bytes | str] = {keys.doorbell(pool, g): "$" for g in dict.fromkeys(groups)}
 
-    async def wait(self, block_ms: int) -> None:
+    async def wait(self, block_ms: int) -> bool:
+        """True if a bell rang (since the last ring seen), False at the timeout."""
         got = await redis_client.xread(self.r, dict(self.last), count=64, block=block_ms)
+        rang = False
         for name, entries in got or []:
             if entries:
                 self.last[_s(name)] = entries[-1][0]
+                rang = True
+        return rang
 
 
 async def claim(
@@ -74,30 +78,39 @@ async def claim(
 ) -> list[Claimed]:
     """XREADGROUP new entries from `streams` (in order of preference), at most `count` in total.
 
-    First a non-blocking pass, stream by stream, so an earlier (higher-priority) stream is drained
-    first. If that finds nothing and `block_ms` is set, a plain XREAD over *all* the streams waits
-    until any of them gets a new entry (or the timeout), then the pass runs again. The wait
-    delivers nothing: a multi-stream XREADGROUP would, and its COUNT is per stream, so it could
-    hand back more entries than the caller has room for. (None or 0: never block.)
+    A non-blocking pass, stream by stream, so an earlier (higher-priority) stream is drained
+    first. If that finds nothing and `block_ms` is set, `wait` for a new entry in any of them (or
+    the timeout), and only if one came, the pass once more. (None or 0: never block.)
 
     Over more than a few streams (several shards) the pass first reads every stream's length in
     one pipeline (one round trip; on a Redis Cluster node by node in parallel) and reads only the
-    non-empty ones. Streams of several slots cannot share one command on a Redis Cluster: there
-    the wait is on `bell`, which the writers ring after they enqueue (required then), for the
-    longer of `block_ms` and the bell's own.
+    non-empty ones.
     """
-    spread = redis_client.is_cluster(r) and len({key_slot(s.encode()) for s in streams}) > 1
-    prefilter = spread or len(streams) > 4
+    prefilter = _spread(r, streams) or len(streams) > 4
     out = await _read_each(r, streams, group, consumer, count, prefilter)
-    if out or not block_ms:
+    if out or not block_ms or not await wait(r, streams, block_ms, bell):
         return out
-    if spread:
-        if bell is None:
-            raise ValueError("claim over several shards needs a Doorbell to wait on")
-        await bell.wait(max(block_ms, bell.block_ms))
-    else:
-        await redis_client.xread(r, {s: "$" for s in streams}, count=1, block=block_ms)
     return await _read_each(r, streams, group, consumer, count, prefilter)
+
+
+async def wait(r: aioredis.Redis, streams: list[str], block_ms: int, bell: Doorbell | None = None) -> bool:
+    """Block until any of `streams` gets a new entry, at most `block_ms`: True if one came (or
+    the bell rang), False at the timeout. It delivers nothing: a multi-stream XREADGROUP would, and
+    its COUNT is per stream, so it could hand back more entries than the caller has room for; the
+    caller's next pass claims what came. Streams of several slots cannot share one command on a
+    Redis Cluster: there the wait is on `bell`, which the writers ring after they enqueue
+    (required then), for the longer of `block_ms` and the bell's own."""
+    if _spread(r, streams):
+        if bell is None:
+            raise ValueError("a wait over several shards needs a Doorbell")
+        return await bell.wait(max(block_ms, bell.block_ms))
+    got = await redis_client.xread(r, {s: "$" for s in streams}, count=1, block=block_ms)
+    return any(entries for _, entries in got or [])
+
+
+def _spread(r: aioredis.Redis, streams: list[str]) -> bool:
+    """Whether `streams` span several slots of a Redis Cluster."""
+    return redis_client.is_cluster(r) and len({key_slot(s.encode()) for s in streams}) > 1
 
 
 async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer: str, count: int,
