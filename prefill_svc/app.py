@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
@@ -34,8 +35,13 @@ async def serve(settings: PrefillSettings) -> int:
     engine = build_engine(settings)
     c = settings.prefix_cache
     cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
-    if cache.enabled:  # the prefill over a cached prefix: one compiled shape, compiled before ready
+    # Compile every bucket's prefill (and the prefill over a cached prefix: one shape) before the
+    # pod reports ready and claims a prompt, not on a request's clock.
+    t0 = time.monotonic()
+    await asyncio.to_thread(engine.warmup_prefill)
+    if cache.enabled:
         await asyncio.to_thread(engine.warmup_prefix)
+    log.info("engine compiled in %.1fs (prefill buckets %s)", time.monotonic() - t0, list(engine.buckets))
     store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
     r = conn.connect(settings.redis)
     await groups.ensure_groups(r, settings.pool)

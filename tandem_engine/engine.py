@@ -379,6 +379,13 @@ class Engine:
         kv = np.zeros((c.num_layers, 1, c.num_kv_heads, c.head_dim), self._jdtype)
         self.prefill([0, 0], SamplingParams(), cached=Hit(kv, kv, length=1, blocks=1))
 
+    def warmup_prefill(self) -> None:
+        """Compile every bucket's prefill (one choice): what a prefill pod runs, before it reports
+        ready, so no request pays for a compilation (with the persistent compilation cache a
+        restart loads them: 1.7 s for the built-in model's six buckets on 2 CPU cores, 9.7 s cold)."""
+        for b in self.buckets:
+            self.prefill([0] * b, SamplingParams())
+
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False) -> None:
         """Compile every bucket's insert and every batch bucket's decode step (with `logprobs`
         its logprobs variant too: it doubles the step compiles; with `masks` the grammar-masked
