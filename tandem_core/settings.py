@@ -8,6 +8,7 @@ import os
 import socket
 
 from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class SentinelConfig(BaseModel):
@@ -112,3 +113,30 @@ class PrefixCacheConfig(BaseModel):
     block_size: PositiveInt = 16  # tokens per block; a prompt's trailing partial block is always computed
     budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # host memory for cached blocks; 0 = off
     chunk_tokens: PositiveInt = 64  # a prompt after a cached prefix runs in chunks of this many (one compiled shape)
+
+
+class WorkerSettings(BaseSettings):
+    """The fields every worker pod (prefill, decode) has: where Redis and its gRPC server are,
+    which model, its pool and identity, how it reads streams, writes token streams, beats and
+    drains. Each service subclasses it with its own `env_prefix` (TANDEM_PREFILL_, TANDEM_DECODE_),
+    its own fields, and its own defaults where the two differ (the gRPC port, `claim_block_ms`,
+    `stale_pending_s`): a field redeclared in the subclass keeps its env name."""
+
+    model_config = SettingsConfigDict(env_nested_delimiter="__")
+
+    redis: RedisConfig = RedisConfig()  # <PREFIX>REDIS__URL
+    grpc: GrpcConfig = GrpcConfig()
+    engine: EngineConfig = EngineConfig()  # <PREFIX>ENGINE__MODEL
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # <PREFIX>PREFIX_CACHE__ENABLED
+    pool: str = "default"
+    worker_id: str = ""  # default: <role>-<hostname>-<pid>
+    priority_high_weight: PositiveInt = 4  # high-priority reads per guaranteed low-priority read
+    claim_block_ms: PositiveInt = 500  # the longest one wait for new stream entries blocks
+    token_ttl_s: PositiveInt = 600
+    token_finished_ttl_s: PositiveInt = 60  # a finished token stream lingers this long (for resumes)
+    token_maxlen: PositiveInt = 8192
+    heartbeat_interval_s: PositiveFloat = 1.0
+    recover_interval_s: PositiveFloat = 1.0  # how often to look for dead pods' work
+    stale_pending_s: PositiveFloat = 30.0  # an own delivery idle this long was lost (Redis restart): redo it
+    drain_timeout_s: PositiveFloat = 30.0
+    log_level: str = "INFO"
