@@ -24,10 +24,7 @@ KV_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 def build_engine(settings: PrefillSettings, slots: int = 1):
     from tandem_engine import load_engine
 
-    e = settings.engine
-    return load_engine(e.model, slots=slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir,
-                       cpu_threads=e.cpu_threads, prefix_chunk=settings.prefix_cache.chunk_tokens)
+    return load_engine(**settings.engine_kwargs(slots))
 
 
 async def serve(settings: PrefillSettings) -> int:
@@ -65,8 +62,8 @@ async def serve(settings: PrefillSettings) -> int:
         return registry.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
                                   held_kv_bytes=store.held_bytes, draining=draining,
                                   extra={"pool": settings.pool, "prefix_cache": cache.summary(),
-                                         "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefilled,
-                                         "prefill_ema_s": round(worker.prefill_ema_s, 6)})
+                                         "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefiller.prefilled,
+                                         "prefill_ema_s": round(worker.prefiller.prefill_ema_s, 6)})
 
     hb_stop = asyncio.Event()
     hb = asyncio.create_task(lifecycle.heartbeat_loop(r, info, settings.heartbeat_interval_s, hb_stop, peers))
@@ -83,5 +80,5 @@ async def serve(settings: PrefillSettings) -> int:
     await hb
     await server.stop(grace=2.0)
     await r.aclose()
-    log.info("prefill stopped worker_id=%s prefilled=%d", worker_id, worker.prefilled)
+    log.info("prefill stopped worker_id=%s prefilled=%d", worker_id, worker.prefiller.prefilled)
     return 0

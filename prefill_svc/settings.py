@@ -18,3 +18,6 @@ class PrefillSettings(WorkerSettings):
     kv_chunk_bytes: PositiveInt = 1024 * 1024
     max_batch: PositiveInt = 4  # prompts claimed per read
     ready_maxlen: PositiveInt = 10000
+    # An admission entry whose request's deadline passed this long ago is acked unanswered: its
+    # gateway gave up on it long since (a backlog left while every prefill pod was down).
+    abandoned_after_s: PositiveFloat = 60.0

@@ -100,6 +100,15 @@ class EngineConfig(BaseModel):
     grammar_cache_size: PositiveInt = 128
     mask_deadline_s: PositiveFloat = 0.05
 
+    def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:
+        """The keyword arguments of `tandem_engine.load_engine` for this block, with the pod's
+        decode `slots` and its prefix cache's `chunk_tokens` (the engine reads no settings: every
+        service builds its engine from this one mapping)."""
+        return {"model": self.model, "slots": slots, "max_len": self.max_len,
+                "prefill_buckets": tuple(self.prefill_buckets), "dtype": self.dtype, "tp": self.tp,
+                "compile_cache_dir": self.compile_cache_dir, "cpu_threads": self.cpu_threads,
+                "prefix_chunk": prefix_chunk}
+
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -140,3 +149,12 @@ class WorkerSettings(BaseSettings):
     stale_pending_s: PositiveFloat = 30.0  # an own delivery idle this long was lost (Redis restart): redo it
     drain_timeout_s: PositiveFloat = 30.0
     log_level: str = "INFO"
+    # Reclaim of a dead consumer's pending entries: at most this many per stream per round, and
+    # only those idle this long (an entry another pod claimed a moment ago has been reset to 0).
+    reclaim_batch: PositiveInt = 100
+    reclaim_min_idle_ms: PositiveInt = 1000
+
+    def engine_kwargs(self, slots: int = 1) -> dict:
+        """`tandem_engine.load_engine(**settings.engine_kwargs(slots))`: the engine block and the
+        prefix cache's chunk size."""
+        return self.engine.load_kwargs(slots, self.prefix_cache.chunk_tokens)

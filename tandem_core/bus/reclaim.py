@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -56,6 +58,34 @@ async def claim_ids(r: aioredis.Redis, stream: str, group: str, consumer: str, i
         return []
     resp = await r.xclaim(stream, group, consumer, min_idle_time=min_idle_ms, message_ids=ids)
     return [Claimed(stream, eid, {_s(k): v for k, v in f.items()}) for eid, f in resp or [] if f]
+
+
+class Reclaimer:
+    """One worker's take-over of entries of its consumer group left pending to dead consumers:
+    find them (`dead_consumer_entries`), take as many as the worker has room for, XCLAIM those.
+    Shared by the prefill pods (admission streams) and decode pods (ready and direct streams)."""
+
+    def __init__(self, r: aioredis.Redis, group: str, me: str, stale_self_ms: int, limit: int = 100,
+                 min_idle_ms: int = 1000) -> None:
+        self.r, self.group, self.me = r, group, me
+        self.stale_self_ms, self.limit, self.min_idle_ms = stale_self_ms, limit, min_idle_ms
+
+    async def take(self, stream: str, room: Callable[[int], int], include_self: bool = False, others: bool = True,
+                   busy: set[bytes] | None = None) -> tuple[list[Claimed], int]:
+        """(the entries now claimed by this worker, the room `room` granted). `room(n)` is called
+        with the number found (only when some are) and returns how many of them to take (a decode
+        pod reserves slots there and gives back what the claim did not use). `include_self`: a
+        restart under the same id takes all of its own, at once; else its own only when idle past
+        `stale_self_ms` and not in `busy`, and others' only when idle `min_idle_ms` (XCLAIM resets
+        an entry's idle time, so two pods never both take one). `others`: see
+        `dead_consumer_entries`."""
+        dead = await dead_consumer_entries(self.r, stream, self.group, self.me, include_self, self.limit,
+                                           stale_self_ms=self.stale_self_ms, busy=busy, others=others)
+        if not dead:
+            return [], 0
+        n = room(len(dead))
+        ids = [eid for _c, eid in dead[:n]]
+        return await claim_ids(self.r, stream, self.group, self.me, ids, 0 if include_self else self.min_idle_ms), n
 
 
 def _s(x) -> str:

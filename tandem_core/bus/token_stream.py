@@ -56,6 +56,39 @@ def add_tokens(
     pipe.expire(key, finished_ttl_s if finish_reason else ttl_s)
 
 
+@dataclass(frozen=True)
+class StreamBounds:
+    """How long a token stream lives and how long it may grow: a worker's `token_ttl_s`,
+    `token_maxlen` and `token_finished_ttl_s` (`StreamBounds.of(settings)`)."""
+
+    ttl_s: int
+    maxlen: int
+    finished_ttl_s: int = 60
+
+    @classmethod
+    def of(cls, settings) -> StreamBounds:
+        return cls(settings.token_ttl_s, settings.token_maxlen, settings.token_finished_ttl_s)
+
+
+def add_finish(pipe, request_ids: list[str], index: int, reason: str, bounds: StreamBounds,
+               error: str | None = None) -> None:
+    """Queue each request's end without a token (`t=-1`, finish `reason`, and `error` if set) at
+    `index` on `pipe` (a pipeline, or a prefill pod's fenced `EntryWrites`): how a worker ends a
+    request it cannot answer (cancelled, past its deadline, failed, its KV never pulled)."""
+    for rid in request_ids:
+        add_tokens(pipe, rid, index, [], reason, bounds.ttl_s, bounds.maxlen, error=error,
+                   finished_ttl_s=bounds.finished_ttl_s)
+
+
+async def write_finish(r: aioredis.Redis, request_ids: list[str], index: int, reason: str, bounds: StreamBounds,
+                       error: str | None = None) -> None:
+    """`add_finish`, written now in one pipelined round trip, unfenced (the caller knows it owns
+    the requests, or nothing else can answer them)."""
+    pipe = r.pipeline(transaction=False)
+    add_finish(pipe, request_ids, index, reason, bounds, error)
+    await pipe.execute()
+
+
 def add_prompt_logprobs(pipe, request_id: str, encoded: str, ttl_s: int, maxlen: int) -> None:
     """Queue the prompt's logprobs (echo) as the stream's index -1 entry, before token 0: readers
     that know nothing of it drop it as a duplicate index, and resumes ignore it (no token)."""

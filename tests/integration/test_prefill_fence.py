@@ -59,7 +59,7 @@ async def test_normal_publish_writes_token_zero_and_one_notice_per_choice_and_ac
     stream = await admit(r, pool, GenerationRequest("two", PROMPT, 8, n=2))
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
-    await a._handle(c)
+    await a.handler.handle(c)
     for rid in choice_ids("two", 2):
         assert await token_indices(r, rid) == [0]
         assert a.store.get(rid) is not None  # held for the decode pod's pull
@@ -77,10 +77,10 @@ async def test_a_woken_pod_publishes_nothing_once_its_entry_was_reclaimed(redis_
     (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
     await asyncio.sleep(1.1)  # a reclaim takes entries idle for a second
     await registry.heartbeat(r, registry.WorkerInfo("prefill", b.worker_id, 1, b.address), 30)
-    await b._reclaim_pending(stream, False)
+    await b.takeover.reclaim_pending(stream, False)
     assert sorted(await ready_rids(r, pool)) == choice_ids("once", 2)
 
-    await a._handle(c)  # A wakes: its publish is fenced off
+    await a.handler.handle(c)  # A wakes: its publish is fenced off
 
     for rid in choice_ids("once", 2):
         assert await token_indices(r, rid) == [0], "a second token 0"
@@ -100,12 +100,12 @@ async def test_a_woken_pod_does_not_ack_the_entry_away_from_its_new_owner(redis_
     (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
     (taken,) = await reclaim.claim_ids(r, stream, keys.PREFILL_GROUP, b.worker_id, [c.entry_id], 0)
 
-    await a._handle(c)
+    await a.handler.handle(c)
     assert await token_indices(r, "mid") == [] and await ready_rids(r, pool) == []
     assert await owner(r, stream) == ["prefill-b"]
     assert len(a.store) == 0
 
-    await b._handle(taken, reclaimed=True)
+    await b.handler.handle(taken, reclaimed=True)
     assert await token_indices(r, "mid") == [0] and await ready_rids(r, pool) == ["mid"]
     assert await r.xlen(stream) == 0
 
@@ -118,7 +118,7 @@ async def test_an_error_finish_is_fenced_too(redis_url, any_redis, engine):
     a = worker_for(redis_url, r, engine, pool, "prefill-a")
     (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, a.worker_id, 4, None)
     await reclaim.claim_ids(r, stream, keys.PREFILL_GROUP, "prefill-b", [c.entry_id], 0)
-    await a._handle(c)
+    await a.handler.handle(c)
     assert await token_indices(r, "bad") == []
     assert await owner(r, stream) == ["prefill-b"]
 

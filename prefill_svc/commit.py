@@ -1,0 +1,131 @@
+"""Steps 2, 4 and 5 of a request's life in a prefill pod (the list is in prefill_svc/worker.py):
+decide what answers one claimed admission entry (nothing, its finish, or the prefill's first
+tokens and ready notices), then commit that with the entry's ack in one fenced script
+(tandem_core/bus/entry_fence.py), so a pod that lost the entry while stalled writes nothing.
+
+Every entry handled here gets an answer or stays pending for a reclaim: failures other than Redis
+being down become the request's finish; through a Redis outage the entry is retried until it is
+acked or its request is long abandoned.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from prefill_svc.kv_store import KVStore
+from prefill_svc.prefill import Prefiller
+from prefill_svc.settings import PrefillSettings
+from tandem_core import keys, recovery
+from tandem_core.bus import cancel, entry_fence, groups, token_stream
+from tandem_core.bus.conn import REDIS_DOWN
+from tandem_core.errors import TandemError
+from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest, choice_ids
+
+log = logging.getLogger(__name__)
+REDIS_RETRY_S = 0.5  # pause between tries of an entry while Redis is down
+
+
+class EntryHandler:
+    """Answers claimed admission entries of one prefill pod, each committed with its ack, fenced."""
+
+    def __init__(self, settings: PrefillSettings, r: aioredis.Redis, prefiller: Prefiller, store: KVStore,
+                 worker_id: str) -> None:
+        self.s, self.r, self.prefiller, self.store = settings, r, prefiller, store
+        self.worker_id = worker_id
+        self.fence = entry_fence.EntryFence(r, keys.PREFILL_GROUP, worker_id)
+
+    async def handle_until_done(self, c: groups.Claimed) -> None:
+        """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
+        published is not done twice) until it is acked or its request's deadline passes."""
+        reclaimed = False
+        while True:
+            try:
+                return await self.handle(c, reclaimed)
+            except REDIS_DOWN as e:
+                log.warning("redis unavailable while handling %s: %s; retrying", c.entry_id, e)
+                reclaimed = True
+                await asyncio.sleep(REDIS_RETRY_S)
+
+    async def handle(self, c: groups.Claimed, reclaimed: bool = False) -> None:
+        """Work out one admission entry's writes, then commit them with its ack, fenced."""
+        req = GenerationRequest.from_json(c.fields["req"])
+        writes, held = entry_fence.EntryWrites(), []
+        if not (req.deadline_ts and time.time() > req.deadline_ts + self.s.abandoned_after_s):  # else ack only
+            writes, held = await self._work(req, reclaimed)
+        try:
+            await self._commit(c, req, writes, held)
+        except REDIS_DOWN:
+            raise
+        except ResponseError as e:  # Redis refused the writes (maxmemory, say): the request fails clearly
+            log.exception("publish failed request_id=%s", req.request_id)
+            for rid in held:
+                self.store.release(rid)
+            failed = self._finish(req, FINISH_ERROR, f"publishing the prefill result failed: {e}")
+            try:
+                await self._commit(c, req, failed, [])
+            except ResponseError:  # left pending: this pod redoes it after stale_pending_s
+                log.exception("could not finish request_id=%s either; its entry stays pending", req.request_id)
+
+    async def _work(self, req: GenerationRequest, reclaimed: bool) -> tuple[entry_fence.EntryWrites, list[str]]:
+        """The writes that answer the request (its first tokens and ready notices, or its finish),
+        and the ids of the KV now held for it. Any failure but Redis down becomes its finish."""
+        rid = req.request_id
+        try:
+            first_stream = choice_ids(rid, req.n)[0]  # every choice's token 0 is written together
+            if reclaimed and len((await recovery.streamed_tokens(self.r, first_stream))[0]) > req.start_index:
+                log.info("reclaimed request_id=%s was already prefilled by its first owner", rid)
+                return entry_fence.EntryWrites(), []
+            if await cancel.cancelled(self.r, [rid]):
+                return self._finish(req, FINISH_CANCELLED), []
+            if req.deadline_ts and time.time() > req.deadline_ts:
+                return self._finish(req, FINISH_ERROR, "deadline passed before prefill"), []
+            return await self.prefiller.prefill(req)
+        except REDIS_DOWN:
+            raise
+        except TandemError as e:
+            log.info("request failed request_id=%s: %s", rid, e.message)
+            return self._finish(req, FINISH_ERROR, e.message), []
+        except Exception as e:  # noqa: BLE001 - the request gets an answer, the worker lives on
+            log.exception("prefill crashed request_id=%s", rid)
+            return self._finish(req, FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}"), []
+
+    def _finish(self, req: GenerationRequest, reason: str, error: str | None = None) -> entry_fence.EntryWrites:
+        """The request's end without a token, on every choice's stream, to commit with the ack."""
+        writes = entry_fence.EntryWrites()
+        token_stream.add_finish(writes, choice_ids(req.request_id, req.n), req.start_index, reason,
+                                self.prefiller.bounds, error)
+        return writes
+
+    async def _commit(self, c: groups.Claimed, req: GenerationRequest, writes: entry_fence.EntryWrites,
+                      held: list[str]) -> None:
+        """Write and ack, only while the entry is still this pod's; else free the KV held for it."""
+        if await self.fence.commit(c.stream, c.entry_id, writes):
+            if held:
+                await self._ring_decode()
+            return
+        for rid in held:
+            self.store.release(rid)
+        eid = c.entry_id.decode() if isinstance(c.entry_id, bytes) else c.entry_id
+        if writes:
+            log.warning("fenced off request_id=%s: admission entry %s of %s is no longer pending to %s (another "
+                        "pod reclaimed it while this one was stalled); published nothing, freed %d held KV",
+                        req.request_id, eid, c.stream, self.worker_id, len(held))
+        else:
+            log.info("admission entry %s of %s (request_id=%s) was already acked or taken over",
+                     eid, c.stream, req.request_id)
+
+    async def _ring_decode(self) -> None:
+        """Wake idle decode pods for the ready notices just committed (several shards only). A
+        hint: failing, it must not fail the commit that is done; their wait times out instead."""
+        if keys.shard_count() == 1:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            groups.ring(pipe, self.s.pool, keys.DECODE_GROUP)
+            await pipe.execute()
+        except Exception as e:  # noqa: BLE001 - Redis down included
+            log.debug("could not ring the decode doorbell: %s", e)

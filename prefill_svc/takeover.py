@@ -1,0 +1,95 @@
+"""A prefill pod's share of the work other pods left: admission entries a dead pod claimed and
+never acked (shared streams and this pod's own, after a restart under the same id or a lost
+delivery), and the per-pod admission streams of a prefill pod that is gone or draining (prompts
+the gateway routed there for its prefix cache). Each entry taken is handled like one this pod
+claimed itself (prefill_svc/commit.py), as far as the held-KV budget has room.
+
+"Dead" is judged from the registry's heartbeats, and only once the pod's own heartbeat loop says
+peers can be judged at all (tandem_core.lifecycle.PeerJudge: after a Redis restart every pod looks
+gone for a heartbeat TTL).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from prefill_svc.settings import PrefillSettings
+from tandem_core import keys, lifecycle
+from tandem_core.bus import admission, groups, reclaim, registry
+
+log = logging.getLogger(__name__)
+
+
+class Takeover:
+    """Finds and takes over dead or draining prefill pods' admission entries, at most every
+    `recover_interval_s` (besides the startup and NOGROUP passes, which include this pod's own)."""
+
+    def __init__(self, settings: PrefillSettings, r: aioredis.Redis, worker_id: str, room: Callable[[], int],
+                 handle: Callable[[groups.Claimed], Awaitable[None]],
+                 peers: lifecycle.PeerJudge | None = None) -> None:
+        self.s, self.r, self.worker_id = settings, r, worker_id
+        self.room, self.handle = room, handle  # budget room (prompts), and how a taken entry is handled
+        # whether a missing heartbeat means a dead peer yet (None: always)
+        self.peers = peers
+        self.reclaimer = reclaim.Reclaimer(r, keys.PREFILL_GROUP, worker_id,
+                                           stale_self_ms=int(settings.stale_pending_s * 1000),
+                                           limit=settings.reclaim_batch, min_idle_ms=settings.reclaim_min_idle_ms)
+        self._last = 0.0
+
+    def own_stream(self, prio: str, shard: int) -> str:
+        return keys.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
+
+    async def run(self, include_self: bool = False) -> None:
+        """Take over admission entries claimed by a dead pod (never acked), and the per-pod streams
+        of a dead or draining pod, budget permitting. Never raises: the next round looks again."""
+        now = time.monotonic()
+        if not include_self and now - self._last < self.s.recover_interval_s:
+            return
+        self._last = now
+        try:
+            for shard in keys.all_shards():
+                for prio in keys.PRIORITIES:
+                    for stream in (keys.admission_stream(self.s.pool, prio, shard), self.own_stream(prio, shard)):
+                        await self.reclaim_pending(stream, include_self)
+            await self._adopt_orphans()
+        except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
+            log.warning("reclaim failed: %s", e)
+
+    async def reclaim_pending(self, stream: str, include_self: bool) -> None:
+        """The entries of `stream` pending to dead consumers (and this pod's own lost or, with
+        `include_self`, all of its own), as many as the budget has room for."""
+        claimed, _n = await self.reclaimer.take(stream, lambda found: min(found, self.room()), include_self,
+                                                others=self._peers_trusted())
+        # (own stale entries are re-claimed too: XCLAIM resets their idle time)
+        for c in claimed:
+            log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
+            await self.handle(c)
+
+    def _peers_trusted(self) -> bool:
+        return self.peers is None or self.peers.trusted
+
+    async def _adopt_orphans(self) -> None:
+        """Prompts routed to a prefill pod that is gone or draining: read them here; once a dead
+        pod's streams are empty they and its set entry go, atomically (a gateway's routed XADD
+        re-adds the entry in the same transaction, so none is stranded)."""
+        if not self._peers_trusted():
+            return  # right after a Redis restart every pod looks gone
+        live = {w["id"]: w for w in await registry.list_workers(self.r) if w["role"] == "prefill"}
+        for wid in await admission.pod_stream_owners(self.r, self.s.pool):
+            if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
+                continue
+            for stream in [keys.pod_admission_stream(self.s.pool, prio, wid, shard)
+                           for shard in keys.all_shards() for prio in keys.PRIORITIES]:
+                if wid not in live:
+                    await self.reclaim_pending(stream, False)
+                room = self.room()
+                if room and await self.r.exists(stream):
+                    await groups.ensure_group(self.r, stream, keys.PREFILL_GROUP)  # re-created by a late XADD
+                    for c in await groups.claim(self.r, [stream], keys.PREFILL_GROUP, self.worker_id, room, None):
+                        log.info("took admission entry %s routed to prefill pod %s (gone or draining)", c.entry_id, wid)
+                        await self.handle(c)
+            if wid not in live:
+                await admission.forget_pod_streams(self.r, self.s.pool, wid)
