@@ -32,7 +32,7 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
             continue
         if wid != me and (not io.peers.trusted or await registry.worker_alive(r, wid)):
             continue
-        if not await r.set(keys.recovering_key(wid), me, nx=True, ex=30):
+        if not await r.set(keys.recovering_key(wid), me, nx=True, ex=io.s.recovering_lock_ttl_s):
             continue  # another pod is on it
         try:
             for rid, req in (await reclaim.running_requests(r, wid)).items():
@@ -51,17 +51,17 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
         entries = await reclaim.dead_consumer_entries(
             io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self,
             stale_self_ms=int(io.s.stale_pending_s * 1000),
-            busy={eid for name, eid in io.busy_entries if name == stream}, others=io.peers.trusted)
+            busy=io.table.busy_entries(stream), others=io.peers.trusted)
         if not entries:
             continue
         n = io.table.reserve(len(entries))
-        started = io.resync.started  # (DecodeIO._dispatch: a reconcile begun after this counts)
+        started = io.resync.started  # (Claims.dispatch: a reconcile begun after this counts)
         claimed = await reclaim.claim_ids(io.r, stream, keys.DECODE_GROUP, io.worker_id,
                                           [eid for _c, eid in entries[:n]], min_idle_ms=0 if include_self else 1000)
         io.table.unreserve(n - len(claimed))
         for c in claimed:
             log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
-            await io._dispatch(c, keys.DECODE_GROUP, started)
+            await io.claims.dispatch(c, keys.DECODE_GROUP, started)
         got += len(claimed)
     return got
 

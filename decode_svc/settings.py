@@ -26,3 +26,8 @@ class DecodeSettings(WorkerSettings):
     admission_maxlen: PositiveInt = 10000
     resync_window_s: PositiveFloat = 5.0  # own writes kept to write again to a Redis that lost them
     publish_retries: PositiveInt = 30  # ~1 minute of retries through a Redis restart
+    output_queue_size: PositiveInt = 64  # steps' tokens waiting for the publisher; full = the engine waits
+    publish_coalesce_steps: PositiveInt = 32  # queued steps written in one round trip when Redis is behind
+    kv_channels_max: PositiveInt = 64  # gRPC channels to prefill pods kept open (oldest closed past it)
+    finished_ids_max: PositiveInt = 10000  # ids of requests finished here, kept for a replay's sake
+    recovering_lock_ttl_s: PositiveInt = 30  # one pod at a time resumes a dead pod's requests, for at most this

@@ -3,14 +3,14 @@ KV server, real engine). Sampled from Redis while a backlog of 12 ready notices 
 from __future__ import annotations
 
 import asyncio
-import queue
 
 import pytest
 
-from decode_svc.app import DecodeIO
+from decode_svc.bridge import Bridge
+from decode_svc.io import DecodeIO
 from decode_svc.loop import EngineLoop
+from decode_svc.requests import RequestTable
 from decode_svc.settings import DecodeSettings
-from decode_svc.slots import SlotTable
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
 from tandem_core import grpc_util, keys
@@ -65,20 +65,17 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
 
     s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
                        pool=pool, slots=SLOTS, claim_block_ms=50)
-    table = SlotTable(SLOTS)
-    inserts, outputs = queue.Queue(SLOTS), queue.Queue(64)
-    loop = asyncio.get_running_loop()
-    holder = {}
-    eloop = EngineLoop(engine, table, inserts, outputs, lambda: holder["io"].notify_slot_freed(loop))
-    io = DecodeIO(s, r, table, eloop, inserts, outputs, "decode-test")
-    holder["io"] = io
+    table = RequestTable(SLOTS)
+    bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
+    eloop = EngineLoop(engine, table, bridge)
+    io = DecodeIO(s, r, table, eloop, bridge, "decode-test")
     stop, done = asyncio.Event(), asyncio.Event()
     eloop.start()
-    tasks = [asyncio.create_task(io.claim_loop(stop)), asyncio.create_task(io.publish_loop(done))]
+    tasks = [asyncio.create_task(io.claims.claim_loop(stop)), asyncio.create_task(io.publisher.publish_loop(done))]
     peak_redis = peak_table = 0
     try:
         for _ in range(400):
-            peak_table = max(peak_table, table.used + table.reserved)
+            peak_table = max(peak_table, table.used + table.pending)
             peak_redis = max(peak_redis, await _claimed_unacked(r, pool))
             finished = 0
             for i in range(N):
@@ -96,7 +93,7 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
         await tasks[1]
         await io.puller.close()
         await server.stop(None)
-    # The pod's own accounting (running + reserved for pulls) and what Redis saw delivered.
+    # The pod's own accounting (running + on their way to a slot) and what Redis saw delivered.
     assert 1 <= peak_table <= SLOTS
     assert peak_redis <= SLOTS, f"decode claimed {peak_redis} ready entries with {SLOTS} slots"
     # Every request produced indices 1..MAX_TOKENS-1 exactly once, in order.

@@ -5,14 +5,14 @@ back is written again once it has, so the relay gets no gap to wait on."""
 from __future__ import annotations
 
 import asyncio
-import queue
 
 import redis.asyncio as aioredis
 
 from decode_svc.io import DecodeIO
-from decode_svc.loop import Emitted
+from decode_svc.bridge import Bridge
+from decode_svc.items import Emitted
+from decode_svc.requests import RequestTable
 from decode_svc.settings import DecodeSettings
-from decode_svc.slots import SlotTable
 from tandem.redis_proc import RedisProcess
 from tandem_core import keys
 from tandem_core.settings import EngineConfig, RedisConfig
@@ -28,14 +28,14 @@ async def test_a_step_refused_while_the_reconcile_replays_is_written_again():
     r = aioredis.Redis.from_url(proc.url)
     s = DecodeSettings(redis=RedisConfig(url=proc.url), engine=EngineConfig(model="tiny", max_len=64),
                        pool="resync", slots=2)
-    io = DecodeIO(s, r, SlotTable(2), None, queue.Queue(2), queue.Queue(8), "decode-r")
+    io = DecodeIO(s, r, RequestTable(2), None, Bridge(2, 8), "decode-r")
     try:
         await io.owned.load()
         assert not await io.resync.current()  # the first Redis: learnt, nothing to reconcile
         req = GenerationRequest("req-r", [256, 65], 8)
         await io.owned.own(req)
         io.journal.add("own", [req])
-        assert await io._publish_fenced([Emitted("req-r", 1, 70)]) == set()
+        assert await io.publisher.publish_fenced([Emitted("req-r", 1, 70)]) == set()
 
         proc.stop()
         proc.start()  # a new run_id, and the running hash is gone with the rest
@@ -52,13 +52,13 @@ async def test_a_step_refused_while_the_reconcile_replays_is_written_again():
             await asyncio.sleep(0.005)
         # This step reaches Redis before the running field is back: the fence refuses it at
         # first; it is not another pod's, so it must end up written, not dropped.
-        assert await io._publish_fenced([Emitted("req-r", 2, 71)]) == set()
+        assert await io.publisher.publish_fenced([Emitted("req-r", 2, 71)]) == set()
         assert await reconcile
         assert await _indices(r, "req-r") == [1, 2]
 
         # A refusal on the same Redis, with no reconcile since, is a real fence: reported.
         await io.owned.disown("req-r")
-        assert await io._publish_fenced([Emitted("req-r", 3, 72)]) == {"req-r"}
+        assert await io.publisher.publish_fenced([Emitted("req-r", 3, 72)]) == {"req-r"}
         assert await _indices(r, "req-r") == [1, 2]
     finally:
         await io.puller.close()
@@ -75,7 +75,7 @@ async def _restarted_mid_replay(proc, r, io, req_id: str):
     req = GenerationRequest(req_id, [256, 65], 5)
     await io.owned.own(req)
     io.journal.add("own", [req])
-    assert await io._publish_fenced([Emitted(req_id, i, 70 + i) for i in (1, 2, 3)]) == set()
+    assert await io.publisher.publish_fenced([Emitted(req_id, i, 70 + i) for i in (1, 2, 3)]) == set()
     proc.stop()
     proc.start()
     await r.connection_pool.disconnect()
@@ -96,7 +96,7 @@ async def _restarted_mid_replay(proc, r, io, req_id: str):
 def _io(proc, r, pool: str) -> DecodeIO:
     s = DecodeSettings(redis=RedisConfig(url=proc.url), engine=EngineConfig(model="tiny", max_len=64),
                        pool=pool, slots=2)
-    return DecodeIO(s, r, SlotTable(2), None, queue.Queue(2), queue.Queue(8), "decode-r")
+    return DecodeIO(s, r, RequestTable(2), None, Bridge(2, 8), "decode-r")
 
 
 async def test_a_finish_waits_for_the_replay_so_earlier_tokens_are_not_refused():
@@ -108,7 +108,7 @@ async def test_a_finish_waits_for_the_replay_so_earlier_tokens_are_not_refused()
     io = _io(proc, r, "resync-finish")
     try:
         reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-f")
-        publish = asyncio.create_task(io._publish_fenced([Emitted("req-f", 4, 74, "length")]))
+        publish = asyncio.create_task(io.publisher.publish_fenced([Emitted("req-f", 4, 74, "length")]))
         await asyncio.sleep(0.2)
         assert not publish.done()  # held until the replay is over
         go_on.set()
@@ -131,15 +131,15 @@ async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written
     try:
         reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-u")
         finish = [("req-u", 4, 74, "length", None, None, None)]
-        io._note_finished(finish, await io._write_tokens(finish))  # the write in flight
-        assert "req-u" in io.finished_here and not await r.hexists(keys.running_key("decode-r", 0), "req-u")
+        io.publisher.note_finished(finish, await io.publisher.write_tokens(finish))  # the write in flight
+        assert "req-u" in io.publisher.finished_here and not await r.hexists(keys.running_key("decode-r", 0), "req-u")
         go_on.set()
         assert await reconcile
         assert await _indices(r, "req-u") == [1, 2, 3, 4]
 
         # Refused tokens of a request this pod did not finish are not forced in.
-        io.replay_refused = [("req-x", 1, 71, None, None, None, None)]
-        await io._after_replay()
+        io.publisher.replay_refused = [("req-x", 1, 71, None, None, None, None)]
+        await io.publisher.after_replay()
         assert await _indices(r, "req-x") == []
     finally:
         await io.puller.close()

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
+from decode_svc.bridge import Bridge
 from decode_svc.loop import EngineLoop, Insert, LocalPrefill
-from decode_svc.slots import SlotTable
+from decode_svc.requests import RequestTable
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
 
@@ -50,11 +51,17 @@ def _collect(outputs: queue.Queue, want_finished: int, timeout_s: float) -> dict
 
 
 def _start(engine, outputs_size=64, pipelined=True):
-    table = SlotTable(SLOTS)
-    inserts, outputs = queue.Queue(SLOTS), queue.Queue(outputs_size)
-    loop = EngineLoop(engine, table, inserts, outputs, lambda: None, pipelined=pipelined)
+    table = RequestTable(SLOTS)
+    bridge = Bridge(SLOTS, outputs_size)  # no event loop to wake: the test reads the queues
+    loop = EngineLoop(engine, table, bridge, pipelined=pipelined)
     loop.start()
-    return loop, table, inserts, outputs
+    return loop, table, bridge.inserts, bridge.outputs
+
+
+def _seat(table: RequestTable, rid: str) -> int:
+    """What the I/O side does before it hands the engine an item: a ticket, then a claimed record."""
+    assert table.reserve(1) == 1
+    return table.claim(rid)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -62,13 +69,12 @@ def _start(engine, outputs_size=64, pipelined=True):
 def test_every_step_gets_its_answer_no_deadlock(engine, max_tokens, pipelined):
     loop, table, inserts, outputs = _start(engine, pipelined=pipelined)
     try:
-        table.reserve(1)
         req = _req(f"r{max_tokens}", max_tokens)
-        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req, _seat(table, req.request_id)))
         got = _collect(outputs, 1, timeout_s=30)
         # Index 0 came from prefill; decode emits 1..max_tokens-1, the last one finishing.
         assert got[req.request_id] == [(i, None) for i in range(1, max_tokens - 1)] + [(max_tokens - 1, "length")]
-        assert table.used == 0 and table.reserved == 0
+        assert table.used == 0 and table.pending == 0
     finally:
         loop.stop()
     assert loop.error is None
@@ -84,10 +90,11 @@ def test_slow_publisher_and_waiting_inserts_no_livelock(engine):
         for r in reqs:
             while table.reserve(1) == 0:
                 time.sleep(0.005)
+            key = table.claim(r.request_id)
             if int(r.request_id[1:]) % 2:
-                inserts.put(LocalPrefill(r, ("s", "g", b"0-1")))
+                inserts.put(LocalPrefill(r, ("s", "g", b"0-1"), key))
             else:
-                inserts.put(Insert(engine.export_prefix(engine.prefill(r.prompt_ids, r.sampling)), r))
+                inserts.put(Insert(engine.export_prefix(engine.prefill(r.prompt_ids, r.sampling)), r, key))
 
     t = threading.Thread(target=feeder)
     t.start()
@@ -119,10 +126,9 @@ def test_resumed_request_runs_to_max_tokens_not_to_a_double_counted_context(engi
     60 tokens in all: position 12 + 51 = 63 is the last of max_len 64)."""
     loop, table, inserts, outputs = _start(engine)
     try:
-        table.reserve(1)
         base = [256, 70, 71, 72]
         req = GenerationRequest("resumed", base + [65] * 8, 60, SamplingParams(), ignore_eos=True, start_index=8)
-        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req, _seat(table, "resumed")))
         got = _collect(outputs, 1, timeout_s=30)
         assert [i for i, _f in got["resumed"]] == list(range(9, 60))
         assert got["resumed"][-1][1] == "length"
@@ -135,9 +141,8 @@ def test_local_prefill_of_n_choices_waits_for_slots_and_never_overfills(engine):
     frees, claims see no room meanwhile, and every choice finishes with all its tokens."""
     loop, table, inserts, outputs = _start(engine)
     try:
-        assert table.reserve(1) == 1
         req = GenerationRequest("multi", [256, 70, 71, 72], 5, SamplingParams(temperature=1.0, seed=3), n=3)
-        inserts.put(LocalPrefill(req, ("s", "g", b"1-0")))
+        inserts.put(LocalPrefill(req, ("s", "g", b"1-0"), _seat(table, "multi")))
         seen: dict[str, list] = {}
         deadline = time.monotonic() + 30
         while sum(1 for v in seen.values() if v and v[-1][1]) < 3:
@@ -154,7 +159,7 @@ def test_local_prefill_of_n_choices_waits_for_slots_and_never_overfills(engine):
         assert sorted(seen) == ["multi~0", "multi~1", "multi~2"]
         for rid, toks in seen.items():
             assert [i for i, _ in toks] == list(range(5)) and toks[-1][1] == "length", (rid, toks)
-        assert table.used == 0 and table.reserved == 0
+        assert table.used == 0 and table.pending == 0
     finally:
         loop.stop()
     assert loop.error is None
@@ -168,8 +173,8 @@ def test_logprobs_ride_with_their_tokens_and_others_are_untouched(engine):
     try:
         with_lp = GenerationRequest("lp", [256, 70, 71, 72], 6, SamplingParams(logprobs=2), ignore_eos=True)
         for req in (with_lp, _req("plain", 6)):
-            table.reserve(1)
-            inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+            inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req,
+                               _seat(table, req.request_id)))
         got: dict[str, list] = {}
         deadline = time.monotonic() + 30
         while sum(1 for v in got.values() if v[-1].finish) < 2:
@@ -188,8 +193,8 @@ def test_logprobs_ride_with_their_tokens_and_others_are_untouched(engine):
 def _run_one(engine, req) -> list[int]:
     loop, table, inserts, outputs = _start(engine)
     try:
-        table.reserve(1)
-        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req))
+        inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req,
+                           _seat(table, req.request_id)))
         toks: list[int] = []
         while True:
             for e in outputs.get(timeout=30):
@@ -230,17 +235,22 @@ def _greq(tok, rid: str, seed: int, **kw) -> GenerationRequest:
                              stop_token_ids=list(tok.eos_token_ids), grammar=GRAMMAR, **kw)
 
 
+UNSEATED = 0  # an item's request-table key before `_drive` seats it
+
+
 def _drive(eng, items, pipelined=True, expect_constrained=True) -> dict[str, list]:
     """Run `items` (Insert / LocalPrefill) through a fresh loop; every request's Emitted, in order."""
-    table = SlotTable(G_SLOTS)
-    inserts, outputs = queue.Queue(len(items) + G_SLOTS), queue.Queue(256)
-    loop = EngineLoop(eng, table, inserts, outputs, lambda: None, pipelined=pipelined)
+    table = RequestTable(G_SLOTS)
+    bridge = Bridge(len(items) + G_SLOTS, 256)
+    inserts, outputs = bridge.inserts, bridge.outputs
+    loop = EngineLoop(eng, table, bridge, pipelined=pipelined)
     loop.start()
     got: dict[str, list] = {}
     try:
         for it in items:
             while table.reserve(1) == 0:
                 time.sleep(0.005)
+            it.key = table.claim(it.req.request_id)
             inserts.put(it)
         deadline = time.monotonic() + 120
         while sum(1 for v in got.values() if v[-1].finish) < len(items):
@@ -268,13 +278,13 @@ def test_builtin_model_under_a_json_schema_is_valid_ten_times_out_of_ten(builtin
     for i in range(10):
         req = _greq(tok, f"g{i}", seed=100 + i)
         if i % 2:
-            items.append(LocalPrefill(req, ("s", "g", f"0-{i}".encode())))
+            items.append(LocalPrefill(req, ("s", "g", f"0-{i}".encode()), UNSEATED))
         else:  # token 0 is the prefill pod's: it does not come through the loop
             prefix = eng.prefill(req.prompt_ids, req.sampling, **prefill_args(req, grammars))
             firsts[req.request_id] = [prefix.first_token]
-            items.append(Insert(eng.export_prefix(prefix), req))
+            items.append(Insert(eng.export_prefix(prefix), req, UNSEATED))
     items.append(LocalPrefill(GenerationRequest("free", items[1].req.prompt_ids, 12,
-                                                SamplingParams(temperature=1.0, seed=5)), ("s", "g", b"9-9")))
+                                                SamplingParams(temperature=1.0, seed=5)), ("s", "g", b"9-9"), UNSEATED))
     got = _drive(eng, items)
     for i in range(10):
         ems = got[f"g{i}"]
@@ -282,7 +292,7 @@ def test_builtin_model_under_a_json_schema_is_valid_ten_times_out_of_ten(builtin
         toks = firsts.get(f"g{i}", []) + [e.token for e in ems]
         assert len(toks) <= 64
         _valid_person(tok.decode(toks))
-    alone = _drive(eng, [LocalPrefill(items[-1].req, ("s", "g", b"9-9"))], expect_constrained=False)
+    alone = _drive(eng, [LocalPrefill(items[-1].req, ("s", "g", b"9-9"), UNSEATED)], expect_constrained=False)
     assert [e.token for e in got["free"]] == [e.token for e in alone["free"]]
 
 
@@ -294,18 +304,18 @@ def test_resumed_constrained_request_stays_valid(builtin, via):
     from tandem_core.grammar import Grammars
     from tandem_core.sampling_args import prefill_args
     eng, tok = builtin
-    whole = _drive(eng, [LocalPrefill(_greq(tok, "whole", seed=7), ("s", "g", b"0-1"))])["whole"]
+    whole = _drive(eng, [LocalPrefill(_greq(tok, "whole", seed=7), ("s", "g", b"0-1"), UNSEATED)])["whole"]
     streamed = [e.token for e in whole[:5]]
     base = _greq(tok, "x", 0).prompt_ids
     items, firsts = [], {}
     for seed in (8, 9):
         req = _greq(tok, f"res{seed}", seed=seed, prompt_ids=base + streamed, start_index=5)
         if via == "local":
-            items.append(LocalPrefill(req, ("s", "g", f"1-{seed}".encode())))
+            items.append(LocalPrefill(req, ("s", "g", f"1-{seed}".encode()), UNSEATED))
             continue
         prefix = eng.prefill(req.prompt_ids, req.sampling, **prefill_args(req, Grammars(eng.info)))
         firsts[req.request_id] = [prefix.first_token]  # token 5: the prefill pod's, not the loop's
-        items.append(Insert(eng.export_prefix(prefix), req))
+        items.append(Insert(eng.export_prefix(prefix), req, UNSEATED))
     got = _drive(eng, items)
     for rid, ems in got.items():
         assert ems[-1].finish == "stop", [(e.index, e.token, e.finish, e.error) for e in ems]
@@ -321,7 +331,7 @@ def test_bad_resume_fails_that_request_only(builtin):
     bad = _greq(tok, "bad", seed=1, prompt_ids=base + tok.encode("hello", add_special_tokens=False), start_index=1)
     plain = GenerationRequest("plain", base, 6, SamplingParams(), ignore_eos=True)
     prefix = eng.prefill(bad.prompt_ids, bad.sampling)  # as a pod that did not mask would have
-    got = _drive(eng, [Insert(eng.export_prefix(prefix), bad), LocalPrefill(plain, ("s", "g", b"2-0"))],
+    got = _drive(eng, [Insert(eng.export_prefix(prefix), bad, UNSEATED), LocalPrefill(plain, ("s", "g", b"2-0"), UNSEATED)],
                  expect_constrained=False)
     assert got["bad"][-1].finish == "error" and "grammar" in got["bad"][-1].error
     assert [e.index for e in got["plain"]] == list(range(6)) and got["plain"][-1].finish == "length"
@@ -332,10 +342,9 @@ def test_complete_grammar_forces_eos_and_stop_even_with_ignore_eos(engine):
     the complete grammar ends the request with EOS, "stop", logprob 0 (certain), without a step."""
     loop, table, inserts, outputs = _start(engine)
     try:
-        table.reserve(1)
         req = GenerationRequest("forced", [256, 70, 71], 20, SamplingParams(temperature=1.0, seed=2, logprobs=1),
                                 ignore_eos=True, grammar={"kind": "choice", "choices": ["ab"]})
-        inserts.put(LocalPrefill(req, ("s", "g", b"3-0")))
+        inserts.put(LocalPrefill(req, ("s", "g", b"3-0"), _seat(table, "forced")))
         got: list = []
         deadline = time.monotonic() + 60
         while not (got and got[-1].finish):

@@ -1,0 +1,182 @@
+"""How work reaches a decode pod: claims for free slots, then a pull or a local prefill.
+
+`claim_loop` takes tickets for the free slots (decode_svc/requests.py), then claims that many
+entries from, in order: the ready stream (prefilled elsewhere: pull the KV), the direct stream
+(short prompts the gateway routed here), and in colocated mode the admission streams (priority
+order with anti-starvation). Nothing is claimed while no slot is free: the JetStream rule,
+cluster-wide. Each claimed entry becomes a record of the request table:
+- a ready notice: PULLING (its KV over gRPC), then owned in this pod's running hash, QUEUED on the
+  bridge, and its entry acked only then, so a crash before leaves it to be reclaimed;
+- a prompt: owned, QUEUED for the engine thread, which prefills it and acks the entry with its first
+  token (decode_svc/publisher.py).
+Every Redis step is retried through an outage while the record keeps its seat.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+
+from decode_svc.bridge import Bridge
+from decode_svc.items import Insert, LocalPrefill
+from decode_svc.publisher import Publisher
+from decode_svc.puller import KVPuller
+from decode_svc.requests import RequestTable, Stage
+from decode_svc.resync import Journal, Resync
+from decode_svc.settings import DecodeSettings
+from tandem_core import keys
+from tandem_core.bus import conn, groups, ready, token_stream
+from tandem_core.errors import KVTransferFailed, TandemError
+from tandem_core.scheduling import PriorityRotation
+from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+class Claims:
+    def __init__(self, s: DecodeSettings, r, worker_id: str, table: RequestTable, bridge: Bridge,
+                 owned: token_stream.OwnedPublisher, journal: Journal, publisher: Publisher, resync: Resync,
+                 resume, engine_failed) -> None:
+        self.s, self.r, self.worker_id, self.table, self.bridge = s, r, worker_id, table, bridge
+        self.owned, self.journal, self.publisher, self.resync = owned, journal, publisher, resync
+        self.resume = resume  # (req, why) -> outcome: prefill again elsewhere from what was streamed
+        self.engine_failed = engine_failed  # () -> bool: the engine thread died, stop claiming
+        self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
+        self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
+        # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
+        self.bell = groups.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
+        self.pulls: set[asyncio.Task] = set()
+        self.pulled = 0
+
+    def _sources(self) -> list[tuple[list[str], str]]:
+        out = []
+        pool, shards = self.s.pool, self.rotation.shard_order()  # (the previous pass's start: fine)
+        if not self.s.colocated:
+            out.append(([keys.ready_stream(pool, s) for s in shards], keys.DECODE_GROUP))
+        if self.s.direct_prefill or self.s.colocated:
+            out.append(([keys.direct_stream(pool, s) for s in shards], keys.DECODE_GROUP))
+        if self.s.colocated:
+            out.append((self.rotation.next_order(), keys.PREFILL_GROUP))
+        return out
+
+    async def claim_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set() and not self.engine_failed():
+            n = self.table.reserve(self.table.slots)  # pull only for slots that are free
+            if n == 0:
+                await self.bridge.wait_slot_freed(0.1)
+                continue
+            started = self.resync.started  # before the claim: a reconcile during it counts too
+            try:
+                got = await self._claim(n)
+            except Exception as e:  # noqa: BLE001 - Redis blip: retry
+                self.table.unreserve(n)
+                log.warning("claim failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            self.table.unreserve(n - len(got))
+            for c, group in got:
+                try:
+                    await self.dispatch(c, group, started)
+                except Exception:  # noqa: BLE001 - one bad entry must not stop the claim loop
+                    log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
+
+    async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
+        """Up to `n` entries: one non-blocking pass over every source in order; if that finds
+        nothing, wait briefly on all streams of the first source's group at once, and return
+        (claim_loop's next pass claims what woke it)."""
+        got: list[tuple[groups.Claimed, str]] = []
+        sources = self._sources()
+        for names, group in sources:
+            want = n - len(got)
+            if want <= 0:
+                break
+            got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
+        if not got:
+            group = sources[0][1]
+            names = [s for ns, g in sources if g == group for s in ns]
+            await groups.wait(self.r, names, self.s.claim_block_ms, self.bell)
+        return got
+
+    async def dispatch(self, c: groups.Claimed, group: str, started: int | None = None) -> None:
+        """Start one claimed entry. The caller holds a ticket for it, which this spends (or gives
+        back); after that every failure is handled here. `started`: the reconciles begun
+        (Resync.started) before it was claimed (default: now)."""
+        started = self.resync.started if started is None else started
+        try:
+            notice = ready.ReadyNotice.from_json(c.fields["notice"]) if "notice" in c.fields else None
+            req = notice.request if notice is not None else GenerationRequest.from_json(c.fields["req"])
+        except Exception:
+            self.table.unreserve()
+            raise
+        key = self.table.claim(req.request_id, (c.stream, c.entry_id))
+        if key is None:  # delivered again while still being worked on here
+            return
+        if notice is not None:
+            task = asyncio.create_task(self._pull_one(c, notice, key, started))
+            self.pulls.add(task)
+            task.add_done_callback(self.pulls.discard)
+            return
+        owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
+        try:
+            await conn.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
+        except BaseException:
+            self.table.drop(key)
+            self.table.entry_done((c.stream, c.entry_id))
+            raise
+        self.journal.add("own", owned)
+        self.table.advance(key, Stage.QUEUED)
+        # Never full: the queue holds at least `slots` items and every item holds a seat.
+        self.bridge.put_insert(LocalPrefill(req, (c.stream, group, c.entry_id), key))
+
+    async def _pull_one(self, c: groups.Claimed, notice: ready.ReadyNotice, key: int, started: int) -> None:
+        """Pull, own, queue, ack. Each Redis step is retried through an outage; the record keeps
+        its seat meanwhile, and the entry is acked only once the request is safely owned."""
+        req, retry = notice.request, conn.retry_redis
+        try:
+            if not self.table.advance(key, Stage.PULLING):  # cancelled since it was claimed
+                await self.puller.release(notice)
+                await self._cancelled(key, req)
+            else:
+                payload = await self.puller.pull(notice, self.s.pull_timeout_s)
+                self.pulled += 1
+                if self.table.cancelled(key):  # the client left during the pull
+                    await self._cancelled(key, req)
+                else:
+                    payload.first_token = notice.first_token  # choice i of n shares the KV, not token 0
+                    await self._own(req, notice.first_token, started)
+                    self.table.advance(key, Stage.QUEUED)
+                    self.bridge.put_insert(Insert(payload, req, key))
+        except KVTransferFailed as e:
+            # The prefill pod is gone (or its KV is): prefill again from what was streamed.
+            why = f"KV pull failed: {e.message}"
+            log.warning("pull failed request_id=%s: %s; resuming", req.request_id, why)
+            self.table.drop(key)
+            await retry(lambda: self.resume(req, why), "resume", log=log)
+        except (TandemError, queue.Full) as e:
+            msg = e.message if isinstance(e, TandemError) else "insert queue full"
+            log.warning("insert failed request_id=%s: %s", req.request_id, msg)
+            self.table.drop(key)
+            await retry(lambda: self.owned.disown(req.request_id), "disown")
+            self.journal.add("disown", req.request_id)
+            await retry(lambda: self.publisher.finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
+        await retry(lambda: groups.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
+        self.journal.add("ack", (c.stream, keys.DECODE_GROUP, c.entry_id))
+        self.table.entry_done((c.stream, c.entry_id))
+
+    async def _own(self, req: GenerationRequest, first_token: int, started: int) -> None:
+        """Own before the ack: from here a crash is recovered from the running hash."""
+        retry = conn.retry_redis
+        await retry(lambda: self.owned.own(req), "own", log=log)
+        self.journal.add("own", [req])
+        log.debug("pulled and owned request_id=%s (from index %d)", req.request_id, req.start_index)
+        # and the first token, which the prefill pod wrote: a Redis that lost that write (and the
+        # admission) gets it back from here, since no one else still has it
+        first = [(req.request_id, req.start_index, first_token, None, None, None, None)]
+        self.journal.add("tokens", (first, []))
+        if self.resync.missed_since(started):  # read from a Redis gone since: its replay may miss it
+            await retry(lambda: self.publisher.write_tokens(first), "first token again", log=log)
+
+    async def _cancelled(self, key: int, req: GenerationRequest) -> None:
+        self.table.drop(key)
+        await conn.retry_redis(
+            lambda: self.publisher.finish(req.request_id, req.start_index + 1, FINISH_CANCELLED), "finish")

@@ -1,0 +1,85 @@
+"""Grammar masks for the decode engine thread (structured outputs, tandem_core/grammar.py).
+
+Each constrained slot keeps a Matcher, rebuilt at insert from the output so far (prompt_ids
+[output_from:], then token `start_index`), so a request resumed on another pod carries on where its
+stream left off. Before a masked step the thread feeds the pending step's tokens to the matchers
+(the loop runs unpipelined meanwhile) and `masks` computes the next step's masks. A complete grammar
+finishes its request with EOS ("stop") without another step; a matcher error finishes that request
+with "error", never the loop. Matchers live with their slot: `forget` drops one when it is freed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from decode_svc.items import Emitted
+from decode_svc.requests import Active
+from tandem_core.grammar import GrammarError, Grammars, Matcher
+from tandem_core.types import FINISH_ERROR, FINISH_STOP, GenerationRequest, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+
+class SlotGrammars:
+    def __init__(self, info, cache_size: int, mask_deadline_s: float) -> None:
+        self.grammars = Grammars(info, cache_size=cache_size, deadline_s=mask_deadline_s)
+        self._words = (info.vocab_size + 31) // 32
+        self._matchers: dict[int, Matcher] = {}  # slot -> its request's matcher, while it lives
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def matcher_for(self, req: GenerationRequest, first_token: int) -> Matcher | None:
+        """The request's matcher past its output so far (None: unconstrained); raises TandemError."""
+        if req.grammar is None:
+            return None
+        return self.grammars.matcher(req.grammar, [*req.prompt_ids[req.output_from:], first_token])
+
+    def attach(self, slot: int, matcher: Matcher | None) -> None:
+        if matcher is not None:
+            self._matchers[slot] = matcher
+
+    def get(self, slot: int) -> Matcher | None:
+        return self._matchers.get(slot)
+
+    def forget(self, slot: int) -> None:
+        self._matchers.pop(slot, None)
+
+    def masks(self, running: list[Active], rows: int) -> tuple[np.ndarray, list[Emitted], list[Active], float]:
+        """(masks [rows, words], what finished the grammar or failed it, the slots to free, host
+        seconds spent). Requests whose grammar is complete emit EOS, certain under the grammar."""
+        t0 = time.perf_counter()
+        out: list[Emitted] = []
+        done: list[Active] = []
+        masks = np.full((rows, self._words), -1, np.int32)
+        for act in running:
+            m = self._matchers.get(act.slot)
+            if m is None:
+                continue
+            try:
+                if not m.done():
+                    m.mask_into(masks[act.slot])
+                    continue
+                k = act.req.sampling.logprobs  # EOS is certain under the grammar: logprob 0
+                lp = TokenLogprobs(0.0, ((m.eos, 0.0),)[:k]).encode() if k is not None else None
+                out.append(Emitted(act.req.request_id, act.next_index, m.eos, FINISH_STOP, logprobs=lp))
+            except GrammarError as e:
+                log.warning("grammar failed request_id=%s: %s", act.req.request_id, e.message)
+                out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_ERROR, error=e.message))
+            done.append(act)
+        return masks, out, done, time.perf_counter() - t0
+
+    def consume(self, slot: int, token: int) -> tuple[str | None, bool]:
+        """Feed a sampled token to the slot's matcher: (why the grammar rejected it or None,
+        whether the token is the EOS that completes the grammar)."""
+        m = self._matchers.get(slot)
+        if m is None:
+            return None, False
+        try:
+            m.consume(token)
+        except GrammarError as e:
+            return e.message, False
+        return None, m.done() and token == m.eos
+

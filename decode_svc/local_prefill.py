@@ -1,0 +1,51 @@
+"""A prompt the decode pod prefills itself (colocated mode, or a short prompt routed direct).
+
+JetStream's interleaving on one pod: the engine thread prefills between two decode steps (the I/O
+side claims a prompt only for a free slot, so a full pod keeps decoding and prefills nothing), then
+publishes token `start_index` of every choice and queues the choices that go on for slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decode_svc.items import Emitted, LocalPrefill
+from tandem_core.grammar import Grammars
+from tandem_core.sampling_args import first_finish, prefill_args
+from tandem_core.types import FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
+from tandem_engine.prefix_cache import PrefixCache
+from tandem_engine.prefix_cache import prefill as cached_prefill
+
+
+@dataclass
+class Prefilled:
+    prefix: object  # the engine's Prefix: every choice's KV and first token
+    emitted: list[Emitted]  # every choice's first token (the last carries the entry's ack)
+    going: list[tuple[GenerationRequest, int]]  # (choice, first token) of those that go on
+
+
+def prefill_here(engine, cache: PrefixCache, grammars: Grammars, item: LocalPrefill) -> Prefilled:
+    """Prefill the prompt (over a cached prefix where there is one); raises TandemError."""
+    req = item.req
+    prefix, _ = cached_prefill(engine, cache, req.prompt_ids, req.sampling, **prefill_args(req, grammars))
+    prompt_lp = None
+    if req.prompt_logprobs is not None and req.start_index == 0:
+        prompt_lp = encode_prompt_logprobs(engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))
+    choices = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]
+    out, going = [], []
+    for c, first, lp in zip(choices, prefix.first_tokens, prefix.first_logprobs):
+        finish = first_finish(c, first, prefix.true_length, engine.max_len)
+        out.append(Emitted(c.request_id, c.start_index, first, finish, logprobs=lp.encode() if lp is not None else None))
+        if finish is None:
+            going.append((c, first))
+    if prompt_lp is not None:  # the index -1 entry, before token 0 (see token_stream.add_prompt_logprobs)
+        out.insert(0, Emitted(choices[0].request_id, -1, -1, prompt_logprobs=prompt_lp))
+    out[-1].ack = item.ack  # acknowledged once every choice's first token is written
+    return Prefilled(prefix, out, going)
+
+
+def failed(item: LocalPrefill, message: str) -> list[Emitted]:
+    """Every choice fails with `message`; the last carries the entry's ack."""
+    req = item.req
+    ids = choice_ids(req.request_id, req.n)
+    return [Emitted(rid, req.start_index, -1, FINISH_ERROR, error=message, ack=item.ack if rid == ids[-1] else None)
+            for rid in ids]

@@ -1,0 +1,208 @@
+"""The decode pod's writes to Redis: each step's tokens, finishes, and this pod's journal.
+
+`publish_loop` drains the bridge's outputs: one round trip per step (one fenced script call per
+shard, plus the acks of the direct entries whose first token the step carries), or for every step
+queued meanwhile when Redis is the slower side (FIFO, one pipeline: order is kept). A write refused
+by the fence means another pod owns the request now: the engine drops it silently. Every write goes
+into the journal, which `decode_svc/resync.py` writes again to a Redis that came back without it;
+`rewrite` and `after_replay` are the replay's two halves on this side.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from decode_svc.bridge import Bridge
+from decode_svc.requests import RequestTable
+from decode_svc.resync import Journal, Resync
+from decode_svc.settings import DecodeSettings
+from tandem_core import keys
+from tandem_core.bus import conn, groups, token_stream
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, s: DecodeSettings, r: aioredis.Redis, owned: token_stream.OwnedPublisher, journal: Journal,
+                 table: RequestTable, bridge: Bridge, on_lost) -> None:
+        self.s, self.r, self.owned, self.journal, self.table, self.bridge = s, r, owned, journal, table, bridge
+        self.on_lost = on_lost  # requests the fence refused: the engine drops them (silently)
+        self.resync: Resync | None = None  # set by DecodeIO (it needs this publisher's rewrite)
+        # Requests whose finish this pod wrote while it owned them (rid -> when), for a replay's
+        # sake: Redis may have lost their earlier tokens, whose rewrite the fence would refuse
+        # once the finish removed the field; bounded, and kept twice the journal's window.
+        self.finished_here: OrderedDict[str, float] = OrderedDict()
+        self.replay_refused: list = []  # journal token items the fence refused in the replay running
+
+    async def finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
+        """A finish entry (no token) for a request that ends before or outside the engine."""
+        await self._write_finish(rid, index, reason, error)
+        self.journal.add("finish", (rid, index, reason, error))
+
+    async def _write_finish(self, rid: str, index: int, reason: str, error: str | None) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        token_stream.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error,
+                                finished_ttl_s=self.s.token_finished_ttl_s)
+        await pipe.execute()
+
+    async def write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list[int]:
+        """Token items (and acks) in one round trip; a Redis without the script gets it first.
+        Returns 1 (written) / 0 (fenced off) per item."""
+        try:
+            return await self._execute_tokens(items, acks or [], fenced)
+        except NoScriptError:
+            await self.owned.load()
+            return await self._execute_tokens(items, acks or [], fenced)
+
+    async def publish_loop(self, done: asyncio.Event) -> None:
+        """Drain the engine's outputs; the engine wakes this loop after each step, and the wait's
+        timeout only bounds how late `done` is seen."""
+        while True:
+            batch = self.bridge.take_outputs(self.s.publish_coalesce_steps)
+            if not batch:
+                if done.is_set():
+                    return
+                await self.bridge.wait_output(0.2)
+                continue
+            lost = await self.publish_fenced(batch)
+            if lost:  # another pod took these over while this one was stalled: stop decoding them
+                log.warning("fenced off %d requests now owned elsewhere: %s", len(lost),
+                            sorted({(e.request_id, e.index) for e in batch if e.request_id in lost})[:5])
+                self.journal.add("fenced", lost)
+                self.on_lost(lost)
+
+    async def publish_fenced(self, batch: list) -> set[str]:
+        """Write one batch; the requests whose tokens the fence refused because another pod owns
+        them. A refusal because the Redis that came back lacked this pod's running fields is not
+        one: once the reconcile has put them back, the refused tokens are written again (the
+        batch may have been in flight when the replay took its copy of the journal, and a token
+        never written is a gap the relay waits on until its deadline)."""
+        gen = self.resync.reconciles
+        results = await self._publish(batch)
+        lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
+        if not lost:
+            return lost
+        try:  # a reconcile ran since `gen`, or runs now (this waits for it)
+            changed = await self.resync.current() or self.resync.reconciles != gen
+        except Exception as e:  # noqa: BLE001 - Redis went again: its reconcile replays the journal, batch and all
+            log.warning("could not read Redis's run_id (%s): refused writes wait for the reconcile", e)
+            return set()
+        if not changed:
+            return lost
+        again = [e for e in batch if e.request_id in lost]
+        log.info("writing again %d token entries refused across a Redis change: %s", len(again),
+                 [(e.request_id, e.index, e.finish) for e in again][:8])
+        results = await self._publish(again)
+        return {e.request_id for e, ok in zip(again, results or []) if ok == 0}
+
+    async def _execute_tokens(self, items: list, acks: list, fenced: bool = True) -> list[int]:
+        """One script call per shard for the token items, then the acks: one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        placed = self.owned.add_batch(pipe, items, fenced)
+        for stream, group, entry_id in acks:
+            pipe.xack(stream, group, entry_id)
+            pipe.xdel(stream, entry_id)
+        return placed.results(await pipe.execute())
+
+    async def _publish(self, batch: list) -> list | None:
+        """Write one batch, retrying through a Redis restart; 1 (written) / 0 (fenced off) per
+        entry. Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute`
+        fails, so re-running the old one would write nothing and silently lose the step's tokens."""
+        for attempt in range(self.s.publish_retries):
+            # Never alongside a reconcile's replay: a finish written before the replay has put back
+            # the request's earlier tokens would end its ownership and leave them refused (a gap).
+            await self.resync.wait_idle()
+            try:
+                items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
+                results = await self._execute_tokens(items, acks)
+            except NoScriptError:  # a restarted Redis without the script: load it, write again
+                await conn.retry_redis(self.owned.load, "load publish script", log=log)
+                continue
+            except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
+                log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
+                await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
+                await self._reconcile_if_new()
+                continue
+            for stream, _group, entry_id in acks:
+                self.table.entry_done((stream, entry_id))
+            self.journal.add("tokens", (items, acks))
+            self.note_finished(items, results)
+            return results
+        log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
+                  self.s.publish_retries)
+        return None
+
+    async def _reconcile_if_new(self) -> None:
+        """After a failed write: if Redis came back as another server, reconcile before the
+        retry lands on it (the heartbeat may notice only later)."""
+        try:
+            await self.resync.current()
+        except Exception:  # noqa: BLE001 - still down: the next attempt looks again
+            pass
+
+    def note_finished(self, items: list, results: list) -> None:
+        now = time.monotonic()
+        for it, ok in zip(items, results):
+            if it[3] and ok == 1:  # a finish this pod wrote while it owned the request
+                self.finished_here[it[0]] = now
+        horizon = now - 2 * self.journal.window_s
+        while self.finished_here and (len(self.finished_here) > self.s.finished_ids_max
+                                      or next(iter(self.finished_here.values())) < horizon):
+            self.finished_here.popitem(last=False)
+
+    async def rewrite(self, kind: str, payload, fenced: set[str]) -> None:
+        """Write one journal entry again (resync.py); requests fenced off in the window are left
+        to their new owner."""
+        retry = conn.retry_redis
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("journal again: %s %s", kind, _journal_summary(kind, payload))
+        if kind == "own":
+            reqs = [q for q in payload if q.request_id not in fenced]
+            if reqs:
+                await retry(lambda: self.owned.own(*reqs), "own again")
+        elif kind == "disown":
+            await retry(lambda: self.owned.disown(payload), "disown again")
+        elif kind == "finish":
+            await retry(lambda: self._write_finish(*payload), "finish again")
+        elif kind == "ack":
+            await retry(lambda: groups.ack(self.r, *payload), "ack again")
+        elif kind == "tokens":
+            items, acks = payload
+            items = [it for it in items if it[0] not in fenced]
+            results = await retry(lambda: self.write_tokens(items, acks), "tokens again")
+            self.replay_refused += [it for it, ok in zip(items, results) if ok == 0]
+
+    async def after_replay(self) -> None:
+        """Journal tokens the fence refused during a replay: those of a request this pod has
+        finished since (its finish removed the field, maybe in a write in flight as the replay
+        began) are written without the fence, or the relay would wait on the gap forever; the
+        rest belong to requests another pod owns now."""
+        refused, self.replay_refused = self.replay_refused, []
+        mine = [it for it in refused if it[0] in self.finished_here]
+        have = {rid: await conn.retry_redis(lambda rid=rid: self._streamed_indices(rid), "read tokens")
+                for rid in {it[0] for it in mine}}
+        missing = [it for it in mine if it[1] not in have[it[0]]]  # most survived: only the gaps
+        if missing:
+            log.info("writing %d missing journal tokens of %d requests this pod finished meanwhile", len(missing),
+                     len({it[0] for it in missing}))
+            await conn.retry_redis(lambda: self.write_tokens(missing, fenced=False), "tokens of finished requests")
+        if len(mine) < len(refused):
+            log.warning("journal tokens written again were refused (owned elsewhere): %s",
+                        sorted({it[0] for it in refused if it[0] not in self.finished_here})[:5])
+
+    async def _streamed_indices(self, rid: str) -> set[int]:
+        return {int(f[b"i"]) for _id, f in await self.r.xrange(keys.token_stream(rid))}
+
+
+def _journal_summary(kind: str, payload) -> object:
+    """A journal entry in a log line: request ids, and the index and finish of each token."""
+    if kind == "own":
+        return [q.request_id for q in payload]
+    if kind == "tokens":
+        return [(it[0], it[1], it[3]) for it in payload[0]]
+    return payload
