@@ -26,10 +26,7 @@ SERVICE = "tandem.v1.Decode"
 def build_engine(s: DecodeSettings):
     from tandem_engine import load_engine
 
-    e = s.engine
-    return load_engine(e.model, slots=s.slots, max_len=e.max_len, prefill_buckets=tuple(e.prefill_buckets),
-                       dtype=e.dtype, tp=e.tp, compile_cache_dir=e.compile_cache_dir,
-                       cpu_threads=e.cpu_threads, prefix_chunk=s.prefix_cache.chunk_tokens)
+    return load_engine(**s.engine_kwargs(s.slots))
 
 
 async def _compiled_engine(s: DecodeSettings):

@@ -31,6 +31,7 @@ class Publisher:
     def __init__(self, s: DecodeSettings, r: aioredis.Redis, owned: token_stream.OwnedPublisher, journal: Journal,
                  table: RequestTable, bridge: Bridge, on_lost) -> None:
         self.s, self.r, self.owned, self.journal, self.table, self.bridge = s, r, owned, journal, table, bridge
+        self.bounds = token_stream.StreamBounds.of(s)
         self.on_lost = on_lost  # requests the fence refused: the engine drops them (silently)
         self.resync: Resync | None = None  # set by DecodeIO (it needs this publisher's rewrite)
         # Requests whose finish this pod wrote while it owned them (rid -> when), for a replay's
@@ -45,10 +46,7 @@ class Publisher:
         self.journal.add("finish", (rid, index, reason, error))
 
     async def _write_finish(self, rid: str, index: int, reason: str, error: str | None) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        token_stream.add_tokens(pipe, rid, index, [], reason, self.s.token_ttl_s, self.s.token_maxlen, error=error,
-                                finished_ttl_s=self.s.token_finished_ttl_s)
-        await pipe.execute()
+        await token_stream.write_finish(self.r, [rid], index, reason, self.bounds, error)
 
     async def write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list[int]:
         """Token items (and acks) in one round trip; a Redis without the script gets it first.

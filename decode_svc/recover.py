@@ -45,19 +45,16 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
 
 
 async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
+    """Ready and direct entries left pending to dead consumers (or, `include_self`, to this pod's
+    previous incarnation): claimed for the slots free, each started as if this pod had read it."""
     got = 0
-    pool = io.s.pool
-    for stream in [f(pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]:
-        entries = await reclaim.dead_consumer_entries(
-            io.r, stream, keys.DECODE_GROUP, io.worker_id, include_self,
-            stale_self_ms=int(io.s.stale_pending_s * 1000),
-            busy=io.table.busy_entries(stream), others=io.peers.trusted)
-        if not entries:
-            continue
-        n = io.table.reserve(len(entries))
+    s = io.s
+    taker = reclaim.Reclaimer(io.r, keys.DECODE_GROUP, io.worker_id, int(s.stale_pending_s * 1000),
+                              limit=s.reclaim_batch, min_idle_ms=s.reclaim_min_idle_ms)
+    for stream in [f(s.pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]:
         started = io.resync.started  # (Claims.dispatch: a reconcile begun after this counts)
-        claimed = await reclaim.claim_ids(io.r, stream, keys.DECODE_GROUP, io.worker_id,
-                                          [eid for _c, eid in entries[:n]], min_idle_ms=0 if include_self else 1000)
+        claimed, n = await taker.take(stream, io.table.reserve, include_self, others=io.peers.trusted,
+                                      busy=io.table.busy_entries(stream))
         io.table.unreserve(n - len(claimed))
         for c in claimed:
             log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
