@@ -23,6 +23,24 @@ class TokenEvent:
     prompt_logprobs: bytes | None = None  # field `p` of the index -1 entry (echo with logprobs)
 
 
+def entry_fields(index: int, token: int, finish: str | None = None, error: str | None = None,
+                 logprobs: str | None = None, prompt_logprobs: str | None = None) -> dict[str, str | int]:
+    """The one encoding of a token stream entry, for every writer (`add_tokens` on a pipeline or a
+    fenced commit, and the decode pods' fenced script, which writes these fields as given): `i`
+    index, `t` token (-1: none), and when set `l` the token's logprobs (`TokenLogprobs.encode`),
+    `p` the prompt's logprobs (the index -1 entry of an echo), `f` finish, `e` error."""
+    fields: dict[str, str | int] = {"i": index, "t": token}
+    if logprobs:
+        fields["l"] = logprobs
+    if prompt_logprobs:
+        fields["p"] = prompt_logprobs
+    if finish:
+        fields["f"] = finish
+        if error:
+            fields["e"] = error
+    return fields
+
+
 def add_tokens(
     pipe,
     request_id: str,
@@ -35,22 +53,15 @@ def add_tokens(
     finished_ttl_s: int = 60,
     logprobs: list[TokenLogprobs | None] | None = None,
 ) -> None:
-    """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here).
-
-    Entry fields: `i` index, `t` token (-1: none), and when set `f` finish, `e` error, `l` the
-    token's logprobs (`TokenLogprobs.encode`). An error with no token is written as `t=-1`.
-    """
+    """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here), unfenced.
+    The last one carries `finish_reason` (and `error`); an end with no token is written `t=-1`."""
     key = keys.token_stream(request_id)
     ids = token_ids or [-1]
     for n, tok in enumerate(ids):
-        fields: dict[str, str | int] = {"i": start_index + n, "t": tok}
         lp = logprobs[n] if logprobs and n < len(logprobs) else None
-        if lp is not None:
-            fields["l"] = lp.encode()
-        if n == len(ids) - 1 and finish_reason:
-            fields["f"] = finish_reason
-            if error:
-                fields["e"] = error
+        last = n == len(ids) - 1
+        fields = entry_fields(start_index + n, tok, finish_reason if last else None, error if last else None,
+                              lp.encode() if lp is not None else None)
         pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
     # A finished stream stays just long enough for a dropped client to resume and read its end.
     pipe.expire(key, finished_ttl_s if finish_reason else ttl_s)
@@ -93,12 +104,12 @@ def add_prompt_logprobs(pipe, request_id: str, encoded: str, ttl_s: int, maxlen:
     """Queue the prompt's logprobs (echo) as the stream's index -1 entry, before token 0: readers
     that know nothing of it drop it as a duplicate index, and resumes ignore it (no token)."""
     key = keys.token_stream(request_id)
-    pipe.xadd(key, {"i": -1, "t": -1, "p": encoded}, maxlen=maxlen, approximate=True)
+    pipe.xadd(key, entry_fields(-1, -1, prompt_logprobs=encoded), maxlen=maxlen, approximate=True)
     pipe.expire(key, ttl_s)
 
 
 def token_event(entry_id: bytes, f: dict) -> TokenEvent:
-    """One token stream entry (fields i, t and optionally f, e, l, p; see `add_tokens`)."""
+    """One token stream entry (fields i, t and optionally f, e, l, p; see `entry_fields`)."""
     fin, err, lp = f.get(b"f"), f.get(b"e"), f.get(b"l")
     return TokenEvent(index=int(f[b"i"]), token_id=int(f[b"t"]), finish_reason=_s(fin) if fin is not None else None,
                       error=_s(err) if err is not None else None, entry_id=entry_id,
@@ -113,36 +124,34 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
 # trip, whatever the batch): a script may touch only keys of one slot on a Redis Cluster.
 
 # A step's tokens in one call: each XADDed only while the writer still owns its request (its
-# field in the writer's running hash); a finishing token removes the field. The stream's TTL is
-# set on every REFRESH-th index (0, 16, 32, ...: a decode pod that prefilled the prompt itself
-# writes token 0) and with the finish, not on every token: a third of the commands a token cost,
-# and a TTL of minutes cannot run out between two refreshes of a stream still being written. KEYS[1] is the running
-# hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen, finished ttl, then seven per item
-# (request id, index, token, finish, error, logprobs `l`, prompt logprobs `p`; '' = none), then
-# '1' to write without the fence (tokens of a request this writer itself finished: see
-# `OwnedPublisher.add_batch`). Returns 1 (written) or 0 (fenced off) per item, in order, so a
-# request that appears twice (two queued steps) is written in index order.
+# field in the writer's running hash); a finishing token removes the field. The fields come encoded
+# by `entry_fields`, as every other writer's do: the script only fences, writes and sets TTLs. The
+# stream's TTL is set on every REFRESH-th index (0, 16, 32, ...: a decode pod that prefilled the
+# prompt itself writes token 0) and with the finish, not on every token: a third of the commands a
+# token cost, and a TTL of minutes cannot run out between two refreshes of a stream still being
+# written. KEYS[1] is the running hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen,
+# finished ttl, '1' to write without the fence (tokens of a request this writer itself finished:
+# see `OwnedPublisher.add_batch`) or '', then per item: request id, index, '1' if it finishes or
+# '', the number of field pairs, the pairs. Returns 1 (written) or 0 (fenced off) per item, in
+# order, so a request that appears twice (two queued steps) is written in index order.
 EXPIRE_EVERY = 16
 _PUBLISH_OWNED = """
 local REFRESH = """ + str(EXPIRE_EVERY) + """
 local out = {}
-local unfenced = ARGV[3 + (#KEYS - 1) * 7 + 1] == '1'
+local unfenced = ARGV[4] == '1'
+local p = 5
 for j = 1, #KEYS - 1 do
-  local b = 3 + (j - 1) * 7
-  local rid, fin, err = ARGV[b + 1], ARGV[b + 4], ARGV[b + 5]
+  local rid, index, fin, n = ARGV[p], ARGV[p + 1], ARGV[p + 2], tonumber(ARGV[p + 3])
+  local first = p + 4
+  p = first + 2 * n
   if not unfenced and redis.call('HEXISTS', KEYS[1], rid) == 0 then
     out[j] = 0
   else
-    local f = {'i', ARGV[b + 2], 't', ARGV[b + 3]}
-    if ARGV[b + 6] ~= '' then f[#f + 1] = 'l'; f[#f + 1] = ARGV[b + 6] end
-    if ARGV[b + 7] ~= '' then f[#f + 1] = 'p'; f[#f + 1] = ARGV[b + 7] end
-    if fin ~= '' then f[#f + 1] = 'f'; f[#f + 1] = fin end
-    if err ~= '' then f[#f + 1] = 'e'; f[#f + 1] = err end
-    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', unpack(f))
-    if fin ~= '' then
+    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, first, p - 1))
+    if fin == '1' then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[3])
       redis.call('HDEL', KEYS[1], rid)
-    elseif tonumber(ARGV[b + 2]) % REFRESH == 0 then
+    elseif tonumber(index) % REFRESH == 0 then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[1])
     end
     out[j] = 1
@@ -212,12 +221,14 @@ class OwnedPublisher:
             by_shard.setdefault(keys.request_shard(it[0]), []).append(j)
         for shard, idx in by_shard.items():
             names = [keys.running_key(self.worker_id, shard)]
-            args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s]
+            args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1"]
             for j in idx:
                 rid, index, token, finish, error, logprobs, prompt_logprobs = items[j]
                 names.append(keys.token_stream(rid))
-                args += (rid, index, token, finish or "", error or "", logprobs or "", prompt_logprobs or "")
-            args.append("" if fenced else "1")
+                fields = entry_fields(index, token, finish, error, logprobs, prompt_logprobs)
+                args += (rid, index, "1" if finish else "", len(fields))
+                for kv in fields.items():
+                    args += kv
             # (execute_command: redis-py's cluster pipeline refuses its evalsha method, but routes
             # the command itself by its keys)
             pipe.execute_command("EVALSHA", self._script.sha, len(names), *names, *args)
