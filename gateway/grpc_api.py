@@ -89,8 +89,8 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
                 raise InvalidRequest("send either prompt or prompt_token_ids, not both", param="prompt")
             prep = await self.svc.prepare(to_params(request))
             rid = prep.request.request_id
-            await self.svc.submit(prep, fresh_id=not request.request_id, api_key=key)
-            async for d in self.svc.stream(prep):
+            att = await self.svc.submit(prep, fresh_id=not request.request_id, api_key=key)
+            async for d in self.svc.stream(att):
                 yield to_response(rid, d, prep.prompt_tokens, self.svc.tokenizer)
         except TandemError as e:
             if e.retry_after_s is not None:

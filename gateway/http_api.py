@@ -10,6 +10,7 @@ exception handler (see `app.py`) in OpenAI's `{"error": {...}}` shape. Response 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -138,24 +139,24 @@ async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepar
 
 async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: CompletionBody | ChatBody,
                    kind: str, key: str, tools: bool = False, chosen_id: bool = False) -> Response:
-    """Submit and answer. With a client-chosen id (`X-Request-Id`), a POST that reaches the gateway
+    """Complete the request with what only HTTP knows (resumable, the stream's format), submit and
+    answer. With a client-chosen id (`X-Request-Id`), a POST that reaches the gateway
     again after its client lost the first one unanswered is not run twice: a resumable request
     already admitted is replayed from its first event (`GatewayService.resend`)."""
     rid = prep.request.request_id
-    prep.resumable = body.resumable
-    prep.meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
-                                  continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
-                                  echo=_echo_text(svc, prep) if prep.echo else None, tools=tools)
-    again = await svc.resend(prep, key) if chosen_id else None
-    if again is not None:
+    meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
+                             continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
+                             echo=_echo_text(svc, prep) if prep.echo else None, tools=tools)
+    prep = dataclasses.replace(prep, resumable=body.resumable, meta=meta)
+    att = await svc.resend(prep, key) if chosen_id else None
+    if att is not None:
         log.info("request_id=%s sent again: replaying it from its first event", rid)
-        prep = again
     else:
-        await svc.submit(prep, fresh_id=not chosen_id, api_key=key)
+        att = await svc.submit(prep, fresh_id=not chosen_id, api_key=key)
     if body.stream:
-        return StreamingResponse(sse_events(svc.stream(prep), prep, svc.token_text), media_type="text/event-stream",
-                                 headers={**_SSE_HEADERS, "X-Request-Id": rid})
-    collected = await collect_unless_disconnected(request, svc.stream(prep), prep, svc.token_text)
+        return StreamingResponse(sse_events(svc.stream(att), att.prep, svc.token_text),
+                                 media_type="text/event-stream", headers={**_SSE_HEADERS, "X-Request-Id": rid})
+    collected = await collect_unless_disconnected(request, svc.stream(att), att.prep, svc.token_text)
     if collected is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(collected, headers={"X-Request-Id": rid})
@@ -182,9 +183,9 @@ async def resume_stream(
     start = resume.start_index(last_event_id, from_index)
     if not _REQUEST_ID.match(request_id):
         raise RequestNotFound(f"request id {request_id[:64]!r} is not a valid request id", param="request_id")
-    prep = await svc.reattach(request_id, key)
-    return StreamingResponse(sse_events(svc.stream(prep), prep, svc.token_text, start), media_type="text/event-stream",
-                             headers={**_SSE_HEADERS, "X-Request-Id": request_id})
+    att = await svc.reattach(request_id, key)
+    return StreamingResponse(sse_events(svc.stream(att), att.prep, svc.token_text, start),
+                             media_type="text/event-stream", headers={**_SSE_HEADERS, "X-Request-Id": request_id})
 
 
 # ---------------------------------------------------------------- models, health, metrics, admin

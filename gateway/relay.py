@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -58,7 +58,7 @@ class Delta:
 class TextAssembler:
     """Detokenization plus stop strings for one request. Pure: feed ids, get text."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], eos_ids: tuple[int, ...] | list[int],
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], eos_ids: tuple[int, ...] | list[int],
                  min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
         self._detok = Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = stop
@@ -129,6 +129,7 @@ async def relay(
     prep: Prepared,
     tokenizer: Tokenizer,
     *,
+    entry_id: bytes | None = None,
     block_ms: int,
     request_timeout_s: float,
     first_token_timeout_s: float,
@@ -139,13 +140,14 @@ async def relay(
 ) -> AsyncIterator[Delta]:
     """Yield the request's tokens as Deltas; the last one has `finish_reason` set.
 
-    `on_detach` (resumable requests): called instead of cancelling when the caller goes away
+    `entry_id`: the request's admission entry id (None on a resume), the start of the queue-time
+    metric. `on_detach` (resumable requests): called instead of cancelling when the caller goes away
     (the relay is cancelled or closed) before the end."""
     req = prep.request
     text = TextAssembler(tokenizer, prep.stop, req.stop_token_ids, req.sampling.min_tokens,
                          prep.skip_special_tokens)
     dl = _Deadlines(prep.arrival_ts, request_timeout_s, first_token_timeout_s)
-    state = _RelayState(req.max_tokens)
+    state = _RelayState(req.max_tokens, entry_id)
     finished = detached = False
     metrics.running.inc()
     try:
@@ -168,6 +170,7 @@ async def relay(
 @dataclass
 class _RelayState:
     max_tokens: int
+    entry_id: bytes | None = None  # the admission entry id: queue time = first token's entry - this
     next_index: int = 0
     last_ts: float | None = None
     gateway_finished: bool = False  # the gateway, not a worker, decided the end (max_tokens)
@@ -227,7 +230,7 @@ def _accept(ev, text: TextAssembler, st: _RelayState, metrics: GatewayMetrics, p
         pass  # a resume replays old tokens: their timing says nothing about the cluster
     elif st.next_index == 0:
         metrics.ttft.observe(now - prep.arrival_ts)
-        _observe_queue(metrics, prep, ev.entry_id)
+        _observe_queue(metrics, st.entry_id, ev.entry_id)
     elif st.last_ts is not None:
         metrics.itl.observe(now - st.last_ts)
     st.last_ts = now
@@ -253,12 +256,12 @@ def _finish_without_token(ev, text: TextAssembler, st: _RelayState) -> Delta:
     return Delta(max(ev.index, st.next_index), -1, text.finish(), reason, st.next_index)
 
 
-def _observe_queue(metrics: GatewayMetrics, prep: Prepared, entry_id: bytes) -> None:
+def _observe_queue(metrics: GatewayMetrics, admitted_id: bytes | None, entry_id: bytes) -> None:
     """Admission XADD -> first token XADD, both from stream entry ids (Redis clock)."""
-    if prep.enqueue_entry_id is None:
+    if admitted_id is None:
         return
     try:
-        t0 = int(prep.enqueue_entry_id.split(b"-")[0])
+        t0 = int(admitted_id.split(b"-")[0])
         t1 = int(entry_id.split(b"-")[0])
     except (ValueError, AttributeError):
         return

@@ -8,7 +8,8 @@ penalties, logit_bias, min_tokens, stop_token_ids, logprobs) are checked in `sam
 a grammar spec (structured outputs, forced tool calls) is size-checked and, where the grammar
 library is installed, checked by it in `structured.py` before anything is enqueued.
 Cheap checks come before tokenization, so a bad field is reported even with a long prompt.
-`Prepared` also carries what the formatters need (echo, logprobs, n, ...). Pure: no I/O here.
+`Prepared` also carries what the formatters need (echo, logprobs, n, ...); it is frozen, and what
+changes per relay lives in attachment.py. Pure: no I/O here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gateway import sampling_checks as checks
 from gateway.structured import check_grammar
@@ -26,6 +27,9 @@ from tandem_core.errors import InvalidRequest, ModelNotFound, PromptTooLong
 from tandem_core.models import ModelInfo
 from tandem_core.tokenizer import Tokenizer
 from tandem_core.types import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:  # resume.py talks to Redis; validation stays pure
+    from gateway.resume import StreamMeta
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_STOP_CHARS = 256
@@ -67,20 +71,20 @@ class CompletionParams:
     grammar_param: str | None = None  # the field that set it, for errors
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """A validated request, ready to enqueue, plus what the relay needs to finish it."""
+    """A validated request, ready to enqueue, plus what the relay and the formatters need to finish
+    it. Immutable: `build_request` makes it, the HTTP front end completes it once with
+    `dataclasses.replace` (resumable, meta), and what one relay of it holds (the limiter lease, the
+    admission entry id, the attach number) is an `Attachment` (attachment.py)."""
 
     request: GenerationRequest
-    stop: list[str]
+    stop: tuple[str, ...]
     model: str  # the name to report back to the client
     arrival_ts: float  # time.monotonic() at arrival, for TTFT/e2e
-    enqueue_entry_id: bytes | None = None  # admission stream entry id, once enqueued
     resumable: bool = False  # a client disconnect leaves the request running for resume
     replay: bool = False  # a resume: relays the stream again, records no latency metrics
-    meta: Any = None  # resume.StreamMeta for HTTP streams (what a resume needs to format them)
-    lease: Any = None  # limits.Lease held while relaying
-    attach_no: int = 0  # which client attachment of a resumable request this relay serves
+    meta: StreamMeta | None = None  # for HTTP streams: what a resume needs to format them
     # What the formatters need (issue 12):
     echo: bool = False
     logprobs: int | None = None  # top k per token (the sampled token's logprob too); None = off
@@ -190,7 +194,7 @@ def _check_sampling(p: CompletionParams, s: GatewaySettings, vocab_size: int) ->
     return dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=p.seed)
 
 
-def _check_stop(stop: list[str], s: GatewaySettings) -> list[str]:
+def _check_stop(stop: list[str], s: GatewaySettings) -> tuple[str, ...]:
     if len(stop) > s.max_stop_strings:
         raise InvalidRequest(
             f"stop has {len(stop)} strings, more than the limit of {s.max_stop_strings}", param="stop"
@@ -202,7 +206,7 @@ def _check_stop(stop: list[str], s: GatewaySettings) -> list[str]:
             raise InvalidRequest(
                 f"stop string of {len(x)} characters is longer than the limit of {MAX_STOP_CHARS}", param="stop"
             )
-    return list(dict.fromkeys(stop))
+    return tuple(dict.fromkeys(stop))
 
 
 def _check_ids(p: CompletionParams) -> tuple[str, str]:
