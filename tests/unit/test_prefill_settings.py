@@ -17,7 +17,6 @@ from tandem_engine import load_engine
 
 @pytest.fixture(autouse=True)
 def _no_tandem_env(monkeypatch):
-
     for k in [k for k in os.environ if k.startswith("TANDEM_")]:
         monkeypatch.delenv(k)
 
