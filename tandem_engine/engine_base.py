@@ -1,0 +1,92 @@
+"""What both sides of the Engine share: the model, its weights on the chips, and the shapes every
+compiled core is keyed by (prefill length buckets, decode batch buckets, max_len).
+
+engine_prefill.py and engine_decode.py build on this; engine.py puts them together. Kept apart so
+each side reads on its own and the compiled shapes are decided in one place.
+No I/O, no tokenizer, no settings here.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from tandem_core.errors import PromptTooLong
+from tandem_core.models import ModelInfo
+from tandem_engine.model import config_from_info
+from tandem_engine.sharding import make_layout
+from tandem_engine.weights import resolve_dtype
+
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+class EngineBase:
+    """The model, its placed weights and its compiled shapes. Not an engine by itself: see
+    engine.Engine."""
+
+    def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
+                 prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
+                 tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64):
+        if slots < 1 or max_len < 1:
+            raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
+        if max_len > info.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's max_position_embeddings "
+                f"{info.max_position_embeddings}"
+            )
+        self.info = info
+        self.cfg = config_from_info(info)
+        self.layout = make_layout(info, tp, mesh)  # None: one device, unsharded
+        self.params = params if self.layout is None else self.layout.place_params(params)
+        self.slots = int(slots)
+        self.max_len = int(max_len)
+        self.buckets = tuple(sorted({int(b) for b in prefill_buckets if 0 < b <= max_len})) or (
+            self.max_len,
+        )
+        # a prompt over a cached prefix runs in chunks of this many tokens (one compiled shape)
+        self.prefix_chunk = max(1, min(int(prefix_chunk), self.buckets[-1]))
+        self.dtype = dtype
+        self._jdtype = resolve_dtype(dtype)
+        # Decode steps compile once per batch bucket: 2, 4, 8, ... below slots, and slots itself.
+        # No bucket of 1 below slots: XLA CPU turns a one-row cache write into a select plus two
+        # copies of the whole cache (seen in the compiled HLO: 12 ms a step instead of 2 at 32 slots).
+        self.batch_buckets = tuple(sorted({1 << i for i in range(1, self.slots.bit_length()) if 1 << i < self.slots}
+                                          | {self.slots}))
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.layout is None else self.layout.tp
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return None if self.layout is None else self.layout.mesh
+
+    def max_prompt_len(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, length: int) -> int:
+        """The smallest bucket >= length (PromptTooLong when there is none)."""
+        for b in self.buckets:
+            if b >= length:
+                return b
+        raise PromptTooLong(
+            f"prompt has {length} tokens but this engine accepts at most {self.max_prompt_len()}",
+            param="prompt",
+        )
+
+    def rows_for(self, rows: int | None) -> int:
+        """The batch bucket a step over slots [0, rows) computes (powers of two, then `slots`)."""
+        if rows is None or rows >= self.slots:
+            return self.slots
+        return next(b for b in self.batch_buckets if b >= max(1, rows))
+
+    def _place_kv(self, kv) -> jax.Array:
+        """A prefix array (host or device, any sharding) on this engine's chips, in its dtype."""
+        if self.layout is None:
+            return jnp.asarray(kv, dtype=self._jdtype)
+        if isinstance(kv, np.ndarray):
+            kv = np.asarray(kv, dtype=self._jdtype)  # convert on the host, then one transfer
+        return jax.device_put(kv, self.layout.kv_prefix()).astype(self._jdtype)

@@ -1,0 +1,105 @@
+"""The Engine's decode side: a `DecodeState` of `slots` slots, a `Prefix` inserted into a free
+slot, one step for every slot in use, and the slot freed when its request finishes.
+
+What a decode pod runs on its engine thread. Steps 3-5 of the request's life in engine.py's
+docstring; the states passed in are donated (the KV cache is updated in place).
+No I/O, no tokenizer, no settings here.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tandem_core.errors import PromptTooLong
+from tandem_core.types import SamplingParams
+from tandem_engine.cores import DecodeState, free_core, generate_core, insert_core
+from tandem_engine.engine_base import EngineBase
+from tandem_engine.engine_prefill import Prefix
+from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
+from tandem_engine.sampling import sampling_arrays
+
+
+class DecodeSide(EngineBase):
+    """Slots: init_state, insert, generate, free (see engine.Engine for the calling rules)."""
+
+    def init_state(self) -> DecodeState:
+        """An all-free DecodeState; the KV cache is allocated here, once."""
+        c, s, lay = self.cfg, self.slots, self.layout
+        cache = (c.num_layers, s, c.num_kv_heads, self.max_len, c.head_dim)  # head-major
+        kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
+        dev = None if lay is None else lay.replicated()
+        return DecodeState(
+            k=jnp.zeros(cache, self._jdtype, device=kv_dev),
+            v=jnp.zeros(cache, self._jdtype, device=kv_dev),
+            positions=jnp.zeros((s,), jnp.int32, device=dev),
+            tokens=jnp.zeros((s,), jnp.int32, device=dev),
+            active=jnp.zeros((s,), jnp.bool_, device=dev),
+            step=jnp.zeros((s,), jnp.int32, device=dev),
+            temperature=jnp.zeros((s,), jnp.float32, device=dev),
+            top_k=jnp.zeros((s,), jnp.int32, device=dev),
+            top_p=jnp.ones((s,), jnp.float32, device=dev),
+            seeds=jnp.zeros((s, 2), jnp.uint32, device=dev),
+            history=jnp.zeros((s, c.vocab_size), jnp.int32, device=dev),
+            processing=init_slot_logits(s, c.vocab_size, dev),
+        )
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= int(slot) < self.slots:
+            raise ValueError(f"slot {slot} is out of range [0, {self.slots})")
+
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int, sampling: SamplingParams, *,
+               first_token: int | None = None, history: Sequence[int] | None = None,
+               output_from: int | None = None, start_index: int = 0,
+               stop_ids: Sequence[int] = ()) -> DecodeState:
+        """Write `prefix` into `slot` (donates `state`) with the request's sampling and processing
+        params. `first_token` (default prefix.first_token: choice i inserts its own) is token index
+        `start_index`; the slot's next step produces start_index + 1.
+
+        `history`: the prompt ids the prefix holds (len == prefix.true_length), the penalty state:
+        repetition sees all of it, presence/frequency count history[output_from:] (the output so
+        far; default none) plus the first token. None: nothing seen but the first token."""
+        self._check_slot(slot)
+        length = prefix.k.shape[1]
+        if length > self.max_len:
+            raise PromptTooLong(f"prefix has {length} positions; this engine's max_len is {self.max_len}")
+        first = int(prefix.first_token if first_token is None else first_token)
+        if not 0 <= first < self.info.vocab_size:
+            raise ValueError(f"first token {first} is outside the vocabulary [0, {self.info.vocab_size})")
+        s = sampling_arrays(sampling)
+        proc = slot_logits(sampling, self.info.vocab_size, stop_ids)
+        hist_ids, hist_len, out_from = history_arrays(history, output_from, prefix.true_length, length,
+                                                      self.info.vocab_size)
+        k, v = prefix.k, prefix.v
+        if self.layout is not None:  # a prefix from an engine on other chips moves here first
+            k, v = self._place_kv(k), self._place_kv(v)
+        elif len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
+            k, v = jax.device_put(k, state.k.sharding), jax.device_put(v, state.v.sharding)
+        return insert_core(
+            state, k, v, np.int32(slot), np.int32(prefix.true_length), np.int32(first),
+            np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],
+            hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout,
+        )
+
+    def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
+                 masks: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
+        """One decode step (donates `state`). `rows`: every active slot is below it (None: all
+        slots); the step computes the smallest batch bucket >= rows. Returns int32 tokens
+        [bucket] still on the device (index by slot): no host round trip here. `logprobs=True`
+        (a second compiled variant): int32 [bucket, PACKED_WIDTH] instead, tokens and logprobs
+        packed (read with logits.unpack_tokens / unpack_logprobs). `masks` (grammars): int32
+        [<= bucket, ceil(vocab / 32)] allowed-token bitmasks by slot, all-ones for an
+        unconstrained slot (missing rows are padded so); a compiled variant of its own, so a
+        batch without masks runs the unmasked step."""
+        bucket = self.rows_for(rows)
+        m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
+        return generate_core(self.params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
+                             logprobs=bool(logprobs))
+
+    def free(self, state: DecodeState, slot: int) -> DecodeState:
+        """Mark `slot` inactive (donates `state`); its KV is left to be overwritten."""
+        self._check_slot(slot)
+        return free_core(state, np.int32(slot))
+

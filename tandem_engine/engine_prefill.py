@@ -1,0 +1,187 @@
+"""The Engine's prefill side: a prompt in, its KV on the device and its first tokens out (`Prefix`),
+and the KV's moves between device and host (`export_prefix`, `import_prefix`).
+
+What a prefill pod runs (and a decode pod that prefills locally). Steps 1-2 of the request's life
+in engine.py's docstring. The decode side (engine_decode.py) only ever sees a `Prefix`.
+No I/O, no tokenizer, no settings here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from tandem_core.errors import InvalidRequest, PromptTooLong
+from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
+from tandem_engine.cores import logits_core, prefill_cached_core, prefill_core, prompt_logprobs_core
+from tandem_engine.engine_base import EngineBase
+from tandem_engine.logits import (check_output_from, mask_rows, slot_logits, stack, unpack_logprobs,
+                                  unpack_tokens)
+from tandem_engine.sampling import sampling_arrays
+
+
+@dataclass
+class Prefix:
+    """One prefilled prompt on the device. k, v: [num_layers, length, num_kv_heads, head_dim]
+    (length = the prefill bucket, >= true_length; rows past true_length are padding).
+    One first token per choice (`first_token == first_tokens[0]`), already on the host, and its
+    logprobs when the request asked for them (None otherwise)."""
+
+    k: jax.Array
+    v: jax.Array
+    true_length: int
+    first_token: int
+    first_tokens: list[int] = field(default_factory=list)
+    first_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.first_tokens:
+            self.first_tokens = [int(self.first_token)]
+        if not self.first_logprobs:
+            self.first_logprobs = [None] * len(self.first_tokens)
+
+
+def _stack_sampling(picks: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
+    rows = [sampling_arrays(p) for p in picks]
+    return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
+
+
+class PrefillSide(EngineBase):
+    """Prefill, prompt scoring and the KV's host moves (see engine.Engine for the calling rules)."""
+
+    def _pad_prompt(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, int]:
+        """Validated prompt zero-padded to its bucket, and its true length."""
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        n = int(ids.shape[0])
+        if n == 0:
+            raise InvalidRequest("prompt is empty: at least one token is required", param="prompt")
+        if ids.min() < 0 or ids.max() >= self.info.vocab_size:
+            raise InvalidRequest(
+                f"prompt token ids must be in [0, {self.info.vocab_size}); got "
+                f"min {int(ids.min())}, max {int(ids.max())}",
+                param="prompt",
+            )
+        bucket = self.bucket_for(n)
+        padded = np.zeros((bucket,), np.int32)
+        padded[:n] = ids
+        return padded, n
+
+    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
+                choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
+                output_from: int | None = None, stop_ids: Sequence[int] = (),
+                masks: np.ndarray | None = None, cached=None) -> Prefix:
+        """Run one prompt (one forward pass) and sample its first token, token index
+        `start_index`: one per element of `choices` (each with its own params and seed, all from
+        the same logits), else one from `sampling`. Blocks until the tokens are on the host (the KV
+        stays on the device).
+
+        `output_from`: where output already streamed starts in prompt_ids (a resumed request;
+        default: no output yet). Repetition penalty sees all of prompt_ids, presence/frequency
+        count prompt_ids[output_from:]. min_tokens holds `stop_ids` back while start_index <
+        min_tokens. A choice with logprobs on gets its first token's logprobs in `first_logprobs`.
+        `masks`: int32 [choices, ceil(vocab / 32)] allowed-token bitmasks (grammars; all-ones for
+        an unconstrained choice), applied after processing: sampling and logprobs see them.
+        `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
+        arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
+        only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
+        padded, n = self._pad_prompt(prompt_ids)
+        picks = [sampling] if choices is None else list(choices)
+        if not picks:
+            raise InvalidRequest("choices is empty: at least one is required", param="n")
+        out_from = check_output_from(output_from, n)
+        if int(start_index) < 0:
+            raise InvalidRequest(f"start_index must be >= 0, got {start_index}", param="start_index")
+        s = _stack_sampling(picks)
+        proc = stack([slot_logits(p, self.info.vocab_size, stop_ids) for p in picks])
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
+        rest = (np.int32(n), np.int32(out_from), np.int32(start_index), s["temperature"], s["top_k"], s["top_p"],
+                s["seed"], proc, m)
+        if cached is not None and int(cached.length) > 0:
+            k, v, packed = self._prefill_over(padded, n, cached, rest)
+        else:
+            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
+        host = np.asarray(packed)  # the one device -> host copy: tokens and logprobs
+        tokens = [int(t) for t in unpack_tokens(host)]
+        lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
+        return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
+
+    def _prefill_over(self, padded: np.ndarray, n: int, cached, rest: tuple):
+        """The prompt after a cached prefix, in chunks of `prefix_chunk` tokens over one KV buffer
+        of the largest bucket (one compiled shape whatever the lengths), then cut to the prompt's
+        bucket. The last chunk's first tokens are the prompt's."""
+        c, cfg, chunk = int(cached.length), self.cfg, self.prefix_chunk
+        if not 0 < c < n:
+            raise ValueError(f"a cached prefix of {c} tokens must be shorter than the prompt ({n} tokens)")
+        want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
+        if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
+            raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
+        size = self.buckets[-1]
+        bufs = []
+        for kv in (cached.k, cached.v):
+            buf = np.zeros((cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim), self._jdtype)
+            buf[:, :c] = kv
+            bufs.append(self._place_kv(buf))
+        k, v = bufs
+        whole = np.zeros((size,), np.int32)
+        whole[:n] = padded[:n]
+        for start in range(c, n, chunk):
+            m = min(chunk, n - start)
+            piece = np.zeros((chunk,), np.int32)
+            piece[:m] = whole[start:start + m]
+            k, v, packed = prefill_cached_core(self.params, piece, np.int32(start), np.int32(m),
+                                               k, v, whole, *rest, cfg=self.cfg, layout=self.layout)
+        bucket = padded.shape[0]
+        return k[:, :bucket], v[:, :bucket], packed
+
+    def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`
+        computes them (same bucket, same sharding). For parity checks and scoring."""
+        padded, n = self._pad_prompt(prompt_ids)
+        return np.asarray(logits_core(self.params, padded, np.int32(n), cfg=self.cfg))
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> list[TokenLogprobs | None]:
+        """Echo's logprobs: None for position 0 (nothing predicts it); for i > 0, the logprob of
+        prompt_ids[i] given prompt_ids[:i] from the raw model logits (no penalties) and the top k.
+        One forward pass over the prompt's bucket (logits at every position)."""
+        if not 0 <= int(k) <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}",
+                                 param="prompt_logprobs")
+        padded, n = self._pad_prompt(prompt_ids)
+        host = np.asarray(prompt_logprobs_core(self.params, padded, cfg=self.cfg))  # row i scores i + 1
+        return [None] + [unpack_logprobs(host[i - 1], k) for i in range(1, n)]
+
+    def export_prefix(self, prefix: Prefix) -> KVPayload:
+        """Device -> host numpy, same layout [num_layers, length, num_kv_heads, head_dim]
+        whatever the tp (a sharded prefix is gathered from its chips)."""
+        return KVPayload(
+            k=np.asarray(prefix.k), v=np.asarray(prefix.v),
+            true_length=int(prefix.true_length), first_token=int(prefix.first_token),
+        )
+
+    def import_prefix(self, payload: KVPayload) -> Prefix:
+        """Host -> device, split across this engine's chips. Accepts payloads from any engine
+        serving the same architecture, whatever its tp or dtype."""
+        want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        for name, arr in (("k", payload.k), ("v", payload.v)):
+            shape = tuple(arr.shape)
+            if len(shape) != 4 or (shape[0], shape[2], shape[3]) != want:
+                raise InvalidRequest(
+                    f"KV payload {name} has shape {shape}; this model needs "
+                    f"[{want[0]}, length, {want[1]}, {want[2]}]"
+                )
+        length = payload.k.shape[1]
+        if payload.v.shape[1] != length or not 0 < payload.true_length <= length:
+            raise InvalidRequest(
+                f"KV payload lengths disagree: k {length}, v {payload.v.shape[1]}, "
+                f"true_length {payload.true_length}"
+            )
+        if length > self.max_len:
+            raise PromptTooLong(f"KV payload has {length} positions; this engine's max_len is {self.max_len}")
+        return Prefix(
+            k=self._place_kv(payload.k), v=self._place_kv(payload.v),
+            true_length=int(payload.true_length), first_token=int(payload.first_token),
+        )
