@@ -23,7 +23,7 @@ Parts (each replaces its own part of bench/out/token_plane.json; the RESULTS.md 
              cost per call; then 1,000 streams alone and 1,000 beside 9,000 subscriptions nobody
              writes (--streams-compare), to show how an XREAD's cost grows with the keys it names.
   * keys     the plane part's key names, as tandem_core.keys names them with 1, 3 and 16 key
-             shards, on a 3-master Redis Cluster (tandem.redis_proc's RedisClusterProcess):
+             shards, on a 3-master Redis Cluster (tandem.redis_cluster's RedisClusterProcess):
              keys and operations per master, and each master's DBSIZE once they are written.
   * e2e      `tandem local` with the built-in model: 64 streamed completions of 32 tokens, INFO
              commandstats of its embedded Redis before and after (bench/token_plane_e2e.py).
@@ -342,12 +342,12 @@ KEY_SHARDS = (1, 3, 16)  # shard counts whose key names the keys part places (16
 
 def run_keys(key_ops_by_shards: dict[str, dict[str, float]], progress=print) -> dict:
     """Where the plane run's keys land on a real 3-master Redis Cluster (CLUSTER SLOTS), named as
-    tandem_core.keys names them under each shard count, or, without tandem.redis_proc's
+    tandem_core.keys names them under each shard count, or, without tandem.redis_cluster's
     RedisClusterProcess, on the even split of `redis-cli --cluster create`."""
     from redis.crc import key_slot
 
     try:
-        from tandem.redis_proc import RedisClusterProcess
+        from tandem.redis_cluster import RedisClusterProcess
     except ImportError:
         RedisClusterProcess = None  # noqa: N806
     source = "even split of 3 masters (no RedisClusterProcess in this checkout)"
@@ -363,7 +363,7 @@ def run_keys(key_ops_by_shards: dict[str, dict[str, float]], progress=print) -> 
             with redis_py.Redis(host="127.0.0.1", port=cluster.nodes[0].port) as r:
                 slots = r.execute_command("CLUSTER", "SLOTS")
             ranges = [(int(a), int(b), f"127.0.0.1:{int(m[1])}") for a, b, m, *_ in slots]
-            source = "CLUSTER SLOTS of a 3-master RedisClusterProcess (tandem/redis_proc.py)"
+            source = "CLUSTER SLOTS of a 3-master RedisClusterProcess (tandem/redis_cluster.py)"
             for shards, key_ops in key_ops_by_shards.items():
                 dbsize[shards] = _write_keys(cluster, key_ops)
         finally:

@@ -28,6 +28,14 @@ DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = _parser()
+    a = p.parse_args(argv)
+    _check(p, a)
+    return a
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The workers' and the engine's flags here; Redis's and the planner's in their own groups."""
     p = argparse.ArgumentParser(
         prog="tandem local",
         description="Run a local Tandem cluster: embedded Redis (or an external one: --redis-url, "
@@ -54,6 +62,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
                         "roles: prefill, decode, gateway, redis")
+    _redis_flags(p.add_argument_group("redis"))
+    _planner_flags(p.add_argument_group("planner"))
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
+    return p
+
+
+def _redis_flags(p) -> None:
+    """The embedded Redis, or the external one to use instead (a plain URL, a cluster, sentinels)."""
     p.add_argument("--no-persistence", action="store_true",
                    help="run the embedded Redis without its append-only file (by default it is on, so a "
                    "restarted Redis keeps queued requests and token streams)")
@@ -71,6 +88,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "replica after a failover")
     p.add_argument("--redis-master", default="tandem", metavar="NAME",
                    help="with --redis-sentinel: the master name the sentinels monitor (default: tandem)")
+
+
+def _planner_flags(p) -> None:
+    """The planner as one more child, and the worker counts it may reach."""
     p.add_argument("--planner", action="store_true",
                    help="also run the planner (tandem planner, mode local): it sizes the prefill and decode "
                    "workers to its TTFT/ITL targets (TANDEM_PLANNER_* settings pass through), and this launcher "
@@ -78,9 +99,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--planner-port", type=int, default=9300, help="the planner's HTTP port (/metrics, /decision, /keda)")
     p.add_argument("--planner-interval", type=float, default=10.0, metavar="S", help="seconds between its decisions")
     p.add_argument("--planner-max", type=int, default=3, metavar="N", help="most workers of each role it may start")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
-    a = p.parse_args(argv)
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Flags that contradict each other end the command with a message that says which to drop."""
     if a.redis_cluster and not a.redis_url:
         p.error("--redis-cluster says the external Redis is a Redis Cluster: give one of its nodes with "
                 "--redis-url redis://HOST:PORT (or drop --redis-cluster to run the embedded Redis)")
@@ -96,7 +118,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                 "Redis URL (the embedded one or --redis-url): not with --colocated, --redis-sentinel or --redis-cluster")
     if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
         p.error(f"--planner: --prefill and --decode must be between 1 and --planner-max ({a.planner_max})")
-    return a
 
 
 def _sentinel_hosts(spec: str) -> list[str]:

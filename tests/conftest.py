@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tandem.redis_proc import RedisClusterProcess, RedisProcess, docker_reachable  # noqa: E402
+from tandem.redis_cluster import RedisClusterProcess  # noqa: E402
+from tandem.redis_proc import RedisProcess, docker_reachable  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +45,7 @@ def redis_url():
 
 @pytest.fixture(scope="session")
 def redis_cluster():
-    """A Redis Cluster of 3 masters and 3 replicas on loopback (tandem.redis_proc.RedisClusterProcess),
+    """A Redis Cluster of 3 masters and 3 replicas on loopback (tandem.redis_cluster.RedisClusterProcess),
     SIGKILLed by PID at the end of the session. Shared: use keys of your own or call `flushall()`,
     and a test that kills a node calls `heal()` in its teardown, so the next one finds the cluster whole."""
     cluster = RedisClusterProcess(masters=3, replicas_per_master=1).start()

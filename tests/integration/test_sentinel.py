@@ -1,5 +1,5 @@
 """Failover of one Redis shard under Sentinel, with real processes on loopback (a primary, a
-replica, three sentinels; tandem.redis_proc.SentinelGroup): the client `conn.connect` builds
+replica, three sentinels; tandem.redis_sentinel.SentinelGroup): the client `conn.connect` builds
 from `redis.sentinel` settings follows the sentinels to the promoted replica after the primary is
 SIGKILLed, a demoted primary's READONLY is ridden through like a restart (plain commands and Lua
 scripts alike), and settings that name the wrong kind of server fail at start, saying which.
@@ -12,7 +12,8 @@ import time
 import pytest
 import redis
 
-from tandem.redis_proc import SentinelGroup, free_port
+from tandem.redis_proc import free_port
+from tandem.redis_sentinel import SentinelGroup
 from tandem_core.bus import conn, groups
 from tandem_core.settings import RedisConfig, SentinelConfig
 
