@@ -61,6 +61,7 @@ class DecodeIO:
         return await recovery.resume(
             self.r, self.s.pool, req, max_attempts=self.s.max_attempts, maxlen=self.s.admission_maxlen,
             token_ttl_s=self.s.token_ttl_s, token_maxlen=self.s.token_maxlen, why=why, owner=owner,
+            marker_ttl_s=self.s.resume_marker_ttl_s,
         )
 
     async def cancel_loop(self, stop: asyncio.Event) -> None:

@@ -39,13 +39,15 @@ async def streamed_tokens(r: aioredis.Redis, request_id: str) -> tuple[list[int]
 
 
 async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, max_attempts: int,
-                 maxlen: int, token_ttl_s: int, token_maxlen: int, why: str, owner: str | None = None) -> str:
+                 maxlen: int, token_ttl_s: int, token_maxlen: int, why: str, owner: str | None = None,
+                 marker_ttl_s: int = 120) -> str:
     """Re-enqueue `original` from the tokens streamed so far.
 
     `owner`: the decode worker whose running hash holds the request; its field is removed in the
     same transaction as the re-enqueue, so the request is never owned twice nor by nobody.
     Returns "finished" (nothing to do), "resumed", or "failed" (attempts exhausted: the request
-    gets a clear error instead of looping forever).
+    gets a clear error instead of looping forever). `marker_ttl_s`: how long a resume from one
+    index refuses a second one from the same index.
     """
     tokens, finished = await streamed_tokens(r, original.request_id)
     shard = keys.request_shard(original.request_id)  # every key below shares its tag (one slot)
@@ -55,7 +57,7 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
         return "finished"
     # Idempotent: two paths can notice the same failure (the dead pod's running hash and its
     # pending ready entry); only the first resumes from a given point.
-    if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=120):
+    if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=marker_ttl_s):
         if owner:
             await r.hdel(keys.running_key(owner, shard), original.request_id)
         return "finished"
