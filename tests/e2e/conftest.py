@@ -70,7 +70,10 @@ def stop_local(proc: subprocess.Popen, timeout_s: float = 30) -> None:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def local_cluster():
+    """`tandem local` with the built-in model (1 prefill pod, 1 decode pod of 4 slots), shared by the
+    session: a LocalCluster (base_url, model, max_len, log). Not a Redis Cluster: that is
+    tests/conftest.py's `redis_cluster`."""
     c = start_local()
     try:
         yield c
@@ -85,7 +88,7 @@ def both_paths(request):
     goes through the prefill pod, a short one is prefilled by the decode pod), then on a colocated
     cluster of this module's own."""
     if request.param == "disaggregated":
-        yield request.getfixturevalue("cluster")
+        yield request.getfixturevalue("local_cluster")
         return
     c = start_local(slots=4, extra=["--colocated"])
     try:

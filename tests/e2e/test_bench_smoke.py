@@ -1,5 +1,15 @@
-"""Smoke run of bench/serve.py's load generator against `tandem local` for a few seconds: the
-client, the workloads, the summaries and the JSON come out whole. No timing is asserted."""
+"""Smoke runs of the benchmarks that need Redis or the cluster, each for a few seconds. The one e2e
+or integration file that imports or runs bench/ code, because the benchmark itself is what is
+tested here (tests/unit/test_bench_*.py test bench code that needs no services; every other e2e and
+integration test uses none). No timing is asserted.
+
+- bench/serve.py's load generator against `tandem local`: the client, the workloads, the
+  summaries and the JSON come out whole.
+- bench/token_plane.py in a tiny run on a real Redis (its own redis-server) and real processes:
+  the decode pods' fenced writes reach the TokenMux relays exactly once and in order, the report's
+  fields are there, a fault injected into the publishers (a duplicate, a gap) makes the benchmark
+  fail, and a gateway holding many streams keeps to its connection bound.
+"""
 from __future__ import annotations
 
 import json
@@ -8,13 +18,15 @@ import sys
 
 import pytest
 
+from bench import token_plane as tp
+from bench.token_plane_report import report
 from tests.e2e.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 
 
-def test_serve_bench_against_tandem_local(cluster, tmp_path):
-    cmd = [sys.executable, "bench/serve.py", "--url", cluster.base_url, "--model", cluster.model,
+def test_serve_bench_against_tandem_local(local_cluster, tmp_path):
+    cmd = [sys.executable, "bench/serve.py", "--url", local_cluster.base_url, "--model", local_cluster.model,
            "--rates", "4", "--duration-s", "2", "--saturate-n", "6", "--slots", "4", "--no-write",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -32,3 +44,52 @@ def test_serve_bench_against_tandem_local(cluster, tmp_path):
     for r in raw["saturate"]["results"]:  # every token was streamed and timed
         assert r["tokens_out"] == r["output_len"] and len(r["itl_s"]) == r["tokens_out"] - 1
     assert "endpoint" in proc.stdout
+
+
+TINY = dict(publishers=1, gateways=1, batch=8, tokens=8, rates=[20.0, 40.0], warmup_s=0.3, measure_s=0.7)
+MACHINE = {"nproc": 2, "cpu": "x", "mem_gib": 1.0, "python": "3", "date": "d", "load_avg_1m": 0.5}
+
+
+def test_tiny_plane_run_delivers_every_stream_once_in_order():
+    res = tp.run_plane(tp.PlanePlan(**TINY), progress=lambda _m: None)
+    assert res["errors"] == 0, res["error_examples"]
+    assert res["streams"] > 8 and res["streams_ok"] == res["streams"]
+    assert res["tokens"] == 8 * res["streams"] and res["fenced"] == 0
+    assert len(res["rows"]) == 2
+    for row in res["rows"]:
+        assert row["written"] > 0 and row["delivered"] > 0
+        for q in ("p50", "p99"):
+            assert row["latency_ms"][q] >= 0
+        rc = row["redis"]
+        # the fenced script's inner commands: one HEXISTS, XADD and EXPIRE per token at least
+        for cmd in ("evalsha", "hexists", "xadd", "expire", "xread"):
+            assert rc["calls_per_token_by_command"].get(cmd, 0) > 0, (cmd, rc["calls_per_token_by_command"])
+        assert rc["calls_per_token_by_command"]["hexists"] == pytest.approx(1.0, abs=0.2)
+        assert rc["bytes_in_per_token"] > 0 and rc["bytes_out_per_token"] > 0 and rc["cpu_us_per_token"] > 0
+        assert "info" not in rc["commands"]  # the benchmark's own snapshots are left out
+        assert row["gateway_cpu_us_per_token"] > 0
+    assert set(res["cores"]["affinity"]) == {"redis", "gateway0", "publisher0"}
+    assert set(res["key_ops"]) == {"1", "3", "16"} and all(res["key_ops"].values())
+    assert res["xread_wakeup"]["in_reply"] >= 1
+    doc = {"parts": {"plane": {"command": "test", "machine": MACHINE, "result": res}}}
+    md = report(doc)
+    assert "Redis cmds/tok" in md and f"{res['streams']:,} of {res['streams']:,} exactly once" in md
+    assert tp.exit_code(doc) == 0
+
+
+@pytest.mark.parametrize("fault, word", [("duplicate", "duplicate index 2"), ("gap", "gap: index 2 missing")])
+def test_the_benchmark_fails_when_a_stream_is_broken(fault, word):
+    res = tp.run_plane(tp.PlanePlan(**{**TINY, "rates": [20.0]}, inject=fault), progress=lambda _m: None)
+    assert res["errors"] == 1, res["error_examples"]
+    assert any(word in e for e in res["error_examples"])
+    assert tp.exit_code({"parts": {"plane": {"result": res}}}) == 1
+
+
+def test_many_streams_on_one_gateway_within_its_connection_bound():
+    plan = tp.StreamsPlan(streams=400, publishers=1, pods=4, steps_per_s=0, max_connections=8, timeout_s=60)
+    res = tp.run_streams(plan, 400, idle=100, progress=lambda _m: None)
+    assert res["errors"] == 0, res["error_examples"]
+    assert res["streams"] == res["streams_ok"] == 400 and res["idle_streams"] == 100
+    assert 1 <= max(res["peak_gateway_connections"].values()) <= 8
+    assert res["keys_per_read"] > 100  # the idle subscriptions are named in every read too
+    assert res["tokens"] > 400 * 8 and res["deliver_s"] > 0

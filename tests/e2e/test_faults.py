@@ -1,7 +1,8 @@
 """Fault tests: processes on loopback, real Redis, bounded in time and count. For each fault a
 set of greedy streamed requests runs with the fault injected mid-flight; every request must
 finish, with no token index missing or repeated, and the text of an unbroken reference run.
-The scenarios live in bench/faults.py, which also writes docs/reliability.md from a real run."""
+The scenarios live in tests/e2e/faults.py; bench/faults.py runs the same ones to write
+docs/reliability.md from a real run."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,10 @@ import httpx
 import jsonschema
 import pytest
 
-from bench import faults
+from tests.e2e import fault_explain, faults
 from tests.e2e.conftest import stop_local
+from tests.e2e.fault_inject import WANT, redis_url, wait_healthy
+from tests.e2e.fault_load import MODEL, prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,16 +48,14 @@ def test_fault_loses_and_duplicates_nothing(fault_cluster, name):
 
 def _explain(cluster, r) -> str:
     """The lost requests' log lines and Redis state (a rare loss leaves only this message)."""
-    from bench import fault_explain
-
-    return fault_explain.explain(cluster.log, faults.redis_url(cluster.log), r.notes)
+    return fault_explain.explain(cluster.log, redis_url(cluster.log), r.notes)
 
 
 def written_twice(cluster, since_ms: int) -> list[str]:
     """Token streams begun since `since_ms` (Redis time) with some token index written twice."""
     import redis
 
-    r = redis.Redis.from_url(faults.redis_url(cluster.log))
+    r = redis.Redis.from_url(redis_url(cluster.log))
     out = []
     try:
         for key in r.scan_iter(match="tandem:*:tok:*", count=1000):
@@ -70,7 +71,7 @@ def written_twice(cluster, since_ms: int) -> list[str]:
 
 
 def test_supervisor_restarted_the_killed_workers(fault_cluster):
-    workers = asyncio.run(faults.wait_healthy(fault_cluster.base_url, faults.WANT))
+    workers = asyncio.run(wait_healthy(fault_cluster.base_url, WANT))
     assert sorted(w["id"] for w in workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
     log = "".join(fault_cluster.log)
     assert "exited with code -9; restarting" in log
@@ -80,7 +81,7 @@ def test_each_choice_of_n_resumes_after_a_decode_pod_dies(fault_cluster):
     """A streamed n=2 greedy request, every decode pod SIGKILLed mid-stream: each choice resumes on
     its own (from its own token stream) and both end with the unbroken run's text, every index once."""
     seen = len(fault_cluster.log)
-    body = {"model": faults.MODEL, "prompt": faults.prompts(1)[0], "max_tokens": 420,  # + ~70 prompt tokens < 512
+    body = {"model": MODEL, "prompt": prompts(1)[0], "max_tokens": 420,  # + ~70 prompt tokens < 512
             "temperature": 0, "ignore_eos": True}
     reference = httpx.post(fault_cluster.base_url + "/v1/completions", json=body, timeout=180).json()
     chunks, killed = asyncio.run(_stream_killing_decode(fault_cluster.base_url, {**body, "n": 2}, after=20))
@@ -100,7 +101,7 @@ def test_constrained_json_stays_valid_through_a_decode_pod_kill(fault_cluster):
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["text", "n"], "additionalProperties": False}
     seen = len(fault_cluster.log)
-    body = {"model": faults.MODEL, "prompt": faults.prompts(1)[0], "max_tokens": 400, "temperature": 1.0,
+    body = {"model": MODEL, "prompt": prompts(1)[0], "max_tokens": 400, "temperature": 1.0,
             "seed": 5, "structured_outputs": {"json": schema}}
     chunks, killed = asyncio.run(_stream_killing_decode(fault_cluster.base_url, body, after=20))
     text = "".join(ch["text"] for ch in chunks)
@@ -113,7 +114,7 @@ async def _stream_killing_decode(base: str, body: dict, after: int) -> tuple[lis
     """Stream `body`; once `after` chunks have arrived, SIGKILL every decode pod at once (pids read
     before the stream, so nothing delays the kill while the reply is still being generated).
     Returns every streamed choice, in order, and whether the kill happened."""
-    decode_pids = [w["pid"] for w in await faults.wait_healthy(base, faults.WANT) if w["role"] == "decode"]
+    decode_pids = [w["pid"] for w in await wait_healthy(base, WANT) if w["role"] == "decode"]
     got: list[dict] = []
     killed = False
     async with httpx.AsyncClient(base_url=base, timeout=180) as c:

@@ -21,7 +21,7 @@ def local(request):
     """The session cluster (model "builtin") when the trained checkpoint is there; else a cluster
     of the random-weight preset "tiny" for this module."""
     if (BUILTIN_DIR / "config.json").is_file():
-        yield request.getfixturevalue("cluster")
+        yield request.getfixturevalue("local_cluster")
         return
     c = start_local(model="tiny", slots=2, max_len=256)
     try:

@@ -99,16 +99,16 @@ async def _start_and_drop(base: str, n_events: int) -> str:
     return rid
 
 
-def test_disconnect_cancels_and_frees_slots_and_kv(cluster):
+def test_disconnect_cancels_and_frees_slots_and_kv(local_cluster):
     async def run():
         # Six long requests for four slots: some are decoding, some wait in admission/ready.
-        tasks = [asyncio.create_task(_start_and_drop(cluster.base_url, 3 if i < 4 else 1)) for i in range(6)]
+        tasks = [asyncio.create_task(_start_and_drop(local_cluster.base_url, 3 if i < 4 else 1)) for i in range(6)]
         return await asyncio.gather(*tasks)
 
     asyncio.run(run())
     deadline = time.monotonic() + 20
     while True:
-        snap = httpx.get(cluster.base_url + "/admin/cluster", timeout=10).json()
+        snap = httpx.get(local_cluster.base_url + "/admin/cluster", timeout=10).json()
         dec = [w for w in snap["workers"] if w["role"] == "decode"]
         pre = [w for w in snap["workers"] if w["role"] == "prefill"]
         idle = all(w["free_slots"] == w["slots"] for w in dec) and all(w["held_kv_bytes"] == 0 for w in pre)
@@ -144,12 +144,12 @@ def test_colocated_mode_gives_the_engines_greedy_tokens():
         stop_local(cl.proc)
 
 
-def test_route_decisions_are_a_metric_with_a_reason(cluster):
-    httpx.post(cluster.base_url + "/v1/completions", timeout=60,
+def test_route_decisions_are_a_metric_with_a_reason(local_cluster):
+    httpx.post(local_cluster.base_url + "/v1/completions", timeout=60,
                json={"model": "builtin", "prompt": "x", "max_tokens": 2}).raise_for_status()
-    httpx.post(cluster.base_url + "/v1/completions", timeout=60,
+    httpx.post(local_cluster.base_url + "/v1/completions", timeout=60,
                json={"model": "builtin", "prompt": "def f(x):\n    return x * 2\n" * 4, "max_tokens": 2}
                ).raise_for_status()
-    text = httpx.get(cluster.base_url + "/metrics", timeout=10).text
+    text = httpx.get(local_cluster.base_url + "/metrics", timeout=10).text
     assert 'tandem_route_total{reason="short_prompt",route="local"}' in text
     assert 'tandem_route_total{reason="remote",route="remote"}' in text

@@ -1,9 +1,9 @@
 """Failover of the one Redis shard mid-load, with real processes: `tandem local` (1 prefill,
 2 decode pods of 2 slots, the fault tests' fast heartbeats) against a primary, a replica and three
-sentinels on loopback (tandem.redis_proc.SentinelGroup). 8 greedy, resumable, streamed requests;
+sentinels on loopback (tandem.redis_sentinel.SentinelGroup). 8 greedy, resumable, streamed requests;
 when half of them have 5 tokens the primary is SIGKILLed; the sentinels promote the replica, every
 service follows them there, and every request must finish with the unbroken run's text, no token
-index missing or repeated. The requests, the trigger and the verdict are bench/faults.py's.
+index missing or repeated. The requests, the trigger and the verdict are tests/e2e/faults.py's.
 
 With asynchronous replication the replica may lack the primary's last writes; the verdict is not
 loosened for that. The run's evidence (cluster log, sentinel and Redis logs, each stream's
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from bench import faults
+from tests.e2e import faults
 from tests.e2e.conftest import stop_local
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import numpy as np
@@ -11,20 +10,21 @@ import pytest
 
 from tandem_core.models import resolve_model
 from tandem_core.tokenizer import load_tokenizer
+from tests.e2e.sse import sse_chunks
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["def main():\n    ", "The quick brown fox", "import os\nimport sys\n", "class Point:\n"]
 
 
-def _client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def _client(local_cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=local_cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_plain_and_streamed_completion_give_the_same_text(cluster):
-    c = _client(cluster)
-    plain = c.completions.create(model=cluster.model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
-    streamed = c.completions.create(model=cluster.model, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+def test_plain_and_streamed_completion_give_the_same_text(local_cluster):
+    c = _client(local_cluster)
+    plain = c.completions.create(model=local_cluster.model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    streamed = c.completions.create(model=local_cluster.model, prompt=PROMPTS[0], max_tokens=24, temperature=0,
                                     stream=True)
     text = "".join(ch.choices[0].text for ch in streamed if ch.choices)
     assert plain.choices[0].text == text
@@ -38,21 +38,16 @@ async def _stream_indices(client: httpx.AsyncClient, prompt: str, max_tokens: in
     ids, finish = [], None
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
-        event_id = None
-        async for line in resp.aiter_lines():
-            if line.startswith("id: "):
-                event_id = int(line[4:])
-            elif line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk["choices"]:
-                    ids.append(event_id)
-                    finish = chunk["choices"][0]["finish_reason"] or finish
+        async for event_id, chunk in sse_chunks(resp):
+            if chunk["choices"]:
+                ids.append(event_id)
+                finish = chunk["choices"][0]["finish_reason"] or finish
     return ids, finish
 
 
-def test_sixteen_concurrent_streams_every_index_exactly_once(cluster):
+def test_sixteen_concurrent_streams_every_index_exactly_once(local_cluster):
     async def run():
-        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=180) as client:
+        async with httpx.AsyncClient(base_url=local_cluster.base_url, timeout=180) as client:
             jobs = [_stream_indices(client, f"{PROMPTS[i % 4]}{i}", 10 + i) for i in range(16)]
             return await asyncio.gather(*jobs)
 
@@ -80,19 +75,19 @@ def _reference_greedy(model: str, max_len: int, prompt: str, max_tokens: int) ->
     return out
 
 
-def test_greedy_through_the_cluster_equals_single_process_engine(cluster):
-    tok = load_tokenizer(resolve_model(cluster.model))
-    c = _client(cluster)
+def test_greedy_through_the_cluster_equals_single_process_engine(local_cluster):
+    tok = load_tokenizer(resolve_model(local_cluster.model))
+    c = _client(local_cluster)
     for prompt in PROMPTS[:3]:
-        ref = _reference_greedy(cluster.model, cluster.max_len, prompt, 32)
-        ref_text = tok.decode([t for t in ref if t not in resolve_model(cluster.model).eos_token_ids])
-        got = c.completions.create(model=cluster.model, prompt=prompt, max_tokens=32, temperature=0)
+        ref = _reference_greedy(local_cluster.model, local_cluster.max_len, prompt, 32)
+        ref_text = tok.decode([t for t in ref if t not in resolve_model(local_cluster.model).eos_token_ids])
+        got = c.completions.create(model=local_cluster.model, prompt=prompt, max_tokens=32, temperature=0)
         assert got.choices[0].text == ref_text, f"prompt {prompt!r}"
         assert got.usage.completion_tokens == len(ref)
 
 
-def test_cluster_admin_lists_workers(cluster):
-    workers = httpx.get(cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
+def test_cluster_admin_lists_workers(local_cluster):
+    workers = httpx.get(local_cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
     roles = sorted(w["role"] for w in workers)
     assert roles == ["decode", "prefill"]
     for w in workers:

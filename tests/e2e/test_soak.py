@@ -14,9 +14,9 @@ import httpx
 import pytest
 import redis
 
-from bench.faults import launcher_children
 from tandem_core import keys
 from tests.e2e.conftest import start_local, stop_local
+from tests.e2e.fault_inject import launcher_children
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ LOST = re.compile(r"lost (\S+) after (\d+) tokens")
 
 
 def lost_ids(notes: str) -> list[str]:
-    """The request ids `faults.judge` named as lost."""
+    """The request ids `fault_load.judge` named as lost."""
     return [m.group(1) for m in LOST.finditer(notes)]
 
 
