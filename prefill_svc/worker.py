@@ -64,7 +64,7 @@ class PrefillWorker:
         rotation = PriorityRotation(self.s.pool, self.s.priority_high_weight)
         while not stop.is_set():
             try:
-                await self._round(rotation)
+                await self.claim_round(rotation)
             except REDIS_DOWN as e:  # Redis restarting: wait for it, never die
                 log.warning("redis unavailable: %s; retrying", e)
                 await asyncio.sleep(REDIS_RETRY_S)
@@ -87,9 +87,9 @@ class PrefillWorker:
         await groups.ensure_groups(self.r, self.s.pool)
         for shard in keys.all_shards():
             for prio in keys.PRIORITIES:
-                await groups.ensure_group(self.r, self._own_stream(prio, shard), keys.PREFILL_GROUP)
+                await groups.ensure_group(self.r, self.takeover.own_stream(prio, shard), keys.PREFILL_GROUP)
 
-    async def _round(self, rotation: PriorityRotation) -> None:
+    async def claim_round(self, rotation: PriorityRotation) -> None:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
         await self._expire_leases()
         room = min(self.s.max_batch, self.prefiller.room())
@@ -102,22 +102,15 @@ class PrefillWorker:
             await self.handler.handle_until_done(c)
         await self.takeover.run()
 
-    def _own_stream(self, prio: str, shard: int) -> str:
-        return self.takeover.own_stream(prio, shard)
-
     def _claim_order(self, rotation: PriorityRotation) -> list[str]:
         """The rotation's order of priorities, each one's per-pod streams (prompts routed here for
         this pod's prefix cache) just before its shared streams, shard by shard."""
         out = []
         prios, shards = rotation.next_priorities(), rotation.shard_order()
         for prio in prios:
-            out += [self._own_stream(prio, s) for s in shards]
+            out += [self.takeover.own_stream(prio, s) for s in shards]
             out += [keys.admission_stream(self.s.pool, prio, s) for s in shards]
         return out
-
-    def _prefill_sync(self, req):
-        """The prefill alone, on the caller's thread (tests/unit/test_grammar_prefill.py)."""
-        return self.prefiller.prefill_sync(req)
 
     async def _expire_leases(self) -> None:
         """Free KV nobody pulled within its lease, and fail its request, unless the request went

@@ -38,7 +38,7 @@ async def _owned(r, rid, entries, prompt_lp, fenced):
 
 
 def _queue(w, rid, entries, prompt_lp):
-    """The prefill pod's queueing (prefill_svc/worker.py): the prompt's logprobs, then the tokens."""
+    """The prefill pod's queueing (prefill_svc/prefill.py): the prompt's logprobs, then the tokens."""
     if prompt_lp:
         token_stream.add_prompt_logprobs(w, rid, prompt_lp, TTL, MAXLEN)
     start = entries[0][0]

@@ -87,7 +87,7 @@ async def test_enqueue_prefill_commit_and_claims_never_overfill(rc, redis_cluste
     worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-cl")
     for shard in keys.all_shards():
         for prio in keys.PRIORITIES:
-            await groups.ensure_group(r, worker._own_stream(prio, shard), keys.PREFILL_GROUP)
+            await groups.ensure_group(r, worker.takeover.own_stream(prio, shard), keys.PREFILL_GROUP)
     reqs = [GenerationRequest(rid, [5, 6, 7, 8], 4, priority="high" if i % 3 == 0 else "normal")
             for i, rid in enumerate(RIDS[:24])]
     for i, q in enumerate(reqs):
@@ -100,7 +100,7 @@ async def test_enqueue_prefill_commit_and_claims_never_overfill(rc, redis_cluste
     for _ in range(40):
         if (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 0:
             break
-        await worker._round(rotation)
+        await worker.claim_round(rotation)
     assert (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 0
     for q in reqs:
         assert [token_stream.token_event(e, f).index for e, f in await r.xrange(keys.token_stream(q.request_id))] == [0]

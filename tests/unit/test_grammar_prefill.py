@@ -1,7 +1,7 @@
 """The prefill pod's token 0 under a grammar: every choice of an n > 1 request draws only what the
 grammar allows first (and a resumed request what follows its streamed output), at temperature 1;
 a spec no pod can run fails in the prefill with an InvalidRequest naming it. Real engine on the
-built-in model; `_prefill_sync` is the engine-thread half of the worker (no Redis touched)."""
+built-in model; `prefiller.prefill_sync` is the engine-thread half of the worker (no Redis touched)."""
 from __future__ import annotations
 
 import pytest
@@ -35,13 +35,13 @@ def _req(tok, tail: str = "", **kw) -> GenerationRequest:
 
 def test_every_choice_of_token_zero_is_masked(worker):
     w, tok = worker
-    _payload, firsts, _lps, _plp = w._prefill_sync(_req(tok, n=4))
+    _payload, firsts, _lps, _plp = w.prefiller.prefill_sync(_req(tok, n=4))
     assert [tok.token_bytes(t) for t in firsts] == [b"{"] * 4
 
 
 def test_resumed_request_continues_its_json(worker):
     w, tok = worker
-    _payload, firsts, _lps, _plp = w._prefill_sync(_req(tok, tail='{"age":'))
+    _payload, firsts, _lps, _plp = w.prefiller.prefill_sync(_req(tok, tail='{"age":'))
     assert tok.token_bytes(firsts[0]).lstrip(b"-")[:1].isdigit()
 
 
@@ -50,4 +50,4 @@ def test_unsupported_spec_fails_in_prefill(worker):
     req = _req(tok)
     req.grammar = {"kind": "json_schema", "schema": {"not": {"type": "string"}}}
     with pytest.raises(InvalidRequest, match="not"):
-        w._prefill_sync(req)
+        w.prefiller.prefill_sync(req)
