@@ -13,6 +13,7 @@ from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tandem_core import keys
 from tandem_core.settings import RedisConfig
+from tests.integration.api_errors import assert_api_error
 
 POOL = f"gwa-{uuid.uuid4().hex[:8]}"
 
@@ -31,12 +32,7 @@ def client(redis_url):
     r.close()
 
 
-def _err(resp, status: int, param: str | None, *words: str) -> None:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
-    for w in words:
-        assert w in err["message"], (w, err["message"])
+_err = assert_api_error
 
 
 USER = [{"role": "user", "content": "hi"}]
