@@ -2,7 +2,7 @@
 
 * `publisher_main`: stands in for decode pods. Each of its `pods` owns `batch` slots; a slot runs
   requests one after another. A new request is owned first (`OwnedPublisher.own`: the HSET of the
-  pod's running hash, as `decode_svc/io.py` does for every request it takes), then every step writes
+  pod's running hash, as `decode_svc/claims.py` does for every request it takes), then every step writes
   one token per running request with ONE `OwnedPublisher.add_batch` per pod on a pipeline (the
   decode pod's fenced script: HEXISTS + XADD + EXPIRE per token, HDEL on the finish), the last
   token with finish `length`. Like the decode pod's cancel loop it MGETs its requests' cancel keys
