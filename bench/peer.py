@@ -29,8 +29,10 @@ worker, with VLLM_CPU_OMP_THREADS_BIND set to the same CPUs; the bare engine), a
 process under CLIENT (default: not pinned).
 
 Health. Before a ratio against a system is quoted it must be healthy: its c=1 TTFT p50 and TPOT
-p50 within 2x of its own best single request, no failed request, and exactly one token per SSE
-event at every level (usage completion_tokens == token events == the asked length). Otherwise
+p50 within 2x of its own best single request, no failed request, exactly one token per SSE
+event at every level (usage completion_tokens == token events == the asked length), and a
+throughput that scales: c=8 at least 1.5x c=1's tokens/s, and no level below 0.9x the one before
+(a server slow at every level passes the c=1 checks against its own best). Otherwise
 the reason is printed and recorded and those ratios read "-". Writes bench/out/peer.json, raw
 timings under bench/out/peer/, the `peer` section of bench/RESULTS.md and `peer_*` keys of
 bench/out/summary.json. Timings are reported, never asserted.
@@ -247,7 +249,8 @@ def with_health(s: dict) -> dict:
     """`s` with its health verdict (re)computed from its recorded levels (--report-only re-judges)."""
     if "levels" in s:
         s["health"] = rep.health(s.get("best_single") or {}, s["levels"].get("1"),
-                                 {c: lv["stream"] for c, lv in s["levels"].items()})
+                                 {c: lv["stream"] for c, lv in s["levels"].items()},
+                                 tokens_per_s={c: lv.get("output_tokens_per_s") for c, lv in s["levels"].items()})
     return s
 
 

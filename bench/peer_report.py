@@ -16,6 +16,13 @@ BACK_TO_BACK_S = 0.0002  # two token events closer than this arrived as one burs
 # merges queued steps into one event (vLLM's output collector does); a rare merge (a descheduled
 # process on a shared machine) leaves throughput and TTFT meaningful, streaming in bundles does not.
 TOKENS_PER_EVENT_MAX = 1.05
+# Throughput across the concurrency levels. A server that batches gains from 8 streams over 1 (the
+# healthy runs here: vLLM 3.7-4.9x, Tandem 2.4-3.3x); one that gains less than BATCH_GAIN_MIN is
+# starved or not batching, and one whose tokens/s fall by more than SCALING_FLOOR as concurrency
+# rises is starved (a whole run of a server can be slow at every level, which the c=1 checks
+# against its own best single request cannot see).
+BATCH_GAIN_MIN = 1.5
+SCALING_FLOOR = 0.9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,12 +113,13 @@ def best_single(results: Sequence[RequestResult]) -> dict:
 
 
 def health(best: Mapping, c1: Mapping | None, streams: Mapping[str, Mapping],
-           factor: float = HEALTH_FACTOR) -> dict:
+           factor: float = HEALTH_FACTOR, tokens_per_s: Mapping[str, float] | None = None) -> dict:
     """Is the system serving as its authors intend? c1: the c=1 level's summary; streams: each
-    level's stream_stats. Healthy when its c=1 TTFT p50 and TPOT p50 are within `factor` of its own
-    best single request, no request failed, and tokens came one per SSE event (usage
-    completion_tokens / events <= TOKENS_PER_EVENT_MAX at every level; the exact count is
-    reported). Returns {"healthy", "reasons", "checks"}."""
+    level's stream_stats; tokens_per_s: each level's output tokens/s. Healthy when its c=1 TTFT
+    p50 and TPOT p50 are within `factor` of its own best single request, no request failed, tokens
+    came one per SSE event (usage completion_tokens / events <= TOKENS_PER_EVENT_MAX at every
+    level; the exact count is reported), and its throughput scales (`scaling_reasons`). Returns
+    {"healthy", "reasons", "checks"}."""
     reasons: list[str] = []
     checks: dict = {}
     if not best:
@@ -135,7 +143,27 @@ def health(best: Mapping, c1: Mapping | None, streams: Mapping[str, Mapping],
                            f"{TOKENS_PER_EVENT_MAX:g}; {st.get('short_streams')} streams had fewer events than tokens)")
     if c1.get("errors"):
         reasons.append(f"c=1: {c1['errors']} requests failed")
+    reasons += scaling_reasons(tokens_per_s or {}, checks)
     return {"healthy": not reasons, "reasons": reasons, "checks": checks}
+
+
+def scaling_reasons(tokens_per_s: Mapping[str, float], checks: dict) -> list[str]:
+    """Why the throughput across levels says the server is starved or not batching (see
+    BATCH_GAIN_MIN and SCALING_FLOOR); records the ratios in `checks`."""
+    out: list[str] = []
+    tps = {int(c): v for c, v in tokens_per_s.items() if v and not math.isnan(v)}
+    if 1 in tps and 8 in tps:
+        gain = checks["c8_over_c1_tokens_per_s"] = tps[8] / tps[1]
+        if gain < BATCH_GAIN_MIN:
+            out.append(f"c=8 gives {fmt(gain)}x the tokens/s of c=1 (a batching server gains at least "
+                       f"{BATCH_GAIN_MIN:g}x: starved or not batching)")
+    levels = sorted(tps)
+    for lo, hi in zip(levels, levels[1:]):
+        ratio = checks[f"c{hi}_over_c{lo}_tokens_per_s"] = tps[hi] / tps[lo]
+        if ratio < SCALING_FLOOR:
+            out.append(f"c={hi} gives {fmt(ratio)}x the tokens/s of c={lo} (throughput fell as "
+                       f"concurrency rose: starved)")
+    return out
 
 
 def tpe_text(x) -> str:

@@ -152,6 +152,20 @@ def test_health_verdicts():
     assert not nan["healthy"]
 
 
+def test_health_needs_throughput_that_scales():
+    """A server slow at every level passes the c=1 checks against its own best single request; its
+    tokens/s across levels do not (the numbers of two vLLM runs seen here, and a healthy one)."""
+    best = rep.best_single([_req(0.020, 0.003)])
+    one = {"1": rep.stream_stats([_req(0.02, 0.003)])}
+    healthy = rep.health(best, _level(0.02, 0.003), one, tokens_per_s={"1": 420, "8": 2070, "32": 2440})
+    assert healthy["healthy"] and healthy["checks"]["c8_over_c1_tokens_per_s"] == pytest.approx(2070 / 420)
+    flat = rep.health(best, _level(0.02, 0.003), one, tokens_per_s={"1": 571, "8": 713, "32": 1099})
+    assert not flat["healthy"] and any("starved or not batching" in r for r in flat["reasons"])
+    fell = rep.health(best, _level(0.02, 0.003), one, tokens_per_s={"1": 420, "8": 2070, "32": 1390})
+    assert not fell["healthy"] and any("c=32 gives 0.67" in r and "fell" in r for r in fell["reasons"])
+    assert rep.health(best, _level(0.02, 0.003), one, tokens_per_s={"1": 500, "8": math.nan})["healthy"]
+
+
 def _sys(tps: dict, cpu: dict, ttft8: float, healthy: bool = True) -> dict:
     return {"status": "ok", "health": {"healthy": healthy, "reasons": [] if healthy else ["c=1 TTFT slow"]},
             "levels": {str(c): {"output_tokens_per_s": tps[c], "cpu_ms_per_1k": {"total": cpu[c]},
