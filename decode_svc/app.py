@@ -1,6 +1,6 @@
-"""Wiring of one decode pod: the engine thread (decode_svc/loop.py) and the I/O side
-(decode_svc/io.py) around one request table and one bridge, the gRPC health server and
-heartbeats; readiness only once the engine is compiled; a drain on SIGTERM."""
+"""Wiring of one decode pod in the shared worker skeleton (tandem_core/worker_pod.py): the engine
+thread (decode_svc/loop.py) and the I/O side (decode_svc/io.py) around one request table and one
+bridge; readiness only once the engine is compiled; a drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +14,9 @@ from decode_svc.loop import EngineLoop
 from decode_svc.recover import reclaim_pending, recover_loop, recover_running
 from decode_svc.requests import RequestTable
 from decode_svc.settings import DecodeSettings
-from tandem_core import grpc_util, lifecycle
 from tandem_core.bus import conn, groups, registry
 from tandem_core.settings import default_worker_id
+from tandem_core.worker_pod import WorkerPod
 from tandem_engine.prefix_cache import cache_for
 
 log = logging.getLogger(__name__)
@@ -55,53 +55,42 @@ async def serve(s: DecodeSettings) -> int:
                              mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache)
     io = DecodeIO(s, r, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
-    server = grpc_util.make_server(s.grpc.max_message_bytes)
-    port = grpc_util.bind(server, s.grpc.host, s.grpc.port, s.grpc)
-    health = grpc_util.add_health(server, [SERVICE])
-    await server.start()
-    stop, hb_stop, pub_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    lifecycle.install_stop_signals(stop)
-    draining = asyncio.Event()
-    info = _worker_info(s, io, worker_id, f"{s.grpc.advertise_host}:{port}", draining)
+    pod = WorkerPod(s, r, [SERVICE])
+    address = pod.bind()
+    await pod.start()
     engine_loop.start()
-    tasks = [
-        asyncio.create_task(lifecycle.heartbeat_loop(r, info, s.heartbeat_interval_s, hb_stop, io.peers,
-                                                     io.resync.kick)),
-        asyncio.create_task(io.publisher.publish_loop(pub_done)),
-        asyncio.create_task(io.cancel_loop(hb_stop)),
-    ]
+    done = asyncio.Event()  # the drain is over: publishing, cancels and recovery stop only then
+    pod.beat(_worker_info(s, io, worker_id, address, pod), io.peers, io.resync.kick)
+    tasks = [asyncio.create_task(io.publisher.publish_loop(done)), asyncio.create_task(io.cancel_loop(done))]
     # A restart under the same id: first resume what the previous incarnation left behind.
     await recover_running(io, include_self=True)
     await reclaim_pending(io, include_self=True)
-    tasks += [asyncio.create_task(recover_loop(io, hb_stop)), asyncio.create_task(_watch_engine(engine_loop, stop))]
-    claim = asyncio.create_task(io.claims.claim_loop(stop))
-    await grpc_util.set_serving(health, [SERVICE], True)
+    tasks += [asyncio.create_task(recover_loop(io, done)), asyncio.create_task(_watch_engine(engine_loop, pod.stop))]
+    claim = asyncio.create_task(io.claims.claim_loop(pod.stop))
+    await pod.ready()
     log.info("decode ready worker_id=%s slots=%d model=%s", worker_id, s.slots, engine.info.name)
-    await stop.wait()
-    draining.set()
-    await grpc_util.set_serving(health, [SERVICE], False)
+    await pod.stop.wait()
+    await pod.drain()
     await claim
     await _drain(io, s.drain_timeout_s)
     engine_loop.stop()
-    pub_done.set()
-    hb_stop.set()
+    done.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await io.puller.close()
-    await server.stop(grace=1.0)
-    await r.aclose()
+    await pod.close(grace_s=1.0)
     log.info("decode stopped worker_id=%s steps=%d tokens=%d", worker_id, engine_loop.stats.steps,
              engine_loop.stats.tokens)
     return 1 if engine_loop.error else 0
 
 
-def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, draining: asyncio.Event):
+def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, pod: WorkerPod):
     """What each heartbeat publishes about this pod (the registry; the gateway routes on it)."""
     table, stats = io.table, io.engine_loop.stats
 
     def info() -> registry.WorkerInfo:
         return registry.WorkerInfo(
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
-            free_slots=table.free, draining=draining.is_set(),
+            free_slots=table.free, draining=pod.draining,
             extra={"pool": s.pool, "prefix_cache": io.engine_loop.prefix_cache.summary(), "steps": stats.steps,
                    "tokens": stats.tokens, "pulled": io.claims.pulled, "local_prefills": stats.local_prefills,
                    "colocated": s.colocated, "requests": table.stages()},

@@ -1,5 +1,6 @@
-"""Wiring of one prefill pod: engine, KV store, gRPC server (KV transfer + health), Redis,
-heartbeats and the prefill loop, with a drain on SIGTERM."""
+"""Wiring of one prefill pod in the shared worker skeleton (tandem_core/worker_pod.py): engine
+(compiled before the pod reports ready), KV store, the KV transfer service, the prefill loop, and a
+drain on SIGTERM that keeps serving held KV until it is pulled or its lease ends."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ from prefill_svc.worker import PrefillWorker
 from tandem_core import grpc_util, lifecycle
 from tandem_core.bus import conn, groups, registry
 from tandem_core.settings import default_worker_id
+from tandem_core.worker_pod import WorkerPod
 from tandem_engine.prefix_cache import cache_for
 from tandem_proto import kv_pb2
 
@@ -42,43 +44,31 @@ async def serve(settings: PrefillSettings) -> int:
     store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
     r = conn.connect(settings.redis)
     await groups.ensure_groups(r, settings.pool)
-
-    server = grpc_util.make_server(settings.grpc.max_message_bytes)
-    port = grpc_util.bind(server, settings.grpc.host, settings.grpc.port, settings.grpc)
-    address = f"{settings.grpc.advertise_host}:{port}"
+    pod = WorkerPod(settings, r, [KV_SERVICE])
+    address = pod.bind()
     peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(settings.heartbeat_interval_s))
     worker = PrefillWorker(settings, engine, r, store, address, worker_id, cache, peers)
     # PullKV chunks are serialized by kvcodec itself (no protobuf message per chunk)
-    KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release).add_to_server(server)
-    health = grpc_util.add_health(server, [KV_SERVICE])
-    grpc_util.add_reflection(server, [KV_SERVICE])
-    await server.start()
-
-    stop = asyncio.Event()
-    lifecycle.install_stop_signals(stop)
-    draining = False
+    KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release).add_to_server(pod.server)
+    grpc_util.add_reflection(pod.server, [KV_SERVICE])
+    await pod.start()
 
     def info() -> registry.WorkerInfo:
         return registry.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
-                                  held_kv_bytes=store.held_bytes, draining=draining,
+                                  held_kv_bytes=store.held_bytes, draining=pod.draining,
                                   extra={"pool": settings.pool, "prefix_cache": cache.summary(),
                                          "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefiller.prefilled,
                                          "prefill_ema_s": round(worker.prefiller.prefill_ema_s, 6)})
 
-    hb_stop = asyncio.Event()
-    hb = asyncio.create_task(lifecycle.heartbeat_loop(r, info, settings.heartbeat_interval_s, hb_stop, peers))
-    await grpc_util.set_serving(health, [KV_SERVICE], True)
+    pod.beat(info, peers)
+    await pod.ready()
     log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
              engine.info.name, store.budget_bytes)
-    loop_task = asyncio.create_task(worker.run(stop))
-    await stop.wait()
-    draining = True
-    await grpc_util.set_serving(health, [KV_SERVICE], False)
+    loop_task = asyncio.create_task(worker.run(pod.stop))
+    await pod.stop.wait()
+    await pod.drain()
     await loop_task
     await worker.drain(settings.drain_timeout_s)
-    hb_stop.set()
-    await hb
-    await server.stop(grace=2.0)
-    await r.aclose()
+    await pod.close(grace_s=2.0)
     log.info("prefill stopped worker_id=%s prefilled=%d", worker_id, worker.prefiller.prefilled)
     return 0

@@ -33,7 +33,10 @@ def make_server(max_message_bytes: int) -> grpc.aio.Server:
 
 
 def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """grpc.health.v1 for Kubernetes' native `grpc:` probes; starts NOT_SERVING until ready."""
+    """grpc.health.v1 for Kubernetes' native `grpc:` probes. As grpcio builds it, the server as a
+    whole ("") answers SERVING and each named service NOT_FOUND until `set_serving` says otherwise:
+    call `set_serving(..., False)` before the server starts to stay NOT_SERVING until ready (the
+    worker pods do, tandem_core/worker_pod.py)."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer
