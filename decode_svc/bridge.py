@@ -24,10 +24,6 @@ class Bridge:
         self.slot_freed = asyncio.Event()
         self.output_ready = asyncio.Event()
 
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The event loop the engine thread wakes (before the thread starts)."""
-        self._loop = loop
-
     # ------------------------------------------------------------ engine thread
     def wake_claims(self) -> None:
         """A slot was freed (or the thread died): the claim loop may claim again."""

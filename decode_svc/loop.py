@@ -36,7 +36,7 @@ import numpy as np
 
 from decode_svc.bridge import Bridge
 from decode_svc.constrained import SlotGrammars
-from decode_svc.items import Emitted, HeldChoice, Insert, LocalPrefill, LoopStats
+from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats
 from decode_svc.requests import Active, RequestTable
 from tandem_core.errors import TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
@@ -47,9 +47,6 @@ from tandem_engine.logits import unpack_logprobs, unpack_tokens
 from tandem_engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
-
-__all__ = ["EngineLoop", "Emitted", "Insert", "LocalPrefill"]  # the items, for the tests' sake
-
 
 class EngineLoop:
     def __init__(self, engine, table: RequestTable, bridge: Bridge, pipelined: bool = True,

@@ -54,7 +54,6 @@ class Tracked:
     key: int
     request_id: str
     stage: Stage
-    active: Active | None = None  # set while RUNNING
     cancelled: bool = False  # the client cancelled it before it ran (see `cancel`)
 
 
@@ -164,7 +163,7 @@ class RequestTable:
         """QUEUED -> RUNNING in slot `act.slot`."""
         with self._lock:
             rec = self._records[key]
-            rec.stage, rec.active = Stage.RUNNING, act
+            rec.stage = Stage.RUNNING
             self._running[act.slot] = act
             self._slot_keys[act.slot] = key
 

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from decode_svc.bridge import Bridge
-from decode_svc.loop import EngineLoop, Insert, LocalPrefill
+from decode_svc.items import Insert, LocalPrefill
+from decode_svc.loop import EngineLoop
 from decode_svc.requests import RequestTable
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
