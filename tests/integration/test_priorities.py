@@ -34,20 +34,25 @@ async def test_high_first_low_not_starved(redis_url, redis_client, engine):
     worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-test")
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
-    order: list[str] = []
+    rids = [f"{c}-{i}" for c in ("high", "low") for i in range(n)]
+    done: dict[str, tuple[int, int]] = {}  # rid -> the id Redis gave its first token entry
     try:
         for _ in range(600):
-            done = set(order)
-            for rid in [f"{c}-{i}" for c in ("high", "low") for i in range(n)]:
-                if rid not in done and await r.exists(keys.token_stream(rid)):
-                    order.append(rid)
-            if len(order) == 2 * n:
+            for rid in [x for x in rids if x not in done]:
+                first = await r.xrange(keys.token_stream(rid), count=1)
+                if first:
+                    ms, seq = first[0][0].decode().split("-")
+                    done[rid] = (int(ms), int(seq))
+            if len(done) == 2 * n:
                 break
             await asyncio.sleep(0.02)
     finally:
         stop.set()
         await task
-    assert len(order) == 2 * n, f"finished {len(order)} of {2 * n}"
+    assert len(done) == 2 * n, f"finished {len(done)} of {2 * n}"
+    # The order the prefill pod answered them in, by the time Redis stamped each first token (not
+    # by when this loop happened to see them: one slow poll would lump a low one behind highs).
+    order = sorted(done, key=done.__getitem__)
     first_low = next(i for i, rid in enumerate(order) if rid.startswith("low"))
     last_high = max(i for i, rid in enumerate(order) if rid.startswith("high"))
     assert first_low >= 6, f"high priority was not served first: {order[:10]}"
