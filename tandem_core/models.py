@@ -1,4 +1,5 @@
-"""Which model a service serves: presets and Hugging Face Llama directories, without JAX.
+"""Which model a service serves: presets and Hugging Face directories of the served families,
+without JAX.
 
 The gateway needs the tokenizer, the context length and the EOS ids; the engine needs the
 architecture. Both read them from here so they can never disagree.
@@ -18,7 +19,9 @@ BYTE_EOS = 257
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Architecture and serving facts of one Llama-family model."""
+    """Architecture and serving facts of one model. What a family changes beyond these shapes
+    (biases, norms, windows, experts, ...) is read by the engine from `extra["hf_config"]`, the
+    checkpoint's config.json as written (tandem_engine/arch.py)."""
 
     name: str
     vocab_size: int
@@ -99,20 +102,53 @@ def resolve_model(name_or_path: str) -> ModelInfo:
     return _from_hf_config(path, json.loads(cfg_file.read_text()))
 
 
+# model_type (config.json) -> the family the engine serves it as (tandem_engine/arch.py maps each
+# to what it changes; tests/unit/test_engine_families.py builds one checkpoint of each)
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
+}
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's part of a config.json: a multimodal checkpoint (Gemma 3's
+    `Gemma3ForConditionalGeneration`) nests it under `text_config`."""
+    inner = cfg.get("text_config")
+    if isinstance(inner, dict) and "num_hidden_layers" in inner:
+        merged = {**inner}
+        for key in ("eos_token_id", "bos_token_id", "_name_or_path", "tie_word_embeddings"):
+            if key not in merged and key in cfg:
+                merged[key] = cfg[key]
+        merged.setdefault("model_type", cfg.get("model_type"))
+        if cfg.get("model_type") == "gemma3":
+            merged["model_type"] = "gemma3"
+        return merged
+    return cfg
+
+
 def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-    if cfg.get("model_type", "llama") != "llama" and "Llama" not in arch:
-        raise ModelNotFound(f"{path}: model_type {cfg.get('model_type')!r} is not a Llama-family model")
+    model_type = cfg.get("model_type", "llama" if "Llama" in arch else None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelNotFound(
+            f"{path}: model_type {model_type!r} ({arch}) is not a family this engine serves; "
+            f"served: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    raw = cfg
+    cfg = text_config(cfg)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
     tok = "hf" if (path / "tokenizer.json").is_file() else "byte"
+    # a mixture of experts: intermediate_size is each expert's (Qwen3-MoE names it apart)
+    ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     return ModelInfo(
         name=cfg.get("_name_or_path") or path.name,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=ffn,
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -120,23 +156,35 @@ def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         rope_theta=_rope(cfg)[0],
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         path=str(path.resolve()),
         tokenizer=tok,
-        extra={"rope_scaling": _rope(cfg)[1]},
+        extra={"rope_scaling": _rope(cfg)[1], "hf_config": cfg, "family": SUPPORTED_MODEL_TYPES[model_type]},
     )
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a config.json. transformers >= 5 writes them as
-    `rope_parameters` ({"rope_theta": ..., "rope_type": ..., scaling keys}); older versions as
-    top-level `rope_theta` / `rope_scaling`. Missing both, Llama's default theta is 10000."""
+    """(rope_theta, rope_scaling) of the global-attention layers (`rope_for`)."""
+    return rope_for(cfg, "full_attention")
+
+
+def rope_for(cfg: dict, layer_type: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of one layer type ("full_attention", "sliding_attention") from a
+    config.json. transformers >= 5 writes `rope_parameters`: flat ({"rope_theta": ..., "rope_type":
+    ..., scaling keys}) or per layer type (Gemma 3: {"sliding_attention": {...}, "full_attention":
+    {...}}); older versions top-level `rope_theta` / `rope_scaling` (and Gemma 3's
+    `rope_local_base_freq` for its sliding layers). Missing all, Llama's default theta is 10000.
+    rope_scaling is None for plain RoPE."""
     rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get(layer_type), dict):
+        rope = rope[layer_type]
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        return float(cfg["rope_local_base_freq"]), None
     if "rope_theta" in cfg or not isinstance(rope, dict) or "rope_theta" not in rope:
         return float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling: dict | None = {k: v for k, v in rope.items() if k != "rope_theta"}
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = cfg.get("rope_scaling")
     return float(rope["rope_theta"]), scaling

@@ -88,6 +88,9 @@ class EngineConfig(BaseModel):
     prefill_buckets: list[PositiveInt] = [16, 32, 64, 128, 256, 512]
     dtype: str = Field(default="float32", pattern="^(float32|bfloat16)$")
     tp: int = Field(default=1, ge=0)  # tensor parallelism over this pod's devices; 0 = all of them
+    # a mixture of experts: split whole experts across the tp devices (expert parallelism) instead
+    # of each expert's hidden units
+    expert_parallel: bool = False
     # JAX's persistent compilation cache: a restarted pod (or a second pod on the node) loads its
     # compiled steps instead of compiling again (seconds instead of tens of seconds). "" turns it off.
     # XLA CPU intra-op threads (0: one per core). On CPUs that several workers share, 1 wastes
@@ -106,7 +109,7 @@ class EngineConfig(BaseModel):
         service builds its engine from this one mapping)."""
         return {"model": self.model, "slots": slots, "max_len": self.max_len,
                 "prefill_buckets": tuple(self.prefill_buckets), "dtype": self.dtype, "tp": self.tp,
-                "compile_cache_dir": self.compile_cache_dir, "cpu_threads": self.cpu_threads,
+                "expert_parallel": self.expert_parallel, "compile_cache_dir": self.compile_cache_dir, "cpu_threads": self.cpu_threads,
                 "prefix_chunk": prefix_chunk}
 
 

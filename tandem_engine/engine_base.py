@@ -29,7 +29,8 @@ class EngineBase:
 
     def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
                  prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
-                 tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64):
+                 tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
+                 expert_parallel: bool = False):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -39,7 +40,7 @@ class EngineBase:
             )
         self.info = info
         self.cfg = config_from_info(info)
-        self.layout = make_layout(info, tp, mesh)  # None: one device, unsharded
+        self.layout = make_layout(info, tp, mesh, expert_parallel)  # None: one device, unsharded
         self.params = params if self.layout is None else self.layout.place_params(params)
         self.slots = int(slots)
         self.max_len = int(max_len)

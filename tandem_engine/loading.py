@@ -34,19 +34,22 @@ def use_compile_cache(path: str) -> None:
 def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
                 tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
-                cpu_threads: int = 0, prefix_chunk: int = 64) -> Engine:
+                cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
-    random weights) or a HF Llama directory.
+    random weights) or a HF directory of a served family (tandem_engine/arch.py).
 
     tp > 1 splits weights and KV over the first tp devices; or pass a `mesh` with a "tp" axis.
     num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
-    before any weight is read)."""
+    before any weight is read). `expert_parallel`: a mixture of experts splits whole experts
+    across the tp devices (the expert count must be divisible by tp) instead of each expert's
+    hidden units."""
     use_compile_cache(compile_cache_dir)
     limit_cpu_threads(cpu_threads)  # before anything starts a backend
     info = resolve_model(model)
     if tp == 0:  # all local devices (the chips of this TPU host)
         tp = len(jax.devices())
-    make_layout(info, tp, mesh)  # fail fast on a bad tp
+    make_layout(info, tp, mesh, expert_parallel)  # fail fast on a bad tp
     params = load_params(info, dtype)
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
-                  dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk)
+                  dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
+                  expert_parallel=expert_parallel)

@@ -1,22 +1,31 @@
-"""The Llama-family decoder as pure functions over a params pytree.
+"""The decoder of every served family as pure functions over a params pytree.
 
-This is the only place that knows the architecture (RMSNorm, RoPE in Hugging Face's rotate_half
-convention, grouped-query attention, SwiGLU). It knows nothing about slots, sampling or I/O: the
-Engine composes these functions into jitted cores.
+The architecture is data (`ModelConfig`, arch.py): these functions read it and never ask which
+family they run. They know nothing about slots, sampling or I/O: the Engine composes them into
+jitted cores.
 
 Params pytree (weights stored as `x @ W`, i.e. transposed from HF's [out, in]):
     embed   [vocab, d]
     layers  dict of per-layer weights stacked on a leading [num_layers] axis:
             attn_norm [L, d], wq [L, d, H*hd], wk [L, d, KV*hd], wv [L, d, KV*hd], wo [L, H*hd, d],
-            mlp_norm [L, d], w_gate [L, d, f], w_up [L, d, f], w_down [L, f, d]
+            mlp_norm [L, d], and by the config:
+            bq, bk, bv [L, H*hd | KV*hd] (qkv_bias), bo [L, d] (o_bias),
+            q_norm, k_norm [L, hd] (qk_norm), attn_post_norm, mlp_post_norm [L, d] (sandwich_norms),
+            sinks [L, H] (sinks),
+            a dense MLP: w_gate [L, d, f], w_up [L, d, f], w_down [L, f, d];
+            or experts: router [L, d, E], router_bias [L, E], we_gate, we_up [L, E, d, f],
+            we_down [L, E, f, d], be_gate, be_up [L, E, f], be_down [L, E, d]
     norm    [d]
     lm_head [d, vocab]   (absent when word embeddings are tied: logits use embed.T)
 
+Layers differ only in data the scan carries beside their weights (`LayerConsts`: each layer's
+RoPE frequencies and window), so one scanned body serves Gemma 3's local and global layers alike.
+
 Three forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
 same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
-cached prefix's KV), `decode_forward` (one token per slot against the slot
-cache) and `reference_forward` (plain full recompute, no cache, a Python loop over layers) which
-tests use as ground truth for the other two.
+cached prefix's KV), `decode_forward` (one token per slot against the slot cache) and
+`reference_forward` (plain full recompute, no cache, a Python loop over layers) which tests use
+beside transformers as ground truth for the other two.
 """
 from __future__ import annotations
 
@@ -27,55 +36,39 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tandem_core.models import ModelInfo
+from tandem_engine.arch import ModelConfig, config_from_info
 
+__all__ = ["ModelConfig", "config_from_info", "decode_forward", "prefill_forward", "prefill_logits_all",
+           "prefill_suffix_forward", "reference_forward", "reference_greedy"]
 
-class ModelConfig(NamedTuple):
-    """The architecture only (hashable, a static jit argument): two models with the same shapes
-    share compiled code whatever their names or paths."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    rope_scaling: tuple = ()  # sorted (key, value) items of HF's rope_scaling, () when none
-
-
-def config_from_info(info: ModelInfo) -> ModelConfig:
-    scaling = (info.extra or {}).get("rope_scaling") or {}
-    return ModelConfig(
-        vocab_size=info.vocab_size, hidden_size=info.hidden_size, num_layers=info.num_layers,
-        num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-        rope_theta=float(info.rope_theta), rms_norm_eps=float(info.rms_norm_eps),
-        rope_scaling=tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict)))),
-    )
+NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
 
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back to the activation dtype (as HF does)."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, cfg: ModelConfig | None = None) -> jax.Array:
+    """RMSNorm computed in float32. Llama casts back, then multiplies by w; Gemma and gpt-oss
+    multiply by (offset + w) in float32, then cast (`cfg.norm_f32_weight`, `cfg.norm_offset`)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32.astype(x.dtype) * w).astype(x.dtype)
+    if cfg is not None and cfg.norm_f32_weight:
+        return (x32 * (cfg.norm_offset + w.astype(jnp.float32))).astype(x.dtype)
+    offset = 0.0 if cfg is None else cfg.norm_offset
+    return (x32.astype(x.dtype) * (w + offset if offset else w)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [head_dim // 2], with HF's "linear" and "llama3" rope_scaling."""
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    scaling = dict(cfg.rope_scaling)
+def _inv_freq(theta: float, scaling_items: tuple, hd: int) -> tuple[jax.Array, float]:
+    """Inverse frequencies [hd // 2] and the cos/sin scale (YaRN's attention factor, else 1) for
+    HF's default, "linear", "llama3" and "yarn" RoPE."""
+    inv = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    scaling = dict(scaling_items)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
-        return inv
+        return inv, 1.0
     if kind == "linear":
-        return inv / float(scaling["factor"])
+        return inv / float(scaling["factor"]), 1.0
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -85,55 +78,229 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
         smooth = (old_ctx / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return jnp.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        return jnp.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(theta, scaling, hd)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
 
 
-def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _yarn(theta: float, s: dict, hd: int) -> tuple[jax.Array, float]:
+    """YaRN as transformers computes it (`_compute_yarn_parameters`)."""
+    factor = float(s["factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+    attention = s.get("attention_factor")
+    if attention is None:
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):
+        return (hd * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(hd // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    pos = theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+    return inv, float(attention)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [head_dim // 2] of the global layers."""
+    return _inv_freq(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim)[0]
+
+
+class LayerConsts(NamedTuple):
+    """What differs between layers besides their weights; stacked on [num_layers] for the scan."""
+
+    inv_freq: jax.Array  # float32 [L, hd / 2]
+    rope_scale: jax.Array  # float32 [L]: cos and sin are multiplied by it (YaRN)
+    window: jax.Array  # int32 [L]: attend to positions > own - window (NO_WINDOW: global)
+    index: jax.Array  # int32 [L]
+
+
+def layer_consts(cfg: ModelConfig) -> LayerConsts:
+    glob, gscale = _inv_freq(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim)
+    if cfg.local_rope_theta:
+        loc, lscale = _inv_freq(cfg.local_rope_theta, cfg.local_rope_scaling, cfg.head_dim)
+    else:
+        loc, lscale = glob, gscale
+    wins = [cfg.window(i) for i in range(cfg.num_layers)]
+    return LayerConsts(
+        inv_freq=jnp.stack([loc if w else glob for w in wins]),
+        rope_scale=jnp.asarray([lscale if w else gscale for w in wins], jnp.float32),
+        window=jnp.asarray([w or NO_WINDOW for w in wins], jnp.int32),
+        index=jnp.arange(cfg.num_layers, dtype=jnp.int32),
+    )
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale=1.0) -> jax.Array:
     """Rotate x [..., T, heads, hd] by positions [..., T] in HF's rotate_half layout."""
-    freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [..., T, hd/2]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, hd]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb) * scale, jnp.sin(emb) * scale
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
     return out.astype(x.dtype)
 
 
-def mlp(x: jax.Array, lp: dict) -> jax.Array:
-    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+def _act(x: jax.Array, name: str) -> jax.Array:
+    if name == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=(name == "gelu_tanh"))
+
+
+def mlp(x: jax.Array, lp: dict, cfg: ModelConfig | None = None) -> jax.Array:
+    """The feed-forward block of one layer: a dense gated MLP or a mixture of experts."""
+    if cfg is not None and cfg.moe:
+        return moe(x, lp, cfg)
+    act = "silu" if cfg is None else cfg.act
+    return (_act(x @ lp["w_gate"], act) * (x @ lp["w_up"])) @ lp["w_down"]
+
+
+def _expert_gate(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    if cfg.expert_act == "swiglu_clamped":  # gpt-oss
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+    return _act(gate, cfg.act) * up
+
+
+def route(x: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Router: (weights [N, k] in x's dtype, expert ids [N, k]) for tokens x [N, d]."""
+    logits = x @ lp["router"]
+    if cfg.router_bias:
+        logits = logits + lp["router_bias"]
+    if cfg.router == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over them
+        top, idx = jax.lax.top_k(logits, cfg.experts_per_tok)
+        return jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype), idx
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, cfg.experts_per_tok)
+    if cfg.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(x.dtype), idx
+
+
+def moe(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """A mixture of experts over x [..., d] by sorted dispatch and grouped matmuls
+    (`jax.lax.ragged_dot`): each (token, chosen expert) pair is one row, rows are sorted by
+    expert, and each expert's weights multiply only its rows. Work follows the active
+    parameters (k experts per token), not the expert count."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, d)
+    n, k, e = flat.shape[0], cfg.experts_per_tok, cfg.num_experts
+    weights, idx = route(flat, lp, cfg)
+    expert = idx.reshape(-1)  # [n * k]
+    order = jnp.argsort(expert, stable=True)
+    rows = flat[order // k]  # [n * k, d], grouped by expert
+    sizes = jnp.bincount(expert, length=e).astype(jnp.int32)
+    chosen = expert[order]
+    gate = jax.lax.ragged_dot(rows, lp["we_gate"], sizes)
+    up = jax.lax.ragged_dot(rows, lp["we_up"], sizes)
+    if cfg.expert_bias:
+        gate, up = gate + lp["be_gate"][chosen], up + lp["be_up"][chosen]
+    out = jax.lax.ragged_dot(_expert_gate(gate, up, cfg).astype(x.dtype), lp["we_down"], sizes)
+    if cfg.expert_bias:
+        out = out + lp["be_down"][chosen]
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(n, k, d)
+    return jnp.einsum("nkd,nk->nd", unsorted, weights.astype(out.dtype)).astype(x.dtype).reshape(*lead, d)
 
 
 def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final norm and LM head; logits are float32 whatever the weight dtype."""
-    h = rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    """Final norm and LM head; logits are float32 whatever the weight dtype (soft-capped where
+    the family caps them)."""
+    h = rms_norm(h, params["norm"], cfg.rms_norm_eps, cfg)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return (h @ head).astype(jnp.float32)
+    logits = (h @ head).astype(jnp.float32)
+    if cfg.final_softcap:
+        logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits
 
 
-def _qkv(x: jax.Array, lp: dict, positions: jax.Array, cfg: ModelConfig):
+def embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    x = params["embed"][tokens]
+    if cfg.embed_scale != 1.0:  # Gemma: the scale is cast to the weight dtype first
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    return x
+
+
+def _qkv(x: jax.Array, lp: dict, positions: jax.Array, lc: LayerConsts, cfg: ModelConfig):
     """Project x [..., T, d] to rotated q [..., T, H, hd], k and v [..., T, KV, hd]."""
     lead = x.shape[:-1]
-    q = (x @ lp["wq"]).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = (x @ lp["wk"]).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = (x @ lp["wv"]).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    return rope(q, positions, cfg), rope(k, positions, cfg), v
+    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg)
+    return rope(q, positions, lc.inv_freq, lc.rope_scale), rope(k, positions, lc.inv_freq, lc.rope_scale), v
 
 
-def _grouped_attention(q, k, v, mask, cfg: ModelConfig) -> jax.Array:
+def _scores(raw: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Scaled (and soft-capped) float32 attention scores."""
+    s = raw * (cfg.query_scale or 1.0 / math.sqrt(cfg.head_dim))
+    if cfg.attn_softcap:
+        s = jnp.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+    return s
+
+
+def _grouped_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
     """q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B, T, S] (True = attend). Returns [B, T, H*hd].
 
-    Query heads are grouped per KV head (no repeat of K/V); softmax runs in float32.
+    Query heads are grouped per KV head (no repeat of K/V); softmax runs in float32. `sinks` [H]
+    (gpt-oss): one more logit per head in the softmax whose value is dropped.
     """
     b, t = q.shape[:2]
     groups = cfg.num_heads // cfg.num_kv_heads
     qg = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(cfg.head_dim)
+    scores = _scores(jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32), cfg)
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, cfg.num_kv_heads, groups, 1, 1),
+                                (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+
+
+def _attn_out(x: jax.Array, attn: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """The output projection (and Gemma's norm after it), added to the residual stream."""
+    o = attn @ lp["wo"]
+    if cfg.o_bias:
+        o = o + lp["bo"]
+    if cfg.sandwich_norms:
+        o = rms_norm(o, lp["attn_post_norm"], cfg.rms_norm_eps, cfg)
+    return x + o
+
+
+def _ffn(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    h = mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg), lp, cfg)
+    if cfg.sandwich_norms:
+        h = rms_norm(h, lp["mlp_post_norm"], cfg.rms_norm_eps, cfg)
+    return x + h
+
+
+def _sinks(lp: dict, cfg: ModelConfig):
+    return lp["sinks"] if cfg.sinks else None
+
+
+def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
+    """Causal and inside the window: k <= q and q - k < window ([..., T, S] from [..., T, 1] and
+    [..., 1, S])."""
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,17 +330,17 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
     """Hidden states [T, d] after the last layer, and the KV [num_layers, T, KV, hd]."""
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    mask = (positions[None, :] <= positions[:, None])[None]  # [1, T, T] causal
-    x = params["embed"][tokens][None]  # [1, T, d]
+    x = embed(params, tokens, cfg)[None]  # [1, T, d]
 
-    def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(h, lp, positions[None], cfg)
-        x = x + _grouped_attention(q, k, v, mask, cfg) @ lp["wo"]
-        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
-        return x, (k[0], v[0])
+    def layer(x, xs):
+        lp, lc = xs
+        mask = _window_mask(positions[:, None], positions[None, :], lc.window)[None]  # [1, T, T]
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+        q, k, v = _qkv(h, lp, positions[None], lc, cfg)
+        x = _attn_out(x, _grouped_attention(q, k, v, mask, cfg, _sinks(lp, cfg)), lp, cfg)
+        return _ffn(x, lp, cfg), (k[0], v[0])
 
-    x, (ks, vs) = jax.lax.scan(layer, x, params["layers"])
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], layer_consts(cfg)))
     return x[0], ks, vs
 
 
@@ -186,26 +353,25 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
     [num_layers, S, KV, hd]: rows [0, start) hold the cached prefix's KV (the rest is ignored and
     overwritten). The suffix's KV is written at rows start + i (rows past S are dropped: only
     padding lands there as long as start + true_length <= S) and each suffix position attends to
-    every row <= its own. Returns (logits [vocab] at prompt position start + true_length - 1, k, v
-    [num_layers, S, KV, hd]): the same arrays `prefill_forward` returns for the whole prompt padded
-    to S, up to float rounding in the row blocking.
+    every row <= its own (within its layer's window). Returns (logits [vocab] at prompt position
+    start + true_length - 1, k, v [num_layers, S, KV, hd]): the same arrays `prefill_forward`
+    returns for the whole prompt padded to S, up to float rounding in the row blocking.
     """
     t, s = tokens.shape[0], k_buf.shape[1]
     positions = start + jnp.arange(t, dtype=jnp.int32)
-    mask = (jnp.arange(s)[None, :] <= positions[:, None])[None]  # [1, T, S]
-    x = params["embed"][tokens][None]  # [1, T, d]
+    x = embed(params, tokens, cfg)[None]  # [1, T, d]
 
     def layer(x, xs):
-        lp, kc, vc = xs  # kc, vc [S, KV, hd]
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(h, lp, positions[None], cfg)
+        lp, lc, kc, vc = xs  # kc, vc [S, KV, hd]
+        mask = _window_mask(positions[:, None], jnp.arange(s)[None, :], lc.window)[None]  # [1, T, S]
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+        q, k, v = _qkv(h, lp, positions[None], lc, cfg)
         kc = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
         vc = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
-        x = x + _grouped_attention(q, kc[None], vc[None], mask, cfg) @ lp["wo"]
-        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
-        return x, (kc, vc)
+        x = _attn_out(x, _grouped_attention(q, kc[None], vc[None], mask, cfg, _sinks(lp, cfg)), lp, cfg)
+        return _ffn(x, lp, cfg), (kc, vc)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], k_buf, v_buf))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], layer_consts(cfg), k_buf, v_buf))
     last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), ks, vs
 
@@ -215,6 +381,7 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
 
 
 DECODE_CHUNK = 256  # cache positions per step of the decode attention loop
+_NEG = -1e30  # a masked score: finite, so a chunk with nothing to attend to yields no NaN
 
 
 def decode_chunks(positions: jax.Array, max_len: int, chunk: int = DECODE_CHUNK,
@@ -229,17 +396,32 @@ def decode_chunks(positions: jax.Array, max_len: int, chunk: int = DECODE_CHUNK,
     return jnp.maximum((longest + chunk - 1) // chunk, 1).astype(jnp.int32)
 
 
+def window_first_chunk(positions: jax.Array, window: jax.Array, max_len: int, chunk: int = DECODE_CHUNK,
+                       active: jax.Array | None = None) -> jax.Array:
+    """The first chunk a windowed layer's decode step must read: the one holding the earliest
+    position any active slot's window reaches (0 for a global layer)."""
+    chunk = min(chunk, max_len)
+    lo = jnp.maximum(positions - window + 1, 0)
+    if active is not None:
+        lo = jnp.where(active, lo, max_len)
+    return (jnp.min(lo) // chunk).astype(jnp.int32)
+
+
 def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelConfig,
-                             chunk: int = DECODE_CHUNK, num_chunks: jax.Array | None = None):
+                             chunk: int = DECODE_CHUNK, num_chunks: jax.Array | None = None, *,
+                             window: jax.Array | None = None, first_chunk: jax.Array | None = None,
+                             sinks: jax.Array | None = None):
     """Flash-decoding over the cache of one layer, reading only the chunks in use.
 
     q [rows, 1, H, hd]; k_cache, v_cache [num_layers, slots >= rows, KV, max_len, hd] (head-major;
     only the first rows slots are read); layer: which layer; positions [rows]: slot s attends to
-    cache rows <= positions[s]. The loop visits `num_chunks` chunks (default
-    `decode_chunks(positions, max_len, chunk)`) of `chunk` rows (a dynamic_slice each, so shapes
-    stay static) with an online softmax in float32: a running max, sum and weighted values. Rows
-    past the last chunk are not read; a slot whose position lies beyond them (only an inactive one)
-    gets garbage, never NaN, as row 0 is always read.
+    cache rows <= positions[s] (and > positions[s] - window). The loop visits chunks
+    [first_chunk, num_chunks) (defaults: 0 and `decode_chunks(positions, max_len, chunk)`) of
+    `chunk` rows (a dynamic_slice each, so shapes stay static) with an online softmax in float32:
+    a running max, sum and weighted values, started from the sink logit where the family has one.
+    A windowed layer starts at its window's first chunk, so its cost follows the window, not the
+    position. Masked scores are finite: a slot with nothing to attend to in a chunk (or a free
+    slot) gets garbage, never NaN.
     Query heads are grouped per KV head as in `_grouped_attention` (no repeat of K/V).
     Returns (out [slots, 1, H*hd] in q's dtype, the number of chunks visited).
     """
@@ -248,8 +430,9 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
     groups = cfg.num_heads // kvh
     chunk = min(chunk, max_len)
     n = decode_chunks(positions, max_len, chunk) if num_chunks is None else num_chunks
+    first = jnp.int32(0) if first_chunk is None else jnp.minimum(first_chunk, n - 1)
+    win = NO_WINDOW if window is None else window
     qg = q.reshape(slots, kvh, groups, hd)
-    scale = 1.0 / math.sqrt(hd)
 
     def body(carry):
         c, m, l, acc = carry
@@ -259,13 +442,13 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
         k = jax.lax.dynamic_slice(k_cache, (layer, 0, 0, start, 0), (1, slots, kvh, chunk, hd))[0]
         v = jax.lax.dynamic_slice(v_cache, (layer, 0, 0, start, 0), (1, slots, kvh, chunk, hd))[0]
         rows = start + jnp.arange(chunk)
-        ok = (rows[None, :] >= c * chunk) & (rows[None, :] <= positions[:, None])  # [slots, chunk]
+        ok = (rows[None, :] >= c * chunk) & _window_mask(positions[:, None], rows[None, :], win)
         # The barriers keep XLA CPU from fusing the softmax into the two batched matmuls: fused,
         # they lose the matmul kernel (measured: 6.8 -> 5.1 ms for 4 layers at 32 slots).
-        s = jax.lax.optimization_barrier(
-            jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32)) * scale
-        s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: row 0 is in chunk 0 for every slot
+        s = _scores(jax.lax.optimization_barrier(
+            jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32)), cfg)
+        s = jnp.where(ok[:, None, None, :], s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=-1)
@@ -273,11 +456,16 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
             "bkgs,bksd->bkgd", jax.lax.optimization_barrier(p.astype(v.dtype)), v, preferred_element_type=jnp.float32))
         return c + 1, m_new, l, alpha[..., None] * acc + pv
 
-    init = (jnp.int32(0), jnp.full((slots, kvh, groups), -jnp.inf, jnp.float32),
-            jnp.zeros((slots, kvh, groups), jnp.float32), jnp.zeros((slots, kvh, groups, hd), jnp.float32))
-    visited, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < n, body, init)
+    shape = (slots, kvh, groups)
+    if sinks is None:
+        m0, l0 = jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32)
+    else:  # the sink is one more logit with no value: it only adds exp(sink - m) to the sum
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), shape)
+        l0 = jnp.ones(shape, jnp.float32)
+    init = (first, m0, l0, jnp.zeros((*shape, hd), jnp.float32))
+    end, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < n, body, init)
     out = (acc / l[..., None]).astype(q.dtype)
-    return out.reshape(slots, 1, cfg.num_heads * hd), visited
+    return out.reshape(slots, 1, cfg.num_heads * hd), end - first
 
 
 def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: ModelConfig,
@@ -288,34 +476,38 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
     v_cache [num_layers, slots, KV, max_len, hd] (head-major: each head's rows are contiguous, so
     attention is a plain batched matmul); only slots [0, rows) are read or written. The new K/V are
     written at `positions` (clamped to max_len - 1: staying below max_len is the caller's job) and
-    each slot attends to cache positions <= its own position. Attention reads the cache in chunks up
-    to the longest slot's position only (`chunked_decode_attention`), so a step's cost follows the
-    tokens in use, not max_len; `active` [slots] bool (optional) leaves free slots out of that
-    length (their logits are then garbage).
+    each slot attends to cache positions <= its own position (within its layer's window).
+    Attention reads the cache in chunks up to the longest slot's position only
+    (`chunked_decode_attention`), and from the window's first chunk on a windowed layer, so a
+    step's cost follows the tokens in use, not max_len; `active` [slots] bool (optional) leaves
+    free slots out of that length (their logits are then garbage).
     Returns (logits [slots, vocab], k_cache, v_cache).
     """
     slots, max_len = tokens.shape[0], k_cache.shape[3]
     write_pos = jnp.minimum(positions, max_len - 1)
     slot_idx = jnp.arange(slots)
     num_chunks = decode_chunks(write_pos, max_len, active=active)  # once for all layers
-    x = params["embed"][tokens][:, None, :]  # [slots, 1, d]
+    x = embed(params, tokens, cfg)[:, None, :]  # [slots, 1, d]
 
     def layer(carry, xs):
         x, kc, vc = carry
-        lp, i = xs
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(h, lp, positions[:, None], cfg)  # k, v [slots, 1, KV, hd]
+        lp, lc = xs
+        i = lc.index
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [slots, 1, KV, hd]
         # the whole cache rides in the carry so XLA updates it in place (the state is donated)
         # head-major cache: [layer, slot, kv head, position, hd]; k[:, 0] is [slots, KV, hd]
         kc = kc.at[i, slot_idx, :, write_pos].set(k[:, 0].astype(kc.dtype))
         vc = vc.at[i, slot_idx, :, write_pos].set(v[:, 0].astype(vc.dtype))
-        attn, _ = chunked_decode_attention(q, kc, vc, i, write_pos, cfg, num_chunks=num_chunks)
-        x = x + attn @ lp["wo"]
-        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
+        first = None
+        if cfg.windows:
+            first = window_first_chunk(write_pos, lc.window, max_len, active=active)
+        attn, _ = chunked_decode_attention(q, kc, vc, i, write_pos, cfg, num_chunks=num_chunks,
+                                           window=lc.window, first_chunk=first, sinks=_sinks(lp, cfg))
+        x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
         return (x, kc, vc), None
 
-    xs = (params["layers"], jnp.arange(cfg.num_layers))
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), xs)
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)))
     return logits_from_hidden(params, x[:, 0], cfg), k_cache, v_cache
 
 
@@ -329,21 +521,26 @@ def reference_forward(params: dict, tokens, cfg: ModelConfig) -> jax.Array:
     tokens = jnp.asarray(tokens, jnp.int32)
     t = tokens.shape[0]
     positions = jnp.arange(t)
-    causal = positions[None, :] <= positions[:, None]
-    x = params["embed"][tokens]  # [T, d]
+    x = embed(params, tokens, cfg)  # [T, d]
     groups = cfg.num_heads // cfg.num_kv_heads
+    consts = layer_consts(cfg)
     for i in range(cfg.num_layers):
         lp = jax.tree.map(lambda w: w[i], params["layers"])
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(h, lp, positions, cfg)  # [T, heads, hd]
+        lc = jax.tree.map(lambda c: c[i], consts)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+        q, k, v = _qkv(h, lp, positions, lc, cfg)  # [T, heads, hd]
         k = jnp.repeat(k, groups, axis=1)
         v = jnp.repeat(v, groups, axis=1)
-        scores = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32))
-        scores = jnp.where(causal[None], scores / math.sqrt(cfg.head_dim), -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
+        scores = _scores(jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)), cfg)
+        allowed = _window_mask(positions[:, None], positions[None, :], lc.window)
+        scores = jnp.where(allowed[None], scores, -jnp.inf)
+        if cfg.sinks:
+            sink = jnp.broadcast_to(lp["sinks"].astype(jnp.float32)[:, None, None], (cfg.num_heads, t, 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+        else:
+            probs = jax.nn.softmax(scores, axis=-1)
         attn = jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(x.dtype)
-        x = x + attn.reshape(t, -1) @ lp["wo"]
-        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
+        x = _ffn(_attn_out(x, attn.reshape(t, -1), lp, cfg), lp, cfg)
     return logits_from_hidden(params, x, cfg)
 
 

@@ -31,10 +31,24 @@ AXIS = "tp"
 
 # per-layer weights carry a leading [num_layers] axis (see model.py)
 _LAYER_SPECS = {
-    "attn_norm": P(), "mlp_norm": P(),
+    "attn_norm": P(), "mlp_norm": P(), "attn_post_norm": P(), "mlp_post_norm": P(),
+    "q_norm": P(), "k_norm": P(),
     "wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
-    "wo": P(None, AXIS, None),
+    "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS),
+    "wo": P(None, AXIS, None), "bo": P(),  # the o bias is added once, after the all-reduce
+    "sinks": P(None, AXIS),  # per query head: each chip holds its heads' sinks
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
+    "router": P(), "router_bias": P(),
+}
+# mixture of experts: tensor parallelism inside each expert (its hidden units split, as the dense
+# MLP's) or expert parallelism (whole experts split across chips)
+_EXPERT_TP = {
+    "we_gate": P(None, None, None, AXIS), "we_up": P(None, None, None, AXIS), "we_down": P(None, None, AXIS, None),
+    "be_gate": P(None, None, AXIS), "be_up": P(None, None, AXIS), "be_down": P(),
+}
+_EXPERT_EP = {
+    "we_gate": P(None, AXIS), "we_up": P(None, AXIS), "we_down": P(None, AXIS),
+    "be_gate": P(None, AXIS), "be_up": P(None, AXIS), "be_down": P(None, AXIS),
 }
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
 _KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
@@ -45,6 +59,7 @@ class Layout(NamedTuple):
     argument of the jitted cores)."""
 
     mesh: Mesh
+    expert_parallel: bool = False  # experts split across chips (else each expert split by hidden unit)
 
     @property
     def tp(self) -> int:
@@ -65,26 +80,30 @@ class Layout(NamedTuple):
     def param_shardings(self, params: dict) -> dict:
         """A pytree of NamedShardings matching `params` (with or without lm_head)."""
         out = {name: self.replicated() for name in params if name != "layers"}
-        out["layers"] = {name: self.named(_LAYER_SPECS[name]) for name in params["layers"]}
+        specs = {**_LAYER_SPECS, **(_EXPERT_EP if self.expert_parallel else _EXPERT_TP)}
+        out["layers"] = {name: self.named(specs[name]) for name in params["layers"]}
         return out
 
     def place_params(self, params: dict) -> dict:
         return jax.device_put(params, self.param_shardings(params))
 
 
-def make_layout(info: ModelInfo, tp: int = 1, mesh: Mesh | None = None) -> Layout | None:
+def make_layout(info: ModelInfo, tp: int = 1, mesh: Mesh | None = None,
+                expert_parallel: bool = False) -> Layout | None:
     """The layout for `tp` chips (the first tp of `jax.devices()`) or for a given mesh with a "tp"
-    axis (other axes, if any, replicate). None when tp == 1 and no mesh: unsharded, as before."""
+    axis (other axes, if any, replicate). None when tp == 1 and no mesh: unsharded, as before.
+    `expert_parallel`: a mixture of experts splits whole experts across the chips (expert
+    parallelism) instead of each expert's hidden units (tensor parallelism)."""
     if mesh is not None:
         if AXIS not in mesh.axis_names:
             raise ValueError(f"mesh axes {mesh.axis_names} have no {AXIS!r} axis to shard over")
         if tp not in (1, mesh.shape[AXIS]):
             raise ValueError(f"tp={tp} disagrees with the mesh's {AXIS!r} axis of size {mesh.shape[AXIS]}")
-        check_divisible(info, int(mesh.shape[AXIS]))
-        return Layout(mesh)
+        check_divisible(info, int(mesh.shape[AXIS]), expert_parallel)
+        return Layout(mesh, bool(expert_parallel))
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
-    check_divisible(info, tp)
+    check_divisible(info, tp, expert_parallel)
     if tp == 1:
         return None
     devices = jax.devices()
@@ -93,17 +112,26 @@ def make_layout(info: ModelInfo, tp: int = 1, mesh: Mesh | None = None) -> Layou
             f"tp={tp} needs {tp} devices but JAX sees {len(devices)} ({devices[0].platform}); "
             f"on a CPU set XLA_FLAGS=--xla_force_host_platform_device_count={tp} before JAX starts"
         )
-    return Layout(Mesh(np.asarray(devices[:tp]), (AXIS,)))
+    return Layout(Mesh(np.asarray(devices[:tp]), (AXIS,)), bool(expert_parallel))
 
 
-def check_divisible(info: ModelInfo, tp: int) -> None:
-    """Heads and MLP units are split evenly across chips, or not at all."""
+def check_divisible(info: ModelInfo, tp: int, expert_parallel: bool = False) -> None:
+    """Heads and MLP units (or experts) are split evenly across chips, or not at all."""
     ok = [d for d in range(1, info.num_kv_heads + 1) if info.num_kv_heads % d == 0]
     if info.num_kv_heads % tp:
         raise ValueError(
             f"tp={tp} does not divide num_kv_heads={info.num_kv_heads} of {info.name}: KV heads are "
             f"split across chips, so use tp in {ok}"
         )
+    hf = (info.extra or {}).get("hf_config") or {}
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    if expert_parallel:
+        if not experts:
+            raise ValueError(f"expert parallelism needs a mixture of experts; {info.name} is dense")
+        if experts % tp:
+            raise ValueError(f"tp={tp} does not divide the {experts} experts of {info.name}: experts are "
+                             f"split across chips, so use a tp that divides {experts}")
+        return
     if info.intermediate_size % tp:
         raise ValueError(
             f"tp={tp} does not divide intermediate_size={info.intermediate_size} of {info.name}: "
