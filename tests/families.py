@@ -12,8 +12,9 @@ from pathlib import Path
 VOCAB = 320  # >= 258: the byte tokenizer (no tokenizer.json) fits
 WINDOW = 8  # sliding window of the windowed layers: shorter than the tests' prompts
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=256,
+# 8 query and 4 KV heads so that tp 1, 2 and 4 all divide them; experts (4 or 8) too
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=16, max_position_embeddings=512, bos_token_id=256,
                eos_token_id=257, pad_token_id=0)
 
 
@@ -40,7 +41,7 @@ def _configs(transformers) -> dict:
             intermediate_size=128, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
         "gpt_oss": (t.GptOssConfig, t.GptOssForCausalLM, dict(
-            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"] * 2,
             rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 64,
