@@ -14,7 +14,8 @@ PIP := $(BIN)/pip install --progress-bar off --disable-pip-version-check
 SERVE_EXTRAS := local
 TEST_EXTRAS := local,dev,test-reference
 DEV_EXTRAS := $(TEST_EXTRAS),bench
-# One stamp per set, newer than pyproject.toml once installed. .installed is the full test set.
+# One stamp per set, newer than pyproject.toml once installed (.installed: the test set, as before,
+# so an existing .venv is not reinstalled). The venv itself is order-only: creating it forces nothing.
 CREATED := $(VENV)/.created
 SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
@@ -23,17 +24,17 @@ DEV_STAMP := $(VENV)/.installed-dev
 .PHONY: install serve test test-unit bench proto images clean
 
 $(CREATED):
-	$(PY) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
 	touch $(CREATED)
 
-$(SERVE_STAMP): pyproject.toml $(CREATED)
+$(SERVE_STAMP): pyproject.toml | $(CREATED)
 	@echo "make serve: installing tandem-serve[$(SERVE_EXTRAS)] into $(VENV): the gateway, prefill and decode"
 	@echo "  workers (JAX on CPU), the planner and an embedded Redis; no test tools (make test adds them)."
 	$(PIP) -e '.[$(SERVE_EXTRAS)]'
 	touch $(SERVE_STAMP)
 
-$(STAMP): pyproject.toml $(CREATED)
+$(STAMP): pyproject.toml | $(CREATED)
 	@echo "make test: installing tandem-serve[$(TEST_EXTRAS)] into $(VENV): what make serve installs plus"
 	@echo "  pytest, the real clients the tests drive (openai, langchain-openai, schemathesis), the Helm"
 	@echo "  library and kubernetes-validate for the chart, and torch/transformers for the reference-model tests."
