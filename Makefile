@@ -1,22 +1,54 @@
 # Tandem developer entry points. `make serve` and `make test` are the README's quick start.
+#   make serve    installs only what serving needs (the [local] extra), then runs `tandem local`
+#   make test     adds the test tools ([dev], [test-reference]: pytest, the real clients, torch)
+#   make install  everything a developer uses (what make test installs, plus [bench])
+#   make images REGISTRY=...   builds (and pushes) the three images in docker/
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 ARGS ?=
+PIP := $(BIN)/pip install --progress-bar off --disable-pip-version-check
+
+# Extras per target (pyproject.toml [project.optional-dependencies]).
+SERVE_EXTRAS := local
+TEST_EXTRAS := local,dev,test-reference
+DEV_EXTRAS := $(TEST_EXTRAS),bench
+# One stamp per set, newer than pyproject.toml once installed (.installed: the test set, as before,
+# so an existing .venv is not reinstalled). The venv itself is order-only: creating it forces nothing.
+CREATED := $(VENV)/.created
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install serve test test-unit bench proto clean
+.PHONY: install serve test test-unit bench proto images clean
 
-$(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,test-reference]'
+$(CREATED):
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
+	touch $(CREATED)
+
+$(SERVE_STAMP): pyproject.toml | $(CREATED)
+	@echo "make serve: installing tandem-serve[$(SERVE_EXTRAS)] into $(VENV): the gateway, prefill and decode"
+	@echo "  workers (JAX on CPU), the planner and an embedded Redis; no test tools (make test adds them)."
+	$(PIP) -e '.[$(SERVE_EXTRAS)]'
+	touch $(SERVE_STAMP)
+
+$(STAMP): pyproject.toml | $(CREATED)
+	@echo "make test: installing tandem-serve[$(TEST_EXTRAS)] into $(VENV): what make serve installs plus"
+	@echo "  pytest, the real clients the tests drive (openai, langchain-openai, schemathesis), the Helm"
+	@echo "  library and kubernetes-validate for the chart, and torch/transformers for the reference-model tests."
+	$(PIP) -e '.[$(TEST_EXTRAS)]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(DEV_STAMP): pyproject.toml $(STAMP)
+	@echo "make install: adding tandem-serve[bench] (matplotlib, py-spy) to the test set in $(VENV)."
+	$(PIP) -e '.[$(DEV_EXTRAS)]'
+	touch $(DEV_STAMP)
 
-serve: $(STAMP)
+install: $(DEV_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(BIN)/tandem local --port $(PORT) $(ARGS)
 
 test: $(STAMP)
@@ -26,12 +58,47 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests/unit
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[bench]'
+	$(PIP) -q -e '.[bench]'
 	$(BIN)/python bench/run_all.py $(if $(QUICK),--quick,)
 
 # Regenerates the committed gRPC stubs (tests/unit/test_proto_fresh.py fails if they are stale).
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. tandem_proto/*.proto
+
+# ---- Images -----------------------------------------------------------------------------------
+# make images REGISTRY=us-docker.pkg.dev/my-project/tandem [TAG=0.1.0] [PUSH=0] [PLATFORM=linux/amd64]
+# Builds docker/{gateway,worker-cpu,worker-tpu}.Dockerfile as $(REGISTRY)/tandem-<name>:$(TAG),
+# pushes them (PUSH=0: build only) and writes $(IMAGE_VALUES): chart values with each image's
+# repository, tag and pushed digest, for `helm install ... -f $(IMAGE_VALUES)`. Needs a Docker
+# engine with BuildKit (docker/*.Dockerfile.dockerignore) and `docker login` to the registry.
+REGISTRY ?=
+TAG ?= $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*$$/\1/p' charts/tandem/Chart.yaml)
+PUSH ?= 1
+DOCKER ?= docker
+PLATFORM ?= linux/amd64
+IMAGE_VALUES ?= build/images-values.yaml
+# <Dockerfile name>:<key under the chart's `images:`>
+IMAGES := gateway:gateway worker-cpu:workerCpu worker-tpu:workerTpu
+
+image_name = $(word 1,$(subst :, ,$(1)))
+image_key = $(word 2,$(subst :, ,$(1)))
+image_ref = $(REGISTRY)/tandem-$(call image_name,$(1))
+
+define build_image
+$(DOCKER) build --platform $(PLATFORM) -f docker/$(call image_name,$(1)).Dockerfile -t $(call image_ref,$(1)):$(TAG) .
+$(if $(filter 1,$(PUSH)),$(DOCKER) push $(call image_ref,$(1)):$(TAG))
+printf '  %s:\n    repository: %s\n    tag: "%s"\n    digest: "%s"\n' $(call image_key,$(1)) $(call image_ref,$(1)) $(TAG) "$$($(DOCKER) image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' $(call image_ref,$(1)):$(TAG) | sed -n 's|^$(call image_ref,$(1))@||p' | head -n 1)" >> $(IMAGE_VALUES)
+
+endef
+
+images:
+	$(if $(REGISTRY),,$(error make images needs REGISTRY=<registry>/<path>, e.g. REGISTRY=us-docker.pkg.dev/my-project/tandem (Artifact Registry) or REGISTRY=ghcr.io/my-org; the chart's ghcr.io/tandem-serve defaults are not published))
+	$(if $(TAG),,$(error make images: no TAG given and none found as appVersion in charts/tandem/Chart.yaml))
+	@echo "make images: building $(foreach i,$(IMAGES),$(call image_ref,$(i)):$(TAG))$(if $(filter 1,$(PUSH)), and pushing them,; PUSH=0: not pushing) for $(PLATFORM)"
+	mkdir -p $(dir $(IMAGE_VALUES))
+	printf '# Written by make images: the chart values for these images (helm install -f %s).\nimages:\n' $(IMAGE_VALUES) > $(IMAGE_VALUES)
+	$(foreach i,$(IMAGES),$(call build_image,$(i)))
+	@echo "make images: wrote $(IMAGE_VALUES); install with: helm install tandem charts/tandem -f $(IMAGE_VALUES) ..."
 
 clean:
 	rm -rf $(VENV) build *.egg-info

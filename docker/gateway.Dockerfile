@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # Tandem gateway image: HTTP/gRPC front end. No JAX: the gateway tokenizes and relays streams only.
-#   docker build -f docker/gateway.Dockerfile -t ghcr.io/tandem-serve/tandem-gateway:0.1.0 .
+#   make images REGISTRY=...   (or: docker build -f docker/gateway.Dockerfile -t REGISTRY/tandem-gateway:0.1.0 .)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -9,15 +9,9 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY . .
-# Install every runtime dependency from pyproject.toml except JAX (and jaxlib), then the package
-# itself without dependencies, so the image never carries an accelerator runtime.
-RUN python - > /tmp/requirements.txt <<'PY'
-import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print("\n".join(d for d in deps if re.split(r"[\s\[<>=!~;]", d, 1)[0].lower() not in {"jax", "jaxlib"}))
-PY
-RUN pip install -r /tmp/requirements.txt \
- && pip install --no-deps . \
+# The gateway's and the planner's extras only (`tandem planner` runs from this image too): no JAX,
+# no accelerator runtime. The check fails the build if a dependency ever pulls JAX in.
+RUN pip install ".[gateway,planner]" \
  && ! python -c "import jax" 2>/dev/null
 
 FROM ${PYTHON_IMAGE}

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # Tandem worker image (prefill and decode) with CPU jaxlib: for trying the chart on plain nodes.
-#   docker build -f docker/worker-cpu.Dockerfile -t ghcr.io/tandem-serve/tandem-worker-cpu:0.1.0 .
+#   make images REGISTRY=...   (or: docker build -f docker/worker-cpu.Dockerfile -t REGISTRY/tandem-worker-cpu:0.1.0 .)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -9,7 +9,8 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY . .
-RUN pip install . && python -c "import jax; print(jax.devices())"
+# The worker extra: the JAX engine (CPU jaxlib), no HTTP server, no test tools.
+RUN pip install ".[worker]" && python -c "import jax; print(jax.devices())"
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin tandem

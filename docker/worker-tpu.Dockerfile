@@ -2,7 +2,7 @@
 # Tandem worker image (prefill and decode) with jax[tpu] (libtpu) for GKE TPU node pools
 # (v5e, v5p, v6e). GKE exposes the chips as google.com/tpu; no privileged mode is needed on
 # GKE >= 1.28.
-#   docker build -f docker/worker-tpu.Dockerfile -t ghcr.io/tandem-serve/tandem-worker-tpu:0.1.0 .
+#   make images REGISTRY=...   (or: docker build -f docker/worker-tpu.Dockerfile -t REGISTRY/tandem-worker-tpu:0.1.0 .)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -11,9 +11,9 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY . .
-# jax[tpu] pulls the matching jaxlib and libtpu wheels from PyPI. Importing works without a TPU;
+# The worker extra plus jax[tpu], which pulls the matching jaxlib and libtpu wheels from PyPI. Importing works without a TPU;
 # devices are only probed at run time.
-RUN pip install . "jax[tpu]" && python -c "import jax, libtpu"
+RUN pip install ".[worker]" "jax[tpu]" && python -c "import jax, libtpu"
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin tandem

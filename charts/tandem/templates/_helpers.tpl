@@ -196,10 +196,29 @@ redis.shards): services that disagreed would not find each other's keys. args: d
 {{- $n }}
 {{- end }}
 
-{{/* Largest single-host slice (chips per VM) of the GKE TPU accelerators we know. */}}
+{{/*
+GKE's TPU types (the node label cloud.google.com/gke-tpu-accelerator) and the most chips one host
+(TPU VM) of each has: a Deployment's pod runs on one host, so its slice can be no larger.
+Kept in step with values.schema.json's enum and docs/deploy-gke.md's table.
+*/}}
+{{- define "tandem.tpu.hostChips" -}}
+{{- toJson (dict "tpu-v4-podslice" 4 "tpu-v5-lite-device" 8 "tpu-v5-lite-podslice" 8 "tpu-v5p-slice" 4 "tpu-v6e-slice" 8 "tpu7x" 4) }}
+{{- end }}
+
 {{- define "tandem.tpu.maxChipsPerHost" -}}
-{{- $table := dict "tpu-v4-podslice" 4 "tpu-v5-lite-podslice" 8 "tpu-v5-lite-device" 8 "tpu-v5p-slice" 4 "tpu-v6e-slice" 8 "tpu7x" 4 }}
-{{- get $table . | default 0 }}
+{{- get (include "tandem.tpu.hostChips" . | fromJson) . | default 0 }}
+{{- end }}
+
+{{/* ---- Secrets ---- */}}
+
+{{/*
+A secret derived from `secretSeed`: the same seed, release and purpose give the same value on every
+render (helm template, Argo CD, Flux, helm upgrade), so nothing rotates between syncs; without the
+seed nobody can compute it. 64 hex characters. args: dict "root" $ "purpose" "redis-password"
+*/}}
+{{- define "tandem.derivedSecret" -}}
+{{- $r := .root }}
+{{- printf "tandem/v1/%s/%s/%s/%s" $r.Values.secretSeed $r.Release.Namespace $r.Release.Name .purpose | sha256sum }}
 {{- end }}
 
 {{/* Secrets every Tandem pod mounts: internal gRPC mTLS material and the external Redis CA. */}}
@@ -246,5 +265,38 @@ args: dict "root" $ "component" "prefill"|"decode"
 {{- else if and $v.planner.enabled $v.planner.keda }}planner-keda
 {{- else if $c.keda.enabled }}keda
 {{- else if and $v.planner.enabled (eq (toString $v.planner.settings.mode) "kubernetes") }}planner
+{{- end }}
+{{- end }}
+
+{{/*
+checksum/secrets: a hash of the Secrets this chart renders (empty for existingSecret ones, which
+it cannot see), so pods that read them restart when a key or password changes. args: dict
+"root" $ "files" (list "redis" "gateway")
+*/}}
+{{- define "tandem.secretsChecksum" -}}
+{{- $root := .root }}
+{{- $out := list }}
+{{- range .files }}{{ $out = append $out (include (printf "%s/%s/secret.yaml" $root.Template.BasePath .) $root) }}{{ end }}
+{{- join "\n" $out | sha256sum }}
+{{- end }}
+
+{{/* "true" when one of the given pod volume sources is a Cloud Storage FUSE CSI volume (GKE then
+needs the pod annotation gke-gcsfuse/volumes: "true" to inject its sidecar). args: list of maps */}}
+{{- define "tandem.usesGcsFuse" -}}
+{{- range . }}{{ if and (kindIs "map" .) .csi }}{{ if eq (toString .csi.driver) "gcsfuse.csi.storage.gke.io" }}true{{ end }}{{ end }}{{ end }}
+{{- end }}
+
+{{/* The worker's JAX compilation cache volume source (compilationCache: volume, a PVC, or an emptyDir).
+args: dict "root" $ "component" "prefill"|"decode" */}}
+{{- define "tandem.worker.cacheVolume" -}}
+{{- $cache := (index .root.Values .component).compilationCache }}
+{{- if $cache.volume }}
+{{- toYaml $cache.volume }}
+{{- else if $cache.persistentVolumeClaim.create }}
+persistentVolumeClaim:
+  claimName: {{ include "tandem.componentName" (dict "root" .root "component" (printf "%s-jax-cache" .component)) }}
+{{- else }}
+emptyDir:
+  sizeLimit: {{ $cache.sizeLimit }}
 {{- end }}
 {{- end }}

@@ -47,10 +47,38 @@ Included once, from templates/validate.yaml.
 {{- end }}
 {{- end }}
 
-{{/* TPU scheduling: the google.com/tpu count must be the chips of the topology. */}}
+{{/* Secrets: each one comes from a Secret you manage, a value, or secretSeed; never from `lookup`
+or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would redo on every render. */}}
+{{- $seed := toString (default "" $v.secretSeed) }}
+{{- if and $seed (lt (len $seed) 32) }}
+{{- fail (printf "tandem: secretSeed is %d characters; the chart derives the API key and the Redis password from it, so give at least 32 random ones (--set secretSeed=$(openssl rand -hex 32)), or leave it empty and use existingSecrets" (len $seed)) }}
+{{- end }}
+{{- if not $seed }}
+{{- $auth := $v.gateway.auth }}
+{{- if and $auth.enabled (not $auth.existingSecret) (not $auth.apiKeys) }}
+{{- fail "tandem: the gateway needs API keys and none are given. For GitOps, point gateway.auth.existingSecret at a Secret you manage (key api-keys: a JSON list, [\"key1\"]); or set gateway.auth.apiKeys; or set secretSeed (--set secretSeed=$(openssl rand -hex 32)) and the chart derives a key from it, the same on every render (helm template, Argo CD, Flux). gateway.auth.enabled=false turns auth off." }}
+{{- end }}
+{{- if and $v.redis.enabled (not $v.redis.auth.existingSecret) (not $v.redis.auth.password) }}
+{{- fail "tandem: the bundled Redis needs a password and none is given. For GitOps, point redis.auth.existingSecret at a Secret you manage (key redis-password, or redis.auth.existingSecretPasswordKey); or set redis.auth.password; or set secretSeed (--set secretSeed=$(openssl rand -hex 32)) and the chart derives one from it, the same on every render." }}
+{{- end }}
+{{- end }}
+
+{{/* The JAX compilation cache: one source. */}}
+{{- range $component := list "prefill" "decode" }}
+{{- $cache := (index $v $component).compilationCache }}
+{{- if and $cache.enabled $cache.volume $cache.persistentVolumeClaim.create }}
+{{- fail (printf "tandem: %s.compilationCache.volume and %s.compilationCache.persistentVolumeClaim.create are both set; the cache is one volume: give your own volume source, or let the chart create the claim" $component $component) }}
+{{- end }}
+{{- end }}
+
+{{/* TPU scheduling: a GKE TPU type, and the google.com/tpu count must be the chips of the topology. */}}
+{{- $hostChips := include "tandem.tpu.hostChips" . | fromJson }}
 {{- range $component := list "prefill" "decode" }}
 {{- $tpu := (index $v $component).tpu }}
 {{- if $tpu.enabled }}
+{{- if not (hasKey $hostChips (toString $tpu.accelerator)) }}
+{{- fail (printf "tandem: %s.tpu.accelerator %q is not a GKE TPU type; use one of %s (the node label cloud.google.com/gke-tpu-accelerator; the table in docs/deploy-gke.md says which chips and topologies each has)" $component (toString $tpu.accelerator) (keys $hostChips | sortAlpha | join ", ")) }}
+{{- end }}
 {{- if not (regexMatch "^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$" (toString $tpu.topology)) }}
 {{- fail (printf "tandem: %s.tpu.topology %q is not a TPU topology like 2x4 or 2x2x1" $component (toString $tpu.topology)) }}
 {{- end }}

@@ -60,14 +60,15 @@ spec:
         {{- with $c.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+      {{- /* One map, so a key given twice (e.g. gke-gcsfuse/volumes) is written once. */}}
+      {{- $ann := mergeOverwrite (deepCopy (default dict $root.Values.model.podAnnotations)) (deepCopy (default dict $c.podAnnotations)) }}
+      {{- if include "tandem.usesGcsFuse" (list $root.Values.model.volume (ternary $c.compilationCache.volume dict (eq (toString $c.compilationCache.enabled) "true"))) }}
+      {{- $_ := set $ann "gke-gcsfuse/volumes" "true" }}
+      {{- end }}
+      {{- $_ := set $ann "checksum/config" (include "tandem.worker.configData" . | sha256sum) }}
+      {{- $_ := set $ann "checksum/secrets" (include "tandem.secretsChecksum" (dict "root" $root "files" (list "redis"))) }}
       annotations:
-        checksum/config: {{ include "tandem.worker.configData" . | sha256sum }}
-        {{- with $root.Values.model.podAnnotations }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-        {{- with $c.podAnnotations }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
+        {{- toYaml $ann | nindent 8 }}
     spec:
       serviceAccountName: {{ include "tandem.serviceAccountName" $root }}
       automountServiceAccountToken: {{ $root.Values.automountServiceAccountToken }}
@@ -200,7 +201,7 @@ spec:
           emptyDir: {sizeLimit: 1Gi}
         {{- if $c.compilationCache.enabled }}
         - name: jax-cache
-          emptyDir: {sizeLimit: {{ $c.compilationCache.sizeLimit }}}
+          {{- include "tandem.worker.cacheVolume" . | nindent 10 }}
         {{- end }}
         {{- if $root.Values.model.volume }}
         - name: model
@@ -210,4 +211,29 @@ spec:
         {{- with $c.extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+{{- end }}
+
+{{/* The pool's shared JAX compilation cache claim (compilationCache.persistentVolumeClaim.create). */}}
+{{- define "tandem.worker.cachePVC" -}}
+{{- $root := .root }}
+{{- $cache := (index $root.Values .component).compilationCache }}
+{{- if and $cache.enabled $cache.persistentVolumeClaim.create (not $cache.volume) }}
+{{- $pvc := $cache.persistentVolumeClaim }}
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {{ include "tandem.componentName" (dict "root" $root "component" (printf "%s-jax-cache" .component)) }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "tandem.labels" . | nindent 4 }}
+spec:
+  accessModes:
+    {{- toYaml $pvc.accessModes | nindent 4 }}
+  {{- with $pvc.storageClassName }}
+  storageClassName: {{ . | quote }}
+  {{- end }}
+  resources:
+    requests:
+      storage: {{ $pvc.size }}
+{{- end }}
 {{- end }}
