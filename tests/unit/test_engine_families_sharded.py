@@ -1,0 +1,109 @@
+"""Families on several chips: tensor parallelism at 1, 2 and 4 simulated CPU devices, and for the
+mixtures of experts expert parallelism (whole experts per chip) at 2 and 4 — greedy tokens equal
+to transformers' in every layout.
+
+The checkpoints are written here by transformers' classes (tests/families.py); XLA_FLAGS must be
+set before JAX starts, so the engines run in a child process (this file as a script, with four
+host CPU devices) that prints one JSON line of tokens and shard shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.families import build_family  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMS = ("gemma3", "qwen3_moe", "gpt_oss")  # windows + q/k norms; experts; sinks, biased experts, YaRN
+STEPS = 12
+PROMPTS = {0: list(range(30, 43)), 1: list(range(100, 140))}  # both longer than the window (8)
+LAYOUTS = {"gemma3": [(1, False), (2, False), (4, False)],
+           "qwen3_moe": [(1, False), (2, False), (4, False), (2, True), (4, True)],
+           "gpt_oss": [(1, False), (4, False), (2, True), (4, True)]}
+
+
+def child(spec: dict) -> dict:
+    import jax
+
+    from tandem_core.types import SamplingParams
+    from tandem_engine import load_engine
+
+    greedy = SamplingParams()
+    out: dict = {"devices": len(jax.devices())}
+    for fam, path in spec.items():
+        for tp, ep in LAYOUTS[fam]:
+            e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=tp, expert_parallel=ep)
+            state = e.init_state()
+            toks = {}
+            for slot, ids in PROMPTS.items():
+                prefix = e.prefill(ids, greedy)
+                state = e.insert(prefix, state, slot, greedy)
+                toks[slot] = [prefix.first_token]
+            for _ in range(STEPS - 1):
+                state, t = e.generate(state)
+                host = np.asarray(t)
+                for slot in PROMPTS:
+                    toks[slot].append(int(host[slot]))
+            layers = e.params["layers"]
+            experts = layers.get("we_gate")
+            out[f"{fam}/tp{tp}/ep{int(ep)}"] = {
+                "tokens": {str(s): v for s, v in toks.items()},
+                "wq_shard": list(layers["wq"].addressable_shards[0].data.shape),
+                "experts_shard": None if experts is None else list(experts.addressable_shards[0].data.shape),
+            }
+    return out
+
+
+def hf_tokens(model, ids):
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=STEPS, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    models, spec = {}, {}
+    for fam in FAMS:
+        path = tmp_path_factory.mktemp(fam)
+        models[fam] = build_family(fam, path, seed=21)
+        spec[fam] = str(path)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return models, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_tokens_equal_transformers_in_every_layout(run, fam):
+    models, res = run
+    assert res["devices"] == 4
+    want = {str(s): hf_tokens(models[fam], ids) for s, ids in PROMPTS.items()}
+    for tp, ep in LAYOUTS[fam]:
+        got = res[f"{fam}/tp{tp}/ep{int(ep)}"]["tokens"]
+        assert got == want, f"{fam} tp={tp} expert_parallel={ep}"
+
+
+def test_weights_split_as_the_layout_says(run):
+    _, res = run
+    # wq [L, d, H*hd] = [4, 64, 128] split by column; experts [L, E, d, f] = [4, 8, 64, 48]
+    assert res["qwen3_moe/tp4/ep0"]["wq_shard"] == [4, 64, 32]
+    assert res["qwen3_moe/tp4/ep0"]["experts_shard"] == [4, 8, 64, 12]  # each expert's units split
+    assert res["qwen3_moe/tp4/ep1"]["experts_shard"] == [4, 2, 64, 48]  # two whole experts a chip
+    assert res["gpt_oss/tp2/ep1"]["experts_shard"] == [4, 2, 64, 64]
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))))
