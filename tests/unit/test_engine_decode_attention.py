@@ -82,3 +82,27 @@ def test_short_and_boundary_crossing_sequences_in_a_large_cache():
     assert int(np.asarray(state.positions)[1]) > DECODE_CHUNK
     for slot, ids in prompts.items():
         assert got[slot] == reference_greedy(engine.params, engine.cfg, ids, steps + 1, pad_to=272)
+
+
+def test_windowed_layer_reads_only_its_window():
+    """A windowed layer's step starts at the chunk its window reaches: at positions ~1000 of a
+    2048-row cache, a 64-position window visits 1 chunk where a global layer visits 4, and the
+    result equals plain attention masked to the window (sinks included, as gpt-oss has them)."""
+    from tandem_engine.model import window_first_chunk
+
+    slots, max_len, window = 2, 2048, 64
+    rng = np.random.default_rng(3)
+    positions = jnp.asarray([1000, 1010], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((slots, 1, CFG.num_heads, CFG.head_dim)), jnp.float32)
+    kv = (CFG.num_layers, slots, CFG.num_kv_heads, max_len, CFG.head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(kv), jnp.float32) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(CFG.num_heads), jnp.float32)
+    first = window_first_chunk(positions, jnp.int32(window), max_len)
+    got, n = chunked_decode_attention(q, k, v, 0, positions, CFG, window=jnp.int32(window), first_chunk=first,
+                                      sinks=sinks)
+    _, n_global = chunked_decode_attention(q, k, v, 0, positions, CFG)
+    assert (int(n), int(n_global)) == (1, 4)
+    rows = jnp.arange(max_len)[None, :]
+    mask = ((rows <= positions[:, None]) & (positions[:, None] - rows < window))[:, None, :]
+    want = _grouped_attention(q, jnp.swapaxes(k[0], 1, 2), jnp.swapaxes(v[0], 1, 2), mask, CFG, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
