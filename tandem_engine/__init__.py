@@ -1,9 +1,10 @@
 """Tandem's inference engine: the only JAX code in the project.
 
-A Llama-family decoder behind a JetStream-shaped slot API (prefill -> Prefix, insert into a slot of
+The decoder of every served family (arch.py: Llama, Mistral, Qwen2/3, Gemma 2/3, Mixtral,
+Qwen3-MoE, gpt-oss, one description read from config.json) behind a JetStream-shaped slot API (prefill -> Prefix, insert into a slot of
 a DecodeState, generate one step for all slots), plus explicit device<->host moves of the KV so the
 services only ever move bytes. `load_engine(..., tp=N)` (or `mesh=`) splits weights and KV over
-N chips by attention head and MLP unit (sharding.py). It imports no Redis, gRPC, HTTP or settings.
+N chips by attention head and MLP unit, or whole experts (sharding.py). It imports no Redis, gRPC, HTTP or settings.
 """
 from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, Prefix
 from tandem_engine.loading import load_engine
