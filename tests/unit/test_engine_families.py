@@ -111,6 +111,33 @@ def test_cached_prefix_and_moved_kv_decode_the_same(family):
     assert got[1] == want, f"{name}: KV moved through the host"
 
 
+def test_resume_from_streamed_tokens(family):
+    """What a decode pod does when it takes over a request whose pod died: prefill the prompt
+    plus the tokens already streamed, then go on from the next token index."""
+    name, model, engine, prompts = family
+    ids = prompts[1]
+    want = hf_greedy(model, ids)
+    m = 7
+    prefix = engine.prefill(ids + want[:m], GREEDY, start_index=m, output_from=len(ids))
+    got = decode(engine, {0: prefix}, steps=NEW_TOKENS - m - 1)[0]
+    assert got == want[m:], f"{name}: resumed after {m} tokens"
+
+
+def test_n_choices_and_logprobs(family):
+    """n > 1 from one prefill, and logprobs: the greedy choice's logprob is the top alternative's,
+    and equals transformers' log-softmax at the first position."""
+    name, model, engine, prompts = family
+    ids = prompts[0]
+    picks = [SamplingParams(logprobs=2), SamplingParams(temperature=1.0, seed=3, logprobs=2)]
+    prefix = engine.prefill(ids, GREEDY, choices=picks)
+    assert len(prefix.first_tokens) == 2
+    lp = prefix.first_logprobs[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+    assert prefix.first_tokens[0] == int(ref.argmax())
+    assert lp.logprob == pytest.approx(float(ref.max()), abs=1e-4), name
+
+
 # ---------------------------------------------------------------------------------------------
 # quantized checkpoints, quantized here by the published formats' rules
 
