@@ -198,6 +198,17 @@ def test_format_from_model_type_settings_and_errors(tmp_path):
     assert model_type(str(d)) == "qwen3" and model_type(None) == ""
 
 
+def test_settings_offer_exactly_the_registered_parsers():
+    from typing import get_args
+
+    from gateway.chatformat import REASONING, TOOLS
+    from gateway.settings import GatewaySettings
+
+    fields = GatewaySettings.model_fields
+    assert set(get_args(fields["reasoning_parser"].annotation)) == {"auto", "none", *REASONING}
+    assert set(get_args(fields["tool_call_parser"].annotation)) == {"auto", *TOOLS}
+
+
 def test_prompt_decides_where_the_thinking_starts():
     fmt = ChatFormat("hermes", "qwen3")
     assert fmt.output(_render("qwen3_thinking"), True).reasoning_open
@@ -312,7 +323,8 @@ def test_formatter_streams_and_collects_reasoning_content(meta, text, want):
     chunks = [streamed.chunk(d)["choices"][0] for d in deltas]
     got_reasoning = "".join(c["delta"].get("reasoning_content", "") for c in chunks)
     got_content = "".join(c["delta"]["content"] for c in chunks)
-    calls = [(k["function"]["name"], k["function"]["arguments"]) for c in chunks for k in c["delta"].get("tool_calls", [])]
+    calls = [(k["function"]["name"], k["function"]["arguments"])
+             for c in chunks for k in c["delta"].get("tool_calls", [])]
     assert (got_reasoning or None) == want["reasoning_content"] and calls == want["calls"]
     assert (got_content.strip() or None) == (want["content"].strip() if want["content"] else None)
     assert chunks[-1]["finish_reason"] == want["finish"] and chunks[0]["delta"]["role"] == "assistant"
