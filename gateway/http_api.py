@@ -240,7 +240,9 @@ async def tokenize(request: Request, svc: Service, authorization: Auth = None) -
         raise InvalidRequest("tools needs messages (they are rendered with the chat template)", param="tools")
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-        text, add = await _render(svc, chat_messages(body.messages), tools), svc.chat_template.add_special_tokens
+        text = await _render(svc, svc.chat_format.history(chat_messages(body.messages)), tools,
+                             body.chat_template_kwargs)
+        add = svc.chat_template.add_special_tokens
     else:
         text, add = body.prompt, True
     add = add if body.add_special_tokens is None else body.add_special_tokens

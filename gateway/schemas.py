@@ -395,6 +395,7 @@ class TokenizeBody(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None  # with messages: rendered as chat does
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on the chat endpoint
     add_special_tokens: StrictBool | None = None  # default: as the completion or chat endpoint encodes
 
 

@@ -211,3 +211,17 @@ def test_gemma_system_message_is_a_400(families):
             model="gemma2", messages=[{"role": "system", "content": "Be brief."}, *USER], max_tokens=8)
     assert e.value.status_code == 400 and "System role not supported" in str(e.value)
     assert e.value.body["param"] == "messages"
+
+
+def test_tokenize_renders_the_chat_as_the_chat_endpoint_does(families):
+    gw, fam = families["qwen3"]
+    body = {"model": "qwen3", "messages": USER, "chat_template_kwargs": {"enable_thinking": False}}
+    got = httpx.post(f"{gw.url}/tokenize", json=body, timeout=30).json()
+    assert fam.tok.decode(got["tokens"], skip_special_tokens=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    gw, fam = families["mistral_v11"]
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_" + "8" * 24, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_" + "8" * 24, "content": "21C"}]
+    got = httpx.post(f"{gw.url}/tokenize", json={"model": "mistral_v11", "messages": history}, timeout=30)
+    assert got.status_code == 200 and "[CALL_ID]888888888[ARGS]" in fam.tok.decode(got.json()["tokens"],
+                                                                                  skip_special_tokens=False)
