@@ -12,7 +12,8 @@ reasoning model's thinking goes in `delta.reasoning_content` (the whole body's
 With n > 1 each event is one choice's token (`index` is the choice); with logprobs each carries
 that token's logprobs (gateway/logprobs.py); with echo, a completion's first event starts with
 the prompt's text (and, with logprobs, the prompt's logprobs). A chat with tools parses each
-choice's text for tool calls (`toolparse.ToolCallStream`): text that may open a call is held
+choice's text for tool calls in the family's format (`chatformat.ChoiceParser`, after the
+reasoning parser took the thinking out): text that may open a call is held
 back, a completed call goes out as `delta.tool_calls` (name and arguments whole) and the choice
 finishes with "tool_calls"; the whole body gets `message.tool_calls` the same way.
 """
@@ -25,10 +26,10 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from gateway.chatformat import ChoiceParser, OutputSpec
 from gateway.logprobs import CompletionLogprobs, TokenText, chat_logprobs, empty_completion, merge_completion
 from gateway.relay import Delta
 from gateway.resume import StreamMeta
-from gateway.chatformat import ChoiceParser, OutputSpec
 from gateway.validation import Prepared
 from tandem_core.errors import TandemError, WorkerFailed
 
