@@ -64,7 +64,6 @@ NOOPS: dict[str, tuple] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
 }
 
@@ -246,7 +245,9 @@ class ChatBody(_Common):
     modalities: Any = _noop("modalities")
     audio: Any = _noop("audio")
     prediction: Any = _noop("prediction")
-    reasoning_effort: Any = _noop("reasoning_effort")
+    # OpenAI's reasoning effort: handed to the chat template as `reasoning_effort` (gpt-oss's
+    # template writes it into its system message, as vLLM does); templates that do not read it ignore it
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     service_tier: Any = _noop("service_tier")
     # vLLM's extra: keyword arguments for the model's chat template (`enable_thinking` for Qwen3,
     # `reasoning_effort` for gpt-oss ...); see gateway/chat.py for the names it may not set
@@ -272,6 +273,12 @@ class ChatBody(_Common):
         forced = self.tool_plan().grammar
         return ([("tool_choice", forced)] if forced else []) + ([("response_format", spec)] if spec else []) \
             + guided_specs(self)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages and tools: `chat_template_kwargs`, and
+        `reasoning_effort` unless those set it."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     def tool_plan(self, syntax: CallSyntax | None = None) -> ToolPlan:
         return plan(self.tools, self.tool_choice, self.parallel_tool_calls, syntax or self._call_syntax)

@@ -152,9 +152,11 @@ def test_gpt_oss_analysis_and_commentary_call(families):
 def test_gpt_oss_final_answer_and_forced_call_grammar(families):
     gw, fam = families["gpt_oss"]
     fam.reply = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Hi there!"
-    out = _client(gw).chat.completions.create(model="gpt_oss", messages=USER, max_tokens=64,
-                                              extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}})
+    out = _client(gw).chat.completions.create(model="gpt_oss", messages=USER, max_tokens=64, reasoning_effort="low")
     assert "Reasoning: low" in fam.prompt()
+    _client(gw).chat.completions.create(model="gpt_oss", messages=USER, max_tokens=64, reasoning_effort="low",
+                                        extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert "Reasoning: high" in fam.prompt()
     msg = out.choices[0].message
     assert (msg.content, msg.model_extra["reasoning_content"]) == ("Hi there!", "Easy.")
     fam.reply = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
