@@ -13,7 +13,8 @@ A family's output format is data here, not branches through the gateway:
   the output must be decoded with special tokens kept (Mistral's and gpt-oss's markers are
   special tokens), the tool-call id style and the history fix-ups the family's template needs
   (Mistral's template accepts only 9-character call ids: longer ones are cut to their last 9,
-  as vLLM does), and the `CallSyntax` that forced calls are written in.
+  as vLLM does), the tokens that end the assistant's turn besides EOS (gpt-oss's `<|call|>` and
+  `<|return|>`), and the `CallSyntax` that forced calls are written in.
 - `ChoiceParser` runs one choice's text through the reasoning parser, then its content through
   the tool-call parser, and returns (reasoning, content, calls) per piece.
 
@@ -40,6 +41,10 @@ REASONING: dict[str, type] = {"qwen3": ThinkTags, "deepseek_r1": ThinkTags, "ope
 TOOLS: dict[str, type | None] = {"hermes": ToolCallStream, "mistral": MistralCalls, "openai": None}
 SPECIAL_MARKERS = {"mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
                    "openai": ("<|channel|>", "<|message|>", "<|constrain|>", "<|start|>", "<|end|>")}
+# Tokens that end the assistant's turn in a family's format, stopped on in every chat request (as
+# vLLM's harmony path does): gpt-oss ends a turn with <|return|> or, for a tool call, <|call|>,
+# which its config.json's eos_token_id does not list.
+STOP_MARKERS = {"openai_gptoss": ("<|return|>", "<|call|>")}
 # The template's own words, most specific first: (marker, tool parser, reasoning parser).
 TEMPLATE_MARKERS = (("<|channel|>", "openai", "openai_gptoss"), ("[TOOL_CALLS]", "mistral", None),
                     ("<tool_call>", "hermes", None))
@@ -166,6 +171,8 @@ class ChatFormat:
         self._channels = REASONING.get(reasoning) is HarmonyParser
         self.syntax = _syntax(tool_parser, template, tokenizer)
         self.short_ids = tool_parser == "mistral"
+        self.stop_token_ids = tuple(i for t in STOP_MARKERS.get(reasoning, ()) if len(ids := _ids(tokenizer, t)) == 1
+                                    for i in ids)
 
     @classmethod
     def for_model(cls, path: str | None, template: str | None, tokenizer: Any = None,
@@ -208,7 +215,11 @@ def _syntax(tool_parser: str, template: str | None, tokenizer: Any) -> CallSynta
             "openai": "harmony"}.get(tool_parser, "hermes")
     marks = []
     for text in SPECIAL_MARKERS.get(tool_parser, ()):
-        ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+        ids = _ids(tokenizer, text)
         if len(ids) == 1:
             marks.append((text, f"<[{ids[0]}]>"))
     return CallSyntax(kind, tuple(marks))
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []

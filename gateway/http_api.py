@@ -117,6 +117,8 @@ async def chat_completions(request: Request, svc: Service, authorization: Auth =
     params.prompt = await _render(svc, fmt.history(body.chat_messages()), tools.tools, body.template_kwargs())
     params.add_special_tokens = svc.chat_template.add_special_tokens
     params.skip_special_tokens = params.skip_special_tokens and not fmt.keeps_specials(tools.parse)  # markers
+    if not params.ignore_eos:  # the family's end of turn, besides EOS
+        params.stop_token_ids = [*params.stop_token_ids, *fmt.stop_token_ids]
     params.request_id = client_id or f"chatcmpl-{uuid.uuid4().hex}"
     prep = await _prepare_chat(svc, params)
     return await _respond(request, svc, prep, body, "chat", key, fmt.output(params.prompt, tools.parse),

@@ -138,6 +138,8 @@ def test_gpt_oss_analysis_and_commentary_call(families):
                  'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>')
     out = _client(gw).chat.completions.create(model="gpt_oss", messages=USER, tools=[WEATHER], max_tokens=128)
     choice = out.choices[0]
+    ends = [fam.tok.encode(t, add_special_tokens=False)[0] for t in ("<|return|>", "<|call|>")]
+    assert set(ends) <= set(fam.seen[-1].stop_token_ids)  # the turn ends there, whatever config.json's EOS
     assert fam.prompt().endswith("<|start|>user<|message|>weather in Paris?<|end|><|start|>assistant")
     assert "type get_weather = (_: {\ncity: string,\n}) => any;" in fam.prompt()
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
