@@ -163,5 +163,5 @@ class Admitter:
         req = prep.request
         return resume.ResumeRecord(
             meta=prep.meta, stop=list(prep.stop), max_tokens=req.max_tokens, stop_token_ids=list(req.stop_token_ids),
-            deadline_ts=req.deadline_ts, key=resume.key_digest(api_key),
+            deadline_ts=req.deadline_ts, key=resume.key_digest(api_key), skip_special_tokens=prep.skip_special_tokens,
         )

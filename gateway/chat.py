@@ -1,9 +1,18 @@
 """Chat messages -> one prompt string, the way the model was trained to read a conversation.
 
-If the model directory's `tokenizer_config.json` has a `chat_template`, it is rendered with
-Jinja2 in a sandbox (as Hugging Face `apply_chat_template` does: `messages`,
-`add_generation_prompt=True`, `bos_token`, `eos_token`, `raise_exception`). Otherwise, or when
-Jinja2 is not installed, the documented default template is used:
+The model's own template is used as it is: `chat_template.jinja` beside the tokenizer (what
+transformers >= 4.43 writes), else `tokenizer_config.json`'s `chat_template` (a string, or the
+named list whose "default" is taken). It is rendered with Jinja2 in the sandbox Hugging Face
+`apply_chat_template` uses, with the same extras, so every Hub template renders as it does there:
+the `loopcontrols` extension, the `{% generation %}` block, a `tojson` that does not escape HTML
+and takes `indent`/`separators`/`sort_keys`, `raise_exception`, `strftime_now`; the variables
+`messages`, `tools`, `add_generation_prompt=True`, the tokenizer's special tokens (`bos_token`,
+`eos_token`, `pad_token`, `unk_token`), and a request's `chat_template_kwargs` (vLLM's extra:
+`enable_thinking` for Qwen3, `reasoning_effort` for gpt-oss ...). An assistant message's earlier
+thinking is passed as `reasoning_content` and `thinking` (the names Qwen3's and gpt-oss's
+templates read). A template that raises (Gemma's has no system role; most insist that roles
+alternate) is a 400 naming its message. Otherwise, or when Jinja2 is not installed, the
+documented default template is used:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ... <|assistant|>\\n
 
@@ -69,13 +78,42 @@ def _pick_template(raw: Any) -> str | None:
     return None
 
 
+# What a request's chat_template_kwargs may not set: the render's own arguments.
+RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template",
+                             "continue_final_message", "tokenize"})
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+def read_template(path: str | Path | None) -> tuple[str | None, dict[str, str]]:
+    """(the model directory's chat template or None, its special tokens' text)."""
+    if path is None:
+        return None, {}
+    d = Path(path)
+    cfg: dict = {}
+    cfg_file = d / "tokenizer_config.json"
+    if cfg_file.is_file():
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s); using the default chat template", cfg_file, e)
+            return None, {}
+    tokens = {k: _token_text(cfg.get(k)) for k in SPECIAL_TOKENS}
+    source = (d / TEMPLATE_FILE).read_text() if (d / TEMPLATE_FILE).is_file() else _pick_template(
+        cfg.get("chat_template"))
+    return source, tokens
+
+
 class ChatTemplate:
     """`render(messages) -> prompt`; built once per service from the model directory."""
 
-    def __init__(self, source: str | None = None, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str | None = None, bos_token: str = "", eos_token: str = "",
+                 **special_tokens: str) -> None:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.tokens = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": "", "unk_token": "",
+                       **special_tokens}
         self._compiled = _compile(source) if source else None
         self.kind = "model" if self._compiled is not None else "default"
         # How the rendered text is encoded: a model template writes its own specials.
@@ -83,29 +121,32 @@ class ChatTemplate:
 
     @classmethod
     def for_model(cls, info: ModelInfo) -> "ChatTemplate":
-        cfg_file = Path(info.path) / "tokenizer_config.json" if info.path else None
-        if cfg_file is None or not cfg_file.is_file():
-            return cls()
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except (OSError, ValueError) as e:
-            log.warning("cannot read %s (%s); using the default chat template", cfg_file, e)
-            return cls()
-        return cls(_pick_template(cfg.get("chat_template")), _token_text(cfg.get("bos_token")),
-                   _token_text(cfg.get("eos_token")))
+        source, tokens = read_template(info.path)
+        return cls(source, **tokens)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+               kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt. `kwargs`: a request's chat_template_kwargs (a model template only)."""
         if self._compiled is None:
             return default_template(messages, tools)
-        extra = {"tools": tools} if tools else {}
+        kwargs = dict(kwargs or {})
+        bad = sorted(RESERVED_KWARGS.intersection(kwargs))
+        if bad:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(bad)}: send them as request fields",
+                                 param="chat_template_kwargs")
         try:
-            text = self._compiled.render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                eos_token=self.eos_token, **extra,
-            )
+            return self._compiled.render(**{**self.tokens, **kwargs, "messages": [_for_template(m) for m in messages],
+                                            "tools": tools or None, "add_generation_prompt": True})
         except Exception as e:  # noqa: BLE001 - the template's own raise_exception, or a type error on odd input
-            raise InvalidRequest(f"the model's chat template rejected the messages: {e}", param="messages") from e
-        return text
+            raise InvalidRequest(f"the model's chat template rejected the messages: {e} (this model's template "
+                                 f"decides which roles and orders it accepts)", param="messages") from e
+
+
+def _for_template(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as Hugging Face hands it to templates: thinking under both names they read."""
+    if m.get("reasoning_content") is None:
+        return m
+    return {"thinking": m["reasoning_content"], **m}
 
 
 class _TemplateError(Exception):
@@ -115,11 +156,26 @@ class _TemplateError(Exception):
 def _compile(source: str):
     """The compiled template, or None (logged) if Jinja2 is missing or the template is broken."""
     try:
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, nodes
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         log.warning("the model has a chat_template but jinja2 is not installed; using the default template")
         return None
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (marks the assistant's tokens for training):
+        rendered as its body, as transformers does when it is not asked for the mask."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message: str) -> None:
         raise _TemplateError(message)
@@ -127,7 +183,13 @@ def _compile(source: str):
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes <, >, & and ' for HTML; templates expect plain JSON
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         return env.from_string(source)

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from gateway import openapi, resume
+from gateway.chatformat import OutputSpec
 from gateway.jsonbody import parse_body
 from gateway.metrics import CONTENT_TYPE
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, chat_messages
@@ -110,20 +111,26 @@ async def chat_completions(request: Request, svc: Service, authorization: Auth =
                            client_id: ClientId = None) -> Response:
     key = svc.check_api_key(authorization)
     body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
-    params = body.to_params()
+    fmt = svc.chat_format  # the model family's output format (gateway/chatformat.py)
+    params = body.to_params(fmt.syntax)
     tools = body.tool_plan()
-    params.prompt = await _render(svc, body.chat_messages(), tools.tools)
+    params.prompt = await _render(svc, fmt.history(body.chat_messages()), tools.tools, body.template_kwargs())
     params.add_special_tokens = svc.chat_template.add_special_tokens
+    params.skip_special_tokens = params.skip_special_tokens and not fmt.keeps_specials(tools.parse)  # markers
+    if not params.ignore_eos:  # the family's end of turn, besides EOS
+        params.stop_token_ids = [*params.stop_token_ids, *fmt.stop_token_ids]
     params.request_id = client_id or f"chatcmpl-{uuid.uuid4().hex}"
     prep = await _prepare_chat(svc, params)
-    return await _respond(request, svc, prep, body, "chat", key, tools.parse, chosen_id=client_id is not None)
+    return await _respond(request, svc, prep, body, "chat", key, fmt.output(params.prompt, tools.parse),
+                          chosen_id=client_id is not None)
 
 
-async def _render(svc: GatewayService, messages: list[dict], tools: list[dict] | None = None) -> str:
+async def _render(svc: GatewayService, messages: list[dict], tools: list[dict] | None = None,
+                  kwargs: dict | None = None) -> str:
     size = sum(len(m["content"]) for m in messages) + (len(tools) * 256 if tools else 0)
     if size > _BIG_CHAT_CHARS:
-        return await asyncio.to_thread(svc.chat_template.render, messages, tools)
-    return svc.chat_template.render(messages, tools)
+        return await asyncio.to_thread(svc.chat_template.render, messages, tools, kwargs)
+    return svc.chat_template.render(messages, tools, kwargs)
 
 
 async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepared:
@@ -138,7 +145,7 @@ async def _prepare_chat(svc: GatewayService, params: CompletionParams) -> Prepar
 
 
 async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: CompletionBody | ChatBody,
-                   kind: str, key: str, tools: bool = False, chosen_id: bool = False) -> Response:
+                   kind: str, key: str, output: OutputSpec | None = None, chosen_id: bool = False) -> Response:
     """Complete the request with what only HTTP knows (resumable, the stream's format), submit and
     answer. With a client-chosen id (`X-Request-Id`), a POST that reaches the gateway
     again after its client lost the first one unanswered is not run twice: a resumable request
@@ -146,7 +153,7 @@ async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: 
     rid = prep.request.request_id
     meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
                              continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
-                             echo=_echo_text(svc, prep) if prep.echo else None, tools=tools)
+                             echo=_echo_text(svc, prep) if prep.echo else None, **_output_fields(output))
     prep = dataclasses.replace(prep, resumable=body.resumable, meta=meta)
     att = await svc.resend(prep, key) if chosen_id else None
     if att is not None:
@@ -160,6 +167,12 @@ async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: 
     if collected is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(collected, headers={"X-Request-Id": rid})
+
+
+def _output_fields(output: OutputSpec | None) -> dict:
+    """A chat's OutputSpec as StreamMeta fields (stored with a resumable stream)."""
+    return {} if output is None else {"tools": output.tools, "reasoning": output.reasoning,
+                                      "reasoning_open": output.reasoning_open, "tool_parser": output.tool_parser}
 
 
 def _echo_text(svc: GatewayService, prep: Prepared) -> str:
@@ -229,7 +242,9 @@ async def tokenize(request: Request, svc: Service, authorization: Auth = None) -
         raise InvalidRequest("tools needs messages (they are rendered with the chat template)", param="tools")
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-        text, add = await _render(svc, chat_messages(body.messages), tools), svc.chat_template.add_special_tokens
+        text = await _render(svc, svc.chat_format.history(chat_messages(body.messages)), tools,
+                             body.chat_template_kwargs)
+        add = svc.chat_template.add_special_tokens
     else:
         text, add = body.prompt, True
     add = add if body.add_special_tokens is None else body.add_special_tokens

@@ -52,6 +52,10 @@ class StreamMeta:
     logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` when `logprobs` is true
     echo: str | None = None  # completions with echo: the prompt's text, written before the output
     tools: bool = False  # chat with tools: the output is parsed for tool calls (toolparse.py)
+    # chat: how the model family's output is parsed (gateway/chatformat.py's OutputSpec)
+    reasoning: str = ""  # reasoning parser, "" for none
+    reasoning_open: bool = False  # the prompt ended inside the model's thinking
+    tool_parser: str = "hermes"
 
 
 @dataclass
@@ -62,6 +66,7 @@ class ResumeRecord:
     stop_token_ids: list[int]
     deadline_ts: float  # wall clock, as in GenerationRequest
     key: str = ""  # key_digest of the creator's API key
+    skip_special_tokens: bool = True  # how the tokens are decoded (a resume decodes them alike)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

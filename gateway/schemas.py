@@ -18,14 +18,15 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictStr, WithJsonSchema,
+    BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, StrictBool, StrictFloat, StrictStr,
+    WithJsonSchema,
 )
 
 from gateway.jsonbody import MAX_JSON_DEPTH, load_json, parse_body, validation_error  # noqa: F401 - re-exported
 from gateway.sampling_checks import check_logprobs
 from gateway.structured import ChoiceList, JsonSchema, ResponseFormat, StructuredOutputs, guided_specs, one_spec
 from gateway.structured import response_format_spec
-from gateway.tools import ToolCallIn, ToolChoice, ToolDef, ToolPlan, history_calls, plan
+from gateway.tools import HERMES, CallSyntax, ToolCallIn, ToolChoice, ToolDef, ToolPlan, history_calls, plan
 from gateway.validation import CompletionParams
 from tandem_core.errors import InvalidRequest
 
@@ -63,7 +64,6 @@ NOOPS: dict[str, tuple] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
 }
 
@@ -218,6 +218,10 @@ class ChatMessage(BaseModel):
     refusal: Any = _empty()
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: StrictStr | None = Field(default=None, max_length=128)
+    # an assistant's earlier thinking, as this API returned it (vLLM reads both names); templates
+    # that show past thinking read it (Qwen3's `reasoning_content`, gpt-oss's `thinking`)
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
     function_call: Any = _empty()
     audio: Any = _empty()
     annotations: Any = _empty()
@@ -241,10 +245,18 @@ class ChatBody(_Common):
     modalities: Any = _noop("modalities")
     audio: Any = _noop("audio")
     prediction: Any = _noop("prediction")
-    reasoning_effort: Any = _noop("reasoning_effort")
+    # OpenAI's reasoning effort: handed to the chat template as `reasoning_effort` (gpt-oss's
+    # template writes it into its system message, as vLLM does); templates that do not read it ignore it
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     service_tier: Any = _noop("service_tier")
+    # vLLM's extra: keyword arguments for the model's chat template (`enable_thinking` for Qwen3,
+    # `reasoning_effort` for gpt-oss ...); see gateway/chat.py for the names it may not set
+    chat_template_kwargs: dict[str, Any] | None = None
+    _call_syntax: CallSyntax = PrivateAttr(default=HERMES)
 
-    def to_params(self) -> CompletionParams:
+    def to_params(self, syntax: CallSyntax = HERMES) -> CompletionParams:
+        """`syntax`: how the served model writes a tool call (the forced-call grammar's wrapper)."""
+        self._call_syntax = syntax
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidRequest(
@@ -262,8 +274,14 @@ class ChatBody(_Common):
         return ([("tool_choice", forced)] if forced else []) + ([("response_format", spec)] if spec else []) \
             + guided_specs(self)
 
-    def tool_plan(self) -> ToolPlan:
-        return plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages and tools: `chat_template_kwargs`, and
+        `reasoning_effort` unless those set it."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        return {**effort, **(self.chat_template_kwargs or {})}
+
+    def tool_plan(self, syntax: CallSyntax | None = None) -> ToolPlan:
+        return plan(self.tools, self.tool_choice, self.parallel_tool_calls, syntax or self._call_syntax)
 
     def _top_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -308,6 +326,12 @@ def _message(i: int, m: ChatMessage) -> dict[str, Any]:
     if m.name:
         out["name"] = m.name
     _tool_fields(i, m, role, out)
+    thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if thinking is not None:
+        if role != "assistant":
+            raise InvalidRequest(f"messages[{i}].reasoning_content belongs on an assistant message only",
+                                 param=f"messages[{i}].reasoning_content")
+        out["reasoning_content"] = thinking  # chat.py also hands it to templates as `thinking`
     return out
 
 
@@ -378,6 +402,7 @@ class TokenizeBody(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None  # with messages: rendered as chat does
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on the chat endpoint
     add_special_tokens: StrictBool | None = None  # default: as the completion or chat endpoint encodes
 
 

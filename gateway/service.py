@@ -24,6 +24,7 @@ from gateway.admission import Admitter
 from gateway.attachment import Attachment
 from gateway.auth import ANONYMOUS, Auth
 from gateway.chat import ChatTemplate
+from gateway.chatformat import ChatFormat
 from gateway.cluster_view import ClusterReport
 from gateway.hold import RedisHold
 from gateway.logprobs import TokenText
@@ -54,6 +55,8 @@ class GatewayService:
         self.redis: aioredis.Redis | None = None
         self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
         self.chat_template = ChatTemplate.for_model(self.info)
+        self.chat_format = ChatFormat.for_model(self.info.path, self.chat_template.source, self.tokenizer,
+                                                settings.reasoning_parser, settings.tool_call_parser)
         self.token_text = TokenText(self.tokenizer)  # logprobs' token strings
         self.grpc_port: int | None = None  # the bound port, once serving
         # new requests wait for an unreachable Redis (a restart, a failover) instead of failing

@@ -1,6 +1,8 @@
 """Gateway settings: environment `TANDEM_GATEWAY_*` (nested blocks with `__`)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, PositiveFloat, PositiveInt
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -64,6 +66,10 @@ class GatewaySettings(BaseSettings):
     tokens_per_minute_per_key: int = Field(default=0, ge=0)  # prompt + max_tokens, per replica; 0 = off
     # Structured outputs and tools (issue 13):
     max_grammar_bytes: PositiveInt = 65536  # a request's grammar spec (schema, regex, Lark, tools) as JSON
+    # Chat output per model family (issue 28, gateway/chatformat.py), vLLM's names: "auto" reads the
+    # chat template's markers, then config.json's model_type.
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1", "openai_gptoss"] = "auto"
+    tool_call_parser: Literal["auto", "hermes", "mistral", "openai"] = "auto"
     # Prefix caching and cache-aware routing (issue 14, gateway/prefix_route.py):
     prefix_routing: bool = True  # route remote prompts to the prefill pod likeliest to hold their prefix
     # Tokens per block of the prefix hash chain: MUST equal the pods' prefix_cache.block_size (and be

@@ -6,11 +6,14 @@ connection. After the last token: a usage chunk (if `stream_options.include_usag
 `data: [DONE]`, neither with an id. Errors after the headers are sent go in-band as
 `data: {"error": {...}}` the way OpenAI does.
 
-Chat chunks carry `delta.role` on the event of index 0 and `delta.content` on every event.
+Chat chunks carry `delta.role` on the event of index 0 and `delta.content` on every event; a
+reasoning model's thinking goes in `delta.reasoning_content` (the whole body's
+`message.reasoning_content`), split off by the family's parser (gateway/chatformat.py).
 With n > 1 each event is one choice's token (`index` is the choice); with logprobs each carries
 that token's logprobs (gateway/logprobs.py); with echo, a completion's first event starts with
 the prompt's text (and, with logprobs, the prompt's logprobs). A chat with tools parses each
-choice's text for tool calls (`toolparse.ToolCallStream`): text that may open a call is held
+choice's text for tool calls in the family's format (`chatformat.ChoiceParser`, after the
+reasoning parser took the thinking out): text that may open a call is held
 back, a completed call goes out as `delta.tool_calls` (name and arguments whole) and the choice
 finishes with "tool_calls"; the whole body gets `message.tool_calls` the same way.
 """
@@ -23,10 +26,10 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from gateway.chatformat import ChoiceParser, OutputSpec
 from gateway.logprobs import CompletionLogprobs, TokenText, chat_logprobs, empty_completion, merge_completion
 from gateway.relay import Delta
 from gateway.resume import StreamMeta
-from gateway.toolparse import ToolCallStream
 from gateway.validation import Prepared
 from tandem_core.errors import TandemError, WorkerFailed
 
@@ -58,7 +61,10 @@ class Formatter:
         self._text: dict[int, list[str]] = {}
         self._finish: dict[int, str | None] = {}
         self._lps: dict[int, list] = {}
-        self._calls: dict[int, ToolCallStream] = {}  # chat with tools: each choice's parser
+        self._reasoning: dict[int, list[str]] = {}
+        self._parsers: dict[int, ChoiceParser] = {}  # chat with tools or reasoning: each choice's parser
+        self._spec = OutputSpec(meta.reasoning, meta.reasoning_open, meta.tool_parser, meta.tools)
+        self._parse = meta.kind == "chat" and (meta.tools or bool(meta.reasoning))
         self.completion_tokens = 0
 
     def chunk(self, d: Delta | None, usage_: dict | None = None) -> dict:
@@ -76,31 +82,40 @@ class Formatter:
     def _choice(self, d: Delta) -> dict:
         lp = self._logprobs(d)
         if self.meta.kind == "chat":
-            text, calls, finish = self._tool_calls(d) if self.meta.tools else (d.text, [], d.finish_reason)
+            reasoning, text, calls, finish = self._parsed(d) if self._parse else ("", d.text, [], d.finish_reason)
             delta = {"role": "assistant", "content": text} if d.index == 0 else {"content": text}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if calls:
                 delta["tool_calls"] = calls
             return {"index": d.choice, "delta": delta, "finish_reason": finish, "logprobs": lp}
         text = self.meta.echo + d.text if self.meta.echo is not None and d.index == 0 else d.text
         return {"index": d.choice, "text": text, "finish_reason": d.finish_reason, "logprobs": lp}
 
-    def _tool_calls(self, d: Delta) -> tuple[str, list[dict], str | None]:
-        """This delta's text past the tool-call parser, the calls it completed, its finish reason."""
-        parser = self._calls.setdefault(d.choice, ToolCallStream(self.meta.request_id, d.choice))
-        text, calls = parser.feed(d.text)
+    def _parsed(self, d: Delta) -> tuple[str, str, list[dict], str | None]:
+        """This delta's text past the family's parsers: its reasoning, its content, the calls it
+        completed, and its finish reason ("tool_calls" when the choice made calls)."""
+        parser = self._parsers.get(d.choice)
+        if parser is None:
+            parser = self._parsers[d.choice] = ChoiceParser(self._spec, self.meta.request_id, d.choice)
+        reasoning, text, calls = parser.feed(d.text)
         finish = d.finish_reason
         if finish is not None:
-            text += parser.finish()
+            r, t, c = parser.finish()
+            reasoning, text, calls = reasoning + r, text + t, calls + c
             if finish == "stop" and parser.calls:
                 finish = "tool_calls"
-        return text, calls, finish
+        return reasoning, text, calls, finish
 
     def _message(self, i: int, text: str) -> dict:
-        parser = self._calls.get(i)
+        parser = self._parsers.get(i)
+        msg: dict = {"role": "assistant", "content": text, "refusal": None}
+        if self.meta.reasoning:
+            msg["reasoning_content"] = "".join(self._reasoning.get(i, ())) or None
         if parser is None or not parser.calls:
-            return {"role": "assistant", "content": text, "refusal": None}
+            return msg
         calls = [{k: v for k, v in c.items() if k != "index"} for c in parser.calls]
-        return {"role": "assistant", "content": text.strip() or None, "refusal": None, "tool_calls": calls}
+        return {**msg, "content": text.strip() or None, "tool_calls": calls}
 
     def _logprobs(self, d: Delta) -> dict | None:
         m = self.meta
@@ -121,6 +136,8 @@ class Formatter:
         """Accumulate one Delta into the whole body."""
         ch = self._choice(d)
         self._text.setdefault(d.choice, []).append(ch["text"] if "text" in ch else ch["delta"]["content"])
+        if "delta" in ch and "reasoning_content" in ch["delta"]:
+            self._reasoning.setdefault(d.choice, []).append(ch["delta"]["reasoning_content"])
         self._finish[d.choice] = ch["finish_reason"]
         if ch["logprobs"] is not None:
             self._lps.setdefault(d.choice, []).append(ch["logprobs"])

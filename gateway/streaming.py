@@ -175,7 +175,7 @@ class Streaming:
         req = GenerationRequest(request_id=request_id, prompt_ids=[], max_tokens=rec.max_tokens,
                                 stop_token_ids=rec.stop_token_ids, deadline_ts=rec.deadline_ts)
         prep = Prepared(request=req, stop=tuple(rec.stop), model=rec.meta.model, arrival_ts=time.monotonic(),
-                        resumable=True, replay=True, meta=rec.meta)
+                        resumable=True, replay=True, meta=rec.meta, skip_special_tokens=rec.skip_special_tokens)
         return Attachment(prep, attach_no=attach_no)
 
     async def resend(self, prep: Prepared, api_key: str) -> Attachment | None:

@@ -8,7 +8,11 @@ default chat template lists the functions in a system block and asks for that fo
 - `"auto"`: free text, parsed afterwards for `<tool_call>` blocks (`toolparse.py`);
 - `"required"` or a named function: a Lark grammar (llguidance's dialect, one `%json` schema per
   function) forces `<tool_call>` + `{"name": <that function>, "arguments": <its parameters
-  schema>}` + `</tool_call>`, so the arguments always parse and validate. One call, unless
+  schema>}` + `</tool_call>`, so the arguments always parse and validate. A model family with
+  another call format gets the same guarantee in its own wrapper (`CallSyntax`, chosen by
+  `chatformat.py`): Mistral's `[TOOL_CALLS][{...}]` or `[TOOL_CALLS]name[ARGS]{...}`, gpt-oss's
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` (its markers are
+  special tokens, written `<[id]>` in the grammar). One call, unless
   `"parallel_tool_calls": true` with "required" (then 1..MAX_PARALLEL_CALLS): OpenAI's default
   is parallel, but a grammar that may go on with another call lets a small model start one it
   cannot finish within max_tokens, and a cut call is no call;
@@ -87,7 +91,24 @@ class ToolPlan:
     grammar: dict | None = None
 
 
-def plan(tools: list[ToolDef] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan:
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a family writes a forced call around the JSON: `kind` names the shape, `marks` maps
+    each special marker of that shape to its Lark term (`<[id]>` when the tokenizer has it as one
+    special token, else the quoted text)."""
+
+    kind: str = "hermes"  # "hermes" | "mistral" (v3 list) | "mistral_args" (name[ARGS]{...}) | "harmony"
+    marks: tuple[tuple[str, str], ...] = ()
+
+    def mark(self, text: str) -> str:
+        return dict(self.marks).get(text, json.dumps(text))
+
+
+HERMES = CallSyntax()
+
+
+def plan(tools: list[ToolDef] | None, choice: ToolChoice | None, parallel: bool | None,
+         syntax: CallSyntax = HERMES) -> ToolPlan:
     tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"tools has {len(tools)} functions, more than the limit of {MAX_TOOLS}", param="tools")
@@ -106,13 +127,13 @@ def plan(tools: list[ToolDef] | None, choice: ToolChoice | None, parallel: bool 
     if choice == "auto":
         return ToolPlan(shown, parse=True)
     if choice == "required":
-        return ToolPlan(shown, parse=True, grammar=call_grammar(tools, many=parallel is True))
+        return ToolPlan(shown, parse=True, grammar=call_grammar(tools, many=parallel is True, syntax=syntax))
     wanted = choice.function.name
     picked = [t for t in tools if t.function.name == wanted]
     if not picked:
         raise InvalidRequest(f"tool_choice names function {wanted[:64]!r}, which is not in tools",
                              param="tool_choice.function.name")
-    return ToolPlan(shown, parse=True, grammar=call_grammar(picked, many=False))
+    return ToolPlan(shown, parse=True, grammar=call_grammar(picked, many=False, syntax=syntax))
 
 
 def _bounded(schema: dict) -> dict:
@@ -125,19 +146,41 @@ def _bounded(schema: dict) -> dict:
     return bounded(schema)
 
 
+def _args_schema(fn: FunctionDef) -> dict:
+    return _bounded(fn.parameters) if fn.parameters is not None else NO_PARAMETERS
+
+
 def _call_schema(fn: FunctionDef) -> dict:
-    params = _bounded(fn.parameters) if fn.parameters is not None else NO_PARAMETERS
-    return {"type": "object", "properties": {"name": {"const": fn.name}, "arguments": params},
+    return {"type": "object", "properties": {"name": {"const": fn.name}, "arguments": _args_schema(fn)},
             "required": ["name", "arguments"], "additionalProperties": False, **_COMPACT}
 
 
-def call_grammar(tools: list[ToolDef], many: bool) -> dict:
-    """The Lark spec forcing one call (or 1..MAX_PARALLEL_CALLS calls) of these functions."""
-    calls = f"call{{1,{MAX_PARALLEL_CALLS}}}" if many else "call"
-    rules = [f"start: {calls}", 'call: "<tool_call>" body "</tool_call>"',
-             "body: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
-    rules += [f"fn_{i}: %json " + json.dumps(_call_schema(t.function), separators=(",", ":"))
-              for i, t in enumerate(tools)]
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps(schema, separators=(",", ":"))
+
+
+def call_grammar(tools: list[ToolDef], many: bool, syntax: CallSyntax = HERMES) -> dict:
+    """The Lark spec forcing one call (or 1..MAX_PARALLEL_CALLS calls) of these functions, in the
+    family's format. gpt-oss calls one function per message: harmony forces one call."""
+    fns = [t.function for t in tools]
+    body = "body: " + " | ".join(f"fn_{i}" for i in range(len(fns)))
+    if syntax.kind == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]
+        more = f' ("," body){{0,{MAX_PARALLEL_CALLS - 1}}}' if many else ""
+        rules = [f'start: {syntax.mark("[TOOL_CALLS]")} "[" body{more} "]"', body]
+        rules += [f"fn_{i}: {_json(_call_schema(f))}" for i, f in enumerate(fns)]
+    elif syntax.kind == "mistral_args":  # [TOOL_CALLS]name[ARGS]{...}, repeated
+        calls = f"call{{1,{MAX_PARALLEL_CALLS}}}" if many else "call"
+        rules = [f"start: {calls}", f'call: {syntax.mark("[TOOL_CALLS]")} body', body]
+        rules += [f'fn_{i}: {json.dumps(f.name)} {syntax.mark("[ARGS]")} {_json({**_args_schema(f), **_COMPACT})}'
+                  for i, f in enumerate(fns)]
+    elif syntax.kind == "harmony":  # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+        rules = [f'start: {syntax.mark("<|channel|>")} "commentary to=functions." body', body]
+        rules += [f'fn_{i}: {json.dumps(f.name + " ")} {syntax.mark("<|constrain|>")} "json" '
+                  f'{syntax.mark("<|message|>")} {_json({**_args_schema(f), **_COMPACT})}' for i, f in enumerate(fns)]
+    else:  # hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call>
+        calls = f"call{{1,{MAX_PARALLEL_CALLS}}}" if many else "call"
+        rules = [f"start: {calls}", 'call: "<tool_call>" body "</tool_call>"', body]
+        rules += [f"fn_{i}: {_json(_call_schema(f))}" for i, f in enumerate(fns)]
     return {"kind": "lark", "grammar": "\n".join(rules) + "\n"}
 
 
