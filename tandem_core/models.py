@@ -139,8 +139,7 @@ def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
     cfg = text_config(cfg)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    eos_ids = _eos_ids(path, cfg)
     tok = "hf" if (path / "tokenizer.json").is_file() else "byte"
     # a mixture of experts: intermediate_size is each expert's (Qwen3-MoE names it apart)
     ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
@@ -163,6 +162,25 @@ def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
         tokenizer=tok,
         extra={"rope_scaling": _rope(cfg)[1], "hf_config": cfg, "family": SUPPORTED_MODEL_TYPES[model_type]},
     )
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json together, as vLLM merges them: chat
+    models (Qwen2.5's <|im_end|>, Gemma's <end_of_turn>, gpt-oss's <|return|> and <|call|>) often
+    name their end-of-turn tokens only in the latter."""
+    ids: list[int] = []
+    sources = [cfg.get("eos_token_id")]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError) as e:
+            raise ModelNotFound(f"{gen}: unreadable ({e})") from e
+    for eos in sources:
+        for i in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:

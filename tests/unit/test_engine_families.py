@@ -257,3 +257,12 @@ def test_moe_with_dense_layers_between_is_refused(tmp_path):
                          moe_intermediate_size=16, mlp_only_layers=[1])
     with pytest.raises(ModelNotFound, match="mlp_only_layers"):
         config_from_info(resolve_model(str(path)))
+
+
+def test_eos_ids_merge_generation_config(tmp_path):
+    """A chat checkpoint's end-of-turn ids in generation_config.json stop generation too."""
+    path = _write_config(tmp_path / "chat", eos_token_id=2)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert resolve_model(str(path)).eos_token_ids == (2, 7, 9)
+    (path / "generation_config.json").unlink()
+    assert resolve_model(str(path)).eos_token_ids == (2,)
