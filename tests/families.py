@@ -52,13 +52,14 @@ def _configs(transformers) -> dict:
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss")
 
 
-def build_family(family: str, path: str | Path, seed: int = 0, dtype: str = "float32"):
-    """Write a tiny random `family` checkpoint to `path`; returns the transformers model (eval)."""
+def build_family(family: str, path: str | Path, seed: int = 0, dtype: str = "float32", **over):
+    """Write a tiny random `family` checkpoint to `path` (`over`: config fields to change, e.g. a
+    tokenizer's vocab_size); returns the transformers model (eval)."""
     import torch
     import transformers
 
     cfg_cls, model_cls, extra = _configs(transformers)[family]
-    cfg = cfg_cls(**{**_COMMON, **extra})
+    cfg = cfg_cls(**{**_COMMON, **extra, **over})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
