@@ -266,3 +266,26 @@ def test_eos_ids_merge_generation_config(tmp_path):
     assert resolve_model(str(path)).eos_token_ids == (2, 7, 9)
     (path / "generation_config.json").unlink()
     assert resolve_model(str(path)).eos_token_ids == (2,)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3's published checkpoints are `Gemma3ForConditionalGeneration`: config.json nests the
+    language model under `text_config` and its tensors sit under `language_model.model.` beside a
+    vision tower. The engine serves the language model and leaves the vision tower unread."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "text"
+    model = build_family("gemma3", src, seed=13)
+    tensors = load_file(str(src / "model.safetensors"))
+    wrapped = {k.replace("model.", "language_model.model.", 1): v for k, v in tensors.items()}
+    wrapped["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    out = tmp_path / "mm"
+    out.mkdir()
+    save_file(wrapped, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": text["eos_token_id"]}))
+    engine = load_engine(str(out), slots=1, max_len=64, prefill_buckets=(32,))
+    ids = list(range(5, 25))
+    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids)
