@@ -68,6 +68,8 @@ class ModelConfig(NamedTuple):
     expert_act: str = "swiglu"  # swiglu | swiglu_clamped (gpt-oss: alpha, limit, (up + 1))
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # how the experts run (not the architecture: the engine picks it for the platform it runs on)
+    moe_impl: str = "ragged"  # ragged: grouped matmuls (ragged_dot) | dense: every expert, weighted
 
     @property
     def moe(self) -> bool:

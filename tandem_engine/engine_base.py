@@ -41,6 +41,10 @@ class EngineBase:
         self.info = info
         self.cfg = config_from_info(info)
         self.layout = make_layout(info, tp, mesh, expert_parallel)  # None: one device, unsharded
+        if self.cfg.moe:  # grouped matmuls where the platform has them (TPU, GPU); dense on a CPU
+            devices = self.layout.mesh.devices.flat if self.layout is not None else jax.devices()[:1]
+            platform = next(iter(devices)).platform
+            self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
         self.params = params if self.layout is None else self.layout.place_params(params)
         self.slots = int(slots)
         self.max_len = int(max_len)
