@@ -22,6 +22,12 @@ See decode_svc/settings.py for every field."""
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="tandem decode", description=HELP,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    from tandem_core.exits import run_service
+
+    return run_service("tandem decode", _serve)  # a configuration error: one line, exit 78, no restart
+
+
+def _serve() -> int:
     from decode_svc.app import serve
     from decode_svc.settings import DecodeSettings
     from tandem_core.logs import setup_logging

@@ -94,12 +94,12 @@ _NOT_HERE = {"/v1/embeddings": "embeddings are not served: this server generates
 def served_routes(app: FastAPI) -> list[str]:
     """'METHOD /path' for every route of the API (the documentation pages left out)."""
     out = []
-    for r in app.routes:
+    for r in [*app.routes, *router.routes]:  # the API's own router (newer FastAPI nests it in app.routes)
         methods = sorted(m for m in getattr(r, "methods", None) or () if m != "HEAD")
         path = getattr(r, "path", "")
         if methods and path not in ("/docs", "/redoc", "/docs/oauth2-redirect"):
             out.extend(f"{m} {path}" for m in methods)
-    return out
+    return list(dict.fromkeys(out))
 
 
 def _not_served(app: FastAPI, request: Request) -> str:

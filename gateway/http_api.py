@@ -295,13 +295,15 @@ async def detokenize(request: Request, svc: Service, authorization: Auth = None)
 # ---------------------------------------------------------------- health, metrics, admin
 
 
-@router.api_route("/healthz", methods=["GET", "HEAD"])
+@router.get("/healthz")
+@router.head("/healthz", include_in_schema=False)  # HEAD on the health routes: load balancers' probes
 @router.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)  # vLLM's name for it
 async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.api_route("/readyz", methods=["GET", "HEAD"], responses={503: {"description": "Redis has been unreachable for longer than redis_hold_s"}})
+@router.head("/readyz", include_in_schema=False)
+@router.get("/readyz", responses={503: {"description": "Redis has been unreachable for longer than redis_hold_s"}})
 async def readyz(svc: Service) -> JSONResponse:
     state = await svc.ready()
     if state == "ready":

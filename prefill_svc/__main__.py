@@ -23,6 +23,12 @@ See prefill_svc/settings.py for every field."""
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="tandem prefill", description=HELP,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    from tandem_core.exits import run_service
+
+    return run_service("tandem prefill", _serve)  # a configuration error: one line, exit 78, no restart
+
+
+def _serve() -> int:
     from prefill_svc.app import serve
     from prefill_svc.settings import PrefillSettings
     from tandem_core.logs import setup_logging
