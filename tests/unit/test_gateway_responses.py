@@ -104,6 +104,11 @@ def test_reasoning_then_text_then_a_call():
     kinds = [e["type"] for e in evs]
     assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    item_events = [(e["type"], e["item"]["type"]) for e in evs if "item" in e]
+    assert item_events == [  # one item at a time: each is done before the next is added
+        ("response.output_item.added", "reasoning"), ("response.output_item.done", "reasoning"),
+        ("response.output_item.added", "message"), ("response.output_item.done", "message"),
+        ("response.output_item.added", "function_call"), ("response.output_item.done", "function_call")]
 
 
 def test_a_prompt_that_opens_think_starts_in_reasoning():
