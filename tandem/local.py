@@ -226,6 +226,8 @@ class Cluster:
             self.redis.preexec = _preexec_for(self.pins.get("redis"))
         self.sup = Supervisor()
         self.grpc_port = a.grpc_port or free_port()
+        if a.max_len <= 0:  # main() sizes it and says so; a Cluster built directly gets the same
+            a.max_len, _ = auto_context(resolve_model(a.model), a.slots, a.decode, _memory_bytes())
         self.buckets = buckets_for(a.max_len)
         self.next_index = {"prefill": 0, "decode": 0}
         self.follower: PlannerFollower | None = None
