@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     why = "--max-len"
     if a.max_len <= 0:
         a.max_len, why = auto_context(info, a.slots, a.decode, _memory_bytes())
-    log.info("serving %s: context %d positions (%s); %d decode slots per decode worker (--slots); "
+    log.info("serving %s: context %d positions, %s; %d decode slots per decode worker (--slots); "
              "prefill buckets %s", a.model, a.max_len, why, a.slots, buckets_for(a.max_len))
     cluster = Cluster(a)
     stopping = {"flag": False}

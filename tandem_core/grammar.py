@@ -325,7 +325,7 @@ class Matcher:
         self._lex = _JsonLex()
         self._path: list[int] | None = None  # the closing path from here (None: not known)
         self._cost = 0  # the length of the last closing path computed
-        self._since = 0  # tokens consumed since it was computed
+        self._since = CLOSE_RECHECK  # tokens consumed since it was computed (the first mask computes it)
         toks = [int(t) for t in tokens]
         if toks and not self._m.consume_tokens(toks):
             raise GrammarError(f"the {len(toks)} tokens already generated do not match the grammar "
@@ -342,17 +342,18 @@ class Matcher:
             raise ValueError(f"mask row must be contiguous int32 [{self.width}], got {row.dtype} {row.shape}")
         t0 = time.thread_time()  # CPU time of this thread: a busy host's preemption is not the grammar's
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)  # runs here, GIL dropped
+        took = time.thread_time() - t0
         if self._m.is_error():
             raise GrammarError(f"grammar {self.compiled.kind} failed: {self._m.get_error()}")
+        if took > self.deadline_s:
+            raise GrammarError(f"grammar {self.compiled.kind} took {took * 1e3:.1f} ms for one token mask; "
+                               f"the deadline is {self.deadline_s * 1e3:.0f} ms")
+        # the closing path's search is bounded by MAX_CLOSE_TOKENS steps, not by the mask deadline
         forced = self._closing_token(budget) if budget is not None else None
         if forced is not None:
             row[:] = 0
             row.view(np.uint32)[forced >> 5] = np.uint32(1 << (forced & 31))
             self.closed_early = True
-        took = time.thread_time() - t0
-        if took > self.deadline_s:
-            raise GrammarError(f"grammar {self.compiled.kind} took {took * 1e3:.1f} ms for one token mask; "
-                               f"the deadline is {self.deadline_s * 1e3:.0f} ms")
 
     def mask(self, budget: int | None = None) -> np.ndarray:
         """The allowed-token bitmask, int32 [ceil(vocab / 32)] (llguidance's packed layout)."""

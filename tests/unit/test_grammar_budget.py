@@ -22,6 +22,8 @@ OPEN = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"ty
 NESTED = {"type": "object", "required": ["a"], "properties": {"a": {"type": "object", "required": ["b"], "properties": {
     "b": {"type": "array", "items": {"type": "object", "properties": {"c": {"type": "string"}}, "required": ["c"]}}}}}}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}
+MANY = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(12)},
+        "required": [f"field_{i}" for i in range(12)]}  # the smallest value is ~100 tokens: known from the first mask
 TOOL = ToolDef(type="function", function=FunctionDef(name="get_weather", parameters=WEATHER))
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
@@ -64,6 +66,7 @@ CASES = {
     "json_object": ({"kind": "json_object"}, json.loads),
     "open_schema": ({"kind": "json_schema", "schema": OPEN}, json.loads),
     "nested_schema": ({"kind": "json_schema", "schema": NESTED}, json.loads),
+    "many_required": ({"kind": "json_schema", "schema": MANY}, json.loads),
     "forced_tool_call": (call_grammar([TOOL], many=False), _calls),
     "parallel_tool_calls": (call_grammar([TOOL], many=True), _calls),
 }
