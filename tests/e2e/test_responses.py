@@ -132,3 +132,21 @@ def test_structured_output_always_ends_within_max_tokens(local_cluster, prompt):
             closed += ch.finish_reason == "length"
             assert ch.finish_reason in ("stop", "length", "tool_calls"), ch.finish_reason
     assert closed > 0  # at these budgets the model does not close by itself every time
+
+
+def test_langchain_function_calling_with_an_open_schema(local_cluster):
+    """LangChain's with_structured_output(method="function_calling"): a forced tool call whose
+    schema has unbounded strings and no additionalProperties: false. At temperature 1 and a small
+    max_tokens the budget closes the call, so every invocation returns the object, never None."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        city: str
+
+    llm = ChatOpenAI(model=local_cluster.model, base_url=local_cluster.base_url + "/v1", api_key="unused",
+                     temperature=1.0, max_tokens=60, max_retries=0)
+    structured = llm.with_structured_output(Person, method="function_calling")
+    for _ in range(5):
+        assert isinstance(structured.invoke("Describe a person."), Person)
