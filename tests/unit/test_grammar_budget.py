@@ -127,3 +127,21 @@ def test_a_resumed_matcher_closes_from_where_the_stream_left_off(builtin):
     m = compiled.matcher(so_far)
     rest = _sample(m, vocab, 12, seed=1)
     assert json.loads(tok.decode(so_far + rest))["name"].startswith("ab")
+
+
+def test_no_second_call_is_opened_that_cannot_close(builtin):
+    """After a whole call the output is complete, and `<` would open a second call ~37 tokens
+    long: with fewer left, that token is not allowed (a jump far past CLOSE_MARGIN)."""
+    tok, vocab = builtin
+    compiled = G.compile_spec(call_grammar([TOOL], many=True), tok, vocab_size=vocab)
+    one = len(compiled.matcher().closing_path())
+    for seed in range(20):
+        out = _sample(compiled.matcher(), vocab, 2 * one - 1, seed)
+        _calls(tok.decode(out))
+
+
+def test_a_budget_with_room_leaves_the_choice_to_the_model(builtin):
+    tok, vocab = builtin
+    m = G.compile_spec({"kind": "choice", "choices": ["yes", "no"]}, tok, vocab_size=vocab).matcher()
+    assert _allowed(m.mask(4), vocab).tolist() == _allowed(m.mask(), vocab).tolist()
+    assert not m.closed_early
