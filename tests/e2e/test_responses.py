@@ -63,6 +63,21 @@ def test_responses_tool_round_trip(local_cluster):
     assert back.usage.input_tokens > r.usage.input_tokens
 
 
+def test_responses_parse_with_a_pydantic_model(local_cluster):
+    """`responses.parse(text_format=Model)`: text.format json_schema, output_parsed every time."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        population: int = Field(ge=0, le=10**8)
+
+    client = _client(local_cluster)
+    for seed in range(3):
+        r = client.responses.parse(model="builtin", input="A city as JSON.", text_format=City, temperature=1.0,
+                                   max_output_tokens=64, extra_body={"seed": seed})
+        assert r.status == "completed" and isinstance(r.output_parsed, City)
+
+
 def test_agents_sdk_default_model(local_cluster):
     """Agent + Runner.run with the SDK's default (Responses) model pointed at the cluster: a forced
     tool call, the tool's result sent back, a structured final answer; then streamed."""
