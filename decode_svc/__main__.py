@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve() -> int:
-    from decode_svc.app import serve
     from decode_svc.settings import DecodeSettings
     from tandem_core.logs import setup_logging
 
-    settings = DecodeSettings()
+    settings = DecodeSettings()  # before the engine's imports: a bad setting fails at once
+    from decode_svc.app import serve
     setup_logging("decode", settings.log_level, settings.worker_id)
     return asyncio.run(serve(settings))
 

@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve() -> int:
-    from prefill_svc.app import serve
     from prefill_svc.settings import PrefillSettings
     from tandem_core.logs import setup_logging
 
-    settings = PrefillSettings()
+    settings = PrefillSettings()  # before the engine's imports: a bad setting fails at once
+    from prefill_svc.app import serve
     setup_logging("prefill", settings.log_level, settings.worker_id)
     return asyncio.run(serve(settings))
 

@@ -120,10 +120,16 @@ def test_a_crash_is_still_restarted(tmp_path):
     sup.stop(5)
 
 
-def test_the_services_exit_78_on_a_bad_setting():
+@pytest.mark.parametrize("module, env, name", [
+    ("decode_svc", {"TANDEM_DECODE_SLOTS": "-3"}, "slots"),
+    ("prefill_svc", {"TANDEM_PREFILL_KV_BUDGET_BYTES": "lots"}, "kv_budget_bytes"),
+    ("gateway", {"TANDEM_GATEWAY_PORT": "-1"}, "port"),
+])
+def test_the_services_exit_78_on_a_bad_setting(module, env, name):
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_DECODE_SLOTS": "-3"}
-    done = subprocess.run([sys.executable, "-m", "decode_svc"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == EXIT_CONFIG
-    assert "tandem decode cannot start with this configuration" in done.stderr and "slots" in done.stderr
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    done = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    assert "cannot start with this configuration" in done.stderr and name in done.stderr
+    assert "Traceback" not in done.stderr  # one line that says what is wrong
