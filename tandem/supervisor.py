@@ -60,9 +60,11 @@ class Supervisor:
         self.max_crashes, self.window_s = max_crashes, window_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
 
-        self._logs = tempfile.mkdtemp(prefix="tandem-exit-")  # the children's termination logs
+        self._logs: str | None = None  # the children's termination logs (a folder made on the first add)
 
     def add(self, child: Child) -> None:
+        if self._logs is None:
+            self._logs = tempfile.mkdtemp(prefix="tandem-exit-")
         child.env = {**child.env, TERMINATION_LOG_ENV: os.path.join(self._logs, child.name)}
         self.children.append(child)
         child.start()
@@ -136,4 +138,6 @@ class Supervisor:
                 log.warning("%s did not stop within %.0fs: killing", c.name, grace_s)
                 c.proc.kill()
                 c.proc.wait()
-        shutil.rmtree(self._logs, ignore_errors=True)
+        if self._logs is not None:
+            shutil.rmtree(self._logs, ignore_errors=True)
+            self._logs = None
