@@ -125,10 +125,8 @@ async def _chat(svc: GatewayService, body: ChatBody, request_id: str) -> tuple[P
     return await _prepare_chat(svc, params), tools.parse
 
 
-@router.post("/v1/responses", responses={
-    200: {"description": "A `response` object; with `stream: true` an SSE stream of Responses events "
-                         "(response.created ... response.completed)"},
-    **openapi.errors(*openapi.GENERATE)}, openapi_extra=openapi.json_body(responses.ResponsesBody))
+@router.post("/v1/responses", responses={**openapi.response_object(), **openapi.errors(*openapi.GENERATE)},
+             openapi_extra=openapi.json_body(responses.ResponsesBody))
 async def create_response(request: Request, svc: Service, authorization: Auth = None) -> Response:
     """OpenAI's Responses API, stateless (gateway/responses.py): served by the chat path."""
     key = svc.check_api_key(authorization)

@@ -134,6 +134,8 @@ def _messages(body: ResponsesBody) -> list[dict]:
     if body.instructions:
         msgs.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
+        if not body.input:
+            raise InvalidRequest("input is empty: send the text to answer, or a list of items", param="input")
         msgs.append({"role": "user", "content": body.input})
         return msgs
     for i, item in enumerate(body.input):

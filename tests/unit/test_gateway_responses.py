@@ -57,6 +57,8 @@ def test_a_forced_call_wins_over_the_text_format():
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "json_schema"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "function"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
+    ({"input": ""}, "input", "empty"),
+    ({"input": []}, "input", "no message"),
 ])
 def test_what_cannot_be_served_is_a_400_that_says_why(data, param, words):
     with pytest.raises(InvalidRequest, match=words) as e:
