@@ -68,12 +68,14 @@ LIMITS = dict(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=
               max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
 
 
-CLOSE_MARGIN = 8  # the budget is watched once the closing path + this reaches it (room for a token that deepens)
+CLOSE_MARGIN = 8  # inside a JSON string, quotes are checked once the closing path + this reaches the budget
 PLAIN_SLACK = 3  # what one plain token may still add to the path: an unfinished UTF-8 character, `1.`/`1e`
 EXACT_CHECK_MAX = 48  # at most this many structural tokens are checked by their own closing path per step
 STRUCTURAL = b'{}[]",:\\<'  # bytes that may open structure (JSON, a <tool_call>): not "plain" content
 IN_STRING = b'"\\'  # inside a JSON string only these end it or escape
-CLOSE_WIDE = 48  # tokens that open structure are checked once the path + this reaches the budget (a new call ~40)
+CLOSE_WIDE = 48  # tokens that open structure are checked once the path + this reaches the budget (a new call ~40):
+# one that opens something whose smallest completion is longer (a second call of a tool with many
+# required arguments) is not caught earlier, and such an output may still be cut (a known limit)
 CLOSE_SLACK = 56  # while the budget exceeds the last path + margin + this, the path is not recomputed
 CLOSE_RECHECK = 16  # ... except every this many tokens
 MAX_CLOSE_TOKENS = 256  # a closing path longer than this is not searched for (then nothing is forced)
