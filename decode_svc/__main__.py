@@ -22,11 +22,17 @@ See decode_svc/settings.py for every field."""
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="tandem decode", description=HELP,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
-    from decode_svc.app import serve
+    from tandem_core.exits import run_service
+
+    return run_service("tandem decode", _serve)  # a configuration error: one line, exit 78, no restart
+
+
+def _serve() -> int:
     from decode_svc.settings import DecodeSettings
     from tandem_core.logs import setup_logging
 
-    settings = DecodeSettings()
+    settings = DecodeSettings()  # before the engine's imports: a bad setting fails at once
+    from decode_svc.app import serve
     setup_logging("decode", settings.log_level, settings.worker_id)
     return asyncio.run(serve(settings))
 

@@ -6,6 +6,9 @@ stream left off. Before a masked step the thread feeds the pending step's tokens
 (the loop runs unpipelined meanwhile) and `masks` computes the next step's masks. A complete grammar
 finishes its request with EOS ("stop") without another step; a matcher error finishes that request
 with "error", never the loop. Matchers live with their slot: `forget` drops one when it is freed.
+Each mask is told the request's budget (max_tokens - the next index), so the matcher forces the
+shortest closing once the budget would no longer let the output close (tandem_core/grammar.py);
+a request closed that way ends with EOS and finish "length".
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import numpy as np
 from decode_svc.items import Emitted
 from decode_svc.requests import Active
 from tandem_core.grammar import GrammarError, Grammars, Matcher
-from tandem_core.types import FINISH_ERROR, FINISH_STOP, GenerationRequest, TokenLogprobs
+from tandem_core.types import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +61,15 @@ class SlotGrammars:
             m = self._matchers.get(act.slot)
             if m is None:
                 continue
+            budget = act.req.max_tokens - act.next_index  # tokens it may still emit, this one included
             try:
-                if not m.done():
-                    m.mask_into(masks[act.slot])
+                if not m.done() and not m.ends_now(budget):
+                    m.mask_into(masks[act.slot], budget)
                     continue
                 k = act.req.sampling.logprobs  # EOS is certain under the grammar: logprob 0
                 lp = TokenLogprobs(0.0, ((m.eos, 0.0),)[:k]).encode() if k is not None else None
-                out.append(Emitted(act.req.request_id, act.next_index, m.eos, FINISH_STOP, logprobs=lp))
+                finish = FINISH_LENGTH if m.closed_early else FINISH_STOP
+                out.append(Emitted(act.req.request_id, act.next_index, m.eos, finish, logprobs=lp))
             except GrammarError as e:
                 log.warning("grammar failed request_id=%s: %s", act.req.request_id, e.message)
                 out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_ERROR, error=e.message))

@@ -121,6 +121,12 @@ def _on_signal(server: uvicorn.Server, sig: signal.Signals) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parse_args(argv)
+    from tandem_core.exits import run_service
+
+    return run_service("tandem gateway", _serve)  # a configuration error: one line, exit 78, no restart
+
+
+def _serve() -> int:
     settings = GatewaySettings()
     setup_logging("gateway", settings.log_level)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:

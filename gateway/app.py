@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import grpc_api, load_publisher, openapi
 from gateway.http_api import error_body, router
+from gateway.responses import ResponsesBody
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from gateway.service import GatewayService, retry_after_header
 from gateway.settings import GatewaySettings
@@ -64,7 +65,7 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
     app = FastAPI(title="Tandem gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = svc
     app.include_router(router)
-    openapi.install(app, [CompletionBody, ChatBody, TokenizeBody, DetokenizeBody])
+    openapi.install(app, [CompletionBody, ChatBody, ResponsesBody, TokenizeBody, DetokenizeBody])
     _add_error_handlers(app)
     return app
 
@@ -85,6 +86,29 @@ def _error(status: int, message: str, etype: str, param: str | None = None, head
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_NOT_HERE = {"/v1/embeddings": "embeddings are not served: this server generates text",
+             "/v1/audio": "audio is not served: this server generates text",
+             "/v1/images": "images are not served: this server generates text"}
+
+
+def served_routes(app: FastAPI) -> list[str]:
+    """'METHOD /path' for every route of the API (the documentation pages left out)."""
+    out = []
+    for r in [*app.routes, *router.routes]:  # the API's own router (newer FastAPI nests it in app.routes)
+        methods = sorted(m for m in getattr(r, "methods", None) or () if m != "HEAD")
+        path = getattr(r, "path", "")
+        if methods and path not in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+            out.extend(f"{m} {path}" for m in methods)
+    return list(dict.fromkeys(out))
+
+
+def _not_served(app: FastAPI, request: Request) -> str:
+    path = request.url.path
+    why = next((v for k, v in _NOT_HERE.items() if path == k or path.startswith(k + "/")), None)
+    head = f"{why} ({request.method} {path[:200]})" if why else f"no route {request.method} {path[:200]}"
+    return f"{head}; this server serves: {', '.join(served_routes(app))}"
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TandemError)
     async def _tandem(request: Request, e: TandemError) -> JSONResponse:
@@ -100,6 +124,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404 and e.detail == "Not Found":  # no route: say what is served
+            return _error(404, _not_served(app, request), "not_found_error", request.url.path[:200])
         etype = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error(e.status_code, str(e.detail), etype, headers=getattr(e, "headers", None))
 

@@ -1,4 +1,4 @@
-"""HTTP front end: the OpenAI-compatible completions and chat completions APIs, stream resume,
+"""HTTP front end: the OpenAI-compatible completions, chat completions and Responses APIs, stream resume,
 models, vLLM's /tokenize and /detokenize, health, metrics, admin.
 
 POST bodies must be JSON (415 otherwise), are read here with a byte limit (413) and parsed
@@ -20,13 +20,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gateway import openapi, resume
+from gateway import openapi, responses, resume
 from gateway.chatformat import OutputSpec
-from gateway.jsonbody import parse_body
+from gateway.jsonbody import load_json, parse_body
 from gateway.metrics import CONTENT_TYPE
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, chat_messages
 from gateway.service import GatewayService, RequestNotFound
-from gateway.sse import collect_unless_disconnected, error_body, sse_events
+from gateway.sse import collect_unless_disconnected, error_body, formatter, sse_events
 from gateway.validation import CompletionParams, Prepared, check_model
 from tandem_core.errors import InvalidRequest, ModelNotFound
 
@@ -111,6 +111,13 @@ async def chat_completions(request: Request, svc: Service, authorization: Auth =
                            client_id: ClientId = None) -> Response:
     key = svc.check_api_key(authorization)
     body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
+    prep, output = await _chat(svc, body, client_id or f"chatcmpl-{uuid.uuid4().hex}")
+    return await _respond(request, svc, prep, body, "chat", key, output, chosen_id=client_id is not None)
+
+
+async def _chat(svc: GatewayService, body: ChatBody, request_id: str) -> tuple[Prepared, OutputSpec]:
+    """A chat body prepared (rendered in the model family's format, tokenized, checked), and how
+    its output is parsed (reasoning, tool calls). Shared by /v1/chat/completions and /v1/responses."""
     fmt = svc.chat_format  # the model family's output format (gateway/chatformat.py)
     params = body.to_params(fmt.syntax)
     tools = body.tool_plan()
@@ -119,10 +126,37 @@ async def chat_completions(request: Request, svc: Service, authorization: Auth =
     params.skip_special_tokens = params.skip_special_tokens and not fmt.keeps_specials(tools.parse)  # markers
     if not params.ignore_eos:  # the family's end of turn, besides EOS
         params.stop_token_ids = [*params.stop_token_ids, *fmt.stop_token_ids]
-    params.request_id = client_id or f"chatcmpl-{uuid.uuid4().hex}"
-    prep = await _prepare_chat(svc, params)
-    return await _respond(request, svc, prep, body, "chat", key, fmt.output(params.prompt, tools.parse),
-                          chosen_id=client_id is not None)
+    params.request_id = request_id
+    return await _prepare_chat(svc, params), fmt.output(params.prompt, tools.parse)
+
+
+@router.post("/v1/responses", responses={**openapi.response_object(), **openapi.errors(*openapi.GENERATE)},
+             openapi_extra=openapi.json_body(responses.ResponsesBody))
+async def create_response(request: Request, svc: Service, authorization: Auth = None) -> Response:
+    """OpenAI's Responses API, stateless (gateway/responses.py): served by the chat path."""
+    key = svc.check_api_key(authorization)
+    rbody = responses.parse(load_json(await read_body(request, svc.settings.max_body_bytes)))
+    body = responses.to_chat(rbody)
+    rid = f"resp_{uuid.uuid4().hex}"
+    prep, output = await _chat(svc, body, rid)
+    meta = resume.StreamMeta("chat", rid, int(time.time()), prep.model, prep.prompt_tokens, False,
+                             **_output_fields(output))
+    prep = dataclasses.replace(prep, resumable=False, meta=meta)
+    att = await svc.submit(prep, fresh_id=True, api_key=key)
+    # the family's parser splits reasoning out (reasoning_content); the Shaper's own <think> split
+    # covers a model whose template the parser does not know
+    thinking = output.reasoning == "" and (prep.prompt_text or "").rstrip().endswith(responses.THINK_OPEN)
+    shaper = responses.Shaper(rbody, rid, prep.model, prep.prompt_tokens, starts_thinking=thinking)
+    fmt = formatter(att.prep, svc.token_text)
+    if rbody.stream:
+        return StreamingResponse(responses.events(svc.stream(att), fmt, shaper), media_type="text/event-stream",
+                                 headers={**_SSE_HEADERS, "X-Request-Id": rid})
+    deltas = svc.stream(att)
+    collected = await collect_unless_disconnected(request, deltas, att.prep, svc.token_text,
+                                                  responses.whole(deltas, fmt, shaper))
+    if collected is None:
+        return Response(status_code=499)
+    return JSONResponse(collected, headers={"X-Request-Id": rid})
 
 
 async def _render(svc: GatewayService, messages: list[dict], tools: list[dict] | None = None,
@@ -277,10 +311,13 @@ async def detokenize(request: Request, svc: Service, authorization: Auth = None)
 
 
 @router.get("/healthz")
+@router.head("/healthz", include_in_schema=False)  # HEAD on the health routes: load balancers' probes
+@router.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)  # vLLM's name for it
 async def healthz() -> dict:
     return {"status": "ok"}
 
 
+@router.head("/readyz", include_in_schema=False)
 @router.get("/readyz", responses={503: {"description": "Redis has been unreachable for longer than redis_hold_s"}})
 async def readyz(svc: Service) -> JSONResponse:
     state = await svc.ready()

@@ -81,6 +81,19 @@ def completion_response(stream_doc: str) -> dict[int | str, dict[str, Any]]:
                               "text/event-stream": {"schema": SSE_EVENT}}}}
 
 
+def response_object() -> dict[int | str, dict[str, Any]]:
+    """200 of /v1/responses: a `response` object, or an SSE stream of Responses events."""
+    obj = {"type": "object", "required": ["id", "object", "created_at", "model", "status", "output"],
+           "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                          "created_at": {"type": "integer"}, "model": {"type": "string"},
+                          "status": {"enum": ["completed", "incomplete"]},
+                          "output": {"type": "array", "items": {"type": "object"}},
+                          "usage": {"type": ["object", "null"]}}}
+    return {200: {"description": "A `response` object; with `stream: true` an SSE stream of Responses events "
+                                 "(`event: response.created` ... `event: response.completed`)",
+                  "content": {"application/json": {"schema": obj}, "text/event-stream": {"schema": SSE_EVENT}}}}
+
+
 def install(app: FastAPI, models: list[type[BaseModel]]) -> None:
     """Serve an /openapi.json that includes `models` as components and has no 422 responses."""
 

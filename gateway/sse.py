@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from starlette.requests import Request
 
@@ -208,10 +208,11 @@ async def _collect(deltas: AsyncIterator[Delta], prep: Prepared, token_text: Tok
 
 
 async def collect_unless_disconnected(request: Request, deltas: AsyncIterator[Delta], prep: Prepared,
-                                      token_text: TokenText) -> dict | None:
-    """The whole response body of `deltas`, or None if the client hung up first (then the relay
-    is cancelled: it sets the cancel key, or for a resumable request starts the grace period)."""
-    task = asyncio.ensure_future(_collect(deltas, prep, token_text))
+                                      token_text: TokenText, collect: Awaitable[dict] | None = None) -> dict | None:
+    """The whole response body of `deltas` (or what `collect`, which reads them, returns), or None
+    if the client hung up first (then the relay is cancelled: it sets the cancel key, or for a
+    resumable request starts the grace period)."""
+    task = asyncio.ensure_future(collect if collect is not None else _collect(deltas, prep, token_text))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)

@@ -99,7 +99,12 @@ class Prepared:
 
 
 def served_name(settings: GatewaySettings, info: ModelInfo) -> str:
-    return settings.served_model_name or info.name
+    """The one name the API shows: `served_model_name`, else "builtin" for the built-in model (the
+    name the docs and `tandem local` use; its checkpoint's own name stays an alias), else the
+    model's name."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    return "builtin" if settings.model in ("builtin", "") else info.name
 
 
 def model_aliases(settings: GatewaySettings, info: ModelInfo) -> set[str]:

@@ -23,11 +23,17 @@ See prefill_svc/settings.py for every field."""
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="tandem prefill", description=HELP,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
-    from prefill_svc.app import serve
+    from tandem_core.exits import run_service
+
+    return run_service("tandem prefill", _serve)  # a configuration error: one line, exit 78, no restart
+
+
+def _serve() -> int:
     from prefill_svc.settings import PrefillSettings
     from tandem_core.logs import setup_logging
 
-    settings = PrefillSettings()
+    settings = PrefillSettings()  # before the engine's imports: a bad setting fails at once
+    from prefill_svc.app import serve
     setup_logging("prefill", settings.log_level, settings.worker_id)
     return asyncio.run(serve(settings))
 

@@ -5,7 +5,14 @@ Redis Cluster with `--redis-cluster`, or one found through its Sentinels with `-
 N prefill workers, M decode workers and the gateway, each a
 child process configured through the same environment variables the Helm chart sets. Prints the
 URL when the cluster answers; Ctrl-C / SIGTERM drains and stops everything.
-Children die with the launcher (PR_SET_PDEATHSIG), so nothing outlives it.
+Children die with the launcher (PR_SET_PDEATHSIG), so nothing outlives it; the embedded Redis's
+data folder ($TMPDIR/tandem-redis/run-*) is removed when it stops.
+
+Defaults that fit the model: the context (`--max-len`) is the model's own
+`max_position_embeddings`, bounded by AUTO_MAX_LEN and by the memory the decode slots' KV may take
+(KV_MEMORY_FRACTION of this machine's memory), and the launcher says which at start, with the slots.
+A worker that cannot start with its configuration (exit 78, tandem_core/exits.py) stops the
+launcher with its error instead of being restarted.
 """
 from __future__ import annotations
 
@@ -20,11 +27,17 @@ import urllib.request
 
 from tandem.planner_follow import PlannerFollower
 from tandem.redis_proc import RedisProcess, free_port
-from tandem.supervisor import Child, Supervisor
+from tandem.supervisor import Child, ConfigExit, Supervisor
+from tandem_core.errors import ModelNotFound
+from tandem_core.exits import EXIT_CONFIG
+from tandem_core.models import ModelInfo, resolve_model
 from tandem_core.redis_client import redact_url
 
 log = logging.getLogger("tandem.local")
-DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]
+DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]  # prefill length buckets; doubled on up to the context
+AUTO_MAX_LEN = 4096  # --max-len 0 (auto) never goes past this on a laptop: compile time and memory grow with it
+KV_MEMORY_FRACTION = 0.25  # of this machine's memory, for the decode workers' KV at the auto context
+KV_BYTES = 4  # float32 KV on a CPU
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -37,7 +50,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _parser() -> argparse.ArgumentParser:
     """The workers' and the engine's flags here; Redis's and the planner's in their own groups."""
     p = argparse.ArgumentParser(
-        prog="tandem local",
+        prog="tandem local", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run a local Tandem cluster: embedded Redis (or an external one: --redis-url, "
         "--redis-cluster, --redis-sentinel), prefill and decode workers and the gateway as separate processes. "
         "The gateway serves the OpenAI API on http://HOST:PORT/v1.",
@@ -49,10 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    p.add_argument("--slots", type=int, default=4, help="decode slots per decode worker")
+    p.add_argument("--slots", type=int, default=4,
+                   help="decode slots per decode worker: requests decoded at once (sized for a laptop)")
     p.add_argument("--colocated", action="store_true",
                    help="no prefill workers: each decode worker prefills locally between steps (JetStream-style)")
-    p.add_argument("--max-len", type=int, default=512, help="positions per sequence (prompt + output)")
+    p.add_argument("--max-len", type=int, default=0,
+                   help="positions per sequence (prompt + output); 0: the model's own context length, bounded "
+                   f"by {AUTO_MAX_LEN} and by the memory the decode slots' KV may take (said at start)")
     p.add_argument("--cpu-threads", type=int, default=1, metavar="N",
                    help="XLA CPU compute threads per prefill/decode worker (0: one per core). 1 suits a "
                    "laptop, where the workers share the cores (idle pool threads spin)")
@@ -64,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                         "roles: prefill, decode, gateway, redis")
     _redis_flags(p.add_argument_group("redis"))
     _planner_flags(p.add_argument_group("planner"))
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="log level of the launcher and every service")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
     return p
 
@@ -72,8 +88,8 @@ def _parser() -> argparse.ArgumentParser:
 def _redis_flags(p) -> None:
     """The embedded Redis, or the external one to use instead (a plain URL, a cluster, sentinels)."""
     p.add_argument("--no-persistence", action="store_true",
-                   help="run the embedded Redis without its append-only file (by default it is on, so a "
-                   "restarted Redis keeps queued requests and token streams)")
+                   help="run the embedded Redis without its append-only file (it is on unless this is given, so "
+                   "a restarted Redis keeps queued requests and token streams)")
     p.add_argument("--redis-url", default="", metavar="URL",
                    help="use this external Redis instead of the embedded one (redis://[:PASSWORD@]HOST:PORT/DB, "
                    "rediss:// for TLS): no redis-server is started, and none is restarted; its restarts "
@@ -87,7 +103,7 @@ def _redis_flags(p) -> None:
                    "(no redis-server is started); every service follows the sentinels to a promoted "
                    "replica after a failover")
     p.add_argument("--redis-master", default="tandem", metavar="NAME",
-                   help="with --redis-sentinel: the master name the sentinels monitor (default: tandem)")
+                   help="with --redis-sentinel: the master name the sentinels monitor")
 
 
 def _planner_flags(p) -> None:
@@ -118,6 +134,37 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 "Redis URL (the embedded one or --redis-url): not with --colocated, --redis-sentinel or --redis-cluster")
     if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
         p.error(f"--planner: --prefill and --decode must be between 1 and --planner-max ({a.planner_max})")
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def auto_context(info: ModelInfo, slots: int, decode_workers: int, memory_bytes: int) -> tuple[int, str]:
+    """(positions per sequence, why) for --max-len 0: the model's own context, bounded by
+    AUTO_MAX_LEN and by the decode workers' KV fitting in KV_MEMORY_FRACTION of `memory_bytes`."""
+    own = info.max_position_embeddings
+    per_position = 2 * info.num_layers * info.num_kv_heads * info.head_dim * KV_BYTES  # K and V
+    fits = int(memory_bytes * KV_MEMORY_FRACTION) // max(1, per_position * slots * max(1, decode_workers))
+    fits = max(DEFAULT_BUCKETS[0], 1 << (fits.bit_length() - 1)) if fits >= DEFAULT_BUCKETS[0] else DEFAULT_BUCKETS[0]
+    length = min(own, AUTO_MAX_LEN, fits)
+    if length == own:
+        return length, f"the model's own context length (max_position_embeddings {own})"
+    if length == AUTO_MAX_LEN and fits >= AUTO_MAX_LEN:
+        return length, f"the model's {own} bounded by {AUTO_MAX_LEN} on a local run"
+    return length, (f"the model's {own} bounded by memory: {slots} slots x {decode_workers} decode worker(s) of "
+                    f"KV in {KV_MEMORY_FRACTION:.0%} of {memory_bytes / 2**30:.1f} GiB")
+
+
+def buckets_for(max_len: int) -> list[int]:
+    """Prefill length buckets: the defaults, doubled on while below the context, then the context."""
+    out = [b for b in DEFAULT_BUCKETS if b < max_len]
+    while out and out[-1] * 2 < max_len:
+        out.append(out[-1] * 2)
+    return out + [max_len]
 
 
 def _sentinel_hosts(spec: str) -> list[str]:
@@ -179,7 +226,9 @@ class Cluster:
             self.redis.preexec = _preexec_for(self.pins.get("redis"))
         self.sup = Supervisor()
         self.grpc_port = a.grpc_port or free_port()
-        self.buckets = [b for b in DEFAULT_BUCKETS if b <= a.max_len] or [a.max_len]
+        if a.max_len <= 0:  # main() sizes it and says so; a Cluster built directly gets the same
+            a.max_len, _ = auto_context(resolve_model(a.model), a.slots, a.decode, _memory_bytes())
+        self.buckets = buckets_for(a.max_len)
         self.next_index = {"prefill": 0, "decode": 0}
         self.follower: PlannerFollower | None = None
 
@@ -301,13 +350,23 @@ class Cluster:
     def stop(self, grace_s: float = 40.0) -> None:
         self.sup.stop(grace_s)  # gateway first: stop accepting, then workers drain through Redis
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()  # and its data folder with it
         log.info("cluster stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s [local] %(message)s")
+    try:
+        info = resolve_model(a.model)
+    except ModelNotFound as e:
+        log.error("%s", e.message)
+        return EXIT_CONFIG
+    why = "--max-len"
+    if a.max_len <= 0:
+        a.max_len, why = auto_context(info, a.slots, a.decode, _memory_bytes())
+    log.info("serving %s: context %d positions, %s; %d decode slots per decode worker (--slots); "
+             "prefill buckets %s", a.model, a.max_len, why, a.slots, buckets_for(a.max_len))
     cluster = Cluster(a)
     stopping = {"flag": False}
 
@@ -325,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         while not stopping["flag"]:
             cluster.check_children()
             time.sleep(0.2)
+    except ConfigExit as e:
+        log.error("%s", e)
+        code = EXIT_CONFIG
     except (RuntimeError, TimeoutError) as e:
         log.error("%s", e)
         code = 1

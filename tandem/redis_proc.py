@@ -48,7 +48,8 @@ class RedisProcess:
         self.appendonly = appendonly
         self.password = password
         self.maxmemory = maxmemory
-        self.dir = dir or tempfile.mkdtemp(prefix="tandem-redis-")
+        self._own_dir = dir is None  # made here: `close` removes it
+        self.dir = dir or tempfile.mkdtemp(prefix="run-", dir=_runs_dir())
         self.extra_args = list(extra_args or [])  # after ours, so they win (e.g. --replicaof, --logfile)
         self.proc: subprocess.Popen | None = None
         self.preexec = None  # e.g. tandem.local's die-with-parent hook
@@ -97,9 +98,24 @@ class RedisProcess:
                 self.proc.wait()
         self.proc = None
 
+    def close(self) -> None:
+        """Stop, and remove the data directory if this object made it (a restart between `stop`
+        and `start` keeps its data; `close` is the end)."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+
+def _runs_dir() -> str:
+    """One folder for every embedded Redis's data ($TMPDIR/tandem-redis/run-*): what a killed
+    launcher could not remove stays there, not spread over the temp folder."""
+    path = Path(tempfile.gettempdir()) / "tandem-redis"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
 
 
 def docker_reachable() -> bool:

@@ -1,17 +1,29 @@
 """Process supervision for `tandem local`, the way the kubelet treats a pod's containers:
 a child that exits is restarted (same name, same environment, so the same worker id) after an
-exponential back-off; one that keeps crashing stops the cluster with its exit code in the log."""
+exponential back-off; one that keeps crashing stops the cluster with its exit code in the log.
+A child that exits with EXIT_CONFIG (78: it cannot start with its configuration, see
+tandem_core/exits.py) is not restarted: the cluster stops at once with the line it wrote to its
+termination log (`TANDEM_TERMINATION_LOG`, a file per child in the supervisor's folder)."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tandem_core.exits import EXIT_CONFIG, TERMINATION_LOG_ENV
+
 log = logging.getLogger("tandem.local")
+
+
+class ConfigExit(RuntimeError):
+    """A child stopped on its configuration: restarting it would fail the same way."""
 
 
 @dataclass
@@ -48,9 +60,21 @@ class Supervisor:
         self.max_crashes, self.window_s = max_crashes, window_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
 
+        self._logs: str | None = None  # the children's termination logs (a folder made on the first add)
+
     def add(self, child: Child) -> None:
+        if self._logs is None:
+            self._logs = tempfile.mkdtemp(prefix="tandem-exit-")
+        child.env = {**child.env, TERMINATION_LOG_ENV: os.path.join(self._logs, child.name)}
         self.children.append(child)
         child.start()
+
+    def _why(self, c: Child) -> str:
+        try:
+            with open(c.env[TERMINATION_LOG_ENV], encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError:
+            return "(it wrote no termination message; see its log above)"
 
     def tick(self, restart_redis: Callable[[], None] | None = None, redis_alive: bool = True) -> None:
         """Restart what has exited; raise RuntimeError on a crash loop."""
@@ -70,6 +94,9 @@ class Supervisor:
                 log.info("%s (pid %d) drained and exited with code %s", c.name, c.proc.pid, code)
                 self.children.remove(c)
                 continue
+            if code == EXIT_CONFIG:
+                raise ConfigExit(f"{c.name} (pid {c.proc.pid}) stopped on its configuration (exit code {code}), "
+                                 f"so it is not restarted: {self._why(c)}")
             c.crashes = [t for t in c.crashes if now - t < self.window_s] + [now]
             if len(c.crashes) > self.max_crashes:
                 raise RuntimeError(f"{c.name} exited {len(c.crashes)} times within {self.window_s:.0f}s "
@@ -111,3 +138,6 @@ class Supervisor:
                 log.warning("%s did not stop within %.0fs: killing", c.name, grace_s)
                 c.proc.kill()
                 c.proc.wait()
+        if self._logs is not None:
+            shutil.rmtree(self._logs, ignore_errors=True)
+            self._logs = None

@@ -40,7 +40,7 @@ def redis_url():
     try:
         yield proc.url
     finally:
-        proc.stop()
+        proc.close()
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,7 @@ async def test_a_step_refused_while_the_reconcile_replays_is_written_again():
     finally:
         await io.puller.close()
         await r.aclose()
-        proc.stop()
+        proc.close()
 
 
 async def _restarted_mid_replay(proc, r, io, req_id: str):
@@ -118,7 +118,7 @@ async def test_a_finish_waits_for_the_replay_so_earlier_tokens_are_not_refused()
     finally:
         await io.puller.close()
         await r.aclose()
-        proc.stop()
+        proc.close()
 
 
 async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written_unfenced():
@@ -144,4 +144,4 @@ async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written
     finally:
         await io.puller.close()
         await r.aclose()
-        proc.stop()
+        proc.close()

@@ -27,7 +27,7 @@ def own_redis():
     try:
         yield proc
     finally:
-        proc.stop()
+        proc.close()
 
 
 def restart_later(proc: RedisProcess, after_s: float) -> threading.Thread:
@@ -160,7 +160,7 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
         assert await rm.check() == 0  # the same Redis again: nothing
     finally:
         await r.aclose()
-        proc.stop()
+        proc.close()
 
 
 async def test_readmission_does_not_wait_a_round_for_the_connections_of_before():
@@ -184,4 +184,4 @@ async def test_readmission_does_not_wait_a_round_for_the_connections_of_before()
         assert await r.xlen(keys.admission_stream(pool, "normal", 0)) == 1
     finally:
         await r.aclose()
-        proc.stop()
+        proc.close()

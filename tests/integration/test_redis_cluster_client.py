@@ -94,7 +94,7 @@ async def test_a_plain_redis_with_cluster_true_fails_at_start_saying_which():
                                                    r"\(INFO cluster: cluster_enabled:0\).*REDIS__CLUSTER=false"):
             connect(cluster_cfg(plain.url))
     finally:
-        plain.stop()
+        plain.close()
 
 
 async def test_a_cluster_node_with_cluster_false_fails_at_start_saying_which(redis_cluster_url):
@@ -128,7 +128,7 @@ async def test_an_unreachable_cluster_is_redis_down_and_a_plain_redis_there_late
         with pytest.raises(RedisConfigError, match="refuses CLUSTER SLOTS .*cluster support disabled.*REDIS__CLUSTER"):
             await r.set("k", 1)
     finally:
-        plain.stop()
+        plain.close()
         await r.aclose()
 
 

@@ -110,4 +110,4 @@ async def test_redis_password_required_and_used():
         assert await in_url.ping()
         await in_url.aclose()
     finally:
-        proc.stop()
+        proc.close()
