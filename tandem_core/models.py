@@ -97,14 +97,14 @@ def resolve_model(name_or_path: str) -> ModelInfo:
     if not cfg_file.is_file():
         raise ModelNotFound(
             f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-            f"nor a directory with config.json: give a preset name or a Hugging Face Llama directory"
+            f"nor a directory with config.json: give a preset name or a Hugging Face model directory"
         )
     try:
         return _from_hf_config(path, json.loads(cfg_file.read_text()))
     except KeyError as e:  # a configuration error like the others: named, so a worker stops on it (exit 78)
-        raise ModelNotFound(f"{cfg_file}: has no {e.args[0]!r}; is it a Hugging Face Llama config.json?") from None
+        raise ModelNotFound(f"{cfg_file}: has no {e.args[0]!r}; is it the config.json of a Hugging Face causal LM?") from None
     except (TypeError, ValueError) as e:
-        raise ModelNotFound(f"{cfg_file}: cannot be read as a Llama config ({e})") from None
+        raise ModelNotFound(f"{cfg_file}: cannot be read as a model config ({e})") from None
 
 
 # model_type (config.json) -> the family the engine serves it as (tandem_engine/arch.py maps each

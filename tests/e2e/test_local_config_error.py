@@ -49,7 +49,7 @@ def test_an_unknown_model_family_is_refused_before_anything_starts(tmp_path):
     done = _local(model, tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == EXIT_CONFIG, out[-3000:]
-    assert "'mamba' is not a Llama-family model" in out and "started " not in out
+    assert "'mamba' (MambaForCausalLM) is not a family this engine serves" in out and "started " not in out
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a config with nothing in it
     done = _local(model, tmp_path)
     out = done.stdout + done.stderr
