@@ -61,7 +61,7 @@ PRIORITIES = ("high", "normal")  # highest first
 WORKERS = f"{PREFIX}:workers"
 GATEWAYS = f"{PREFIX}:gateways"
 SHARDS_KEY = f"{PREFIX}:meta:shards"
-CHOICE_SEP = "~"  # a choice's id is its parent's, this, and its index (types.choice_id)
+from tandem_core.types import CHOICE_SEP  # noqa: E402 - a choice's id is its parent's, this, and its index
 
 _shards = 1  # set once per process from its settings (configure): a deployment-wide constant
 

@@ -13,7 +13,9 @@ import numpy as np
 
 # CHOICE_SEP is never in a client-chosen request id, so a choice id cannot collide with one;
 # keys.request_shard reads a choice's parent id from it
-from tandem_core.keys import CHOICE_SEP  # noqa: F401 - re-exported
+# a choice's id is its parent's, this, and its index (choice_id); the key table reads it from here,
+# so the engine (which imports these types) loads no Redis client
+CHOICE_SEP = "~"
 
 FINISH_STOP = "stop"  # EOS token or stop string
 FINISH_LENGTH = "length"  # max_tokens or context end
