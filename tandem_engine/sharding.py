@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tandem_core.models import ModelInfo
+from tandem_engine.arch import config_from_info
 
 AXIS = "tp"
 
@@ -123,8 +124,7 @@ def check_divisible(info: ModelInfo, tp: int, expert_parallel: bool = False) -> 
             f"tp={tp} does not divide num_kv_heads={info.num_kv_heads} of {info.name}: KV heads are "
             f"split across chips, so use tp in {ok}"
         )
-    hf = (info.extra or {}).get("hf_config") or {}
-    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    experts = config_from_info(info).num_experts
     if expert_parallel:
         if not experts:
             raise ValueError(f"expert parallelism needs a mixture of experts; {info.name} is dense")
