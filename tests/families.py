@@ -83,3 +83,15 @@ def build_family(family: str, path: str | Path, seed: int = 0, dtype: str = "flo
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy `generate`: always `n` new tokens (EOS does not stop it, as ours with
+    `ignore_eos`)."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()

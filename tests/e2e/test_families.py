@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from tandem_proto import generate_pb2, generate_pb2_grpc  # noqa: E402
 from tests.e2e.conftest import start_local, stop_local  # noqa: E402
-from tests.families import FAMILIES, build_family  # noqa: E402
+from tests.families import FAMILIES, build_family, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 NEW = 12
@@ -26,12 +26,6 @@ LONG = [3 + (i * 37) % 250 for i in range(40)]  # > direct_prefill_max_tokens: t
 SHORT = [7, 70, 170, 17]  # straight to the decode pod
 
 
-def hf_greedy(model, ids):
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=NEW, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def served(cluster, ids) -> list[int]:
@@ -51,6 +45,6 @@ def test_family_serves_transformers_tokens(family, path, tmp_path):
     cluster = start_local(str(tmp_path / family), slots=2, max_len=128, extra=extra)
     try:
         for ids in (LONG, SHORT):
-            assert served(cluster, ids) == hf_greedy(model, ids), f"{family} {path}: prompt of {len(ids)} tokens"
+            assert served(cluster, ids) == hf_greedy(model, ids, NEW), f"{family} {path}: prompt of {len(ids)} tokens"
     finally:
         stop_local(cluster.proc)

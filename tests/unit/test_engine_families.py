@@ -25,7 +25,7 @@ from tandem_engine import config_from_info, load_engine, reference_forward  # no
 from tandem_engine.arch import FAMILY_TRAITS  # noqa: E402
 from tandem_engine.prefix_cache import cache_for  # noqa: E402
 from tandem_engine.prefix_cache import prefill as cached_prefill  # noqa: E402
-from tests.families import FAMILIES, WINDOW, build_family  # noqa: E402
+from tests.families import FAMILIES, WINDOW, build_family, hf_greedy  # noqa: E402
 
 GREEDY = SamplingParams()
 NEW_TOKENS = 20
@@ -38,12 +38,6 @@ def rel_err(ours, theirs) -> float:
     return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
-def hf_greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-    model.generation_config.eos_token_id = None  # always n tokens, as ours
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def decode(engine, prefixes: dict, steps: int = NEW_TOKENS - 1) -> dict[int, list[int]]:
@@ -92,7 +86,7 @@ def test_greedy_tokens_match_transformers(family):
     name, model, engine, prompts = family
     ours = decode(engine, {slot: engine.prefill(ids, GREEDY) for slot, ids in enumerate(prompts)})
     for slot, ids in enumerate(prompts):
-        assert ours[slot] == hf_greedy(model, ids), f"{name} prompt of {len(ids)} tokens"
+        assert ours[slot] == hf_greedy(model, ids, NEW_TOKENS), f"{name} prompt of {len(ids)} tokens"
 
 
 def test_cached_prefix_and_moved_kv_decode_the_same(family):
@@ -106,7 +100,7 @@ def test_cached_prefix_and_moved_kv_decode_the_same(family):
     assert cache.stats.hits >= 1
     moved = engine.import_prefix(engine.export_prefix(engine.prefill(ids, GREEDY)))
     got = decode(engine, {0: prefix, 1: moved})
-    want = hf_greedy(model, ids)
+    want = hf_greedy(model, ids, NEW_TOKENS)
     assert got[0] == want, f"{name}: over a cached prefix"
     assert got[1] == want, f"{name}: KV moved through the host"
 
@@ -116,7 +110,7 @@ def test_resume_from_streamed_tokens(family):
     plus the tokens already streamed, then go on from the next token index."""
     name, model, engine, prompts = family
     ids = prompts[1]
-    want = hf_greedy(model, ids)
+    want = hf_greedy(model, ids, NEW_TOKENS)
     m = 7
     prefix = engine.prefill(ids + want[:m], GREEDY, start_index=m, output_from=len(ids))
     got = decode(engine, {0: prefix}, steps=NEW_TOKENS - m - 1)[0]
@@ -196,7 +190,7 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     engine = load_engine(str(out), slots=1, max_len=64, prefill_buckets=(16,))
     ids = list(range(40, 52))
-    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids)
+    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids, NEW_TOKENS)
 
 
 def test_mxfp4_experts_checkpoint(tmp_path):
@@ -221,7 +215,7 @@ def test_mxfp4_experts_checkpoint(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     engine = load_engine(str(out), slots=1, max_len=64, prefill_buckets=(16,))
     ids = list(range(60, 75))
-    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids)
+    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids, NEW_TOKENS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,4 +282,4 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
         "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": text["eos_token_id"]}))
     engine = load_engine(str(out), slots=1, max_len=64, prefill_buckets=(32,))
     ids = list(range(5, 25))
-    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids)
+    assert decode(engine, {0: engine.prefill(ids, GREEDY)})[0] == hf_greedy(model, ids, NEW_TOKENS)

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.families import build_family  # noqa: E402
+from tests.families import build_family, hf_greedy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMS = ("gemma3", "qwen3_moe", "gpt_oss")  # windows + q/k norms; experts; sinks, biased experts, YaRN
@@ -63,12 +63,6 @@ def child(spec: dict) -> dict:
     return out
 
 
-def hf_tokens(model, ids):
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=STEPS, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +84,7 @@ def run(tmp_path_factory):
 def test_tokens_equal_transformers_in_every_layout(run, fam):
     models, res = run
     assert res["devices"] == 4
-    want = {str(s): hf_tokens(models[fam], ids) for s, ids in PROMPTS.items()}
+    want = {str(s): hf_greedy(models[fam], ids, STEPS) for s, ids in PROMPTS.items()}
     for tp, ep in LAYOUTS[fam]:
         got = res[f"{fam}/tp{tp}/ep{int(ep)}"]["tokens"]
         assert got == want, f"{fam} tp={tp} expert_parallel={ep}"
