@@ -45,14 +45,15 @@ class Backoff:
 
 async def retry(fn: Callable[[], Awaitable[T]], what: str, *, transient: tuple[type[BaseException], ...],
                 timeout_s: float | None = None, deadline: float | None = None, attempts: int | None = None,
-                backoff: Backoff = Backoff(), log: logging.Logger | None = None,
+                backoff: Backoff = Backoff(), log: logging.Logger | None = None, level: int = logging.WARNING,
                 on_retry: Callable[[BaseException, int], Awaitable[None] | None] | None = None) -> T:
     """`await fn()` until it returns, retrying errors of `transient` only.
 
     Bounds (any that is set ends the retries; the last transient error is then raised):
     `timeout_s` from now, `deadline` (time.monotonic()), `attempts` calls in all. With none set it
     retries until it succeeds: only for a caller that has nothing else it could do meanwhile and
-    says so. `on_retry(error, n)` runs after the n-th failure (1-based), before the pause; it may
+    says so. `level`: of the "failed; retrying" and "giving up" lines (a path that retries per
+    request, as the gateway's hold, logs them at DEBUG and reports the outage itself). `on_retry(error, n)` runs after the n-th failure (1-based), before the pause; it may
     raise to stop the retries (the gateway's hold does, past its bound of waiting requests)."""
     log = log or _log
     start = time.monotonic()
@@ -67,11 +68,11 @@ async def retry(fn: Callable[[], Awaitable[T]], what: str, *, transient: tuple[t
             n += 1
             now = time.monotonic()
             if (attempts is not None and n >= attempts) or (end is not None and now >= end):
-                log.warning("%s failed %d times over %.1fs (%s: %s); giving up", what, n, now - start,
+                log.log(level, "%s failed %d times over %.1fs (%s: %s); giving up", what, n, now - start,
                             type(e).__name__, e)
                 raise
             if n == 1 or now - last_log >= LOG_EVERY_S:
-                log.warning("%s failed (%s: %s); retrying%s", what, type(e).__name__, e,
+                log.log(level, "%s failed (%s: %s); retrying%s", what, type(e).__name__, e,
                             "" if n == 1 else f" (try {n}, {now - start:.1f}s so far)")
                 last_log = now
             if on_retry is not None:
@@ -84,5 +85,5 @@ async def retry(fn: Callable[[], Awaitable[T]], what: str, *, transient: tuple[t
             await asyncio.sleep(pause)
             continue
         if n:
-            log.info("%s succeeded after %d failed tries (%.1fs)", what, n, time.monotonic() - start)
+            log.log(min(level, logging.INFO), "%s succeeded after %d failed tries (%.1fs)", what, n, time.monotonic() - start)
         return out
