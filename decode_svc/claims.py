@@ -146,9 +146,17 @@ class Claims:
                 why = f"decode pod {self.worker_id} could not take it on: {type(e).__name__}: {e}"
                 log.error("pull task failed request_id=%s: %s; handing it back", req.request_id, why,
                           exc_info=not isinstance(e, (TandemError, *conn.REDIS_DOWN)))
+            if not isinstance(e, KVTransferFailed):  # its KV may still be held for it: free it now, not at its lease
+                await self._release_kv(notice)
             if not await self._fail_clearly(req, e):
                 await self.handback.give_back(req, why)
         await self.handback.ack(c.stream, keys.DECODE_GROUP, c.entry_id)
+
+    async def _release_kv(self, notice: ready.ReadyNotice) -> None:
+        try:
+            await self.puller.release(notice)
+        except Exception as e:  # noqa: BLE001 - best effort: the prefill pod's lease frees it
+            log.warning("could not release the KV of request_id=%s: %s", notice.request.request_id, e)
 
     async def _pull_and_queue(self, notice: ready.ReadyNotice, key: int, started: int) -> None:
         """Pull, own, queue (each Redis step waits out an outage, within the retry's bound); the

@@ -42,10 +42,9 @@ class Publisher:
         self.finished_here: OrderedDict[str, float] = OrderedDict()
         self.replay_refused: list = []  # journal token items the fence refused in the replay running
         # A batch given up on (tandem_core/retry.py bounds): `give_up(request ids, why)` stops and hands
-        # back its requests (DecodeIO), whose later entries are dropped here (`abandoned`, bounded).
+        # back its requests (DecodeIO); `handback` (decode_svc/handback.py) says which are still owed.
         self.give_up = None
         self.handback = None
-        self.abandoned: OrderedDict[str, float] = OrderedDict()
 
     async def finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
         """A finish entry (no token) for a request that ends before or outside the engine."""
@@ -157,29 +156,30 @@ class Publisher:
 
     async def _abandon(self, batch: list, why: str) -> None:
         """A batch that could not be written: its requests stop here and go back for recovery
-        (DecodeIO._give_up), and no later step of theirs is written behind the gap; the acks it
-        carried are owed until their requests are safe."""
-        rids = {e.request_id for e in batch}
-        now = time.monotonic()
-        for rid in rids:
-            self.abandoned[rid] = now
-        while len(self.abandoned) > self.s.finished_ids_max:
-            self.abandoned.popitem(last=False)
+        (DecodeIO._give_up), before the loop writes any later step: once a request is resumed its
+        field in this pod's running hash is gone, so the fence refuses whatever of it is still
+        queued (a finish written behind the gap would end the request with the gap in it). The
+        acks the batch carried are owed until their requests are safe."""
         if self.handback is not None:
             for ack in (e.ack for e in batch if e.ack):
                 self.handback.owe_ack(*ack)
         if self.give_up is not None:
-            await self.give_up(rids, why)
+            await self.give_up({e.request_id for e in batch}, why)
 
     def _drop_abandoned(self, batch: list) -> list:
-        """Entries of requests given back since they were queued: dropped (their acks owed)."""
-        if not self.abandoned:
+        """Entries of requests whose hand back is still owed (Redis would not take it): not
+        written, since this pod still owns them and the fence would let a finish through behind
+        the gap (their acks owed too). A resumed request's new run starts only once it is done."""
+        hb = self.handback
+        if hb is None or not (hb.owed_resumes or hb.unread):
             return batch
-        keep = [e for e in batch if e.request_id not in self.abandoned]
-        if len(keep) < len(batch) and self.handback is not None:
-            for e in batch:
-                if e.ack and e.request_id in self.abandoned:
-                    self.handback.owe_ack(*e.ack)
+        keep = []
+        for e in batch:
+            if e.request_id in hb.owed_resumes or e.request_id in hb.unread:
+                if e.ack:
+                    hb.owe_ack(*e.ack)
+            else:
+                keep.append(e)
         return keep
 
     async def _reconcile_if_new(self) -> None:

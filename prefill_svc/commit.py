@@ -13,7 +13,6 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
@@ -81,14 +80,16 @@ class EntryHandler:
             await self._commit(c, req, writes, held)
         except REDIS_DOWN:
             raise
-        except ResponseError as e:  # Redis refused the writes (maxmemory, say): the request fails clearly
+        except Exception as e:  # noqa: BLE001 - Redis refused the writes (maxmemory, say), or a bug: fail it clearly
             log.exception("publish failed request_id=%s", req.request_id)
             for rid in held:
                 self.store.release(rid)
-            failed = self._finish(req, FINISH_ERROR, f"publishing the prefill result failed: {e}")
+            failed = self._finish(req, FINISH_ERROR, f"publishing the prefill result failed: {type(e).__name__}: {e}")
             try:
                 await self._commit(c, req, failed, [])
-            except ResponseError:  # left pending: this pod redoes it after stale_pending_s
+            except REDIS_DOWN:
+                raise
+            except Exception:  # noqa: BLE001 - left pending: this pod redoes it after stale_pending_s
                 log.exception("could not finish request_id=%s either; its entry stays pending", req.request_id)
 
     async def _work(self, req: GenerationRequest, reclaimed: bool) -> tuple[entry_fence.EntryWrites, list[str]]:
