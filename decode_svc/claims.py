@@ -92,7 +92,17 @@ class Claims:
             want = n - len(got)
             if want <= 0:
                 break
-            got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
+            try:
+                got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
+            except Exception as e:  # noqa: BLE001 - Redis went away between two sources
+                if not got:
+                    raise
+                # Entries already claimed are this pod's in Redis: start them now. Dropped here they
+                # would wait, pending to a live consumer, for the stale reclaim (stale_pending_s),
+                # which can come after the prefill pod's KV lease has ended.
+                log.warning("claim from %s failed after %d entries were claimed: %s; starting those", names[0],
+                            len(got), e)
+                return got
         if not got:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
