@@ -93,6 +93,7 @@ class Claims:
             if want <= 0:
                 break
             try:
+                faults.hit("decode.claim")
                 got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
             except Exception as e:  # noqa: BLE001 - Redis went away between two sources
                 if not got:

@@ -27,6 +27,7 @@ ENV = "TANDEM_FAULTS"
 
 # Every site, where it sits, and what the code must do when it raises there (docs/reliability.md).
 SITES: dict[str, str] = {
+    "decode.claim": "decode pod: one source's claim (XREADGROUP) of ready, direct or admission entries",
     "decode.pull": "decode pod: the gRPC KV pull of a claimed ready entry",
     "decode.own": "decode pod: the running-hash write that makes a pulled request its own",
     "decode.ack": "decode pod: the ack of a ready entry once its request is owned",

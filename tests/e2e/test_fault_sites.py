@@ -32,6 +32,7 @@ PROMPTS = [[0] + [300 + (i * 41 + k * 13) % 1500 for i in range(24 + k)] for k i
     + [[0, 500 + k, 501, 502 + k] for k in range(4)]
 # the call at each site that fails: a few requests in, so the load is under way
 PLAN = {
+    "decode.claim": "decode.claim@4-5:down",
     "decode.pull": "decode.pull@3",
     "decode.own": "decode.own@5",
     "decode.ack": "decode.ack@7",

@@ -202,3 +202,25 @@ async def test_a_publish_that_gives_up_hands_its_requests_back(redis_url, redis_
             assert not st["finished"]
     finally:
         await server.stop(None)
+
+
+async def test_entries_claimed_before_a_later_claim_fails_are_started(redis_url, redis_client, engine):
+    """The claim pass reads the ready streams, then the direct streams; Redis goes away between the
+    two. The ready entry already claimed is this pod's in Redis: it must be started now. Before
+    issue 31 the pass was dropped whole, and the entry waited, pending to a live consumer, for the
+    stale reclaim (`stale_pending_s`, 60 s by default: the prefill pod's KV lease is 60 s too).
+    The stale reclaim is set out of reach here, so only the fix finishes the request."""
+    r, pool = redis_client, "handback-claim"
+    await groups.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    try:
+        req = await _publish_ready(r, engine, store, address, pool, "claimed-then-down")
+        faults.configure("decode.claim@2:down")  # the first pass: ready (call 1) claims it, direct (2) fails
+        async with Pod(r, engine, redis_url, pool, stale_pending_s=3600) as pod:
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] and st["unacked"] == 0)
+            assert faults.raised["decode.claim"] == 1
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st
+            assert st["unacked"] == 0 and st["seats"] == 0 and not st["resumed"]
+    finally:
+        await server.stop(None)
