@@ -68,13 +68,16 @@ def configure(spec: str | None) -> None:
         if site not in SITES or kind not in ("error", "down") or not calls:
             raise ValueError(f"bad fault spec {part!r}: want site@N[-M|+][:error|down] with site one of "
                              f"{sorted(SITES)}")
-        if calls.endswith("+"):
-            rule = _Rule(int(calls[:-1]), None, kind)
-        elif "-" in calls:
-            a, b = calls.split("-", 1)
-            rule = _Rule(int(a), int(b), kind)
-        else:
-            rule = _Rule(int(calls), int(calls), kind)
+        try:
+            if calls.endswith("+"):
+                rule = _Rule(int(calls[:-1]), None, kind)
+            elif "-" in calls:
+                a, b = calls.split("-", 1)
+                rule = _Rule(int(a), int(b), kind)
+            else:
+                rule = _Rule(int(calls), int(calls), kind)
+        except ValueError:
+            raise ValueError(f"bad fault spec {part!r}: calls must be N, N-M or N+ (1-based)") from None
         plan.setdefault(site, []).append(rule)
     _plan = plan
     _counts.clear()
