@@ -92,7 +92,9 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
             free_slots=table.free, draining=pod.draining,
             extra={"pool": s.pool, "prefix_cache": io.engine_loop.prefix_cache.summary(), "steps": stats.steps,
-                   "tokens": stats.tokens, "pulled": io.claims.pulled, "local_prefills": stats.local_prefills,
+                   "tokens": stats.tokens, "cancelled": stats.cancelled,
+                   "cancel_lag_tokens": stats.cancel_lag_tokens, "handed_back": io.handback.handed_back,
+                   "owed": io.handback.owed, "pulled": io.claims.pulled, "local_prefills": stats.local_prefills,
                    "colocated": s.colocated, "requests": table.stages()},
         )
     return info

@@ -18,13 +18,14 @@ import logging
 import queue
 
 from decode_svc.bridge import Bridge
+from decode_svc.handback import Handback
 from decode_svc.items import Insert, LocalPrefill
 from decode_svc.publisher import Publisher
 from decode_svc.puller import KVPuller
 from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
-from tandem_core import keys
+from tandem_core import faults, keys
 from tandem_core.bus import conn, groups, ready, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
@@ -36,11 +37,12 @@ log = logging.getLogger(__name__)
 class Claims:
     def __init__(self, s: DecodeSettings, r, worker_id: str, table: RequestTable, bridge: Bridge,
                  owned: token_stream.OwnedPublisher, journal: Journal, publisher: Publisher, resync: Resync,
-                 resume, engine_failed) -> None:
+                 resume, engine_failed, handback: Handback) -> None:
         self.s, self.r, self.worker_id, self.table, self.bridge = s, r, worker_id, table, bridge
         self.owned, self.journal, self.publisher, self.resync = owned, journal, publisher, resync
         self.resume = resume  # (req, why) -> outcome: prefill again elsewhere from what was streamed
         self.engine_failed = engine_failed  # () -> bool: the engine thread died, stop claiming
+        self.handback = handback  # what a failed pull ends with: resumed elsewhere, its entry acked
         self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
@@ -90,7 +92,18 @@ class Claims:
             want = n - len(got)
             if want <= 0:
                 break
-            got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
+            try:
+                faults.hit("decode.claim")
+                got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
+            except Exception as e:  # noqa: BLE001 - Redis went away between two sources
+                if not got:
+                    raise
+                # Entries already claimed are this pod's in Redis: start them now. Dropped here they
+                # would wait, pending to a live consumer, for the stale reclaim (stale_pending_s),
+                # which can come after the prefill pod's KV lease has ended.
+                log.warning("claim from %s failed after %d entries were claimed: %s; starting those", names[0],
+                            len(got), e)
+                return got
         if not got:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
@@ -112,9 +125,9 @@ class Claims:
         if key is None:  # delivered again while still being worked on here
             return
         if notice is not None:
-            task = asyncio.create_task(self._pull_one(c, notice, key, started))
+            task = asyncio.create_task(self._pull_one(c, notice, key, started), name=f"pull {req.request_id}")
             self.pulls.add(task)
-            task.add_done_callback(self.pulls.discard)
+            task.add_done_callback(self._pull_done)
             return
         owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
         try:
@@ -129,43 +142,79 @@ class Claims:
         self.bridge.put_insert(LocalPrefill(req, (c.stream, group, c.entry_id), key))
 
     async def _pull_one(self, c: groups.Claimed, notice: ready.ReadyNotice, key: int, started: int) -> None:
-        """Pull, own, queue, ack. Each Redis step is retried through an outage; the record keeps
-        its seat meanwhile, and the entry is acked only once the request is safely owned."""
-        req, retry = notice.request, conn.retry_redis
+        """One pulled request up to the engine, owned end to end (the task's only exit): queued for
+        the engine, or its seat freed and the request handed back for recovery (or failed with a
+        clear error); then its entry acked (decode_svc/handback.py: owed if Redis will not take it)."""
+        req = notice.request
         try:
-            if not self.table.advance(key, Stage.PULLING):  # cancelled since it was claimed
-                await self.puller.release(notice)
-                await self._cancelled(key, req)
+            await self._pull_and_queue(notice, key, started)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the request ends or moves; the seat is freed
+            self.table.drop(key)
+            if isinstance(e, KVTransferFailed):  # the prefill pod is gone (or its KV is)
+                why = f"KV pull failed: {e.message}"
+                log.warning("pull failed request_id=%s: %s; resuming", req.request_id, why)
             else:
-                payload = await self.puller.pull(notice, self.s.pull_timeout_s)
-                self.pulled += 1
-                if self.table.cancelled(key):  # the client left during the pull
-                    await self._cancelled(key, req)
-                else:
-                    payload.first_token = notice.first_token  # choice i of n shares the KV, not token 0
-                    await self._own(req, notice.first_token, started)
-                    self.table.advance(key, Stage.QUEUED)
-                    self.bridge.put_insert(Insert(payload, req, key))
-        except KVTransferFailed as e:
-            # The prefill pod is gone (or its KV is): prefill again from what was streamed.
-            why = f"KV pull failed: {e.message}"
-            log.warning("pull failed request_id=%s: %s; resuming", req.request_id, why)
-            self.table.drop(key)
-            await retry(lambda: self.resume(req, why), "resume", log=log)
-        except (TandemError, queue.Full) as e:
-            msg = e.message if isinstance(e, TandemError) else "insert queue full"
-            log.warning("insert failed request_id=%s: %s", req.request_id, msg)
-            self.table.drop(key)
-            await retry(lambda: self.owned.disown(req.request_id), "disown")
+                why = f"decode pod {self.worker_id} could not take it on: {type(e).__name__}: {e}"
+                log.error("pull task failed request_id=%s: %s; handing it back", req.request_id, why,
+                          exc_info=not isinstance(e, (TandemError, *conn.REDIS_DOWN)))
+            if not isinstance(e, KVTransferFailed):  # its KV may still be held for it: free it now, not at its lease
+                await self._release_kv(notice)
+            if not await self._fail_clearly(req, e):
+                await self.handback.give_back(req, why)
+        await self.handback.ack(c.stream, keys.DECODE_GROUP, c.entry_id)
+
+    async def _release_kv(self, notice: ready.ReadyNotice) -> None:
+        try:
+            await self.puller.release(notice)
+        except Exception as e:  # noqa: BLE001 - best effort: the prefill pod's lease frees it
+            log.warning("could not release the KV of request_id=%s: %s", notice.request.request_id, e)
+
+    async def _pull_and_queue(self, notice: ready.ReadyNotice, key: int, started: int) -> None:
+        """Pull, own, queue (each Redis step waits out an outage, within the retry's bound); the
+        caller frees the seat if this raises."""
+        req = notice.request
+        if not self.table.advance(key, Stage.PULLING):  # cancelled since it was claimed
+            await self.puller.release(notice)
+            await self._cancelled(key, req)
+            return
+        faults.hit("decode.pull")
+        payload = await self.puller.pull(notice, self.s.pull_timeout_s)
+        self.pulled += 1
+        if self.table.cancelled(key):  # the client left during the pull
+            await self._cancelled(key, req)
+            return
+        payload.first_token = notice.first_token  # choice i of n shares the KV, not token 0
+        await self._own(req, notice.first_token, started)
+        self.table.advance(key, Stage.QUEUED)  # (a cancel meanwhile: the watch tells the engine)
+        self.bridge.put_insert(Insert(payload, req, key))
+
+    async def _fail_clearly(self, req: GenerationRequest, e: Exception) -> bool:
+        """A request that cannot run anywhere (a TandemError that says so, the insert queue full)
+        gets a clear error rather than a resume; True once written."""
+        if isinstance(e, KVTransferFailed) or not isinstance(e, (TandemError, queue.Full)):
+            return False
+        msg = e.message if isinstance(e, TandemError) else "insert queue full"
+        log.warning("insert failed request_id=%s: %s", req.request_id, msg)
+        try:
+            await conn.retry_redis(lambda: self.owned.disown(req.request_id), "disown", timeout_s=10.0, log=log)
             self.journal.add("disown", req.request_id)
-            await retry(lambda: self.publisher.finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg), "finish")
-        await retry(lambda: groups.ack(self.r, c.stream, keys.DECODE_GROUP, c.entry_id), "ack", log=log)
-        self.journal.add("ack", (c.stream, keys.DECODE_GROUP, c.entry_id))
-        self.table.entry_done((c.stream, c.entry_id))
+            await conn.retry_redis(lambda: self.publisher.finish(req.request_id, req.start_index + 1, FINISH_ERROR, msg),
+                                   "finish", timeout_s=10.0, log=log)
+        except Exception as err:  # noqa: BLE001 - then it is handed back instead
+            log.warning("could not fail request_id=%s clearly (%s); handing it back", req.request_id, err)
+            return False
+        return True
+
+    def _pull_done(self, task: asyncio.Task) -> None:
+        """`_pull_one` handles every failure itself: an exception here is a bug, said loudly."""
+        self.pulls.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended with an unhandled error", task.get_name(), exc_info=task.exception())
 
     async def _own(self, req: GenerationRequest, first_token: int, started: int) -> None:
         """Own before the ack: from here a crash is recovered from the running hash."""
         retry = conn.retry_redis
+        faults.hit("decode.own")
         await retry(lambda: self.owned.own(req), "own", log=log)
         self.journal.add("own", [req])
         log.debug("pulled and owned request_id=%s (from index %d)", req.request_id, req.start_index)

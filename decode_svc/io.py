@@ -17,13 +17,14 @@ import redis.asyncio as aioredis
 
 from decode_svc.bridge import Bridge
 from decode_svc.claims import Claims
+from decode_svc.handback import Handback
 from decode_svc.loop import EngineLoop
 from decode_svc.publisher import Publisher
 from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import lifecycle, recovery
-from tandem_core.bus import cancel, token_stream
+from tandem_core.bus import cancel, reclaim, token_stream
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,12 @@ class DecodeIO:
                              lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
                              self.owned.load, self.publisher.after_replay)
         self.publisher.resync = self.resync
+        # What this pod could not finish goes back for recovery, its ownership dropped (owed while Redis is down).
+        self.handback = Handback(r, worker_id, table, self.journal, self.resume)
+        self.publisher.give_up, self.publisher.handback = self._give_up, self.handback
         self.claims = Claims(s, r, worker_id, table, bridge, self.owned, self.journal, self.publisher, self.resync,
-                             self.resume, lambda: engine_loop is not None and engine_loop.error is not None)
+                             self.resume, lambda: engine_loop is not None and engine_loop.error is not None,
+                             self.handback)
 
     @property
     def puller(self):
@@ -56,6 +61,24 @@ class DecodeIO:
         """Requests now owned elsewhere: the engine frees their slots and writes nothing for them."""
         if self.engine_loop is not None:
             self.engine_loop.cancel(request_ids, silent=True)
+
+    async def _give_up(self, request_ids: set[str], why: str) -> None:
+        """A step's tokens for these requests could not be written: stop decoding them here and
+        hand each back (its ownership dropped, resumed from what was streamed), so nothing waits on
+        the gap. Those that finished in that step are found in this pod's running hash."""
+        running = {a.req.request_id: a.req for a in self.table.snapshot() if a.req.request_id in request_ids}
+        self._drop_silently(request_ids)
+        missing = request_ids - set(running)
+        if missing:
+            try:
+                owned = await reclaim.running_requests(self.r, self.worker_id)
+                running.update({rid: owned[rid] for rid in missing if rid in owned})
+            except Exception as e:  # noqa: BLE001 - Redis still down: the recovery round's sweep finds them
+                log.error("could not read this pod's running hash for %d requests whose tokens were dropped: %s",
+                          len(missing), e)
+                self.handback.unread |= missing
+        for req in running.values():  # one short try each (Redis has failed for a while): owed past it
+            await self.handback.give_back(req, why, timeout_s=1.0)
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
         return await recovery.resume(

@@ -61,6 +61,8 @@ class LoopStats:
     steps: int = 0
     tokens: int = 0
     local_prefills: int = 0
+    cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)
+    cancel_lag_tokens: int = 0  # the most tokens a request produced after its cancel reached the engine
     host_wait_s: float = 0.0  # time blocked copying tokens to the host
     constrained_steps: int = 0  # steps run with grammar masks (unpipelined)
     mask_s: float = 0.0  # host time computing those masks

@@ -62,6 +62,7 @@ class EngineLoop:
         self.stats = LoopStats()
         self._cancel: set[str] = set()
         self._silent: set[str] = set()
+        self._cancel_at: dict[str, int] = {}  # request id -> its next token index when the cancel came
         self._cancel_lock = threading.Lock()
         self._stop = threading.Event()
         self._held: deque[HeldChoice] = deque()  # QUEUED records of the table
@@ -78,10 +79,13 @@ class EngineLoop:
 
     def cancel(self, request_ids: set[str], silent: bool = False) -> None:
         """Free these requests' slots within a step; a `cancelled` finish unless `silent` (owned elsewhere)."""
+        at = {} if silent else {a.req.request_id: a.next_index for a in self.table.snapshot()
+                                if a.req.request_id in request_ids}
         with self._cancel_lock:
             self._cancel |= request_ids
             if silent:
                 self._silent |= request_ids
+            self._cancel_at.update(at)
 
     def _run(self) -> None:
         try:
@@ -197,17 +201,23 @@ class EngineLoop:
                 return state
             ids, self._cancel = self._cancel, set()
             silent, self._silent = self._silent, set()
+            at, self._cancel_at = self._cancel_at, {}
         out = []
         for held in [h for h in self._held if h.req.request_id in ids]:
             self._held.remove(held)
             self.table.drop(held.key)
             if held.req.request_id not in silent:
                 out.append(Emitted(held.req.request_id, held.req.start_index + 1, -1, FINISH_CANCELLED))
+                self.stats.cancelled += 1
         for act in self.table.snapshot():
             if act.req.request_id in ids:
                 state = self._free(state, act)
                 if act.req.request_id not in silent:
                     out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_CANCELLED))
+                    self.stats.cancelled += 1
+                    # tokens it still produced after the cancel reached this pod: the step in flight
+                    lag = act.next_index - at.get(act.req.request_id, act.next_index)
+                    self.stats.cancel_lag_tokens = max(self.stats.cancel_lag_tokens, lag)
         if out:
             self._emit(out)
         return state

@@ -21,10 +21,12 @@ from decode_svc.bridge import Bridge
 from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
-from tandem_core import keys
+from tandem_core import faults, keys
 from tandem_core.bus import conn, groups, token_stream
+from tandem_core.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
+PUBLISH_BACKOFF = Backoff(first_s=0.2, max_s=2.0, factor=1.5)  # 30 tries (publish_retries): about a minute
 
 
 class Publisher:
@@ -39,6 +41,10 @@ class Publisher:
         # once the finish removed the field; bounded, and kept twice the journal's window.
         self.finished_here: OrderedDict[str, float] = OrderedDict()
         self.replay_refused: list = []  # journal token items the fence refused in the replay running
+        # A batch given up on (tandem_core/retry.py bounds): `give_up(request ids, why)` stops and hands
+        # back its requests (DecodeIO); `handback` (decode_svc/handback.py) says which are still owed.
+        self.give_up = None
+        self.handback = None
 
     async def finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
         """A finish entry (no token) for a request that ends before or outside the engine."""
@@ -67,6 +73,9 @@ class Publisher:
                     return
                 await self.bridge.wait_output(0.2)
                 continue
+            batch = self._drop_abandoned(batch)
+            if not batch:
+                continue
             lost = await self.publish_fenced(batch)
             if lost:  # another pod took these over while this one was stalled: stop decoding them
                 log.warning("fenced off %d requests now owned elsewhere: %s", len(lost),
@@ -82,7 +91,10 @@ class Publisher:
         never written is a gap the relay waits on until its deadline)."""
         gen = self.resync.reconciles
         results = await self._publish(batch)
-        lost = {e.request_id for e, ok in zip(batch, results or []) if ok == 0}
+        if results is None:
+            await self._abandon(batch, "its tokens could not be written to Redis")
+            return set()
+        lost = {e.request_id for e, ok in zip(batch, results) if ok == 0}
         if not lost:
             return lost
         try:  # a reconcile ran since `gen`, or runs now (this waits for it)
@@ -96,7 +108,10 @@ class Publisher:
         log.info("writing again %d token entries refused across a Redis change: %s", len(again),
                  [(e.request_id, e.index, e.finish) for e in again][:8])
         results = await self._publish(again)
-        return {e.request_id for e, ok in zip(again, results or []) if ok == 0}
+        if results is None:
+            await self._abandon(again, "its tokens could not be written to Redis")
+            return set()
+        return {e.request_id for e, ok in zip(again, results) if ok == 0}
 
     async def _execute_tokens(self, items: list, acks: list, fenced: bool = True) -> list[int]:
         """One script call per shard for the token items, then the acks: one round trip."""
@@ -108,32 +123,64 @@ class Publisher:
         return placed.results(await pipe.execute())
 
     async def _publish(self, batch: list) -> list | None:
-        """Write one batch, retrying through a Redis restart; 1 (written) / 0 (fenced off) per
-        entry. Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute`
-        fails, so re-running the old one would write nothing and silently lose the step's tokens."""
-        for attempt in range(self.s.publish_retries):
+        """Write one batch, retrying through a Redis restart (tandem_core/retry.py: REDIS_DOWN only,
+        `publish_retries` tries); 1 (written) / 0 (fenced off) per entry, or None when it gave up.
+        Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute` fails, so
+        re-running the old one would write nothing and silently lose the step's tokens."""
+        items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
+
+        async def attempt() -> list[int]:
             # Never alongside a reconcile's replay: a finish written before the replay has put back
             # the request's earlier tokens would end its ownership and leave them refused (a gap).
             await self.resync.wait_idle()
+            faults.hit("decode.publish")
             try:
-                items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
-                results = await self._execute_tokens(items, acks)
+                return await self._execute_tokens(items, acks)
             except NoScriptError:  # a restarted Redis without the script: load it, write again
                 await conn.retry_redis(self.owned.load, "load publish script", log=log)
-                continue
-            except Exception as ex:  # noqa: BLE001 - retry through a Redis restart, then give up loudly
-                log.warning("token publish failed (attempt %d): %s", attempt + 1, ex)
-                await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
-                await self._reconcile_if_new()
-                continue
-            for stream, _group, entry_id in acks:
-                self.table.entry_done((stream, entry_id))
-            self.journal.add("tokens", (items, acks))
-            self.note_finished(items, results)
-            return results
-        log.error("token publish gave up after %d attempts; these requests resume elsewhere or time out",
-                  self.s.publish_retries)
-        return None
+                return await self._execute_tokens(items, acks)
+
+        try:
+            results = await retry(attempt, f"token publish ({len(batch)} entries)", transient=conn.REDIS_DOWN,
+                                  attempts=self.s.publish_retries, backoff=PUBLISH_BACKOFF, log=log,
+                                  on_retry=lambda _e, _n: self._reconcile_if_new())
+        except Exception as e:  # noqa: BLE001 - given up: the caller hands these requests back
+            log.error("token publish gave up (%s: %s) after up to %d tries; handing back its %d requests",
+                      type(e).__name__, e, self.s.publish_retries, len({x.request_id for x in batch}))
+            return None
+        for stream, _group, entry_id in acks:
+            self.table.entry_done((stream, entry_id))
+        self.journal.add("tokens", (items, acks))
+        self.note_finished(items, results)
+        return results
+
+    async def _abandon(self, batch: list, why: str) -> None:
+        """A batch that could not be written: its requests stop here and go back for recovery
+        (DecodeIO._give_up), before the loop writes any later step: once a request is resumed its
+        field in this pod's running hash is gone, so the fence refuses whatever of it is still
+        queued (a finish written behind the gap would end the request with the gap in it). The
+        acks the batch carried are owed until their requests are safe."""
+        if self.handback is not None:
+            for ack in (e.ack for e in batch if e.ack):
+                self.handback.owe_ack(*ack)
+        if self.give_up is not None:
+            await self.give_up({e.request_id for e in batch}, why)
+
+    def _drop_abandoned(self, batch: list) -> list:
+        """Entries of requests whose hand back is still owed (Redis would not take it): not
+        written, since this pod still owns them and the fence would let a finish through behind
+        the gap (their acks owed too). A resumed request's new run starts only once it is done."""
+        hb = self.handback
+        if hb is None or not (hb.owed_resumes or hb.unread):
+            return batch
+        keep = []
+        for e in batch:
+            if e.request_id in hb.owed_resumes or e.request_id in hb.unread:
+                if e.ack:
+                    hb.owe_ack(*e.ack)
+            else:
+                keep.append(e)
+        return keep
 
     async def _reconcile_if_new(self) -> None:
         """After a failed write: if Redis came back as another server, reconcile before the

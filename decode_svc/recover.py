@@ -66,6 +66,8 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
 async def recover_loop(io: DecodeIO, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
+            if io.handback.owed:  # what this pod let go of while Redis would not take it
+                await io.handback.settle()
             await recover_running(io)
             await reclaim_pending(io)
         except Exception as e:  # noqa: BLE001 - a Redis blip: try again next round

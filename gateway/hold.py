@@ -13,14 +13,16 @@ so a load balancer keeps sending: those requests are held); after that `/readyz`
 """
 from __future__ import annotations
 
-import asyncio
+import logging
 import math
 import time
 from typing import Awaitable, Callable, TypeVar
 
 from tandem_core.errors import ServiceUnavailable
+from tandem_core.retry import Backoff, retry
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RedisHold:
@@ -47,27 +49,31 @@ class RedisHold:
         return self.down_since is not None and time.monotonic() - self.down_since < self.hold_s
 
     async def call(self, attempt: Callable[[], Awaitable[T]], deadline_ts: float | None = None) -> T:
-        """`attempt()`, retried while it fails with a down error, within the bounds above."""
+        """`attempt()`, retried while it fails with a down error, within the bounds above
+        (tandem_core/retry.py: `hold_s` and the request's deadline; the room checked at the first
+        failure)."""
         start, held = time.monotonic(), False
+
+        def on_retry(e: BaseException, _n: int) -> None:
+            nonlocal held
+            self.note_down()
+            if not held:
+                self._check_room(e)
+                self.holding, self.held_total, held = self.holding + 1, self.held_total + 1, True
+
         try:
-            while True:
-                try:
-                    out = await attempt()
-                except self.down_errors as e:
-                    self.note_down()
-                    if not held:
-                        self._check_room(e)
-                        self.holding, self.held_total, held = self.holding + 1, self.held_total + 1, True
-                    left = self._time_left(start, deadline_ts)
-                    if left <= 0:
-                        raise ServiceUnavailable(
-                            f"Redis is unreachable: {e}; this request waited {time.monotonic() - start:.1f}s "
-                            f"for it (redis_hold_s {self.hold_s:g}); retry later", retry_after_s=self.retry_after_s,
-                        ) from e
-                    await asyncio.sleep(min(self.poll_s, left))
-                    continue
-                self.note_ok()
-                return out
+            try:
+                out = await retry(attempt, "admission while Redis is down", transient=self.down_errors,
+                                  deadline=start + self._time_left(start, deadline_ts), backoff=Backoff.fixed(self.poll_s),
+                                  log=log, level=logging.DEBUG, on_retry=on_retry)
+            except self.down_errors as e:
+                self.note_down()
+                raise ServiceUnavailable(
+                    f"Redis is unreachable: {e}; this request waited {time.monotonic() - start:.1f}s "
+                    f"for it (redis_hold_s {self.hold_s:g}); retry later", retry_after_s=self.retry_after_s,
+                ) from e
+            self.note_ok()
+            return out
         finally:
             if held:
                 self.holding -= 1

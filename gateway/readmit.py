@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 
 from tandem_core import keys
 from tandem_core.bus import admission, conn, registry
+from tandem_core.retry import Backoff, retry
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -103,18 +104,14 @@ class Readmitter:
         return n
 
     async def _readmit_soon(self, run_id: str, tries: int = 3) -> int:
-        """`readmit`, tried again at once when it fails on Redis. Each idle pooled connection
-        from before the restart fails once when first used, so they are closed first (the ones
-        in use fail and reconnect on their own); waiting for the next look, and its grace, would
-        cost the requests it puts back seconds more."""
-        for _ in range(tries - 1):
-            try:
-                return await self.readmit(run_id)
-            except conn.REDIS_DOWN as e:
-                log.info("readmission failed: %s; closing idle connections and trying again", e)
-                await self._close_idle()
-                await asyncio.sleep(0.1)
-        return await self.readmit(run_id)
+        """`readmit`, tried again at once when it fails on Redis (tandem_core/retry.py, REDIS_DOWN
+        only, `tries` in all). Each idle pooled connection from before the restart fails once when
+        first used, so they are closed before each retry (the ones in use fail and reconnect on
+        their own); waiting for the next look, and its grace, would cost the requests it puts back
+        seconds more."""
+        return await retry(lambda: self.readmit(run_id), "readmission after a Redis change", transient=conn.REDIS_DOWN,
+                           attempts=tries, backoff=Backoff.fixed(0.1), log=log,
+                           on_retry=lambda _e, _n: self._close_idle())
 
     def _forget_old(self) -> None:
         """Admissions whose relay never ended here (a client gone before its stream began)."""

@@ -9,24 +9,23 @@ acked or its request is long abandoned.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
-from tandem_core import keys, recovery
+from tandem_core import faults, keys, recovery
 from tandem_core.bus import cancel, entry_fence, groups, token_stream
-from tandem_core.bus.conn import REDIS_DOWN
+from tandem_core.bus.conn import REDIS_BACKOFF, REDIS_DOWN
 from tandem_core.errors import TandemError
+from tandem_core.retry import retry
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest, choice_ids
 
 log = logging.getLogger(__name__)
-REDIS_RETRY_S = 0.5  # pause between tries of an entry while Redis is down
+REDIS_RETRY_S = 0.5  # the claim loop's pause while Redis is down (prefill_svc/worker.py)
 
 
 class EntryHandler:
@@ -40,15 +39,36 @@ class EntryHandler:
 
     async def handle_until_done(self, c: groups.Claimed) -> None:
         """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
-        published is not done twice) until it is acked or its request's deadline passes."""
+        published is not done twice: tandem_core/retry.py, REDIS_DOWN only) until it is acked, or
+        until its request is abandoned (its deadline plus `abandoned_after_s`; a request without a
+        deadline, `abandoned_after_s` from now). Past that the entry stays pending to this pod,
+        which takes it up again after `stale_pending_s` (and then only acks it)."""
         reclaimed = False
-        while True:
-            try:
-                return await self.handle(c, reclaimed)
-            except REDIS_DOWN as e:
-                log.warning("redis unavailable while handling %s: %s; retrying", c.entry_id, e)
-                reclaimed = True
-                await asyncio.sleep(REDIS_RETRY_S)
+
+        def as_reclaim(_e: BaseException, _n: int) -> None:
+            nonlocal reclaimed
+            reclaimed = True
+
+        try:
+            await retry(lambda: self.handle(c, reclaimed), f"handling admission entry {_eid(c.entry_id)}",
+                        transient=REDIS_DOWN, timeout_s=self._patience_s(c), backoff=REDIS_BACKOFF, log=log,
+                        on_retry=as_reclaim)
+        except REDIS_DOWN as e:
+            log.error("gave up on admission entry %s of %s for now (%s): it stays pending and is taken up again "
+                      "after stale_pending_s", _eid(c.entry_id), c.stream, e)
+        except Exception:  # noqa: BLE001 - one entry must not stop the claim loop; a reclaim redoes it
+            log.exception("handling admission entry %s of %s failed: it stays pending and is taken up again after "
+                          "stale_pending_s", _eid(c.entry_id), c.stream)
+
+    def _patience_s(self, c: groups.Claimed) -> float:
+        """How long an entry is retried through an outage: until its request is abandoned."""
+        try:
+            deadline_ts = GenerationRequest.from_json(c.fields["req"]).deadline_ts
+        except Exception:  # noqa: BLE001 - `handle` says what is wrong with it
+            deadline_ts = None
+        if not deadline_ts:
+            return self.s.abandoned_after_s
+        return max(1.0, deadline_ts + self.s.abandoned_after_s - time.time())
 
     async def handle(self, c: groups.Claimed, reclaimed: bool = False) -> None:
         """Work out one admission entry's writes, then commit them with its ack, fenced."""
@@ -60,14 +80,16 @@ class EntryHandler:
             await self._commit(c, req, writes, held)
         except REDIS_DOWN:
             raise
-        except ResponseError as e:  # Redis refused the writes (maxmemory, say): the request fails clearly
+        except Exception as e:  # noqa: BLE001 - Redis refused the writes (maxmemory, say), or a bug: fail it clearly
             log.exception("publish failed request_id=%s", req.request_id)
             for rid in held:
                 self.store.release(rid)
-            failed = self._finish(req, FINISH_ERROR, f"publishing the prefill result failed: {e}")
+            failed = self._finish(req, FINISH_ERROR, f"publishing the prefill result failed: {type(e).__name__}: {e}")
             try:
                 await self._commit(c, req, failed, [])
-            except ResponseError:  # left pending: this pod redoes it after stale_pending_s
+            except REDIS_DOWN:
+                raise
+            except Exception:  # noqa: BLE001 - left pending: this pod redoes it after stale_pending_s
                 log.exception("could not finish request_id=%s either; its entry stays pending", req.request_id)
 
     async def _work(self, req: GenerationRequest, reclaimed: bool) -> tuple[entry_fence.EntryWrites, list[str]]:
@@ -83,6 +105,7 @@ class EntryHandler:
                 return self._finish(req, FINISH_CANCELLED), []
             if req.deadline_ts and time.time() > req.deadline_ts:
                 return self._finish(req, FINISH_ERROR, "deadline passed before prefill"), []
+            faults.hit("prefill.prefill")
             return await self.prefiller.prefill(req)
         except REDIS_DOWN:
             raise
@@ -103,13 +126,14 @@ class EntryHandler:
     async def _commit(self, c: groups.Claimed, req: GenerationRequest, writes: entry_fence.EntryWrites,
                       held: list[str]) -> None:
         """Write and ack, only while the entry is still this pod's; else free the KV held for it."""
+        faults.hit("prefill.commit")
         if await self.fence.commit(c.stream, c.entry_id, writes):
             if held:
                 await self._ring_decode()
             return
         for rid in held:
             self.store.release(rid)
-        eid = c.entry_id.decode() if isinstance(c.entry_id, bytes) else c.entry_id
+        eid = _eid(c.entry_id)
         if writes:
             log.warning("fenced off request_id=%s: admission entry %s of %s is no longer pending to %s (another "
                         "pod reclaimed it while this one was stalled); published nothing, freed %d held KV",
@@ -129,3 +153,7 @@ class EntryHandler:
             await pipe.execute()
         except Exception as e:  # noqa: BLE001 - Redis down included
             log.debug("could not ring the decode doorbell: %s", e)
+
+
+def _eid(entry_id) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -5,9 +5,6 @@ to the deployment's); `REDIS_DOWN` is what callers wait out and retry, and only 
 """
 from __future__ import annotations
 
-import asyncio
-import time
-
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -16,6 +13,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import keys, redis_client
 from tandem_core.redis_client import RedisConfigError
+from tandem_core.retry import Backoff, retry
 from tandem_core.settings import RedisConfig
 
 
@@ -26,22 +24,19 @@ from tandem_core.settings import RedisConfig
 # the sentinels again; a plain client gets ReadOnlyError).
 # On a Redis Cluster, a failover or slot move raises redis_client.CLUSTER_DOWN until the client
 # has found the new owner of the slot.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, MasterNotFoundError, ReadOnlyError, ConnectionError, OSError,
-              *redis_client.CLUSTER_DOWN)
+# Only redis-py's own errors: redis-py wraps every socket failure (OSError, socket.timeout) of a
+# connect, a write or a read in its ConnectionError/TimeoutError, so the builtin OSError and
+# ConnectionError here could only come from the caller's own code (a prefill's file read, a gRPC
+# channel), which a wait for Redis would retry until its deadline while the work stalls behind it.
+REDIS_DOWN: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, MasterNotFoundError, ReadOnlyError, *redis_client.CLUSTER_DOWN)
+REDIS_BACKOFF = Backoff(first_s=0.1, max_s=1.0)  # a restart takes seconds: look again often
 
 
-async def retry_redis(fn, what: str, timeout_s: float = 120.0, log=None):
-    """Call `await fn()` until Redis answers (a restart takes seconds), at most `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return await fn()
-        except REDIS_DOWN as e:
-            if time.monotonic() > deadline:
-                raise
-            if log:
-                log.warning("redis unavailable during %s: %s; retrying", what, e)
-            await asyncio.sleep(0.5)
+async def retry_redis(fn, what: str, timeout_s: float | None = 120.0, log=None):
+    """`await fn()` until Redis answers (a restart takes seconds), at most `timeout_s`; the last
+    REDIS_DOWN error past it (tandem_core/retry.py)."""
+    return await retry(fn, what, transient=REDIS_DOWN, timeout_s=timeout_s, backoff=REDIS_BACKOFF, log=log)
 
 
 def connect(cfg: RedisConfig) -> aioredis.Redis:

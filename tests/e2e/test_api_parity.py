@@ -148,22 +148,36 @@ def test_chat_without_max_tokens_runs_to_the_context_end(both_paths):
     assert r.usage.prompt_tokens + r.usage.completion_tokens == both_paths.max_len
 
 
+def _decode_counters(base: str) -> dict:
+    workers = httpx.get(base + "/admin/cluster", timeout=10).json()["workers"]
+    dec = [w for w in workers if w["role"] == "decode"]
+    assert len(dec) == 1, workers
+    return {"free": int(dec[0]["free_slots"]) == int(dec[0]["slots"]), **dec[0]["extra"]}
+
+
 def test_cancel_frees_every_choice(both_paths):
-    """A streamed n=3 request dropped after its first chunk: all three slots come back."""
-    with httpx.stream("POST", both_paths.base_url + "/v1/completions", timeout=60,
+    """A streamed n=3 request dropped after its first chunk: the decode pod cancels all three choices
+    (its cancel counter: three `cancelled` finishes), long before their 400 tokens (its token
+    counter), and all three slots come back. Slots alone would not tell: natural completion frees
+    them too."""
+    base = both_paths.base_url
+    before = _decode_counters(base)
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
                       json={"model": both_paths.model, "prompt": LONG, "max_tokens": 400, "n": 3, "stream": True,
                             "temperature": 1.0, "ignore_eos": True}) as resp:
+        assert resp.status_code == 200, resp.read()[:300]
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 break
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        workers = httpx.get(both_paths.base_url + "/admin/cluster", timeout=10).json()["workers"]
-        dec = [w for w in workers if w["role"] == "decode"]
-        if dec and all(int(w["free_slots"]) == int(w["slots"]) for w in dec):
-            return
+        now = _decode_counters(base)
+        if now["free"] and now["cancelled"] - before["cancelled"] >= 3:
+            break
         time.sleep(0.3)
-    pytest.fail(f"slots not freed after the client left: {dec}")
+    assert now["free"], f"slots not freed after the client left: {now}"
+    assert now["cancelled"] - before["cancelled"] == 3, f"the decode pod did not cancel the 3 choices: {now}"
+    assert now["tokens"] - before["tokens"] < 3 * 399 // 2, f"the choices ran on after the client left: {now}"
 
 
 def test_langchain_logprobs_and_n(both_paths):

@@ -84,11 +84,12 @@ def test_burst_of_200_with_4_slots_stays_bounded_and_completes(hb_fast):
     assert len(samples) > 5 and decoded and max(decoded) - min(decoded) >= 200 * 5
 
 
-async def _start_and_drop(base: str, n_events: int) -> str:
-    body = {"model": "tiny", "prompt": "x" * 40, "max_tokens": 400, "stream": True, "ignore_eos": True,
+async def _start_and_drop(base: str, n_events: int, model: str) -> str:
+    body = {"model": model, "prompt": "x" * 40, "max_tokens": 400, "stream": True, "ignore_eos": True,
             "temperature": 0}
     async with httpx.AsyncClient(base_url=base, timeout=60) as c:
         async with c.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200, (await resp.aread())[:300]  # (a 404 once passed as "cancelled")
             rid = resp.headers.get("x-request-id", "")
             seen = 0
             async for line in resp.aiter_lines():
@@ -100,9 +101,12 @@ async def _start_and_drop(base: str, n_events: int) -> str:
 
 
 def test_disconnect_cancels_and_frees_slots_and_kv(local_cluster):
+    before = _until_decode(local_cluster.base_url, lambda x: x["free"])
+
     async def run():
         # Six long requests for four slots: some are decoding, some wait in admission/ready.
-        tasks = [asyncio.create_task(_start_and_drop(local_cluster.base_url, 3 if i < 4 else 1)) for i in range(6)]
+        tasks = [asyncio.create_task(_start_and_drop(local_cluster.base_url, 3 if i < 4 else 1, local_cluster.model))
+                 for i in range(6)]
         return await asyncio.gather(*tasks)
 
     asyncio.run(run())
@@ -116,6 +120,63 @@ def test_disconnect_cancels_and_frees_slots_and_kv(local_cluster):
             break
         assert time.monotonic() < deadline, f"not idle after cancel: {json.dumps(snap)[:800]}"
         time.sleep(0.2)
+    # and idle because they were cancelled, not because they ran to their end: the decode pod
+    # wrote a cancelled finish for those it held, and decoded far fewer than 6 x 399 tokens
+    after = _until_decode(local_cluster.base_url, lambda x: x["cancelled"] > before["cancelled"])
+    assert after["cancelled"] > before["cancelled"], after
+    assert after["tokens"] - before["tokens"] < 6 * 399 // 2, after
+
+
+def _decode_extra(base: str) -> dict:
+    workers = httpx.get(base + "/admin/cluster", timeout=10).json()["workers"]
+    dec = [w for w in workers if w["role"] == "decode"]
+    assert len(dec) == 1, workers
+    return {**dec[0]["extra"], "free": dec[0]["free_slots"] == dec[0]["slots"]}
+
+
+def _until_decode(base: str, settled, timeout_s: float = 30) -> dict:
+    """The decode pod's heartbeat counters once `settled(extra)` (a bound on the wait only)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        extra = _decode_extra(base)
+        if settled(extra) or time.monotonic() > deadline:
+            return extra
+        time.sleep(0.1)
+
+
+LONG_STREAM = 460  # tokens asked for: the local cluster's context (512) less the prompt
+
+
+def test_a_dropped_stream_stops_the_decode_pod_within_a_step(local_cluster):
+    """Cancellation asserted at the worker, not by slots that natural completion frees too: a long
+    stream dropped after 3 tokens ends at the decode pod with a `cancelled` finish (its cancel
+    counter), long before the tokens it asked for (its token counter), and no more than the step
+    in flight after the cancel reached the engine (its cancel lag)."""
+    base = local_cluster.base_url
+    before = _until_decode(base, lambda x: x["free"])
+
+    async def drop():
+        body = {"model": local_cluster.model, "prompt": "x" * 40, "max_tokens": LONG_STREAM, "stream": True,
+                "ignore_eos": True,
+                "temperature": 0}
+        async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+            async with c.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                seen = 0
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        seen += 1
+                        if seen >= 3:
+                            return  # the client goes away mid-stream
+
+    asyncio.run(drop())
+    after = _until_decode(base, lambda x: x["free"] and x["cancelled"] > before["cancelled"]
+                          and x["tokens"] > before["tokens"])
+    decoded = after["tokens"] - before["tokens"]
+    assert after["cancelled"] - before["cancelled"] == 1, f"the decode pod wrote no cancelled finish: {after}"
+    assert decoded < LONG_STREAM - 1, f"the decode pod ran the dropped stream to its end ({decoded} tokens)"
+    # the cancel reached the engine while it ran, and it stopped within the step in flight
+    assert after["cancel_lag_tokens"] <= 2, f"{after['cancel_lag_tokens']} tokens decoded after the cancel arrived"
 
 
 def test_colocated_mode_gives_the_engines_greedy_tokens():

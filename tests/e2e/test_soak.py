@@ -1,11 +1,12 @@
 """A bounded soak (one minute by default; TANDEM_SOAK_S=600 for a longer one): rounds of 320
 mixed requests, 24 concurrent, against the whole cluster.
-Every request finishes; no process's resident memory keeps growing (peak of the second half
+Every request finishes (every streamed event parsed: an in-band error event is a failure); no process's resident memory keeps growing (peak of the second half
 within the first half's peak plus a margin, and under a fixed ceiling); and once finished token
 streams have lingered their TTL, Redis holds nothing for the finished requests."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -32,6 +33,22 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def streamed_usage(text: str) -> int:
+    """Every event of one streamed completion, parsed: no in-band error event (a 200 whose stream
+    ends with `data: {"error": ...}` and then `[DONE]` is a failed request, not a served one), one
+    `length` finish (the soak asks with ignore_eos), `[DONE]` last; its completion tokens (usage)."""
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", f"the stream did not end with [DONE]: {text[-300:]}"
+    chunks = [json.loads(e) for e in events[:-1]]  # every event is JSON
+    errors = [c["error"] for c in chunks if "error" in c]
+    assert not errors, f"the stream carried an error event: {errors}"
+    finishes = [ch["finish_reason"] for c in chunks for ch in c.get("choices") or [] if ch.get("finish_reason")]
+    assert finishes == ["length"], f"finish reasons {finishes}"
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert len(usage) == 1, f"usage events {usage}"
+    return usage[0]["completion_tokens"]
+
+
 async def _load(base: str, rng: random.Random, duration_s: float = 0.0) -> list[dict]:
     """N requests, CONCURRENCY at a time; with `duration_s`, rounds of N until that time is up."""
     sem = asyncio.Semaphore(CONCURRENCY)
@@ -39,12 +56,13 @@ async def _load(base: str, rng: random.Random, duration_s: float = 0.0) -> list[
     async def one(i: int, c: httpx.AsyncClient) -> dict:
         body = {"model": "tiny", "prompt": "soak " * rng.randint(1, 60), "max_tokens": rng.randint(1, 40),
                 "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True, "stream": rng.random() < 0.5}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
         async with sem:
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             if body["stream"]:
-                assert r.text.rstrip().endswith("data: [DONE]")
-                return {"n": body["max_tokens"], "stream": True}
+                return {"n": body["max_tokens"], "got": streamed_usage(r.text), "stream": True}
             return {"n": body["max_tokens"], "got": r.json()["usage"]["completion_tokens"]}
 
     out: list[dict] = []
@@ -81,7 +99,7 @@ def test_bounded_soak():
         results = asyncio.run(run())
         assert len(results) >= N
         for r in results:
-            assert r.get("stream") or r["got"] == r["n"]
+            assert r["got"] == r["n"], r
         time.sleep(FINISHED_TTL + 1.5)
         url = httpx.get(cl.base_url + "/admin/cluster", timeout=10).json()
         assert url["queues"]["admission_backlog"] == 0 and url["queues"]["ready"] == 0

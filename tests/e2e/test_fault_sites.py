@@ -1,0 +1,146 @@
+"""A fault at an await, under load (issue 31): the whole cluster as processes, a fault plan
+(tandem_core/faults.py, a test aid set through TANDEM_FAULTS) that makes one call at each named
+site raise, and a batch of greedy streams. Every request ends with the engine's greedy text (the
+unbroken run's) or a clear error that names the fault; afterwards no decode seat is held, nothing is
+owed, no KV is held, no queue has a leftover, and every planned fault fired.
+
+Faults at a decode site must cost the client nothing (the request is handed back and resumed);
+a fault in the prefill itself or its commit fails that one request with a clear error.
+
+By default one cluster takes every site's fault in one run; TANDEM_FAULT_SITES_EACH=1 walks the
+sites one cluster each (what docs/reliability.md's table reports)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from tandem_core import faults
+from tandem_core.types import SamplingParams
+from tests.e2e.conftest import start_local, stop_local
+from tests.e2e.test_api_parity import engine_text, reference
+
+pytestmark = [pytest.mark.e2e]
+
+MAX_TOKENS = 24
+# long prompts: prefill pod -> KV pull -> decode pod; short ones: prefilled by the decode pod
+PROMPTS = [[0] + [300 + (i * 41 + k * 13) % 1500 for i in range(24 + k)] for k in range(12)] \
+    + [[0, 500 + k, 501, 502 + k] for k in range(4)]
+# the call at each site that fails: a few requests in, so the load is under way
+PLAN = {
+    "decode.claim": "decode.claim@4-5:down",
+    "decode.pull": "decode.pull@3",
+    "decode.own": "decode.own@5",
+    "decode.ack": "decode.ack@7",
+    "decode.publish": "decode.publish@9",
+    "decode.handback": "decode.handback@1,decode.pull@2",  # a handback needs a failure first
+    "prefill.prefill": "prefill.prefill@4",
+    "prefill.commit": "prefill.commit@6",
+}
+FAST = {"TANDEM_DECODE_RECOVER_INTERVAL_S": "0.3", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.3"}
+EACH = os.environ.get("TANDEM_FAULT_SITES_EACH") == "1"
+
+
+def test_every_site_is_in_the_plan():
+    assert set(PLAN) == set(faults.SITES)
+    faults.configure(",".join(PLAN.values()))  # the spec parses
+    faults.configure("")
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[int, str]:
+    from tandem_engine import load_engine
+
+    engine = load_engine("builtin", slots=2, max_len=512)
+    return {i: engine_text(reference(engine, p, MAX_TOKENS, SamplingParams(), stop_ids=())) for i, p in
+            enumerate(PROMPTS)}
+
+
+async def _stream(c: httpx.AsyncClient, i: int) -> tuple[str, str | None]:
+    """(text, error message or None) of one greedy stream, every event parsed."""
+    body = {"model": "builtin", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text, error = "", None
+    try:
+        async with c.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return text, f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+            rid = resp.headers.get("x-request-id", "")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]["message"]
+                for ch in chunk.get("choices") or []:
+                    text += ch["text"]
+    except httpx.HTTPError as e:  # the client's patience ran out: a lost request
+        return text, f"LOST request {i} ({rid if 'rid' in locals() else '?'}) after {text!r}: {type(e).__name__}"
+    return text, error
+
+
+def _settled(base: str) -> dict:
+    snap = httpx.get(base + "/admin/cluster", timeout=10).json()
+    dec = [w for w in snap["workers"] if w["role"] == "decode"]
+    pre = [w for w in snap["workers"] if w["role"] == "prefill"]
+    return {
+        "free": all(w["free_slots"] == w["slots"] for w in dec),
+        "records": sum(sum(w["extra"]["requests"].values()) for w in dec),
+        "owed": sum(w["extra"].get("owed", 0) for w in dec),
+        "handed_back": sum(w["extra"].get("handed_back", 0) for w in dec),
+        "held_kv": sum(w["held_kv_bytes"] for w in pre),
+        "admission": snap["queues"]["admission_backlog"], "ready": snap["queues"]["ready"],
+    }
+
+
+def _run_with(plan: str, expected: dict[int, str]) -> tuple[list, dict, str]:
+    cl = start_local(slots=4, env={faults.ENV: plan, **FAST})
+    try:
+        async def load():
+            async with httpx.AsyncClient(base_url=cl.base_url, timeout=60) as c:
+                return await asyncio.gather(*[_stream(c, i) for i in range(len(PROMPTS))])
+
+        results = asyncio.run(load())
+        deadline = time.monotonic() + 30
+        while True:
+            after = _settled(cl.base_url)
+            idle = after["free"] and not (after["records"] or after["owed"] or after["held_kv"]
+                                          or after["admission"] or after["ready"])
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    finally:
+        stop_local(cl.proc)
+        if os.environ.get("TANDEM_FAULT_SITES_LOG"):
+            with open(os.environ["TANDEM_FAULT_SITES_LOG"], "w") as f:
+                f.write("".join(cl.log))
+    return results, after, "".join(cl.log)
+
+
+def _check(plan: str, results: list, after: dict, log: str, expected: dict[int, str]) -> str:
+    sites = {part.split("@")[0] for part in plan.split(",")}
+    fired = {s for s in sites if f"injected fault at {s} " in log}
+    assert fired == sites, f"planned faults that never fired (the load missed them): {sites - fired}"
+    failed = []
+    for i, (text, error) in enumerate(results):
+        if error is not None:
+            assert "injected fault at prefill." in error, f"request {i} failed without a clear cause: {error}"
+            failed.append(i)
+        else:
+            assert text == expected[i], f"request {i}: a token lost, duplicated or wrong: {text!r}"
+    assert after["free"] and after["records"] == 0, f"decode seats held after the load: {after}"
+    assert after["owed"] == 0, f"hand-backs still owed: {after}"
+    assert after["held_kv"] == 0 and after["admission"] == 0 and after["ready"] == 0, after
+    return f"{len(results) - len(failed)} served, {len(failed)} clear errors, handed back {after['handed_back']}"
+
+
+@pytest.mark.parametrize("site", list(PLAN) if EACH else ["every site at once"])
+def test_a_fault_at_each_await_loses_nothing(site, expected):
+    plan = ",".join(PLAN.values()) if site == "every site at once" else PLAN[site]
+    results, after, log = _run_with(plan, expected)
+    verdict = _check(plan, results, after, log, expected)
+    print(f"FAULT SITE {site} ({plan}): {verdict}")

@@ -1,0 +1,228 @@
+"""Every task a decode pod starts has an owner: a failure in a KV pull task or a step's publish
+ends with the request-table seat freed and the request handed back for recovery (out of the pod's
+running hash, enqueued again from what was streamed) or finished, its stream entry acked — never a
+held seat, never a request owned by a pod that no longer works on it (issue 31).
+
+Real Redis, a real gRPC KV server and the real tiny engine, as tests/integration/test_decode_claims.py
+sets them up; the failure is injected at a named await with the fault hook (tandem_core/faults.py):
+`error` raises an error nothing retries, `down` raises redis-py's ConnectionError (Redis looks
+down) so the retry paths run out first.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_svc.bridge import Bridge
+from decode_svc.io import DecodeIO
+from decode_svc.loop import EngineLoop
+from decode_svc.recover import recover_loop
+from decode_svc.requests import RequestTable
+from decode_svc.settings import DecodeSettings
+from prefill_svc.kv_store import KVStore
+from prefill_svc.service import KVTransferServicer
+from tandem_core import faults, grpc_util, keys
+from tandem_core.bus import groups, ready
+from tandem_core.settings import EngineConfig, RedisConfig
+from tandem_core.types import GenerationRequest, SamplingParams
+from tandem_engine import load_engine
+from tandem_proto import kv_pb2_grpc
+
+SLOTS = 2
+MAX_TOKENS = 12
+WID = "decode-handback"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine("tiny", slots=SLOTS, max_len=64, prefill_buckets=(16,))
+
+
+@pytest.fixture(autouse=True)
+def _no_faults_after():
+    yield
+    faults.configure("")
+
+
+class Pod:
+    """One decode pod's I/O side and engine thread over a real Redis, started and stopped here."""
+
+    def __init__(self, r, engine, redis_url: str, pool: str, **settings) -> None:
+        self.s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
+                                pool=pool, slots=SLOTS, claim_block_ms=50, recover_interval_s=0.2,
+                                worker_id=WID, **settings)
+        self.table = RequestTable(SLOTS)
+        self.bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
+        self.eloop = EngineLoop(engine, self.table, self.bridge)
+        self.io = DecodeIO(self.s, r, self.table, self.eloop, self.bridge, WID)
+        self.stop, self.done = asyncio.Event(), asyncio.Event()
+
+    async def __aenter__(self) -> Pod:
+        await self.io.owned.load()
+        self.eloop.start()
+        self.tasks = [asyncio.create_task(self.io.claims.claim_loop(self.stop)),
+                      asyncio.create_task(self.io.publisher.publish_loop(self.done)),
+                      asyncio.create_task(recover_loop(self.io, self.done))]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop.set()
+        await self.tasks[0]
+        self.eloop.stop()
+        self.done.set()
+        await asyncio.gather(*self.tasks[1:], return_exceptions=True)
+        await self.io.puller.close()
+
+
+async def _kv_server(store):
+    server = grpc_util.make_server(8 << 20)
+    kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(store, 1 << 16, lambda _r: None), server)
+    port = grpc_util.bind(server, "127.0.0.1", 0)
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _publish_ready(r, engine, store, address, pool, rid: str) -> GenerationRequest:
+    req = GenerationRequest(rid, [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+    held = store.put(req.request_id, payload)
+    notice = ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
+    pipe = r.pipeline(transaction=False)  # as the prefill pod writes it (without its fence)
+    ready.add_ready(pipe, pool, notice, 1000)
+    groups.ring(pipe, pool, keys.DECODE_GROUP)
+    await pipe.execute()
+    return req
+
+
+async def _state(r, pod: Pod, pool: str, rid: str) -> dict:
+    """What the pod and Redis say about `rid` now."""
+    shard = keys.request_shard(rid)
+    resumed = [GenerationRequest.from_json(f[b"req"]) for _id, f in
+               await r.xrange(keys.admission_stream(pool, "high", shard))]
+    tokens = await r.xrange(keys.token_stream(rid))
+    return {
+        "seats": sum(pod.table.stages().values()),  # records: claimed, pulling, queued, running
+        "owned": await r.hexists(keys.running_key(WID, shard), rid),
+        "unacked": (await r.xpending(keys.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"],
+        "resumed": [q for q in resumed if q.request_id == rid],
+        "finished": any(b"f" in f for _id, f in tokens),
+        "indices": [int(f[b"i"]) for _id, f in tokens],
+    }
+
+
+async def _until(r, pod, pool, rid, settled, rounds: int = 300) -> dict:
+    """Poll until `settled(state)` (a bound on the wait, not a timing assertion)."""
+    for _ in range(rounds):
+        st = await _state(r, pod, pool, rid)
+        if settled(st):
+            return st
+        await asyncio.sleep(0.05)
+    return st
+
+
+@pytest.mark.parametrize("fault", ["decode.own@1", "decode.pull@1"])
+async def test_a_failed_pull_task_frees_its_seat_and_hands_the_request_back(
+        redis_url, redis_client, engine, fault):
+    """An error nothing expected (not gRPC's, not the request's), in the ownership write or before
+    the pull: before issue 31 the task died with "Task exception was never retrieved", its seat held
+    for the pod's life and its ready entry never acked; the request waited until its deadline."""
+    r, pool = redis_client, "handback-pull"
+    await groups.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure(fault)
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            req = await _publish_ready(r, engine, store, address, pool, "pull-fails")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["resumed"] and st["seats"] == 0 and st["unacked"] == 0)
+            assert faults.raised[fault.split("@")[0]] == 1, "the fault never fired: the test proves nothing"
+            assert st["seats"] == 0, f"the failed pull still holds a seat: {pod.table.stages()}"
+            assert not st["owned"], "the pod still owns a request it is not working on"
+            assert st["unacked"] == 0, "the ready entry was never acked"
+            assert len(st["resumed"]) == 1 and st["resumed"][0].attempt == 1, \
+                f"the request was not handed back for recovery once: {st['resumed']}"
+            # and the pod goes on serving: the next request runs to its end
+            nxt = await _publish_ready(r, engine, store, address, pool, "after")
+            st = await _until(r, pod, pool, nxt.request_id, lambda st: st["finished"])
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS))
+    finally:
+        await server.stop(None)
+
+
+async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine):
+    """The request is owned and running when its ready entry's ack fails: it runs to its end, and the
+    ack is written by the next recovery round (before issue 31 the task died there and the entry
+    stayed pending and marked busy for the pod's life)."""
+    r, pool = redis_client, "handback-ack"
+    await groups.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.ack@1")
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            req = await _publish_ready(r, engine, store, address, pool, "ack-fails")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["finished"] and st["unacked"] == 0 and st["seats"] == 0)
+            assert faults.raised["decode.ack"] == 1
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st["indices"]
+            assert st["unacked"] == 0, "the failed ack was never written again"
+            assert st["seats"] == 0 and not st["owned"] and not st["resumed"]
+    finally:
+        await server.stop(None)
+
+
+async def test_a_publish_that_gives_up_hands_its_requests_back(redis_url, redis_client, engine):
+    """Redis refuses a step's writes past `publish_retries`: the step's requests stop here and go
+    back for recovery, out of this pod's running hash, and nothing of theirs is written behind the
+    gap. Before issue 31 the step was dropped with "these requests resume elsewhere or time out",
+    but the pod still owned them, so nothing resumed them: the relay waited on the gap until the
+    deadline."""
+    r, pool = redis_client, "handback-publish"
+    await groups.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.publish@3-200:down")  # the 3rd write on: Redis looks down to the publisher only
+    try:
+        # one step per write (no coalescing), so the 3rd write is the 3rd step's, whatever the timing
+        async with Pod(r, engine, redis_url, pool, publish_retries=2, publish_coalesce_steps=1) as pod:
+            req = await _publish_ready(r, engine, store, address, pool, "publish-fails")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["resumed"] and st["seats"] == 0 and not st["owned"])
+            assert faults.raised["decode.publish"] >= 2, \
+                (st, pod.table.stages(), pod.eloop.stats, pod.eloop.error, faults.calls("decode.publish"))
+            assert st["resumed"], "the request whose tokens were dropped was never handed back"
+            assert not st["owned"], "the pod still owns a request whose tokens it dropped"
+            assert st["seats"] == 0, f"its seat is still held: {pod.table.stages()}"
+            again = st["resumed"][0]
+            written = st["indices"]
+            # resumed from the contiguous tokens written (none of index 0 here: the test's prefill
+            # wrote no token 0), and no later index was written behind the gap
+            assert again.start_index == 0 and again.attempt == 1
+            assert written == list(range(1, 1 + len(written))), f"tokens written behind a gap: {written}"
+            assert not st["finished"]
+    finally:
+        await server.stop(None)
+
+
+async def test_entries_claimed_before_a_later_claim_fails_are_started(redis_url, redis_client, engine):
+    """The claim pass reads the ready streams, then the direct streams; Redis goes away between the
+    two. The ready entry already claimed is this pod's in Redis: it must be started now. Before
+    issue 31 the pass was dropped whole, and the entry waited, pending to a live consumer, for the
+    stale reclaim (`stale_pending_s`, 60 s by default: the prefill pod's KV lease is 60 s too).
+    The stale reclaim is set out of reach here, so only the fix finishes the request."""
+    r, pool = redis_client, "handback-claim"
+    await groups.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    try:
+        req = await _publish_ready(r, engine, store, address, pool, "claimed-then-down")
+        faults.configure("decode.claim@2:down")  # the first pass: ready (call 1) claims it, direct (2) fails
+        async with Pod(r, engine, redis_url, pool, stale_pending_s=3600) as pod:
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] and st["unacked"] == 0)
+            assert faults.raised["decode.claim"] == 1
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st
+            assert st["unacked"] == 0 and st["seats"] == 0 and not st["resumed"]
+    finally:
+        await server.stop(None)
