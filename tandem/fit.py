@@ -1,0 +1,265 @@
+"""`tandem fit`: will this model, at these slots and this context, fit a TPU slice, and how fast
+will it decode? Answered by the TPU compiler on this machine, no TPU and no weights needed.
+
+It compiles the engine's real steps (tandem_engine/aot.py) for the slice's chips with the real
+shardings: the decode step at `slots` rows, the insert of the longest prefill bucket, the prefill
+of the longest bucket (every bucket with --all-buckets). Per chip it reports the weights and KV
+Tandem places there, the compiler's arguments, temporaries and peak, whether that fits the chip's
+HBM with headroom left for the runtime, and the compiler's cost of one decode step (flops, bytes
+accessed; the layer loop counted L times) turned into a step time on the chip's roofline, the
+decode tokens/s per chip at that batch, and the host budget: the microseconds of host CPU per
+token the decode pod may spend before the chip waits for it.
+
+Needs the `tpu` extra (libtpu). Example:
+  tandem fit tools/fit_configs/llama-3.1-8b --tpu v6e --topology 2x2 --tp 4 --slots 64 --max-len 2048
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU chip as its vendor publishes it."""
+
+    name: str
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    topologies: tuple[str, ...]  # single-host slices (GKE tpu-topology values)
+    source: str
+
+
+# Google Cloud's TPU system-architecture pages (per chip), read 2026-12.
+CHIPS: dict[str, Chip] = {
+    "v5e": Chip("TPU v5e", 16 * GiB, 819e9, 197e12, ("1x1", "2x2", "2x4"),
+                "cloud.google.com/tpu/docs/v5e: 16 GiB HBM2, 819 GB/s, 197 TFLOP/s bf16"),
+    "v6e": Chip("TPU v6e (Trillium)", 32 * GiB, 1640e9, 918e12, ("1x1", "2x2", "2x4"),
+                "cloud.google.com/tpu/docs/v6e: 32 GiB HBM, 1,640 GB/s, 918 TFLOP/s bf16"),
+    "v5p": Chip("TPU v5p", 95 * GiB, 2765e9, 459e12, ("2x2x1",),
+                "cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e, 2,765 GB/s, 459 TFLOP/s bf16"),
+}
+
+# What a decode pod's host spends per token today, measured: bench/RESULTS.md, the token plane
+# (publishers, i.e. the decode pod's step loop and Redis writes: 14 us of CPU per token at 34,924
+# tok/s on 2 CPUs). The budget below is set against it.
+MEASURED_HOST_US_PER_TOKEN = 14.0
+DECODE_CHUNK = 256  # tandem_engine.model.DECODE_CHUNK: KV positions per attention-loop trip
+
+
+def chips_in(topology: str) -> int:
+    return math.prod(int(x) for x in topology.split("x"))
+
+
+def load_info(model: str):
+    """A preset, a HF directory, or a bare config.json (copied into a temporary directory)."""
+    from tandem_core.models import resolve_model
+
+    p = Path(model)
+    if p.is_file() and p.suffix == ".json":
+        tmp = Path(tempfile.mkdtemp(prefix="tandem-fit-"))
+        (tmp / "config.json").write_text(p.read_text())
+        return resolve_model(str(tmp))
+    return resolve_model(model)
+
+
+def _describe(tpu: str, topology: str):
+    """Compile-only devices for the slice. libtpu describes slices of whole hosts only (4 chips
+    on v5e/v6e), so a 1x1 slice is one chip of a 2x2 description: per-chip figures are the same."""
+    from tandem_engine.aot import topology_devices
+
+    n = chips_in(topology)
+    if n < 4 and tpu in ("v5e", "v6e"):
+        return topology_devices(tpu, "2x2")[:n]
+    return topology_devices(tpu, topology)
+
+
+def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = None, slots: int = 8,
+        max_len: int = 2048, buckets: tuple[int, ...] = (), dtype: str = "bfloat16", headroom: float = 0.1,
+        position: int | None = None, all_buckets: bool = False, cost: bool = True,
+        prefill_cost: bool = False) -> dict:
+    """The sizing report as a dict (see `format_report`)."""
+    from tandem_engine import aot
+
+    if tpu not in CHIPS:
+        raise ValueError(f"unknown TPU type {tpu!r}; known: {', '.join(CHIPS)}")
+    chip = CHIPS[tpu]
+    info = load_info(model)
+    if topology is None:
+        need = tp or 1
+        topology = next((t for t in chip.topologies if chips_in(t) >= need), chip.topologies[-1])
+    n_chips = chips_in(topology)
+    tp = n_chips if tp is None else tp
+    if tp > n_chips:
+        raise ValueError(f"tp={tp} needs {tp} chips; {tpu} {topology} has {n_chips}")
+    buckets = tuple(sorted(b for b in (buckets or (16, 32, 64, 128, 256, 512, max_len)) if b <= max_len))
+    position = max_len if position is None else min(position, max_len)
+    devices = _describe(tpu, topology)
+
+    t0 = time.perf_counter()
+    comp = aot.Compiler(info, devices, tp=tp, slots=slots, max_len=max_len, prefill_buckets=buckets, dtype=dtype)
+    eng = comp.engine
+    state = aot.abstract_state(eng)
+    weights = aot.shard_bytes(eng.params)
+    kv = aot.shard_bytes((state.k, state.v))
+    other_state = aot.shard_bytes(state) - kv
+
+    decode = comp.generate(slots, layers=cost)
+    insert = comp.insert(eng.buckets[-1])
+    pre_buckets = eng.buckets if all_buckets else eng.buckets[-1:]
+    prefills = [comp.prefill(b, layers=prefill_cost) for b in pre_buckets]
+    usable = chip.hbm_bytes * (1 - headroom)
+    decode_peak = max(decode.peak_bytes, insert.peak_bytes)
+    prefill_peak = max(p.peak_bytes for p in prefills)
+
+    report = {
+        "model": info.name, "params": info.num_params, "tpu": tpu, "chip": chip.name, "topology": topology,
+        "chips": n_chips, "tp": tp, "slots": slots, "max_len": max_len, "dtype": dtype,
+        "prefill_buckets": list(eng.buckets), "hbm_per_chip": chip.hbm_bytes, "headroom": headroom,
+        "usable_per_chip": usable,
+        "per_chip": {"weights": weights, "kv": kv, "decode_state_other": other_state},
+        "decode_pod": {"peak": decode_peak, "fits": decode_peak <= usable, "steps": [asdict(decode), asdict(insert)]},
+        "prefill_pod": {"peak": prefill_peak, "fits": prefill_peak <= usable, "steps": [asdict(p) for p in prefills]},
+        "compile_s": time.perf_counter() - t0,
+        "chip_source": chip.source,
+    }
+    if cost:
+        report["decode"] = decode_projection(decode, info, eng, chip, slots=slots, position=position,
+                                             weights=weights, kv=kv, tp=tp)
+    if prefill_cost:
+        p = prefills[-1]
+        secs = max(p.total_flops / chip.bf16_flops_per_s, p.total_bytes / chip.hbm_bytes_per_s)
+        report["prefill"] = {"bucket": eng.buckets[-1], "flops": p.total_flops, "bytes": p.total_bytes,
+                             "step_s": secs, "tokens_per_s_per_chip": eng.buckets[-1] / secs / tp}
+    return report
+
+
+def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int, weights: int, kv: int,
+                      tp: int) -> dict:
+    """One decode step at `slots` rows with every slot at `position`: the compiler's flops and
+    bytes (layers counted L times; the attention loop's body is one KV chunk per layer, so the
+    other chunks a step at `position` reads are added: their KV bytes and attention flops), the
+    step time on the chip's roofline, tokens/s per chip and the host budget per token."""
+    c = eng.cfg
+    chunks = max(1, math.ceil(min(position, eng.max_len) / min(DECODE_CHUNK, eng.max_len)))
+    chunk = min(DECODE_CHUNK, eng.max_len)
+    item = 2 if eng.dtype == "bfloat16" else 4
+    kv_local, h_local = c.num_kv_heads // tp, c.num_heads // tp
+    chunk_bytes = 2 * slots * kv_local * chunk * c.head_dim * item  # k and v, one layer
+    chunk_flops = 2 * 2 * slots * h_local * chunk * c.head_dim
+    extra = (chunks - 1) * c.num_layers
+    flops = step.total_flops + extra * chunk_flops
+    nbytes = step.total_bytes + extra * chunk_bytes
+    step_s = max(flops / chip.bf16_flops_per_s, nbytes / chip.hbm_bytes_per_s)
+    # the floor: every weight and the KV in use read once, nothing else
+    kv_used = kv * min(1.0, chunks * chunk / eng.max_len)
+    floor_s = (weights + kv_used) / chip.hbm_bytes_per_s
+    budget_us = step_s / slots * 1e6
+    return {
+        "position": position, "flops": flops, "bytes": nbytes,
+        "layer_flops": step.layer_flops, "layer_bytes": step.layer_bytes,
+        "outside_layers_flops": step.flops, "outside_layers_bytes": step.bytes_accessed,
+        "step_s": step_s, "bound": "memory" if nbytes / chip.hbm_bytes_per_s >= flops / chip.bf16_flops_per_s else "compute",
+        "tokens_per_s_per_chip": slots / step_s / tp,
+        "floor_step_s": floor_s, "floor_tokens_per_s_per_chip": slots / floor_s / tp,
+        "host_budget_us_per_token": budget_us,
+        "host_measured_us_per_token": MEASURED_HOST_US_PER_TOKEN,
+        "host_keeps_up": budget_us >= MEASURED_HOST_US_PER_TOKEN,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB / 4 else f"{n / 2**20:.1f} MiB"
+
+
+def format_report(r: dict) -> str:
+    pc = r["per_chip"]
+    lines = [
+        f"{r['model']} ({r['params'] / 1e9:.2f}B params, {r['dtype']}) on {r['chip']} {r['topology']} "
+        f"({r['chips']} chips), tp={r['tp']}, {r['slots']} slots x {r['max_len']} positions",
+        f"  HBM per chip {_gib(r['hbm_per_chip'])}, usable {_gib(r['usable_per_chip'])} "
+        f"({r['headroom']:.0%} kept for the runtime)   [{r['chip_source']}]",
+        f"  per chip (Tandem's layout): weights {_gib(pc['weights'])}, KV cache {_gib(pc['kv'])}, "
+        f"other decode state {_gib(pc['decode_state_other'])}",
+    ]
+    for pod in ("decode_pod", "prefill_pod"):
+        p = r[pod]
+        lines.append(f"  {pod.replace('_', ' ')}: peak {_gib(p['peak'])} per chip -> "
+                     f"{'FITS' if p['fits'] else 'DOES NOT FIT'} "
+                     f"({_gib(r['usable_per_chip'] - p['peak'])} left)")
+        for s in p["steps"]:
+            lines.append(f"    {s['name']:<14} compiled in {s['compile_s']:.1f} s: arguments "
+                         f"{_gib(s['argument_bytes'])}, temporaries {_gib(s['temp_bytes'])}, outputs "
+                         f"{_gib(s['output_bytes'])} ({_gib(s['alias_bytes'])} donated)")
+    d = r.get("decode")
+    if d:
+        lines += [
+            f"  decode step at {r['slots']} rows, every slot at position {d['position']}: "
+            f"{d['flops'] / 1e9:.1f} GFLOP, {d['bytes'] / GiB:.2f} GiB accessed per chip "
+            f"(layers {d['layer_bytes'] * 1.0 / 2**20:.0f} MiB each; outside them "
+            f"{d['outside_layers_bytes'] / 2**20:.0f} MiB) -> {d['step_s'] * 1e3:.2f} ms ({d['bound']}-bound)",
+            f"  projected decode: {d['tokens_per_s_per_chip']:.0f} tok/s per chip "
+            f"({d['tokens_per_s_per_chip'] * r['tp']:.0f} per pod); roofline floor (weights + KV in use "
+            f"read once): {d['floor_step_s'] * 1e3:.2f} ms, {d['floor_tokens_per_s_per_chip']:.0f} tok/s per chip",
+            f"  host budget: {d['host_budget_us_per_token']:.1f} us of host CPU per token before the chip "
+            f"waits (measured today: {d['host_measured_us_per_token']:.0f} us per token, bench/RESULTS.md "
+            f"token plane) -> {'keeps up' if d['host_keeps_up'] else 'THE HOST IS THE BOTTLENECK'}",
+        ]
+    pf = r.get("prefill")
+    if pf:
+        lines.append(f"  prefill of {pf['bucket']} tokens: {pf['flops'] / 1e12:.2f} TFLOP per chip -> "
+                     f"{pf['step_s'] * 1e3:.1f} ms, {pf['tokens_per_s_per_chip']:.0f} prompt tok/s per chip")
+    lines.append(f"  compiled in {r['compile_s']:.1f} s on this machine")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="tandem fit",
+        description="Compile Tandem's serving steps for a TPU slice (no TPU needed: libtpu, the tpu extra) "
+                    "and report HBM per chip, whether it fits, and the projected decode speed.")
+    ap.add_argument("model", help="preset name, Hugging Face directory, or a config.json")
+    ap.add_argument("--tpu", required=True, choices=sorted(CHIPS))
+    ap.add_argument("--topology", help="e.g. 2x2 (default: the smallest single-host slice with tp chips)")
+    ap.add_argument("--tp", type=int, help="tensor parallelism (default: every chip of the topology)")
+    ap.add_argument("--slots", type=int, default=8, help="decode batch (decode pod slots)")
+    ap.add_argument("--max-len", type=int, default=2048, help="positions per slot (context)")
+    ap.add_argument("--buckets", type=_ints, default=(), help="prefill buckets, comma-separated "
+                    "(default: 16..512 and max_len; only the largest compiles unless --all-buckets)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--headroom", type=float, default=0.1, help="fraction of HBM kept free for the runtime")
+    ap.add_argument("--position", type=int, help="decode cost with every slot at this position (default max_len)")
+    ap.add_argument("--all-buckets", action="store_true", help="compile every prefill bucket")
+    ap.add_argument("--no-cost", action="store_true", help="memory only: skip the cost compiles")
+    ap.add_argument("--prefill-cost", action="store_true", help="also project the prefill's time")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = ap.parse_args(argv)
+    try:
+        r = fit(a.model, tpu=a.tpu, topology=a.topology, tp=a.tp, slots=a.slots, max_len=a.max_len,
+                buckets=a.buckets, dtype=a.dtype, headroom=a.headroom, position=a.position,
+                all_buckets=a.all_buckets, cost=not a.no_cost, prefill_cost=a.prefill_cost)
+    except ValueError as e:
+        print(f"tandem fit: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # libtpu missing (TPUUnavailable) and compiler errors
+        print(f"tandem fit: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(r, indent=2) if a.json else format_report(r))
+    return 0 if r["decode_pod"]["fits"] and r["prefill_pod"]["fits"] else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
