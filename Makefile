@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,test-reference]'
+	$(BIN)/pip install -q -e '.[dev,test-reference,tpu]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -86,8 +86,9 @@ def _describe(tpu: str, topology: str):
 def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = None, slots: int = 8,
         max_len: int = 2048, buckets: tuple[int, ...] = (), dtype: str = "bfloat16", headroom: float = 0.1,
         position: int | None = None, all_buckets: bool = False, cost: bool = True,
-        prefill_cost: bool = False) -> dict:
-    """The sizing report as a dict (see `format_report`)."""
+        prefill_cost: bool = False, force: bool = False) -> dict:
+    """The sizing report as a dict (see `format_report`). When the weights and KV Tandem places on
+    a chip already exceed its usable HBM, nothing is compiled (`compiled: False`) unless `force`."""
     from tandem_engine import aot
 
     if tpu not in CHIPS:
@@ -113,24 +114,32 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
     kv = aot.shard_bytes((state.k, state.v))
     other_state = aot.shard_bytes(state) - kv
 
+    usable = chip.hbm_bytes * (1 - headroom)
+    base = {
+        "model": info.name, "params": info.num_params, "tpu": tpu, "chip": chip.name, "topology": topology,
+        "chips": n_chips, "tp": tp, "slots": slots, "max_len": max_len, "dtype": dtype,
+        "prefill_buckets": list(eng.buckets), "hbm_per_chip": chip.hbm_bytes, "headroom": headroom,
+        "usable_per_chip": usable, "chip_source": chip.source,
+        "per_chip": {"weights": weights, "kv": kv, "decode_state_other": other_state},
+    }
+    if weights + kv > usable and not force:
+        # what Tandem places on each chip is already too much: no compile can make it fit
+        return {**base, "compiled": False,
+                "decode_pod": {"peak": weights + kv + other_state, "fits": False, "steps": []},
+                "prefill_pod": {"peak": weights, "fits": weights <= usable, "steps": []},
+                "compile_s": time.perf_counter() - t0}
+
     decode = comp.generate(slots, layers=cost)
     insert = comp.insert(eng.buckets[-1])
     pre_buckets = eng.buckets if all_buckets else eng.buckets[-1:]
     prefills = [comp.prefill(b, layers=prefill_cost) for b in pre_buckets]
-    usable = chip.hbm_bytes * (1 - headroom)
     decode_peak = max(decode.peak_bytes, insert.peak_bytes)
     prefill_peak = max(p.peak_bytes for p in prefills)
 
-    report = {
-        "model": info.name, "params": info.num_params, "tpu": tpu, "chip": chip.name, "topology": topology,
-        "chips": n_chips, "tp": tp, "slots": slots, "max_len": max_len, "dtype": dtype,
-        "prefill_buckets": list(eng.buckets), "hbm_per_chip": chip.hbm_bytes, "headroom": headroom,
-        "usable_per_chip": usable,
-        "per_chip": {"weights": weights, "kv": kv, "decode_state_other": other_state},
+    report = {**base, "compiled": True,
         "decode_pod": {"peak": decode_peak, "fits": decode_peak <= usable, "steps": [asdict(decode), asdict(insert)]},
         "prefill_pod": {"peak": prefill_peak, "fits": prefill_peak <= usable, "steps": [asdict(p) for p in prefills]},
         "compile_s": time.perf_counter() - t0,
-        "chip_source": chip.source,
     }
     if cost:
         report["decode"] = decode_projection(decode, info, eng, chip, slots=slots, position=position,
@@ -191,6 +200,9 @@ def format_report(r: dict) -> str:
         f"  per chip (Tandem's layout): weights {_gib(pc['weights'])}, KV cache {_gib(pc['kv'])}, "
         f"other decode state {_gib(pc['decode_state_other'])}",
     ]
+    if not r.get("compiled", True):
+        lines.append(f"  DOES NOT FIT: weights + KV per chip {_gib(pc['weights'] + pc['kv'])} exceed the usable "
+                     f"{_gib(r['usable_per_chip'])} before any temporaries (not compiled; --force compiles anyway)")
     for pod in ("decode_pod", "prefill_pod"):
         p = r[pod]
         lines.append(f"  {pod.replace('_', ' ')}: peak {_gib(p['peak'])} per chip -> "
@@ -245,12 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-buckets", action="store_true", help="compile every prefill bucket")
     ap.add_argument("--no-cost", action="store_true", help="memory only: skip the cost compiles")
     ap.add_argument("--prefill-cost", action="store_true", help="also project the prefill's time")
+    ap.add_argument("--force", action="store_true", help="compile even when the weights and KV alone do not fit")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     a = ap.parse_args(argv)
     try:
         r = fit(a.model, tpu=a.tpu, topology=a.topology, tp=a.tp, slots=a.slots, max_len=a.max_len,
                 buckets=a.buckets, dtype=a.dtype, headroom=a.headroom, position=a.position,
-                all_buckets=a.all_buckets, cost=not a.no_cost, prefill_cost=a.prefill_cost)
+                all_buckets=a.all_buckets, cost=not a.no_cost, prefill_cost=a.prefill_cost,
+                force=a.force)
     except ValueError as e:
         print(f"tandem fit: {e}", file=sys.stderr)
         return 2
