@@ -86,7 +86,7 @@ def _describe(tpu: str, topology: str):
 def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = None, slots: int = 8,
         max_len: int = 2048, buckets: tuple[int, ...] = (), dtype: str = "bfloat16", headroom: float = 0.1,
         position: int | None = None, all_buckets: bool = False, cost: bool = True,
-        prefill_cost: bool = False, force: bool = False) -> dict:
+        prefill_cost: bool = False, force: bool = False, profile_small: bool = False) -> dict:
     """The sizing report as a dict (see `format_report`). When the weights and KV Tandem places on
     a chip already exceed its usable HBM, nothing is compiled (`compiled: False`) unless `force`."""
     from tandem_engine import aot
@@ -144,6 +144,12 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
     if cost:
         report["decode"] = decode_projection(decode, info, eng, chip, slots=slots, position=position,
                                              weights=weights, kv=kv, tp=tp)
+    if cost and profile_small:
+        rows = eng.batch_buckets[0]
+        if rows < slots:
+            step = comp.generate(rows)
+            report["decode_small"] = {"rows": rows, **decode_projection(
+                step, info, eng, chip, slots=rows, position=position, weights=weights, kv=kv, tp=tp)}
     if prefill_cost:
         p = prefills[-1]
         secs = max(p.total_flops / chip.bf16_flops_per_s, p.total_bytes / chip.hbm_bytes_per_s)
@@ -183,6 +189,36 @@ def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int,
         "host_budget_us_per_token": budget_us,
         "host_measured_us_per_token": MEASURED_HOST_US_PER_TOKEN,
         "host_keeps_up": budget_us >= MEASURED_HOST_US_PER_TOKEN,
+    }
+
+
+def projected_profile(r: dict, small: dict | None) -> dict:
+    """A starting capacity profile for the planner (planner/profile.py's format), labelled
+    projected: decode step times at the smallest batch bucket and at `slots` from the compiler's
+    cost (a straight line between, as the step's bytes and flops grow with the rows), prefill
+    times from the largest bucket's projected time scaled by tokens (compute-bound). The planner's
+    live correction (planner/correct.py) then scales it to what the pods measure."""
+    d, pf = r["decode"], r.get("prefill")
+    if pf is None:
+        raise ValueError("a profile needs the prefill's cost: add --prefill-cost")
+    points = [{"batch": r["slots"], "itl_s": round(d["step_s"], 7)}]
+    if small is not None and small["rows"] < r["slots"]:
+        points.insert(0, {"batch": small["rows"], "itl_s": round(small["step_s"], 7)})
+    per_token = pf["step_s"] / pf["bucket"]
+    prefill = [{"tokens": b, "seconds": round(max(per_token * b, 1e-6), 7)} for b in r["prefill_buckets"]]
+    return {
+        "format": "tandem-capacity-profile/v1", "model": r["model"], "projected": True,
+        "machine": f"projected by tandem fit for {r['chip']} {r['topology']}, tp={r['tp']} (no TPU measured)",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "tandem fit ... --prefill-cost --profile",
+        "prefill": {"points": prefill},
+        "decode": {"slots": r["slots"], "points": points},
+        "handoff_s": 0.0,
+        "engine": {"model_name": r["model"], "params": r["params"], "dtype": r["dtype"], "tp": r["tp"],
+                   "max_len": r["max_len"], "prefill_buckets": r["prefill_buckets"], "backend": f"tpu {r['tpu']}"},
+        "note": ("projected from the TPU compiler's cost analysis on a roofline (HBM bandwidth, peak bf16 "
+                 "flops), decode at every slot's position " + str(d["position"]) + "; the KV handoff is "
+                 "not projected (0); replace with bench/capacity.py on the pods when they run"),
     }
 
 
@@ -258,13 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cost", action="store_true", help="memory only: skip the cost compiles")
     ap.add_argument("--prefill-cost", action="store_true", help="also project the prefill's time")
     ap.add_argument("--force", action="store_true", help="compile even when the weights and KV alone do not fit")
+    ap.add_argument("--profile", help="also write a projected planner capacity profile here (needs --prefill-cost)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     a = ap.parse_args(argv)
+    if a.profile and (a.no_cost or not a.prefill_cost):
+        print("tandem fit: --profile needs the decode and prefill costs: add --prefill-cost (and drop --no-cost)",
+              file=sys.stderr)
+        return 2
     try:
         r = fit(a.model, tpu=a.tpu, topology=a.topology, tp=a.tp, slots=a.slots, max_len=a.max_len,
                 buckets=a.buckets, dtype=a.dtype, headroom=a.headroom, position=a.position,
                 all_buckets=a.all_buckets, cost=not a.no_cost, prefill_cost=a.prefill_cost,
-                force=a.force)
+                force=a.force, profile_small=bool(a.profile))
+        if a.profile and r.get("compiled"):
+            Path(a.profile).write_text(json.dumps(projected_profile(r, r.get("decode_small")), indent=2) + "\n")
     except ValueError as e:
         print(f"tandem fit: {e}", file=sys.stderr)
         return 2
