@@ -14,6 +14,7 @@ Skips only when libtpu is not importable (`make test` installs the tpu extra, wh
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,9 +30,12 @@ import jax  # noqa: E402
 from tandem_core.models import resolve_model  # noqa: E402
 from tandem_engine import aot  # noqa: E402
 from tandem_engine.weights import init_params  # noqa: E402
+from planner.profile import parse_profile  # noqa: E402
+from tandem.fit import fit, projected_profile  # noqa: E402
 
 SLOTS, MAX_LEN, BUCKET, DTYPE = 8, 512, 64, "bfloat16"
 SLACK = 64 * 1024
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,8 @@ def test_steps_compile_for_v5e_and_hold_what_tandem_places(devices, tp, kv_heads
     # Tandem's own accounting of its layout
     assert aot.shard_bytes(comp.engine.params) == weights
     assert aot.shard_bytes((state.k, state.v)) == kv
-    other = aot.shard_bytes(state) - kv
+    # the rest of the decode state (positions, sampling rows, penalty history) is whole on every chip
+    other = sum(_nbytes(s) for name, s in state._asdict().items() if name not in ("k", "v") for s in jax.tree.leaves(s))
 
     prefill = comp.prefill(BUCKET, layers=False)
     decode = comp.generate(SLOTS, layers=False)
@@ -103,15 +108,31 @@ def test_builtin_at_tp4_is_refused_as_an_engine_refuses_it(devices):
                      prefill_buckets=(BUCKET,), dtype=DTYPE)
 
 
-def test_decode_cost_counts_every_layer(devices):
-    """The compiler counts a scanned layer loop's body once; Compiler.generate's total must count it
-    num_layers times: a step's flops at least the matmuls over the per-chip weights, once per row."""
+def test_fit_counts_every_layer_and_projects_a_profile(devices):
+    """`tandem fit` on the built-in model: it fits a v5e chip, its per-chip weights and KV are the
+    layout's, the decode step's cost counts the layer loop num_layers times (the compiler counts a
+    scanned body once: a step's flops must be at least the matmuls over every layer's per-chip
+    weights, once per row), and its projected profile is one the planner accepts."""
     tp, info = 2, builtin()
-    comp = aot.Compiler(info, devices, tp=tp, slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(BUCKET,), dtype=DTYPE)
-    step = comp.generate(SLOTS)
+    r = fit("builtin", tpu="v5e", topology="2x2", tp=tp, slots=SLOTS, max_len=MAX_LEN, buckets=(BUCKET,),
+            dtype=DTYPE, prefill_cost=True)
+    weights, kv = expected_per_chip(info, tp)
+    assert (r["per_chip"]["weights"], r["per_chip"]["kv"]) == (weights, kv)
+    assert r["decode_pod"]["fits"] and r["prefill_pod"]["fits"]
+    step = r["decode_pod"]["steps"][0]
     d, f, hd = info.hidden_size, info.intermediate_size, info.head_dim
     per_layer_params = d * hd * (2 * info.num_heads + 2 * info.num_kv_heads) + 3 * d * f
     matmuls = 2 * SLOTS * per_layer_params // tp  # one layer's projections, per chip
-    assert step.num_layers == info.num_layers
-    assert matmuls <= step.layer_flops <= 2 * matmuls, (step.layer_flops, matmuls)
-    assert step.total_flops >= step.extra["scanned_flops"] + (info.num_layers - 1) * matmuls
+    assert step["num_layers"] == info.num_layers
+    assert matmuls <= step["layer_flops"] <= 2 * matmuls, (step["layer_flops"], matmuls)
+    assert r["decode"]["flops"] >= step["extra"]["scanned_flops"] + (info.num_layers - 1) * matmuls
+    assert r["decode"]["step_s"] >= r["decode"]["floor_step_s"] > 0
+    assert r["decode"]["host_budget_us_per_token"] == pytest.approx(r["decode"]["step_s"] / SLOTS * 1e6)
+    profile = parse_profile(projected_profile(r, None), "projected")
+    assert profile.slots == SLOTS and profile.decode_itl(SLOTS) == pytest.approx(r["decode"]["step_s"], rel=1e-3)
+
+
+def test_fit_refuses_without_compiling_when_weights_alone_do_not_fit():
+    r = fit(str(REPO / "tools/fit_configs/llama-3.1-70b/config.json"), tpu="v5e", topology="2x4", slots=8, max_len=2048)
+    assert r["compiled"] is False and not r["decode_pod"]["fits"]
+    assert r["per_chip"]["weights"] > 16 * 2**30  # 70B in bf16 over 8 chips, embeddings whole on each
