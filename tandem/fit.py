@@ -129,10 +129,23 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
                 "prefill_pod": {"peak": weights, "fits": weights <= usable, "steps": []},
                 "compile_s": time.perf_counter() - t0}
 
-    decode = comp.generate(slots, layers=cost)
-    insert = comp.insert(eng.buckets[-1])
-    pre_buckets = eng.buckets if all_buckets else eng.buckets[-1:]
-    prefills = [comp.prefill(b, layers=prefill_cost) for b in pre_buckets]
+    try:  # memory first (the engine's own compiles), then the cost compiles
+        decode = comp.generate(slots, layers=False)
+        insert = comp.insert(eng.buckets[-1])
+        pre_buckets = eng.buckets if all_buckets else eng.buckets[-1:]
+        prefills = [comp.prefill(b, layers=False) for b in pre_buckets]
+    except aot.DoesNotFit as e:
+        # the compiler's own verdict: this step cannot be laid out in the chip's HBM
+        pod = "prefill_pod" if e.step.startswith("prefill") else "decode_pod"
+        other = "decode_pod" if pod == "prefill_pod" else "prefill_pod"
+        return {**base, "compiled": False, "compiler_refused": {"step": e.step, "message": e.message},
+                pod: {"peak": None, "fits": False, "steps": []},
+                other: {"peak": None, "fits": None, "steps": []},
+                "compile_s": time.perf_counter() - t0}
+    if cost:
+        comp.count_layers(decode, "generate", slots)
+    if prefill_cost:
+        comp.count_layers(prefills[-1], "prefill", pre_buckets[-1])
     decode_peak = max(decode.peak_bytes, insert.peak_bytes)
     prefill_peak = max(p.peak_bytes for p in prefills)
 
@@ -236,11 +249,16 @@ def format_report(r: dict) -> str:
         f"  per chip (Tandem's layout): weights {_gib(pc['weights'])}, KV cache {_gib(pc['kv'])}, "
         f"other decode state {_gib(pc['decode_state_other'])}",
     ]
-    if not r.get("compiled", True):
+    refused = r.get("compiler_refused")
+    if refused:
+        lines.append(f"  DOES NOT FIT: the TPU compiler refused {refused['step']}: {refused['message']}")
+    elif not r.get("compiled", True):
         lines.append(f"  DOES NOT FIT: weights + KV per chip {_gib(pc['weights'] + pc['kv'])} exceed the usable "
                      f"{_gib(r['usable_per_chip'])} before any temporaries (not compiled; --force compiles anyway)")
     for pod in ("decode_pod", "prefill_pod"):
         p = r[pod]
+        if p["peak"] is None:
+            continue
         lines.append(f"  {pod.replace('_', ' ')}: peak {_gib(p['peak'])} per chip -> "
                      f"{'FITS' if p['fits'] else 'DOES NOT FIT'} "
                      f"({_gib(r['usable_per_chip'] - p['peak'])} left)")

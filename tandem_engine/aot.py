@@ -230,8 +230,21 @@ class Step:
         return self.bytes_accessed + self.num_layers * self.layer_bytes
 
 
+class DoesNotFit(RuntimeError):
+    """The TPU compiler found no way to fit a step in the chip's HBM (its RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(f"{step}: {message}")
+        self.step, self.message = step, message
+
+
 def _step(name: str, lowered, t0: float) -> Step:
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # jax's XlaRuntimeError; only an out-of-memory verdict is an answer
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise DoesNotFit(name, str(e).split("\n")[0]) from e
     secs = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -289,21 +302,26 @@ class Compiler:
     def step(self, kind: str, arg: int, *, layers: bool = True, **opts) -> Step:
         full = self._one(kind, arg, None, **opts)
         if layers:
-            with _unrolled_scans():
-                two = self._one(kind, arg, 2, **opts)
-            if two.flops <= full.flops:
-                raise RuntimeError(f"{full.name}: an unrolled 2-layer compile counted no more flops than the "
-                                   f"scanned one ({two.flops:.3g} <= {full.flops:.3g}): the layer loop was not "
-                                   f"unrolled, so its cost cannot be told apart")
-            # the full compile counts the layer body once: keep its figures aside and count
-            # (2 cL - c2) + L (c2 - cL) instead
-            full.extra["scanned_flops"], full.extra["scanned_bytes"] = full.flops, full.bytes_accessed
-            full.layer_flops = two.flops - full.flops
-            full.layer_bytes = max(0.0, two.bytes_accessed - full.bytes_accessed)
-            full.flops = max(0.0, full.flops - full.layer_flops)
-            full.bytes_accessed = max(0.0, full.bytes_accessed - full.layer_bytes)
-            full.num_layers = self.info.num_layers
-            full.extra["layer_compile_s"] = two.compile_s
+            self.count_layers(full, kind, arg, **opts)
+        return full
+
+    def count_layers(self, full: Step, kind: str, arg: int, **opts) -> Step:
+        """Correct `full` (this engine's compile of `kind`) for the layer loop, in place."""
+        with _unrolled_scans():
+            two = self._one(kind, arg, 2, **opts)
+        if two.flops <= full.flops:
+            raise RuntimeError(f"{full.name}: an unrolled 2-layer compile counted no more flops than the "
+                               f"scanned one ({two.flops:.3g} <= {full.flops:.3g}): the layer loop was not "
+                               f"unrolled, so its cost cannot be told apart")
+        # the full compile counts the layer body once: keep its figures aside and count
+        # (2 cL - c2) + L (c2 - cL) instead
+        full.extra["scanned_flops"], full.extra["scanned_bytes"] = full.flops, full.bytes_accessed
+        full.layer_flops = two.flops - full.flops
+        full.layer_bytes = max(0.0, two.bytes_accessed - full.bytes_accessed)
+        full.flops = max(0.0, full.flops - full.layer_flops)
+        full.bytes_accessed = max(0.0, full.bytes_accessed - full.layer_bytes)
+        full.num_layers = self.info.num_layers
+        full.extra["layer_compile_s"] = two.compile_s
         return full
 
     def prefill(self, bucket: int, **kw) -> Step:
