@@ -142,8 +142,10 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
                 pod: {"peak": None, "fits": False, "steps": []},
                 other: {"peak": None, "fits": None, "steps": []},
                 "compile_s": time.perf_counter() - t0}
+    sampling = None
     if cost:
         comp.count_layers(decode, "generate", slots)
+        sampling = comp.sampling(slots)
     if prefill_cost:
         comp.count_layers(prefills[-1], "prefill", pre_buckets[-1])
     decode_peak = max(decode.peak_bytes, insert.peak_bytes)
@@ -156,13 +158,14 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
     }
     if cost:
         report["decode"] = decode_projection(decode, info, eng, chip, slots=slots, position=position,
-                                             weights=weights, kv=kv, tp=tp)
+                                             weights=weights, kv=kv, tp=tp, sampling=sampling)
     if cost and profile_small:
         rows = eng.batch_buckets[0]
         if rows < slots:
             step = comp.generate(rows)
             report["decode_small"] = {"rows": rows, **decode_projection(
-                step, info, eng, chip, slots=rows, position=position, weights=weights, kv=kv, tp=tp)}
+                step, info, eng, chip, slots=rows, position=position, weights=weights, kv=kv, tp=tp,
+                sampling=comp.sampling(rows))}
     if prefill_cost:
         p = prefills[-1]
         secs = max(p.total_flops / chip.bf16_flops_per_s, p.total_bytes / chip.hbm_bytes_per_s)
@@ -172,7 +175,7 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
 
 
 def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int, weights: int, kv: int,
-                      tp: int) -> dict:
+                      tp: int, sampling=None) -> dict:
     """One decode step at `slots` rows with every slot at `position`: the compiler's flops and
     bytes (layers counted L times; the attention loop's body is one KV chunk per layer, so the
     other chunks a step at `position` reads are added: their KV bytes and attention flops), the
@@ -192,7 +195,14 @@ def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int,
     kv_used = kv * min(1.0, chunks * chunk / eng.max_len)
     floor_s = (weights + kv_used) / chip.hbm_bytes_per_s
     budget_us = step_s / slots * 1e6
-    return {
+    greedy = {}
+    if sampling is not None:  # an all-greedy batch skips the sampler's sort (a lax.cond)
+        g_flops, g_bytes = max(0.0, flops - sampling.flops), max(0.0, nbytes - sampling.bytes_accessed)
+        g_s = max(g_flops / chip.bf16_flops_per_s, g_bytes / chip.hbm_bytes_per_s)
+        greedy = {"sampling_flops": sampling.flops, "sampling_bytes": sampling.bytes_accessed,
+                  "greedy_step_s": g_s, "greedy_tokens_per_s_per_chip": slots / g_s / tp,
+                  "greedy_host_budget_us_per_token": g_s / slots * 1e6}
+    return {**greedy,
         "position": position, "flops": flops, "bytes": nbytes,
         "layer_flops": step.layer_flops, "layer_bytes": step.layer_bytes,
         "outside_layers_flops": step.flops, "outside_layers_bytes": step.bytes_accessed,
@@ -273,6 +283,9 @@ def format_report(r: dict) -> str:
             f"{d['flops'] / 1e9:.1f} GFLOP, {d['bytes'] / GiB:.2f} GiB accessed per chip "
             f"(layers {d['layer_bytes'] * 1.0 / 2**20:.0f} MiB each; outside them "
             f"{d['outside_layers_bytes'] / 2**20:.0f} MiB) -> {d['step_s'] * 1e3:.2f} ms ({d['bound']}-bound)",
+            *([f"  of which the sampler's sort (temperature > 0 in the batch): {d['sampling_bytes'] / GiB:.2f} GiB; "
+               f"an all-greedy batch: {d['greedy_step_s'] * 1e3:.2f} ms, "
+               f"{d['greedy_tokens_per_s_per_chip']:.0f} tok/s per chip"] if "greedy_step_s" in d else []),
             f"  projected decode: {d['tokens_per_s_per_chip']:.0f} tok/s per chip "
             f"({d['tokens_per_s_per_chip'] * r['tp']:.0f} per pod); roofline floor (weights + KV in use "
             f"read once): {d['floor_step_s'] * 1e3:.2f} ms, {d['floor_tokens_per_s_per_chip']:.0f} tok/s per chip",

@@ -13,10 +13,10 @@ Per compiled step it keeps the compiler's memory analysis (per chip: arguments, 
 donations, temporaries) and cost analysis (flops, bytes accessed). The compiler's cost of a `lax.scan` over
 the layers is the body's once, whatever the trip count (measured: the built-in model's 4-layer
 prefill counts the flops of its 1-layer compile, and a 2-layer compile counts them once too), so
-`Compiler.step` corrects it with a 2-layer compile of the same step traced with every
-`lax.scan` unrolled (`_unrolled_scans`): the full compile counts the rest plus one layer (cL), the
-unrolled one the rest plus two (c2), so one layer costs c2 - cL, the rest 2 cL - c2, and the whole
-step (2 cL - c2) + L (c2 - cL). The decode attention's `while_loop` over KV chunks has a
+`Compiler.count_layers` takes the cost from a 1-layer and a 2-layer compile of the same step
+traced with every `lax.scan` unrolled (`_unrolled_scans`): one layer costs c2 - c1, the rest
+2 c1 - c2, and the whole step (2 c1 - c2) + L (c2 - c1). (The full model's scanned compile is no
+substitute for c1: what it does to the whole [L, ...] KV cache outside the body scales with L.) The decode attention's `while_loop` over KV chunks has a
 trip count only known at run time: its body (one chunk of 256 positions) is counted once per
 layer; tandem/fit.py adds the other chunks a step at a given context reads.
 
@@ -209,7 +209,7 @@ class Step:
     code_bytes: int
     flops: float  # as the compiler counts them: a scanned body once
     bytes_accessed: float
-    layer_flops: float = 0.0  # one layer's share (c2 - cL), 0 when not measured
+    layer_flops: float = 0.0  # one layer's share (c2 - c1), 0 when not measured
     layer_bytes: float = 0.0
     num_layers: int = 0  # how many times layer_* count in total_*
     extra: dict = field(default_factory=dict)
@@ -260,7 +260,7 @@ class Compiler:
 
     `Compiler(info, devices, tp=..., slots=..., max_len=..., prefill_buckets=..., dtype=...)`;
     `prefill(bucket)`, `insert(bucket)`, `generate(rows)` each return a `Step` for the full model
-    with its layer loop accounted (`layers=False` skips the unrolled 2-layer compile)."""
+    with its layer loop accounted (`layers=False` skips the unrolled 1- and 2-layer compiles)."""
 
     def __init__(self, info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
                  prefill_buckets, dtype: str):
@@ -308,21 +308,42 @@ class Compiler:
     def count_layers(self, full: Step, kind: str, arg: int, **opts) -> Step:
         """Correct `full` (this engine's compile of `kind`) for the layer loop, in place."""
         with _unrolled_scans():
-            two = self._one(kind, arg, 2, **opts)
-        if two.flops <= full.flops:
-            raise RuntimeError(f"{full.name}: an unrolled 2-layer compile counted no more flops than the "
-                               f"scanned one ({two.flops:.3g} <= {full.flops:.3g}): the layer loop was not "
-                               f"unrolled, so its cost cannot be told apart")
+            one, two = self._one(kind, arg, 1, **opts), self._one(kind, arg, 2, **opts)
+        if two.flops <= one.flops:
+            raise RuntimeError(f"{full.name}: an unrolled 2-layer compile counted no more flops than a 1-layer "
+                               f"one ({two.flops:.3g} <= {one.flops:.3g}): the layer loop was not unrolled, so "
+                               f"its cost cannot be told apart")
         # the full compile counts the layer body once: keep its figures aside and count
-        # (2 cL - c2) + L (c2 - cL) instead
+        # (2 c1 - c2) + L (c2 - c1) instead
         full.extra["scanned_flops"], full.extra["scanned_bytes"] = full.flops, full.bytes_accessed
-        full.layer_flops = two.flops - full.flops
-        full.layer_bytes = max(0.0, two.bytes_accessed - full.bytes_accessed)
-        full.flops = max(0.0, full.flops - full.layer_flops)
-        full.bytes_accessed = max(0.0, full.bytes_accessed - full.layer_bytes)
+        full.layer_flops = two.flops - one.flops
+        full.layer_bytes = max(0.0, two.bytes_accessed - one.bytes_accessed)
+        full.flops = max(0.0, one.flops - full.layer_flops)
+        full.bytes_accessed = max(0.0, one.bytes_accessed - full.layer_bytes)
         full.num_layers = self.info.num_layers
-        full.extra["layer_compile_s"] = two.compile_s
+        full.extra["layer_compile_s"] = one.compile_s + two.compile_s
         return full
+
+    def sampling(self, rows: int) -> Step:
+        """The sampler alone (tandem_engine.sampling.sample over [rows, vocab] float32 logits, as
+        the decode step calls it): the compiler counts its sort-based branch, which a step runs
+        only when a slot samples at temperature > 0, so this part of a step's cost is what an
+        all-greedy batch saves."""
+        from tandem_engine.sampling import sample, token_keys
+
+        rep = self.engine.layout.replicated()
+        v = self.engine.cfg.vocab_size
+
+        def s(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        def run(logits, temperature, top_k, top_p, seeds, step):
+            return sample(logits, temperature, top_k, top_p, token_keys(seeds, step))
+
+        t0 = time.perf_counter()
+        lowered = jax.jit(run).lower(s((rows, v), np.float32), s((rows,), np.float32), s((rows,), np.int32),
+                                     s((rows,), np.float32), s((rows, 2), np.uint32), s((rows,), np.int32))
+        return _step(f"sample[{rows}]", lowered, t0)
 
     def prefill(self, bucket: int, **kw) -> Step:
         return self.step("prefill", bucket, **kw)
