@@ -178,8 +178,8 @@ def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int,
                       tp: int, sampling=None) -> dict:
     """One decode step at `slots` rows with every slot at `position`: the compiler's flops and
     bytes (layers counted L times; the attention loop's body is one KV chunk per layer, so the
-    other chunks a step at `position` reads are added: their KV bytes and attention flops), the
-    step time on the chip's roofline, tokens/s per chip and the host budget per token."""
+    other chunks a step at `position` reads are added: their KV bytes and attention flops), then
+    `roofline`."""
     c = eng.cfg
     chunks = max(1, math.ceil(min(position, eng.max_len) / min(DECODE_CHUNK, eng.max_len)))
     chunk = min(DECODE_CHUNK, eng.max_len)
@@ -188,27 +188,41 @@ def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int,
     chunk_bytes = 2 * slots * kv_local * chunk * c.head_dim * item  # k and v, one layer
     chunk_flops = 2 * 2 * slots * h_local * chunk * c.head_dim
     extra = (chunks - 1) * c.num_layers
-    flops = step.total_flops + extra * chunk_flops
-    nbytes = step.total_bytes + extra * chunk_bytes
-    step_s = max(flops / chip.bf16_flops_per_s, nbytes / chip.hbm_bytes_per_s)
-    # the floor: every weight and the KV in use read once, nothing else
     kv_used = kv * min(1.0, chunks * chunk / eng.max_len)
-    floor_s = (weights + kv_used) / chip.hbm_bytes_per_s
-    budget_us = step_s / slots * 1e6
-    greedy = {}
-    if sampling is not None:  # an all-greedy batch skips the sampler's sort (a lax.cond)
-        g_flops, g_bytes = max(0.0, flops - sampling.flops), max(0.0, nbytes - sampling.bytes_accessed)
-        g_s = max(g_flops / chip.bf16_flops_per_s, g_bytes / chip.hbm_bytes_per_s)
-        greedy = {"sampling_flops": sampling.flops, "sampling_bytes": sampling.bytes_accessed,
-                  "greedy_step_s": g_s, "greedy_tokens_per_s_per_chip": slots / g_s / tp,
-                  "greedy_host_budget_us_per_token": g_s / slots * 1e6}
-    return {**greedy,
-        "position": position, "flops": flops, "bytes": nbytes,
+    raw = {
+        "position": position, "flops": step.total_flops + extra * chunk_flops,
+        "bytes": step.total_bytes + extra * chunk_bytes, "floor_bytes": weights + kv_used,
         "layer_flops": step.layer_flops, "layer_bytes": step.layer_bytes,
         "outside_layers_flops": step.flops, "outside_layers_bytes": step.bytes_accessed,
-        "step_s": step_s, "bound": "memory" if nbytes / chip.hbm_bytes_per_s >= flops / chip.bf16_flops_per_s else "compute",
+        "sampling_flops": None if sampling is None else sampling.flops,
+        "sampling_bytes": None if sampling is None else sampling.bytes_accessed,
+    }
+    return {**raw, **roofline(raw, chip, slots=slots, tp=tp)}
+
+
+def roofline(raw: dict, chip: Chip, *, slots: int, tp: int) -> dict:
+    """Step times from a step's counts on the chip's roofline (the larger of bytes / bandwidth and
+    flops / peak): the **floor** (every weight and the KV in use read once), **greedy** (the
+    compiler's count less the sampler's, never below the floor: where the compiler's bytes cannot
+    be told apart from the floor's, `bytes_below_floor` says so and the floor stands in) and
+    **sampled** (greedy plus the sampler: a batch with any slot at temperature > 0). Tokens/s per
+    chip = slots / step / tp; the host budget = step / slots."""
+    bw, peak = chip.hbm_bytes_per_s, chip.bf16_flops_per_s
+    s_flops, s_bytes = raw.get("sampling_flops") or 0.0, raw.get("sampling_bytes") or 0.0
+    g_bytes_compiler = raw["bytes"] - s_bytes
+    g_flops = max(0.0, raw["flops"] - s_flops)
+    g_bytes = max(g_bytes_compiler, raw["floor_bytes"])
+    floor_s = raw["floor_bytes"] / bw
+    g_s = max(g_flops / peak, g_bytes / bw)
+    step_s = max(raw["flops"] / peak, (g_bytes + s_bytes) / bw)
+    budget_us = step_s / slots * 1e6
+    return {
+        "step_s": step_s, "bound": "memory" if (g_bytes + s_bytes) / bw >= raw["flops"] / peak else "compute",
         "tokens_per_s_per_chip": slots / step_s / tp,
+        "greedy_step_s": g_s, "greedy_tokens_per_s_per_chip": slots / g_s / tp,
+        "greedy_host_budget_us_per_token": g_s / slots * 1e6,
         "floor_step_s": floor_s, "floor_tokens_per_s_per_chip": slots / floor_s / tp,
+        "bytes_below_floor": g_bytes_compiler < raw["floor_bytes"],
         "host_budget_us_per_token": budget_us,
         "host_measured_us_per_token": MEASURED_HOST_US_PER_TOKEN,
         "host_keeps_up": budget_us >= MEASURED_HOST_US_PER_TOKEN,
@@ -283,10 +297,14 @@ def format_report(r: dict) -> str:
             f"{d['flops'] / 1e9:.1f} GFLOP, {d['bytes'] / GiB:.2f} GiB accessed per chip "
             f"(layers {d['layer_bytes'] * 1.0 / 2**20:.0f} MiB each; outside them "
             f"{d['outside_layers_bytes'] / 2**20:.0f} MiB) -> {d['step_s'] * 1e3:.2f} ms ({d['bound']}-bound)",
-            *([f"  of which the sampler's sort (temperature > 0 in the batch): {d['sampling_bytes'] / GiB:.2f} GiB; "
-               f"an all-greedy batch: {d['greedy_step_s'] * 1e3:.2f} ms, "
-               f"{d['greedy_tokens_per_s_per_chip']:.0f} tok/s per chip"] if "greedy_step_s" in d else []),
-            f"  projected decode: {d['tokens_per_s_per_chip']:.0f} tok/s per chip "
+            *([f"  of which the sampler's sort (temperature > 0 in the batch): {d['sampling_bytes'] / GiB:.2f} GiB"]
+              if d.get("sampling_bytes") else []),
+            *(["  the compiler's bytes less the sampler's fall below the floor: the layer loop's bytes could not "
+               "be told apart (the 2-layer compile counted no more bytes than the 1-layer one), so the floor stands in"]
+              if d["bytes_below_floor"] else []),
+            f"  an all-greedy batch: {d['greedy_step_s'] * 1e3:.2f} ms, {d['greedy_tokens_per_s_per_chip']:.0f} tok/s "
+            f"per chip",
+            f"  projected decode, sampled: {d['tokens_per_s_per_chip']:.0f} tok/s per chip "
             f"({d['tokens_per_s_per_chip'] * r['tp']:.0f} per pod); roofline floor (weights + KV in use "
             f"read once): {d['floor_step_s'] * 1e3:.2f} ms, {d['floor_tokens_per_s_per_chip']:.0f} tok/s per chip",
             f"  host budget: {d['host_budget_us_per_token']:.1f} us of host CPU per token before the chip "
