@@ -50,8 +50,9 @@ CHIPS: dict[str, Chip] = {
 }
 
 # What a decode pod's host spends per token today, measured: bench/RESULTS.md, the token plane
-# (publishers, i.e. the decode pod's step loop and Redis writes: 14 us of CPU per token at 34,924
-# tok/s on 2 CPUs). The budget below is set against it.
+# (the publishers, i.e. the decode pod's token publishing to Redis: 14 us of CPU per token at
+# 34,924 tok/s on 2 CPUs; the engine thread's own per-step work is not in it). The budget below
+# is set against it.
 MEASURED_HOST_US_PER_TOKEN = 14.0
 DECODE_CHUNK = 256  # tandem_engine.model.DECODE_CHUNK: KV positions per attention-loop trip
 
