@@ -87,7 +87,8 @@ def _describe(tpu: str, topology: str):
 def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = None, slots: int = 8,
         max_len: int = 2048, buckets: tuple[int, ...] = (), dtype: str = "bfloat16", headroom: float = 0.1,
         position: int | None = None, all_buckets: bool = False, cost: bool = True,
-        prefill_cost: bool = False, force: bool = False, profile_small: bool = False) -> dict:
+        prefill_cost: bool = False, force: bool = False, profile_small: bool = False,
+        expert_parallel: bool = False) -> dict:
     """The sizing report as a dict (see `format_report`). When the weights and KV Tandem places on
     a chip already exceed its usable HBM, nothing is compiled (`compiled: False`) unless `force`."""
     from tandem_engine import aot
@@ -108,7 +109,8 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
     devices = _describe(tpu, topology)
 
     t0 = time.perf_counter()
-    comp = aot.Compiler(info, devices, tp=tp, slots=slots, max_len=max_len, prefill_buckets=buckets, dtype=dtype)
+    comp = aot.Compiler(info, devices, tp=tp, slots=slots, max_len=max_len, prefill_buckets=buckets, dtype=dtype,
+                        expert_parallel=expert_parallel)
     eng = comp.engine
     state = aot.abstract_state(eng)
     weights = aot.shard_bytes(eng.params)
@@ -118,7 +120,7 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
     usable = chip.hbm_bytes * (1 - headroom)
     base = {
         "model": info.name, "params": info.num_params, "tpu": tpu, "chip": chip.name, "topology": topology,
-        "chips": n_chips, "tp": tp, "slots": slots, "max_len": max_len, "dtype": dtype,
+        "chips": n_chips, "tp": tp, "expert_parallel": expert_parallel, "slots": slots, "max_len": max_len, "dtype": dtype,
         "prefill_buckets": list(eng.buckets), "hbm_per_chip": chip.hbm_bytes, "headroom": headroom,
         "usable_per_chip": usable, "chip_source": chip.source,
         "per_chip": {"weights": weights, "kv": kv, "decode_state_other": other_state},
@@ -333,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tpu", required=True, choices=sorted(CHIPS))
     ap.add_argument("--topology", help="e.g. 2x2 (default: the smallest single-host slice with tp chips)")
     ap.add_argument("--tp", type=int, help="tensor parallelism (default: every chip of the topology)")
+    ap.add_argument("--ep", action="store_true", help="mixture of experts: split whole experts across the tp chips "
+                    "(expert parallelism) instead of each expert's hidden units")
     ap.add_argument("--slots", type=int, default=8, help="decode batch (decode pod slots)")
     ap.add_argument("--max-len", type=int, default=2048, help="positions per slot (context)")
     ap.add_argument("--buckets", type=_ints, default=(), help="prefill buckets, comma-separated "
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         r = fit(a.model, tpu=a.tpu, topology=a.topology, tp=a.tp, slots=a.slots, max_len=a.max_len,
                 buckets=a.buckets, dtype=a.dtype, headroom=a.headroom, position=a.position,
                 all_buckets=a.all_buckets, cost=not a.no_cost, prefill_cost=a.prefill_cost,
-                force=a.force, profile_small=bool(a.profile))
+                force=a.force, profile_small=bool(a.profile), expert_parallel=a.ep)
         if a.profile and r.get("compiled"):
             Path(a.profile).write_text(json.dumps(projected_profile(r, r.get("decode_small")), indent=2) + "\n")
     except ValueError as e:

@@ -97,12 +97,15 @@ def abstract_params(info: ModelInfo, dtype: str, layout: Layout) -> dict:
 
 
 def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
-                 prefill_buckets, dtype: str) -> Engine:
+                 prefill_buckets, dtype: str, expert_parallel: bool = False) -> Engine:
     """An Engine for `tp` of `devices` (the first tp) with abstract weights; raises ValueError
-    for what a real Engine refuses (tp not dividing the heads, max_len past the model's)."""
+    for what a real Engine refuses (tp not dividing the heads, max_len past the model's).
+    `expert_parallel`: a mixture of experts splits whole experts across the chips (the layout's
+    option where the engine has it)."""
     if tp > len(devices):
         raise ValueError(f"tp={tp} needs {tp} chips; the topology has {len(devices)}")
-    layout = make_layout(info, tp, Mesh(np.asarray(devices[:tp]), (AXIS,)))
+    ep = {"expert_parallel": True} if expert_parallel else {}
+    layout = make_layout(info, tp, Mesh(np.asarray(devices[:tp]), (AXIS,)), **ep)
     params = abstract_params(info, dtype, layout)
     # tp=1 and no mesh here: the base class keeps `params` as given (no device_put of structs);
     # the layout over the TPU chips is set right after.
@@ -263,9 +266,10 @@ class Compiler:
     with its layer loop accounted (`layers=False` skips the unrolled 1- and 2-layer compiles)."""
 
     def __init__(self, info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
-                 prefill_buckets, dtype: str):
+                 prefill_buckets, dtype: str, expert_parallel: bool = False):
         self.info, self.devices = info, devices
-        self.kw = dict(tp=tp, slots=slots, max_len=max_len, prefill_buckets=tuple(prefill_buckets), dtype=dtype)
+        self.kw = dict(tp=tp, slots=slots, max_len=max_len, prefill_buckets=tuple(prefill_buckets), dtype=dtype,
+                       expert_parallel=expert_parallel)
         self.engine = build_engine(info, devices, **self.kw)
         self._small: dict[int, Engine] = {}
 
