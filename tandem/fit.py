@@ -91,6 +91,9 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
         expert_parallel: bool = False) -> dict:
     """The sizing report as a dict (see `format_report`). When the weights and KV Tandem places on
     a chip already exceed its usable HBM, nothing is compiled (`compiled: False`) unless `force`."""
+    import jax
+    import numpy as np
+
     from tandem_engine import aot
 
     if tpu not in CHIPS:
@@ -119,7 +122,7 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
 
     usable = chip.hbm_bytes * (1 - headroom)
     base = {
-        "model": info.name, "params": info.num_params, "tpu": tpu, "chip": chip.name, "topology": topology,
+        "model": info.name, "params": sum(int(np.prod(s.shape, dtype=np.int64)) for s in jax.tree.leaves(eng.params)), "tpu": tpu, "chip": chip.name, "topology": topology,
         "chips": n_chips, "tp": tp, "expert_parallel": expert_parallel, "slots": slots, "max_len": max_len, "dtype": dtype,
         "prefill_buckets": list(eng.buckets), "hbm_per_chip": chip.hbm_bytes, "headroom": headroom,
         "usable_per_chip": usable, "chip_source": chip.source,
