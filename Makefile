@@ -12,7 +12,7 @@ PIP := $(BIN)/pip install --progress-bar off --disable-pip-version-check
 
 # Extras per target (pyproject.toml [project.optional-dependencies]).
 SERVE_EXTRAS := local
-TEST_EXTRAS := local,dev,test-reference
+TEST_EXTRAS := local,dev,test-reference,tpu
 DEV_EXTRAS := $(TEST_EXTRAS),bench
 # One stamp per set, newer than pyproject.toml once installed (.installed: the test set, as before,
 # so an existing .venv is not reinstalled). The venv itself is order-only: creating it forces nothing.
@@ -37,7 +37,8 @@ $(SERVE_STAMP): pyproject.toml | $(CREATED)
 $(STAMP): pyproject.toml | $(CREATED)
 	@echo "make test: installing tandem-serve[$(TEST_EXTRAS)] into $(VENV): what make serve installs plus"
 	@echo "  pytest, the real clients the tests drive (openai, langchain-openai, schemathesis), the Helm"
-	@echo "  library and kubernetes-validate for the chart, and torch/transformers for the reference-model tests."
+	@echo "  library and kubernetes-validate for the chart, torch/transformers for the reference-model tests,"
+	@echo "  and libtpu (jax[tpu]) so the TPU compile tests run without a TPU."
 	$(PIP) -e '.[$(TEST_EXTRAS)]'
 	touch $(STAMP)
 

@@ -49,6 +49,7 @@ class Claims:
         self.bell = groups.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
+        self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
 
     def _sources(self) -> list[tuple[list[str], str]]:
         out = []
@@ -226,6 +227,9 @@ class Claims:
             await retry(lambda: self.publisher.write_tokens(first), "first token again", log=log)
 
     async def _cancelled(self, key: int, req: GenerationRequest) -> None:
+        """A request the client left while it was claimed or being pulled: its `cancelled` finish
+        (counted with the engine's cancels in the heartbeat)."""
         self.table.drop(key)
+        self.cancelled += 1
         await conn.retry_redis(
             lambda: self.publisher.finish(req.request_id, req.start_index + 1, FINISH_CANCELLED), "finish")

@@ -13,7 +13,7 @@ WORKDIR /src
 COPY . .
 # The worker extra plus jax[tpu], which pulls the matching jaxlib and libtpu wheels from PyPI. Importing works without a TPU;
 # devices are only probed at run time.
-RUN pip install ".[worker]" "jax[tpu]" && python -c "import jax, libtpu"
+RUN pip install ".[worker,tpu]" && python -c "import jax, libtpu"
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin tandem

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: tandem {local,prefill,decode,gateway,planner} [--help]
+USAGE = """usage: tandem {local,prefill,decode,gateway,planner,fit} [--help]
 
   local     start a local cluster: embedded (or external) Redis, prefill and decode workers, gateway
   prefill   run one prefill worker (settings from TANDEM_PREFILL_* environment variables)
   decode    run one decode worker (settings from TANDEM_DECODE_* environment variables)
   gateway   run the HTTP/gRPC gateway (settings from TANDEM_GATEWAY_* environment variables)
   planner   size prefill and decode pods to TTFT/ITL targets (settings from TANDEM_PLANNER_*)
+  fit       compile the serving steps for a TPU slice (no TPU needed) and report HBM per chip and speed
 
 `tandem COMMAND --help` explains each one."""
 
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.__main__ import main as run
     elif cmd == "planner":
         from planner.__main__ import main as run
+    elif cmd == "fit":
+        from tandem.fit import main as run
     else:
         print(f"tandem: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

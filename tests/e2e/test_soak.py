@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 
 import httpx
@@ -37,7 +38,9 @@ def streamed_usage(text: str) -> int:
     """Every event of one streamed completion, parsed: no in-band error event (a 200 whose stream
     ends with `data: {"error": ...}` and then `[DONE]` is a failed request, not a served one), one
     `length` finish (the soak asks with ignore_eos), `[DONE]` last; its completion tokens (usage)."""
-    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    # SSE lines end only at CR, LF or CRLF: str.splitlines would also cut at U+2028, U+0085, ...,
+    # which the model's text may hold unescaped inside a JSON string
+    events = [line[6:] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", f"the stream did not end with [DONE]: {text[-300:]}"
     chunks = [json.loads(e) for e in events[:-1]]  # every event is JSON
     errors = [c["error"] for c in chunks if "error" in c]

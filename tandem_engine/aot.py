@@ -1,0 +1,369 @@
+"""Ahead-of-time compilation of the Engine's serving steps for a TPU slice that is not here.
+
+With `libtpu` installed (the `tpu` extra), JAX describes a TPU topology ("v5e:2x4") as
+compile-only devices, and `jit(f).lower(<ShapeDtypeStructs with NamedShardings over them>)
+.compile()` runs the real TPU compiler on this machine: no TPU, no weights. This module builds an
+Engine over abstract weights (`jax.eval_shape` of `init_params`, placed with the engine's own
+`Layout`), lets the Engine's public methods (`prefill`, `insert`, `generate`) build their real
+arguments, and lowers the jitted core each one calls instead of running it. So what compiles here
+is what a pod runs: the same cores, buckets, shapes and shardings, and a change in any of them
+flows through.
+
+Per compiled step it keeps the compiler's memory analysis (per chip: arguments, outputs, aliased
+donations, temporaries) and cost analysis (flops, bytes accessed). The compiler's cost of a `lax.scan` over
+the layers is the body's once, whatever the trip count (measured: the built-in model's 4-layer
+prefill counts the flops of its 1-layer compile, and a 2-layer compile counts them once too), so
+`Compiler.count_layers` takes the cost from a 1-layer and a 2-layer compile of the same step
+traced with every `lax.scan` unrolled (`_unrolled_scans`): one layer costs c2 - c1, the rest
+2 c1 - c2, and the whole step (2 c1 - c2) + L (c2 - c1). (The full model's scanned compile is no
+substitute for c1: what it does to the whole [L, ...] KV cache outside the body scales with L.) The decode attention's `while_loop` over KV chunks has a
+trip count only known at run time: its body (one chunk of 256 positions) is counted once per
+layer; tandem/fit.py adds the other chunks a step at a given context reads.
+
+No I/O beyond the compiler, no settings; tandem/fit.py turns these numbers into a sizing report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from tandem_core.models import ModelInfo
+from tandem_core.types import SamplingParams
+from tandem_engine import engine_decode, engine_prefill
+from tandem_engine.engine import Engine, Prefix
+from tandem_engine.sharding import AXIS, Layout, make_layout
+from tandem_engine.weights import init_params
+
+
+class TPUUnavailable(RuntimeError):
+    """libtpu is not installed, so no TPU topology can be described."""
+
+
+def libtpu_missing() -> str | None:
+    """None when TPU topologies can be described here; otherwise why not and what to do."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as e:
+        return (f"libtpu is not importable ({e}); install the tpu extra: pip install -e '.[tpu]' "
+                f"(libtpu matching this jax {jax.__version__})")
+    return None
+
+
+def topology_devices(tpu: str, topology: str) -> list:
+    """The compile-only devices of a TPU slice, e.g. ("v5e", "2x4"): 8 chips. Needs libtpu."""
+    why = libtpu_missing()
+    if why:
+        raise TPUUnavailable(why)
+    import os
+    from jax.experimental import topologies
+
+    # libtpu looks for a TPU VM's metadata and warns loudly when there is none; compiling does
+    # not need it, so give it what it asks for (only for this process, only where unset). Any
+    # other JAX process on this machine (a CPU pod, a test) may hold libtpu's lockfile, which only
+    # guards a real chip: compile-only devices share nothing.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{tpu}-{int(np.prod([int(x) for x in topology.split('x')]))}")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{tpu}:{topology}")
+    return list(desc.devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# an Engine over abstract weights
+
+
+class _AbstractEngine(Engine):
+    """An Engine whose params and states are ShapeDtypeStructs carrying NamedShardings. Only the
+    host-side placement differs (a struct is "placed" by giving it the sharding); the cores are
+    lowered, never run (see `Compiler`)."""
+
+    def _place_kv(self, kv):
+        return jax.ShapeDtypeStruct(tuple(kv.shape), self._jdtype, sharding=self.layout.kv_prefix())
+
+
+def abstract_params(info: ModelInfo, dtype: str, layout: Layout) -> dict:
+    """The params pytree as ShapeDtypeStructs sharded as the engine places them (no weights)."""
+    shapes = jax.eval_shape(lambda: init_params(info, dtype))
+    shardings = layout.param_shardings(shapes)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
+                 prefill_buckets, dtype: str, expert_parallel: bool = False) -> Engine:
+    """An Engine for `tp` of `devices` (the first tp) with abstract weights; raises ValueError
+    for what a real Engine refuses (tp not dividing the heads, max_len past the model's).
+    `expert_parallel`: a mixture of experts splits whole experts across the chips (the layout's
+    option where the engine has it)."""
+    if tp > len(devices):
+        raise ValueError(f"tp={tp} needs {tp} chips; the topology has {len(devices)}")
+    ep = {"expert_parallel": True} if expert_parallel else {}
+    layout = make_layout(info, tp, Mesh(np.asarray(devices[:tp]), (AXIS,)), **ep)
+    params = abstract_params(info, dtype, layout)
+    # tp=1 and no mesh here: the base class keeps `params` as given (no device_put of structs);
+    # the layout over the TPU chips is set right after.
+    eng = _AbstractEngine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
+                          dtype=dtype, tp=1)
+    eng.layout = layout
+    return eng
+
+
+def abstract_state(eng: Engine):
+    """The engine's own `init_state`, as shapes, with the shardings it allocates them with: the
+    KV cache arrays (k, v) on `layout.kv_cache()`, everything else replicated."""
+    shapes = jax.eval_shape(eng.init_state)
+    kv, rep = eng.layout.kv_cache(), eng.layout.replicated()
+    kv_shape = tuple(shapes.k.shape)
+
+    def place(path, s):
+        name = getattr(path[0], "name", None) if path else None
+        sharding = kv if name in ("k", "v") and tuple(s.shape) == kv_shape else rep
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# lowering what the engine calls
+
+
+@contextmanager
+def _unrolled_scans():
+    """While active, every `jax.lax.scan` traced is fully unrolled (the layer loop of a 1- or
+    2-layer model: a few copies of the body), so the compiler counts each layer. Only for the
+    small cost-accounting compiles; the compile whose memory is reported keeps the engine's loop."""
+    real = jax.lax.scan
+
+    def scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kwargs):
+        return real(f, init, xs, length=length, reverse=reverse, unroll=True, **kwargs)
+
+    jax.lax.scan = scan
+    try:
+        yield
+    finally:
+        jax.lax.scan = real
+
+
+class _Captured(Exception):
+    pass
+
+
+@contextmanager
+def _capture(module, name: str):
+    """While active, `module.name` (a jitted core the engine calls) records its arguments and
+    stops the call; the engine's host code before it runs for real."""
+    real = getattr(module, name)
+    calls: list = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise _Captured
+
+    setattr(module, name, record)
+    try:
+        yield real, calls
+    finally:
+        setattr(module, name, real)
+
+
+def _abstract_args(args, replicated):
+    """numpy / scalar leaves -> replicated ShapeDtypeStructs; structs stay as they are."""
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        a = np.asarray(x)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+    return jax.tree.map(one, args)
+
+
+def _lower_call(module, name: str, call: Callable[[], Any], replicated):
+    with _capture(module, name) as (real, calls):
+        try:
+            call()
+        except _Captured:
+            pass
+    if not calls:
+        raise RuntimeError(f"the engine did not call {module.__name__}.{name}; tandem_engine/aot.py "
+                           f"needs to follow the engine's change")
+    args, kwargs = calls[0]
+    statics = {k: v for k, v in kwargs.items() if k in ("cfg", "layout", "rows", "logprobs")}
+    dynamic = {k: v for k, v in kwargs.items() if k not in statics}
+    args, dynamic = _abstract_args((args, dynamic), replicated)
+    return real.lower(*args, **dynamic, **statics)
+
+
+@dataclass
+class Step:
+    """One compiled step on one chip: the compiler's memory and cost figures."""
+
+    name: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    flops: float  # as the compiler counts them: a scanned body once
+    bytes_accessed: float
+    layer_flops: float = 0.0  # one layer's share (c2 - c1), 0 when not measured
+    layer_bytes: float = 0.0
+    num_layers: int = 0  # how many times layer_* count in total_*
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the step needs live at once: its inputs, its outputs not aliased to a donated
+        input, its temporaries and its code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def total_flops(self) -> float:
+        """Flops with the layer loop counted num_layers times."""
+        return self.flops + self.num_layers * self.layer_flops
+
+    @property
+    def total_bytes(self) -> float:
+        return self.bytes_accessed + self.num_layers * self.layer_bytes
+
+
+class DoesNotFit(RuntimeError):
+    """The TPU compiler found no way to fit a step in the chip's HBM (its RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(f"{step}: {message}")
+        self.step, self.message = step, message
+
+
+def _step(name: str, lowered, t0: float) -> Step:
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # jax's XlaRuntimeError; only an out-of-memory verdict is an answer
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise DoesNotFit(name, str(e).split("\n")[0]) from e
+    secs = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return Step(name=name, compile_s=secs, argument_bytes=int(mem.argument_size_in_bytes),
+                output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
+                temp_bytes=int(mem.temp_size_in_bytes), code_bytes=int(mem.generated_code_size_in_bytes),
+                flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)))
+
+
+class Compiler:
+    """Compiles one engine configuration's steps for a TPU slice.
+
+    `Compiler(info, devices, tp=..., slots=..., max_len=..., prefill_buckets=..., dtype=...)`;
+    `prefill(bucket)`, `insert(bucket)`, `generate(rows)` each return a `Step` for the full model
+    with its layer loop accounted (`layers=False` skips the unrolled 1- and 2-layer compiles)."""
+
+    def __init__(self, info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
+                 prefill_buckets, dtype: str, expert_parallel: bool = False):
+        self.info, self.devices = info, devices
+        self.kw = dict(tp=tp, slots=slots, max_len=max_len, prefill_buckets=tuple(prefill_buckets), dtype=dtype,
+                       expert_parallel=expert_parallel)
+        self.engine = build_engine(info, devices, **self.kw)
+        self._small: dict[int, Engine] = {}
+
+    def _engine(self, layers: int | None) -> Engine:
+        if layers is None:
+            return self.engine
+        if layers not in self._small:
+            small = dataclasses.replace(self.info, num_layers=layers)
+            self._small[layers] = build_engine(small, self.devices, **self.kw)
+        return self._small[layers]
+
+    def _one(self, kind: str, arg: int, layers: int | None, **opts) -> Step:
+        eng = self._engine(layers)
+        rep = eng.layout.replicated()
+        t0 = time.perf_counter()
+        if kind == "prefill":
+            lowered = _lower_call(engine_prefill, "prefill_core",
+                                  lambda: eng.prefill([0] * arg, SamplingParams()), rep)
+        elif kind == "insert":
+            c = eng.cfg
+            kv = jax.ShapeDtypeStruct((c.num_layers, arg, c.num_kv_heads, c.head_dim), eng._jdtype,
+                                      sharding=eng.layout.kv_prefix())
+            state = abstract_state(eng)
+            lowered = _lower_call(engine_decode, "insert_core",
+                                  lambda: eng.insert(Prefix(kv, kv, 1, 0), state, 0, SamplingParams()), rep)
+        elif kind == "generate":
+            state = abstract_state(eng)
+            lowered = _lower_call(engine_decode, "generate_core",
+                                  lambda: eng.generate(state, arg, logprobs=opts.get("logprobs", False)), rep)
+        else:
+            raise ValueError(kind)
+        return _step(f"{kind}[{arg}]", lowered, t0)
+
+    def step(self, kind: str, arg: int, *, layers: bool = True, **opts) -> Step:
+        full = self._one(kind, arg, None, **opts)
+        if layers:
+            self.count_layers(full, kind, arg, **opts)
+        return full
+
+    def count_layers(self, full: Step, kind: str, arg: int, **opts) -> Step:
+        """Correct `full` (this engine's compile of `kind`) for the layer loop, in place."""
+        with _unrolled_scans():
+            one, two = self._one(kind, arg, 1, **opts), self._one(kind, arg, 2, **opts)
+        if two.flops <= one.flops:
+            raise RuntimeError(f"{full.name}: an unrolled 2-layer compile counted no more flops than a 1-layer "
+                               f"one ({two.flops:.3g} <= {one.flops:.3g}): the layer loop was not unrolled, so "
+                               f"its cost cannot be told apart")
+        # the full compile counts the layer body once: keep its figures aside and count
+        # (2 c1 - c2) + L (c2 - c1) instead
+        full.extra["scanned_flops"], full.extra["scanned_bytes"] = full.flops, full.bytes_accessed
+        full.layer_flops = two.flops - one.flops
+        full.layer_bytes = max(0.0, two.bytes_accessed - one.bytes_accessed)
+        full.flops = max(0.0, one.flops - full.layer_flops)
+        full.bytes_accessed = max(0.0, one.bytes_accessed - full.layer_bytes)
+        full.num_layers = self.info.num_layers
+        full.extra["layer_compile_s"] = one.compile_s + two.compile_s
+        return full
+
+    def sampling(self, rows: int) -> Step:
+        """The sampler alone (tandem_engine.sampling.sample over [rows, vocab] float32 logits, as
+        the decode step calls it): the compiler counts its sort-based branch, which a step runs
+        only when a slot samples at temperature > 0, so this part of a step's cost is what an
+        all-greedy batch saves."""
+        from tandem_engine.sampling import sample, token_keys
+
+        rep = self.engine.layout.replicated()
+        v = self.engine.cfg.vocab_size
+
+        def s(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        def run(logits, temperature, top_k, top_p, seeds, step):
+            return sample(logits, temperature, top_k, top_p, token_keys(seeds, step))
+
+        t0 = time.perf_counter()
+        lowered = jax.jit(run).lower(s((rows, v), np.float32), s((rows,), np.float32), s((rows,), np.int32),
+                                     s((rows,), np.float32), s((rows, 2), np.uint32), s((rows,), np.int32))
+        return _step(f"sample[{rows}]", lowered, t0)
+
+    def prefill(self, bucket: int, **kw) -> Step:
+        return self.step("prefill", bucket, **kw)
+
+    def insert(self, bucket: int, **kw) -> Step:
+        return self.step("insert", bucket, layers=False, **kw)
+
+    def generate(self, rows: int, **kw) -> Step:
+        return self.step("generate", rows, **kw)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one chip holds of a pytree of sharded ShapeDtypeStructs (the largest shard: what
+    Tandem's layout puts on each chip)."""
+    total = 0
+    for s in jax.tree.leaves(tree):
+        shape = s.sharding.shard_shape(s.shape) if getattr(s, "sharding", None) is not None else s.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize
+    return total
