@@ -153,6 +153,8 @@ def main(argv=None) -> int:
                              r["step_s"] / roof, dense_twin(name) or ""])
                 print(rows[-1], flush=True)
     body = "\n".join([
+        "## Model families: decode per family against the roofline, each MoE beside its dense twin",
+        "",
         f"Command: `python bench/families.py{' --quick' if a.quick else ''}`. Machine: {machine_line()}.",
         f"Read bandwidth (XLA copy / 2): {bw / 1e9:.1f} GB/s. float32, cpu_threads one per core, prompt {PROMPT}.",
         "",
