@@ -277,7 +277,7 @@ class Compiler:
         if layers is None:
             return self.engine
         if layers not in self._small:
-            small = dataclasses.replace(self.info, num_layers=layers)
+            small = _first_layers(self.info, layers)
             self._small[layers] = build_engine(small, self.devices, **self.kw)
         return self._small[layers]
 
@@ -367,3 +367,17 @@ def shard_bytes(tree) -> int:
         shape = s.sharding.shard_shape(s.shape) if getattr(s, "sharding", None) is not None else s.shape
         total += int(np.prod(shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize
     return total
+
+
+def _first_layers(info, layers: int):
+    """`info` cut to its first `layers` layers (the cost-accounting compiles), per-layer types
+    (windows) included. A model whose layers differ (Gemma 3's 5 local : 1 global) is costed from
+    its first layers' kind."""
+    extra = dict(info.extra or {})
+    hf = extra.get("hf_config")
+    if hf:
+        hf = {**hf, "num_hidden_layers": layers}
+        if hf.get("layer_types"):
+            hf["layer_types"] = list(hf["layer_types"])[:layers]
+        extra["hf_config"] = hf
+    return dataclasses.replace(info, num_layers=layers, extra=extra)

@@ -136,3 +136,20 @@ def test_fit_refuses_without_compiling_when_weights_alone_do_not_fit():
     r = fit(str(REPO / "tools/fit_configs/llama-3.1-70b/config.json"), tpu="v5e", topology="2x4", slots=8, max_len=2048)
     assert r["compiled"] is False and not r["decode_pod"]["fits"]
     assert r["per_chip"]["weights"] > 16 * 2**30  # 70B in bf16 over 8 chips, embeddings whole on each
+
+
+@pytest.mark.parametrize("family,ep", [("gpt_oss", True), ("gemma3", False)])
+def test_fit_answers_for_the_families(family, ep, tmp_path):
+    """A mixture of experts split by expert (grouped matmuls, sinks, YaRN) and a model whose layers
+    alternate windows compile for a v5e slice; the layer-cost compiles cut `layer_types` with the
+    layers (they failed on it before)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.families import build_family
+
+    build_family(family, tmp_path / family, seed=1)
+    r = fit(str(tmp_path / family), tpu="v5e", topology="2x2", tp=2, expert_parallel=ep, slots=8, max_len=128,
+            buckets=(64,))
+    assert r["decode_pod"]["fits"] and r["prefill_pod"]["fits"]
+    assert r["decode_pod"]["steps"][0]["num_layers"] == 4
+    assert r["decode"]["step_s"] > 0
