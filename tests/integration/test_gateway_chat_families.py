@@ -19,12 +19,11 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tandem_core import keys  # noqa: E402
-from tandem_core.bus import groups, token_stream  # noqa: E402
 from tandem_core.models import resolve_model  # noqa: E402
 from tandem_core.tokenizer import load_tokenizer  # noqa: E402
 from tandem_core.types import GenerationRequest  # noqa: E402
 from tests.chat_family import family_dir  # noqa: E402
+from tests.integration.scripted_worker import serve_scripted  # noqa: E402
 from tests.integration.test_gateway_relay import Gateway, _settings  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
@@ -47,23 +46,10 @@ class Family:
 
 
 async def _serve(redis_url: str, pool: str, fam: Family, stop: threading.Event) -> None:
-    import redis.asyncio as aioredis
+    def answer(req: GenerationRequest) -> list[int]:
+        return fam.tok.encode(fam.reply, add_special_tokens=False) + [fam.tok.eos_token_ids[0]]
 
-    r = aioredis.Redis.from_url(redis_url)
-    await groups.ensure_groups(r, pool)
-    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
-    while not stop.is_set():
-        got = await groups.claim(r, adm, keys.PREFILL_GROUP, "fam", count=8, block_ms=None)
-        got += await groups.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, "fam", count=8, block_ms=50)
-        for c in got:
-            req = GenerationRequest.from_json(c.fields["req"])
-            fam.seen.append(req)
-            ids = fam.tok.encode(fam.reply, add_special_tokens=False) + [fam.tok.eos_token_ids[0]]
-            pipe = r.pipeline(transaction=False)
-            token_stream.add_tokens(pipe, req.request_id, 0, ids, "stop", 60, 1000)
-            await pipe.execute()
-            await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
-    await r.aclose()
+    await serve_scripted(redis_url, pool, "fam", answer, fam.seen, stop)
 
 
 @pytest.fixture(scope="module")

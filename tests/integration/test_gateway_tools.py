@@ -18,10 +18,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from pydantic import BaseModel  # noqa: E402
 
-from tandem_core import keys  # noqa: E402
-from tandem_core.bus import groups, token_stream
 from tandem_core.models import BYTE_EOS  # noqa: E402
 from tandem_core.types import GenerationRequest  # noqa: E402
+from tests.integration.scripted_worker import serve_scripted  # noqa: E402
 from tests.integration.test_gateway_relay import Gateway, _settings  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
@@ -40,22 +39,7 @@ class Script:
 
 
 async def _serve(redis_url: str, pool: str, script: Script, stop: threading.Event) -> None:
-    import redis.asyncio as aioredis
-
-    r = aioredis.Redis.from_url(redis_url)
-    await groups.ensure_groups(r, pool)
-    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
-    while not stop.is_set():
-        got = await groups.claim(r, adm, keys.PREFILL_GROUP, "tools", count=8, block_ms=None)
-        got += await groups.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, "tools", count=8, block_ms=50)
-        for c in got:
-            req = GenerationRequest.from_json(c.fields["req"])
-            script.seen.append(req)
-            pipe = r.pipeline(transaction=False)
-            token_stream.add_tokens(pipe, req.request_id, 0, [*script.reply.encode(), BYTE_EOS], "stop", 60, 1000)
-            await pipe.execute()
-            await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
-    await r.aclose()
+    await serve_scripted(redis_url, pool, "tools", lambda req: [*script.reply.encode(), BYTE_EOS], script.seen, stop)
 
 
 def _run(redis_url: str, pool: str, script: Script, stop: threading.Event) -> None:
