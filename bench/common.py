@@ -1,4 +1,4 @@
-"""Helpers every benchmark shares: the machine's description, markdown tables, and the two
+"""Helpers every benchmark shares: the machine's and the code's description, markdown tables, and the two
 outputs (a marked section of `bench/RESULTS.md`, merged keys of `bench/out/summary.json`).
 
 Each benchmark owns one section of RESULTS.md between `<!-- NAME:start -->` and
@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,6 +63,18 @@ def machine_line(info: dict | None = None) -> str:
     load = f", load average {m['load_avg_1m']} at start" if m.get("load_avg_1m") is not None else ""
     return (f"{m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB memory, Python {m['python']}, "
             f"{m['date']}{load}")
+
+
+def code_version() -> str:
+    """`git describe`-like: the commit, and whether the working tree had uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR.parent, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=BENCH_DIR.parent,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{head} + uncommitted changes" if dirty else head
 
 
 def fmt(x, digits: int = 3) -> str:

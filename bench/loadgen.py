@@ -283,3 +283,41 @@ def delayed_step_fraction(results: Sequence[RequestResult], factor: float = 3.0,
         return math.nan
     med = percentile(gaps, 50)
     return sum(1 for g in gaps if g > factor * med) / len(gaps)
+
+
+# A step (a gap between two tokens of one short request) is "delayed" when it is longer than this
+# many times the run's median gap (bench/interleave.py's measure).
+DELAY_FACTOR = 3.0
+
+
+def burst_windows(results: Sequence[RequestResult]) -> list[tuple[float, float]]:
+    """[sent, last token] of every long request: the spans during which a long prompt is in flight."""
+    return [(r.sent_s, r.sent_s + (r.e2e_s if r.ok else r.ttft_s or 0.0)) for r in results
+            if r.kind == "long" and r.ok]
+
+
+def gaps_under_burst(results: Sequence[RequestResult]) -> list[float]:
+    """Short requests' inter-token gaps that end inside a burst window."""
+    wins = burst_windows(results)
+    out = []
+    for r in results:
+        if r.kind != "short" or not r.ok:
+            continue
+        for gap, t in zip(r.itl_s, r.token_s[1:]):
+            if any(a <= t <= b for a, b in wins):
+                out.append(gap)
+    return out
+
+
+def burst_summary(results: Sequence[RequestResult], wall_s: float, slo: tuple[float, float],
+                  delay_factor: float = DELAY_FACTOR) -> dict:
+    """A `burst` workload's run (short requests with bursts of long prompts laid over them): the
+    short, long and all requests' summaries, the short requests' gaps under bursts, and the delayed
+    steps (bench/serve.py's burst runs, read by bench/interleave.py)."""
+    return {
+        "short": summarize(results, wall_s, *slo, kinds=("short",)),
+        "long": summarize(results, wall_s, *slo, kinds=("long",)),
+        "all": summarize(results, wall_s, *slo),
+        "itl_under_burst_s": pcts(gaps_under_burst(results)),
+        "delayed_step_fraction": delayed_step_fraction(results, delay_factor),
+    }

@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 from bench import peer_report as rep  # noqa: E402
 from bench import proc_cpu, vllm_cpu  # noqa: E402
-from bench.common import BENCH_DIR, machine_info, machine_line, merge_summary, write_section  # noqa: E402
+from bench.common import BENCH_DIR, code_version, machine_info, machine_line, merge_summary, write_section  # noqa: E402
 from bench.loadgen import CLIENT_NAME, goodput, make_workload, run_load, summarize  # noqa: E402
 from bench.systems import TandemLocal, model_id, run_bare, warm_up  # noqa: E402
 
@@ -197,20 +197,6 @@ def run_system(name: str, plan: Plan, wl: dict, cpus: str) -> dict:
     return {"status": "ok", "raw": raw, "setup_s": setup, "load_1m": [load0, _load()]}
 
 
-def _code_version() -> str:
-    """`git describe`-like: the commit, and whether the working tree had uncommitted changes."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f"{head} + uncommitted changes" if dirty else head
-
-
 def _load() -> float | None:
     """The machine's 1-minute load average (others' work on a shared machine shows here)."""
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
@@ -347,7 +333,7 @@ def run(plan: Plan, argv: list[str], write: bool = True) -> int:
               f"{' health: ' + ('ok' if h.get('healthy') else '; '.join(h.get('reasons', []))) if h else ''}",
               flush=True)
     doc = {"plan": asdict(plan), "machine": machine, "client": CLIENT_NAME, "systems": systems, "argv": argv,
-           "code": _code_version(),
+           "code": code_version(),
            "seconds": time.perf_counter() - t0, "finished": time.time()}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "peer.json").write_text(json.dumps(doc, indent=2, default=str))

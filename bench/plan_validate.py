@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import plan_trace  # noqa: E402
-from bench.common import BENCH_DIR, machine_line, markdown_table, write_section  # noqa: E402
+from bench.common import BENCH_DIR, machine_line, markdown_table, pyplot, write_section  # noqa: E402
 from bench.loadgen import CLIENT_NAME, RequestSpec, run_load  # noqa: E402
 from bench.plan_model import SimConfig, simulate  # noqa: E402
 from bench.plan_policies import StaticPolicy, scaled  # noqa: E402
@@ -283,9 +283,7 @@ def report(doc: dict, profile) -> str:
 
 
 def plot(doc: dict) -> None:
-    from bench.plan_sim import _plt
-
-    plt = _plt()
+    plt = pyplot()
     if plt is None:
         return
     m = [r for r in doc["measured"] if r["error"] is None and r["tokens_out"] > 1]

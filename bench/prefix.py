@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import vllm_cpu  # noqa: E402
-from bench.common import fmt, machine_info, write_section  # noqa: E402
+from bench.common import code_version, fmt, machine_info, write_section  # noqa: E402
 from bench.loadgen import RequestSpec  # noqa: E402
 from bench.prefix_report import (BUCKETS, COUNTERS, EXTRA, MAX_PROMPT, NOCACHE_ENV, OUT, RAW, SECTION,  # noqa: E402
                                  SYSTEMS, Plan, _na, counter_delta, parse_counters, report, summarize_system)
@@ -185,7 +185,6 @@ def _vllm_flag() -> str:
 
 
 def run(plan: Plan, argv: list[str], write: bool) -> int:
-    from bench.peer import _code_version
     from tandem_core.models import resolve_model
 
     t0, machine = time.perf_counter(), machine_info()
@@ -202,7 +201,7 @@ def run(plan: Plan, argv: list[str], write: bool) -> int:
         print(f"<-- {name}: {s['status']} {s.get('reason', '')} TTFT p50 {fmt((s.get('ttft_ms') or {}).get('p50'))} ms"
               f", hit rate {_na(s.get('hit_rate'), True)}, health {s.get('health', {}).get('reasons', '-') or 'ok'}",
               flush=True)
-    doc = {"plan": asdict(plan), "machine": machine, "systems": systems, "argv": argv, "code": _code_version(),
+    doc = {"plan": asdict(plan), "machine": machine, "systems": systems, "argv": argv, "code": code_version(),
            "longest_prompt": max(len(t) for c in convs for t in c),
            "vllm_prefix_caching": _vllm_flag() if "vllm" in plan.systems else "",
            "seconds": time.perf_counter() - t0, "finished": time.time()}

@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import interleave, vllm_cpu  # noqa: E402
+from bench import interleave_report, vllm_cpu  # noqa: E402
 from bench.common import BENCH_DIR, fmt, machine_info, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
-from bench.loadgen import CLIENT_NAME, RequestResult, goodput, make_workload, run_load, summarize  # noqa: E402
+from bench.loadgen import CLIENT_NAME, RequestResult, burst_summary, goodput, make_workload, run_load, summarize  # noqa: E402
 from bench.systems import External, TandemLocal, model_id, run_bare, warm_up  # noqa: E402
 
 SECTION = "serve"
@@ -181,7 +181,7 @@ def summarize_system(run: dict, plan: Plan) -> dict:
         out["steady"] = {str(r): summarize(v["results"], v["wall_s"], *slo) for r, v in raw["steady"].items()}
         out["goodput_rps"] = goodput([(float(r), s["slo_attainment"]) for r, s in out["steady"].items()])
     if "burst" in raw:
-        out["burst"] = interleave.burst_summary(raw["burst"]["results"], raw["burst"]["wall_s"], slo)
+        out["burst"] = burst_summary(raw["burst"]["results"], raw["burst"]["wall_s"], slo)
     return out
 
 
@@ -385,7 +385,7 @@ def publish(doc: dict, write: bool = True) -> int:
     print(md, flush=True)
     if write:
         write_section(SECTION, md)
-        interleave.write_from(doc, RAW, plots)
+        interleave_report.write_from(doc, RAW, plots)
         merge_summary(summary_keys(rat, plan.systems))
     return 0
 

@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import token_plane_stats as st  # noqa: E402
-from bench.common import machine_info, merge_summary, write_section  # noqa: E402
+from bench.common import code_version, machine_info, merge_summary, write_section  # noqa: E402
 from bench.token_plane_procs import CoreSampler, Profiler, Roles, cpu_by_role, snapshot, start_redis  # noqa: E402
 from bench.token_plane_roles import PlaneConfig, length_of, token_of  # noqa: E402
 
@@ -566,7 +566,7 @@ def main(argv=None) -> int:
             result = {"runs": burst_runs(sizes, a.burst_slots, run_burst, settings),
                       "defaults": [d.admission_max_backlog, d.max_open_streams]}
         doc["parts"][part] = {"command": command, "machine": machine_info(), "result": result,
-                              "seconds": time.perf_counter() - t0, "code": _code_version()}
+                              "seconds": time.perf_counter() - t0, "code": code_version()}
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(doc, indent=1, default=_json_default))
         print(f"<-- {part} in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -592,12 +592,6 @@ def burst_runs(sizes: list[int], slots: int, run_burst, settings=BURST_SETTINGS)
             label = f"backlog {backlog}, open streams {open_streams}{' (defaults)' if mine else ''}"
             runs.append(run_burst(n, label, env, slots=slots, progress=_progress))
     return runs
-
-
-def _code_version() -> str:
-    from bench.peer import _code_version as version
-
-    return version()
 
 
 def _progress(msg: str) -> None:

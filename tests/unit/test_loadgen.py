@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from bench.loadgen import (
-    RequestResult, delayed_step_fraction, goodput, make_workload, percentile, poisson_arrivals,
-    slo_attainment, summarize,
+    RequestResult, delayed_step_fraction, gaps_under_burst, goodput, make_workload, percentile,
+    poisson_arrivals, slo_attainment, summarize,
 )
-from bench.interleave import gaps_under_burst
 
 
 def _req(ttft: float, gaps: list[float], kind: str = "short", sent: float = 0.0, error: str | None = None):
