@@ -68,7 +68,7 @@ def test_langchain_with_structured_output(both_paths):
     for _ in range(10):
         assert isinstance(structured.invoke("Describe a person as JSON with name and age."), Person)
     # json_mode sends no schema: the grammar is "any JSON object", which bounds nothing, and the
-    # built-in model often runs past max_tokens inside it (a known limit, in the README)
+    # built-in model often runs past max_tokens inside it (a known limit, in docs/limits.md)
     raw = llm.with_structured_output(Person, method="json_mode", include_raw=True)
     for _ in range(3):
         try:
