@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -37,6 +38,9 @@ from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_ERROR
 from tandem_engine.prefix_cache import PrefixCache
 
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
+
 log = logging.getLogger(__name__)
 BUDGET_FULL_POLL_S = 0.02  # with the budget full, look again this soon (pulls free KV meanwhile)
 DRAIN_POLL_S = 0.1
@@ -46,7 +50,7 @@ class PrefillWorker:
     """One prefill pod's loop: claim rounds (here), the prefill (`prefiller`), the answer and its
     fenced commit (`handler`), and other pods' leftovers (`takeover`)."""
 
-    def __init__(self, settings: PrefillSettings, engine, r: aioredis.Redis, store: KVStore,
+    def __init__(self, settings: PrefillSettings, engine: ServingEngine, r: aioredis.Redis, store: KVStore,
                  address: str, worker_id: str, prefix_cache: PrefixCache | None = None,
                  peers: lifecycle.PeerJudge | None = None) -> None:
         self.s, self.r, self.store = settings, r, store

@@ -42,8 +42,8 @@ class ByteTokenizer:
     EOS have no text, so `skip_special_tokens` changes nothing."""
 
     def __init__(self) -> None:
-        self.bos_token_id = BYTE_BOS
-        self.eos_token_ids = (BYTE_EOS,)
+        self.bos_token_id: int | None = BYTE_BOS
+        self.eos_token_ids: tuple[int, ...] = (BYTE_EOS,)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import redis.asyncio as aioredis
 
@@ -107,7 +108,7 @@ class Backlog:
         return {pod: n.get(priority, 0) for pod, n in self.pods.items()}
 
 
-async def read_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> Backlog:
+async def read_backlog(r: aioredis.Redis, pool: str, known_pods: Sequence[str] = ()) -> Backlog:
     """The shared streams' lengths, the set of pods with per-pod streams, and the per-pod lengths.
 
     One round trip when every member of the set is in `known_pods` (the live prefill pods, whose
@@ -150,7 +151,7 @@ class BacklogReader:
         self.sharded_ttl_s = sharded_ttl_s
         self._last: tuple[float, Backlog] | None = None
 
-    async def read(self, r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> Backlog:
+    async def read(self, r: aioredis.Redis, pool: str, known_pods: Sequence[str] = ()) -> Backlog:
         if keys.shard_count() == 1:
             return await read_backlog(r, pool, known_pods)
         now = time.monotonic()
@@ -159,7 +160,7 @@ class BacklogReader:
         return self._last[1]
 
 
-async def total_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> int:
+async def total_backlog(r: aioredis.Redis, pool: str, known_pods: Sequence[str] = ()) -> int:
     """Every admission entry waiting: the shared, direct and per-pod streams."""
     return (await read_backlog(r, pool, known_pods)).total
 
@@ -184,10 +185,12 @@ async def enqueue(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: 
     Idempotent by request id for MARKER_TTL_S: a second call returns the first call's entry id and
     writes nothing (the gateway retries an enqueue whose reply a Redis outage swallowed)."""
     shard = keys.request_shard(req.request_id)  # the stream, the marker and the set share its tag
+    extra: list[str] = []
+    args: list[str] = []
     if direct:
-        stream, extra, args = keys.direct_stream(pool, shard), [], []
+        stream = keys.direct_stream(pool, shard)
     elif pod is None:
-        stream, extra, args = keys.admission_stream(pool, req.priority, shard), [], []
+        stream = keys.admission_stream(pool, req.priority, shard)
     else:
         stream = keys.pod_admission_stream(pool, req.priority, pod, shard)
         extra, args = [keys.pod_streams_set(pool, shard)], [pod]
