@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import BENCH_DIR, fmt, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
-from bench.loadgen import RequestResult, delayed_step_fraction, pcts, summarize  # noqa: E402
+from bench.common import BENCH_DIR, fmt, machine_line, markdown_table, merge_summary, write_section
+from bench.loadgen import RequestResult, delayed_step_fraction, pcts, summarize
 
 SECTION = "interleave"
 DELAY_FACTOR = 3.0

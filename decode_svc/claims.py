@@ -80,7 +80,7 @@ class Claims:
             for c, group in got:
                 try:
                     await self.dispatch(c, group, started)
-                except Exception:  # noqa: BLE001 - one bad entry must not stop the claim loop
+                except Exception:
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
@@ -96,7 +96,7 @@ class Claims:
             try:
                 faults.hit("decode.claim")
                 got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
-            except Exception as e:  # noqa: BLE001 - Redis went away between two sources
+            except Exception as e:
                 if not got:
                     raise
                 # Entries already claimed are this pod's in Redis: start them now. Dropped here they
@@ -149,7 +149,7 @@ class Claims:
         req = notice.request
         try:
             await self._pull_and_queue(notice, key, started)
-        except Exception as e:  # noqa: BLE001 - whatever failed, the request ends or moves; the seat is freed
+        except Exception as e:
             self.table.drop(key)
             if isinstance(e, KVTransferFailed):  # the prefill pod is gone (or its KV is)
                 why = f"KV pull failed: {e.message}"

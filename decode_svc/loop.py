@@ -94,7 +94,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as e:  # noqa: BLE001 - reported to the I/O side, which exits non-zero
+        except BaseException as e:
             self.error = e
             log.exception("engine thread died")
             self.bridge.wake_claims()

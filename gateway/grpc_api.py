@@ -79,7 +79,7 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
     def __init__(self, svc: GatewayService) -> None:
         self.svc = svc
 
-    async def Generate(  # noqa: N802 - the proto's name
+    async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         rid = request.request_id

@@ -143,7 +143,7 @@ class Streaming:
                                                     s.token_ttl_s)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - best effort; workers drop the request at its deadline
+            except Exception:
                 log.warning("grace cancel failed request_id=%s", rid, exc_info=True)
 
         def start() -> None:

@@ -56,7 +56,7 @@ class EntryHandler:
         except REDIS_DOWN as e:
             log.error("gave up on admission entry %s of %s for now (%s): it stays pending and is taken up again "
                       "after stale_pending_s", _eid(c.entry_id), c.stream, e)
-        except Exception:  # noqa: BLE001 - one entry must not stop the claim loop; a reclaim redoes it
+        except Exception:
             log.exception("handling admission entry %s of %s failed: it stays pending and is taken up again after "
                           "stale_pending_s", _eid(c.entry_id), c.stream)
 
@@ -80,7 +80,7 @@ class EntryHandler:
             await self._commit(c, req, writes, held)
         except REDIS_DOWN:
             raise
-        except Exception as e:  # noqa: BLE001 - Redis refused the writes (maxmemory, say), or a bug: fail it clearly
+        except Exception as e:
             log.exception("publish failed request_id=%s", req.request_id)
             for rid in held:
                 self.store.release(rid)
@@ -89,7 +89,7 @@ class EntryHandler:
                 await self._commit(c, req, failed, [])
             except REDIS_DOWN:
                 raise
-            except Exception:  # noqa: BLE001 - left pending: this pod redoes it after stale_pending_s
+            except Exception:
                 log.exception("could not finish request_id=%s either; its entry stays pending", req.request_id)
 
     async def _work(self, req: GenerationRequest, reclaimed: bool) -> tuple[entry_fence.EntryWrites, list[str]]:
@@ -112,7 +112,7 @@ class EntryHandler:
         except TandemError as e:
             log.info("request failed request_id=%s: %s", rid, e.message)
             return self._finish(req, FINISH_ERROR, e.message), []
-        except Exception as e:  # noqa: BLE001 - the request gets an answer, the worker lives on
+        except Exception as e:
             log.exception("prefill crashed request_id=%s", rid)
             return self._finish(req, FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}"), []
 

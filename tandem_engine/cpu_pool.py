@@ -27,7 +27,7 @@ def limit_cpu_threads(n: int) -> bool:
     whether the limit took effect (False when a backend already started, or off Linux)."""
     if n <= 0 or not hasattr(os, "sched_setaffinity"):
         return False
-    from jax._src import xla_bridge  # noqa: PLC0415 - the only way to ask whether backends exist
+    from jax._src import xla_bridge
 
     if getattr(xla_bridge, "_backends", None):
         log.warning("cpu_threads=%d ignored: a JAX backend is already running", n)
