@@ -63,7 +63,7 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None,
             await asyncio.gather(watch, report, return_exceptions=True)
             await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
             await server.stop(settings.shutdown_grace_s)
-            await svc.drain_background()
+            await svc.streaming.drain()
             await svc.mux.stop()
             await svc.redis.aclose()
             log.info("gateway stopped")

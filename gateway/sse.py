@@ -177,7 +177,7 @@ def formatter(prep: Prepared, token_text: TokenText) -> Formatter:
 
 async def sse_events(deltas: AsyncIterator[Delta], prep: Prepared, token_text: TokenText,
                      start: int = 0) -> AsyncIterator[bytes]:
-    """The events of `deltas` (the request's relay, `GatewayService.stream`) from token index
+    """The events of `deltas` (the request's relay, `Streaming.stream`) from token index
     `start` on, then usage (if asked) and [DONE]. With n > 1 the events carry no id (a resume
     serves one choice)."""
     meta: StreamMeta = prep.meta

@@ -197,7 +197,7 @@ class Streaming:
         except RequestNotFound:
             raise in_use from None
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float = 2.0) -> None:
         """Let pending cancel-key writes finish before the Redis client closes. Grace timers stop:
         their requests stay resumable through another replica until their deadline."""
         for t in list(self.grace_tasks):
