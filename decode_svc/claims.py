@@ -46,7 +46,7 @@ class Claims:
         self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
-        self.bell = groups.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
+        self.bell = groups.Doorbell(r, s.pool, [groups.DECODE_GROUP] + ([groups.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
@@ -55,11 +55,11 @@ class Claims:
         out = []
         pool, shards = self.s.pool, self.rotation.shard_order()  # (the previous pass's start: fine)
         if not self.s.colocated:
-            out.append(([keys.ready_stream(pool, s) for s in shards], keys.DECODE_GROUP))
+            out.append(([keys.ready_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.direct_prefill or self.s.colocated:
-            out.append(([keys.direct_stream(pool, s) for s in shards], keys.DECODE_GROUP))
+            out.append(([keys.direct_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.colocated:
-            out.append((self.rotation.next_order(), keys.PREFILL_GROUP))
+            out.append((self.rotation.next_order(), groups.PREFILL_GROUP))
         return out
 
     async def claim_loop(self, stop: asyncio.Event) -> None:
@@ -162,7 +162,7 @@ class Claims:
                 await self._release_kv(notice)
             if not await self._fail_clearly(req, e):
                 await self.handback.give_back(req, why)
-        await self.handback.ack(c.stream, keys.DECODE_GROUP, c.entry_id)
+        await self.handback.ack(c.stream, groups.DECODE_GROUP, c.entry_id)
 
     async def _release_kv(self, notice: ready.ReadyNotice) -> None:
         try:

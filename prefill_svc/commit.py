@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
-from tandem_core import faults, keys, recovery
-from tandem_core.bus import cancel, entry_fence, groups, token_stream
+from tandem_core import faults, keys
+from tandem_core.bus import cancel, entry_fence, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_BACKOFF, REDIS_DOWN
 from tandem_core.errors import TandemError
 from tandem_core.retry import retry
@@ -35,7 +35,7 @@ class EntryHandler:
                  worker_id: str) -> None:
         self.s, self.r, self.prefiller, self.store = settings, r, prefiller, store
         self.worker_id = worker_id
-        self.fence = entry_fence.EntryFence(r, keys.PREFILL_GROUP, worker_id)
+        self.fence = entry_fence.EntryFence(r, groups.PREFILL_GROUP, worker_id)
 
     async def handle_until_done(self, c: groups.Claimed) -> None:
         """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
@@ -149,7 +149,7 @@ class EntryHandler:
             return
         try:
             pipe = self.r.pipeline(transaction=False)
-            groups.ring(pipe, self.s.pool, keys.DECODE_GROUP)
+            groups.ring(pipe, self.s.pool, groups.DECODE_GROUP)
             await pipe.execute()
         except Exception as e:  # noqa: BLE001 - Redis down included
             log.debug("could not ring the decode doorbell: %s", e)

@@ -31,8 +31,8 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.takeover import Takeover
-from tandem_core import keys, lifecycle, recovery
-from tandem_core.bus import groups, token_stream
+from tandem_core import keys, lifecycle
+from tandem_core.bus import admission, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_DOWN
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_ERROR
@@ -60,7 +60,7 @@ class PrefillWorker:
         # peers: whether a missing heartbeat means a dead peer yet (None: always; the app passes
         # the judge its heartbeat loop feeds, which waits a TTL after every Redis restart)
         self.takeover = Takeover(settings, r, worker_id, self.prefiller.room, self.handler.handle_until_done, peers)
-        self.bell = groups.Doorbell(r, settings.pool, [keys.PREFILL_GROUP])  # the wait, with several shards
+        self.bell = groups.Doorbell(r, settings.pool, [groups.PREFILL_GROUP])  # the wait, with several shards
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._ensure_groups()
@@ -90,8 +90,8 @@ class PrefillWorker:
         there are read too."""
         await groups.ensure_groups(self.r, self.s.pool)
         for shard in keys.all_shards():
-            for prio in keys.PRIORITIES:
-                await groups.ensure_group(self.r, self.takeover.own_stream(prio, shard), keys.PREFILL_GROUP)
+            for prio in admission.PRIORITIES:
+                await groups.ensure_group(self.r, self.takeover.own_stream(prio, shard), groups.PREFILL_GROUP)
 
     async def claim_round(self, rotation: PriorityRotation) -> None:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
@@ -100,7 +100,7 @@ class PrefillWorker:
         if room == 0:
             await asyncio.sleep(BUDGET_FULL_POLL_S)  # budget full: keep serving pulls, claim nothing
             return
-        claimed = await groups.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
+        claimed = await groups.claim(self.r, self._claim_order(rotation), groups.PREFILL_GROUP, self.worker_id, room,
                                      self.s.claim_block_ms, self.bell)
         for c in claimed:
             await self.handler.handle_until_done(c)

@@ -32,6 +32,7 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from tandem_core import keys
+from tandem_core.keys import PRIORITIES  # noqa: F401 - the admission priorities, for services
 from tandem_core.bus.groups import ring
 from tandem_core.types import GenerationRequest
 
@@ -222,3 +223,27 @@ def _by_pod(pods: list[str], lens: list) -> dict[str, dict[str, int]]:
 
 def _s(x) -> str:
     return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
+
+
+# ---- What Redis still knows of a request id (the gateway's duplicate, resend and readmit checks).
+# A request's keys share its tag (one slot), so each check is one EXISTS.
+
+async def started(r: aioredis.Redis, request_id: str) -> bool:
+    """Its token stream exists: a pod has written at least token 0 (or its finish)."""
+    return bool(await r.exists(keys.token_stream(request_id)))
+
+
+async def admitted_or_started(r: aioredis.Redis, request_id: str) -> bool:
+    """Its admission marker (MARKER_TTL_S) or its token stream exists: the id was enqueued."""
+    return bool(await r.exists(keys.admitted_key(request_id), keys.token_stream(request_id)))
+
+
+async def in_use(r: aioredis.Redis, request_id: str) -> bool:
+    """Any key of the id exists (marker, token stream, cancel key): a new request may not take it."""
+    return bool(await r.exists(keys.token_stream(request_id), keys.cancel_key(request_id),
+                               keys.admitted_key(request_id)))
+
+
+def resume_record_key(request_id: str) -> str:
+    """A resumable request's record (gateway/resume.py reads and writes its fields)."""
+    return keys.gateway_resume_key(request_id)
