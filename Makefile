@@ -1,6 +1,8 @@
 # Tandem developer entry points. `make serve` and `make test` are the README's quick start.
 #   make serve    installs only what serving needs (the [local] extra), then runs `tandem local`
-#   make test     adds the test tools ([dev], [test-reference]: pytest, the real clients, torch)
+#   make test     adds the test tools ([dev], [test-reference]: pytest, the real clients, torch);
+#                 runs make check first
+#   make check    ruff (lint), mypy (the seams), lint-imports (the layering contracts): pyproject.toml
 #   make install  everything a developer uses (what make test installs, plus [bench])
 #   make images REGISTRY=...   builds (and pushes) the three images in docker/
 PY ?= python3
@@ -21,7 +23,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install serve test test-unit bench proto images clean
+.PHONY: install serve check test test-unit bench proto images clean
 
 $(CREATED):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,7 +54,15 @@ install: $(DEV_STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/tandem local --port $(PORT) $(ARGS)
 
-test: $(STAMP)
+# Lint, types at the seams, the import contracts: seconds, so they run before the suite and a
+# layering break fails fast. Their configuration is in pyproject.toml ([tool.ruff], [tool.mypy],
+# [tool.importlinter]).
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: check
 	$(BIN)/python -m pytest -q -ra tests
 
 test-unit: $(STAMP)

@@ -50,12 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_info, machine_line, write_section  # noqa: E402
-from planner.profile import BUILTIN_PROFILE, load_profile  # noqa: E402
+from bench.common import machine_info, machine_line, write_section
+from planner.profile import BUILTIN_PROFILE, load_profile
 
 SECTION = "capacity"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)  # tandem/local.py's, cut at --max-len
-from bench.capacity_doc import (  # noqa: E402,F401 - the document half, re-exported
+from bench.capacity_doc import (  # noqa: F401 - the document half, re-exported
     CLAIM_NOTE, CapacityError, build_profile, capacity_rows, dumps, handoff_total, load_line, report,
 )
 

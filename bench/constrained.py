@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_line, markdown_table, write_section  # noqa: E402
-from tandem_core.grammar import Grammars  # noqa: E402
-from tandem_core.types import SamplingParams  # noqa: E402
+from bench.common import machine_line, markdown_table, write_section
+from tandem_core.grammar import Grammars
+from tandem_core.types import SamplingParams
 
 SECTION = "constrained"
 PROMPT_LEN = 32

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_info, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
-from tandem_core.models import ModelInfo  # noqa: E402
+from bench.common import machine_info, machine_line, markdown_table, merge_summary, write_section
+from tandem_core.models import ModelInfo
 
 SECTION = "engine"
 DECODE_BATCHES = (1, 8, 32)

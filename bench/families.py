@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_line, markdown_table, write_section  # noqa: E402
-from bench.engine import measure_bandwidth  # noqa: E402
+from bench.common import machine_line, markdown_table, write_section
+from bench.engine import measure_bandwidth
 
 SECTION = "families"
 BATCHES = (8, 32)

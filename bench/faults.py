@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.e2e import fault_explain  # noqa: E402
-from tests.e2e.conftest import stop_local  # noqa: E402
-from tests.e2e.fault_inject import WANT, redis_url  # noqa: E402
-from tests.e2e.fault_load import MODEL, FaultResult  # noqa: E402
-from tests.e2e.faults import (PENDING, SCENARIOS, SENTINEL_FAULT, run_fault, run_sentinel_failover,  # noqa: E402
+from tests.e2e import fault_explain
+from tests.e2e.conftest import stop_local
+from tests.e2e.fault_inject import WANT, redis_url
+from tests.e2e.fault_load import MODEL, FaultResult
+from tests.e2e.faults import (PENDING, SCENARIOS, SENTINEL_FAULT, run_fault, run_sentinel_failover,
                               start_cluster, start_sentinel_cluster)
 
 

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import BENCH_DIR, merge_summary  # noqa: E402
-from bench.interleave_report import SYSTEMS, ratio, table, write_from  # noqa: E402
+from bench.common import BENCH_DIR, merge_summary
+from bench.interleave_report import SYSTEMS, ratio, table, write_from
 
 
 def _fresh_doc(max_age_s: float) -> dict | None:

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import fmt, machine_info, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
+from bench.common import fmt, machine_info, machine_line, markdown_table, merge_summary, write_section
 
 SECTION = "kv"
 MB = 1 << 20

@@ -52,11 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import peer_report as rep  # noqa: E402
-from bench import proc_cpu, vllm_cpu  # noqa: E402
-from bench.common import BENCH_DIR, code_version, machine_info, machine_line, merge_summary, write_section  # noqa: E402
-from bench.loadgen import CLIENT_NAME, goodput, make_workload, run_load, summarize  # noqa: E402
-from bench.systems import TandemLocal, model_id, run_bare, warm_up  # noqa: E402
+from bench import peer_report as rep
+from bench import proc_cpu, vllm_cpu
+from bench.common import BENCH_DIR, code_version, machine_info, machine_line, merge_summary, write_section
+from bench.loadgen import CLIENT_NAME, goodput, make_workload, run_load, summarize
+from bench.systems import TandemLocal, model_id, run_bare, warm_up
 
 SECTION = "peer"
 OUT = BENCH_DIR / "out"

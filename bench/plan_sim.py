@@ -39,13 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import plan_trace  # noqa: E402
-from bench.common import BENCH_DIR, machine_info, machine_line, markdown_table, merge_summary, pyplot, write_section  # noqa: E402
-from bench.plan_model import ROLES, SimConfig, SimResult, simulate  # noqa: E402
-from bench.plan_policies import HPAPolicy, PlannerPolicy, StaticPolicy, scaled, size_for  # noqa: E402
-from planner.decide import PlanConfig  # noqa: E402
-from planner.profile import Profile, load_profile  # noqa: E402
-from planner.settings import RoleBounds, SLOConfig  # noqa: E402
+from bench import plan_trace
+from bench.common import BENCH_DIR, machine_info, machine_line, markdown_table, merge_summary, pyplot, write_section
+from bench.plan_model import ROLES, SimConfig, SimResult, simulate
+from bench.plan_policies import HPAPolicy, PlannerPolicy, StaticPolicy, scaled, size_for
+from planner.decide import PlanConfig
+from planner.profile import Profile, load_profile
+from planner.settings import RoleBounds, SLOConfig
 
 SECTION = "plan_sim"
 OUT = BENCH_DIR / "out"

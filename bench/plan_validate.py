@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import plan_trace  # noqa: E402
-from bench.common import BENCH_DIR, machine_line, markdown_table, pyplot, write_section  # noqa: E402
-from bench.loadgen import CLIENT_NAME, RequestSpec, run_load  # noqa: E402
-from bench.plan_model import SimConfig, simulate  # noqa: E402
-from bench.plan_policies import StaticPolicy, scaled  # noqa: E402
-from planner.profile import BUILTIN_PROFILE, load_profile  # noqa: E402
+from bench import plan_trace
+from bench.common import BENCH_DIR, machine_line, markdown_table, pyplot, write_section
+from bench.loadgen import CLIENT_NAME, RequestSpec, run_load
+from bench.plan_model import SimConfig, simulate
+from bench.plan_policies import StaticPolicy, scaled
+from planner.profile import BUILTIN_PROFILE, load_profile
 
 SECTION = "plan_sim_validate"
 OUT = BENCH_DIR / "out"

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import BENCH_DIR, fmt, machine_line, markdown_table, pyplot, write_section  # noqa: E402
-from bench.loadgen import RequestSpec, chat_lengths, pcts, run_load  # noqa: E402
-from bench.systems import TandemLocal, model_id, warm_up  # noqa: E402
-from tandem.redis_proc import free_port  # noqa: E402
+from bench.common import BENCH_DIR, fmt, machine_line, markdown_table, pyplot, write_section
+from bench.loadgen import RequestSpec, chat_lengths, pcts, run_load
+from bench.systems import TandemLocal, model_id, warm_up
+from tandem.redis_proc import free_port
 
 SECTION = "planner-run"
 OUT = BENCH_DIR / "out"

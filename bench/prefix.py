@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import vllm_cpu  # noqa: E402
-from bench.common import code_version, fmt, machine_info, write_section  # noqa: E402
-from bench.loadgen import RequestSpec  # noqa: E402
-from bench.prefix_report import (BUCKETS, COUNTERS, EXTRA, MAX_PROMPT, NOCACHE_ENV, OUT, RAW, SECTION,  # noqa: E402
+from bench import vllm_cpu
+from bench.common import code_version, fmt, machine_info, write_section
+from bench.loadgen import RequestSpec
+from bench.prefix_report import (BUCKETS, COUNTERS, EXTRA, MAX_PROMPT, NOCACHE_ENV, OUT, RAW, SECTION,
                                  SYSTEMS, Plan, _na, counter_delta, parse_counters, report, summarize_system)
 
 

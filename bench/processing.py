@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_line, markdown_table, write_section  # noqa: E402
-from tandem_core.types import SamplingParams  # noqa: E402
+from bench.common import machine_line, markdown_table, write_section
+from tandem_core.types import SamplingParams
 
 SECTION = "processing"
 PROMPT_LEN = 64

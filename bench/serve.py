@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import interleave_report, vllm_cpu  # noqa: E402
-from bench.common import BENCH_DIR, fmt, machine_info, machine_line, markdown_table, merge_summary, write_section  # noqa: E402
-from bench.loadgen import CLIENT_NAME, RequestResult, burst_summary, goodput, make_workload, run_load, summarize  # noqa: E402
-from bench.systems import External, TandemLocal, model_id, run_bare, warm_up  # noqa: E402
+from bench import interleave_report, vllm_cpu
+from bench.common import BENCH_DIR, fmt, machine_info, machine_line, markdown_table, merge_summary, write_section
+from bench.loadgen import CLIENT_NAME, RequestResult, burst_summary, goodput, make_workload, run_load, summarize
+from bench.systems import External, TandemLocal, model_id, run_bare, warm_up
 
 SECTION = "serve"
 OUT = BENCH_DIR / "out"

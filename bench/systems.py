@@ -53,7 +53,7 @@ class TandemLocal:
 
     def start(self, timeout_s: float = 300.0) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")  # noqa: SIM115 - the child holds it; closed with the process
+        log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s

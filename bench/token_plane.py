@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import sys
@@ -52,10 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import token_plane_stats as st  # noqa: E402
-from bench.common import code_version, machine_info, merge_summary, write_section  # noqa: E402
-from bench.token_plane_procs import CoreSampler, Profiler, Roles, cpu_by_role, snapshot, start_redis  # noqa: E402
-from bench.token_plane_roles import PlaneConfig, length_of, token_of  # noqa: E402
+from bench import token_plane_stats as st
+from bench.common import code_version, machine_info, merge_summary, write_section
+from bench.token_plane_procs import CoreSampler, Profiler, Roles, cpu_by_role, snapshot, start_redis
+from bench.token_plane_roles import PlaneConfig, length_of, token_of
 
 OUT = ROOT / "bench" / "out"
 DOC = OUT / "token_plane.json"
@@ -349,7 +348,7 @@ def run_keys(key_ops_by_shards: dict[str, dict[str, float]], progress=print) -> 
     try:
         from tandem.redis_cluster import RedisClusterProcess
     except ImportError:
-        RedisClusterProcess = None  # noqa: N806
+        RedisClusterProcess = None
     source = "even split of 3 masters (no RedisClusterProcess in this checkout)"
     ranges = [(0, 5460, "master-0"), (5461, 10922, "master-1"), (10923, 16383, "master-2")]
     dbsize: dict = {}

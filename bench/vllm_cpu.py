@@ -97,7 +97,7 @@ class VLLMServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu",
                "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")  # noqa: SIM115 - closed with the process
+        log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

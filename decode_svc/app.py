@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from decode_svc.bridge import Bridge
 from decode_svc.io import DecodeIO
@@ -19,11 +20,14 @@ from tandem_core.settings import default_worker_id
 from tandem_core.worker_pod import WorkerPod
 from tandem_engine.prefix_cache import cache_for
 
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
+
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.Decode"
 
 
-def build_engine(s: DecodeSettings):
+def build_engine(s: DecodeSettings) -> ServingEngine:
     from tandem_engine import load_engine
 
     return load_engine(**s.engine_kwargs(s.slots))

@@ -46,7 +46,7 @@ class Claims:
         self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
         self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
-        self.bell = groups.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
+        self.bell = groups.Doorbell(r, s.pool, [groups.DECODE_GROUP] + ([groups.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
@@ -55,11 +55,11 @@ class Claims:
         out = []
         pool, shards = self.s.pool, self.rotation.shard_order()  # (the previous pass's start: fine)
         if not self.s.colocated:
-            out.append(([keys.ready_stream(pool, s) for s in shards], keys.DECODE_GROUP))
+            out.append(([keys.ready_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.direct_prefill or self.s.colocated:
-            out.append(([keys.direct_stream(pool, s) for s in shards], keys.DECODE_GROUP))
+            out.append(([keys.direct_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.colocated:
-            out.append((self.rotation.next_order(), keys.PREFILL_GROUP))
+            out.append((self.rotation.next_order(), groups.PREFILL_GROUP))
         return out
 
     async def claim_loop(self, stop: asyncio.Event) -> None:
@@ -80,7 +80,7 @@ class Claims:
             for c, group in got:
                 try:
                     await self.dispatch(c, group, started)
-                except Exception:  # noqa: BLE001 - one bad entry must not stop the claim loop
+                except Exception:
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
@@ -96,7 +96,7 @@ class Claims:
             try:
                 faults.hit("decode.claim")
                 got += [(c, group) for c in await groups.claim(self.r, names, group, self.worker_id, want, None)]
-            except Exception as e:  # noqa: BLE001 - Redis went away between two sources
+            except Exception as e:
                 if not got:
                     raise
                 # Entries already claimed are this pod's in Redis: start them now. Dropped here they
@@ -149,7 +149,7 @@ class Claims:
         req = notice.request
         try:
             await self._pull_and_queue(notice, key, started)
-        except Exception as e:  # noqa: BLE001 - whatever failed, the request ends or moves; the seat is freed
+        except Exception as e:
             self.table.drop(key)
             if isinstance(e, KVTransferFailed):  # the prefill pod is gone (or its KV is)
                 why = f"KV pull failed: {e.message}"
@@ -162,7 +162,7 @@ class Claims:
                 await self._release_kv(notice)
             if not await self._fail_clearly(req, e):
                 await self.handback.give_back(req, why)
-        await self.handback.ack(c.stream, keys.DECODE_GROUP, c.entry_id)
+        await self.handback.ack(c.stream, groups.DECODE_GROUP, c.entry_id)
 
     async def _release_kv(self, notice: ready.ReadyNotice) -> None:
         try:

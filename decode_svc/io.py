@@ -23,8 +23,8 @@ from decode_svc.publisher import Publisher
 from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
-from tandem_core import lifecycle, recovery
-from tandem_core.bus import cancel, reclaim, token_stream
+from tandem_core import lifecycle
+from tandem_core.bus import cancel, reclaim, recovery, token_stream
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)

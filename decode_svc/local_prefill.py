@@ -7,6 +7,7 @@ publishes token `start_index` of every choice and queues the choices that go on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from decode_svc.items import Emitted, LocalPrefill
 from tandem_core.grammar import Grammars
@@ -14,6 +15,9 @@ from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
 from tandem_engine.prefix_cache import PrefixCache
 from tandem_engine.prefix_cache import prefill as cached_prefill
+
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
 
 
 @dataclass
@@ -23,7 +27,7 @@ class Prefilled:
     going: list[tuple[GenerationRequest, int]]  # (choice, first token) of those that go on
 
 
-def prefill_here(engine, cache: PrefixCache, grammars: Grammars, item: LocalPrefill) -> Prefilled:
+def prefill_here(engine: ServingEngine, cache: PrefixCache, grammars: Grammars, item: LocalPrefill) -> Prefilled:
     """Prefill the prompt (over a cached prefix where there is one); raises TandemError."""
     req = item.req
     prefix, _ = cached_prefill(engine, cache, req.prompt_ids, req.sampling, **prefill_args(req, grammars))

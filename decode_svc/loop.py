@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,10 +47,13 @@ from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FIN
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
 from tandem_engine.prefix_cache import PrefixCache
 
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
+
 log = logging.getLogger(__name__)
 
 class EngineLoop:
-    def __init__(self, engine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
+    def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None) -> None:
         self.engine = engine
@@ -90,7 +94,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as e:  # noqa: BLE001 - reported to the I/O side, which exits non-zero
+        except BaseException as e:
             self.error = e
             log.exception("engine thread died")
             self.bridge.wake_claims()
@@ -123,7 +127,7 @@ class EngineLoop:
         with logprobs only when a slot asks for them, the masked one only when a slot has a grammar."""
         snapshot = self.table.snapshot()
         want = any(a.req.sampling.logprobs is not None for a in snapshot)
-        kw = {"logprobs": True} if want else {}
+        kw: dict[str, Any] = {"logprobs": True} if want else {}
         if masks is not None:
             kw["masks"] = masks
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
@@ -167,6 +171,9 @@ class EngineLoop:
             self._emit([Emitted(req.request_id, req.start_index + 1, -1, FINISH_ERROR, error=e.message)])
             return state
         slot = self.table.free_slot_index()
+        if slot is None:  # a claim holds a seat (RequestTable), so a queued request always finds one
+            raise RuntimeError(f"no free slot to insert {req.request_id}: the request table admitted more "
+                               f"requests than its {self.table.slots} slots (a bug in decode_svc/requests.py)")
         state = self.engine.insert(prefix, state, slot, req.sampling, **insert_args(req, first_token))
         self.grammars.attach(slot, matcher)
         self.table.start(key, Active(req, slot, prefix.true_length, next_index=req.start_index + 1,

@@ -2,7 +2,7 @@
 
 Two kinds of leftovers, both found from Redis alone:
 1. requests in a dead pod's running hash (`tandem:running:{id}`): they resume from the prompt
-   plus the tokens already streamed (tandem_core.recovery), and leave the hash in the same
+   plus the tokens already streamed (tandem_core.bus.recovery), and leave the hash in the same
    transaction, which also fences off the pod if it was only paused;
 2. entries of the ready/direct streams delivered to a dead consumer and never acked: this pod
    claims them (XCLAIM) for slots it has free, as if it had read them itself.
@@ -17,8 +17,7 @@ import asyncio
 import logging
 
 from decode_svc.io import DecodeIO
-from tandem_core import keys
-from tandem_core.bus import reclaim, registry
+from tandem_core.bus import groups, ready, reclaim, registry
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +25,13 @@ log = logging.getLogger(__name__)
 async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
     r, me = io.r, io.worker_id
     resumed = 0
-    owners = {keys.running_owner(key) async for key in r.scan_iter(match=keys.RUNNING_PATTERN, count=100)}
+    owners = await reclaim.running_owners(r)
     for wid in sorted(owners):
         if wid == me and not include_self:
             continue
         if wid != me and (not io.peers.trusted or await registry.worker_alive(r, wid)):
             continue
-        if not await r.set(keys.recovering_key(wid), me, nx=True, ex=io.s.recovering_lock_ttl_s):
+        if not await reclaim.lock_recovery(r, wid, me, io.s.recovering_lock_ttl_s):
             continue  # another pod is on it
         try:
             for rid, req in (await reclaim.running_requests(r, wid)).items():
@@ -40,7 +39,7 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
                 resumed += outcome == "resumed"
                 log.info("recovered request_id=%s from %s: %s", rid, wid, outcome)
         finally:
-            await r.delete(keys.recovering_key(wid))
+            await reclaim.unlock_recovery(r, wid)
     return resumed
 
 
@@ -49,16 +48,16 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     previous incarnation): claimed for the slots free, each started as if this pod had read it."""
     got = 0
     s = io.s
-    taker = reclaim.Reclaimer(io.r, keys.DECODE_GROUP, io.worker_id, int(s.stale_pending_s * 1000),
+    taker = reclaim.Reclaimer(io.r, groups.DECODE_GROUP, io.worker_id, int(s.stale_pending_s * 1000),
                               limit=s.reclaim_batch, min_idle_ms=s.reclaim_min_idle_ms)
-    for stream in [f(s.pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]:
+    for stream in ready.decode_streams(s.pool):
         started = io.resync.started  # (Claims.dispatch: a reconcile begun after this counts)
         claimed, n = await taker.take(stream, io.table.reserve, include_self, others=io.peers.trusted,
                                       busy=io.table.busy_entries(stream))
         io.table.unreserve(n - len(claimed))
         for c in claimed:
             log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
-            await io.claims.dispatch(c, keys.DECODE_GROUP, started)
+            await io.claims.dispatch(c, groups.DECODE_GROUP, started)
         got += len(claimed)
     return got
 

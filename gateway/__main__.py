@@ -2,13 +2,17 @@
 
 All settings come from the environment (TANDEM_GATEWAY_*); see `--help`. SIGTERM/SIGINT: uvicorn
 stops accepting, lets open streams finish for up to `shutdown_grace_s`, then the lifespan stops
-the gRPC server (with the same grace) and closes Redis.
+the gRPC server (with the same grace) and closes Redis; a second SIGINT forces the stop.
+
+uvicorn is started the supported way: `Server.serve` on our event loop, on a socket we bind
+(`Config.bind_socket`, so the port is known before serving), with uvicorn's own signal handling.
+It puts back the handlers it found when it stops and raises the signal again for them; ours
+(`_after_uvicorn`) only log it, so a graceful stop exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -65,33 +69,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def serve(settings: GatewaySettings) -> int:
-    app = create_app(settings)
+    ready = False
+
+    def on_ready(grpc_port: int) -> None:  # the lifespan has started: Redis, the token relay, gRPC
+        nonlocal ready
+        ready = True
+        msg = f"gateway listening http={settings.host}:{http_port} grpc={settings.grpc_host or settings.host}:{grpc_port}"
+        log.info(msg)
+        print(msg, flush=True)
+
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        create_app(settings, on_ready=on_ready), host=settings.host, port=settings.port,
+        log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)), loop="none", http=_http_impl(),
         timeout_keep_alive=max(1, int(settings.http_keep_alive_s)),
         log_config=None,
         access_log=settings.log_level.upper() == "DEBUG",
     )
-    server = uvicorn.Server(config)
-    # Our own handlers: the first signal starts a graceful stop, a second one forces it; the
-    # process then exits 0 (uvicorn's own handlers would re-raise the signal at exit).
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, server, sig)
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        http_port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.port
-        grpc_host = settings.grpc_host or settings.host
-        msg = (f"gateway listening http={settings.host}:{http_port} "
-               f"grpc={grpc_host}:{app.state.gateway.grpc_port}")
-        log.info(msg)
-        print(msg, flush=True)
-    await task
-    return 0 if server.started else 1
+    sock = config.bind_socket()  # ours: the HTTP port (0: any free one) is known before serving
+    sock.listen(config.backlog)  # connections from the moment we say we listen wait in the backlog
+    http_port = sock.getsockname()[1]
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn raises again once it has stopped
+        signal.signal(sig, _after_uvicorn)
+    try:
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if ready else 1
 
 
 def _http_impl() -> str:
@@ -112,11 +116,8 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
-def _on_signal(server: uvicorn.Server, sig: signal.Signals) -> None:
-    if server.should_exit:
-        server.force_exit = True
-    server.should_exit = True
-    log.info("%s: shutting down (open streams get up to the grace period)", sig.name)
+def _after_uvicorn(sig: int, _frame) -> None:
+    log.info("%s: gateway stopped", signal.Signals(sig).name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,6 @@ from gateway.prefix_route import PrefixRouter
 from gateway.readmit import Readmitter
 from gateway.settings import GatewaySettings
 from gateway.validation import Prepared
-from tandem_core import keys
 from tandem_core.bus import admission, registry
 from tandem_core.errors import AdmissionRejected, InvalidRequest, ServiceUnavailable
 from tandem_core.prefix import cache_salt
@@ -93,7 +92,7 @@ class Admitter:
         self.check(queued.total, view)
         rid = prep.request.request_id
         if not checked[0]:
-            if await r.exists(keys.token_stream(rid), keys.cancel_key(rid), keys.admitted_key(rid)):
+            if await admission.in_use(r, rid):
                 raise InvalidRequest(f"request_id {rid!r} is already in use; choose another (X-Request-Id over "
                                      f"HTTP), or send none and the gateway picks one", param="request_id")
             checked[0] = True

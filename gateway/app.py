@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +32,10 @@ from tandem_core.errors import TandemError
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: GatewaySettings, service: GatewayService | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings, service: GatewayService | None = None,
+               on_ready: Callable[[int], None] | None = None) -> FastAPI:
+    """The gateway's app; `on_ready(grpc_port)` is called once its lifespan has started (Redis,
+    the token relay, the gRPC server): `python -m gateway` prints its listening line then."""
     svc = service or GatewayService(settings)
 
     @asynccontextmanager
@@ -49,6 +53,8 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
         watch_stop = asyncio.Event()
         watch = asyncio.create_task(svc.readmit.watch(watch_stop))
         report = asyncio.create_task(load_publisher.publish_loop(svc, load_publisher.INTERVAL_S, watch_stop))
+        if on_ready is not None:
+            on_ready(svc.grpc_port)
         try:
             yield
         finally:
@@ -57,7 +63,7 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None)
             await asyncio.gather(watch, report, return_exceptions=True)
             await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
             await server.stop(settings.shutdown_grace_s)
-            await svc.drain_background()
+            await svc.streaming.drain()
             await svc.mux.stop()
             await svc.redis.aclose()
             log.info("gateway stopped")

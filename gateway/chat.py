@@ -137,7 +137,7 @@ class ChatTemplate:
         try:
             return self._compiled.render(**{**self.tokens, **kwargs, "messages": [_for_template(m) for m in messages],
                                             "tools": tools or None, "add_generation_prompt": True})
-        except Exception as e:  # noqa: BLE001 - the template's own raise_exception, or a type error on odd input
+        except Exception as e:
             raise InvalidRequest(f"the model's chat template rejected the messages: {e} (this model's template "
                                  f"decides which roles and orders it accepts)", param="messages") from e
 

@@ -79,18 +79,18 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
     def __init__(self, svc: GatewayService) -> None:
         self.svc = svc
 
-    async def Generate(  # noqa: N802 - the proto's name
+    async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         rid = request.request_id
         try:
-            key = self.svc.check_api_key(_metadata(context, "authorization"))
+            key = self.svc.auth.check_api_key(_metadata(context, "authorization"))
             if request.prompt and request.prompt_token_ids:
                 raise InvalidRequest("send either prompt or prompt_token_ids, not both", param="prompt")
             prep = await self.svc.prepare(to_params(request))
             rid = prep.request.request_id
-            att = await self.svc.submit(prep, fresh_id=not request.request_id, api_key=key)
-            async for d in self.svc.stream(att):
+            att = await self.svc.admission.submit(prep, fresh_id=not request.request_id, api_key=key)
+            async for d in self.svc.streaming.stream(att):
                 yield to_response(rid, d, prep.prompt_tokens, self.svc.tokenizer)
         except TandemError as e:
             if e.retry_after_s is not None:

@@ -96,7 +96,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     openapi_extra=openapi.json_body(CompletionBody))
 async def completions(request: Request, svc: Service, authorization: Auth = None,
                       client_id: ClientId = None) -> Response:
-    key = svc.check_api_key(authorization)
+    key = svc.auth.check_api_key(authorization)
     body: CompletionBody = parse_body(await read_body(request, svc.settings.max_body_bytes), CompletionBody)
     params = body.to_params()
     params.request_id = client_id
@@ -109,7 +109,7 @@ async def completions(request: Request, svc: Service, authorization: Auth = None
     openapi_extra=openapi.json_body(ChatBody))
 async def chat_completions(request: Request, svc: Service, authorization: Auth = None,
                            client_id: ClientId = None) -> Response:
-    key = svc.check_api_key(authorization)
+    key = svc.auth.check_api_key(authorization)
     body: ChatBody = parse_body(await read_body(request, svc.settings.max_body_bytes), ChatBody)
     prep, output = await _chat(svc, body, client_id or f"chatcmpl-{uuid.uuid4().hex}")
     return await _respond(request, svc, prep, body, "chat", key, output, chosen_id=client_id is not None)
@@ -134,7 +134,7 @@ async def _chat(svc: GatewayService, body: ChatBody, request_id: str) -> tuple[P
              openapi_extra=openapi.json_body(responses.ResponsesBody))
 async def create_response(request: Request, svc: Service, authorization: Auth = None) -> Response:
     """OpenAI's Responses API, stateless (gateway/responses.py): served by the chat path."""
-    key = svc.check_api_key(authorization)
+    key = svc.auth.check_api_key(authorization)
     rbody = responses.parse(load_json(await read_body(request, svc.settings.max_body_bytes)))
     body = responses.to_chat(rbody)
     rid = f"resp_{uuid.uuid4().hex}"
@@ -142,16 +142,16 @@ async def create_response(request: Request, svc: Service, authorization: Auth = 
     meta = resume.StreamMeta("chat", rid, int(time.time()), prep.model, prep.prompt_tokens, False,
                              **_output_fields(output))
     prep = dataclasses.replace(prep, resumable=False, meta=meta)
-    att = await svc.submit(prep, fresh_id=True, api_key=key)
+    att = await svc.admission.submit(prep, fresh_id=True, api_key=key)
     # the family's parser splits reasoning out (reasoning_content); the Shaper's own <think> split
     # covers a model whose template the parser does not know
     thinking = output.reasoning == "" and (prep.prompt_text or "").rstrip().endswith(responses.THINK_OPEN)
     shaper = responses.Shaper(rbody, rid, prep.model, prep.prompt_tokens, starts_thinking=thinking)
     fmt = formatter(att.prep, svc.token_text)
     if rbody.stream:
-        return StreamingResponse(responses.events(svc.stream(att), fmt, shaper), media_type="text/event-stream",
+        return StreamingResponse(responses.events(svc.streaming.stream(att), fmt, shaper), media_type="text/event-stream",
                                  headers={**_SSE_HEADERS, "X-Request-Id": rid})
-    deltas = svc.stream(att)
+    deltas = svc.streaming.stream(att)
     collected = await collect_unless_disconnected(request, deltas, att.prep, svc.token_text,
                                                   responses.whole(deltas, fmt, shaper))
     if collected is None:
@@ -183,21 +183,21 @@ async def _respond(request: Request, svc: GatewayService, prep: Prepared, body: 
     """Complete the request with what only HTTP knows (resumable, the stream's format), submit and
     answer. With a client-chosen id (`X-Request-Id`), a POST that reaches the gateway
     again after its client lost the first one unanswered is not run twice: a resumable request
-    already admitted is replayed from its first event (`GatewayService.resend`)."""
+    already admitted is replayed from its first event (`Streaming.resend`)."""
     rid = prep.request.request_id
     meta = resume.StreamMeta(kind, rid, int(time.time()), prep.model, prep.prompt_tokens, body.include_usage,
                              continuous_usage=prep.continuous_usage, logprobs=prep.logprobs,
                              echo=_echo_text(svc, prep) if prep.echo else None, **_output_fields(output))
     prep = dataclasses.replace(prep, resumable=body.resumable, meta=meta)
-    att = await svc.resend(prep, key) if chosen_id else None
+    att = await svc.streaming.resend(prep, key) if chosen_id else None
     if att is not None:
         log.info("request_id=%s sent again: replaying it from its first event", rid)
     else:
-        att = await svc.submit(prep, fresh_id=not chosen_id, api_key=key)
+        att = await svc.admission.submit(prep, fresh_id=not chosen_id, api_key=key)
     if body.stream:
-        return StreamingResponse(sse_events(svc.stream(att), att.prep, svc.token_text),
+        return StreamingResponse(sse_events(svc.streaming.stream(att), att.prep, svc.token_text),
                                  media_type="text/event-stream", headers={**_SSE_HEADERS, "X-Request-Id": rid})
-    collected = await collect_unless_disconnected(request, svc.stream(att), att.prep, svc.token_text)
+    collected = await collect_unless_disconnected(request, svc.streaming.stream(att), att.prep, svc.token_text)
     if collected is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(collected, headers={"X-Request-Id": rid})
@@ -226,12 +226,12 @@ async def resume_stream(
 ) -> Response:
     """Resume a `"resumable": true` request's SSE stream after the event `Last-Event-ID` (or from
     token index `?from=N`); the events are the same as the first connection's, none repeated."""
-    key = svc.check_api_key(authorization)
+    key = svc.auth.check_api_key(authorization)
     start = resume.start_index(last_event_id, from_index)
     if not _REQUEST_ID.match(request_id):
         raise RequestNotFound(f"request id {request_id[:64]!r} is not a valid request id", param="request_id")
-    att = await svc.reattach(request_id, key)
-    return StreamingResponse(sse_events(svc.stream(att), att.prep, svc.token_text, start),
+    att = await svc.streaming.reattach(request_id, key)
+    return StreamingResponse(sse_events(svc.streaming.stream(att), att.prep, svc.token_text, start),
                              media_type="text/event-stream", headers={**_SSE_HEADERS, "X-Request-Id": request_id})
 
 
@@ -245,7 +245,7 @@ def _model_card(svc: GatewayService) -> dict:
 
 @router.get("/v1/models", responses=openapi.errors(401))
 async def models(svc: Service, authorization: Auth = None) -> dict:
-    svc.check_api_key(authorization)
+    svc.auth.check_api_key(authorization)
     return {"object": "list", "data": [_model_card(svc)]}
 
 
@@ -253,7 +253,7 @@ async def models(svc: Service, authorization: Auth = None) -> dict:
 async def model(model_id: str, svc: Service, authorization: Auth = None) -> dict:
     """The served model under any of its names (`client.models.retrieve`); the card names it by
     its served name."""
-    svc.check_api_key(authorization)
+    svc.auth.check_api_key(authorization)
     if not model_id:
         raise ModelNotFound(f"no model id given; this gateway serves {svc.model_name!r}", param="model")
     check_model(model_id, svc.settings, svc.info)
@@ -267,7 +267,7 @@ async def model(model_id: str, svc: Service, authorization: Auth = None) -> dict
 async def tokenize(request: Request, svc: Service, authorization: Auth = None) -> dict:
     """A prompt's token ids as /v1/completions encodes it, or a conversation's as
     /v1/chat/completions renders and encodes it."""
-    svc.check_api_key(authorization)
+    svc.auth.check_api_key(authorization)
     body: TokenizeBody = parse_body(await read_body(request, svc.settings.max_body_bytes), TokenizeBody)
     check_model(body.model, svc.settings, svc.info)
     if (body.prompt is None) == (body.messages is None):
@@ -293,7 +293,7 @@ async def tokenize(request: Request, svc: Service, authorization: Auth = None) -
              openapi_extra=openapi.json_body(DetokenizeBody))
 async def detokenize(request: Request, svc: Service, authorization: Auth = None) -> dict:
     """Token ids -> text, special tokens included (as vLLM's /detokenize)."""
-    svc.check_api_key(authorization)
+    svc.auth.check_api_key(authorization)
     body: DetokenizeBody = parse_body(await read_body(request, svc.settings.max_body_bytes), DetokenizeBody)
     check_model(body.model, svc.settings, svc.info)
     vocab = svc.info.vocab_size
@@ -320,7 +320,7 @@ async def healthz() -> dict:
 @router.head("/readyz", include_in_schema=False)
 @router.get("/readyz", responses={503: {"description": "Redis has been unreachable for longer than redis_hold_s"}})
 async def readyz(svc: Service) -> JSONResponse:
-    state = await svc.ready()
+    state = await svc.report.ready()
     if state == "ready":
         return JSONResponse({"status": "ready"})
     if state == "degraded":  # still 200: new requests wait for Redis (gateway/hold.py)
@@ -331,11 +331,11 @@ async def readyz(svc: Service) -> JSONResponse:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(svc: Service) -> Response:
-    await svc.refresh_load()
+    await svc.report.refresh_load()
     return PlainTextResponse(svc.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.get("/admin/cluster", responses=openapi.errors(401, 503))
 async def cluster(svc: Service, authorization: Auth = None) -> dict:
-    svc.check_admin_key(authorization)
-    return await svc.cluster()
+    svc.auth.check_admin_key(authorization)
+    return await svc.report.cluster()

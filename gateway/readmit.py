@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys
 from tandem_core.bus import admission, conn, registry
 from tandem_core.retry import Backoff, retry
 from tandem_core.types import GenerationRequest
@@ -123,10 +122,8 @@ class Readmitter:
         r, n = self._redis(), 0
         oldest = self.clock() - (admission.MARKER_TTL_S - 10)  # the marker still answers for these
         for rid, adm in list(self.open.items()):
-            if adm.at < oldest or await r.exists(keys.token_stream(rid)):
-                continue
-            if await r.exists(keys.admitted_key(rid)):
-                continue  # its entry survived
+            if adm.at < oldest or await admission.admitted_or_started(r, rid):
+                continue  # too old to tell, begun, or its entry survived
             await admission.enqueue(r, self.pool, adm.req, self.maxlen, pod=adm.pod, direct=adm.direct)
             n += 1
             log.warning("request_id=%s: its admission was lost with Redis's last writes; enqueued again", rid)

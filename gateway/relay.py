@@ -274,7 +274,7 @@ def cancel_soon(r: aioredis.Redis, rid: str, ttl_s: int, background: set[asyncio
     async def _cancel() -> None:
         try:
             await cancel.request_cancel(r, rid, ttl_s)
-        except Exception:  # noqa: BLE001 - best effort; workers also drop work past deadline_ts
+        except Exception:
             log.warning("could not set cancel key request_id=%s", rid, exc_info=True)
 
     try:

@@ -451,7 +451,7 @@ async def events(deltas: AsyncIterator[Delta], fmt: Formatter, shaper: Shaper) -
     except TandemError as e:
         err = error_body(e)
         yield _sse(shaper._ev("error", code=err["code"], message=err["message"], param=err["param"]))
-    except Exception as e:  # noqa: BLE001 - logged with the traceback, reported in-band
+    except Exception as e:
         log.exception("relay failed response_id=%s", shaper.id)
         yield _sse(shaper._ev("error", code="internal_error", message=f"internal error: {type(e).__name__}",
                               param=None))

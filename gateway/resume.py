@@ -22,15 +22,14 @@ from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys
-from tandem_core.bus import cancel
+from tandem_core.bus import admission, cancel
 from tandem_core.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 
 def record_key(request_id: str) -> str:
-    return keys.gateway_resume_key(request_id)
+    return admission.resume_record_key(request_id)
 
 
 def key_digest(api_key: str) -> str:

@@ -1,35 +1,35 @@
 """The gateway's transport-neutral core: validate -> admit -> enqueue -> relay.
 
 `GatewayService` is built once per app and shared by the HTTP and gRPC front ends, so both
-apply the same limits, the same admission bound and the same relay. It is a facade over parts
-with one job each, read in the order a request meets them:
-1. `auth.py`: who may call (`check_api_key`, `check_admin_key`).
-2. `validation.py`: `prepare` checks and tokenizes the request into an immutable `Prepared`.
-3. `admission.py`: `submit` admits it (limiter lease, early rejections, route, enqueue) and
-   returns an `Attachment` (attachment.py), what this relay of it holds.
-4. `streaming.py`: `stream` relays its tokens; `reattach` and `resend` attach a client again.
-5. `cluster_view.py`: `/readyz`, `/admin/cluster` and the load gauges.
-The facade owns what the parts share: the Redis client and token reader (both set by the app's
-lifespan), the Redis hold, the tokenizer and chat template, and the metrics.
+apply the same limits, the same admission bound and the same relay. It builds the parts, each
+with one job, and the front ends call them directly, in the order a request meets them:
+1. `svc.auth` (auth.py): who may call (`check_api_key`, `check_admin_key`).
+2. `svc.prepare` (validation.py): checks and tokenizes the request into an immutable `Prepared`.
+3. `svc.admission.submit` (admission.py): admits it (limiter lease, early rejections, route,
+   enqueue) and returns an `Attachment` (attachment.py), what this relay of it holds.
+4. `svc.streaming` (streaming.py): `stream` relays its tokens; `reattach` and `resend` attach a
+   client again; `open` counts the relays; `drain` ends background writes before Redis closes.
+5. `svc.report` (cluster_view.py): `/readyz`, `/admin/cluster` and the load gauges.
+It owns what the parts share: the Redis client and token reader (both set by the app's lifespan),
+the Redis hold, the tokenizer and chat template, and the metrics. (It was a facade that also
+forwarded each part's methods; the forwarding is gone, so a reader follows a call straight to
+the part that does it.)
 """
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
 from gateway.admission import Admitter
-from gateway.attachment import Attachment
-from gateway.auth import ANONYMOUS, Auth
+from gateway.auth import Auth
 from gateway.chat import ChatTemplate
 from gateway.chatformat import ChatFormat
 from gateway.cluster_view import ClusterReport
 from gateway.hold import RedisHold
 from gateway.logprobs import TokenText
 from gateway.metrics import GatewayMetrics
-from gateway.relay import Delta
 from gateway.settings import GatewaySettings
 from gateway.streaming import REDIS_DOWN, RequestNotFound, Streaming
 from gateway.tokens import TokenMux
@@ -70,14 +70,6 @@ class GatewayService:
                                    forget=self.readmit.discard)
         self.report = ClusterReport(settings, self.metrics, self.model_name, self._redis, self.hold)
 
-    # ------------------------------------------------------------ auth (gateway/auth.py)
-
-    def check_api_key(self, authorization: str | None) -> str:
-        return self.auth.check_api_key(authorization)
-
-    def check_admin_key(self, authorization: str | None) -> None:
-        self.auth.check_admin_key(authorization)
-
     # ------------------------------------------------------------ request path
 
     async def prepare(self, params: CompletionParams) -> Prepared:
@@ -86,39 +78,6 @@ class GatewayService:
         if params.grammar is not None or (params.prompt is not None and len(params.prompt) > _BIG_PROMPT_CHARS):
             return await asyncio.to_thread(build_request, *args)
         return build_request(*args)
-
-    async def submit(self, prep: Prepared, fresh_id: bool, api_key: str = ANONYMOUS) -> Attachment:
-        """Admit (or 429/503) and enqueue (gateway/admission.py); relay the result with `stream`."""
-        return await self.admission.submit(prep, fresh_id, api_key)
-
-    def stream(self, att: Attachment) -> AsyncIterator[Delta]:
-        """The request's deltas (gateway/streaming.py); releases the lease when it ends."""
-        return self.streaming.stream(att)
-
-    async def reattach(self, request_id: str, api_key: str) -> Attachment:
-        return await self.streaming.reattach(request_id, api_key)
-
-    async def resend(self, prep: Prepared, api_key: str) -> Attachment | None:
-        return await self.streaming.resend(prep, api_key)
-
-    @property
-    def open_streams(self) -> int:
-        return self.streaming.open
-
-    # ------------------------------------------------------------ cluster view (gateway/cluster_view.py)
-
-    async def ready(self) -> str:
-        return await self.report.ready()
-
-    async def cluster(self) -> dict:
-        return await self.report.cluster()
-
-    async def refresh_load(self, timeout_s: float = 1.0) -> None:
-        await self.report.refresh_load(timeout_s)
-
-    async def drain_background(self, timeout_s: float = 2.0) -> None:
-        """Before the Redis client closes: pending cancel-key writes finish, grace timers stop."""
-        await self.streaming.drain(timeout_s)
 
     def _mux(self) -> TokenMux:
         if self.mux is None:

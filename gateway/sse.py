@@ -177,7 +177,7 @@ def formatter(prep: Prepared, token_text: TokenText) -> Formatter:
 
 async def sse_events(deltas: AsyncIterator[Delta], prep: Prepared, token_text: TokenText,
                      start: int = 0) -> AsyncIterator[bytes]:
-    """The events of `deltas` (the request's relay, `GatewayService.stream`) from token index
+    """The events of `deltas` (the request's relay, `Streaming.stream`) from token index
     `start` on, then usage (if asked) and [DONE]. With n > 1 the events carry no id (a resume
     serves one choice)."""
     meta: StreamMeta = prep.meta
@@ -193,7 +193,7 @@ async def sse_events(deltas: AsyncIterator[Delta], prep: Prepared, token_text: T
             yield event(fmt.chunk(None, usage(meta, n)))
     except TandemError as e:
         yield event({"error": error_body(e)})
-    except Exception as e:  # noqa: BLE001 - logged with the traceback, reported in-band
+    except Exception as e:
         log.exception("relay failed request_id=%s", prep.request.request_id)
         yield event({"error": {"message": f"internal error: {type(e).__name__}", "type": "internal_error",
                                "param": None, "code": "internal_error"}})

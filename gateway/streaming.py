@@ -31,8 +31,7 @@ from gateway.relay import Delta, cancel_soon, relay
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
 from gateway.validation import Prepared
-from tandem_core import keys
-from tandem_core.bus import conn
+from tandem_core.bus import admission, conn
 from tandem_core.errors import DeadlineExceeded, InvalidRequest, ServiceUnavailable, TandemError
 from tandem_core.tokenizer import Tokenizer
 from tandem_core.types import GenerationRequest
@@ -143,7 +142,7 @@ class Streaming:
                                                     s.token_ttl_s)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - best effort; workers drop the request at its deadline
+            except Exception:
                 log.warning("grace cancel failed request_id=%s", rid, exc_info=True)
 
         def start() -> None:
@@ -167,7 +166,7 @@ class Streaming:
             rec = await resume.load(r, request_id)
             if rec is None or rec.key != resume.key_digest(api_key):
                 raise missing
-            if time.time() > rec.deadline_ts and not await r.exists(keys.token_stream(request_id)):
+            if time.time() > rec.deadline_ts and not await admission.started(r, request_id):
                 raise missing
             attach_no = await resume.attach(r, request_id)
         except REDIS_DOWN as e:
@@ -183,7 +182,7 @@ class Streaming:
         the connection before any answer, e.g. the gateway died): a resumable one is replayed from
         its first event, as a resume would; None when that id was never admitted (send it now)."""
         r, rid = self.redis(), prep.request.request_id
-        seen = await self.hold.call(lambda: r.exists(keys.admitted_key(rid), keys.token_stream(rid)),
+        seen = await self.hold.call(lambda: admission.admitted_or_started(r, rid),
                                     prep.request.deadline_ts)
         if not seen:
             return None
@@ -197,7 +196,7 @@ class Streaming:
         except RequestNotFound:
             raise in_use from None
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float = 2.0) -> None:
         """Let pending cancel-key writes finish before the Redis client closes. Grace timers stop:
         their requests stay resumable through another replica until their deadline."""
         for t in list(self.grace_tasks):

@@ -218,7 +218,7 @@ class ShardReader:
                 failed += 1
                 await asyncio.sleep(0.5)
                 continue
-            except Exception:  # noqa: BLE001 - the reader must outlive any one bad reply
+            except Exception:
                 log.exception("token read failed; retrying")
                 await asyncio.sleep(0.5)
                 continue

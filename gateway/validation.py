@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from gateway import sampling_checks as checks
 from gateway.structured import check_grammar
 from gateway.settings import GatewaySettings
-from tandem_core import keys
+from tandem_core.bus import admission
 from tandem_core.errors import InvalidRequest, ModelNotFound, PromptTooLong
 from tandem_core.models import ModelInfo
 from tandem_core.tokenizer import Tokenizer
@@ -216,9 +216,9 @@ def _check_stop(stop: list[str], s: GatewaySettings) -> tuple[str, ...]:
 
 def _check_ids(p: CompletionParams) -> tuple[str, str]:
     priority = p.priority or "normal"
-    if priority not in keys.PRIORITIES:
+    if priority not in admission.PRIORITIES:
         raise InvalidRequest(
-            f"priority must be one of {', '.join(repr(x) for x in keys.PRIORITIES)}, got {priority!r}",
+            f"priority must be one of {', '.join(repr(x) for x in admission.PRIORITIES)}, got {priority!r}",
             param="priority",
         )
     rid = p.request_id or f"cmpl-{uuid.uuid4().hex}"

@@ -73,7 +73,7 @@ class KubeScale:
     async def refresh_leader(self) -> bool:
         try:
             return await self.lease.refresh()
-        except Exception as e:  # an unreachable API server: stop acting until the Lease is ours again
+        except Exception as e:  # noqa: BLE001 - an unreachable API server: stop acting until the Lease is ours again
             self.lease.leader = False
             log.warning("lease %s/%s not refreshed (%s): not scaling", self.namespace, self.lease.name, e)
             return False

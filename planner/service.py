@@ -84,7 +84,7 @@ class PlannerService:
             return self._held(t, None, None, str(e))
         try:
             current = await self.connector.current(snap.live)
-        except Exception as e:  # the API server: a scale read failed
+        except Exception as e:  # noqa: BLE001 - the API server: a scale read failed (any client error)
             return self._held(t, None, snap.observation, f"Kubernetes: replicas not read ({e})")
         if self.profile_error:
             return self._held(t, current, snap.observation, self.profile_error)
@@ -104,7 +104,7 @@ class PlannerService:
                      d.forecast.output_tokens, "".join(f"; {n}" for n in d.notes))
         try:
             await self.connector.apply(d, current)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any client error: held, and said why
             return self._held(t, current, snap.observation, f"Kubernetes: scale not written ({e})", d)
         self._last_hold = ""
         return self._done(d, current, snap.observation)

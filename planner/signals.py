@@ -45,7 +45,7 @@ class Signals:
         """(admission entries not yet prefilled, prefilled requests waiting for a decode slot)."""
         owners = await admission.pod_stream_owners(self.r, self.pool)
         pipe = self.r.pipeline(transaction=False)
-        for prio in keys.PRIORITIES:
+        for prio in admission.PRIORITIES:
             for wid in owners:
                 for shard in keys.all_shards():
                     pipe.xlen(keys.pod_admission_stream(self.pool, prio, wid, shard))

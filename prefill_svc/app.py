@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
@@ -19,11 +20,14 @@ from tandem_core.worker_pod import WorkerPod
 from tandem_engine.prefix_cache import cache_for
 from tandem_proto import kv_pb2
 
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
+
 log = logging.getLogger(__name__)
 KV_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
-def build_engine(settings: PrefillSettings, slots: int = 1):
+def build_engine(settings: PrefillSettings, slots: int = 1) -> ServingEngine:
     from tandem_engine import load_engine
 
     return load_engine(**settings.engine_kwargs(slots))

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
-from tandem_core import faults, keys, recovery
-from tandem_core.bus import cancel, entry_fence, groups, token_stream
+from tandem_core import faults, keys
+from tandem_core.bus import cancel, entry_fence, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_BACKOFF, REDIS_DOWN
 from tandem_core.errors import TandemError
 from tandem_core.retry import retry
@@ -35,7 +35,7 @@ class EntryHandler:
                  worker_id: str) -> None:
         self.s, self.r, self.prefiller, self.store = settings, r, prefiller, store
         self.worker_id = worker_id
-        self.fence = entry_fence.EntryFence(r, keys.PREFILL_GROUP, worker_id)
+        self.fence = entry_fence.EntryFence(r, groups.PREFILL_GROUP, worker_id)
 
     async def handle_until_done(self, c: groups.Claimed) -> None:
         """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
@@ -56,7 +56,7 @@ class EntryHandler:
         except REDIS_DOWN as e:
             log.error("gave up on admission entry %s of %s for now (%s): it stays pending and is taken up again "
                       "after stale_pending_s", _eid(c.entry_id), c.stream, e)
-        except Exception:  # noqa: BLE001 - one entry must not stop the claim loop; a reclaim redoes it
+        except Exception:
             log.exception("handling admission entry %s of %s failed: it stays pending and is taken up again after "
                           "stale_pending_s", _eid(c.entry_id), c.stream)
 
@@ -80,7 +80,7 @@ class EntryHandler:
             await self._commit(c, req, writes, held)
         except REDIS_DOWN:
             raise
-        except Exception as e:  # noqa: BLE001 - Redis refused the writes (maxmemory, say), or a bug: fail it clearly
+        except Exception as e:
             log.exception("publish failed request_id=%s", req.request_id)
             for rid in held:
                 self.store.release(rid)
@@ -89,7 +89,7 @@ class EntryHandler:
                 await self._commit(c, req, failed, [])
             except REDIS_DOWN:
                 raise
-            except Exception:  # noqa: BLE001 - left pending: this pod redoes it after stale_pending_s
+            except Exception:
                 log.exception("could not finish request_id=%s either; its entry stays pending", req.request_id)
 
     async def _work(self, req: GenerationRequest, reclaimed: bool) -> tuple[entry_fence.EntryWrites, list[str]]:
@@ -112,7 +112,7 @@ class EntryHandler:
         except TandemError as e:
             log.info("request failed request_id=%s: %s", rid, e.message)
             return self._finish(req, FINISH_ERROR, e.message), []
-        except Exception as e:  # noqa: BLE001 - the request gets an answer, the worker lives on
+        except Exception as e:
             log.exception("prefill crashed request_id=%s", rid)
             return self._finish(req, FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}"), []
 
@@ -149,7 +149,7 @@ class EntryHandler:
             return
         try:
             pipe = self.r.pipeline(transaction=False)
-            groups.ring(pipe, self.s.pool, keys.DECODE_GROUP)
+            groups.ring(pipe, self.s.pool, groups.DECODE_GROUP)
             await pipe.execute()
         except Exception as e:  # noqa: BLE001 - Redis down included
             log.debug("could not ring the decode doorbell: %s", e)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
@@ -21,6 +22,9 @@ from tandem_core.types import GenerationRequest, encode_prompt_logprobs
 from tandem_engine.prefix_cache import PrefixCache
 from tandem_engine.prefix_cache import prefill as cached_prefill
 
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
+
 log = logging.getLogger(__name__)
 
 
@@ -28,7 +32,7 @@ class Prefiller:
     """The engine side of a prefill pod: one thread owns the device, and every engine call goes
     through it; the asyncio loop only awaits its results."""
 
-    def __init__(self, settings: PrefillSettings, engine, store: KVStore, address: str, worker_id: str,
+    def __init__(self, settings: PrefillSettings, engine: ServingEngine, store: KVStore, address: str, worker_id: str,
                  prefix_cache: PrefixCache | None = None) -> None:
         self.s, self.engine, self.store = settings, engine, store
         self.address, self.worker_id = address, worker_id

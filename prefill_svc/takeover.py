@@ -34,7 +34,7 @@ class Takeover:
         self.room, self.handle = room, handle  # budget room (prompts), and how a taken entry is handled
         # whether a missing heartbeat means a dead peer yet (None: always)
         self.peers = peers
-        self.reclaimer = reclaim.Reclaimer(r, keys.PREFILL_GROUP, worker_id,
+        self.reclaimer = reclaim.Reclaimer(r, groups.PREFILL_GROUP, worker_id,
                                            stale_self_ms=int(settings.stale_pending_s * 1000),
                                            limit=settings.reclaim_batch, min_idle_ms=settings.reclaim_min_idle_ms)
         self._last = 0.0
@@ -51,7 +51,7 @@ class Takeover:
         self._last = now
         try:
             for shard in keys.all_shards():
-                for prio in keys.PRIORITIES:
+                for prio in admission.PRIORITIES:
                     for stream in (keys.admission_stream(self.s.pool, prio, shard), self.own_stream(prio, shard)):
                         await self.reclaim_pending(stream, include_self)
             await self._adopt_orphans()
@@ -82,13 +82,13 @@ class Takeover:
             if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
                 continue
             for stream in [keys.pod_admission_stream(self.s.pool, prio, wid, shard)
-                           for shard in keys.all_shards() for prio in keys.PRIORITIES]:
+                           for shard in keys.all_shards() for prio in admission.PRIORITIES]:
                 if wid not in live:
                     await self.reclaim_pending(stream, False)
                 room = self.room()
                 if room and await self.r.exists(stream):
-                    await groups.ensure_group(self.r, stream, keys.PREFILL_GROUP)  # re-created by a late XADD
-                    for c in await groups.claim(self.r, [stream], keys.PREFILL_GROUP, self.worker_id, room, None):
+                    await groups.ensure_group(self.r, stream, groups.PREFILL_GROUP)  # re-created by a late XADD
+                    for c in await groups.claim(self.r, [stream], groups.PREFILL_GROUP, self.worker_id, room, None):
                         log.info("took admission entry %s routed to prefill pod %s (gone or draining)", c.entry_id, wid)
                         await self.handle(c)
             if wid not in live:

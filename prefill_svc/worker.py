@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -30,12 +31,15 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.takeover import Takeover
-from tandem_core import keys, lifecycle, recovery
-from tandem_core.bus import groups, token_stream
+from tandem_core import keys, lifecycle
+from tandem_core.bus import admission, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_DOWN
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_ERROR
 from tandem_engine.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
 
 log = logging.getLogger(__name__)
 BUDGET_FULL_POLL_S = 0.02  # with the budget full, look again this soon (pulls free KV meanwhile)
@@ -46,7 +50,7 @@ class PrefillWorker:
     """One prefill pod's loop: claim rounds (here), the prefill (`prefiller`), the answer and its
     fenced commit (`handler`), and other pods' leftovers (`takeover`)."""
 
-    def __init__(self, settings: PrefillSettings, engine, r: aioredis.Redis, store: KVStore,
+    def __init__(self, settings: PrefillSettings, engine: ServingEngine, r: aioredis.Redis, store: KVStore,
                  address: str, worker_id: str, prefix_cache: PrefixCache | None = None,
                  peers: lifecycle.PeerJudge | None = None) -> None:
         self.s, self.r, self.store = settings, r, store
@@ -56,7 +60,7 @@ class PrefillWorker:
         # peers: whether a missing heartbeat means a dead peer yet (None: always; the app passes
         # the judge its heartbeat loop feeds, which waits a TTL after every Redis restart)
         self.takeover = Takeover(settings, r, worker_id, self.prefiller.room, self.handler.handle_until_done, peers)
-        self.bell = groups.Doorbell(r, settings.pool, [keys.PREFILL_GROUP])  # the wait, with several shards
+        self.bell = groups.Doorbell(r, settings.pool, [groups.PREFILL_GROUP])  # the wait, with several shards
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._ensure_groups()
@@ -86,8 +90,8 @@ class PrefillWorker:
         there are read too."""
         await groups.ensure_groups(self.r, self.s.pool)
         for shard in keys.all_shards():
-            for prio in keys.PRIORITIES:
-                await groups.ensure_group(self.r, self.takeover.own_stream(prio, shard), keys.PREFILL_GROUP)
+            for prio in admission.PRIORITIES:
+                await groups.ensure_group(self.r, self.takeover.own_stream(prio, shard), groups.PREFILL_GROUP)
 
     async def claim_round(self, rotation: PriorityRotation) -> None:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
@@ -96,7 +100,7 @@ class PrefillWorker:
         if room == 0:
             await asyncio.sleep(BUDGET_FULL_POLL_S)  # budget full: keep serving pulls, claim nothing
             return
-        claimed = await groups.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
+        claimed = await groups.claim(self.r, self._claim_order(rotation), groups.PREFILL_GROUP, self.worker_id, room,
                                      self.s.claim_block_ms, self.bell)
         for c in claimed:
             await self.handler.handle_until_done(c)

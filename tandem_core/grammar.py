@@ -50,12 +50,16 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import llguidance as llg
 import numpy as np
 
 from tandem_core.errors import InvalidRequest, TandemError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+    from tandem_core.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_SPEC_BYTES = 64 * 1024  # a schema / grammar / pattern bigger than this is refused (400)
@@ -63,8 +67,8 @@ MAX_CHOICES = 256
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept per tokenizer (LRU); settings pass their own
 DEFAULT_MASK_DEADLINE_S = 0.05  # one mask taking more CPU than this fails its request (llguidance's
 # own fuel limits bound a step to ~15 ms of work; this catches what slips past them)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-LIMITS = dict(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+LIMITS: dict[str, Any] = dict(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
               max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
 
 
@@ -431,6 +435,7 @@ class Matcher:
             narrow = cost + CLOSE_MARGIN >= budget
             in_str = self._lex.in_str
             plain = self.compiled.plain_in if in_str else self.compiled.plain_out
+            assert plain is not None  # compiled with the grammar's masks (_plain_bits)
             every = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
             if len(every) <= EXACT_CHECK_MAX:  # few choices (a choice, a digit, a key): check each
                 struct, in_str, narrow = every, False, True
@@ -585,7 +590,7 @@ class Grammars:
         self.info = info  # tandem_core.models.ModelInfo: the tokenizer and the mask width
         self.cache_size = int(cache_size)
         self.deadline_s = float(deadline_s)
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
 
     @property
     def tokenizer(self):

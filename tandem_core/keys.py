@@ -54,6 +54,8 @@ from functools import lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
+from tandem_core.types import CHOICE_SEP  # a choice's id is its parent's, this, and its index
+
 PREFIX = "tandem"
 PREFILL_GROUP = "prefill"
 DECODE_GROUP = "decode"
@@ -61,7 +63,6 @@ PRIORITIES = ("high", "normal")  # highest first
 WORKERS = f"{PREFIX}:workers"
 GATEWAYS = f"{PREFIX}:gateways"
 SHARDS_KEY = f"{PREFIX}:meta:shards"
-from tandem_core.types import CHOICE_SEP  # noqa: E402 - a choice's id is its parent's, this, and its index
 
 _shards = 1  # set once per process from its settings (configure): a deployment-wide constant
 

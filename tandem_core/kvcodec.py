@@ -47,7 +47,7 @@ def _dtype(name: str) -> np.dtype:
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
 def plan(nbytes: list[int], chunk_bytes: int) -> list[tuple[int, int, int]]:

@@ -17,9 +17,13 @@ log = logging.getLogger(__name__)
 def install_stop_signals(stop: asyncio.Event) -> None:
     """SIGTERM/SIGINT set `stop`: the service drains, then exits. A second signal is ignored
     (the drain has its own deadline)."""
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s: draining", sig.name)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (log.info("received %s: draining", signal.Signals(s).name), stop.set()))
+        loop.add_signal_handler(sig, on_signal, sig)
 
 
 def heartbeat_ttl_s(interval_s: float) -> int:

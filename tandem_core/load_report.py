@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -75,7 +76,7 @@ class Increments:
             rid = rep.get("id")
             if rid is None:
                 continue
-            now = {f: max(0.0, float(rep.get(f) or 0)) for f in self.fields}
+            now: dict[str, Any] = {f: max(0.0, float(rep.get(f) or 0)) for f in self.fields}
             now["pid"] = rep.get("pid")
             last = self._last.pop(rid, None)
             if last is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tandem_core.errors import ModelNotFound
 
@@ -52,7 +53,7 @@ class ModelInfo:
 
 
 def _preset(name: str, **kw) -> ModelInfo:
-    base = dict(
+    base: dict[str, Any] = dict(
         name=name, vocab_size=BYTE_EOS + 1, bos_token_id=BYTE_BOS, eos_token_ids=(BYTE_EOS,),
         tokenizer="byte", rope_theta=10000.0, rms_norm_eps=1e-5, seed=0,
     )
@@ -207,7 +208,8 @@ def rope_for(cfg: dict, layer_type: str) -> tuple[float, dict | None]:
         return float(cfg["rope_local_base_freq"]), None
     if "rope_theta" in cfg or not isinstance(rope, dict) or "rope_theta" not in rope:
         return float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
-    scaling: dict | None = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    own = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling: dict | None = own
+    if own.get("rope_type", own.get("type", "default")) == "default":
         scaling = cfg.get("rope_scaling")
     return float(rope["rope_theta"]), scaling

@@ -42,8 +42,8 @@ class ByteTokenizer:
     EOS have no text, so `skip_special_tokens` changes nothing."""
 
     def __init__(self) -> None:
-        self.bos_token_id = BYTE_BOS
-        self.eos_token_ids = (BYTE_EOS,)
+        self.bos_token_id: int | None = BYTE_BOS
+        self.eos_token_ids: tuple[int, ...] = (BYTE_EOS,)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -119,6 +119,11 @@ class Detokenizer:
     HF: decode a small window of recent ids and emit what grew, holding back text that ends in
     U+FFFD (an incomplete character), the way vLLM and TGI do. `skip_special_tokens` (default
     True, OpenAI's behaviour) leaves special tokens out of the text.
+
+    Not tokenizers' DecodeStream: it emits the same steps on well-formed text and is ~3x faster
+    (2.0 vs 7.1 us/token, byte-level BPE, 2,000 tokens), but on byte-fallback tokenizers a stray
+    byte after emitted text makes it raise mid-stream, and it drops the bytes held at the end
+    (tests/unit/test_tokenizer_rules.py::test_detokenizer_survives_a_stray_byte_after_emitted_text).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:

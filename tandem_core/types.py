@@ -56,7 +56,7 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
+        d: dict[str, Any] = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
         for name, off in _SAMPLING_OFF.items():  # only what is on: old readers see the same dict
             value = getattr(self, name)
             if value != off:

@@ -2,9 +2,10 @@
 
 The prefill and decode pods (and tandem_engine.prefix_cache) hold an engine only through this
 Protocol, so the surface a service depends on is written down in one place: anything a service
-calls that is not here is a test failure (tests/unit/test_engine_api.py reads the services' source
-for `engine.<name>`), and `Engine` is checked to provide every member. A second engine (another
-backend, a remote one) is a class with these members; nothing else in the services changes.
+calls that is not here is a type error (the services type their engine as `ServingEngine`; mypy
+runs first in `make test`), and `Engine` is checked to provide every member
+(tests/unit/test_engine_api.py). A second engine (another backend, a remote one) is a class with
+these members; nothing else in the services changes.
 
 The calling rules are `Engine`'s: one thread owns an engine and its DecodeState; states passed
 to insert/generate/free are donated and must not be used again.

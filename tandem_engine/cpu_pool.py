@@ -11,6 +11,12 @@ with the pod pinned to one CPU, which gives the same one-thread pool).
 `limit_cpu_threads(n)` starts the CPU backend while the process is restricted to n of its CPUs,
 then gives every thread (the pool's included) all of them back: the pool keeps n threads, the
 scheduler may run them anywhere. It must run before anything else starts a JAX backend.
+
+No supported API exists for either half (the pool's size, or whether a backend has started), so
+this leans on two behaviours of the installed JAX: the CPU client sizes its pool from the affinity
+mask when it is created, and `jax._src.xla_bridge.backends_are_initialized()`. pyproject.toml pins
+jax below the next minor release, and tests/unit/test_engine_cpu_pool.py is the canary: it fails
+with what to check when an upgrade changes either.
 """
 from __future__ import annotations
 
@@ -27,9 +33,9 @@ def limit_cpu_threads(n: int) -> bool:
     whether the limit took effect (False when a backend already started, or off Linux)."""
     if n <= 0 or not hasattr(os, "sched_setaffinity"):
         return False
-    from jax._src import xla_bridge  # noqa: PLC0415 - the only way to ask whether backends exist
+    from jax._src import xla_bridge  # no public "has a backend started?" (see the module docstring)
 
-    if getattr(xla_bridge, "_backends", None):
+    if xla_bridge.backends_are_initialized():
         log.warning("cpu_threads=%d ignored: a JAX backend is already running", n)
         return False
     allowed = os.sched_getaffinity(0)

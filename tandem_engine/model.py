@@ -461,7 +461,7 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
     qg = q.reshape(slots, kvh, groups, hd)
 
     def body(carry):
-        c, m, l, acc = carry
+        c, m, denom, acc = carry  # online softmax: running max, running sum of exp, weighted values
         # the last chunk may be clamped back to end at max_len: rows an earlier chunk already
         # covered (< c * chunk) are masked out, so none counts twice
         start = jnp.minimum(c * chunk, max_len - chunk)
@@ -477,10 +477,10 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
-        l = alpha * l + jnp.sum(p, axis=-1)
+        denom = alpha * denom + jnp.sum(p, axis=-1)
         pv = jax.lax.optimization_barrier(jnp.einsum(
             "bkgs,bksd->bkgd", jax.lax.optimization_barrier(p.astype(v.dtype)), v, preferred_element_type=jnp.float32))
-        return c + 1, m_new, l, alpha[..., None] * acc + pv
+        return c + 1, m_new, denom, alpha[..., None] * acc + pv
 
     shape = (slots, kvh, groups)
     if sinks is None:
@@ -489,8 +489,8 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
         m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), shape)
         l0 = jnp.ones(shape, jnp.float32)
     init = (first, m0, l0, jnp.zeros((*shape, hd), jnp.float32))
-    end, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < n, body, init)
-    out = (acc / l[..., None]).astype(q.dtype)
+    end, _, denom, acc = jax.lax.while_loop(lambda carry: carry[0] < n, body, init)
+    out = (acc / denom[..., None]).astype(q.dtype)
     return out.reshape(slots, 1, cfg.num_heads * hd), end - first
 
 

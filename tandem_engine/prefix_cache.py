@@ -20,10 +20,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem_core.prefix import block_hashes, cache_salt
+
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.api import ServingEngine
 
 
 @dataclass
@@ -130,7 +134,7 @@ class PrefixCache:
                 "blocks": len(self._blocks), "evicted": s.evicted}
 
 
-def prefill(engine, cache: PrefixCache, prompt_ids: Sequence[int], sampling, *, export: bool = False, **kw):
+def prefill(engine: ServingEngine, cache: PrefixCache, prompt_ids: Sequence[int], sampling, *, export: bool = False, **kw):
     """`engine.prefill` over the longest cached prefix of the prompt, then its new full blocks
     cached. Returns (Prefix, KVPayload when `export` else None). The KV is copied to the host for
     the cache only when a block is new (the prefill pod exports it anyway)."""
@@ -146,7 +150,7 @@ def prefill(engine, cache: PrefixCache, prompt_ids: Sequence[int], sampling, *, 
     return prefix, payload
 
 
-def cache_for(engine, block_size: int, budget_bytes: int, enabled: bool = True) -> PrefixCache:
+def cache_for(engine: ServingEngine, block_size: int, budget_bytes: int, enabled: bool = True) -> PrefixCache:
     """A cache whose keys are salted with this engine's model and dtype."""
     info = engine.info
     return PrefixCache(block_size, budget_bytes, cache_salt(info.name, info.path, engine.dtype, engine.cfg),

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tandem.redis_cluster import RedisClusterProcess  # noqa: E402
-from tandem.redis_proc import RedisProcess, docker_reachable  # noqa: E402
+from tandem.redis_cluster import RedisClusterProcess
+from tandem.redis_proc import RedisProcess, docker_reachable
 
 
 @pytest.fixture(autouse=True)

@@ -31,8 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from tandem_core.models import ModelInfo  # noqa: E402
-from tandem_engine import (  # noqa: E402
+from tandem_core.models import ModelInfo
+from tandem_engine import (
     config_from_info, reference_forward, reference_greedy, save_hf_checkpoint,
 )
 

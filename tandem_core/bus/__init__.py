@@ -10,6 +10,7 @@
 - `registry`: worker heartbeats and the server id.
 - `reclaim`: work pending to dead consumers, a dead decode pod's running requests.
 - `cancel`: cancel keys.
+- `recovery`: resuming a request from the tokens its stream already holds.
 
 Services use these modules instead of building keys or fields themselves; the engine knows none
 of them.

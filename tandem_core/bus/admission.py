@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import redis.asyncio as aioredis
 
 from tandem_core import keys
+from tandem_core.keys import PRIORITIES  # noqa: F401 - the admission priorities, for services
 from tandem_core.bus.groups import ring
 from tandem_core.types import GenerationRequest
 
@@ -107,7 +109,7 @@ class Backlog:
         return {pod: n.get(priority, 0) for pod, n in self.pods.items()}
 
 
-async def read_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> Backlog:
+async def read_backlog(r: aioredis.Redis, pool: str, known_pods: Sequence[str] = ()) -> Backlog:
     """The shared streams' lengths, the set of pods with per-pod streams, and the per-pod lengths.
 
     One round trip when every member of the set is in `known_pods` (the live prefill pods, whose
@@ -150,7 +152,7 @@ class BacklogReader:
         self.sharded_ttl_s = sharded_ttl_s
         self._last: tuple[float, Backlog] | None = None
 
-    async def read(self, r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> Backlog:
+    async def read(self, r: aioredis.Redis, pool: str, known_pods: Sequence[str] = ()) -> Backlog:
         if keys.shard_count() == 1:
             return await read_backlog(r, pool, known_pods)
         now = time.monotonic()
@@ -159,7 +161,7 @@ class BacklogReader:
         return self._last[1]
 
 
-async def total_backlog(r: aioredis.Redis, pool: str, known_pods: list[str] = ()) -> int:
+async def total_backlog(r: aioredis.Redis, pool: str, known_pods: Sequence[str] = ()) -> int:
     """Every admission entry waiting: the shared, direct and per-pod streams."""
     return (await read_backlog(r, pool, known_pods)).total
 
@@ -184,10 +186,12 @@ async def enqueue(r: aioredis.Redis, pool: str, req: GenerationRequest, maxlen: 
     Idempotent by request id for MARKER_TTL_S: a second call returns the first call's entry id and
     writes nothing (the gateway retries an enqueue whose reply a Redis outage swallowed)."""
     shard = keys.request_shard(req.request_id)  # the stream, the marker and the set share its tag
+    extra: list[str] = []
+    args: list[str] = []
     if direct:
-        stream, extra, args = keys.direct_stream(pool, shard), [], []
+        stream = keys.direct_stream(pool, shard)
     elif pod is None:
-        stream, extra, args = keys.admission_stream(pool, req.priority, shard), [], []
+        stream = keys.admission_stream(pool, req.priority, shard)
     else:
         stream = keys.pod_admission_stream(pool, req.priority, pod, shard)
         extra, args = [keys.pod_streams_set(pool, shard)], [pod]
@@ -219,3 +223,27 @@ def _by_pod(pods: list[str], lens: list) -> dict[str, dict[str, int]]:
 
 def _s(x) -> str:
     return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
+
+
+# ---- What Redis still knows of a request id (the gateway's duplicate, resend and readmit checks).
+# A request's keys share its tag (one slot), so each check is one EXISTS.
+
+async def started(r: aioredis.Redis, request_id: str) -> bool:
+    """Its token stream exists: a pod has written at least token 0 (or its finish)."""
+    return bool(await r.exists(keys.token_stream(request_id)))
+
+
+async def admitted_or_started(r: aioredis.Redis, request_id: str) -> bool:
+    """Its admission marker (MARKER_TTL_S) or its token stream exists: the id was enqueued."""
+    return bool(await r.exists(keys.admitted_key(request_id), keys.token_stream(request_id)))
+
+
+async def in_use(r: aioredis.Redis, request_id: str) -> bool:
+    """Any key of the id exists (marker, token stream, cancel key): a new request may not take it."""
+    return bool(await r.exists(keys.token_stream(request_id), keys.cancel_key(request_id),
+                               keys.admitted_key(request_id)))
+
+
+def resume_record_key(request_id: str) -> str:
+    """A resumable request's record (gateway/resume.py reads and writes its fields)."""
+    return keys.gateway_resume_key(request_id)

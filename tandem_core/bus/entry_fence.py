@@ -28,6 +28,8 @@ transaction this replaces required too).
 """
 from __future__ import annotations
 
+from typing import Any, Awaitable, Callable
+
 import redis.asyncio as aioredis
 
 # KEYS[1]: the entry's stream; KEYS[2..]: the keys the writes touch. ARGV[1] group, ARGV[2]
@@ -97,7 +99,7 @@ class EntryFence:
 
     def __init__(self, r: aioredis.Redis, group: str, consumer: str) -> None:
         self.r, self.group, self.consumer = r, group, consumer
-        self._script = None  # registered on first use (a worker built without Redis never commits)
+        self._script: Callable[..., Awaitable[Any]] | None = None  # registered on first use (a worker built without Redis never commits)
 
     async def commit(self, stream: str, entry_id: bytes, writes: EntryWrites | None = None) -> bool:
         """Do `writes`, then XACK and XDEL the entry, only if it is still pending to this consumer:

@@ -13,6 +13,7 @@ from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from tandem_core import keys, redis_client
+from tandem_core.keys import DECODE_GROUP, PREFILL_GROUP  # noqa: F401 - the groups' names, for services
 from tandem_core.bus.conn import check_shards
 
 

@@ -45,6 +45,11 @@ def add_ready(pipe, pool: str, notice: ReadyNotice, maxlen: int) -> None:
               maxlen=maxlen, approximate=True)
 
 
+def decode_streams(pool: str) -> list[str]:
+    """What decode pods read, every shard: the ready notices, then the direct (unprefilled) prompts."""
+    return [f(pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]
+
+
 async def ready_backlog(r: aioredis.Redis, pool: str) -> int:
     """Ready notices waiting for a decode slot (or pulled and not yet acked), every shard."""
     pipe = r.pipeline(transaction=False)

@@ -14,6 +14,21 @@ from tandem_core.bus.groups import Claimed
 from tandem_core.types import GenerationRequest
 
 
+async def running_owners(r: aioredis.Redis) -> set[str]:
+    """Every worker id with a running hash (SCAN over every shard's)."""
+    return {keys.running_owner(key) async for key in r.scan_iter(match=keys.RUNNING_PATTERN, count=100)}
+
+
+async def lock_recovery(r: aioredis.Redis, worker_id: str, me: str, ttl_s: int) -> bool:
+    """Take the lock on recovering `worker_id` (False: another pod is on it). Release it with
+    `unlock_recovery`; it expires after `ttl_s` if this pod dies first."""
+    return bool(await r.set(keys.recovering_key(worker_id), me, nx=True, ex=ttl_s))
+
+
+async def unlock_recovery(r: aioredis.Redis, worker_id: str) -> None:
+    await r.delete(keys.recovering_key(worker_id))
+
+
 async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:
     """A decode pod's running hashes, every shard."""
     pipe = r.pipeline(transaction=False)

@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tandem_proto import generate_pb2, generate_pb2_grpc  # noqa: E402
-from tests.e2e.conftest import start_local, stop_local  # noqa: E402
-from tests.families import FAMILIES, build_family, hf_greedy  # noqa: E402
+from tandem_proto import generate_pb2, generate_pb2_grpc
+from tests.e2e.conftest import start_local, stop_local
+from tests.families import FAMILIES, build_family, hf_greedy
 
 pytestmark = pytest.mark.e2e
 NEW = 12

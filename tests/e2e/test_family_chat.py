@@ -15,9 +15,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from tests.chat_family import family_dir  # noqa: E402
-from tests.e2e.conftest import start_local, stop_local  # noqa: E402
-from tests.families import build_family  # noqa: E402
+from tests.chat_family import family_dir
+from tests.e2e.conftest import start_local, stop_local
+from tests.families import build_family
 
 pytestmark = pytest.mark.e2e
 TOOL = {"type": "function", "function": {

@@ -16,7 +16,8 @@ from gateway.tokens import TokenMux
 from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
-from tandem_core import keys, recovery
+from tandem_core import keys
+from tandem_core.bus import recovery
 from tandem_core.bus import admission, cancel, conn, groups, ready, reclaim, token_stream
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.settings import EngineConfig, RedisConfig

@@ -34,7 +34,7 @@ async def svc(redis_url, redis_client):
         yield g
     finally:
         await g.mux.stop()
-        await g.drain_background()
+        await g.streaming.drain()
 
 
 async def _worker_writes(r, rid: str, text: bytes, finish: str = "length") -> None:
@@ -51,7 +51,7 @@ def _queue_count(svc: GatewayService) -> str:
 async def test_submit_holds_the_lease_and_entry_id_and_the_relay_releases_it(svc, redis_client):
     r = redis_client
     prep = await svc.prepare(CompletionParams(prompt="hi", max_tokens=2))
-    att = await svc.submit(prep, fresh_id=True, api_key="k")
+    att = await svc.admission.submit(prep, fresh_id=True, api_key="k")
     rid = prep.request.request_id
     assert att.prep is prep and att.request_id == rid and att.attach_no == 0
     (entry_id, fields), = await r.xrange(keys.direct_stream(POOL, 0))  # no prefill pods: the decode pods
@@ -59,12 +59,12 @@ async def test_submit_holds_the_lease_and_entry_id_and_the_relay_releases_it(svc
     assert att.lease is not None and svc.admission.limiter.in_flight("k") == 1
     again = await svc.prepare(CompletionParams(prompt="hi", max_tokens=2))
     with pytest.raises(AdmissionRejected, match="1 concurrent"):  # the lease is held until the relay ends
-        await svc.submit(again, fresh_id=True, api_key="k")
+        await svc.admission.submit(again, fresh_id=True, api_key="k")
 
     await _worker_writes(r, rid, b"ok")
-    deltas = [d async for d in svc.stream(att)]
+    deltas = [d async for d in svc.streaming.stream(att)]
     assert "".join(d.text for d in deltas) == "ok" and deltas[-1].finish_reason == "length"
-    assert att.lease.released and svc.admission.limiter.in_flight("k") == 0 and svc.open_streams == 0
+    assert att.lease.released and svc.admission.limiter.in_flight("k") == 0 and svc.streaming.open == 0
     assert _queue_count(svc) == "1.0"  # admission entry id -> first token entry id
 
 
@@ -74,15 +74,15 @@ async def test_reattach_is_a_new_attachment_that_replays_the_same_text(svc, redi
     rid = prep.request.request_id
     meta = StreamMeta("completion", rid, 0, prep.model, prep.prompt_tokens)
     prep = dataclasses.replace(prep, resumable=True, meta=meta)
-    att = await svc.submit(prep, fresh_id=True, api_key="k")
+    att = await svc.admission.submit(prep, fresh_id=True, api_key="k")
     await _worker_writes(r, rid, b"abc")
-    first = [d.text async for d in svc.stream(att)]
+    first = [d.text async for d in svc.streaming.stream(att)]
 
-    resumed = await svc.reattach(rid, "k")
+    resumed = await svc.streaming.reattach(rid, "k")
     assert resumed.attach_no == 1 and resumed.lease is None and resumed.entry_id is None
     assert resumed.prep.replay and resumed.prep.resumable and resumed.prep.stop == prep.stop
-    assert [d.text async for d in svc.stream(resumed)] == first == ["a", "b", "c"]
-    assert (await svc.reattach(rid, "k")).attach_no == 2
+    assert [d.text async for d in svc.streaming.stream(resumed)] == first == ["a", "b", "c"]
+    assert (await svc.streaming.reattach(rid, "k")).attach_no == 2
     assert _queue_count(svc) == "1.0"  # a replay's timing says nothing about the cluster
     with pytest.raises(RequestNotFound):
-        await svc.reattach(rid, "another key")
+        await svc.streaming.reattach(rid, "another key")

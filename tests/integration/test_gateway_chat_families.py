@@ -19,12 +19,12 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tandem_core.models import resolve_model  # noqa: E402
-from tandem_core.tokenizer import load_tokenizer  # noqa: E402
-from tandem_core.types import GenerationRequest  # noqa: E402
-from tests.chat_family import family_dir  # noqa: E402
-from tests.integration.scripted_worker import serve_scripted  # noqa: E402
-from tests.integration.test_gateway_relay import Gateway, _settings  # noqa: E402
+from tandem_core.models import resolve_model
+from tandem_core.tokenizer import load_tokenizer
+from tandem_core.types import GenerationRequest
+from tests.chat_family import family_dir
+from tests.integration.scripted_worker import serve_scripted
+from tests.integration.test_gateway_relay import Gateway, _settings
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from gateway.auth import ANONYMOUS
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from gateway.validation import CompletionParams
@@ -48,7 +49,7 @@ def _svc(redis_url, r, **kw) -> GatewayService:
 
 async def _submit(svc: GatewayService, ids: list[int], priority: str = "normal") -> str:
     prep = await svc.prepare(CompletionParams(prompt_ids=ids, max_tokens=4, priority=priority))
-    await svc.submit(prep, fresh_id=True)
+    await svc.admission.submit(prep, fresh_id=True, api_key=ANONYMOUS)
     return prep.request.request_id
 
 
@@ -117,7 +118,7 @@ async def test_backlog_counts_per_pod_entries_of_live_and_dead_pods(redis_url, r
     assert got.total == 4 and got.shared["normal"] == 1 and got.pods["dead"]["normal"] == 1
     assert sum(n["normal"] for n in got.pods.values()) == 3
     assert await admission.total_backlog(r, POOL) == 4  # no known pods: all found through the set
-    cluster = await svc.cluster()
+    cluster = await svc.report.cluster()
     assert cluster["queues"]["admission_backlog"] == 4
     assert cluster["queues"]["pod_admission"]["dead"] == {"high": 0, "normal": 1}
     assert cluster["load"]["waiting"] == 4
@@ -129,15 +130,15 @@ async def test_prefix_cache_counters_and_cluster_section(redis_url, redis_client
     r = redis_client
     await _workers(r, "pa", "pb", extra=_cache(queries=100, hits=60, computed=40))
     svc = _svc(redis_url, r)
-    await svc.refresh_load()
+    await svc.report.refresh_load()
     await _workers(r, "pa", extra=_cache(queries=150, hits=80, computed=70))
     svc.report.load_ts = -1e9
-    await svc.refresh_load()
+    await svc.report.refresh_load()
     text = svc.metrics.render().decode()
     # pa 150 + pb 100 queries (the decode pod's cache saw none); hits 80 + 60; computed 70 + 40.
     assert "vllm:prefix_cache_queries_total 250.0" in text and "vllm:prefix_cache_hits_total 140.0" in text
     assert "tandem_prefill_tokens_computed_total 110.0" in text
-    section = (await svc.cluster())["prefix_cache"]
+    section = (await svc.report.cluster())["prefix_cache"]
     assert {w["id"]: w["hit_rate"] for w in section["workers"]} == {"pa": 0.5333, "pb": 0.6, "dec": None}
     assert section["totals"]["bytes"] == 3 * 1024 and section["block_size_mismatch"] == []
     assert "vllm:prefix_cache_queries_total 250.0" in svc.metrics.render().decode()  # no double count

@@ -19,16 +19,16 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis import checks as st_checks  # noqa: E402
-from schemathesis.generation import GenerationMode  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import checks as st_checks
+from schemathesis.generation import GenerationMode
 
-from tandem_core import keys  # noqa: E402
+from tandem_core import keys
 from tandem_core.bus import groups, token_stream
-from tandem_core.models import BYTE_EOS  # noqa: E402
-from tandem_core.types import GenerationRequest, choice_ids  # noqa: E402
-from tests.integration.test_gateway_relay import Gateway, _settings  # noqa: E402
+from tandem_core.models import BYTE_EOS
+from tandem_core.types import GenerationRequest, choice_ids
+from tests.integration.test_gateway_relay import Gateway, _settings
 
 EXAMPLES = int(os.environ.get("TANDEM_SCHEMA_FUZZ_EXAMPLES", "30"))  # per operation and generation mode
 def _negative_data_rejection(ctx, response, case):

@@ -16,12 +16,12 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from pydantic import BaseModel  # noqa: E402
+from pydantic import BaseModel
 
-from tandem_core.models import BYTE_EOS  # noqa: E402
-from tandem_core.types import GenerationRequest  # noqa: E402
-from tests.integration.scripted_worker import serve_scripted  # noqa: E402
-from tests.integration.test_gateway_relay import Gateway, _settings  # noqa: E402
+from tandem_core.models import BYTE_EOS
+from tandem_core.types import GenerationRequest
+from tests.integration.scripted_worker import serve_scripted
+from tests.integration.test_gateway_relay import Gateway, _settings
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -45,7 +45,7 @@ async def _serve(redis_url: str, pool: str, script: Script, stop: threading.Even
 def _run(redis_url: str, pool: str, script: Script, stop: threading.Event) -> None:
     try:
         asyncio.run(_serve(redis_url, pool, script, stop))
-    except BaseException as e:  # noqa: BLE001 - shown by the test that then times out
+    except BaseException as e:
         script.error = e
         raise
 

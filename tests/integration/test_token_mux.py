@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 from gateway.tokens import TokenMux
 from tandem_core import keys

@@ -20,7 +20,7 @@ import yaml
 
 from tests.unit.test_chart import (
     CHART, CRD_SCHEMAS, K8S_VERSIONS, NAMESPACE, PROFILES, RELEASE, TEST_SEED, Rendered, _chart,
-    containers, profile_values, render, rendered, seeded,
+    containers, render, rendered, seeded,
 )
 
 DIGEST = {name: "sha256:" + (c * 64) for name, c in

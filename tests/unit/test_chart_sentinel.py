@@ -57,7 +57,7 @@ def test_every_service_gets_the_sentinels_and_parses_them(r, component, monkeypa
 def test_no_redis_of_the_charts_own(r):
     assert not r.kind("StatefulSet")
     assert not [d for d in r.docs if d["metadata"]["name"].endswith("-redis")]
-    assert "through the sentinels" in r.files[f"tandem/templates/NOTES.txt"]
+    assert "through the sentinels" in r.files["tandem/templates/NOTES.txt"]
 
 
 def test_keda_scales_through_the_sentinels(r):

@@ -18,14 +18,14 @@ import pytest
 torch = pytest.importorskip("torch")  # the test-reference extra; present in the dev venv
 transformers = pytest.importorskip("transformers")
 
-from tandem_core.errors import ModelNotFound  # noqa: E402
-from tandem_core.models import SUPPORTED_MODEL_TYPES, resolve_model  # noqa: E402
-from tandem_core.types import SamplingParams  # noqa: E402
-from tandem_engine import config_from_info, load_engine, reference_forward  # noqa: E402
-from tandem_engine.arch import FAMILY_TRAITS  # noqa: E402
-from tandem_engine.prefix_cache import cache_for  # noqa: E402
-from tandem_engine.prefix_cache import prefill as cached_prefill  # noqa: E402
-from tests.families import FAMILIES, WINDOW, build_family, hf_greedy  # noqa: E402
+from tandem_core.errors import ModelNotFound
+from tandem_core.models import SUPPORTED_MODEL_TYPES, resolve_model
+from tandem_core.types import SamplingParams
+from tandem_engine import config_from_info, load_engine, reference_forward
+from tandem_engine.arch import FAMILY_TRAITS
+from tandem_engine.prefix_cache import cache_for
+from tandem_engine.prefix_cache import prefill as cached_prefill
+from tests.families import FAMILIES, WINDOW, build_family, hf_greedy
 
 GREEDY = SamplingParams()
 NEW_TOKENS = 20

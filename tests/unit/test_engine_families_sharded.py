@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.families import build_family, hf_greedy  # noqa: E402
+from tests.families import build_family, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMS = ("gemma3", "qwen3_moe", "gpt_oss")  # windows + q/k norms; experts; sinks, biased experts, YaRN

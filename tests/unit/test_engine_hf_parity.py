@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")  # the test-reference extra; present in the
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tandem_core.types import SamplingParams  # noqa: E402
-from tandem_engine import config_from_info, load_engine, reference_forward  # noqa: E402
+from tandem_core.types import SamplingParams
+from tandem_engine import config_from_info, load_engine, reference_forward
 
 NEW_TOKENS = 32
 REL_TOL = 1e-4

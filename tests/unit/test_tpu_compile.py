@@ -25,13 +25,13 @@ _why = libtpu_missing()
 if _why:
     pytest.skip(_why, allow_module_level=True)
 
-import jax  # noqa: E402
+import jax
 
-from tandem_core.models import resolve_model  # noqa: E402
-from tandem_engine import aot  # noqa: E402
-from tandem_engine.weights import init_params  # noqa: E402
-from planner.profile import parse_profile  # noqa: E402
-from tandem.fit import fit, projected_profile  # noqa: E402
+from tandem_core.models import resolve_model
+from tandem_engine import aot
+from tandem_engine.weights import init_params
+from planner.profile import parse_profile
+from tandem.fit import fit, projected_profile
 
 SLOTS, MAX_LEN, BUCKET, DTYPE = 8, 512, 64, "bfloat16"
 SLACK = 64 * 1024

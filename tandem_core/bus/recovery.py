@@ -32,7 +32,7 @@ async def streamed_tokens(r: aioredis.Redis, request_id: str) -> tuple[list[int]
             finished = True
         if t >= 0 and i not in got:
             got[i] = t
-    out = []
+    out: list[int] = []
     while len(out) in got:
         out.append(got[len(out)])
     return out, finished
