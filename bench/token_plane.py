@@ -213,24 +213,24 @@ def plane_key_ops(cfg: PlaneConfig, pubs: list[dict], shards: int) -> dict[str, 
     touch the same streams' slots and are left out: they follow the streams.) Named with `shards`
     key shards, whatever the run itself used: the names are all that placement needs."""
     from bench.token_plane_roles import rid
-    from tandem_core import keys
+    from tandem_core.keys import KeySpace
 
-    keys.configure(shards)
+    ks = KeySpace(shards)
     ops: dict[str, float] = {}
     for p, pub in enumerate(pubs):
         for slot, gen, _step in np.asarray(pub["starts"]).tolist():
             worker_id = f"tp{cfg.run_id:x}-decode-{p}-{(slot // cfg.batch) % cfg.pods}"
             request_id = rid(cfg.run_id, slot, gen)
             n = length_of(cfg, slot, gen)
-            running = _running_key(keys, worker_id, request_id)
-            ops[keys.token_stream(request_id)] = ops.get(keys.token_stream(request_id), 0) + 2 * n
+            running = _running_key(ks, worker_id, request_id)
+            ops[ks.token_stream(request_id)] = ops.get(ks.token_stream(request_id), 0) + 2 * n
             ops[running] = ops.get(running, 0) + n + 2
     return ops
 
 
-def _running_key(keys, worker_id: str, request_id: str) -> str:
+def _running_key(ks, worker_id: str, request_id: str) -> str:
     """The running hash a request's fenced writes check (one per pod and shard)."""
-    return keys.running_key(worker_id, keys.request_shard(request_id))
+    return ks.running_key(worker_id, ks.request_shard(request_id))
 
 
 # ---------------------------------------------------------------------------------------------

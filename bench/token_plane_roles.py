@@ -118,9 +118,13 @@ def _loop_factory():
 def _setup(cfg: PlaneConfig, cpus: list[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, set(cpus))
-    from tandem_core import keys
 
-    keys.configure(cfg.shards)  # the key shards (hash tags) of the deployment this plane stands for
+
+def _key_space(cfg: PlaneConfig):
+    """The key shards (hash tags) of the deployment this plane stands for."""
+    from tandem_core.keys import KeySpace
+
+    return KeySpace(cfg.shards)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +148,8 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
     from tandem_core.types import GenerationRequest
 
     r = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.pods + 8, client_name=f"tp-pub{index}")
-    pods = [OwnedPublisher(r, f"tp{cfg.run_id:x}-decode-{index}-{k}", cfg.ttl_s, cfg.maxlen, cfg.finished_ttl_s)
+    ks = _key_space(cfg)
+    pods = [OwnedPublisher(r, ks, f"tp{cfg.run_id:x}-decode-{index}-{k}", cfg.ttl_s, cfg.maxlen, cfg.finished_ttl_s)
             for k in range(cfg.pods)]
     await pods[0].load()
     first = index * cfg.pods * cfg.batch
@@ -207,7 +212,7 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
             next_cancel = t_send + cfg.cancel_poll_s
             running = [rid(cfg.run_id, first + j, st[0]) for j, st in enumerate(state) if st[1] < st[2]]
             if running:
-                await cancel.cancelled(r, running)
+                await cancel.cancelled(r, ks, running)
         rate = ctl.steps_per_s.value
         if rate > 0:
             next_t = max(next_t + 1.0 / rate, time.monotonic() - 1.0 / rate)  # no catch-up burst
@@ -253,7 +258,7 @@ async def _relay_all(cfg: PlaneConfig, index: int, ctl: Control) -> None:
     r = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.max_connections, client_name=f"tp-gw{index}",
                                 socket_timeout=10.0)
     xreads = _count_xreads(r)
-    mux = TokenMux(r, block_ms=cfg.block_ms)
+    mux = TokenMux(r, _key_space(cfg), block_ms=cfg.block_ms)
     mux.start()
     records: dict[tuple[int, int], tuple] = {}  # (slot, gen) -> index, token, finish, arrival arrays
     tasks: set[asyncio.Task] = set()

@@ -16,6 +16,7 @@ from decode_svc.recover import reclaim_pending, recover_loop, recover_running
 from decode_svc.requests import RequestTable
 from decode_svc.settings import DecodeSettings
 from tandem_core.bus import conn, groups, registry
+from tandem_core.bus import KeySpace
 from tandem_core.settings import default_worker_id
 from tandem_core.worker_pod import WorkerPod
 from tandem_engine.prefix_cache import cache_for
@@ -52,12 +53,13 @@ async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
     engine, cache = await _compiled_engine(s)
     r = conn.connect(s.redis)
-    await groups.ensure_groups(r, s.pool)
+    ks = KeySpace(s.redis.shard_count())
+    await groups.ensure_groups(r, ks, s.pool)
     table = RequestTable(s.slots)
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
                              mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache)
-    io = DecodeIO(s, r, table, engine_loop, bridge, worker_id)
+    io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
     pod = WorkerPod(s, r, [SERVICE])
     address = pod.bind()

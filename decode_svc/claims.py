@@ -25,7 +25,7 @@ from decode_svc.puller import KVPuller
 from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
-from tandem_core import faults, keys
+from tandem_core import faults
 from tandem_core.bus import conn, groups, ready, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
@@ -44,7 +44,7 @@ class Claims:
         self.engine_failed = engine_failed  # () -> bool: the engine thread died, stop claiming
         self.handback = handback  # what a failed pull ends with: resumed elsewhere, its entry acked
         self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
-        self.rotation = PriorityRotation(s.pool, s.priority_high_weight)
+        self.rotation = PriorityRotation(owned.ks, s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
         self.bell = groups.Doorbell(r, s.pool, [groups.DECODE_GROUP] + ([groups.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
@@ -55,9 +55,9 @@ class Claims:
         out = []
         pool, shards = self.s.pool, self.rotation.shard_order()  # (the previous pass's start: fine)
         if not self.s.colocated:
-            out.append(([keys.ready_stream(pool, s) for s in shards], groups.DECODE_GROUP))
+            out.append(([self.owned.ks.ready_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.direct_prefill or self.s.colocated:
-            out.append(([keys.direct_stream(pool, s) for s in shards], groups.DECODE_GROUP))
+            out.append(([self.owned.ks.direct_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.colocated:
             out.append((self.rotation.next_order(), groups.PREFILL_GROUP))
         return out

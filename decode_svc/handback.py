@@ -26,6 +26,7 @@ from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal
 from tandem_core import faults
 from tandem_core.bus import conn, groups, reclaim
+from tandem_core.bus import KeySpace
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,9 @@ Ack = tuple[str, str, bytes]  # (stream, group, entry id)
 
 
 class Handback:
-    def __init__(self, r: aioredis.Redis, worker_id: str, table: RequestTable, journal: Journal,
+    def __init__(self, r: aioredis.Redis, ks: KeySpace, worker_id: str, table: RequestTable, journal: Journal,
                  resume: Callable[..., Awaitable[str]], timeout_s: float = 10.0) -> None:
-        self.r, self.worker_id, self.table, self.journal = r, worker_id, table, journal
+        self.r, self.ks, self.worker_id, self.table, self.journal = r, ks, worker_id, table, journal
         self._resume = resume  # DecodeIO.resume: (req, why, owner=) -> "resumed" | "finished" | "failed"
         self.timeout_s = timeout_s  # how long one attempt waits out Redis before the work is owed
         self.owed_resumes: dict[str, tuple[GenerationRequest, str]] = {}
@@ -90,7 +91,7 @@ class Handback:
         how many are still owed."""
         if self.unread:
             try:
-                owned = await reclaim.running_requests(self.r, self.worker_id)
+                owned = await reclaim.running_requests(self.r, self.ks, self.worker_id)
             except Exception as e:  # noqa: BLE001 - still down: next round
                 log.warning("still cannot read this pod's running hash: %s", e)
                 return self.owed + len(self.unread)

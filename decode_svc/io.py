@@ -25,29 +25,30 @@ from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import lifecycle
 from tandem_core.bus import cancel, reclaim, recovery, token_stream
+from tandem_core.bus import KeySpace
 from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
 
 class DecodeIO:
-    def __init__(self, s: DecodeSettings, r: aioredis.Redis, table: RequestTable, engine_loop: EngineLoop | None,
-                 bridge: Bridge, worker_id: str) -> None:
-        self.s, self.r, self.table, self.engine_loop, self.bridge = s, r, table, engine_loop, bridge
+    def __init__(self, s: DecodeSettings, r: aioredis.Redis, ks: KeySpace, table: RequestTable,
+                 engine_loop: EngineLoop | None, bridge: Bridge, worker_id: str) -> None:
+        self.s, self.r, self.ks, self.table, self.engine_loop, self.bridge = s, r, ks, table, engine_loop, bridge
         self.worker_id = worker_id
-        self.owned = token_stream.OwnedPublisher(r, worker_id, s.token_ttl_s, s.token_maxlen,
+        self.owned = token_stream.OwnedPublisher(r, ks, worker_id, s.token_ttl_s, s.token_maxlen,
                                                  s.token_finished_ttl_s)
         # Whether a missing heartbeat means a dead peer yet (fed by this pod's heartbeat loop).
         self.peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(s.heartbeat_interval_s))
         # This pod's recent writes, written again when Redis comes back without them (resync.py).
         self.journal = Journal(s.resync_window_s)
         self.publisher = Publisher(s, r, self.owned, self.journal, table, bridge, self._drop_silently)
-        self.resync = Resync(r, self.journal, worker_id, self.publisher.rewrite,
+        self.resync = Resync(r, ks, self.journal, worker_id, self.publisher.rewrite,
                              lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
                              self.owned.load, self.publisher.after_replay)
         self.publisher.resync = self.resync
         # What this pod could not finish goes back for recovery, its ownership dropped (owed while Redis is down).
-        self.handback = Handback(r, worker_id, table, self.journal, self.resume)
+        self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume)
         self.publisher.give_up, self.publisher.handback = self._give_up, self.handback
         self.claims = Claims(s, r, worker_id, table, bridge, self.owned, self.journal, self.publisher, self.resync,
                              self.resume, lambda: engine_loop is not None and engine_loop.error is not None,
@@ -71,7 +72,7 @@ class DecodeIO:
         missing = request_ids - set(running)
         if missing:
             try:
-                owned = await reclaim.running_requests(self.r, self.worker_id)
+                owned = await reclaim.running_requests(self.r, self.ks, self.worker_id)
                 running.update({rid: owned[rid] for rid in missing if rid in owned})
             except Exception as e:  # noqa: BLE001 - Redis still down: the recovery round's sweep finds them
                 log.error("could not read this pod's running hash for %d requests whose tokens were dropped: %s",
@@ -82,7 +83,7 @@ class DecodeIO:
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
         return await recovery.resume(
-            self.r, self.s.pool, req, max_attempts=self.s.max_attempts, maxlen=self.s.admission_maxlen,
+            self.r, self.ks, self.s.pool, req, max_attempts=self.s.max_attempts, maxlen=self.s.admission_maxlen,
             token_ttl_s=self.s.token_ttl_s, token_maxlen=self.s.token_maxlen, why=why, owner=owner,
             marker_ttl_s=self.s.resume_marker_ttl_s,
         )
@@ -94,7 +95,7 @@ class DecodeIO:
             rids = self.table.request_ids()
             if rids:
                 try:
-                    hit = await cancel.cancelled(self.r, rids)
+                    hit = await cancel.cancelled(self.r, self.ks, rids)
                     to_engine = self.table.cancel(hit) if hit else set()
                     if to_engine and self.engine_loop is not None:
                         self.engine_loop.cancel(to_engine)

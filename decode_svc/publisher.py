@@ -21,7 +21,7 @@ from decode_svc.bridge import Bridge
 from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
-from tandem_core import faults, keys
+from tandem_core import faults
 from tandem_core.bus import conn, groups, token_stream
 from tandem_core.retry import Backoff, retry
 
@@ -52,7 +52,7 @@ class Publisher:
         self.journal.add("finish", (rid, index, reason, error))
 
     async def _write_finish(self, rid: str, index: int, reason: str, error: str | None) -> None:
-        await token_stream.write_finish(self.r, [rid], index, reason, self.bounds, error)
+        await token_stream.write_finish(self.r, self.owned.ks, [rid], index, reason, self.bounds, error)
 
     async def write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list[int]:
         """Token items (and acks) in one round trip; a Redis without the script gets it first.
@@ -241,7 +241,7 @@ class Publisher:
                         sorted({it[0] for it in refused if it[0] not in self.finished_here})[:5])
 
     async def _streamed_indices(self, rid: str) -> set[int]:
-        return {int(f[b"i"]) for _id, f in await self.r.xrange(keys.token_stream(rid))}
+        return {int(f[b"i"]) for _id, f in await self.r.xrange(self.owned.ks.token_stream(rid))}
 
 
 def _journal_summary(kind: str, payload) -> object:

@@ -34,7 +34,7 @@ async def recover_running(io: DecodeIO, include_self: bool = False) -> int:
         if not await reclaim.lock_recovery(r, wid, me, io.s.recovering_lock_ttl_s):
             continue  # another pod is on it
         try:
-            for rid, req in (await reclaim.running_requests(r, wid)).items():
+            for rid, req in (await reclaim.running_requests(r, io.ks, wid)).items():
                 outcome = await io.resume(req, f"decode pod {wid} stopped", owner=wid)
                 resumed += outcome == "resumed"
                 log.info("recovered request_id=%s from %s: %s", rid, wid, outcome)
@@ -50,7 +50,7 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     s = io.s
     taker = reclaim.Reclaimer(io.r, groups.DECODE_GROUP, io.worker_id, int(s.stale_pending_s * 1000),
                               limit=s.reclaim_batch, min_idle_ms=s.reclaim_min_idle_ms)
-    for stream in ready.decode_streams(s.pool):
+    for stream in ready.decode_streams(io.ks, s.pool):
         started = io.resync.started  # (Claims.dispatch: a reconcile begun after this counts)
         claimed, n = await taker.take(stream, io.table.reserve, include_self, others=io.peers.trusted,
                                       busy=io.table.busy_entries(stream))

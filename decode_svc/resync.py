@@ -46,6 +46,7 @@ import redis.asyncio as aioredis
 
 from tandem_core.bus.registry import server_id
 from tandem_core.bus.reclaim import running_requests
+from tandem_core.bus import KeySpace
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +84,11 @@ class Journal:
 class Resync:
     """Reconciles this pod's part of the state with each new Redis (see the module docstring)."""
 
-    def __init__(self, r: aioredis.Redis, journal: Journal, worker_id: str,
+    def __init__(self, r: aioredis.Redis, ks: KeySpace, journal: Journal, worker_id: str,
                  write: Callable[[str, Any, set[str]], Awaitable[None]],
                  resume: Callable[[Any], Awaitable[str]], before: Callable[[], Awaitable[None]],
                  after: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.r, self.journal, self.worker_id = r, journal, worker_id
+        self.r, self.ks, self.journal, self.worker_id = r, ks, journal, worker_id
         # DecodeIO's: write one journal entry again; resume one request; ready a new Redis
         # (scripts); settle what the replay's rewrites left refused
         self._write, self._resume, self._before, self._after = write, resume, before, after
@@ -160,7 +161,7 @@ class Resync:
         resumed = await self._resume_fenced(fenced)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("after the reconcile this pod's running hash holds %s",
-                      sorted(await running_requests(self.r, self.worker_id)))
+                      sorted(await running_requests(self.r, self.ks, self.worker_id)))
         self.reconciles += 1
         log.warning("Redis changed (run_id %s -> %s): wrote again %d journal entries of the last %gs, "
                     "resumed %d requests fenced off meanwhile, in %.2fs", self.run_id, run_id, len(entries),
@@ -171,7 +172,7 @@ class Resync:
         was lost, and this pod dropped them, so nobody has them."""
         if not fenced:
             return 0
-        held = await running_requests(self.r, self.worker_id)
+        held = await running_requests(self.r, self.ks, self.worker_id)
         n = 0
         for rid in sorted(fenced & set(held)):
             outcome = await self._resume(held[rid])

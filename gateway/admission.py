@@ -35,6 +35,7 @@ from gateway.settings import GatewaySettings
 from gateway.validation import Prepared
 from tandem_core.bus import admission, registry
 from tandem_core.errors import AdmissionRejected, InvalidRequest, ServiceUnavailable
+from tandem_core.bus import KeySpace
 from tandem_core.prefix import cache_salt
 from tandem_core.scheduling import choose_route, predicted_ttft_s
 
@@ -44,8 +45,8 @@ class Admitter:
     lifespan has connected; `open_streams()` counts the relays in progress (streaming.py)."""
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, redis: Callable[[], aioredis.Redis],
-                 hold: RedisHold, open_streams: Callable[[], int]) -> None:
-        self.settings, self.metrics, self.redis, self.hold = settings, metrics, redis, hold
+                 ks: KeySpace, hold: RedisHold, open_streams: Callable[[], int]) -> None:
+        self.settings, self.metrics, self.redis, self.ks, self.hold = settings, metrics, redis, ks, hold
         self.open_streams = open_streams
         self.limiter = KeyLimiter(
             settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key,
@@ -54,7 +55,7 @@ class Admitter:
         self.backlog = admission.BacklogReader()
         self._view_cache: tuple[float, ClusterView] | None = None
         # admissions a restarted or failed-over Redis lost are enqueued again (gateway/readmit.py)
-        self.readmit = Readmitter(redis, settings.pool, settings.admission_maxlen)
+        self.readmit = Readmitter(redis, ks, settings.pool, settings.admission_maxlen)
         self.router = PrefixRouter(  # the same salt on every replica of the pool: rendezvous agrees
             settings.prefix_block_size, settings.prefix_index_entries, settings.prefix_route_max_backlog,
             salt=cache_salt("gateway", settings.pool), enabled=settings.prefix_routing,
@@ -87,19 +88,19 @@ class Admitter:
         """One attempt (RedisHold retries it): (went to the direct stream, admission entry id)."""
         r, s = self.redis(), self.settings
         view = await self.view(r)
-        queued = await self.backlog.read(r, s.pool, view.prefill_ids)
+        queued = await self.backlog.read(r, self.ks, s.pool, view.prefill_ids)
         self.metrics.backlog.set(queued.total)
         self.check(queued.total, view)
         rid = prep.request.request_id
         if not checked[0]:
-            if await admission.in_use(r, rid):
+            if await admission.in_use(r, self.ks, rid):
                 raise InvalidRequest(f"request_id {rid!r} is already in use; choose another (X-Request-Id over "
                                      f"HTTP), or send none and the gateway picks one", param="request_id")
             checked[0] = True
         direct, pod = self._route(prep, view, queued)
         if prep.resumable and prep.meta is not None:
-            await resume.save(r, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
-        entry_id = await admission.enqueue(r, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=direct)
+            await resume.save(r, self.ks, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
+        entry_id = await admission.enqueue(r, self.ks, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=direct)
         self.readmit.add(prep.request, pod, direct)
         return direct, entry_id
 

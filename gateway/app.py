@@ -41,9 +41,9 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.redis = conn.connect(settings.redis)
-        svc.mux = TokenMux(svc.redis, block_ms=settings.relay_block_ms)
+        svc.mux = TokenMux(svc.redis, svc.keys, block_ms=settings.relay_block_ms)
         try:
-            await groups.ensure_groups(svc.redis, settings.pool)
+            await groups.ensure_groups(svc.redis, svc.keys, settings.pool)
         except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503
             log.warning("Redis unreachable at startup (%s); continuing, /readyz will say so", e)
         # after the first command: redis-py's cluster client breaks connections when many tasks

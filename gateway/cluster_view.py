@@ -17,6 +17,7 @@ from gateway.prefix_route import prefix_route_pods
 from gateway.settings import GatewaySettings
 from tandem_core.bus import admission, conn, ready, registry
 from tandem_core.errors import ServiceUnavailable
+from tandem_core.bus import KeySpace
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,9 @@ class ClusterReport:
     ServiceUnavailable before the gateway has a client)."""
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, model_name: str,
-                 redis: Callable[[], aioredis.Redis], hold: RedisHold) -> None:
+                 redis: Callable[[], aioredis.Redis], ks: KeySpace, hold: RedisHold) -> None:
         self.settings, self.metrics, self.model_name = settings, metrics, model_name
-        self.redis, self.hold = redis, hold
+        self.redis, self.ks, self.hold = redis, ks, hold
         self.load_ts = -1e9  # when the load gauges were last refreshed (monotonic)
 
     async def ready(self) -> str:
@@ -69,8 +70,8 @@ class ClusterReport:
         s = self.settings
         try:
             workers = await registry.list_workers(r)
-            queued = await admission.read_backlog(r, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
-            ready_n = await ready.ready_backlog(r, s.pool)
+            queued = await admission.read_backlog(r, self.ks, s.pool, ClusterView.of(workers, s.pool).prefill_ids)
+            ready_n = await ready.ready_backlog(r, self.ks, s.pool)
         except conn.REDIS_DOWN as e:
             raise ServiceUnavailable(f"Redis is unreachable: {e}; retry in a few seconds") from e
         backlog = queued.total
@@ -102,8 +103,8 @@ class ClusterReport:
             r = self.redis()
             workers = await registry.list_workers(r)
             pods = ClusterView.of(workers, self.settings.pool).prefill_ids
-            backlog = await admission.total_backlog(r, self.settings.pool, pods)
-            ready_n = await ready.ready_backlog(r, self.settings.pool)
+            backlog = await admission.total_backlog(r, self.ks, self.settings.pool, pods)
+            ready_n = await ready.ready_backlog(r, self.ks, self.settings.pool)
             self.metrics.backlog.set(backlog)
             self.metrics.observe_prefix_cache(workers)
             self.metrics.set_load(self.model_name, *cluster_load(workers, backlog, ready_n))

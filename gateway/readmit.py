@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from tandem_core.bus import admission, conn, registry
+from tandem_core.bus import KeySpace
 from tandem_core.retry import Backoff, retry
 from tandem_core.types import GenerationRequest
 
@@ -48,9 +49,9 @@ class Admission:
 class Readmitter:
     RETRY_S = 0.25  # how soon to look again after a failed look (Redis down, a stale connection)
 
-    def __init__(self, redis: Callable[[], aioredis.Redis], pool: str, maxlen: int,
+    def __init__(self, redis: Callable[[], aioredis.Redis], ks: KeySpace, pool: str, maxlen: int,
                  interval_s: float = 1.0, grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._redis, self.pool, self.maxlen = redis, pool, maxlen
+        self._redis, self.ks, self.pool, self.maxlen = redis, ks, pool, maxlen
         self.interval_s, self.grace_s, self.clock = interval_s, grace_s, clock
         self.open: dict[str, Admission] = {}  # request id -> its admission, while relayed here
         self.run_id: str | None = None
@@ -122,9 +123,9 @@ class Readmitter:
         r, n = self._redis(), 0
         oldest = self.clock() - (admission.MARKER_TTL_S - 10)  # the marker still answers for these
         for rid, adm in list(self.open.items()):
-            if adm.at < oldest or await admission.admitted_or_started(r, rid):
+            if adm.at < oldest or await admission.admitted_or_started(r, self.ks, rid):
                 continue  # too old to tell, begun, or its entry survived
-            await admission.enqueue(r, self.pool, adm.req, self.maxlen, pod=adm.pod, direct=adm.direct)
+            await admission.enqueue(r, self.ks, self.pool, adm.req, self.maxlen, pod=adm.pod, direct=adm.direct)
             n += 1
             log.warning("request_id=%s: its admission was lost with Redis's last writes; enqueued again", rid)
         self.readmitted += n

@@ -33,6 +33,7 @@ from gateway.tokens import Subscription, TokenMux
 from gateway.validation import Prepared
 from tandem_core.bus import cancel, token_stream
 from tandem_core.errors import DeadlineExceeded, WorkerFailed
+from tandem_core.bus import KeySpace
 from tandem_core.tokenizer import Detokenizer, Tokenizer
 from tandem_core.types import (
     FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, TokenLogprobs, decode_prompt_logprobs,
@@ -162,7 +163,7 @@ async def relay(
         if detached and not finished and on_detach is not None:
             on_detach()
         elif not finished or text.stopped or state.gateway_finished:
-            cancel_soon(r, req.request_id, cancel_ttl_s, background)
+            cancel_soon(r, mux.ks, req.request_id, cancel_ttl_s, background)
         if state.last_ts is not None and not prep.replay:
             metrics.e2e.observe(state.last_ts - prep.arrival_ts)
 
@@ -268,12 +269,12 @@ def _observe_queue(metrics: GatewayMetrics, admitted_id: bytes | None, entry_id:
     metrics.queue.observe(max(0.0, (t1 - t0) / 1000.0))
 
 
-def cancel_soon(r: aioredis.Redis, rid: str, ttl_s: int, background: set[asyncio.Task]) -> None:
+def cancel_soon(r: aioredis.Redis, ks: KeySpace, rid: str, ttl_s: int, background: set[asyncio.Task]) -> None:
     """Set the cancel key from a task of its own: the caller may itself be cancelled."""
 
     async def _cancel() -> None:
         try:
-            await cancel.request_cancel(r, rid, ttl_s)
+            await cancel.request_cancel(r, ks, rid, ttl_s)
         except Exception:
             log.warning("could not set cancel key request_id=%s", rid, exc_info=True)
 

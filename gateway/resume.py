@@ -24,12 +24,13 @@ import redis.asyncio as aioredis
 
 from tandem_core.bus import admission, cancel
 from tandem_core.errors import InvalidRequest
+from tandem_core.bus import KeySpace
 
 log = logging.getLogger(__name__)
 
 
-def record_key(request_id: str) -> str:
-    return admission.resume_record_key(request_id)
+def record_key(ks: KeySpace, request_id: str) -> str:
+    return admission.resume_record_key(ks, request_id)
 
 
 def key_digest(api_key: str) -> str:
@@ -78,33 +79,33 @@ class ResumeRecord:
         return cls(**d)
 
 
-async def save(r: aioredis.Redis, rec: ResumeRecord, ttl_s: int) -> None:
-    k = record_key(rec.meta.request_id)
+async def save(r: aioredis.Redis, ks: KeySpace, rec: ResumeRecord, ttl_s: int) -> None:
+    k = record_key(ks, rec.meta.request_id)
     pipe = r.pipeline(transaction=True)
     pipe.hset(k, mapping={"rec": rec.to_json(), "attach": 0})
     pipe.expire(k, ttl_s)
     await pipe.execute()
 
 
-async def load(r: aioredis.Redis, request_id: str) -> ResumeRecord | None:
-    raw = await r.hget(record_key(request_id), "rec")
+async def load(r: aioredis.Redis, ks: KeySpace, request_id: str) -> ResumeRecord | None:
+    raw = await r.hget(record_key(ks, request_id), "rec")
     return ResumeRecord.from_json(raw) if raw else None
 
 
-async def attach(r: aioredis.Redis, request_id: str) -> int:
+async def attach(r: aioredis.Redis, ks: KeySpace, request_id: str) -> int:
     """Count one more client attached; returns the new count (the caller's attach number)."""
-    return int(await r.hincrby(record_key(request_id), "attach", 1))
+    return int(await r.hincrby(record_key(ks, request_id), "attach", 1))
 
 
-async def cancel_unless_attached(r: aioredis.Redis, request_id: str, attach_no: int, grace_s: float,
+async def cancel_unless_attached(r: aioredis.Redis, ks: KeySpace, request_id: str, attach_no: int, grace_s: float,
                                  cancel_ttl_s: int) -> None:
     """After `grace_s`, cancel the request unless another client attached since `attach_no`."""
     await asyncio.sleep(grace_s)
-    now = await r.hget(record_key(request_id), "attach")
+    now = await r.hget(record_key(ks, request_id), "attach")
     if now is not None and int(now) != attach_no:
         return
     log.info("no client resumed within %.1fs; cancelling request_id=%s", grace_s, request_id)
-    await cancel.request_cancel(r, request_id, cancel_ttl_s)
+    await cancel.request_cancel(r, ks, request_id, cancel_ttl_s)
 
 
 def start_index(last_event_id: str | None, from_index: str | None) -> int:

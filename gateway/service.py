@@ -35,6 +35,7 @@ from gateway.streaming import REDIS_DOWN, RequestNotFound, Streaming
 from gateway.tokens import TokenMux
 from gateway.validation import CompletionParams, Prepared, build_request, served_name
 from tandem_core.errors import ServiceUnavailable, TandemError
+from tandem_core.bus import KeySpace
 from tandem_core.models import ModelInfo, resolve_model
 from tandem_core.tokenizer import Tokenizer, load_tokenizer
 
@@ -53,6 +54,7 @@ class GatewayService:
         self.model_name = served_name(settings, self.info)
         self.metrics = GatewayMetrics()
         self.redis: aioredis.Redis | None = None
+        self.keys = KeySpace(settings.redis.shard_count())  # the deployment's key shards, for every Redis key
         self.mux: TokenMux | None = None  # set with the Redis client by the app's lifespan
         self.chat_template = ChatTemplate.for_model(self.info)
         self.chat_format = ChatFormat.for_model(self.info.path, self.chat_template.source, self.tokenizer,
@@ -63,12 +65,12 @@ class GatewayService:
         self.hold = RedisHold(settings.redis_hold_s, settings.redis_hold_max, settings.retry_after_s, REDIS_DOWN)
         self.metrics.waiting_for_redis.set_function(lambda: self.hold.holding)
         self.auth = Auth(settings)
-        self.admission = Admitter(settings, self.metrics, self._redis, self.hold,
+        self.admission = Admitter(settings, self.metrics, self._redis, self.keys, self.hold,
                                   open_streams=lambda: self.streaming.open)
         self.readmit = self.admission.readmit  # the app's lifespan runs its watch
-        self.streaming = Streaming(settings, self.metrics, self.tokenizer, self._redis, self._mux, self.hold,
+        self.streaming = Streaming(settings, self.metrics, self.tokenizer, self._redis, self.keys, self._mux, self.hold,
                                    forget=self.readmit.discard)
-        self.report = ClusterReport(settings, self.metrics, self.model_name, self._redis, self.hold)
+        self.report = ClusterReport(settings, self.metrics, self.model_name, self._redis, self.keys, self.hold)
 
     # ------------------------------------------------------------ request path
 

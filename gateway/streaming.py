@@ -33,6 +33,7 @@ from gateway.tokens import TokenMux
 from gateway.validation import Prepared
 from tandem_core.bus import admission, conn
 from tandem_core.errors import DeadlineExceeded, InvalidRequest, ServiceUnavailable, TandemError
+from tandem_core.bus import KeySpace
 from tandem_core.tokenizer import Tokenizer
 from tandem_core.types import GenerationRequest
 
@@ -60,10 +61,10 @@ class Streaming:
     app's lifespan has connected; `forget(request_id)` is told when a relay ends (the readmitter)."""
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, tokenizer: Tokenizer,
-                 redis: Callable[[], aioredis.Redis], mux: Callable[[], TokenMux], hold: RedisHold,
+                 redis: Callable[[], aioredis.Redis], ks: KeySpace, mux: Callable[[], TokenMux], hold: RedisHold,
                  forget: Callable[[str], None]) -> None:
         self.settings, self.metrics, self.tokenizer = settings, metrics, tokenizer
-        self.redis, self.mux, self.hold, self.forget = redis, mux, hold, forget
+        self.redis, self.ks, self.mux, self.hold, self.forget = redis, ks, mux, hold, forget
         self.open = 0  # relays in progress (all share the one token reader)
         self.background: set[asyncio.Task] = set()  # cancel keys written after a caller went away
         self.grace_tasks: set[asyncio.Task] = set()  # grace timers of detached resumable requests
@@ -130,7 +131,7 @@ class Streaming:
                 yield d
         finally:
             if not finished:
-                cancel_soon(self.redis(), req.request_id, self.settings.token_ttl_s, self.background)
+                cancel_soon(self.redis(), self.ks, req.request_id, self.settings.token_ttl_s, self.background)
 
     def _grace_cancel(self, att: Attachment) -> Callable[[], None]:
         """on_detach of a resumable request: cancel later, unless a client resumed meanwhile."""
@@ -138,7 +139,7 @@ class Streaming:
 
         async def later() -> None:
             try:
-                await resume.cancel_unless_attached(self.redis(), rid, att.attach_no, s.resume_grace_s,
+                await resume.cancel_unless_attached(self.redis(), self.ks, rid, att.attach_no, s.resume_grace_s,
                                                     s.token_ttl_s)
             except asyncio.CancelledError:
                 raise
@@ -163,12 +164,12 @@ class Streaming:
             f"send the request again", param="request_id",
         )
         try:
-            rec = await resume.load(r, request_id)
+            rec = await resume.load(r, self.ks, request_id)
             if rec is None or rec.key != resume.key_digest(api_key):
                 raise missing
-            if time.time() > rec.deadline_ts and not await admission.started(r, request_id):
+            if time.time() > rec.deadline_ts and not await admission.started(r, self.ks, request_id):
                 raise missing
-            attach_no = await resume.attach(r, request_id)
+            attach_no = await resume.attach(r, self.ks, request_id)
         except REDIS_DOWN as e:
             raise redis_unreachable(e, self.settings.retry_after_s) from e
         req = GenerationRequest(request_id=request_id, prompt_ids=[], max_tokens=rec.max_tokens,
@@ -182,7 +183,7 @@ class Streaming:
         the connection before any answer, e.g. the gateway died): a resumable one is replayed from
         its first event, as a resume would; None when that id was never admitted (send it now)."""
         r, rid = self.redis(), prep.request.request_id
-        seen = await self.hold.call(lambda: admission.admitted_or_started(r, rid),
+        seen = await self.hold.call(lambda: admission.admitted_or_started(r, self.ks, rid),
                                     prep.request.deadline_ts)
         if not seen:
             return None

@@ -14,7 +14,7 @@ How it keeps the contract:
   stream, which every read also watches: the read returns at once and the next one includes it.
 - Redis down: the reader waits and reads again from the same ids (the streams persist); each
   relay's own deadlines still apply, so no relay waits past them.
-- Shards (keys.request_shard): streams of several shards live in different slots, which one
+- Shards (KeySpace.request_shard): streams of several shards live in different slots, which one
   XREAD may not span on a Redis Cluster, so there is one reader per shard (`ShardReader`), each
   with its own wake stream: a gateway's connections grow with shards, not with streams.
 It knows nothing of HTTP, gRPC or detokenization.
@@ -27,8 +27,9 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, redis_client
+from tandem_core import redis_client
 from tandem_core.bus import conn, token_stream
+from tandem_core.bus import KeySpace
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,10 @@ log = logging.getLogger(__name__)
 class Subscription:
     """The entries of one request's token stream, as the reader hands them over."""
 
-    def __init__(self, request_id: str, after_id: bytes | str, on_drained=None) -> None:
+    def __init__(self, request_id: str, stream: str, after_id: bytes | str, on_drained=None) -> None:
         self.request_id = request_id
         self._on_drained = on_drained  # a paused subscription (buffer full) wants reading again
-        self.stream = keys.token_stream(request_id)
+        self.stream = stream
         self.last_id: bytes | str = after_id  # the reader's cursor: the last entry handed over
         self._events: list[token_stream.TokenEvent] = []
         self._waiter: asyncio.Future | None = None
@@ -82,11 +83,12 @@ def _wake_up(fut: asyncio.Future) -> None:
 class TokenMux:
     """Every token stream this gateway relays: one `ShardReader` per key shard."""
 
-    def __init__(self, r: aioredis.Redis, block_ms: int = 1000, count: int = 256,
+    def __init__(self, r: aioredis.Redis, ks: KeySpace, block_ms: int = 1000, count: int = 256,
                  max_buffered: int = 4096) -> None:
         gateway_id = uuid.uuid4().hex[:12]
-        self._readers = [ShardReader(r, keys.gateway_wake_stream(gateway_id, shard), block_ms, count, max_buffered)
-                         for shard in keys.all_shards()]
+        self.ks = ks
+        self._readers = [ShardReader(r, ks, ks.gateway_wake_stream(gateway_id, shard), block_ms, count, max_buffered)
+                         for shard in ks.all_shards()]
 
     @property
     def reads(self) -> int:
@@ -94,7 +96,7 @@ class TokenMux:
         return sum(x.reads for x in self._readers)
 
     def reader_of(self, request_id: str) -> "ShardReader":
-        return self._readers[keys.request_shard(request_id)]
+        return self._readers[self.ks.request_shard(request_id)]
 
     @property
     def wake_streams(self) -> list[str]:
@@ -117,9 +119,9 @@ class TokenMux:
 class ShardReader:
     """The streams of one shard, read by one task in one blocking XREAD at a time."""
 
-    def __init__(self, r: aioredis.Redis, wake_stream: str, block_ms: int = 1000, count: int = 256,
+    def __init__(self, r: aioredis.Redis, ks: KeySpace, wake_stream: str, block_ms: int = 1000, count: int = 256,
                  max_buffered: int = 4096) -> None:
-        self.r = r
+        self.r, self.ks = r, ks
         # a blocking read must end before the client's socket timeout calls it a dead connection
         pool = getattr(r, "connection_pool", None)  # a cluster client keeps them per node
         kw = pool.connection_kwargs if pool is not None else r.nodes_manager.connection_kwargs
@@ -161,7 +163,7 @@ class ShardReader:
             pass
 
     def subscribe(self, request_id: str, after_id: bytes | str = "0-0") -> Subscription:
-        sub = Subscription(request_id, after_id, self._changed.set)
+        sub = Subscription(request_id, self.ks.token_stream(request_id), after_id, self._changed.set)
         self._subs[id(sub)] = sub
         self._changed.set()
         if self._reading and not self._poke_due:

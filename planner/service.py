@@ -24,6 +24,7 @@ from planner.predict import LoadPredictor
 from planner.profile import ProfileError, load_profile
 from planner.settings import PlannerSettings
 from planner.signals import NoSignal, Signals
+from tandem_core.bus import KeySpace
 
 log = logging.getLogger("planner")
 HISTORY = 240  # decisions kept for /decision
@@ -53,7 +54,7 @@ class PlannerService:
     def __init__(self, settings: PlannerSettings, redis, connector=None, clock=time.monotonic) -> None:
         self.s, self.r, self.clock = settings, redis, clock
         self.metrics = PlannerMetrics()
-        self.signals = Signals(redis, settings.pool)
+        self.signals = Signals(redis, KeySpace(settings.redis.shard_count()), settings.pool)
         self.connector = connector if connector is not None else build_connector(settings, redis)
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.profile_error = ""

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from planner.decide import Observation
-from tandem_core import keys, load_report
+from tandem_core import load_report
 from tandem_core.bus import admission, ready, registry
+from tandem_core.bus import KeySpace
 
 
 class NoSignal(RuntimeError):
@@ -35,23 +36,23 @@ class Snapshot:
 
 
 class Signals:
-    def __init__(self, r: aioredis.Redis, pool: str) -> None:
-        self.r, self.pool = r, pool
+    def __init__(self, r: aioredis.Redis, ks: KeySpace, pool: str) -> None:
+        self.r, self.ks, self.pool = r, ks, pool
         self.increments = load_report.Increments()
         self.pod_increments = load_report.Increments(("prefilled", "tokens"))
         self.last_t: float | None = None
 
     async def backlogs(self) -> tuple[int, int]:
         """(admission entries not yet prefilled, prefilled requests waiting for a decode slot)."""
-        owners = await admission.pod_stream_owners(self.r, self.pool)
+        owners = await admission.pod_stream_owners(self.r, self.ks, self.pool)
         pipe = self.r.pipeline(transaction=False)
         for prio in admission.PRIORITIES:
             for wid in owners:
-                for shard in keys.all_shards():
-                    pipe.xlen(keys.pod_admission_stream(self.pool, prio, wid, shard))
+                for shard in self.ks.all_shards():
+                    pipe.xlen(self.ks.pod_admission_stream(self.pool, prio, wid, shard))
         routed = sum(int(x) for x in await pipe.execute())
-        return (await admission.admission_backlog(self.r, self.pool) + routed,
-                await ready.ready_backlog(self.r, self.pool))
+        return (await admission.admission_backlog(self.r, self.ks, self.pool) + routed,
+                await ready.ready_backlog(self.r, self.ks, self.pool))
 
     async def pods(self) -> tuple[dict[str, int], dict[str, float]]:
         """(live non-draining pods per role, what the pool's pods did since the last read:

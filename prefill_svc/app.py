@@ -15,6 +15,7 @@ from prefill_svc.settings import PrefillSettings
 from prefill_svc.worker import PrefillWorker
 from tandem_core import grpc_util, lifecycle
 from tandem_core.bus import conn, groups, registry
+from tandem_core.bus import KeySpace
 from tandem_core.settings import default_worker_id
 from tandem_core.worker_pod import WorkerPod
 from tandem_engine.prefix_cache import cache_for
@@ -47,11 +48,12 @@ async def serve(settings: PrefillSettings) -> int:
     log.info("engine compiled in %.1fs (prefill buckets %s)", time.monotonic() - t0, list(engine.buckets))
     store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
     r = conn.connect(settings.redis)
-    await groups.ensure_groups(r, settings.pool)
+    ks = KeySpace(settings.redis.shard_count())
+    await groups.ensure_groups(r, ks, settings.pool)
     pod = WorkerPod(settings, r, [KV_SERVICE])
     address = pod.bind()
     peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(settings.heartbeat_interval_s))
-    worker = PrefillWorker(settings, engine, r, store, address, worker_id, cache, peers)
+    worker = PrefillWorker(settings, engine, r, ks, store, address, worker_id, cache, peers)
     # PullKV chunks are serialized by kvcodec itself (no protobuf message per chunk)
     KVTransferServicer(store, settings.kv_chunk_bytes, worker.on_release).add_to_server(pod.server)
     grpc_util.add_reflection(pod.server, [KV_SERVICE])

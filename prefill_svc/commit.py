@@ -17,10 +17,11 @@ import redis.asyncio as aioredis
 from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
-from tandem_core import faults, keys
+from tandem_core import faults
 from tandem_core.bus import cancel, entry_fence, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_BACKOFF, REDIS_DOWN
 from tandem_core.errors import TandemError
+from tandem_core.bus import KeySpace
 from tandem_core.retry import retry
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest, choice_ids
 
@@ -31,9 +32,9 @@ REDIS_RETRY_S = 0.5  # the claim loop's pause while Redis is down (prefill_svc/w
 class EntryHandler:
     """Answers claimed admission entries of one prefill pod, each committed with its ack, fenced."""
 
-    def __init__(self, settings: PrefillSettings, r: aioredis.Redis, prefiller: Prefiller, store: KVStore,
-                 worker_id: str) -> None:
-        self.s, self.r, self.prefiller, self.store = settings, r, prefiller, store
+    def __init__(self, settings: PrefillSettings, r: aioredis.Redis, ks: KeySpace, prefiller: Prefiller,
+                 store: KVStore, worker_id: str) -> None:
+        self.s, self.r, self.ks, self.prefiller, self.store = settings, r, ks, prefiller, store
         self.worker_id = worker_id
         self.fence = entry_fence.EntryFence(r, groups.PREFILL_GROUP, worker_id)
 
@@ -98,10 +99,10 @@ class EntryHandler:
         rid = req.request_id
         try:
             first_stream = choice_ids(rid, req.n)[0]  # every choice's token 0 is written together
-            if reclaimed and len((await recovery.streamed_tokens(self.r, first_stream))[0]) > req.start_index:
+            if reclaimed and len((await recovery.streamed_tokens(self.r, self.ks, first_stream))[0]) > req.start_index:
                 log.info("reclaimed request_id=%s was already prefilled by its first owner", rid)
                 return entry_fence.EntryWrites(), []
-            if await cancel.cancelled(self.r, [rid]):
+            if await cancel.cancelled(self.r, self.ks, [rid]):
                 return self._finish(req, FINISH_CANCELLED), []
             if req.deadline_ts and time.time() > req.deadline_ts:
                 return self._finish(req, FINISH_ERROR, "deadline passed before prefill"), []
@@ -119,7 +120,7 @@ class EntryHandler:
     def _finish(self, req: GenerationRequest, reason: str, error: str | None = None) -> entry_fence.EntryWrites:
         """The request's end without a token, on every choice's stream, to commit with the ack."""
         writes = entry_fence.EntryWrites()
-        token_stream.add_finish(writes, choice_ids(req.request_id, req.n), req.start_index, reason,
+        token_stream.add_finish(writes, self.ks, choice_ids(req.request_id, req.n), req.start_index, reason,
                                 self.prefiller.bounds, error)
         return writes
 
@@ -145,11 +146,11 @@ class EntryHandler:
     async def _ring_decode(self) -> None:
         """Wake idle decode pods for the ready notices just committed (several shards only). A
         hint: failing, it must not fail the commit that is done; their wait times out instead."""
-        if keys.shard_count() == 1:
+        if self.ks.shards == 1:
             return
         try:
             pipe = self.r.pipeline(transaction=False)
-            groups.ring(pipe, self.s.pool, groups.DECODE_GROUP)
+            groups.ring(pipe, self.ks, self.s.pool, groups.DECODE_GROUP)
             await pipe.execute()
         except Exception as e:  # noqa: BLE001 - Redis down included
             log.debug("could not ring the decode doorbell: %s", e)

@@ -17,6 +17,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.settings import PrefillSettings
 from tandem_core.bus import entry_fence, ready, token_stream
 from tandem_core.grammar import Grammars
+from tandem_core.bus import KeySpace
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import GenerationRequest, encode_prompt_logprobs
 from tandem_engine.prefix_cache import PrefixCache
@@ -32,9 +33,9 @@ class Prefiller:
     """The engine side of a prefill pod: one thread owns the device, and every engine call goes
     through it; the asyncio loop only awaits its results."""
 
-    def __init__(self, settings: PrefillSettings, engine: ServingEngine, store: KVStore, address: str, worker_id: str,
-                 prefix_cache: PrefixCache | None = None) -> None:
-        self.s, self.engine, self.store = settings, engine, store
+    def __init__(self, settings: PrefillSettings, engine: ServingEngine, ks: KeySpace, store: KVStore, address: str,
+                 worker_id: str, prefix_cache: PrefixCache | None = None) -> None:
+        self.s, self.engine, self.ks, self.store = settings, engine, ks, store
         self.address, self.worker_id = address, worker_id
         self.bounds = token_stream.StreamBounds.of(settings)
         # the KV of prefixes seen before (None: off; only the prefill tokens computed are counted)
@@ -89,11 +90,11 @@ class Prefiller:
         choices = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]
         writes = entry_fence.EntryWrites()
         if prompt_lp is not None:
-            token_stream.add_prompt_logprobs(writes, choices[0].request_id, prompt_lp, b.ttl_s, b.maxlen)
+            token_stream.add_prompt_logprobs(writes, self.ks, choices[0].request_id, prompt_lp, b.ttl_s, b.maxlen)
         going = []
         for c, first, lp in zip(choices, firsts, logprobs):
             reason = first_finish(c, first, payload.true_length, self.engine.max_len)
-            token_stream.add_tokens(writes, c.request_id, at, [first], reason, b.ttl_s, b.maxlen,
+            token_stream.add_tokens(writes, self.ks, c.request_id, at, [first], reason, b.ttl_s, b.maxlen,
                                     finished_ttl_s=b.finished_ttl_s, logprobs=[lp])
             if reason is None:
                 going.append((c, first))
@@ -105,7 +106,7 @@ class Prefiller:
                 request=c, address=self.address, capability=h.capability, kv_bytes=payload.nbytes,
                 prefill_worker=self.worker_id, first_token=first,
             )
-            ready.add_ready(writes, self.s.pool, notice, self.s.ready_maxlen)
+            ready.add_ready(writes, self.ks, self.s.pool, notice, self.s.ready_maxlen)
         return writes, [h.request_id for h in held]
 
     def close(self) -> None:

@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from prefill_svc.settings import PrefillSettings
-from tandem_core import keys, lifecycle
+from tandem_core import lifecycle
 from tandem_core.bus import admission, groups, reclaim, registry
+from tandem_core.bus import KeySpace
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,10 @@ class Takeover:
     """Finds and takes over dead or draining prefill pods' admission entries, at most every
     `recover_interval_s` (besides the startup and NOGROUP passes, which include this pod's own)."""
 
-    def __init__(self, settings: PrefillSettings, r: aioredis.Redis, worker_id: str, room: Callable[[], int],
-                 handle: Callable[[groups.Claimed], Awaitable[None]],
+    def __init__(self, settings: PrefillSettings, r: aioredis.Redis, ks: KeySpace, worker_id: str,
+                 room: Callable[[], int], handle: Callable[[groups.Claimed], Awaitable[None]],
                  peers: lifecycle.PeerJudge | None = None) -> None:
-        self.s, self.r, self.worker_id = settings, r, worker_id
+        self.s, self.r, self.ks, self.worker_id = settings, r, ks, worker_id
         self.room, self.handle = room, handle  # budget room (prompts), and how a taken entry is handled
         # whether a missing heartbeat means a dead peer yet (None: always)
         self.peers = peers
@@ -40,7 +41,7 @@ class Takeover:
         self._last = 0.0
 
     def own_stream(self, prio: str, shard: int) -> str:
-        return keys.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
+        return self.ks.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
 
     async def run(self, include_self: bool = False) -> None:
         """Take over admission entries claimed by a dead pod (never acked), and the per-pod streams
@@ -50,9 +51,9 @@ class Takeover:
             return
         self._last = now
         try:
-            for shard in keys.all_shards():
+            for shard in self.ks.all_shards():
                 for prio in admission.PRIORITIES:
-                    for stream in (keys.admission_stream(self.s.pool, prio, shard), self.own_stream(prio, shard)):
+                    for stream in (self.ks.admission_stream(self.s.pool, prio, shard), self.own_stream(prio, shard)):
                         await self.reclaim_pending(stream, include_self)
             await self._adopt_orphans()
         except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
@@ -78,11 +79,11 @@ class Takeover:
         if not self._peers_trusted():
             return  # right after a Redis restart every pod looks gone
         live = {w["id"]: w for w in await registry.list_workers(self.r) if w["role"] == "prefill"}
-        for wid in await admission.pod_stream_owners(self.r, self.s.pool):
+        for wid in await admission.pod_stream_owners(self.r, self.ks, self.s.pool):
             if wid == self.worker_id or (wid in live and not live[wid].get("draining")):
                 continue
-            for stream in [keys.pod_admission_stream(self.s.pool, prio, wid, shard)
-                           for shard in keys.all_shards() for prio in admission.PRIORITIES]:
+            for stream in [self.ks.pod_admission_stream(self.s.pool, prio, wid, shard)
+                           for shard in self.ks.all_shards() for prio in admission.PRIORITIES]:
                 if wid not in live:
                     await self.reclaim_pending(stream, False)
                 room = self.room()
@@ -92,4 +93,4 @@ class Takeover:
                         log.info("took admission entry %s routed to prefill pod %s (gone or draining)", c.entry_id, wid)
                         await self.handle(c)
             if wid not in live:
-                await admission.forget_pod_streams(self.r, self.s.pool, wid)
+                await admission.forget_pod_streams(self.r, self.ks, self.s.pool, wid)

@@ -31,9 +31,10 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.takeover import Takeover
-from tandem_core import keys, lifecycle
+from tandem_core import lifecycle
 from tandem_core.bus import admission, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_DOWN
+from tandem_core.bus import KeySpace
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_ERROR
 from tandem_engine.prefix_cache import PrefixCache
@@ -50,22 +51,22 @@ class PrefillWorker:
     """One prefill pod's loop: claim rounds (here), the prefill (`prefiller`), the answer and its
     fenced commit (`handler`), and other pods' leftovers (`takeover`)."""
 
-    def __init__(self, settings: PrefillSettings, engine: ServingEngine, r: aioredis.Redis, store: KVStore,
-                 address: str, worker_id: str, prefix_cache: PrefixCache | None = None,
+    def __init__(self, settings: PrefillSettings, engine: ServingEngine, r: aioredis.Redis, ks: KeySpace,
+                 store: KVStore, address: str, worker_id: str, prefix_cache: PrefixCache | None = None,
                  peers: lifecycle.PeerJudge | None = None) -> None:
-        self.s, self.r, self.store = settings, r, store
+        self.s, self.r, self.ks, self.store = settings, r, ks, store
         self.address, self.worker_id = address, worker_id
-        self.prefiller = Prefiller(settings, engine, store, address, worker_id, prefix_cache)
-        self.handler = EntryHandler(settings, r, self.prefiller, store, worker_id)
+        self.prefiller = Prefiller(settings, engine, ks, store, address, worker_id, prefix_cache)
+        self.handler = EntryHandler(settings, r, ks, self.prefiller, store, worker_id)
         # peers: whether a missing heartbeat means a dead peer yet (None: always; the app passes
         # the judge its heartbeat loop feeds, which waits a TTL after every Redis restart)
-        self.takeover = Takeover(settings, r, worker_id, self.prefiller.room, self.handler.handle_until_done, peers)
+        self.takeover = Takeover(settings, r, ks, worker_id, self.prefiller.room, self.handler.handle_until_done, peers)
         self.bell = groups.Doorbell(r, settings.pool, [groups.PREFILL_GROUP])  # the wait, with several shards
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._ensure_groups()
         await self.takeover.run(include_self=True)  # a restart under the same id: its own leftovers first
-        rotation = PriorityRotation(self.s.pool, self.s.priority_high_weight)
+        rotation = PriorityRotation(self.ks, self.s.pool, self.s.priority_high_weight)
         while not stop.is_set():
             try:
                 await self.claim_round(rotation)
@@ -88,8 +89,8 @@ class PrefillWorker:
     async def _ensure_groups(self) -> None:
         """The groups of the shared streams and of this pod's own, at id 0: entries already
         there are read too."""
-        await groups.ensure_groups(self.r, self.s.pool)
-        for shard in keys.all_shards():
+        await groups.ensure_groups(self.r, self.ks, self.s.pool)
+        for shard in self.ks.all_shards():
             for prio in admission.PRIORITIES:
                 await groups.ensure_group(self.r, self.takeover.own_stream(prio, shard), groups.PREFILL_GROUP)
 
@@ -113,7 +114,7 @@ class PrefillWorker:
         prios, shards = rotation.next_priorities(), rotation.shard_order()
         for prio in prios:
             out += [self.takeover.own_stream(prio, s) for s in shards]
-            out += [keys.admission_stream(self.s.pool, prio, s) for s in shards]
+            out += [self.ks.admission_stream(self.s.pool, prio, s) for s in shards]
         return out
 
     async def _expire_leases(self) -> None:
@@ -124,12 +125,12 @@ class PrefillWorker:
         ends silently, and the gateway's deadline answers for it if it is stuck.)"""
         for rid in self.store.expired():
             self.store.release(rid)
-            tokens, finished = await recovery.streamed_tokens(self.r, rid)
+            tokens, finished = await recovery.streamed_tokens(self.r, self.ks, rid)
             if finished or len(tokens) > 1:
                 log.info("KV lease ended unpulled request_id=%s: freed; the request went on without it", rid)
                 continue
             log.warning("KV lease ended unpulled request_id=%s: freed", rid)
-            await token_stream.write_finish(self.r, [rid], 1, FINISH_ERROR, self.prefiller.bounds,
+            await token_stream.write_finish(self.r, self.ks, [rid], 1, FINISH_ERROR, self.prefiller.bounds,
                                             "KV was not pulled by a decode pod within its lease")
 
     def on_release(self, request_id: str) -> None:

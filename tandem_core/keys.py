@@ -1,12 +1,13 @@
 """The Redis key schema: every key and field Tandem writes, in one place.
 
 Key shards. A request's keys, and the pool streams it passes through, carry the hash tag of its
-shard, `{T}` below (`tag(request_shard(request_id))`, one of `shard_count()`: redis.shards, 1 on a
-plain Redis, 16 on a Redis Cluster by default). So every script and MULTI/EXEC Tandem runs touches
+shard, `{T}` below (`ks.request_tag(request_id)`, one of `ks.shards`: redis.shards, 1 on a plain
+Redis, 16 on a Redis Cluster by default). Those keys are built by a `KeySpace`, which each service
+builds once from its settings and passes to the bus; the rest are plain functions here. So every script and MULTI/EXEC Tandem runs touches
 one slot: the prefill pod's fenced commit (admission entry, token 0, ready notice), the decode
 pod's fenced token write (its running hash of that shard, the token streams), the gateway's
 enqueue (stream, marker, pod set) and a resume (running hash, admission stream). The tags are
-chosen so shard i hashes into the i-th of `shard_count()` equal slot ranges: on nodes that own
+chosen so shard i hashes into the i-th of `ks.shards` equal slot ranges: on nodes that own
 equal contiguous ranges the shards spread evenly. Readers of a pool's streams read every shard's;
 with more than one shard, writers ring the pool's doorbell after enqueueing (no blocking read can
 span slots), and a gateway runs one token reader per shard.
@@ -50,6 +51,7 @@ Fields:
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from functools import lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -63,34 +65,6 @@ PRIORITIES = ("high", "normal")  # highest first
 WORKERS = f"{PREFIX}:workers"
 GATEWAYS = f"{PREFIX}:gateways"
 SHARDS_KEY = f"{PREFIX}:meta:shards"
-
-_shards = 1  # set once per process from its settings (configure): a deployment-wide constant
-
-
-def configure(shards: int) -> None:
-    """This process's shard count (RedisConfig.shard_count()); `streams.connect` calls it and
-    `streams.check_shards` holds it to the count the deployment recorded in Redis."""
-    global _shards
-    if not 1 <= shards <= 1024:
-        raise ValueError(f"redis.shards must be 1..1024, got {shards}")
-    _shards = shards
-
-
-def shard_count() -> int:
-    return _shards
-
-
-def all_shards() -> range:
-    return range(_shards)
-
-
-def request_shard(request_id: str) -> int:
-    """The shard of a request's keys and of the pool streams it passes through. A choice of an
-    n > 1 request (types.choice_id) has its parent's: their first tokens are written together."""
-    if _shards == 1:
-        return 0
-    parent = request_id.split(CHOICE_SEP, 1)[0]
-    return zlib.crc32(parent.encode()) % _shards
 
 
 @lru_cache(maxsize=None)
@@ -108,43 +82,91 @@ def _tags(n: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def tag(shard: int) -> str:
-    """`{...}`: the part of a key Redis Cluster hashes, so keys with one tag share a slot."""
-    return _tags(_shards)[shard]
+@dataclass(frozen=True)
+class KeySpace:
+    """The keys that depend on the deployment's shard count: every key with a `{T}` in the table.
 
+    Built once per service from its settings (`KeySpace(settings.redis.shard_count())`, in its
+    app) and passed to what builds those keys; `bus.conn.check_shards` holds it to the count the
+    deployment recorded in Redis. A test builds its own (`KeySpace(1)` on a plain Redis)."""
 
-def request_tag(request_id: str) -> str:
-    return tag(request_shard(request_id))
+    shards: int
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= 1024:
+            raise ValueError(f"redis.shards must be 1..1024, got {self.shards}")
 
-def admission_stream(pool: str, priority: str, shard: int) -> str:
-    return f"{PREFIX}:{tag(shard)}:{pool}:adm:{priority}"
+    def all_shards(self) -> range:
+        return range(self.shards)
 
+    def request_shard(self, request_id: str) -> int:
+        """The shard of a request's keys and of the pool streams it passes through. A choice of
+        an n > 1 request (types.choice_id) has its parent's: their first tokens are written
+        together."""
+        if self.shards == 1:
+            return 0
+        parent = request_id.split(CHOICE_SEP, 1)[0]
+        return zlib.crc32(parent.encode()) % self.shards
 
-def admission_streams(pool: str, priority: str) -> list[str]:
-    """One priority's shared admission streams, every shard."""
-    return [admission_stream(pool, priority, s) for s in all_shards()]
+    def tag(self, shard: int) -> str:
+        """`{...}`: the part of a key Redis Cluster hashes, so keys with one tag share a slot."""
+        return _tags(self.shards)[shard]
 
+    def request_tag(self, request_id: str) -> str:
+        return self.tag(self.request_shard(request_id))
 
-def pod_admission_stream(pool: str, priority: str, worker_id: str, shard: int) -> str:
-    """Prompts the gateway routed to one prefill pod, likeliest to hold their prefix in its cache.
-    That pod reads it before the shared stream of the same priority; when it is dead, any pod does."""
-    return f"{admission_stream(pool, priority, shard)}:pod:{worker_id}"
+    def admission_stream(self, pool: str, priority: str, shard: int) -> str:
+        return f"{PREFIX}:{self.tag(shard)}:{pool}:adm:{priority}"
 
+    def admission_streams(self, pool: str, priority: str) -> list[str]:
+        """One priority's shared admission streams, every shard."""
+        return [self.admission_stream(pool, priority, s) for s in self.all_shards()]
 
-def pod_streams_set(pool: str, shard: int) -> str:
-    """Worker ids that may have per-pod admission streams in `shard` (so a dead pod's are found
-    and drained)."""
-    return f"{PREFIX}:{tag(shard)}:{pool}:podstreams"
+    def pod_admission_stream(self, pool: str, priority: str, worker_id: str, shard: int) -> str:
+        """Prompts the gateway routed to one prefill pod, likeliest to hold their prefix in its
+        cache. That pod reads it before the shared stream of the same priority; when it is dead,
+        any pod does."""
+        return f"{self.admission_stream(pool, priority, shard)}:pod:{worker_id}"
 
+    def pod_streams_set(self, pool: str, shard: int) -> str:
+        """Worker ids that may have per-pod admission streams in `shard` (so a dead pod's are
+        found and drained)."""
+        return f"{PREFIX}:{self.tag(shard)}:{pool}:podstreams"
 
-def direct_stream(pool: str, shard: int) -> str:
-    """Prompts the gateway routes straight to decode pods (conditional disaggregation)."""
-    return f"{PREFIX}:{tag(shard)}:{pool}:direct"
+    def direct_stream(self, pool: str, shard: int) -> str:
+        """Prompts the gateway routes straight to decode pods (conditional disaggregation)."""
+        return f"{PREFIX}:{self.tag(shard)}:{pool}:direct"
 
+    def ready_stream(self, pool: str, shard: int) -> str:
+        return f"{PREFIX}:{self.tag(shard)}:{pool}:ready"
 
-def ready_stream(pool: str, shard: int) -> str:
-    return f"{PREFIX}:{tag(shard)}:{pool}:ready"
+    def token_stream(self, request_id: str) -> str:
+        return f"{PREFIX}:{self.request_tag(request_id)}:tok:{request_id}"
+
+    def gateway_wake_stream(self, gateway_id: str, shard: int) -> str:
+        """A gateway's token reader of `shard` watches this stream too: an XADD ends its blocking
+        read."""
+        return f"{PREFIX}:{self.tag(shard)}:gwwake:{gateway_id}"
+
+    def admitted_key(self, request_id: str) -> str:
+        """The admission entry id of a request the gateway enqueued (a retried enqueue is a no-op)."""
+        return f"{PREFIX}:{self.request_tag(request_id)}:admitted:{request_id}"
+
+    def cancel_key(self, request_id: str) -> str:
+        return f"{PREFIX}:{self.request_tag(request_id)}:cancel:{request_id}"
+
+    def running_key(self, worker_id: str, shard: int) -> str:
+        """Requests of `shard` a decode pod owns. Its token writes are fenced on this hash: once a
+        recoverer removes a request from it, a paused-then-resumed owner can no longer publish
+        for it."""
+        return f"{PREFIX}:{self.tag(shard)}:running:{worker_id}"
+
+    def resume_marker(self, request_id: str, index: int) -> str:
+        return f"{PREFIX}:{self.request_tag(request_id)}:resume:{request_id}:{index}"
+
+    def gateway_resume_key(self, request_id: str) -> str:
+        """A resumable request's record (gateway/resume.py)."""
+        return f"{PREFIX}:{self.request_tag(request_id)}:gwresume:{request_id}"
 
 
 def doorbell(pool: str, group: str) -> str:
@@ -152,30 +174,6 @@ def doorbell(pool: str, group: str) -> str:
     different slots): writers XADD here after they enqueue, and idle readers block on it. Both
     groups' bells share one tag, so one XREAD waits on both."""
     return f"{PREFIX}:{{{pool}.bell}}:{group}"
-
-
-def token_stream(request_id: str) -> str:
-    return f"{PREFIX}:{request_tag(request_id)}:tok:{request_id}"
-
-
-def gateway_wake_stream(gateway_id: str, shard: int) -> str:
-    """A gateway's token reader of `shard` watches this stream too: an XADD ends its blocking read."""
-    return f"{PREFIX}:{tag(shard)}:gwwake:{gateway_id}"
-
-
-def admitted_key(request_id: str) -> str:
-    """The admission entry id of a request the gateway enqueued (a retried enqueue is a no-op)."""
-    return f"{PREFIX}:{request_tag(request_id)}:admitted:{request_id}"
-
-
-def cancel_key(request_id: str) -> str:
-    return f"{PREFIX}:{request_tag(request_id)}:cancel:{request_id}"
-
-
-def running_key(worker_id: str, shard: int) -> str:
-    """Requests of `shard` a decode pod owns. Its token writes are fenced on this hash: once a
-    recoverer removes a request from it, a paused-then-resumed owner can no longer publish for it."""
-    return f"{PREFIX}:{tag(shard)}:running:{worker_id}"
 
 
 RUNNING_PATTERN = f"{PREFIX}:*:running:*"  # SCAN match for every pod's running hashes
@@ -189,15 +187,6 @@ def running_owner(key: bytes | str) -> str:
 
 def recovering_key(worker_id: str) -> str:
     return f"{PREFIX}:recovering:{worker_id}"
-
-
-def resume_marker(request_id: str, index: int) -> str:
-    return f"{PREFIX}:{request_tag(request_id)}:resume:{request_id}:{index}"
-
-
-def gateway_resume_key(request_id: str) -> str:
-    """A resumable request's record (gateway/resume.py)."""
-    return f"{PREFIX}:{request_tag(request_id)}:gwresume:{request_id}"
 
 
 def worker_key(worker_id: str) -> str:

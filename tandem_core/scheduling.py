@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem_core import keys
+from tandem_core.keys import KeySpace
 
 
 class PriorityRotation:
@@ -14,12 +15,12 @@ class PriorityRotation:
     High priority goes first, so it is never starved by low. But every `high_weight + 1`-th read
     puts the lower class first, so low priority always gets at least 1/(high_weight + 1) of the
     reads that find it waiting: slowed under a flood of high, never starved forever. Within a
-    priority, the shards (keys.all_shards) are read starting one further along each time, so no
+    priority, the shards (KeySpace.all_shards) are read starting one further along each time, so no
     shard waits behind the others.
     """
 
-    def __init__(self, pool: str, high_weight: int = 4) -> None:
-        self.pool = pool
+    def __init__(self, ks: KeySpace, pool: str, high_weight: int = 4) -> None:
+        self.ks, self.pool = ks, pool
         self.high_weight = max(1, high_weight)
         self._n = 0
 
@@ -31,14 +32,14 @@ class PriorityRotation:
 
     def shard_order(self) -> list[int]:
         """Every shard, starting from the one this pass begins with (call after next_priorities)."""
-        n = keys.shard_count()
+        n = self.ks.shards
         return [(self._n + i) % n for i in range(n)]
 
     def next_order(self) -> list[str]:
         """The shared admission streams to read this pass, in order."""
         prios = self.next_priorities()
         shards = self.shard_order()
-        return [keys.admission_stream(self.pool, p, s) for p in prios for s in shards]
+        return [self.ks.admission_stream(self.pool, p, s) for p in prios for s in shards]
 
 
 @dataclass(frozen=True)

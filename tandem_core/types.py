@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 # CHOICE_SEP is never in a client-chosen request id, so a choice id cannot collide with one;
-# keys.request_shard reads a choice's parent id from it
+# keys.KeySpace.request_shard reads a choice's parent id from it
 # a choice's id is its parent's, this, and its index (choice_id); the key table reads it from here,
 # so the engine (which imports these types) loads no Redis client
 CHOICE_SEP = "~"

@@ -17,17 +17,6 @@ from tandem.redis_cluster import RedisClusterProcess
 from tandem.redis_proc import RedisProcess, docker_reachable
 
 
-@pytest.fixture(autouse=True)
-def _one_key_shard():
-    """Every test starts with the one key shard of a plain Redis: the count is per process
-    (tandem_core.keys.configure, set by conn.connect), and a cluster test sets 16."""
-    from tandem_core import keys
-
-    keys.configure(1)
-    yield
-    keys.configure(1)
-
-
 @pytest.fixture(scope="session")
 def redis_url():
     if docker_reachable() and not os.environ.get("TANDEM_TEST_NO_DOCKER"):
@@ -95,3 +84,14 @@ async def any_redis(request):
         yield r
     finally:
         await r.aclose()
+
+
+@pytest.fixture
+def any_keys(any_redis):
+    """The key space of `any_redis`, as its services would build it from their settings
+    (`KeySpace(redis.shard_count())`): one shard on the plain Redis, 16 on the Redis Cluster."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from tandem_core.keys import KeySpace
+
+    return KeySpace(16 if isinstance(any_redis, RedisCluster) else 1)

@@ -13,5 +13,10 @@
 - `recovery`: resuming a request from the tokens its stream already holds.
 
 Services use these modules instead of building keys or fields themselves; the engine knows none
-of them.
+of them. `KeySpace` (re-exported from the key table) is the deployment's key shards: each service
+builds one from its settings (`KeySpace(settings.redis.shard_count())`) and passes it to the calls
+that build a shard's keys.
 """
+from tandem_core.keys import KeySpace
+
+__all__ = ["KeySpace"]

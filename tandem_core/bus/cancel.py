@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys, redis_client
+from tandem_core import redis_client
+from tandem_core.keys import KeySpace
 
 
-async def request_cancel(r: aioredis.Redis, request_id: str, ttl_s: int) -> None:
-    await r.set(keys.cancel_key(request_id), "1", ex=ttl_s)
+async def request_cancel(r: aioredis.Redis, ks: KeySpace, request_id: str, ttl_s: int) -> None:
+    await r.set(ks.cancel_key(request_id), "1", ex=ttl_s)
 
 
-async def cancelled(r: aioredis.Redis, request_ids: list[str]) -> set[str]:
+async def cancelled(r: aioredis.Redis, ks: KeySpace, request_ids: list[str]) -> set[str]:
     """The requests of `request_ids` with a cancel key, in one round trip: one MGET, or on a
     Redis Cluster (whose pipelines refuse MGET) one GET per request."""
     if not request_ids:
         return set()
-    names = [keys.cancel_key(x) for x in request_ids]
+    names = [ks.cancel_key(x) for x in request_ids]
     if redis_client.is_cluster(r):
         pipe = r.pipeline(transaction=False)
         for name in names:

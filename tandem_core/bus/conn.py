@@ -1,7 +1,7 @@
 """Connecting to Redis and telling an outage from an error (redis-py asyncio).
 
-`connect` is every service's client (it also sets the key shard count, which `check_shards` holds
-to the deployment's); `REDIS_DOWN` is what callers wait out and retry, and only that.
+`connect` is every service's client; `check_shards` holds the service's key space (`keys.KeySpace`)
+to the deployment's shard count; `REDIS_DOWN` is what callers wait out and retry, and only that.
 """
 from __future__ import annotations
 
@@ -40,16 +40,14 @@ async def retry_redis(fn, what: str, timeout_s: float | None = 120.0, log=None):
 
 
 def connect(cfg: RedisConfig) -> aioredis.Redis:
-    """The process's Redis client (tandem_core.redis_client.connect); also sets the key shard
-    count, which `check_shards` then holds to the deployment's."""
-    keys.configure(cfg.shard_count())
+    """The process's Redis client (tandem_core.redis_client.connect)."""
     return redis_client.connect(cfg)
 
 
-async def check_shards(r: aioredis.Redis) -> None:
+async def check_shards(r: aioredis.Redis, ks: keys.KeySpace) -> None:
     """Record this deployment's shard count in Redis (the first service to start does), and refuse
     to start with another: a pod reading 8 shards would never see what a gateway writes to shard 12."""
-    mine = keys.shard_count()
+    mine = ks.shards
     await r.set(keys.SHARDS_KEY, mine, nx=True)
     theirs = await r.get(keys.SHARDS_KEY)
     if theirs is not None and int(theirs) != mine:

@@ -14,6 +14,7 @@ from redis.exceptions import ResponseError
 
 from tandem_core import keys, redis_client
 from tandem_core.keys import DECODE_GROUP, PREFILL_GROUP  # noqa: F401 - the groups' names, for services
+from tandem_core.keys import KeySpace
 from tandem_core.bus.conn import check_shards
 
 
@@ -26,20 +27,20 @@ async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
             raise
 
 
-async def ensure_groups(r: aioredis.Redis, pool: str) -> None:
+async def ensure_groups(r: aioredis.Redis, ks: KeySpace, pool: str) -> None:
     """Every shard's admission, ready and direct stream groups (after checking the shard count)."""
-    await check_shards(r)
-    for shard in keys.all_shards():
+    await check_shards(r, ks)
+    for shard in ks.all_shards():
         for prio in keys.PRIORITIES:
-            await ensure_group(r, keys.admission_stream(pool, prio, shard), keys.PREFILL_GROUP)
-        await ensure_group(r, keys.ready_stream(pool, shard), keys.DECODE_GROUP)
-        await ensure_group(r, keys.direct_stream(pool, shard), keys.DECODE_GROUP)
+            await ensure_group(r, ks.admission_stream(pool, prio, shard), keys.PREFILL_GROUP)
+        await ensure_group(r, ks.ready_stream(pool, shard), keys.DECODE_GROUP)
+        await ensure_group(r, ks.direct_stream(pool, shard), keys.DECODE_GROUP)
 
 
-def ring(pipe, pool: str, group: str) -> None:
+def ring(pipe, ks: KeySpace, pool: str, group: str) -> None:
     """Queue a ring of `group`'s doorbell (keys.doorbell) after an enqueue, when there is more
     than one shard; with one, readers block on the streams themselves and no bell is needed."""
-    if keys.shard_count() > 1:
+    if ks.shards > 1:
         pipe.xadd(keys.doorbell(pool, group), {"r": 1}, maxlen=64, approximate=True)
 
 

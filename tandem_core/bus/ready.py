@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys
+from tandem_core.keys import KeySpace
 from tandem_core.types import GenerationRequest
 
 
@@ -36,23 +36,23 @@ class ReadyNotice:
         return cls(**d)
 
 
-def add_ready(pipe, pool: str, notice: ReadyNotice, maxlen: int) -> None:
+def add_ready(pipe, ks: KeySpace, pool: str, notice: ReadyNotice, maxlen: int) -> None:
     """Queue the ready XADD, in the request's shard, on a pipeline or transaction (the prefill
     pod's fenced commit, bus.entry_fence); the caller rings the doorbell (`bus.groups.ring`) once
     it is written."""
     rid = notice.request.request_id
-    pipe.xadd(keys.ready_stream(pool, keys.request_shard(rid)), {"rid": rid, "notice": notice.to_json()},
+    pipe.xadd(ks.ready_stream(pool, ks.request_shard(rid)), {"rid": rid, "notice": notice.to_json()},
               maxlen=maxlen, approximate=True)
 
 
-def decode_streams(pool: str) -> list[str]:
+def decode_streams(ks: KeySpace, pool: str) -> list[str]:
     """What decode pods read, every shard: the ready notices, then the direct (unprefilled) prompts."""
-    return [f(pool, shard) for shard in keys.all_shards() for f in (keys.ready_stream, keys.direct_stream)]
+    return [f(pool, shard) for shard in ks.all_shards() for f in (ks.ready_stream, ks.direct_stream)]
 
 
-async def ready_backlog(r: aioredis.Redis, pool: str) -> int:
+async def ready_backlog(r: aioredis.Redis, ks: KeySpace, pool: str) -> int:
     """Ready notices waiting for a decode slot (or pulled and not yet acked), every shard."""
     pipe = r.pipeline(transaction=False)
-    for shard in keys.all_shards():
-        pipe.xlen(keys.ready_stream(pool, shard))
+    for shard in ks.all_shards():
+        pipe.xlen(ks.ready_stream(pool, shard))
     return int(sum(await pipe.execute()))

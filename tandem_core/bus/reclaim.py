@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from tandem_core import keys
+from tandem_core.keys import KeySpace
 from tandem_core.bus import registry
 from tandem_core.bus.groups import Claimed
 from tandem_core.types import GenerationRequest
@@ -29,11 +30,11 @@ async def unlock_recovery(r: aioredis.Redis, worker_id: str) -> None:
     await r.delete(keys.recovering_key(worker_id))
 
 
-async def running_requests(r: aioredis.Redis, worker_id: str) -> dict[str, GenerationRequest]:
+async def running_requests(r: aioredis.Redis, ks: KeySpace, worker_id: str) -> dict[str, GenerationRequest]:
     """A decode pod's running hashes, every shard."""
     pipe = r.pipeline(transaction=False)
-    for shard in keys.all_shards():
-        pipe.hgetall(keys.running_key(worker_id, shard))
+    for shard in ks.all_shards():
+        pipe.hgetall(ks.running_key(worker_id, shard))
     return {_s(k): GenerationRequest.from_json(v) for raw in await pipe.execute() for k, v in raw.items()}
 
 

@@ -15,15 +15,16 @@ import logging
 import redis.asyncio as aioredis
 
 from tandem_core import keys
+from tandem_core.keys import KeySpace
 from tandem_core.bus import cancel, groups, token_stream
 from tandem_core.types import FINISH_ERROR, GenerationRequest
 
 log = logging.getLogger(__name__)
 
 
-async def streamed_tokens(r: aioredis.Redis, request_id: str) -> tuple[list[int], bool]:
+async def streamed_tokens(r: aioredis.Redis, ks: KeySpace, request_id: str) -> tuple[list[int], bool]:
     """The contiguous tokens 0..k in the request's token stream, and whether it has finished."""
-    entries = await r.xrange(keys.token_stream(request_id))
+    entries = await r.xrange(ks.token_stream(request_id))
     got: dict[int, int] = {}
     finished = False
     for _id, f in entries:
@@ -38,7 +39,7 @@ async def streamed_tokens(r: aioredis.Redis, request_id: str) -> tuple[list[int]
     return out, finished
 
 
-async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, max_attempts: int,
+async def resume(r: aioredis.Redis, ks: KeySpace, pool: str, original: GenerationRequest, *, max_attempts: int,
                  maxlen: int, token_ttl_s: int, token_maxlen: int, why: str, owner: str | None = None,
                  marker_ttl_s: int = 120) -> str:
     """Re-enqueue `original` from the tokens streamed so far.
@@ -49,48 +50,48 @@ async def resume(r: aioredis.Redis, pool: str, original: GenerationRequest, *, m
     gets a clear error instead of looping forever). `marker_ttl_s`: how long a resume from one
     index refuses a second one from the same index.
     """
-    tokens, finished = await streamed_tokens(r, original.request_id)
-    shard = keys.request_shard(original.request_id)  # every key below shares its tag (one slot)
-    if finished or await cancel.cancelled(r, [original.request_id]):
+    tokens, finished = await streamed_tokens(r, ks, original.request_id)
+    shard = ks.request_shard(original.request_id)  # every key below shares its tag (one slot)
+    if finished or await cancel.cancelled(r, ks, [original.request_id]):
         if owner:
-            await r.hdel(keys.running_key(owner, shard), original.request_id)
+            await r.hdel(ks.running_key(owner, shard), original.request_id)
         return "finished"
     # Idempotent: two paths can notice the same failure (the dead pod's running hash and its
     # pending ready entry); only the first resumes from a given point.
-    if not await r.set(keys.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=marker_ttl_s):
+    if not await r.set(ks.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=marker_ttl_s):
         if owner:
-            await r.hdel(keys.running_key(owner, shard), original.request_id)
+            await r.hdel(ks.running_key(owner, shard), original.request_id)
         return "finished"
     attempt = original.attempt + 1
     if len(tokens) >= original.max_tokens or attempt > max_attempts:
-        return await _give_up(r, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
+        return await _give_up(r, ks, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
     base = original.prompt_ids[: len(original.prompt_ids) - original.start_index]
     again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
                                 priority="high")  # it has waited once already
     pipe = r.pipeline(transaction=True)
     if owner:
-        pipe.hdel(keys.running_key(owner, keys.request_shard(original.request_id)), original.request_id)
-    pipe.xadd(keys.admission_stream(pool, again.priority, shard), {"rid": again.request_id, "req": again.to_json()},
+        pipe.hdel(ks.running_key(owner, ks.request_shard(original.request_id)), original.request_id)
+    pipe.xadd(ks.admission_stream(pool, again.priority, shard), {"rid": again.request_id, "req": again.to_json()},
               maxlen=maxlen, approximate=True)
     await pipe.execute()
-    if keys.shard_count() > 1:  # after the transaction: the bell is in another slot
+    if ks.shards > 1:  # after the transaction: the bell is in another slot
         bell = r.pipeline(transaction=False)
-        groups.ring(bell, pool, keys.PREFILL_GROUP)
+        groups.ring(bell, ks, pool, keys.PREFILL_GROUP)
         await bell.execute()
     log.info("resumed request_id=%s from index %d (attempt %d): %s", original.request_id, len(tokens), attempt, why)
     return "resumed"
 
 
-async def _give_up(r: aioredis.Redis, original: GenerationRequest, tokens: list[int], attempt: int, why: str,
+async def _give_up(r: aioredis.Redis, ks: KeySpace, original: GenerationRequest, tokens: list[int], attempt: int, why: str,
                    owner: str | None, token_ttl_s: int, token_maxlen: int) -> str:
     """Finish the request in place: "length" when every token is already out (only the finish
     entry was lost), else a clear error once its attempts are spent."""
     done = len(tokens) >= original.max_tokens
     pipe = r.pipeline(transaction=True)
     if owner:
-        pipe.hdel(keys.running_key(owner, keys.request_shard(original.request_id)), original.request_id)
-    token_stream.add_tokens(pipe, original.request_id, len(tokens), [], "length" if done else FINISH_ERROR,
-                       token_ttl_s, token_maxlen,
-                       error=None if done else f"request failed {attempt - 1} times ({why}); giving up")
+        pipe.hdel(ks.running_key(owner, ks.request_shard(original.request_id)), original.request_id)
+    token_stream.add_tokens(pipe, ks, original.request_id, len(tokens), [], "length" if done else FINISH_ERROR,
+                            token_ttl_s, token_maxlen,
+                            error=None if done else f"request failed {attempt - 1} times ({why}); giving up")
     await pipe.execute()
     return "finished" if done else "failed"

@@ -1,4 +1,4 @@
-"""Token streams: one per request (keys.token_stream), written by the pod that produces its
+"""Token streams: one per request (KeySpace.token_stream), written by the pod that produces its
 tokens and read by the gateway relaying them (gateway/tokens.py). Every entry carries its index, so
 a reader drops duplicates and finds gaps; streams have a MAXLEN and expire.
 """
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys
+from tandem_core.keys import KeySpace
 from tandem_core.types import GenerationRequest, TokenLogprobs
 
 
@@ -43,6 +43,7 @@ def entry_fields(index: int, token: int, finish: str | None = None, error: str |
 
 def add_tokens(
     pipe,
+    ks: KeySpace,
     request_id: str,
     start_index: int,
     token_ids: list[int],
@@ -55,7 +56,7 @@ def add_tokens(
 ) -> None:
     """Queue XADDs for consecutive tokens of one request on `pipe` (no round trip here), unfenced.
     The last one carries `finish_reason` (and `error`); an end with no token is written `t=-1`."""
-    key = keys.token_stream(request_id)
+    key = ks.token_stream(request_id)
     ids = token_ids or [-1]
     for n, tok in enumerate(ids):
         lp = logprobs[n] if logprobs and n < len(logprobs) else None
@@ -81,29 +82,29 @@ class StreamBounds:
         return cls(settings.token_ttl_s, settings.token_maxlen, settings.token_finished_ttl_s)
 
 
-def add_finish(pipe, request_ids: list[str], index: int, reason: str, bounds: StreamBounds,
+def add_finish(pipe, ks: KeySpace, request_ids: list[str], index: int, reason: str, bounds: StreamBounds,
                error: str | None = None) -> None:
     """Queue each request's end without a token (`t=-1`, finish `reason`, and `error` if set) at
     `index` on `pipe` (a pipeline, or a prefill pod's fenced `EntryWrites`): how a worker ends a
     request it cannot answer (cancelled, past its deadline, failed, its KV never pulled)."""
     for rid in request_ids:
-        add_tokens(pipe, rid, index, [], reason, bounds.ttl_s, bounds.maxlen, error=error,
+        add_tokens(pipe, ks, rid, index, [], reason, bounds.ttl_s, bounds.maxlen, error=error,
                    finished_ttl_s=bounds.finished_ttl_s)
 
 
-async def write_finish(r: aioredis.Redis, request_ids: list[str], index: int, reason: str, bounds: StreamBounds,
-                       error: str | None = None) -> None:
+async def write_finish(r: aioredis.Redis, ks: KeySpace, request_ids: list[str], index: int, reason: str,
+                       bounds: StreamBounds, error: str | None = None) -> None:
     """`add_finish`, written now in one pipelined round trip, unfenced (the caller knows it owns
     the requests, or nothing else can answer them)."""
     pipe = r.pipeline(transaction=False)
-    add_finish(pipe, request_ids, index, reason, bounds, error)
+    add_finish(pipe, ks, request_ids, index, reason, bounds, error)
     await pipe.execute()
 
 
-def add_prompt_logprobs(pipe, request_id: str, encoded: str, ttl_s: int, maxlen: int) -> None:
+def add_prompt_logprobs(pipe, ks: KeySpace, request_id: str, encoded: str, ttl_s: int, maxlen: int) -> None:
     """Queue the prompt's logprobs (echo) as the stream's index -1 entry, before token 0: readers
     that know nothing of it drop it as a duplicate index, and resumes ignore it (no token)."""
-    key = keys.token_stream(request_id)
+    key = ks.token_stream(request_id)
     pipe.xadd(key, entry_fields(-1, -1, prompt_logprobs=encoded), maxlen=maxlen, approximate=True)
     pipe.expire(key, ttl_s)
 
@@ -119,7 +120,7 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
 # ---------------------------------------------------------------- fenced writes (decode pods)
 # Fenced token writes: a decode pod's tokens reach a request's token stream only while the pod
 # still owns the request (its field in the pod's running hash of the request's shard, see
-# `keys.running_key`), so a pod that wakes up after being replaced cannot double-deliver. One script
+# `KeySpace.running_key`), so a pod that wakes up after being replaced cannot double-deliver. One script
 # call per shard writes a whole step's tokens of that shard (all of them in one pipelined round
 # trip, whatever the batch): a script may touch only keys of one slot on a Redis Cluster.
 
@@ -184,15 +185,16 @@ class Placed:
 
 
 class OwnedPublisher:
-    """Token writes of a decode pod, fenced on its running hashes (see `keys.running_key`)."""
+    """Token writes of a decode pod, fenced on its running hashes (see `KeySpace.running_key`)."""
 
-    def __init__(self, r: aioredis.Redis, worker_id: str, ttl_s: int, maxlen: int, finished_ttl_s: int = 60) -> None:
-        self.r, self.worker_id = r, worker_id
+    def __init__(self, r: aioredis.Redis, ks: KeySpace, worker_id: str, ttl_s: int, maxlen: int,
+                 finished_ttl_s: int = 60) -> None:
+        self.r, self.ks, self.worker_id = r, ks, worker_id
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
 
     def running(self, request_id: str) -> str:
-        return keys.running_key(self.worker_id, keys.request_shard(request_id))
+        return self.ks.running_key(self.worker_id, self.ks.request_shard(request_id))
 
     async def own(self, *reqs: GenerationRequest) -> None:
         by_key: dict[str, dict[str, str]] = {}
@@ -218,13 +220,13 @@ class OwnedPublisher:
         # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
         by_shard: dict[int, list[int]] = {}
         for j, it in enumerate(items):
-            by_shard.setdefault(keys.request_shard(it[0]), []).append(j)
+            by_shard.setdefault(self.ks.request_shard(it[0]), []).append(j)
         for shard, idx in by_shard.items():
-            names = [keys.running_key(self.worker_id, shard)]
+            names = [self.ks.running_key(self.worker_id, shard)]
             args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1"]
             for j in idx:
                 rid, index, token, finish, error, logprobs, prompt_logprobs = items[j]
-                names.append(keys.token_stream(rid))
+                names.append(self.ks.token_stream(rid))
                 fields = entry_fields(index, token, finish, error, logprobs, prompt_logprobs)
                 args += (rid, index, "1" if finish else "", len(fields))
                 for kv in fields.items():

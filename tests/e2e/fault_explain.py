@@ -32,16 +32,17 @@ def redis_state(url: str, rid: str) -> str:
 
     from tandem_core import keys
 
+    ks = keys.KeySpace(1)  # tandem local: one key shard
     r = redis.Redis.from_url(url, socket_timeout=5)
     try:
-        entries = r.xrange(keys.token_stream(rid))
+        entries = r.xrange(ks.token_stream(rid))
         idx = [int(f[b"i"]) for _id, f in entries]
         fins = [(int(f[b"i"]), f[b"f"].decode()) for _id, f in entries if b"f" in f]
         owners = [k.decode() for k in r.scan_iter(match=keys.RUNNING_PATTERN, count=1000) if r.hexists(k, rid)]
         span = f"{entries[0][0].decode()}..{entries[-1][0].decode()}" if entries else "-"
         info = r.info("server")
         return (f"tokens [{_ranges(idx)}] ids {span} finishes {fins}; running in {owners}; "
-                f"marker {bool(r.exists(keys.admitted_key(rid)))}; cancel {bool(r.exists(keys.cancel_key(rid)))}; "
+                f"marker {bool(r.exists(ks.admitted_key(rid)))}; cancel {bool(r.exists(ks.cancel_key(rid)))}; "
                 f"Redis run_id {info.get('run_id')} up {info.get('uptime_in_seconds')} s")
     except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
         return f"(Redis not readable: {e})"

@@ -148,7 +148,7 @@ async def _most_running(cluster, live: list[dict], timeout_s: float = 5.0) -> in
         while True:
             pipe = r.pipeline(transaction=False)
             for w in live:
-                pipe.hlen(keys.running_key(w["id"], 0))  # tandem local: one shard
+                pipe.hlen(keys.KeySpace(1).running_key(w["id"], 0))  # tandem local: one shard
             counts = await pipe.execute()
             if max(counts) > 0 or time.monotonic() > deadline:
                 pick = live[counts.index(max(counts))]
@@ -172,8 +172,9 @@ async def stop_prefill_holding_work(cluster, timeout_s: float = 10.0) -> int:
 
     live = [w for w in await wait_healthy(cluster.base_url, WANT) if w["role"] == "prefill"]
     pool = os.environ.get("TANDEM_PREFILL_POOL", "default")
-    names = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]  # tandem local: one key shard
-    names += [keys.pod_admission_stream(pool, p, w["id"], 0) for w in live for p in keys.PRIORITIES]
+    ks = keys.KeySpace(1)  # tandem local: one key shard
+    names = [ks.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
+    names += [ks.pod_admission_stream(pool, p, w["id"], 0) for w in live for p in keys.PRIORITIES]
     r = aioredis.Redis.from_url(redis_url(cluster.log))
     deadline = time.monotonic() + timeout_s
     try:

@@ -11,22 +11,24 @@ from tandem_core import keys
 from tandem_core.bus import groups, token_stream
 from tandem_core.types import GenerationRequest
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 
 async def serve_scripted(redis_url: str, pool: str, consumer: str, answer: Callable[[GenerationRequest], list[int]],
                          seen: list[GenerationRequest], stop: threading.Event) -> None:
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
-    await groups.ensure_groups(r, pool)
-    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
+    await groups.ensure_groups(r, KS, pool)
+    adm = [KS.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
         got = await groups.claim(r, adm, keys.PREFILL_GROUP, consumer, count=8, block_ms=None)
-        got += await groups.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, consumer, count=8, block_ms=50)
+        got += await groups.claim(r, [KS.direct_stream(pool, 0)], keys.DECODE_GROUP, consumer, count=8, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             seen.append(req)
             pipe = r.pipeline(transaction=False)
-            token_stream.add_tokens(pipe, req.request_id, 0, answer(req), "stop", 60, 1000)
+            token_stream.add_tokens(pipe, KS, req.request_id, 0, answer(req), "stop", 60, 1000)
             await pipe.execute()
             await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
     await r.aclose()

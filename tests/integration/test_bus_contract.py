@@ -24,8 +24,8 @@ TOKENS = [(0, 11, None, None, LP), (1, 12, None, None, None), (2, 13, "stop", No
 ERROR = [(0, -1, "error", "KV pull failed: re-prefill gave up", None)]
 
 
-async def _owned(r, rid, entries, prompt_lp, fenced):
-    pub = token_stream.OwnedPublisher(r, "decode-contract", TTL, MAXLEN, FINISHED_TTL)
+async def _owned(r, ks, rid, entries, prompt_lp, fenced):
+    pub = token_stream.OwnedPublisher(r, ks, "decode-contract", TTL, MAXLEN, FINISHED_TTL)
     await pub.load()
     if fenced:
         await pub.own(_req(rid))
@@ -37,30 +37,30 @@ async def _owned(r, rid, entries, prompt_lp, fenced):
     assert placed.results(await pipe.execute()) == [1] * len(items)
 
 
-def _queue(w, rid, entries, prompt_lp):
+def _queue(w, ks, rid, entries, prompt_lp):
     """The prefill pod's queueing (prefill_svc/prefill.py): the prompt's logprobs, then the tokens."""
     if prompt_lp:
-        token_stream.add_prompt_logprobs(w, rid, prompt_lp, TTL, MAXLEN)
+        token_stream.add_prompt_logprobs(w, ks, rid, prompt_lp, TTL, MAXLEN)
     start = entries[0][0]
     toks = [t for _, t, _, _, _ in entries if t >= 0]
     finish, error = entries[-1][2], entries[-1][3]
-    token_stream.add_tokens(w, rid, start, toks, finish, TTL, MAXLEN, error=error, finished_ttl_s=FINISHED_TTL,
+    token_stream.add_tokens(w, ks, rid, start, toks, finish, TTL, MAXLEN, error=error, finished_ttl_s=FINISHED_TTL,
                             logprobs=[lp for *_, lp in entries])
 
 
-async def _prefill(r, rid, entries, prompt_lp):
-    stream = keys.admission_stream("contract", "normal", keys.request_shard(rid))  # the request's slot
+async def _prefill(r, ks, rid, entries, prompt_lp):
+    stream = ks.admission_stream("contract", "normal", ks.request_shard(rid))  # the request's slot
     await r.xgroup_create(stream, keys.PREFILL_GROUP, id="0", mkstream=True)
     entry_id = await r.xadd(stream, {"rid": rid})
     await r.xreadgroup(keys.PREFILL_GROUP, "prefill-contract", {stream: ">"}, count=1)
     w = entry_fence.EntryWrites()
-    _queue(w, rid, entries, prompt_lp)
+    _queue(w, ks, rid, entries, prompt_lp)
     assert await entry_fence.EntryFence(r, keys.PREFILL_GROUP, "prefill-contract").commit(stream, entry_id, w)
 
 
-async def _pipeline(r, rid, entries, prompt_lp):
+async def _pipeline(r, ks, rid, entries, prompt_lp):
     pipe = r.pipeline(transaction=False)
-    _queue(pipe, rid, entries, prompt_lp)
+    _queue(pipe, ks, rid, entries, prompt_lp)
     await pipe.execute()
 
 
@@ -70,8 +70,8 @@ def _req(rid):
     return GenerationRequest(rid, [1, 2], 8)
 
 
-WRITERS = {"decode-fenced": lambda r, *a: _owned(r, *a, fenced=True),
-           "decode-unfenced": lambda r, *a: _owned(r, *a, fenced=False),
+WRITERS = {"decode-fenced": lambda r, ks, *a: _owned(r, ks, *a, fenced=True),
+           "decode-unfenced": lambda r, ks, *a: _owned(r, ks, *a, fenced=False),
            "prefill-commit": _prefill, "pipeline": _pipeline}
 
 
@@ -89,26 +89,28 @@ def _plain(events):
 
 @pytest.mark.parametrize("writer", list(WRITERS))
 @pytest.mark.parametrize("case", ["tokens", "error"])
-async def test_every_writer_writes_what_the_reader_reads(any_redis, writer, case):
+async def test_every_writer_writes_what_the_reader_reads(any_redis, any_keys, writer, case):
+    ks = any_keys
     r = any_redis
     rid = f"contract-{writer}-{case}"
     entries, prompt_lp = (TOKENS, PROMPT_LP) if case == "tokens" else (ERROR, None)
-    await WRITERS[writer](r, rid, entries, prompt_lp)
-    raw = await r.xrange(keys.token_stream(rid))
+    await WRITERS[writer](r, ks, rid, entries, prompt_lp)
+    raw = await r.xrange(ks.token_stream(rid))
     assert _plain(token_stream.token_event(eid, f) for eid, f in raw) == _plain(_expected(entries, prompt_lp))
-    ttl = await r.ttl(keys.token_stream(rid))
+    ttl = await r.ttl(ks.token_stream(rid))
     assert 0 < ttl <= FINISHED_TTL, f"{writer}: a finished stream keeps {FINISHED_TTL}s, not {ttl}"
 
 
 @pytest.mark.parametrize("writer", list(WRITERS))
-async def test_the_gateway_reader_sees_the_same_events(any_redis, writer):
+async def test_the_gateway_reader_sees_the_same_events(any_redis, any_keys, writer):
+    ks = any_keys
     r = any_redis
     rid = f"contract-mux-{writer}"
-    mux = TokenMux(r, block_ms=200)
+    mux = TokenMux(r, ks, block_ms=200)
     mux.start()
     try:
         sub = mux.subscribe(rid)
-        await WRITERS[writer](r, rid, TOKENS, PROMPT_LP)
+        await WRITERS[writer](r, ks, rid, TOKENS, PROMPT_LP)
         got, end = [], asyncio.get_running_loop().time() + 20
         while len(got) < len(TOKENS) + 1 and asyncio.get_running_loop().time() < end:
             got += await sub.get(0.5)
@@ -117,11 +119,12 @@ async def test_the_gateway_reader_sees_the_same_events(any_redis, writer):
         await mux.stop()
 
 
-async def test_an_unfinished_stream_keeps_the_running_ttl(any_redis):
+async def test_an_unfinished_stream_keeps_the_running_ttl(any_redis, any_keys):
     """Before the finish, every writer leaves the stream the running TTL (set on index 0)."""
+    ks = any_keys
     r = any_redis
     for writer, fn in WRITERS.items():
         rid = f"contract-open-{writer}"
-        await fn(r, rid, TOKENS[:2], None)
-        ttl = await r.ttl(keys.token_stream(rid))
+        await fn(r, ks, rid, TOKENS[:2], None)
+        ttl = await r.ttl(ks.token_stream(rid))
         assert FINISHED_TTL < ttl <= TTL, f"{writer}: ttl {ttl}"

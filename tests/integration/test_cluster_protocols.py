@@ -26,6 +26,7 @@ from tandem_engine import load_engine
 
 POOL = "cl"
 RIDS = [f"cl-{i}" for i in range(48)]
+KS = keys.KeySpace(RedisConfig(cluster=True).shard_count())  # what the services build on a cluster: 16 shards
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +39,10 @@ async def rc(redis_cluster):
     redis_cluster.flushall()
     cfg = RedisConfig(url=redis_cluster.url, cluster=True)
     r = conn.connect(cfg)
-    assert keys.shard_count() == 16
     try:
         yield r
     finally:
         await r.aclose()
-        keys.configure(1)
 
 
 def slot(k: str) -> int:
@@ -51,27 +50,23 @@ def slot(k: str) -> int:
 
 
 def test_a_requests_keys_share_its_shards_slot():
-    keys.configure(16)
-    try:
-        for rid in RIDS + choice_ids(RIDS[0], 2):
-            s = keys.request_shard(rid)
-            same = [keys.token_stream(rid), keys.cancel_key(rid), keys.admitted_key(rid), keys.resume_marker(rid, 3),
-                    keys.gateway_resume_key(rid), keys.admission_stream(POOL, "high", s),
-                    keys.admission_stream(POOL, "normal", s), keys.ready_stream(POOL, s), keys.direct_stream(POOL, s),
-                    keys.running_key("decode-x", s), keys.pod_admission_stream(POOL, "normal", "prefill-x", s),
-                    keys.pod_streams_set(POOL, s), keys.gateway_wake_stream("gw", s)]
-            assert len({slot(k) for k in same}) == 1, rid
-        assert keys.request_shard(choice_ids(RIDS[0], 2)[1]) == keys.request_shard(RIDS[0])  # choices write together
-        assert len({keys.request_shard(rid) for rid in RIDS}) >= 12  # requests spread over the shards
-    finally:
-        keys.configure(1)
+    for rid in RIDS + choice_ids(RIDS[0], 2):
+        s = KS.request_shard(rid)
+        same = [KS.token_stream(rid), KS.cancel_key(rid), KS.admitted_key(rid), KS.resume_marker(rid, 3),
+                KS.gateway_resume_key(rid), KS.admission_stream(POOL, "high", s),
+                KS.admission_stream(POOL, "normal", s), KS.ready_stream(POOL, s), KS.direct_stream(POOL, s),
+                KS.running_key("decode-x", s), KS.pod_admission_stream(POOL, "normal", "prefill-x", s),
+                KS.pod_streams_set(POOL, s), KS.gateway_wake_stream("gw", s)]
+        assert len({slot(k) for k in same}) == 1, rid
+    assert KS.request_shard(choice_ids(RIDS[0], 2)[1]) == KS.request_shard(RIDS[0])  # choices write together
+    assert len({KS.request_shard(rid) for rid in RIDS}) >= 12  # requests spread over the shards
 
 
 async def test_shards_spread_evenly_over_the_masters(rc, redis_cluster):
     slots = await rc.cluster_slots(target_nodes=rc.get_default_node())
     per_master: dict[int, int] = {}
-    for shard in keys.all_shards():
-        s = slot(keys.tag(shard))
+    for shard in KS.all_shards():
+        s = slot(KS.tag(shard))
         (port,) = [info["primary"][1] for (lo, hi), info in slots.items() if lo <= s <= hi]
         per_master[port] = per_master.get(port, 0) + 1
     assert len(per_master) == 3 and sorted(per_master.values()) == [5, 5, 6]
@@ -82,51 +77,51 @@ async def test_enqueue_prefill_commit_and_claims_never_overfill(rc, redis_cluste
     shard, fenced commit of token 0 + ready notice + ack), and a decode claim of exactly its free
     slots over every shard's ready stream."""
     r = rc
-    await groups.ensure_groups(r, POOL)
+    await groups.ensure_groups(r, KS, POOL)
     s = PrefillSettings(redis=RedisConfig(url=redis_cluster.url, cluster=True),
                         engine=EngineConfig(model="tiny", max_len=64), pool=POOL, claim_block_ms=50)
-    worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-cl")
-    for shard in keys.all_shards():
+    worker = PrefillWorker(s, engine, r, KS, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-cl")
+    for shard in KS.all_shards():
         for prio in keys.PRIORITIES:
             await groups.ensure_group(r, worker.takeover.own_stream(prio, shard), keys.PREFILL_GROUP)
     reqs = [GenerationRequest(rid, [5, 6, 7, 8], 4, priority="high" if i % 3 == 0 else "normal")
             for i, rid in enumerate(RIDS[:24])]
     for i, q in enumerate(reqs):
-        await admission.enqueue(r, POOL, q, 1000, pod="prefill-cl" if i % 4 == 1 else None)
-    again = await admission.enqueue(r, POOL, reqs[0], 1000)  # a retried enqueue: the same entry, nothing new
-    assert again and (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 24
-    assert await admission.pod_stream_owners(r, POOL) == ["prefill-cl"]
+        await admission.enqueue(r, KS, POOL, q, 1000, pod="prefill-cl" if i % 4 == 1 else None)
+    again = await admission.enqueue(r, KS, POOL, reqs[0], 1000)  # a retried enqueue: the same entry, nothing new
+    assert again and (await admission.read_backlog(r, KS, POOL, ["prefill-cl"])).total == 24
+    assert await admission.pod_stream_owners(r, KS, POOL) == ["prefill-cl"]
 
-    rotation = PriorityRotation(POOL)
+    rotation = PriorityRotation(KS, POOL)
     for _ in range(40):
-        if (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 0:
+        if (await admission.read_backlog(r, KS, POOL, ["prefill-cl"])).total == 0:
             break
         await worker.claim_round(rotation)
-    assert (await admission.read_backlog(r, POOL, ["prefill-cl"])).total == 0
+    assert (await admission.read_backlog(r, KS, POOL, ["prefill-cl"])).total == 0
     for q in reqs:
-        assert [token_stream.token_event(e, f).index for e, f in await r.xrange(keys.token_stream(q.request_id))] == [0]
-    assert await ready.ready_backlog(r, POOL) == 24
+        assert [token_stream.token_event(e, f).index for e, f in await r.xrange(KS.token_stream(q.request_id))] == [0]
+    assert await ready.ready_backlog(r, KS, POOL) == 24
 
-    ready_streams = [keys.ready_stream(POOL, sh) for sh in keys.all_shards()]
+    ready_streams = [KS.ready_stream(POOL, sh) for sh in KS.all_shards()]
     bell = groups.Doorbell(r, POOL, [keys.DECODE_GROUP])
     got = await groups.claim(r, ready_streams, keys.DECODE_GROUP, "decode-cl", 5, 50, bell)
     assert len(got) == 5  # never more than the free slots, though entries wait in many shards
     rest = await groups.claim(r, ready_streams, keys.DECODE_GROUP, "decode-cl", 100, 50, bell)
     assert sorted(ready.ReadyNotice.from_json(c.fields["notice"]).request.request_id for c in got + rest) \
         == sorted(q.request_id for q in reqs)
-    assert await admission.forget_pod_streams(r, POOL, "prefill-cl")
-    assert await admission.pod_stream_owners(r, POOL) == []
+    assert await admission.forget_pod_streams(r, KS, POOL, "prefill-cl")
+    assert await admission.pod_stream_owners(r, KS, POOL) == []
 
 
 async def test_a_blocked_claim_over_all_shards_wakes_on_the_doorbell(rc):
     r = rc
-    await groups.ensure_groups(r, POOL)
-    names = [keys.admission_stream(POOL, p, sh) for p in keys.PRIORITIES for sh in keys.all_shards()]
+    await groups.ensure_groups(r, KS, POOL)
+    names = [KS.admission_stream(POOL, p, sh) for p in keys.PRIORITIES for sh in KS.all_shards()]
     bell = groups.Doorbell(r, POOL, [keys.PREFILL_GROUP])
 
     async def later():
         await asyncio.sleep(0.3)
-        await admission.enqueue_request(r, POOL, GenerationRequest(RIDS[7], [5, 6], 2), 1000)
+        await admission.enqueue_request(r, KS, POOL, GenerationRequest(RIDS[7], [5, 6], 2), 1000)
 
     t0 = time.monotonic()
     task = asyncio.create_task(later())
@@ -140,11 +135,11 @@ async def test_a_blocked_claim_over_all_shards_wakes_on_the_doorbell(rc):
 
 async def test_fenced_token_batches_span_shards_and_keep_order(rc):
     r = rc
-    pub = token_stream.OwnedPublisher(r, "decode-cl", ttl_s=60, maxlen=1000)
+    pub = token_stream.OwnedPublisher(r, KS, "decode-cl", ttl_s=60, maxlen=1000)
     await pub.load()
     reqs = [GenerationRequest(rid, [5], 8) for rid in RIDS[:12]]
     await pub.own(*reqs)
-    assert sorted(await reclaim.running_requests(r, "decode-cl")) == sorted(RIDS[:12])
+    assert sorted(await reclaim.running_requests(r, KS, "decode-cl")) == sorted(RIDS[:12])
     for lost in RIDS[:3]:  # what a recoverer's transaction does to a paused owner
         await r.hdel(pub.running(lost), lost)
     pipe = r.pipeline(transaction=False)
@@ -154,15 +149,15 @@ async def test_fenced_token_batches_span_shards_and_keep_order(rc):
     results = placed.results(await pipe.execute())
     assert results == [0 if it[0] in RIDS[:3] else 1 for it in items]
     for rid in RIDS[3:12]:
-        assert [int(f[b"i"]) for _e, f in await r.xrange(keys.token_stream(rid))] == [0, 1]
+        assert [int(f[b"i"]) for _e, f in await r.xrange(KS.token_stream(rid))] == [0, 1]
     for rid in RIDS[:3]:
-        assert not await r.exists(keys.token_stream(rid))
+        assert not await r.exists(KS.token_stream(rid))
 
 
 async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     r = rc
-    await groups.ensure_groups(r, POOL)
-    pub = token_stream.OwnedPublisher(r, "decode-dead", ttl_s=60, maxlen=1000)
+    await groups.ensure_groups(r, KS, POOL)
+    pub = token_stream.OwnedPublisher(r, KS, "decode-dead", ttl_s=60, maxlen=1000)
     await pub.load()
     victims = [GenerationRequest(rid, [5, 6], 6) for rid in RIDS[20:28]]
     await pub.own(*victims)
@@ -170,20 +165,20 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     placed = pub.add_batch(pipe, [(q.request_id, 0, 40, None, None, None, None) for q in victims])
     assert placed.results(await pipe.execute()) == [1] * len(victims)
     for q in victims:  # the dead pod's requests resume from what was streamed, in one transaction each
-        assert await recovery.resume(r, POOL, q, max_attempts=3, maxlen=1000, token_ttl_s=60, token_maxlen=1000,
+        assert await recovery.resume(r, KS, POOL, q, max_attempts=3, maxlen=1000, token_ttl_s=60, token_maxlen=1000,
                                      why="test", owner="decode-dead") == "resumed"
-    assert await reclaim.running_requests(r, "decode-dead") == {}
-    assert await admission.admission_backlog(r, POOL) == len(victims)
+    assert await reclaim.running_requests(r, KS, "decode-dead") == {}
+    assert await admission.admission_backlog(r, KS, POOL) == len(victims)
 
-    await cancel.request_cancel(r, RIDS[21], 60)
-    await cancel.request_cancel(r, RIDS[26], 60)
-    assert await cancel.cancelled(r, RIDS[20:28]) == {RIDS[21], RIDS[26]}
+    await cancel.request_cancel(r, KS, RIDS[21], 60)
+    await cancel.request_cancel(r, KS, RIDS[26], 60)
+    assert await cancel.cancelled(r, KS, RIDS[20:28]) == {RIDS[21], RIDS[26]}
 
-    mux = TokenMux(r, block_ms=200)
+    mux = TokenMux(r, KS, block_ms=200)
     mux.start()
     try:
         subs = {rid: mux.subscribe(rid) for rid in RIDS[30:46]}
-        writer = token_stream.OwnedPublisher(r, "decode-live", ttl_s=60, maxlen=1000)
+        writer = token_stream.OwnedPublisher(r, KS, "decode-live", ttl_s=60, maxlen=1000)
         await writer.load()
         await writer.own(*(GenerationRequest(rid, [5], 4) for rid in subs))
         for i in range(4):
@@ -200,8 +195,6 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     finally:
         await mux.stop()
     assert [await r.exists(w) for w in mux.wake_streams] == [0] * 16  # one reader per shard, its stream gone
-    assert await conn.check_shards(r) is None  # the deployment's count, recorded by ensure_groups
-    keys.configure(8)
+    assert await conn.check_shards(r, KS) is None  # the deployment's count, recorded by ensure_groups
     with pytest.raises(conn.RedisConfigError, match="16"):
-        await conn.check_shards(r)
-    keys.configure(16)
+        await conn.check_shards(r, keys.KeySpace(8))

@@ -20,6 +20,8 @@ from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
 from tandem_proto import kv_pb2_grpc
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 SLOTS = 2
 N = 12
 MAX_TOKENS = 12
@@ -45,20 +47,20 @@ async def _publish_backlog(r, engine, store, address, pool):
         held = store.put(req.request_id, payload)
         notice = ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
         pipe = r.pipeline(transaction=False)  # as the prefill pod writes it (without its fence)
-        ready.add_ready(pipe, pool, notice, 1000)
-        groups.ring(pipe, pool, keys.DECODE_GROUP)
+        ready.add_ready(pipe, KS, pool, notice, 1000)
+        groups.ring(pipe, KS, pool, keys.DECODE_GROUP)
         await pipe.execute()
 
 
 async def _claimed_unacked(r, pool) -> int:
     """Ready entries delivered to the pod and not yet acked (acked = inserted into a slot)."""
-    return (await r.xpending(keys.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"]
+    return (await r.xpending(KS.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"]
 
 
 async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine):
     r = redis_client
     pool = "claims"
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
     await _publish_backlog(r, engine, store, address, pool)
@@ -68,7 +70,7 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
     table = RequestTable(SLOTS)
     bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
     eloop = EngineLoop(engine, table, bridge)
-    io = DecodeIO(s, r, table, eloop, bridge, "decode-test")
+    io = DecodeIO(s, r, KS, table, eloop, bridge, "decode-test")
     stop, done = asyncio.Event(), asyncio.Event()
     eloop.start()
     tasks = [asyncio.create_task(io.claims.claim_loop(stop)), asyncio.create_task(io.publisher.publish_loop(done))]
@@ -79,7 +81,7 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
             peak_redis = max(peak_redis, await _claimed_unacked(r, pool))
             finished = 0
             for i in range(N):
-                last = await r.xrevrange(keys.token_stream(f"req-{i}"), count=1)
+                last = await r.xrevrange(KS.token_stream(f"req-{i}"), count=1)
                 finished += bool(last and b"f" in last[0][1])
             if finished == N:
                 break
@@ -98,6 +100,6 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
     assert peak_redis <= SLOTS, f"decode claimed {peak_redis} ready entries with {SLOTS} slots"
     # Every request produced indices 1..MAX_TOKENS-1 exactly once, in order.
     for i in range(N):
-        entries = await r.xrange(keys.token_stream(f"req-{i}"))
+        entries = await r.xrange(KS.token_stream(f"req-{i}"))
         assert [int(f[b"i"]) for _id, f in entries] == list(range(1, MAX_TOKENS))
     assert store.held_bytes == 0

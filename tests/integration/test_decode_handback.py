@@ -29,6 +29,8 @@ from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
 from tandem_proto import kv_pb2_grpc
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 SLOTS = 2
 MAX_TOKENS = 12
 WID = "decode-handback"
@@ -55,7 +57,7 @@ class Pod:
         self.table = RequestTable(SLOTS)
         self.bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
         self.eloop = EngineLoop(engine, self.table, self.bridge)
-        self.io = DecodeIO(self.s, r, self.table, self.eloop, self.bridge, WID)
+        self.io = DecodeIO(self.s, r, KS, self.table, self.eloop, self.bridge, WID)
         self.stop, self.done = asyncio.Event(), asyncio.Event()
 
     async def __aenter__(self) -> Pod:
@@ -89,22 +91,22 @@ async def _publish_ready(r, engine, store, address, pool, rid: str) -> Generatio
     held = store.put(req.request_id, payload)
     notice = ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
     pipe = r.pipeline(transaction=False)  # as the prefill pod writes it (without its fence)
-    ready.add_ready(pipe, pool, notice, 1000)
-    groups.ring(pipe, pool, keys.DECODE_GROUP)
+    ready.add_ready(pipe, KS, pool, notice, 1000)
+    groups.ring(pipe, KS, pool, keys.DECODE_GROUP)
     await pipe.execute()
     return req
 
 
 async def _state(r, pod: Pod, pool: str, rid: str) -> dict:
     """What the pod and Redis say about `rid` now."""
-    shard = keys.request_shard(rid)
+    shard = KS.request_shard(rid)
     resumed = [GenerationRequest.from_json(f[b"req"]) for _id, f in
-               await r.xrange(keys.admission_stream(pool, "high", shard))]
-    tokens = await r.xrange(keys.token_stream(rid))
+               await r.xrange(KS.admission_stream(pool, "high", shard))]
+    tokens = await r.xrange(KS.token_stream(rid))
     return {
         "seats": sum(pod.table.stages().values()),  # records: claimed, pulling, queued, running
-        "owned": await r.hexists(keys.running_key(WID, shard), rid),
-        "unacked": (await r.xpending(keys.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"],
+        "owned": await r.hexists(KS.running_key(WID, shard), rid),
+        "unacked": (await r.xpending(KS.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"],
         "resumed": [q for q in resumed if q.request_id == rid],
         "finished": any(b"f" in f for _id, f in tokens),
         "indices": [int(f[b"i"]) for _id, f in tokens],
@@ -128,7 +130,7 @@ async def test_a_failed_pull_task_frees_its_seat_and_hands_the_request_back(
     the pull: before issue 31 the task died with "Task exception was never retrieved", its seat held
     for the pod's life and its ready entry never acked; the request waited until its deadline."""
     r, pool = redis_client, "handback-pull"
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
     faults.configure(fault)
@@ -156,7 +158,7 @@ async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engin
     ack is written by the next recovery round (before issue 31 the task died there and the entry
     stayed pending and marked busy for the pod's life)."""
     r, pool = redis_client, "handback-ack"
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
     faults.configure("decode.ack@1")
@@ -180,7 +182,7 @@ async def test_a_publish_that_gives_up_hands_its_requests_back(redis_url, redis_
     but the pod still owned them, so nothing resumed them: the relay waited on the gap until the
     deadline."""
     r, pool = redis_client, "handback-publish"
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
     faults.configure("decode.publish@3-200:down")  # the 3rd write on: Redis looks down to the publisher only
@@ -213,7 +215,7 @@ async def test_entries_claimed_before_a_later_claim_fails_are_started(redis_url,
     stale reclaim (`stale_pending_s`, 60 s by default: the prefill pod's KV lease is 60 s too).
     The stale reclaim is set out of reach here, so only the fix finishes the request."""
     r, pool = redis_client, "handback-claim"
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
     try:

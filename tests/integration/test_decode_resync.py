@@ -18,9 +18,11 @@ from tandem_core import keys
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 
 async def _indices(r: aioredis.Redis, rid: str) -> list[int]:
-    return sorted({int(f[b"i"]) for _id, f in await r.xrange(keys.token_stream(rid))})
+    return sorted({int(f[b"i"]) for _id, f in await r.xrange(KS.token_stream(rid))})
 
 
 async def test_a_step_refused_while_the_reconcile_replays_is_written_again():
@@ -28,7 +30,7 @@ async def test_a_step_refused_while_the_reconcile_replays_is_written_again():
     r = aioredis.Redis.from_url(proc.url)
     s = DecodeSettings(redis=RedisConfig(url=proc.url), engine=EngineConfig(model="tiny", max_len=64),
                        pool="resync", slots=2)
-    io = DecodeIO(s, r, RequestTable(2), None, Bridge(2, 8), "decode-r")
+    io = DecodeIO(s, r, KS, RequestTable(2), None, Bridge(2, 8), "decode-r")
     try:
         await io.owned.load()
         assert not await io.resync.current()  # the first Redis: learnt, nothing to reconcile
@@ -96,7 +98,7 @@ async def _restarted_mid_replay(proc, r, io, req_id: str):
 def _io(proc, r, pool: str) -> DecodeIO:
     s = DecodeSettings(redis=RedisConfig(url=proc.url), engine=EngineConfig(model="tiny", max_len=64),
                        pool=pool, slots=2)
-    return DecodeIO(s, r, RequestTable(2), None, Bridge(2, 8), "decode-r")
+    return DecodeIO(s, r, KS, RequestTable(2), None, Bridge(2, 8), "decode-r")
 
 
 async def test_a_finish_waits_for_the_replay_so_earlier_tokens_are_not_refused():
@@ -132,7 +134,7 @@ async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written
         reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-u")
         finish = [("req-u", 4, 74, "length", None, None, None)]
         io.publisher.note_finished(finish, await io.publisher.write_tokens(finish))  # the write in flight
-        assert "req-u" in io.publisher.finished_here and not await r.hexists(keys.running_key("decode-r", 0), "req-u")
+        assert "req-u" in io.publisher.finished_here and not await r.hexists(KS.running_key("decode-r", 0), "req-u")
         go_on.set()
         assert await reconcile
         assert await _indices(r, "req-u") == [1, 2, 3, 4]

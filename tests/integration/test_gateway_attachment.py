@@ -20,6 +20,8 @@ from tandem_core.bus import token_stream
 from tandem_core.errors import AdmissionRejected
 from tandem_core.settings import RedisConfig
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 POOL = "att"
 
 
@@ -28,7 +30,7 @@ async def svc(redis_url, redis_client):
     s = GatewaySettings(redis=RedisConfig(url=redis_url), pool=POOL, model="tiny", max_concurrent_requests_per_key=1,
                         relay_block_ms=50)
     g = GatewayService(s)
-    g.redis, g.mux = redis_client, TokenMux(redis_client, block_ms=50)
+    g.redis, g.mux = redis_client, TokenMux(redis_client, KS, block_ms=50)
     g.mux.start()
     try:
         yield g
@@ -39,7 +41,7 @@ async def svc(redis_url, redis_client):
 
 async def _worker_writes(r, rid: str, text: bytes, finish: str = "length") -> None:
     pipe = r.pipeline(transaction=False)
-    token_stream.add_tokens(pipe, rid, 0, list(text), finish, 30, 100)
+    token_stream.add_tokens(pipe, KS, rid, 0, list(text), finish, 30, 100)
     await pipe.execute()
 
 
@@ -54,7 +56,7 @@ async def test_submit_holds_the_lease_and_entry_id_and_the_relay_releases_it(svc
     att = await svc.admission.submit(prep, fresh_id=True, api_key="k")
     rid = prep.request.request_id
     assert att.prep is prep and att.request_id == rid and att.attach_no == 0
-    (entry_id, fields), = await r.xrange(keys.direct_stream(POOL, 0))  # no prefill pods: the decode pods
+    (entry_id, fields), = await r.xrange(KS.direct_stream(POOL, 0))  # no prefill pods: the decode pods
     assert att.entry_id == entry_id and fields[b"rid"].decode() == rid
     assert att.lease is not None and svc.admission.limiter.in_flight("k") == 1
     again = await svc.prepare(CompletionParams(prompt="hi", max_tokens=2))

@@ -19,6 +19,8 @@ from tests.integration.test_gateway_relay import (  # noqa: F401 - fixtures shar
 
 from tandem_core import keys
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 N_TOKENS = len(OUT_IDS) + 1  # the text, then EOS
 
 
@@ -115,7 +117,7 @@ def test_resumed_stream_equals_an_unbroken_one(gw, sync_redis, kind):
     assert _text(resumed, kind) == _text(unbroken, kind) == OUT
     assert json.loads(resumed[-2][1])["usage"]["completion_tokens"] == N_TOKENS
     time.sleep(0.2)  # past the first connection's grace period: nothing was cancelled
-    assert not sync_redis.exists(keys.cancel_key(rid))
+    assert not sync_redis.exists(KS.cancel_key(rid))
 
     with httpx.stream("GET", f"{gw.url}/v1/requests/{rid}/stream?from=20", timeout=30) as resp:
         tail = _events(resp)  # a finished stream can be replayed from any index
@@ -131,8 +133,8 @@ def test_resumable_request_is_cancelled_after_the_grace_period(gateway_factory, 
     with httpx.stream("GET", f"{g.url}/v1/requests/{rid}/stream", timeout=30) as resp:
         assert resp.status_code == 200
         time.sleep(0.8)
-        assert not sync_redis.exists(keys.cancel_key(rid))
-    assert _wait_key(sync_redis, keys.cancel_key(rid), timeout_s=5)  # ... it left: cancelled after the grace
+        assert not sync_redis.exists(KS.cancel_key(rid))
+    assert _wait_key(sync_redis, KS.cancel_key(rid), timeout_s=5)  # ... it left: cancelled after the grace
 
 
 def test_only_resumable_requests_of_the_same_key_resume(gateway_factory):
@@ -164,13 +166,13 @@ def test_a_post_sent_again_with_its_request_id_is_replayed_not_run_twice(gw, syn
         assert resp.status_code == 200 and resp.headers["x-request-id"] == rid
         first = _events(resp, limit=3)  # ... then the connection drops
     assert json.loads(first[0][1])["id"] == rid
-    entries_before = sync_redis.xlen(keys.admission_stream("gwfd", "normal", 0))
+    entries_before = sync_redis.xlen(KS.admission_stream("gwfd", "normal", 0))
     with httpx.stream("POST", gw.url + path, json=body, headers={"X-Request-Id": rid}, timeout=30) as resp:
         assert resp.status_code == 200
         again = _events(resp)
     assert [i for i, _ in again] == list(range(N_TOKENS)) + [None]  # the whole stream, from index 0
     assert _text(again, kind) == OUT
-    assert sync_redis.xlen(keys.admission_stream("gwfd", "normal", 0)) <= entries_before  # not enqueued again
+    assert sync_redis.xlen(KS.admission_stream("gwfd", "normal", 0)) <= entries_before  # not enqueued again
     whole = httpx.post(gw.url + path, json={**body, "stream": False}, headers={"X-Request-Id": rid}, timeout=30)
     assert whole.status_code == 200 and whole.json()["id"] == rid  # a whole-response resend replays too
     content = whole.json()["choices"][0]

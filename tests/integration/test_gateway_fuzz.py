@@ -25,6 +25,8 @@ from tandem_core.models import BYTE_EOS
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest, choice_ids
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 POOL = f"gwf-{uuid.uuid4().hex[:8]}"
 FUZZ = settings(max_examples=150, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -34,16 +36,16 @@ async def _answer_all(redis_url: str, stop: threading.Event) -> None:
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
-    await groups.ensure_groups(r, POOL)
-    adm = [keys.admission_stream(POOL, p, 0) for p in keys.PRIORITIES]
+    await groups.ensure_groups(r, KS, POOL)
+    adm = [KS.admission_stream(POOL, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
         got = await groups.claim(r, adm, keys.PREFILL_GROUP, "fuzz", count=32, block_ms=None)
-        got += await groups.claim(r, [keys.direct_stream(POOL, 0)], keys.DECODE_GROUP, "fuzz", count=32, block_ms=50)
+        got += await groups.claim(r, [KS.direct_stream(POOL, 0)], keys.DECODE_GROUP, "fuzz", count=32, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             pipe = r.pipeline(transaction=False)
             for rid in {req.request_id, *choice_ids(req.request_id, req.n)}:  # n > 1: every choice's stream
-                token_stream.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
+                token_stream.add_tokens(pipe, KS, rid, 0, [BYTE_EOS], "stop", 30, 100)
             await pipe.execute()
             await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
     await r.aclose()

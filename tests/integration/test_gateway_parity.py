@@ -19,6 +19,8 @@ from tandem_core.models import BYTE_BOS, BYTE_EOS
 from tandem_core.settings import RedisConfig
 from tests.integration.api_errors import assert_api_error
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 POOL = f"gwp-{uuid.uuid4().hex[:8]}"
 
 
@@ -29,7 +31,7 @@ def client(redis_url):
     with TestClient(create_app(s)) as c:
         yield c
     r = redis.Redis.from_url(redis_url)
-    assert sum(r.xlen(keys.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0  # nothing enqueued
+    assert sum(r.xlen(KS.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0  # nothing enqueued
     r.close()
 
 

@@ -17,6 +17,8 @@ from tandem_core.bus import admission, registry
 from tandem_core.errors import AdmissionRejected
 from tandem_core.settings import RedisConfig
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 POOL = "pr"
 PROMPT = list(range(10, 10 + 40))  # 2 full blocks of 16 and a partial one
 
@@ -54,7 +56,7 @@ async def _submit(svc: GatewayService, ids: list[int], priority: str = "normal")
 
 
 async def _pod_entries(r, pod: str, priority: str = "normal") -> list[str]:
-    return [f[b"rid"].decode() for _, f in await r.xrange(keys.pod_admission_stream(POOL, priority, pod, 0))]
+    return [f[b"rid"].decode() for _, f in await r.xrange(KS.pod_admission_stream(POOL, priority, pod, 0))]
 
 
 async def test_routed_entry_lands_in_the_pods_stream_and_set(redis_url, redis_client):
@@ -62,13 +64,13 @@ async def test_routed_entry_lands_in_the_pods_stream_and_set(redis_url, redis_cl
     await _workers(r, "pa", "pb")
     svc = _svc(redis_url, r)
     rid = await _submit(svc, PROMPT)
-    members = {m.decode() for m in await r.smembers(keys.pod_streams_set(POOL, 0))}
+    members = {m.decode() for m in await r.smembers(KS.pod_streams_set(POOL, 0))}
     assert len(members) == 1
     pod = members.pop()
     assert await _pod_entries(r, pod) == [rid]
-    _, fields = (await r.xrange(keys.pod_admission_stream(POOL, "normal", pod, 0)))[0]
+    _, fields = (await r.xrange(KS.pod_admission_stream(POOL, "normal", pod, 0)))[0]
     assert json.loads(fields[b"req"])["request_id"] == rid
-    assert await r.xlen(keys.admission_stream(POOL, "normal", 0)) == 0
+    assert await r.xlen(KS.admission_stream(POOL, "normal", 0)) == 0
     # The same prefix, another tail: the same pod (learned), whatever the tail.
     rid2 = await _submit(svc, PROMPT[:32] + [7, 8, 9])
     assert await _pod_entries(r, pod) == [rid, rid2]
@@ -82,9 +84,9 @@ async def test_busy_pod_sends_to_the_shared_stream(redis_url, redis_client):
     await _workers(r, "pa", "pb")
     svc = _svc(redis_url, r, prefix_route_max_backlog=2)
     rids = [await _submit(svc, PROMPT) for _ in range(3)]
-    pod = (await r.smembers(keys.pod_streams_set(POOL, 0))).pop().decode()
+    pod = (await r.smembers(KS.pod_streams_set(POOL, 0))).pop().decode()
     assert await _pod_entries(r, pod) == rids[:2]
-    shared = await r.xrange(keys.admission_stream(POOL, "normal", 0))
+    shared = await r.xrange(KS.admission_stream(POOL, "normal", 0))
     assert [f[b"rid"].decode() for _, f in shared] == rids[2:]
     assert 'tandem_prefix_route_total{reason="busy"} 1.0' in svc.metrics.render().decode()
     # Per priority: the pod's high stream is empty, so a high request goes to it.
@@ -100,8 +102,8 @@ async def test_one_pod_or_no_cache_uses_the_shared_stream(redis_url, redis_clien
     await _workers(r, "old1", "old2", extra={"kv_budget_bytes": 1})  # pods that publish no prefix cache
     await _workers(r, "other1", "other2", extra={**_cache(), "pool": "another"})  # another pool's pods
     await _submit(svc, PROMPT[:20])
-    assert await r.xlen(keys.admission_stream(POOL, "normal", 0)) == 2
-    assert not await r.exists(keys.pod_streams_set(POOL, 0))
+    assert await r.xlen(KS.admission_stream(POOL, "normal", 0)) == 2
+    assert not await r.exists(KS.pod_streams_set(POOL, 0))
 
 
 async def test_backlog_counts_per_pod_entries_of_live_and_dead_pods(redis_url, redis_client):
@@ -113,11 +115,11 @@ async def test_backlog_counts_per_pod_entries_of_live_and_dead_pods(redis_url, r
     await _submit(svc, list(range(5, 9)))  # short: the shared stream
     # A dead pod's undrained entry (it is in the set, not in the registry).
     req = (await svc.prepare(CompletionParams(prompt_ids=PROMPT, max_tokens=4))).request
-    await admission.enqueue(r, POOL, req, 100, pod="dead")
-    got = await admission.read_backlog(r, POOL, ["pa", "pb"])
+    await admission.enqueue(r, KS, POOL, req, 100, pod="dead")
+    got = await admission.read_backlog(r, KS, POOL, ["pa", "pb"])
     assert got.total == 4 and got.shared["normal"] == 1 and got.pods["dead"]["normal"] == 1
     assert sum(n["normal"] for n in got.pods.values()) == 3
-    assert await admission.total_backlog(r, POOL) == 4  # no known pods: all found through the set
+    assert await admission.total_backlog(r, KS, POOL) == 4  # no known pods: all found through the set
     cluster = await svc.report.cluster()
     assert cluster["queues"]["admission_backlog"] == 4
     assert cluster["queues"]["pod_admission"]["dead"] == {"high": 0, "normal": 1}

@@ -20,6 +20,8 @@ from tandem_core.bus import admission, registry
 from tandem_core.types import GenerationRequest
 from tests.integration.test_gateway_relay import OUT, Gateway, _settings, _worker_loop
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 
 @pytest.fixture
 def own_redis():
@@ -99,15 +101,15 @@ async def test_the_enqueue_is_idempotent_by_request_id(redis_url):
     pool = f"idem-{uuid.uuid4().hex[:8]}"
     req = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
     try:
-        first = await admission.enqueue(r, pool, req, 1000)
-        again = await admission.enqueue(r, pool, req, 1000, pod="prefill-x")  # a retry, routed elsewhere
+        first = await admission.enqueue(r, KS, pool, req, 1000)
+        again = await admission.enqueue(r, KS, pool, req, 1000, pod="prefill-x")  # a retry, routed elsewhere
         assert first == again
-        assert await r.xlen(keys.admission_stream(pool, "normal", 0)) == 1
-        assert not await r.exists(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
-        assert 0 < await r.ttl(keys.admitted_key(req.request_id)) <= admission.MARKER_TTL_S
+        assert await r.xlen(KS.admission_stream(pool, "normal", 0)) == 1
+        assert not await r.exists(KS.pod_admission_stream(pool, "normal", "prefill-x", 0))
+        assert 0 < await r.ttl(KS.admitted_key(req.request_id)) <= admission.MARKER_TTL_S
         other = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
-        await admission.enqueue(r, pool, other, 1000, pod="prefill-x")
-        assert await r.sismember(keys.pod_streams_set(pool, 0), "prefill-x")
+        await admission.enqueue(r, KS, pool, other, 1000, pod="prefill-x")
+        assert await r.sismember(KS.pod_streams_set(pool, 0), "prefill-x")
     finally:
         await r.aclose()
 
@@ -117,14 +119,14 @@ def test_sync_client_sees_the_marker(redis_url):
     r = redis.Redis.from_url(redis_url)
     req = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [5], 1)
     entry = asyncio.run(_enqueue_once(redis_url, req))
-    assert r.get(keys.admitted_key(req.request_id)) == entry
+    assert r.get(KS.admitted_key(req.request_id)) == entry
     r.close()
 
 
 async def _enqueue_once(url: str, req: GenerationRequest) -> bytes:
     r = aioredis.Redis.from_url(url)
     try:
-        return await admission.enqueue(r, f"idem-{uuid.uuid4().hex[:8]}", req, 1000)
+        return await admission.enqueue(r, KS, f"idem-{uuid.uuid4().hex[:8]}", req, 1000)
     finally:
         await r.aclose()
 
@@ -140,12 +142,12 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
     proc = RedisProcess(appendonly=appendonly).start()
     r = aioredis.Redis.from_url(proc.url)
     pool = f"readmit-{uuid.uuid4().hex[:8]}"
-    rm = Readmitter(lambda: r, pool, 1000, grace_s=0.1)
+    rm = Readmitter(lambda: r, KS, pool, 1000, grace_s=0.1)
     try:
         assert await rm.check() == 0  # the first look only learns the run_id
         reqs = [GenerationRequest(f"req-{i}-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4) for i in range(3)]
         for q, pod in zip(reqs, (None, "prefill-x", None)):
-            await admission.enqueue(r, pool, q, 1000, pod=pod)
+            await admission.enqueue(r, KS, pool, q, 1000, pod=pod)
             rm.add(q, pod, False)
         rm.discard(reqs[2].request_id)  # its relay ended
         proc.stop()
@@ -153,10 +155,10 @@ async def test_admissions_a_restarted_redis_lost_are_enqueued_again_once(appendo
         with pytest.raises(redis.exceptions.ConnectionError):
             await rm.check()  # the old connection is gone (the watch loop looks again next round)
         assert await rm.check() == (0 if appendonly else 2)
-        shared = await r.xlen(keys.admission_stream(pool, "normal", 0))
-        routed = await r.xlen(keys.pod_admission_stream(pool, "normal", "prefill-x", 0))
+        shared = await r.xlen(KS.admission_stream(pool, "normal", 0))
+        routed = await r.xlen(KS.pod_admission_stream(pool, "normal", "prefill-x", 0))
         assert (shared, routed) == ((2, 1) if appendonly else (1, 1))  # kept, or back once
-        assert await r.sismember(keys.pod_streams_set(pool, 0), "prefill-x")
+        assert await r.sismember(KS.pod_streams_set(pool, 0), "prefill-x")
         assert await rm.check() == 0  # the same Redis again: nothing
     finally:
         await r.aclose()
@@ -171,17 +173,17 @@ async def test_readmission_does_not_wait_a_round_for_the_connections_of_before()
     proc = RedisProcess(appendonly=False).start()
     r = aioredis.Redis.from_url(proc.url)
     pool = f"readmit-{uuid.uuid4().hex[:8]}"
-    rm = Readmitter(lambda: r, pool, 1000, grace_s=0.1)
+    rm = Readmitter(lambda: r, KS, pool, 1000, grace_s=0.1)
     try:
         await rm.check()
         req = GenerationRequest(f"req-{uuid.uuid4().hex[:6]}", [1, 2, 3], 4)
-        await admission.enqueue(r, pool, req, 1000)
+        await admission.enqueue(r, KS, pool, req, 1000)
         rm.add(req, None, False)
         await asyncio.gather(*[r.ping() for _ in range(4)])  # four idle connections in the pool
         proc.stop()
         proc.start()  # everything lost (no persistence)
         assert await rm._readmit_soon("after") == 1
-        assert await r.xlen(keys.admission_stream(pool, "normal", 0)) == 1
+        assert await r.xlen(KS.admission_stream(pool, "normal", 0)) == 1
     finally:
         await r.aclose()
         proc.close()

@@ -37,6 +37,8 @@ from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest
 from tandem_proto import generate_pb2, generate_pb2_grpc
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 OUT = "Hello, wörld ✓ from Tandem!"  # multi-byte characters split across byte tokens
 OUT_IDS = list(OUT.encode())
 DUP_AFTER = 5  # once index 4 is out, index 3 is published again (with a wrong token)
@@ -50,7 +52,7 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
     rid = req.request_id
     if prompt.startswith("fail"):
         pipe = r.pipeline(transaction=False)
-        token_stream.add_tokens(pipe, rid, 0, [], "error", 60, 1000, error="engine exploded")
+        token_stream.add_tokens(pipe, KS, rid, 0, [], "error", 60, 1000, error="engine exploded")
         await pipe.execute()
         return
     toks = OUT_IDS + ([] if req.ignore_eos else [BYTE_EOS])
@@ -61,16 +63,16 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
     steps = [toks[:1]] + [toks[i : i + 3] for i in range(1, len(toks), 3)]
     sent = 0
     for n, step in enumerate(steps):
-        if await r.exists(keys.cancel_key(rid)):
+        if await r.exists(KS.cancel_key(rid)):
             pipe = r.pipeline(transaction=False)
-            token_stream.add_tokens(pipe, rid, sent, [], "cancelled", 60, 1000)
+            token_stream.add_tokens(pipe, KS, rid, sent, [], "cancelled", 60, 1000)
             await pipe.execute()
             return
         pipe = r.pipeline(transaction=False)
         last = n == len(steps) - 1
-        token_stream.add_tokens(pipe, rid, sent, step, finish if last else None, 60, 1000)
+        token_stream.add_tokens(pipe, KS, rid, sent, step, finish if last else None, 60, 1000)
         if sent < DUP_AFTER <= sent + len(step) and not last:
-            token_stream.add_tokens(pipe, rid, 3, [ord("X")], None, 60, 1000)  # duplicate index 3
+            token_stream.add_tokens(pipe, KS, rid, 3, [ord("X")], None, 60, 1000)  # duplicate index 3
         await pipe.execute()
         sent += len(step)
         await asyncio.sleep(delay)
@@ -78,9 +80,9 @@ async def _serve_one(r: aioredis.Redis, req: GenerationRequest) -> None:
 
 async def _worker_loop(redis_url: str, pool: str, stop: threading.Event) -> None:
     r = aioredis.Redis.from_url(redis_url)
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     await registry.heartbeat(r, registry.WorkerInfo("prefill", "fake-prefill", 1, "127.0.0.1:1", 0, 0, 0), 30)
-    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
+    adm = [KS.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     tasks: set[asyncio.Task] = set()
     while not stop.is_set():
         for c in await groups.claim(r, adm, keys.PREFILL_GROUP, "fake-1", count=8, block_ms=100):
@@ -237,7 +239,7 @@ def test_stop_string_truncates_and_cancels(cluster, sync_redis):
     out = client.completions.create(model="tiny", prompt="slow stop", max_tokens=64, stop=["wörld", "zzz"])
     assert out.choices[0].text == "Hello, "
     assert out.choices[0].finish_reason == "stop"
-    assert _wait_key(sync_redis, keys.cancel_key(out.id))
+    assert _wait_key(sync_redis, KS.cancel_key(out.id))
     # the same across stream chunk boundaries ("ö" is split over two byte tokens)
     chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=64, stop="ö", stream=True))
     assert "".join(c.choices[0].text for c in chunks) == "Hello, w"
@@ -249,7 +251,7 @@ def test_client_disconnect_sets_cancel_key(cluster, sync_redis):
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as resp:
         rid = resp.headers["x-request-id"]
         next(resp.iter_lines())  # the first token arrived; now hang up
-    assert _wait_key(sync_redis, keys.cancel_key(rid))
+    assert _wait_key(sync_redis, KS.cancel_key(rid))
 
 
 def test_nonstream_client_disconnect_sets_cancel_key(cluster, sync_redis):
@@ -258,7 +260,7 @@ def test_nonstream_client_disconnect_sets_cancel_key(cluster, sync_redis):
         httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "slow gone", "max_tokens": 64}, timeout=0.6)
     new = [k.decode().rsplit(":", 1)[1] for k in set(sync_redis.keys("tandem:*:tok:*")) - rid_before]
     assert len(new) == 1
-    assert _wait_key(sync_redis, keys.cancel_key(new[0]))
+    assert _wait_key(sync_redis, KS.cancel_key(new[0]))
 
 
 def test_worker_error_is_reported(cluster):
@@ -292,7 +294,7 @@ def test_backlog_over_bound_is_429(gateway_factory, redis_url):
         r = aioredis.Redis.from_url(redis_url)
         for i in range(3):
             req = GenerationRequest(request_id=f"filler-{uuid.uuid4().hex}", prompt_ids=[1], max_tokens=1)
-            await admission.enqueue_request(r, gw.app.state.gateway.settings.pool, req, maxlen=100)
+            await admission.enqueue_request(r, KS, gw.app.state.gateway.settings.pool, req, maxlen=100)
         await r.aclose()
 
     asyncio.run(fill())
@@ -354,7 +356,7 @@ def test_grpc_cancel_sets_cancel_key(cluster, sync_redis):
         first = next(call)
         assert (first.request_id, first.index) == (rid, 0)
         call.cancel()
-        assert _wait_key(sync_redis, keys.cancel_key(rid))
+        assert _wait_key(sync_redis, KS.cancel_key(rid))
         with pytest.raises(grpc.RpcError) as e:  # a client-chosen id cannot be reused
             list(stub.Generate(generate_pb2.GenerateRequest(prompt="x", request_id=rid), timeout=10))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in e.value.details()

@@ -16,6 +16,8 @@ from tandem_core import keys
 from tandem_core.settings import RedisConfig
 from tests.integration.api_errors import assert_api_error
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 POOL = f"gwr-{uuid.uuid4().hex[:8]}"
 
 
@@ -25,7 +27,7 @@ def client(redis_url):
     with TestClient(create_app(s)) as c:
         yield c
     r = redis.Redis.from_url(redis_url)
-    assert sum(r.xlen(keys.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0  # nothing enqueued
+    assert sum(r.xlen(KS.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0  # nothing enqueued
     r.close()
 
 

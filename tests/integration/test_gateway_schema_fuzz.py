@@ -30,6 +30,8 @@ from tandem_core.models import BYTE_EOS
 from tandem_core.types import GenerationRequest, choice_ids
 from tests.integration.test_gateway_relay import Gateway, _settings
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 EXAMPLES = int(os.environ.get("TANDEM_SCHEMA_FUZZ_EXAMPLES", "30"))  # per operation and generation mode
 def _negative_data_rejection(ctx, response, case):
     """Schemathesis' check, with 413 counted as a rejection too: a schema field that takes any JSON
@@ -48,16 +50,16 @@ async def _answer_all(redis_url: str, pool: str, stop: threading.Event) -> None:
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(redis_url)
-    await groups.ensure_groups(r, pool)
-    adm = [keys.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
+    await groups.ensure_groups(r, KS, pool)
+    adm = [KS.admission_stream(pool, p, 0) for p in keys.PRIORITIES]
     while not stop.is_set():
         got = await groups.claim(r, adm, keys.PREFILL_GROUP, "st", count=32, block_ms=None)
-        got += await groups.claim(r, [keys.direct_stream(pool, 0)], keys.DECODE_GROUP, "st", count=32, block_ms=50)
+        got += await groups.claim(r, [KS.direct_stream(pool, 0)], keys.DECODE_GROUP, "st", count=32, block_ms=50)
         for c in got:
             req = GenerationRequest.from_json(c.fields["req"])
             pipe = r.pipeline(transaction=False)
             for rid in {req.request_id, *choice_ids(req.request_id, req.n)}:
-                token_stream.add_tokens(pipe, rid, 0, [BYTE_EOS], "stop", 30, 100)
+                token_stream.add_tokens(pipe, KS, rid, 0, [BYTE_EOS], "stop", 30, 100)
             await pipe.execute()
             await groups.ack(r, c.stream, keys.PREFILL_GROUP if c.stream in adm else keys.DECODE_GROUP, c.entry_id)
     await r.aclose()

@@ -18,6 +18,8 @@ from tandem.redis_proc import free_port
 from tandem_core import keys
 from tandem_core.settings import RedisConfig
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 POOL = f"gwv-{uuid.uuid4().hex[:8]}"
 
 
@@ -36,7 +38,7 @@ def client(redis_url):
         yield c
     r = redis.Redis.from_url(redis_url)
     # "changes nothing else": no bad request reached the admission streams
-    assert sum(r.xlen(keys.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0
+    assert sum(r.xlen(KS.admission_stream(POOL, p, 0)) for p in keys.PRIORITIES) == 0
     r.close()
 
 

@@ -15,6 +15,8 @@ from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 from tandem_engine import load_engine
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 
 @pytest.fixture(scope="module")
 def engine():
@@ -23,15 +25,15 @@ def engine():
 
 async def test_high_first_low_not_starved(redis_url, redis_client, engine):
     r, pool = redis_client, "prio"
-    await groups.ensure_groups(r, pool)
+    await groups.ensure_groups(r, KS, pool)
     n = 24
     for i in range(n):  # low priority queued first, then a flood of high
-        await admission.enqueue_request(r, pool, GenerationRequest(f"low-{i}", [256, 1, 2], 1, priority="normal"), 1000)
+        await admission.enqueue_request(r, KS, pool, GenerationRequest(f"low-{i}", [256, 1, 2], 1, priority="normal"), 1000)
     for i in range(n):
-        await admission.enqueue_request(r, pool, GenerationRequest(f"high-{i}", [256, 1, 2], 1, priority="high"), 1000)
+        await admission.enqueue_request(r, KS, pool, GenerationRequest(f"high-{i}", [256, 1, 2], 1, priority="high"), 1000)
     s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
                         max_batch=2, priority_high_weight=3)
-    worker = PrefillWorker(s, engine, r, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-test")
+    worker = PrefillWorker(s, engine, r, KS, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-test")
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     rids = [f"{c}-{i}" for c in ("high", "low") for i in range(n)]
@@ -39,7 +41,7 @@ async def test_high_first_low_not_starved(redis_url, redis_client, engine):
     try:
         for _ in range(600):
             for rid in [x for x in rids if x not in done]:
-                first = await r.xrange(keys.token_stream(rid), count=1)
+                first = await r.xrange(KS.token_stream(rid), count=1)
                 if first:
                     ms, seq = first[0][0].decode().split("-")
                     done[rid] = (int(ms), int(seq))
@@ -63,17 +65,17 @@ async def test_high_first_low_not_starved(redis_url, redis_client, engine):
 
 async def test_unpulled_kv_is_freed_at_lease_end_with_a_clear_error(redis_url, redis_client, engine):
     r, pool = redis_client, "lease"
-    await groups.ensure_groups(r, pool)
-    await admission.enqueue_request(r, pool, GenerationRequest("orphan", [256, 1, 2, 3], 8), 1000)
+    await groups.ensure_groups(r, KS, pool)
+    await admission.enqueue_request(r, KS, pool, GenerationRequest("orphan", [256, 1, 2, 3], 8), 1000)
     s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
                         kv_lease_s=0.5)
     store = KVStore(1 << 30, s.kv_lease_s)
-    worker = PrefillWorker(s, engine, r, store, "127.0.0.1:1", "prefill-lease")
+    worker = PrefillWorker(s, engine, r, KS, store, "127.0.0.1:1", "prefill-lease")
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
         for _ in range(200):  # no decode pod ever pulls it
-            entries = await r.xrange(keys.token_stream("orphan"))
+            entries = await r.xrange(KS.token_stream("orphan"))
             if entries and b"f" in entries[-1][1]:
                 break
             await asyncio.sleep(0.05)

@@ -24,6 +24,9 @@ from tandem_core.settings import GrpcConfig, RedisConfig
 from tandem_core.bus.ready import ReadyNotice
 from tandem_core.types import GenerationRequest, KVPayload
 from tandem_proto import kv_pb2_grpc
+from tandem_core.keys import KeySpace
+
+KS = KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
 
 
 def _cert(name: str, issuer_key, issuer_name, key, ca: bool = False):
@@ -98,7 +101,7 @@ async def test_redis_password_required_and_used():
     try:
         url = f"redis://127.0.0.1:{proc.port}/0"
         ok = conn.connect(RedisConfig(url=url, password="s3cret-pw"))
-        await groups.ensure_groups(ok, "sec")
+        await groups.ensure_groups(ok, KS, "sec")
         assert await ok.ping()
         await ok.aclose()
         for pw in (None, "wrong"):

@@ -8,7 +8,6 @@ import asyncio
 
 
 from gateway.tokens import TokenMux
-from tandem_core import keys
 from tandem_core.bus import token_stream
 from tandem_core.types import GenerationRequest, TokenLogprobs
 
@@ -16,9 +15,9 @@ N_STREAMS = 24
 N_TOKENS = 40
 
 
-async def _write(r, rid: str, start: int, n: int, finish: str | None = None) -> None:
+async def _write(r, ks, rid: str, start: int, n: int, finish: str | None = None) -> None:
     pipe = r.pipeline(transaction=False)
-    token_stream.add_tokens(pipe, rid, start, list(range(100 + start, 100 + start + n)), finish, 60, 1000)
+    token_stream.add_tokens(pipe, ks, rid, start, list(range(100 + start, 100 + start + n)), finish, 60, 1000)
     await pipe.execute()
 
 
@@ -31,8 +30,9 @@ async def _drain(sub, want: int, timeout_s: float = 20.0) -> list[token_stream.T
     return got
 
 
-async def test_many_streams_one_reader_in_order(any_redis):
-    mux = TokenMux(any_redis, block_ms=200)
+async def test_many_streams_one_reader_in_order(any_redis, any_keys):
+    ks = any_keys
+    mux = TokenMux(any_redis, ks, block_ms=200)
     mux.start()
     try:
         rids = [f"mux-{i}" for i in range(N_STREAMS)]
@@ -40,7 +40,7 @@ async def test_many_streams_one_reader_in_order(any_redis):
 
         async def writer(rid: str) -> None:
             for start in range(0, N_TOKENS, 5):  # 5 tokens per "step", interleaved with the others
-                await _write(any_redis, rid, start, 5, "length" if start + 5 == N_TOKENS else None)
+                await _write(any_redis, ks, rid, start, 5, "length" if start + 5 == N_TOKENS else None)
                 await asyncio.sleep(0)
 
         results = await asyncio.gather(*(_drain(s, N_TOKENS) for s in subs), *(writer(r) for r in rids))
@@ -49,18 +49,19 @@ async def test_many_streams_one_reader_in_order(any_redis):
             assert [e.token_id for e in events] == [100 + i for i in range(N_TOKENS)]
             assert events[-1].finish_reason == "length"
         writes = N_STREAMS * N_TOKENS / 5
-        if keys.shard_count() == 1:  # one round trip carried many streams' entries: far fewer reads than writes
+        if ks.shards == 1:  # one round trip carried many streams' entries: far fewer reads than writes
             assert mux.reads < writes
         else:  # a reader per shard (16 for 24 streams): about a read per write, and no busy loop
             assert mux.reads < 2 * writes
     finally:
         await mux.stop()
-    assert [await any_redis.exists(w) for w in mux.wake_streams] == [0] * keys.shard_count()
+    assert [await any_redis.exists(w) for w in mux.wake_streams] == [0] * ks.shards
 
 
-async def test_newcomer_ends_a_read_in_flight(any_redis):
+async def test_newcomer_ends_a_read_in_flight(any_redis, any_keys):
     """A read blocks for a minute on a quiet stream; a new subscription must not wait for it."""
-    mux = TokenMux(any_redis, block_ms=60_000)
+    ks = any_keys
+    mux = TokenMux(any_redis, ks, block_ms=60_000)
     mux.start()
     try:
         mux.subscribe("mux-quiet")
@@ -68,9 +69,9 @@ async def test_newcomer_ends_a_read_in_flight(any_redis):
             await asyncio.sleep(0.01)
         # a newcomer of the same shard: the reader whose read is in flight
         late_id = next(f"mux-late-{i}" for i in range(1000)
-                       if keys.request_shard(f"mux-late-{i}") == keys.request_shard("mux-quiet"))
+                       if ks.request_shard(f"mux-late-{i}") == ks.request_shard("mux-quiet"))
         late = mux.subscribe(late_id)
-        await _write(any_redis, late_id, 0, 3, "stop")
+        await _write(any_redis, ks, late_id, 0, 3, "stop")
         events = await _drain(late, 3, timeout_s=10.0)
         assert [e.index for e in events] == [0, 1, 2]
         # the read in flight was ended by a poke on the wake stream, not by its own timeout
@@ -79,13 +80,14 @@ async def test_newcomer_ends_a_read_in_flight(any_redis):
         await mux.stop()
 
 
-async def test_slow_subscriber_is_bounded_and_resumes(any_redis):
+async def test_slow_subscriber_is_bounded_and_resumes(any_redis, any_keys):
     """Undelivered entries past max_buffered stay in Redis; nothing is lost once the relay reads."""
-    mux = TokenMux(any_redis, block_ms=100, count=4, max_buffered=8)
+    ks = any_keys
+    mux = TokenMux(any_redis, ks, block_ms=100, count=4, max_buffered=8)
     mux.start()
     try:
         sub = mux.subscribe("mux-slow")
-        await _write(any_redis, "mux-slow", 0, 50, "length")
+        await _write(any_redis, ks, "mux-slow", 0, 50, "length")
         await asyncio.sleep(0.5)  # the reader runs meanwhile; nobody takes the entries
         assert sub.buffered <= 8 + 4
         events = await _drain(sub, 50)
@@ -94,10 +96,11 @@ async def test_slow_subscriber_is_bounded_and_resumes(any_redis):
         await mux.stop()
 
 
-async def test_reads_what_the_fenced_decode_script_writes(any_redis):
+async def test_reads_what_the_fenced_decode_script_writes(any_redis, any_keys):
     """The decode pod's batched fenced write and the gateway's reader agree on the entry format;
     a request not owned by the writer is fenced off (nothing written for it)."""
-    pub = token_stream.OwnedPublisher(any_redis, "mux-decode", ttl_s=60, maxlen=1000)
+    ks = any_keys
+    pub = token_stream.OwnedPublisher(any_redis, ks, "mux-decode", ttl_s=60, maxlen=1000)
     await pub.load()
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
     pipe = any_redis.pipeline(transaction=False)
@@ -107,7 +110,7 @@ async def test_reads_what_the_fenced_decode_script_writes(any_redis):
                                   ("mux-owned", 2, 8, "error", "boom", None, "x")])
     assert placed.results(await pipe.execute()) == [1, 0, 1]
     assert not await any_redis.hexists(pub.running("mux-owned"), "mux-owned")  # finished
-    mux = TokenMux(any_redis, block_ms=100)
+    mux = TokenMux(any_redis, ks, block_ms=100)
     mux.start()
     try:
         events = await _drain(mux.subscribe("mux-owned"), 2)
@@ -115,22 +118,23 @@ async def test_reads_what_the_fenced_decode_script_writes(any_redis):
             (1, 7, None, None), (2, 8, "error", "boom")]
         assert events[0].logprobs == lp and events[1].logprobs is None  # the same codec both ways
         assert events[1].prompt_logprobs == b"x" and events[0].prompt_logprobs is None
-        assert not await any_redis.exists(keys.token_stream("mux-other"))
+        assert not await any_redis.exists(ks.token_stream("mux-other"))
     finally:
         await mux.stop()
 
 
-async def test_one_request_relayed_twice(any_redis):
+async def test_one_request_relayed_twice(any_redis, any_keys):
     """A resumed request can be relayed on a second connection while the first still reads:
     each subscription gets every entry after its own cursor, once."""
-    mux = TokenMux(any_redis, block_ms=100)
+    ks = any_keys
+    mux = TokenMux(any_redis, ks, block_ms=100)
     mux.start()
     try:
         first = mux.subscribe("mux-twice")
-        await _write(any_redis, "mux-twice", 0, 4)
+        await _write(any_redis, ks, "mux-twice", 0, 4)
         early = await _drain(first, 4)
         second = mux.subscribe("mux-twice")  # from the start, as a resume replays
-        await _write(any_redis, "mux-twice", 4, 4, "length")
+        await _write(any_redis, ks, "mux-twice", 4, 4, "length")
         a, b = await asyncio.gather(_drain(first, 4), _drain(second, 8))
         assert [e.index for e in early + a] == list(range(8))
         assert [e.index for e in b] == list(range(8))
@@ -138,14 +142,15 @@ async def test_one_request_relayed_twice(any_redis):
         await mux.stop()
 
 
-async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the_finish(any_redis):
+async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the_finish(any_redis, any_keys):
     """Not on every token (a third of a token's commands), but on index 0 (a decode pod that
     prefilled the prompt writes the stream first), every 16th, and with the finish."""
+    ks = any_keys
     r = any_redis
-    pub = token_stream.OwnedPublisher(r, "ttl-decode", ttl_s=600, maxlen=1000, finished_ttl_s=60)
+    pub = token_stream.OwnedPublisher(r, ks, "ttl-decode", ttl_s=600, maxlen=1000, finished_ttl_s=60)
     await pub.load()
     await pub.own(GenerationRequest(request_id="ttl-req", prompt_ids=[1], max_tokens=40))
-    stream = keys.token_stream("ttl-req")
+    stream = ks.token_stream("ttl-req")
 
     async def write(index: int, finish: str | None = None) -> None:
         pipe = r.pipeline(transaction=False)

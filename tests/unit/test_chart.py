@@ -43,6 +43,8 @@ from prefill_svc.settings import PrefillSettings
 from tandem_core import keys
 from tests.unit.crds import published_schema
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
 RELEASE, NAMESPACE = "rel", "ns"
@@ -655,9 +657,9 @@ def test_network_policy_allows_what_the_services_need_and_nothing_else(profile):
 def test_keda_scales_on_the_real_streams(profile):
     r = rendered(profile)
     expected = {
-        "prefill": ({keys.admission_stream(r.values["prefill"]["settings"]["pool"], p, 0) for p in keys.PRIORITIES}, keys.PREFILL_GROUP),
-        "decode": ({keys.ready_stream(r.values["decode"]["settings"]["pool"], 0)}
-                   | ({keys.direct_stream(r.values["decode"]["settings"]["pool"], 0)} if r.values["decode"]["settings"]["direct_prefill"] else set()),
+        "prefill": ({KS.admission_stream(r.values["prefill"]["settings"]["pool"], p, 0) for p in keys.PRIORITIES}, keys.PREFILL_GROUP),
+        "decode": ({KS.ready_stream(r.values["decode"]["settings"]["pool"], 0)}
+                   | ({KS.direct_stream(r.values["decode"]["settings"]["pool"], 0)} if r.values["decode"]["settings"]["direct_prefill"] else set()),
                    keys.DECODE_GROUP),
     }
     for component, (streams, group) in expected.items():

@@ -10,6 +10,8 @@ from tandem_core.bus.ready import ReadyNotice
 from tandem_core.tokenizer import ByteTokenizer, Detokenizer
 from tandem_core.types import GenerationRequest, KVPayload, SamplingParams
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 
 def test_generation_request_round_trip():
     req = GenerationRequest("r1", [256, 1, 2], 7, SamplingParams(0.5, 3, 0.9, 1234), [257], True, "high", 1.5, 1.0)
@@ -22,8 +24,8 @@ def test_ready_notice_round_trip():
 
 
 def test_keys_are_distinct_and_prefixed():
-    ks = [keys.admission_stream("p", "high", 0), keys.admission_stream("p", "normal", 0), keys.ready_stream("p", 0),
-          keys.token_stream("r"), keys.cancel_key("r"), keys.worker_key("w"), keys.WORKERS]
+    ks = [KS.admission_stream("p", "high", 0), KS.admission_stream("p", "normal", 0), KS.ready_stream("p", 0),
+          KS.token_stream("r"), KS.cancel_key("r"), keys.worker_key("w"), keys.WORKERS]
     assert len(set(ks)) == len(ks) and all(k.startswith("tandem:") for k in ks)
 
 

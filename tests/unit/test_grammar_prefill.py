@@ -14,6 +14,9 @@ from tandem_core.settings import EngineConfig
 from tandem_core.tokenizer import load_tokenizer
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
+from tandem_core.keys import KeySpace
+
+KS = KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
 
 SCHEMA = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
           "additionalProperties": False}
@@ -23,7 +26,7 @@ SCHEMA = {"type": "object", "properties": {"age": {"type": "integer"}}, "require
 def worker():
     eng = load_engine("builtin", slots=1, max_len=64, prefill_buckets=(16,))
     s = PrefillSettings(engine=EngineConfig(model="builtin", max_len=64))
-    return PrefillWorker(s, eng, None, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-grammar"), load_tokenizer(eng.info)
+    return PrefillWorker(s, eng, None, KS, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-grammar"), load_tokenizer(eng.info)
 
 
 def _req(tok, tail: str = "", **kw) -> GenerationRequest:

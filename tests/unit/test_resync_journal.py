@@ -7,6 +7,9 @@ import asyncio
 from decode_svc import resync
 from decode_svc.resync import Journal, Resync
 from tests.unit.clock import Clock
+from tandem_core.keys import KeySpace
+
+KS = KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
 
 
 
@@ -54,7 +57,7 @@ async def test_a_write_journaled_while_a_reconcile_replays_is_told_to_write_itse
     async def resume(_req):
         return "resumed"
 
-    rs = Resync(None, Journal(5.0, Clock()), "decode-0", write, resume, gate.wait)
+    rs = Resync(None, KS, Journal(5.0, Clock()), "decode-0", write, resume, gate.wait)
     await rs.seen("run-a")  # the first Redis: nothing to reconcile
     claimed = rs.started  # a ready notice is claimed from run-a
     assert not rs.missed_since(claimed)

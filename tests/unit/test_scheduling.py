@@ -3,11 +3,13 @@ from __future__ import annotations
 from tandem_core import keys
 from tandem_core.scheduling import PriorityRotation, choose_route, predicted_ttft_s
 
+KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
+
 
 def test_high_first_but_low_gets_a_share():
-    rot = PriorityRotation("p", high_weight=4)
+    rot = PriorityRotation(KS, "p", high_weight=4)
     orders = [rot.next_order() for _ in range(100)]
-    high, low = keys.admission_stream("p", "high", 0), keys.admission_stream("p", "normal", 0)
+    high, low = KS.admission_stream("p", "high", 0), KS.admission_stream("p", "normal", 0)
     assert sum(o[0] == high for o in orders) == 80
     assert sum(o[0] == low for o in orders) == 20
     # Never more than high_weight reads in a row put low last.
