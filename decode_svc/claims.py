@@ -221,7 +221,7 @@ class Claims:
         log.debug("pulled and owned request_id=%s (from index %d)", req.request_id, req.start_index)
         # and the first token, which the prefill pod wrote: a Redis that lost that write (and the
         # admission) gets it back from here, since no one else still has it
-        first = [(req.request_id, req.start_index, first_token, None, None, None, None)]
+        first = [token_stream.TokenEntry(req.request_id, req.start_index, first_token)]
         self.journal.add("tokens", (first, []))
         if self.resync.missed_since(started):  # read from a Redis gone since: its replay may miss it
             await retry(lambda: self.publisher.write_tokens(first), "first token again", log=log)
