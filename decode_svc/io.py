@@ -88,11 +88,15 @@ class DecodeIO:
     async def cancel_loop(self, stop: asyncio.Event) -> None:
         """Poll the cancel keys of every request held here; a hit frees it in whatever stage it is:
         the engine frees a queued or running one within a step, a pull in flight ends cancelled."""
+        names: dict[str, bytes] = {}  # cancel keys of the requests held here, encoded once each
         while not stop.is_set():
             rids = self.table.request_ids()
+            if len(names) > 2 * len(rids) + 64:  # bounded: forget those no longer held
+                held = set(rids)
+                names = {k: v for k, v in names.items() if k in held}
             if rids:
                 try:
-                    hit = await cancel.cancelled(self.r, rids)
+                    hit = await cancel.cancelled(self.r, rids, names)
                     to_engine = self.table.cancel(hit) if hit else set()
                     if to_engine and self.engine_loop is not None:
                         self.engine_loop.cancel(to_engine)

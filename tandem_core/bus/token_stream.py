@@ -205,8 +205,8 @@ class OwnedPublisher:
         self.r, self.worker_id = r, worker_id
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
-        self._streams: dict[str, tuple[int, str]] = {}  # request id -> (shard, stream key): `stream_of`
-        self._running: dict[int, str] = {}  # shard -> this pod's running hash there
+        self._streams: dict[str, tuple[int, bytes, bytes]] = {}  # request id -> `stream_of`
+        self._running: dict[int, bytes] = {}  # shard -> this pod's running hash there
 
     def running(self, request_id: str) -> str:
         return keys.running_key(self.worker_id, keys.request_shard(request_id))
@@ -238,8 +238,7 @@ class OwnedPublisher:
         calls: dict[int, tuple[list, list, list[int]]] = {}  # shard -> (key names, args, item positions)
         stream_of = self.stream_of
         for j, e in enumerate(items):
-            rid = e.request_id
-            shard, stream = stream_of(rid)
+            shard, stream, rid = stream_of(e.request_id)
             call = calls.get(shard)
             if call is None:
                 call = calls[shard] = ([self.running_of(shard)],
@@ -256,26 +255,28 @@ class OwnedPublisher:
             for kv in fields.items():
                 args += kv
             if e.finish:
-                self._streams.pop(rid, None)  # its last entry: the cache holds running requests only
+                self._streams.pop(e.request_id, None)  # its last entry: the cache holds running requests only
         for names, args, _pos in calls.values():
             # (execute_command: redis-py's cluster pipeline refuses its evalsha method, but routes
             # the command itself by its keys)
             pipe.execute_command("EVALSHA", self._script.sha, len(names), *names, *args)
         return Placed([pos for _n, _a, pos in calls.values()], len(items))
 
-    def stream_of(self, request_id: str) -> tuple[int, str]:
-        """(shard, token stream key) of a request, computed once while it runs (bounded)."""
+    def stream_of(self, request_id: str) -> tuple[int, bytes, bytes]:
+        """(shard, token stream key, request id) of a request, the last two encoded: computed once
+        while it runs (bounded), so a step's command is packed without encoding them again."""
         got = self._streams.get(request_id)
         if got is None:
             if len(self._streams) >= STREAM_CACHE_MAX:
                 self._streams.clear()
-            got = self._streams[request_id] = (keys.request_shard(request_id), keys.token_stream(request_id))
+            got = self._streams[request_id] = (keys.request_shard(request_id),
+                                               keys.token_stream(request_id).encode(), request_id.encode())
         return got
 
-    def running_of(self, shard: int) -> str:
+    def running_of(self, shard: int) -> bytes:
         got = self._running.get(shard)
         if got is None:
-            got = self._running[shard] = keys.running_key(self.worker_id, shard)
+            got = self._running[shard] = keys.running_key(self.worker_id, shard).encode()
         return got
 
     async def load(self) -> None:
