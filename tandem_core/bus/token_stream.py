@@ -5,7 +5,6 @@ a reader drops duplicates and finds gaps; streams have a MAXLEN and expire.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
@@ -164,7 +163,8 @@ end
 return out
 """
 
-class TokenEntry(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
     """One token stream entry to write (`entry_fields` encodes it): the token at `index` of a
     request (-1: none), and when set its finish, error, logprobs (`TokenLogprobs.encode`) and the
     prompt's logprobs (the index -1 entry of an echo). Anything with these attributes is an entry
