@@ -144,7 +144,7 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
     import redis.asyncio as aioredis
 
     from tandem_core.bus import cancel
-    from tandem_core.bus.token_stream import OwnedPublisher
+    from tandem_core.bus.token_stream import OwnedPublisher, TokenEntry
     from tandem_core.types import GenerationRequest
 
     r = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.pods + 8, client_name=f"tp-pub{index}")
@@ -187,7 +187,7 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
                 ctl.started[index].value += 1
             gen, i = st[0], st[1]
             last = i == st[2] - 1
-            item = (rid(cfg.run_id, slot, gen), i, token_of(slot, gen, i), "length" if last else None, None, None, None)
+            item = TokenEntry(rid(cfg.run_id, slot, gen), i, token_of(slot, gen, i), "length" if last else None)
             faulty = cfg.inject and slot == 0 and gen == 0 and i == 2
             if not (faulty and cfg.inject == "gap"):
                 batches[k].append(item)
@@ -205,7 +205,7 @@ async def _publish(cfg: PlaneConfig, index: int, ctl: Control) -> None:
         replies = await asyncio.gather(*(_write(r, pod, items) for pod, items in zip(pods, batches) if items))
         for flags in replies:
             fenced += sum(1 for f in flags if f != 1)
-        ctl.finished[index].value += sum(1 for items in batches for it in items if it[3])
+        ctl.finished[index].value += sum(1 for items in batches for it in items if it.finish)
         ctl.written[index].value += sum(len(items) for items in batches)
         step += 1
         if cfg.cancel_poll_s and t_send >= next_cancel:  # the decode pod's cancel loop

@@ -108,7 +108,11 @@ class Claims:
         if not got:
             group = sources[0][1]
             names = [s for ns, g in sources if g == group for s in ns]
-            await groups.wait(self.r, names, self.s.claim_block_ms, self.bell)
+            # A wait that covers every source ends on any new entry: it may block long (fewer
+            # empty passes per second). One that leaves a source out (colocated: the admission
+            # streams) returns every claim_block_ms to look at that source again.
+            whole = all(g == group for _ns, g in sources)
+            await groups.wait(self.r, names, self.s.claim_wait_ms if whole else self.s.claim_block_ms, self.bell)
         return got
 
     async def dispatch(self, c: groups.Claimed, group: str, started: int | None = None) -> None:
@@ -221,7 +225,7 @@ class Claims:
         log.debug("pulled and owned request_id=%s (from index %d)", req.request_id, req.start_index)
         # and the first token, which the prefill pod wrote: a Redis that lost that write (and the
         # admission) gets it back from here, since no one else still has it
-        first = [(req.request_id, req.start_index, first_token, None, None, None, None)]
+        first = [token_stream.TokenEntry(req.request_id, req.start_index, first_token)]
         self.journal.add("tokens", (first, []))
         if self.resync.missed_since(started):  # read from a Redis gone since: its replay may miss it
             await retry(lambda: self.publisher.write_tokens(first), "first token again", log=log)

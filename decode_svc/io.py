@@ -21,7 +21,7 @@ from decode_svc.handback import Handback
 from decode_svc.loop import EngineLoop
 from decode_svc.publisher import Publisher
 from decode_svc.requests import RequestTable
-from decode_svc.resync import Journal, Resync
+from decode_svc.resync import Journal
 from decode_svc.settings import DecodeSettings
 from tandem_core import lifecycle
 from tandem_core.bus import cancel, reclaim, recovery, token_stream
@@ -42,14 +42,12 @@ class DecodeIO:
         self.peers = lifecycle.PeerJudge(lifecycle.heartbeat_ttl_s(s.heartbeat_interval_s))
         # This pod's recent writes, written again when Redis comes back without them (resync.py).
         self.journal = Journal(s.resync_window_s)
-        self.publisher = Publisher(s, r, self.owned, self.journal, table, bridge, self._drop_silently)
-        self.resync = Resync(r, ks, self.journal, worker_id, self.publisher.rewrite,
-                             lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
-                             self.owned.load, self.publisher.after_replay)
-        self.publisher.resync = self.resync
         # What this pod could not finish goes back for recovery, its ownership dropped (owed while Redis is down).
         self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume)
-        self.publisher.give_up, self.publisher.handback = self._give_up, self.handback
+        self.publisher = Publisher(s, r, self.owned, self.journal, table, bridge, self._drop_silently,
+                                   lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
+                                   self.handback, self._give_up)
+        self.resync = self.publisher.resync
         self.claims = Claims(s, r, worker_id, table, bridge, self.owned, self.journal, self.publisher, self.resync,
                              self.resume, lambda: engine_loop is not None and engine_loop.error is not None,
                              self.handback)
@@ -91,11 +89,15 @@ class DecodeIO:
     async def cancel_loop(self, stop: asyncio.Event) -> None:
         """Poll the cancel keys of every request held here; a hit frees it in whatever stage it is:
         the engine frees a queued or running one within a step, a pull in flight ends cancelled."""
+        names: dict[str, bytes] = {}  # cancel keys of the requests held here, encoded once each
         while not stop.is_set():
             rids = self.table.request_ids()
+            if len(names) > 2 * len(rids) + 64:  # bounded: forget those no longer held
+                held = set(rids)
+                names = {k: v for k, v in names.items() if k in held}
             if rids:
                 try:
-                    hit = await cancel.cancelled(self.r, self.ks, rids)
+                    hit = await cancel.cancelled(self.r, self.ks, rids, names)
                     to_engine = self.table.cancel(hit) if hit else set()
                     if to_engine and self.engine_loop is not None:
                         self.engine_loop.cancel(to_engine)

@@ -29,8 +29,12 @@ class LocalPrefill:
     key: int  # its record in the request table (QUEUED)
 
 
-@dataclass
+@dataclass(slots=True)
 class Emitted:
+    """One token stream entry a step (or a finish outside the steps) writes, as
+    `token_stream.OwnedPublisher.add_batch` takes it (the attributes of `token_stream.TokenEntry`),
+    with the stream entry to acknowledge once it is written."""
+
     request_id: str
     index: int
     token: int  # -1 when a request ends without a token (cancelled)
@@ -39,11 +43,6 @@ class Emitted:
     error: str | None = None
     logprobs: str | None = None  # TokenLogprobs.encode() when the request asked for logprobs
     prompt_logprobs: str | None = None  # the index -1 entry of an echo with logprobs
-
-    def item(self) -> tuple:
-        """As `token_stream.OwnedPublisher.add_batch` takes it."""
-        return (self.request_id, self.index, self.token, self.finish, self.error, self.logprobs,
-                self.prompt_logprobs)
 
 
 @dataclass

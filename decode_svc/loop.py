@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +71,8 @@ class EngineLoop:
         self._cancel_lock = threading.Lock()
         self._stop = threading.Event()
         self._held: deque[HeldChoice] = deque()  # QUEUED records of the table
+        self._views = StepViews(engine.max_len)  # each running set's per-row arrays, built once per change
+        self._views.constrained = lambda slot: self.grammars.get(slot) is not None
         self.grammars = SlotGrammars(engine.info, grammar_cache_size, mask_deadline_s)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
@@ -126,7 +129,7 @@ class EngineLoop:
         """Dispatch one step over the slots in use (returns before the device is done); the variant
         with logprobs only when a slot asks for them, the masked one only when a slot has a grammar."""
         snapshot = self.table.snapshot()
-        want = any(a.req.sampling.logprobs is not None for a in snapshot)
+        want = self._views.of(snapshot).logprobs
         kw: dict[str, Any] = {"logprobs": True} if want else {}
         if masks is not None:
             kw["masks"] = masks
@@ -230,28 +233,43 @@ class EngineLoop:
         return state
 
     def _process(self, step, state):
+        """Emit one step's tokens. The decisions run over the step's token array at once (numpy:
+        which rows end by length, which sampled a stop id); Python per row only builds its entry,
+        and looks closer at the few rows that finish, sample a stop id, carry a grammar or want
+        logprobs."""
         toks, snapshot, want = step
         t0 = time.perf_counter()
         host = np.asarray(toks)  # the one device -> host copy of the step
         self.stats.host_wait_s += time.perf_counter() - t0
         tokens = unpack_tokens(host) if want else host
-        out: list[Emitted] = []
-        for act in snapshot:
-            if act.done:  # finished or cancelled after this step was dispatched
-                continue
-            tok = int(tokens[act.slot])
-            idx = act.next_index
+        view = self._views.of(snapshot)
+        live = view.live()  # those not finished or cancelled since this step was dispatched
+        if not live.acts:
+            return state
+        got = tokens[live.slots]
+        idx = np.fromiter([a.next_index for a in live.acts], np.int64, len(live.acts))
+        look = idx >= live.last  # ends by length (max_tokens, or the end of the context)
+        if live.stop_ids.size:
+            look |= np.isin(got, live.stop_ids)  # sampled some row's stop id: that row's own?
+        if live.special.any():
+            look |= live.special  # a grammar to feed or logprobs to encode
+        out: list[Emitted] = [Emitted(rid, i, t) for rid, i, t in zip(live.rids, idx.tolist(), got.tolist())]
+        for act in live.acts:
             act.next_index += 1
-            error, grammar_done = self.grammars.consume(act.slot, tok)
-            finish = finish_of(act, idx, tok, error, grammar_done, self.engine.max_len)
+        for row in np.flatnonzero(look).tolist():
+            act, e = live.acts[row], out[row]
+            error, grammar_done = self.grammars.consume(act.slot, e.token)
+            finish = finish_of(act, e.index, e.token, error, grammar_done, self.engine.max_len)
             k = act.req.sampling.logprobs
-            lp = unpack_logprobs(host[act.slot], k).encode() if want and k is not None and error is None else None
-            out.append(Emitted(act.req.request_id, idx, -1 if error else tok, finish, logprobs=lp, error=error))
+            if want and k is not None and error is None:
+                e.logprobs = unpack_logprobs(host[act.slot], k).encode()
+            if error is not None:
+                e.token, e.error = -1, error
+            e.finish = finish
             if finish:
                 state = self._free(state, act)
         self.stats.tokens += len(out)
-        if out:
-            self._emit(out)
+        self._emit(out)
         return state
 
     def _free(self, state, act: Active):
@@ -265,6 +283,61 @@ class EngineLoop:
         # Blocks when the publisher is behind: that is the back-pressure. A publisher gone for
         # output_timeout_s is a dead pod, and the thread stops rather than hang forever.
         self.bridge.put_output(batch, self.output_timeout_s)
+
+
+@dataclass(frozen=True)
+class StepView:
+    """The per-row arrays of one set of running requests (a step's snapshot), in snapshot order:
+    what `_process` decides with over a whole step, built once per change of the set."""
+
+    acts: tuple[Active, ...]
+    slots: np.ndarray  # each row's slot (indexes the step's token array)
+    last: np.ndarray  # the index at which each row ends by length
+    stop_ids: np.ndarray  # every row's stop ids together (a hit is checked against its own row's)
+    special: np.ndarray  # rows with a grammar or that want logprobs: looked at every step
+    rids: tuple[str, ...]
+    logprobs: bool = False  # some row wants logprobs: the step runs the variant that returns them
+
+    @classmethod
+    def of(cls, acts, max_len: int, constrained) -> StepView:
+        acts = tuple(acts)
+        stops = set().union(*(a.stop_ids for a in acts)) if acts else set()
+        return cls(acts, np.fromiter((a.slot for a in acts), np.intp, len(acts)),
+                   np.fromiter((last_index(a, max_len) for a in acts), np.int64, len(acts)),
+                   np.fromiter(stops, np.int64, len(stops)),
+                   np.fromiter((a.req.sampling.logprobs is not None or constrained(a.slot) for a in acts), bool, len(acts)),
+                   tuple(a.req.request_id for a in acts), any(a.req.sampling.logprobs is not None for a in acts))
+
+    def live(self) -> StepView:
+        """Without the rows finished or cancelled since the snapshot (itself when none is)."""
+        if not any(a.done for a in self.acts):
+            return self
+        keep = np.fromiter((not a.done for a in self.acts), bool, len(self.acts))
+        acts = tuple(a for a in self.acts if not a.done)
+        return StepView(acts, self.slots[keep], self.last[keep], self.stop_ids, self.special[keep],
+                        tuple(a.req.request_id for a in acts))
+
+
+class StepViews:
+    """The `StepView` of the latest snapshot, rebuilt only when the running set changed (the
+    table's snapshot is a new list each step, of the same `Active` records while nothing changed)."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.constrained = lambda slot: False
+        self._key: tuple = ()
+        self._view: StepView | None = None
+
+    def of(self, snapshot: list[Active]) -> StepView:
+        key = tuple(map(id, snapshot))
+        if self._view is None or key != self._key:  # (the view holds its records: no id is reused meanwhile)
+            self._key, self._view = key, StepView.of(snapshot, self.max_len, self.constrained)
+        return self._view
+
+
+def last_index(act: Active, max_len: int) -> int:
+    """The index of the request's last token by length (`finish_of`'s length rule, solved for idx)."""
+    return min(act.req.max_tokens - 1, max_len - act.prompt_len + act.req.start_index)
 
 
 def finish_of(act: Active, idx: int, tok: int, error: str | None, grammar_done: bool, max_len: int) -> str | None:

@@ -13,38 +13,46 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from decode_svc.bridge import Bridge
+from decode_svc.handback import Handback
 from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults
 from tandem_core.bus import conn, groups, token_stream
 from tandem_core.retry import Backoff, retry
+from tandem_core.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 PUBLISH_BACKOFF = Backoff(first_s=0.2, max_s=2.0, factor=1.5)  # 30 tries (publish_retries): about a minute
 
 
 class Publisher:
+    """Owns the replay's two halves (`rewrite`, `after_replay`), so it builds the pod's `Resync`
+    itself: the parts reach each other through constructor arguments, not attributes set later.
+    `resume(req)` hands a request fenced off across a Redis change back for recovery; a batch given
+    up on (tandem_core/retry.py bounds) goes to `give_up(request ids, why)`, which stops and hands
+    back its requests (DecodeIO); `handback` (decode_svc/handback.py) says which are still owed."""
+
     def __init__(self, s: DecodeSettings, r: aioredis.Redis, owned: token_stream.OwnedPublisher, journal: Journal,
-                 table: RequestTable, bridge: Bridge, on_lost) -> None:
+                 table: RequestTable, bridge: Bridge, on_lost: Callable[[set[str]], None],
+                 resume: Callable[[GenerationRequest], Awaitable[str]], handback: Handback,
+                 give_up: Callable[[set[str], str], Awaitable[None]]) -> None:
         self.s, self.r, self.owned, self.journal, self.table, self.bridge = s, r, owned, journal, table, bridge
         self.bounds = token_stream.StreamBounds.of(s)
         self.on_lost = on_lost  # requests the fence refused: the engine drops them (silently)
-        self.resync: Resync | None = None  # set by DecodeIO (it needs this publisher's rewrite)
+        self.resync = Resync(r, owned.ks, journal, owned.worker_id, self.rewrite, resume, owned.load, self.after_replay)
         # Requests whose finish this pod wrote while it owned them (rid -> when), for a replay's
         # sake: Redis may have lost their earlier tokens, whose rewrite the fence would refuse
         # once the finish removed the field; bounded, and kept twice the journal's window.
         self.finished_here: OrderedDict[str, float] = OrderedDict()
         self.replay_refused: list = []  # journal token items the fence refused in the replay running
-        # A batch given up on (tandem_core/retry.py bounds): `give_up(request ids, why)` stops and hands
-        # back its requests (DecodeIO); `handback` (decode_svc/handback.py) says which are still owed.
-        self.give_up = None
-        self.handback = None
+        self.give_up, self.handback = give_up, handback
 
     async def finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
         """A finish entry (no token) for a request that ends before or outside the engine."""
@@ -55,7 +63,8 @@ class Publisher:
         await token_stream.write_finish(self.r, self.owned.ks, [rid], index, reason, self.bounds, error)
 
     async def write_tokens(self, items: list, acks: list | None = None, fenced: bool = True) -> list[int]:
-        """Token items (and acks) in one round trip; a Redis without the script gets it first.
+        """Token entries (`token_stream.TokenEntry`s or `Emitted`s) and acks in one round trip; a
+        Redis without the script gets it first.
         Returns 1 (written) / 0 (fenced off) per item."""
         try:
             return await self._execute_tokens(items, acks or [], fenced)
@@ -94,9 +103,9 @@ class Publisher:
         if results is None:
             await self._abandon(batch, "its tokens could not be written to Redis")
             return set()
+        if 0 not in results:  # the common case, checked in C
+            return set()
         lost = {e.request_id for e, ok in zip(batch, results) if ok == 0}
-        if not lost:
-            return lost
         try:  # a reconcile ran since `gen`, or runs now (this waits for it)
             changed = await self.resync.current() or self.resync.reconciles != gen
         except Exception as e:  # noqa: BLE001 - Redis went again: its reconcile replays the journal, batch and all
@@ -127,7 +136,7 @@ class Publisher:
         `publish_retries` tries); 1 (written) / 0 (fenced off) per entry, or None when it gave up.
         Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute` fails, so
         re-running the old one would write nothing and silently lose the step's tokens."""
-        items, acks = [e.item() for e in batch], [e.ack for e in batch if e.ack]
+        items, acks = batch, [e.ack for e in batch if e.ack]  # the entries go as they are: no copy per token
 
         async def attempt() -> list[int]:
             # Never alongside a reconcile's replay: a finish written before the replay has put back
@@ -160,18 +169,16 @@ class Publisher:
         field in this pod's running hash is gone, so the fence refuses whatever of it is still
         queued (a finish written behind the gap would end the request with the gap in it). The
         acks the batch carried are owed until their requests are safe."""
-        if self.handback is not None:
-            for ack in (e.ack for e in batch if e.ack):
-                self.handback.owe_ack(*ack)
-        if self.give_up is not None:
-            await self.give_up({e.request_id for e in batch}, why)
+        for ack in (e.ack for e in batch if e.ack):
+            self.handback.owe_ack(*ack)
+        await self.give_up({e.request_id for e in batch}, why)
 
     def _drop_abandoned(self, batch: list) -> list:
         """Entries of requests whose hand back is still owed (Redis would not take it): not
         written, since this pod still owns them and the fence would let a finish through behind
         the gap (their acks owed too). A resumed request's new run starts only once it is done."""
         hb = self.handback
-        if hb is None or not (hb.owed_resumes or hb.unread):
+        if not (hb.owed_resumes or hb.unread):
             return batch
         keep = []
         for e in batch:
@@ -193,8 +200,8 @@ class Publisher:
     def note_finished(self, items: list, results: list) -> None:
         now = time.monotonic()
         for it, ok in zip(items, results):
-            if it[3] and ok == 1:  # a finish this pod wrote while it owned the request
-                self.finished_here[it[0]] = now
+            if it.finish and ok == 1:  # a finish this pod wrote while it owned the request
+                self.finished_here[it.request_id] = now
         horizon = now - 2 * self.journal.window_s
         while self.finished_here and (len(self.finished_here) > self.s.finished_ids_max
                                       or next(iter(self.finished_here.values())) < horizon):
@@ -218,7 +225,7 @@ class Publisher:
             await retry(lambda: groups.ack(self.r, *payload), "ack again")
         elif kind == "tokens":
             items, acks = payload
-            items = [it for it in items if it[0] not in fenced]
+            items = [it for it in items if it.request_id not in fenced]
             results = await retry(lambda: self.write_tokens(items, acks), "tokens again")
             self.replay_refused += [it for it, ok in zip(items, results) if ok == 0]
 
@@ -228,17 +235,17 @@ class Publisher:
         began) are written without the fence, or the relay would wait on the gap forever; the
         rest belong to requests another pod owns now."""
         refused, self.replay_refused = self.replay_refused, []
-        mine = [it for it in refused if it[0] in self.finished_here]
+        mine = [it for it in refused if it.request_id in self.finished_here]
         have = {rid: await conn.retry_redis(lambda rid=rid: self._streamed_indices(rid), "read tokens")
-                for rid in {it[0] for it in mine}}
-        missing = [it for it in mine if it[1] not in have[it[0]]]  # most survived: only the gaps
+                for rid in {it.request_id for it in mine}}
+        missing = [it for it in mine if it.index not in have[it.request_id]]  # most survived: only the gaps
         if missing:
             log.info("writing %d missing journal tokens of %d requests this pod finished meanwhile", len(missing),
-                     len({it[0] for it in missing}))
+                     len({it.request_id for it in missing}))
             await conn.retry_redis(lambda: self.write_tokens(missing, fenced=False), "tokens of finished requests")
         if len(mine) < len(refused):
             log.warning("journal tokens written again were refused (owned elsewhere): %s",
-                        sorted({it[0] for it in refused if it[0] not in self.finished_here})[:5])
+                        sorted({it.request_id for it in refused if it.request_id not in self.finished_here})[:5])
 
     async def _streamed_indices(self, rid: str) -> set[int]:
         return {int(f[b"i"]) for _id, f in await self.r.xrange(self.owned.ks.token_stream(rid))}
@@ -249,5 +256,5 @@ def _journal_summary(kind: str, payload) -> object:
     if kind == "own":
         return [q.request_id for q in payload]
     if kind == "tokens":
-        return [(it[0], it[1], it[3]) for it in payload[0]]
+        return [(it.request_id, it.index, it.finish) for it in payload[0]]
     return payload

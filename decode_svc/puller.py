@@ -2,8 +2,17 @@
 
 One gRPC channel per prefill address, reused. Every pull has a deadline; any failure (pod gone,
 wrong capability, checksum mismatch, deadline) becomes `KVTransferFailed` with the reason.
+
+A pull runs on a worker thread over a blocking channel, not on the event loop: reading the stream
+and decoding its chunks (checksums, copies into the payload's arrays) was the largest share of the
+decode pod's event-loop CPU per token (bench/host_path.py's profile), and gRPC's blocking iterator
+waits without the GIL. A pull cancelled on the loop cancels its call, so the thread ends at once.
 """
 from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -19,19 +28,18 @@ PULL_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['PullKV'].name}"
 
 
 class KVPuller:
-    def __init__(self, max_message_bytes: int, max_channels: int = 64, tls: GrpcConfig | None = None) -> None:
+    def __init__(self, max_message_bytes: int, max_channels: int = 64, tls: GrpcConfig | None = None,
+                 pull_threads: int = 16) -> None:
         self._opts = [("grpc.max_receive_message_length", max_message_bytes)]
         self._tls = tls
         self._stubs: dict[str, tuple[grpc.aio.Channel, kv_pb2_grpc.KVTransferStub, object]] = {}
         self._max_channels = max_channels
+        self._sync: dict[str, tuple[grpc.Channel, object]] = {}  # address -> blocking channel, its PullKV
+        self._sync_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=pull_threads, thread_name_prefix="kv-pull")
 
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
         return self._get(address)[1]
-
-    def _pull_call(self, address: str):
-        """PullKV returning each message's serialized bytes: `kvcodec.parse_chunk` reads them
-        without the copies a protobuf parse makes."""
-        return self._get(address)[2]
 
     def _get(self, address: str):
         got = self._stubs.get(address)
@@ -46,20 +54,46 @@ class KVPuller:
             got = self._stubs[address] = (ch, kv_pb2_grpc.KVTransferStub(ch), pull)
         return got
 
+    def _sync_pull(self, address: str):
+        with self._sync_lock:
+            got = self._sync.get(address)
+            if got is None:
+                if len(self._sync) >= self._max_channels:  # bounded: drop the oldest
+                    self._sync.pop(next(iter(self._sync)))[0].close()
+                ch = grpc_util.sync_channel(address, self._tls, self._opts)
+                pull = ch.unary_stream(PULL_METHOD, request_serializer=kv_pb2.PullKVRequest.SerializeToString,
+                                       response_deserializer=None)
+                got = self._sync[address] = (ch, pull)
+            return got[1]
+
     async def pull(self, notice: ReadyNotice, timeout_s: float) -> KVPayload:
+        calls: list = []  # the call, once the thread started it: cancelled if this pull is
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._pull, notice, timeout_s, calls)
+        except asyncio.CancelledError:
+            for call in calls:
+                call.cancel()
+            raise
+
+    def _pull(self, notice: ReadyNotice, timeout_s: float, calls: list) -> KVPayload:
+        """One pull on a worker thread: messages' serialized bytes, read by `kvcodec.parse_chunk`
+        without the copies a protobuf parse makes."""
         rid = notice.request.request_id
         dec = kvcodec.Decoder()
         call = None
         try:
-            call = self._pull_call(notice.address)(
+            call = self._sync_pull(notice.address)(
                 kv_pb2.PullKVRequest(request_id=rid, capability=notice.capability), timeout=timeout_s
             )
-            async for m in call:
+            calls.append(call)
+            for m in call:
                 dec.add(kvcodec.parse_chunk(m))
             return dec.finish()
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            details = e.details() if hasattr(e, "details") else str(e)
             raise KVTransferFailed(
-                f"KV pull of request {rid} from {notice.address} failed: {e.code().name}: {e.details()}"
+                f"KV pull of request {rid} from {notice.address} failed: {getattr(code, 'name', code)}: {details}"
             ) from e
         except KVTransferFailed as e:
             if call is not None:
@@ -82,3 +116,8 @@ class KVPuller:
         for ch, *_ in self._stubs.values():
             await ch.close()
         self._stubs.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._sync_lock:
+            for ch, _pull in self._sync.values():
+                ch.close()
+            self._sync.clear()

@@ -18,6 +18,7 @@ class DecodeSettings(WorkerSettings):
     colocated: bool = False  # also prefill from the admission streams (JetStream-style, one pod)
     direct_prefill: bool = True  # prefill prompts the gateway routes straight to decode
     claim_block_ms: PositiveInt = 20  # colocated mode polls the admission streams this often
+    claim_wait_ms: PositiveInt = 500  # the longest wait for new entries when it watches every source
     cancel_poll_s: PositiveFloat = 0.05
     pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread

@@ -105,16 +105,30 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: GrpcConfig | None =
 
 def channel(address: str, cfg: GrpcConfig | None, options: list[tuple] | None = None) -> grpc.aio.Channel:
     """A client channel to another pod: mutual TLS when `cfg` has certificates, else plaintext."""
+    opts, creds = _client(cfg, options)
+    return grpc.aio.insecure_channel(address, options=opts) if creds is None else \
+        grpc.aio.secure_channel(address, creds, options=opts)
+
+
+def sync_channel(address: str, cfg: GrpcConfig | None, options: list[tuple] | None = None) -> grpc.Channel:
+    """`channel`'s blocking twin, for calls made from a worker thread (the decode pod's KV pulls:
+    decode_svc/puller.py), with the same TLS rules."""
+    opts, creds = _client(cfg, options)
+    return grpc.insecure_channel(address, options=opts) if creds is None else \
+        grpc.secure_channel(address, creds, options=opts)
+
+
+def _client(cfg: GrpcConfig | None, options: list[tuple] | None) -> tuple[list[tuple], grpc.ChannelCredentials | None]:
     opts = list(options or [])
     if cfg is None or not cfg.tls:
-        return grpc.aio.insecure_channel(address, options=opts)
+        return opts, None
     if cfg.tls_server_name:
         opts.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read(cfg.tls_ca_file), private_key=_read(cfg.tls_key_file),
         certificate_chain=_read(cfg.tls_cert_file),
     )
-    return grpc.aio.secure_channel(address, creds, options=opts)
+    return opts, creds
 
 
 def _read(path: str) -> bytes:

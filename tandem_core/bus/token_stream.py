@@ -132,23 +132,26 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
 # token cost, and a TTL of minutes cannot run out between two refreshes of a stream still being
 # written. KEYS[1] is the running hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen,
 # finished ttl, '1' to write without the fence (tokens of a request this writer itself finished:
-# see `OwnedPublisher.add_batch`) or '', then per item: request id, index, '1' if it finishes or
-# '', the number of field pairs, the pairs. Returns 1 (written) or 0 (fenced off) per item, in
-# order, so a request that appears twice (two queued steps) is written in index order.
+# see `OwnedPublisher.add_batch`) or '', then per item: request id, index, token, '1' if it
+# finishes or '', the number of further field pairs (0 for a plain token), those pairs (`entry_fields`
+# after `i` and `t`, in its order). Returns 1 (written) or 0 (fenced off) per item, in order, so a
+# request that appears twice (two queued steps) is written in index order. A plain token costs five
+# arguments and its key: the script itself adds the `i` and `t` field names.
 EXPIRE_EVERY = 16
+STREAM_CACHE_MAX = 65536  # requests whose stream key `OwnedPublisher` keeps (a pod runs far fewer at once)
 _PUBLISH_OWNED = """
 local REFRESH = """ + str(EXPIRE_EVERY) + """
 local out = {}
 local unfenced = ARGV[4] == '1'
 local p = 5
 for j = 1, #KEYS - 1 do
-  local rid, index, fin, n = ARGV[p], ARGV[p + 1], ARGV[p + 2], tonumber(ARGV[p + 3])
-  local first = p + 4
+  local rid, index, tok, fin, n = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], tonumber(ARGV[p + 4])
+  local first = p + 5
   p = first + 2 * n
   if not unfenced and redis.call('HEXISTS', KEYS[1], rid) == 0 then
     out[j] = 0
   else
-    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, first, p - 1))
+    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', 'i', index, 't', tok, unpack(ARGV, first, p - 1))
     if fin == '1' then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[3])
       redis.call('HDEL', KEYS[1], rid)
@@ -161,8 +164,20 @@ end
 return out
 """
 
-# (request id, index, token, finish, error, logprobs, prompt logprobs): one token entry to write.
-Item = tuple[str, int, int, "str | None", "str | None", "str | None", "str | None"]
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
+    """One token stream entry to write (`entry_fields` encodes it): the token at `index` of a
+    request (-1: none), and when set its finish, error, logprobs (`TokenLogprobs.encode`) and the
+    prompt's logprobs (the index -1 entry of an echo). Anything with these attributes is an entry
+    to `OwnedPublisher.add_batch` (decode_svc's `Emitted` adds the ack it carries)."""
+
+    request_id: str
+    index: int
+    token: int
+    finish: str | None = None
+    error: str | None = None
+    logprobs: str | None = None
+    prompt_logprobs: str | None = None
 
 
 class Placed:
@@ -192,6 +207,8 @@ class OwnedPublisher:
         self.r, self.ks, self.worker_id = r, ks, worker_id
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
+        self._streams: dict[str, tuple[int, bytes, bytes]] = {}  # request id -> `stream_of`
+        self._running: dict[int, bytes] = {}  # shard -> this pod's running hash there
 
     def running(self, request_id: str) -> str:
         return self.ks.running_key(self.worker_id, self.ks.request_shard(request_id))
@@ -208,33 +225,61 @@ class OwnedPublisher:
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running(request_id), request_id)
 
-    def add_batch(self, pipe, items: list[Item], fenced: bool = True) -> Placed:
-        """Queue one script call per shard writing its items, in order (a request's items stay in
-        one call, so in index order); `Placed.results` turns the replies into 1 (written) / 0
-        (fenced off) per item. Queue it first on `pipe`. Logprobs travel pre-encoded
-        (`TokenLogprobs.encode`). `fenced=False` writes without the ownership check: only for
-        tokens of a request whose finish this writer wrote while it owned it (no other pod can own
-        it since), when Redis lost some of its earlier tokens and their rewrite would otherwise be
-        refused."""
+    def add_batch(self, pipe, items: list, fenced: bool = True) -> Placed:
+        """Queue one script call per shard writing its items (`TokenEntry`s, or anything with the
+        same attributes), in order (a request's items stay in one call, so in index order);
+        `Placed.results` turns the replies into 1 (written) / 0 (fenced off) per item. Queue it
+        first on `pipe`. Logprobs travel pre-encoded (`TokenLogprobs.encode`). `fenced=False`
+        writes without the ownership check: only for tokens of a request whose finish this writer
+        wrote while it owned it (no other pod can own it since), when Redis lost some of its
+        earlier tokens and their rewrite would otherwise be refused. A plain token (no finish,
+        error or logprobs) is five arguments and its stream's key, the key and shard looked up
+        once per request (`stream_of`)."""
         # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
         # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
-        by_shard: dict[int, list[int]] = {}
-        for j, it in enumerate(items):
-            by_shard.setdefault(self.ks.request_shard(it[0]), []).append(j)
-        for shard, idx in by_shard.items():
-            names = [self.ks.running_key(self.worker_id, shard)]
-            args: list = [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1"]
-            for j in idx:
-                rid, index, token, finish, error, logprobs, prompt_logprobs = items[j]
-                names.append(self.ks.token_stream(rid))
-                fields = entry_fields(index, token, finish, error, logprobs, prompt_logprobs)
-                args += (rid, index, "1" if finish else "", len(fields))
-                for kv in fields.items():
-                    args += kv
+        calls: dict[int, tuple[list, list, list[int]]] = {}  # shard -> (key names, args, item positions)
+        stream_of = self.stream_of
+        for j, e in enumerate(items):
+            shard, stream, rid = stream_of(e.request_id)
+            call = calls.get(shard)
+            if call is None:
+                call = calls[shard] = ([self.running_of(shard)],
+                                       [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1"], [])
+            names, args, pos = call
+            names.append(stream)
+            pos.append(j)
+            if e.finish is None and e.logprobs is None and e.prompt_logprobs is None:
+                args += (rid, e.index, e.token, "", 0)
+                continue
+            fields = entry_fields(e.index, e.token, e.finish, e.error, e.logprobs, e.prompt_logprobs)
+            del fields["i"], fields["t"]
+            args += (rid, e.index, e.token, "1" if e.finish else "", len(fields))
+            for kv in fields.items():
+                args += kv
+            if e.finish:
+                self._streams.pop(e.request_id, None)  # its last entry: the cache holds running requests only
+        for names, args, _pos in calls.values():
             # (execute_command: redis-py's cluster pipeline refuses its evalsha method, but routes
             # the command itself by its keys)
             pipe.execute_command("EVALSHA", self._script.sha, len(names), *names, *args)
-        return Placed(list(by_shard.values()), len(items))
+        return Placed([pos for _n, _a, pos in calls.values()], len(items))
+
+    def stream_of(self, request_id: str) -> tuple[int, bytes, bytes]:
+        """(shard, token stream key, request id) of a request, the last two encoded: computed once
+        while it runs (bounded), so a step's command is packed without encoding them again."""
+        got = self._streams.get(request_id)
+        if got is None:
+            if len(self._streams) >= STREAM_CACHE_MAX:
+                self._streams.clear()
+            got = self._streams[request_id] = (self.ks.request_shard(request_id),
+                                               self.ks.token_stream(request_id).encode(), request_id.encode())
+        return got
+
+    def running_of(self, shard: int) -> bytes:
+        got = self._running.get(shard)
+        if got is None:
+            got = self._running[shard] = self.ks.running_key(self.worker_id, shard).encode()
+        return got
 
     async def load(self) -> None:
         """(Re)load the fenced-write script into Redis (at start, and after a NOSCRIPT): every

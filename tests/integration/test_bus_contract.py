@@ -30,8 +30,8 @@ async def _owned(r, ks, rid, entries, prompt_lp, fenced):
     if fenced:
         await pub.own(_req(rid))
     # as the engine thread emits them (decode_svc/loop.py): the prompt's logprobs its own item at -1
-    items = [(rid, -1, -1, None, None, None, prompt_lp)] if prompt_lp else []
-    items += [(rid, i, t, f, e, lp.encode() if lp else None, None) for i, t, f, e, lp in entries]
+    items = [token_stream.TokenEntry(rid, -1, -1, prompt_logprobs=prompt_lp)] if prompt_lp else []
+    items += [token_stream.TokenEntry(rid, i, t, f, e, lp.encode() if lp else None) for i, t, f, e, lp in entries]
     pipe = r.pipeline(transaction=False)
     placed = pub.add_batch(pipe, items, fenced=fenced)
     assert placed.results(await pipe.execute()) == [1] * len(items)

@@ -143,11 +143,11 @@ async def test_fenced_token_batches_span_shards_and_keep_order(rc):
     for lost in RIDS[:3]:  # what a recoverer's transaction does to a paused owner
         await r.hdel(pub.running(lost), lost)
     pipe = r.pipeline(transaction=False)
-    items = [(rid, i, 100 + i, None, None, None, None) for i in range(2) for rid in RIDS[:12]]
+    items = [token_stream.TokenEntry(rid, i, 100 + i) for i in range(2) for rid in RIDS[:12]]
     placed = pub.add_batch(pipe, items)
     assert len(placed) > 1  # one script call per shard
     results = placed.results(await pipe.execute())
-    assert results == [0 if it[0] in RIDS[:3] else 1 for it in items]
+    assert results == [0 if it.request_id in RIDS[:3] else 1 for it in items]
     for rid in RIDS[3:12]:
         assert [int(f[b"i"]) for _e, f in await r.xrange(KS.token_stream(rid))] == [0, 1]
     for rid in RIDS[:3]:
@@ -162,7 +162,7 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     victims = [GenerationRequest(rid, [5, 6], 6) for rid in RIDS[20:28]]
     await pub.own(*victims)
     pipe = r.pipeline(transaction=False)
-    placed = pub.add_batch(pipe, [(q.request_id, 0, 40, None, None, None, None) for q in victims])
+    placed = pub.add_batch(pipe, [token_stream.TokenEntry(q.request_id, 0, 40) for q in victims])
     assert placed.results(await pipe.execute()) == [1] * len(victims)
     for q in victims:  # the dead pod's requests resume from what was streamed, in one transaction each
         assert await recovery.resume(r, KS, POOL, q, max_attempts=3, maxlen=1000, token_ttl_s=60, token_maxlen=1000,
@@ -183,7 +183,7 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
         await writer.own(*(GenerationRequest(rid, [5], 4) for rid in subs))
         for i in range(4):
             pipe = r.pipeline(transaction=False)
-            writer.add_batch(pipe, [(rid, i, 7 + i, "length" if i == 3 else None, None, None, None) for rid in subs])
+            writer.add_batch(pipe, [token_stream.TokenEntry(rid, i, 7 + i, "length" if i == 3 else None) for rid in subs])
             await pipe.execute()
         for rid, sub in subs.items():
             got = []

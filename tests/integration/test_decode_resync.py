@@ -15,6 +15,7 @@ from decode_svc.requests import RequestTable
 from decode_svc.settings import DecodeSettings
 from tandem.redis_proc import RedisProcess
 from tandem_core import keys
+from tandem_core.bus.token_stream import TokenEntry
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 
@@ -132,7 +133,7 @@ async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written
     io = _io(proc, r, "resync-unfenced")
     try:
         reconcile, go_on = await _restarted_mid_replay(proc, r, io, "req-u")
-        finish = [("req-u", 4, 74, "length", None, None, None)]
+        finish = [TokenEntry("req-u", 4, 74, "length")]
         io.publisher.note_finished(finish, await io.publisher.write_tokens(finish))  # the write in flight
         assert "req-u" in io.publisher.finished_here and not await r.hexists(KS.running_key("decode-r", 0), "req-u")
         go_on.set()
@@ -140,7 +141,7 @@ async def test_tokens_refused_in_a_replay_of_a_request_finished_here_are_written
         assert await _indices(r, "req-u") == [1, 2, 3, 4]
 
         # Refused tokens of a request this pod did not finish are not forced in.
-        io.publisher.replay_refused = [("req-x", 1, 71, None, None, None, None)]
+        io.publisher.replay_refused = [TokenEntry("req-x", 1, 71)]
         await io.publisher.after_replay()
         assert await _indices(r, "req-x") == []
     finally:

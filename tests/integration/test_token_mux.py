@@ -105,9 +105,9 @@ async def test_reads_what_the_fenced_decode_script_writes(any_redis, any_keys):
     await pub.own(GenerationRequest(request_id="mux-owned", prompt_ids=[1], max_tokens=4))
     pipe = any_redis.pipeline(transaction=False)
     lp = TokenLogprobs(-0.25, ((7, -0.25), (3, -2.5)))
-    placed = pub.add_batch(pipe, [("mux-owned", 1, 7, None, None, lp.encode(), None),
-                                  ("mux-other", 1, 9, None, None, None, None),
-                                  ("mux-owned", 2, 8, "error", "boom", None, "x")])
+    placed = pub.add_batch(pipe, [token_stream.TokenEntry("mux-owned", 1, 7, logprobs=lp.encode()),
+                                  token_stream.TokenEntry("mux-other", 1, 9),
+                                  token_stream.TokenEntry("mux-owned", 2, 8, "error", "boom", None, "x")])
     assert placed.results(await pipe.execute()) == [1, 0, 1]
     assert not await any_redis.hexists(pub.running("mux-owned"), "mux-owned")  # finished
     mux = TokenMux(any_redis, ks, block_ms=100)
@@ -154,7 +154,7 @@ async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the
 
     async def write(index: int, finish: str | None = None) -> None:
         pipe = r.pipeline(transaction=False)
-        placed = pub.add_batch(pipe, [("ttl-req", index, 7, finish, None, None, None)])
+        placed = pub.add_batch(pipe, [token_stream.TokenEntry("ttl-req", index, 7, finish)])
         assert placed.results(await pipe.execute()) == [1]
 
     await write(0)

@@ -206,6 +206,32 @@ def _run_one(engine, req) -> list[int]:
         loop.stop()
 
 
+def test_stop_id_and_context_end_are_decided_per_row_in_the_same_steps(engine):
+    """The step's finish decisions run over all rows at once (decode_svc/loop.py `_process`): a
+    row that samples its own stop id ends there (`stop`), a row whose context runs out ends by
+    length at the last position, and neither decision leaks to the other row of the same steps.
+    The row with the stop id is told the token it samples at index 4 (learned from a run alone),
+    so it stops at the first index where that token comes."""
+    alone = _run_one(engine, _req("probe", 12))  # indices 1..11
+    stop_tok = alone[3]  # the token at index 4
+    want_stop = next(i for i, t in enumerate(alone, start=1) if t == stop_tok)
+    stopping = GenerationRequest("stops", [256, 70, 71, 72], 12, SamplingParams(), stop_token_ids=[stop_tok],
+                                 ignore_eos=True)
+    # 14 prompt positions of 64: the last token is index 50 (position 14 + 50 = 64 is past the end)
+    long = GenerationRequest("ctx", [256] + [70] * 13, 100, SamplingParams(), ignore_eos=True)
+    loop, table, inserts, outputs = _start(engine)
+    try:
+        for req in (stopping, long):
+            inserts.put(Insert(engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling)), req,
+                               _seat(table, req.request_id)))
+        got = _collect(outputs, 2, timeout_s=60)
+    finally:
+        loop.stop()
+    assert loop.error is None
+    assert got["stops"] == [(i, None) for i in range(1, want_stop)] + [(want_stop, "stop")]
+    assert got["ctx"] == [(i, None) for i in range(1, 50)] + [(50, "length")]
+
+
 # ---------------------------------------------------------------------------------------------
 # grammar-constrained slots (the built-in trained model, temperature 1)
 
