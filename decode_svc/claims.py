@@ -49,6 +49,7 @@ class Claims:
         self.bell = groups.Doorbell(r, s.pool, [keys.DECODE_GROUP] + ([keys.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
+        self.dead_letters = 0  # entries acked unread: no request could be read from them
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
 
     def _sources(self) -> list[tuple[list[str], str]]:
@@ -119,9 +120,15 @@ class Claims:
         try:
             notice = ready.ReadyNotice.from_json(c.fields["notice"]) if "notice" in c.fields else None
             req = notice.request if notice is not None else GenerationRequest.from_json(c.fields["req"])
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - no request can be read from it: it could never run
             self.table.unreserve()
-            raise
+            # Left pending it would be reclaimed and fail again every stale_pending_s, for ever.
+            # The log line is its dead letter (its fields, cut to 2,000 characters); then ack it.
+            self.dead_letters += 1
+            log.error("dead letter: %s entry %r cannot be read as a request (%s: %s); acking it. Its fields: %.2000r",
+                      c.stream, c.entry_id, type(e).__name__, e, c.fields)
+            await self.handback.ack(c.stream, group, c.entry_id)
+            return
         key = self.table.claim(req.request_id, (c.stream, c.entry_id))
         if key is None:  # delivered again while still being worked on here
             return
@@ -132,11 +139,21 @@ class Claims:
             return
         owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
         try:
+            faults.hit("decode.own")
             await conn.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
-        except BaseException:
+        except asyncio.CancelledError:
             self.table.drop(key)
             self.table.entry_done((c.stream, c.entry_id))
             raise
+        except Exception as e:  # noqa: BLE001 - hand it back now: left pending it waits for the stale reclaim
+            self.table.drop(key)
+            why = f"decode pod {self.worker_id} could not own it: {type(e).__name__}: {e}"
+            log.error("own failed request_id=%s: %s; handing it back", req.request_id, why)
+            if await self.handback.give_back(req, why):
+                await self.handback.ack(c.stream, group, c.entry_id)
+            else:  # acked once the resume owed is written (Handback.settle), never before
+                self.handback.owe_ack(c.stream, group, c.entry_id)
+            return
         self.journal.add("own", owned)
         self.table.advance(key, Stage.QUEUED)
         # Never full: the queue holds at least `slots` items and every item holds a seat.
