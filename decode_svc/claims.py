@@ -26,7 +26,7 @@ from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults, keys
-from tandem_core.bus import conn, groups, ready, token_stream
+from tandem_core.bus import conn, groups, ready, reclaim, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -64,7 +64,16 @@ class Claims:
         return out
 
     async def claim_loop(self, stop: asyncio.Event) -> None:
+        lost_reply = False  # a claim failed: its XREADGROUP may have run with its reply lost
         while not stop.is_set() and not self.engine_failed():
+            if lost_reply:
+                try:
+                    await self.retake_own()
+                    lost_reply = False
+                except Exception as e:  # noqa: BLE001 - Redis still away: the next pass tries again
+                    log.warning("looking for deliveries lost with a claim's reply failed: %s", e)
+                    await asyncio.sleep(0.5)
+                    continue
             n = self.table.reserve(self.table.slots)  # pull only for slots that are free
             if n == 0:
                 await self.bridge.wait_slot_freed(0.1)
@@ -75,6 +84,7 @@ class Claims:
             except Exception as e:  # noqa: BLE001 - Redis blip: retry
                 self.table.unreserve(n)
                 log.warning("claim failed: %s", e)
+                lost_reply = isinstance(e, conn.REDIS_DOWN)
                 await asyncio.sleep(0.5)
                 continue
             self.table.unreserve(n - len(got))
@@ -83,6 +93,30 @@ class Claims:
                     await self.dispatch(c, group, started)
                 except Exception:  # noqa: BLE001 - one bad entry must not stop the claim loop
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
+
+    async def retake_own(self) -> int:
+        """Start this pod's own pending entries that nothing here works on (not in the request
+        table: not claimed, pulling, owed an ack). After a claim failed on a dying connection its
+        XREADGROUP may have run with the reply lost: those entries are pending to this live pod,
+        which never saw them. Left to the stale reclaim (`stale_pending_s`, 60 s) a ready
+        entry's KV lease (`kv_lease_s`, 60 s, begun before the entry was even written) ran out
+        first: "KV was not pulled by a decode pod within its lease" after a Redis restart."""
+        got = 0
+        taker = reclaim.Reclaimer(self.r, "", self.worker_id, stale_self_ms=0, limit=self.s.reclaim_batch,
+                                  min_idle_ms=0)
+        for names, group in self._sources():
+            taker.group = group
+            for stream in names:
+                started = self.resync.started
+                claimed, n = await taker.take(stream, self.table.reserve, others=False,
+                                              busy=self.table.busy_entries(stream))
+                self.table.unreserve(n - len(claimed))
+                for c in claimed:
+                    log.warning("taking again %s entry %r: delivered to this pod by a claim whose reply was lost",
+                                stream, c.entry_id)
+                    await self.dispatch(c, group, started)
+                got += len(claimed)
+        return got
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
         """Up to `n` entries: one non-blocking pass over every source in order; if that finds

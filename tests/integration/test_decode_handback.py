@@ -280,3 +280,31 @@ async def test_an_unreadable_entry_is_acked_as_a_dead_letter(redis_url, redis_cl
         await admission.enqueue_request(r, pool, good, 1000, direct=True)
         st = await _until(r, pod, pool, good.request_id, lambda st: st["finished"])
         assert st["finished"]
+
+
+async def test_a_delivery_whose_claim_reply_was_lost_is_taken_again_at_once(redis_url, redis_client, engine):
+    """The lease failure after a Redis restart (issue 31): the decode pod's XREADGROUP ran, but its
+    reply was lost with the dying connection, so the ready entry is pending to this live pod, which
+    never saw it. Only the stale reclaim (`stale_pending_s`, 60 s by default) took it back, and the
+    prefill pod's KV lease (60 s, begun before the entry was written) always ended first: "KV was
+    not pulled by a decode pod within its lease". Here the delivery is made as the pod's consumer
+    (what the lost reply leaves in Redis) and the pod's first claim fails as on a dying connection;
+    the stale reclaim is out of reach, so only taking its own entries again at once finishes it."""
+    r, pool = redis_client, "handback-lost-reply"
+    await groups.ensure_groups(r, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    try:
+        req = await _publish_ready(r, engine, store, address, pool, "lost-reply")
+        got = await r.xreadgroup(keys.DECODE_GROUP, WID, {keys.ready_stream(pool, 0): ">"}, count=1)
+        assert got and len(got[0][1]) == 1  # delivered to the pod's consumer; the pod never saw it
+        faults.configure("decode.claim@1:down")
+        async with Pod(r, engine, redis_url, pool, stale_pending_s=3600) as pod:
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] and st["unacked"] == 0,
+                              rounds=1200)  # a bound on the wait on a busy machine, not a timing assertion
+            assert faults.raised["decode.claim"] == 1, "the claim never failed: the test proves nothing"
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st
+            assert st["unacked"] == 0 and st["seats"] == 0 and not st["resumed"]
+            assert len(store) == 0, "the KV is still held: it was never pulled"
+    finally:
+        await server.stop(None)
