@@ -1,6 +1,6 @@
 """3,000 concurrent streams against one gateway, all served, with at most 64 Redis connections from
 that gateway (issue 31): `tandem local` (the built-in model, real services, the embedded Redis),
-the gateway with its default settings. Every connection of a gateway is named `tandem-gateway`
+the gateway with its default settings (but the time-to-first-token deadline, see below). Every connection of a gateway is named `tandem-gateway`
 (CLIENT SETNAME), so CLIENT LIST on the embedded Redis counts the gateway's alone, sampled all
 through the run and once after it (a pool keeps what it opened, so the count after is its peak).
 
@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import threading
+from collections import Counter
 
 import httpx
 import redis
@@ -64,7 +65,10 @@ async def _one(client: httpx.AsyncClient, i: int, open_now: list[int]) -> str | 
 
 
 def test_3000_streams_on_one_gateway_within_64_redis_connections():
-    c = start_local(slots=16, timeout_s=300)
+    # The time-to-first-token predictor's 503 (3,000 queued x the prefill time the pod reports,
+    # past first_token_timeout_s, 120 s) is early rejection working, not what this test is about:
+    # on a busy machine it refused some of the burst, so its deadline is set out of its way.
+    c = start_local(slots=16, timeout_s=300, env={"TANDEM_GATEWAY_FIRST_TOKEN_TIMEOUT_S": "900"})
     try:
         url = _redis_url(c.log)
         samples: list[int] = []
@@ -95,7 +99,7 @@ def test_3000_streams_on_one_gateway_within_64_redis_connections():
         failed = [r for r in results if r is not None]
         peak = max(samples + [after])
         print(f"gateway Redis connections: peak {peak}, after {after}; streams open at once: {most_open}; "
-              f"not served: {len(failed)}")
+              f"not served: {len(failed)} {Counter(f[:90] for f in failed).most_common(3)}")
         assert not failed, f"{len(failed)} of {STREAMS} not served, e.g. {sorted(set(failed))[:5]}"
         # the load was really concurrent: most streams were open at once, waiting in admission
         assert most_open >= STREAMS // 2, most_open
