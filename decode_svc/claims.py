@@ -26,7 +26,7 @@ from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults
-from tandem_core.bus import conn, groups, ready, token_stream
+from tandem_core.bus import conn, groups, ready, reclaim, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -49,6 +49,7 @@ class Claims:
         self.bell = groups.Doorbell(r, s.pool, [groups.DECODE_GROUP] + ([groups.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
+        self.dead_letters = 0  # entries acked unread: no request could be read from them
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
 
     def _sources(self) -> list[tuple[list[str], str]]:
@@ -63,7 +64,16 @@ class Claims:
         return out
 
     async def claim_loop(self, stop: asyncio.Event) -> None:
+        lost_reply = False  # a claim failed: its XREADGROUP may have run with its reply lost
         while not stop.is_set() and not self.engine_failed():
+            if lost_reply:
+                try:
+                    await self.retake_own()
+                    lost_reply = False
+                except Exception as e:  # noqa: BLE001 - Redis still away: the next pass tries again
+                    log.warning("looking for deliveries lost with a claim's reply failed: %s", e)
+                    await asyncio.sleep(0.5)
+                    continue
             n = self.table.reserve(self.table.slots)  # pull only for slots that are free
             if n == 0:
                 await self.bridge.wait_slot_freed(0.1)
@@ -74,6 +84,7 @@ class Claims:
             except Exception as e:  # noqa: BLE001 - Redis blip: retry
                 self.table.unreserve(n)
                 log.warning("claim failed: %s", e)
+                lost_reply = isinstance(e, conn.REDIS_DOWN)
                 await asyncio.sleep(0.5)
                 continue
             self.table.unreserve(n - len(got))
@@ -82,6 +93,30 @@ class Claims:
                     await self.dispatch(c, group, started)
                 except Exception:
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
+
+    async def retake_own(self) -> int:
+        """Start this pod's own pending entries that nothing here works on (not in the request
+        table: not claimed, pulling, owed an ack). After a claim failed on a dying connection its
+        XREADGROUP may have run with the reply lost: those entries are pending to this live pod,
+        which never saw them. Left to the stale reclaim (`stale_pending_s`, 60 s) a ready
+        entry's KV lease (`kv_lease_s`, 60 s, begun before the entry was even written) ran out
+        first: "KV was not pulled by a decode pod within its lease" after a Redis restart."""
+        got = 0
+        taker = reclaim.Reclaimer(self.r, "", self.worker_id, stale_self_ms=0, limit=self.s.reclaim_batch,
+                                  min_idle_ms=0)
+        for names, group in self._sources():
+            taker.group = group
+            for stream in names:
+                started = self.resync.started
+                claimed, n = await taker.take(stream, self.table.reserve, others=False,
+                                              busy=self.table.busy_entries(stream))
+                self.table.unreserve(n - len(claimed))
+                for c in claimed:
+                    log.warning("taking again %s entry %r: delivered to this pod by a claim whose reply was lost",
+                                stream, c.entry_id)
+                    await self.dispatch(c, group, started)
+                got += len(claimed)
+        return got
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
         """Up to `n` entries: one non-blocking pass over every source in order; if that finds
@@ -123,9 +158,15 @@ class Claims:
         try:
             notice = ready.ReadyNotice.from_json(c.fields["notice"]) if "notice" in c.fields else None
             req = notice.request if notice is not None else GenerationRequest.from_json(c.fields["req"])
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - no request can be read from it: it could never run
             self.table.unreserve()
-            raise
+            # Left pending it would be reclaimed and fail again every stale_pending_s, for ever.
+            # The log line is its dead letter (its fields, cut to 2,000 characters); then ack it.
+            self.dead_letters += 1
+            log.error("dead letter: %s entry %r cannot be read as a request (%s: %s); acking it. Its fields: %.2000r",
+                      c.stream, c.entry_id, type(e).__name__, e, c.fields)
+            await self.handback.ack(c.stream, group, c.entry_id)
+            return
         key = self.table.claim(req.request_id, (c.stream, c.entry_id))
         if key is None:  # delivered again while still being worked on here
             return
@@ -136,11 +177,21 @@ class Claims:
             return
         owned = [req] if req.n <= 1 else [req.choice(i) for i in range(req.n)]  # each choice resumes alone
         try:
+            faults.hit("decode.own")
             await conn.retry_redis(lambda: self.owned.own(*owned), "own", log=log)
-        except BaseException:
+        except asyncio.CancelledError:
             self.table.drop(key)
             self.table.entry_done((c.stream, c.entry_id))
             raise
+        except Exception as e:  # noqa: BLE001 - hand it back now: left pending it waits for the stale reclaim
+            self.table.drop(key)
+            why = f"decode pod {self.worker_id} could not own it: {type(e).__name__}: {e}"
+            log.error("own failed request_id=%s: %s; handing it back", req.request_id, why)
+            if await self.handback.give_back(req, why):
+                await self.handback.ack(c.stream, group, c.entry_id)
+            else:  # acked once the resume owed is written (Handback.settle), never before
+                self.handback.owe_ack(c.stream, group, c.entry_id)
+            return
         self.journal.add("own", owned)
         self.table.advance(key, Stage.QUEUED)
         # Never full: the queue holds at least `slots` items and every item holds a seat.

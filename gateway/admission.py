@@ -12,6 +12,8 @@ tandem_core/bus/admission.py; this module decides. `Admitter.submit` runs, in or
       have room (tandem_core/scheduling.py), else a prefill pool, to the pod likeliest to hold the
       prompt's prefix unless it is busy (prefix_route.py);
    e. the resume record of a resumable request (resume.py), then the enqueue.
+   The backlog and registry reads of concurrent admissions share one read in flight, and one
+   writer sends their enqueues in pipelines (batching.py): a burst's Redis connections stay few.
 3. The readmitter (readmit.py) remembers the admission, to enqueue it again if Redis loses it.
 The result is an `Attachment` (attachment.py) holding the lease and the entry id; a failure on
 the way releases the lease.
@@ -25,6 +27,7 @@ import redis.asyncio as aioredis
 
 from gateway import resume
 from gateway.attachment import Attachment
+from gateway.batching import EnqueueBatcher, SingleFlight
 from gateway.cluster_view import ClusterView
 from gateway.hold import RedisHold
 from gateway.limits import KeyLimiter, Lease
@@ -54,6 +57,10 @@ class Admitter:
         )
         self.backlog = admission.BacklogReader()
         self._view_cache: tuple[float, ClusterView] | None = None
+        # shared by the admissions in progress: one backlog read and one registry read in flight,
+        # and one writer of every enqueue (batching.py): a burst's connections do not grow with it
+        self.reads: SingleFlight = SingleFlight()
+        self.enqueuer = EnqueueBatcher(redis, ks, settings.pool, settings.admission_maxlen)
         # admissions a restarted or failed-over Redis lost are enqueued again (gateway/readmit.py)
         self.readmit = Readmitter(redis, ks, settings.pool, settings.admission_maxlen)
         self.router = PrefixRouter(  # the same salt on every replica of the pool: rendezvous agrees
@@ -88,7 +95,8 @@ class Admitter:
         """One attempt (RedisHold retries it): (went to the direct stream, admission entry id)."""
         r, s = self.redis(), self.settings
         view = await self.view(r)
-        queued = await self.backlog.read(r, self.ks, s.pool, view.prefill_ids)
+        known = tuple(view.prefill_ids)
+        queued = await self.reads(("backlog", known), lambda: self.backlog.read(r, self.ks, s.pool, list(known)))
         self.metrics.backlog.set(queued.total)
         self.check(queued.total, view)
         rid = prep.request.request_id
@@ -100,7 +108,7 @@ class Admitter:
         direct, pod = self._route(prep, view, queued)
         if prep.resumable and prep.meta is not None:
             await resume.save(r, self.ks, self._record(prep, api_key), int(s.request_timeout_s + s.token_ttl_s))
-        entry_id = await admission.enqueue(r, self.ks, s.pool, prep.request, s.admission_maxlen, pod=pod, direct=direct)
+        entry_id = await self.enqueuer.enqueue(prep.request, pod, direct)
         self.readmit.add(prep.request, pod, direct)
         return direct, entry_id
 
@@ -155,7 +163,8 @@ class Admitter:
         """The registry, summarised for routing; refreshed at most every cluster_view_ttl_s."""
         now = time.monotonic()
         if self._view_cache is None or now - self._view_cache[0] > self.settings.cluster_view_ttl_s:
-            self._view_cache = (now, ClusterView.of(await registry.list_workers(r), self.settings.pool))
+            workers = await self.reads("registry", lambda: registry.list_workers(r))
+            self._view_cache = (now, ClusterView.of(workers, self.settings.pool))
         return self._view_cache[1]
 
     @staticmethod

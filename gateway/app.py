@@ -28,8 +28,26 @@ from gateway.tokens import TokenMux
 from tandem_core import grpc_util
 from tandem_core.bus import conn, groups
 from tandem_core.errors import TandemError
+from tandem_core.redis_client import RedisConfigError
 
 log = logging.getLogger(__name__)
+
+REDIS_CLIENT_NAME = "tandem-gateway"  # every connection of a gateway, as CLIENT LIST shows it
+# connections a gateway needs beside its token readers' blocking reads (one per key shard) for
+# its per-request commands (admission, holds, cancels, resume reads) to flow
+MIN_FREE_CONNECTIONS = 8
+
+
+def _check_connection_bound(settings: GatewaySettings) -> None:
+    """Every Redis command of a gateway shares one pool of `redis.max_connections` (per node on a
+    Redis Cluster) and its token readers hold one each in a blocking read, so a bound that leaves
+    too few for the rest would make every request wait for a connection."""
+    shards, bound = settings.redis.shard_count(), settings.redis.max_connections
+    if bound < shards + MIN_FREE_CONNECTIONS:
+        raise RedisConfigError(
+            f"redis.max_connections {bound} is too small for {shards} key shards: the gateway's token readers hold "
+            f"{shards} connections (one per shard) and its requests need at least {MIN_FREE_CONNECTIONS} more; set "
+            f"redis.max_connections (TANDEM_GATEWAY_REDIS__MAX_CONNECTIONS) to {shards + MIN_FREE_CONNECTIONS} or more")
 
 
 def create_app(settings: GatewaySettings, service: GatewayService | None = None,
@@ -40,8 +58,10 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc.redis = conn.connect(settings.redis)
-        svc.mux = TokenMux(svc.redis, svc.keys, block_ms=settings.relay_block_ms)
+        svc.redis = conn.connect(settings.redis, client_name=REDIS_CLIENT_NAME)
+        _check_connection_bound(settings)
+        svc.mux = TokenMux(svc.redis, svc.keys, block_ms=settings.relay_block_ms,
+                           socket_timeout_s=settings.redis.socket_timeout_s)
         try:
             await groups.ensure_groups(svc.redis, svc.keys, settings.pool)
         except (RedisError, OSError) as e:  # serve anyway: /readyz says not ready, requests get 503

@@ -84,10 +84,11 @@ class TokenMux:
     """Every token stream this gateway relays: one `ShardReader` per key shard."""
 
     def __init__(self, r: aioredis.Redis, ks: KeySpace, block_ms: int = 1000, count: int = 256,
-                 max_buffered: int = 4096) -> None:
+                 max_buffered: int = 4096, socket_timeout_s: float | None = None) -> None:
         gateway_id = uuid.uuid4().hex[:12]
         self.ks = ks
-        self._readers = [ShardReader(r, ks, ks.gateway_wake_stream(gateway_id, shard), block_ms, count, max_buffered)
+        self._readers = [ShardReader(r, ks, ks.gateway_wake_stream(gateway_id, shard), block_ms, count, max_buffered,
+                                     socket_timeout_s)
                          for shard in ks.all_shards()]
 
     @property
@@ -120,14 +121,12 @@ class ShardReader:
     """The streams of one shard, read by one task in one blocking XREAD at a time."""
 
     def __init__(self, r: aioredis.Redis, ks: KeySpace, wake_stream: str, block_ms: int = 1000, count: int = 256,
-                 max_buffered: int = 4096) -> None:
+                 max_buffered: int = 4096, socket_timeout_s: float | None = None) -> None:
         self.r, self.ks = r, ks
-        # a blocking read must end before the client's socket timeout calls it a dead connection
-        pool = getattr(r, "connection_pool", None)  # a cluster client keeps them per node
-        kw = pool.connection_kwargs if pool is not None else r.nodes_manager.connection_kwargs
-        timeout_s = kw.get("socket_timeout") or kw.get("orig_socket_timeout")
-        if timeout_s:
-            block_ms = max(1, min(block_ms, int(timeout_s * 1000) - 500))
+        # a blocking read must end before the client's socket timeout (the client's
+        # `redis.socket_timeout_s`, passed in: redis-py has no public getter) calls it a dead connection
+        if socket_timeout_s:
+            block_ms = max(1, min(block_ms, int(socket_timeout_s * 1000) - 500))
         self.block_ms, self.count, self.max_buffered = block_ms, count, max_buffered
         self.wake_stream = wake_stream
         self._subs: dict[int, Subscription] = {}  # one request may be relayed twice (a resume)

@@ -29,7 +29,7 @@ ENV = "TANDEM_FAULTS"
 SITES: dict[str, str] = {
     "decode.claim": "decode pod: one source's claim (XREADGROUP) of ready, direct or admission entries",
     "decode.pull": "decode pod: the gRPC KV pull of a claimed ready entry",
-    "decode.own": "decode pod: the running-hash write that makes a pulled request its own",
+    "decode.own": "decode pod: the running-hash write that makes a pulled request or a short prompt its own",
     "decode.ack": "decode pod: the ack of a ready entry once its request is owned",
     "decode.publish": "decode pod: one step's fenced token write (every step of every request)",
     "decode.handback": "decode pod: giving a request it cannot finish back for recovery (resume)",

@@ -8,15 +8,31 @@ from the node the URL names and follows MOVED replies and failovers. A short blo
 checks that the settings name the right kind of server (RedisConfigError says what to change);
 an unreachable Redis passes, services wait for it.
 
+Connections are bounded, and a command past the bound waits instead of opening another or failing:
+a plain or Sentinel client uses redis-py's BlockingConnectionPool (`max_connections` for the
+whole process), and the cluster client (whose per-node pools raise MaxConnectionsError when
+full) is `_BoundedCluster`, which lets at most `max_connections` commands and pipelines be in
+flight at once, so no node's pool is ever asked for more. Either way a command that finds no
+connection free within `socket_timeout_s` raises a ConnectionError (REDIS_DOWN: callers wait it
+out as they wait out a restart).
+
+The parts of redis-py used here that are not its documented API (the cluster client's slot-map
+manager `_NodesManager` replaces, how it reports a node that refuses CLUSTER SLOTS) are pinned in
+pyproject.toml and checked by tests/unit/test_redis_py_canary.py, which fails on an upgrade that
+changes them.
+
 `CLUSTER_DOWN` lists what the cluster client raises while a failover or a slot move is under way
 (on top of ConnectionError/TimeoutError): callers wait those out like a restart, as REDIS_DOWN.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import NodesManager, RedisCluster
-from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.asyncio.cluster import ClusterPipeline, NodesManager, RedisCluster
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.exceptions import AskError, ClusterError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError, ResponseError
@@ -38,7 +54,7 @@ class RedisConfigError(ValueError):
     """The Redis settings name the wrong kind of server: fix the settings, retrying cannot help."""
 
 
-def connect(cfg: RedisConfig) -> aioredis.Redis | RedisCluster:
+def connect(cfg: RedisConfig, client_name: str | None = None) -> aioredis.Redis | RedisCluster:
     """One client per process; `decode_responses=False` keeps token ids cheap to parse.
 
     With `cfg.sentinel.hosts` the client asks the sentinels for the primary of
@@ -51,10 +67,14 @@ def connect(cfg: RedisConfig) -> aioredis.Redis | RedisCluster:
     (RedisConfigError when a plain URL points at a sentinel or a cluster node, a cluster URL at
     a plain Redis, a sentinel address is a plain Redis, or no sentinel knows the master name); an
     unreachable Redis passes, since services wait for it.
+
+    At most `cfg.max_connections` connections (per node on a Redis Cluster); past it a command
+    waits for a free one, up to `socket_timeout_s`, then raises ConnectionError. `client_name`
+    names every connection (CLIENT SETNAME), so CLIENT LIST tells the services apart.
     """
     common = dict(password=cfg.password, socket_timeout=cfg.socket_timeout_s,
                   socket_connect_timeout=cfg.connect_timeout_s, health_check_interval=30,
-                  max_connections=cfg.max_connections)
+                  max_connections=cfg.max_connections, client_name=client_name)
     if cfg.cluster and cfg.sentinel.hosts:
         raise RedisConfigError(
             "redis.cluster=true and redis.sentinel.hosts are both set: a Redis Cluster fails over by itself, "
@@ -63,7 +83,7 @@ def connect(cfg: RedisConfig) -> aioredis.Redis | RedisCluster:
     if cfg.cluster:
         _check_server(cfg)
         try:
-            client = RedisCluster.from_url(cfg.url, **common)
+            client = _BoundedCluster.from_url(cfg.url, **common)
         except RedisClusterException as e:  # e.g. a database other than 0, a unix socket
             raise RedisConfigError(f"redis.cluster=true with redis.url {redact_url(cfg.url)}: {e} "
                                    "(a Redis Cluster has database 0 only: redis://HOST:PORT or rediss://HOST:PORT)") from e
@@ -78,7 +98,95 @@ def connect(cfg: RedisConfig) -> aioredis.Redis | RedisCluster:
         return aioredis.Redis.from_pool(pool)  # (from_pool: closing the client closes the pool)
     _check_sentinels(cfg)
     sentinel = Sentinel(cfg.sentinel.addresses(), sentinel_kwargs=_sentinel_kwargs(cfg))
-    return sentinel.master_for(cfg.sentinel.master_name, connection_class=_FailoverConnection, **common)
+    # the same blocking pool as above, its connections found through the sentinels
+    return sentinel.master_for(cfg.sentinel.master_name, connection_class=_FailoverConnection,
+                               connection_pool_class=_BlockingSentinelPool, timeout=cfg.socket_timeout_s, **common)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (connections to whichever node the sentinels call the primary) with the
+    BlockingConnectionPool's wait for a free connection: redis-py's SentinelConnectionPool is a
+    plain ConnectionPool, which raises "Too many connections" past `max_connections`."""
+
+
+class _BoundedCluster(RedisCluster):
+    """redis-py's cluster client with its connections bounded the way a BlockingConnectionPool
+    bounds a plain client's. Its per-node pools hold `max_connections` each and raise
+    MaxConnectionsError when a command finds them full (redis-py has no blocking pool for the
+    cluster client); here a gate lets at most `max_connections` commands or pipelines be in
+    flight in the whole client, each holding at most one connection per node, so a node's pool
+    is never asked for more, and the rest wait their turn (up to `socket_timeout_s`, then a
+    ConnectionError, REDIS_DOWN). One place is left for the connection redis-py keeps to the
+    node it learns the slot map from (CLUSTER SLOTS, under a lock: one at a time), which is a
+    pool of its own: measured, a node held bound + 1 without it. Only public methods are
+    overridden: `execute_command` (every command and script goes through it) and `pipeline`
+    (whose `execute` takes the gate)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        bound = kwargs.get("max_connections") or 100  # redis-py's own default per node
+        self.max_in_flight = max(1, bound - 1)
+        self._gate_timeout_s = kwargs.get("socket_timeout") or None
+        self._gate = asyncio.Semaphore(self.max_in_flight)
+
+    async def _take_gate(self) -> None:
+        try:
+            await asyncio.wait_for(self._gate.acquire(), self._gate_timeout_s)
+        except asyncio.TimeoutError:
+            raise RedisConnectionError(
+                f"no Redis connection came free within {self._gate_timeout_s} s: all {self.max_in_flight} "
+                "(redis.max_connections) are busy; retry, or raise redis.max_connections") from None
+
+    async def execute_command(self, *args, **kwargs):
+        await self._take_gate()
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except (AttributeError, RuntimeError) as e:
+            _raise_if_torn(e)
+            raise
+        finally:
+            self._gate.release()
+
+    def pipeline(self, transaction=None, shard_hint=None) -> ClusterPipeline:
+        if shard_hint:  # what the stock method says
+            return super().pipeline(transaction, shard_hint)
+        return _BoundedPipeline(self, transaction)
+
+
+class _BoundedPipeline(ClusterPipeline):
+    """A pipeline of `_BoundedCluster`: its `execute` waits for the client's gate."""
+
+    async def execute(self, *args, **kwargs):
+        client: _BoundedCluster = self.cluster_client
+        await client._take_gate()
+        try:
+            return await super().execute(*args, **kwargs)
+        except (AttributeError, RuntimeError) as e:
+            _raise_if_torn(e)
+            raise
+        finally:
+            client._gate.release()
+
+
+_REDIS_PY = os.path.dirname(redis.__file__) + os.sep
+
+
+def _raise_if_torn(e: BaseException) -> None:
+    """An AttributeError or RuntimeError raised inside redis-py's cluster client is, during a
+    failover, a connection torn down under a command: one task's error handling disconnects a
+    node's connections (`disconnect_free_connections`, or `aclose` on CLUSTERDOWN) while another
+    task is still connecting or writing on one of them, which then finds its stream gone
+    ("'NoneType' object has no attribute 'writelines'"; reproduced with 300 tasks on one client
+    and a master SIGKILLed: 14 escaped, each a gateway 500 before). Like a dropped connection,
+    the command may or may not have run: a ConnectionError (REDIS_DOWN), which every caller
+    already waits out and retries. Raised from anywhere else (not redis-py's own frame), it is a
+    bug and stays what it is."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None and tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY):
+        raise RedisConnectionError(f"a Redis Cluster connection was torn down under this command during a "
+                                   f"topology change ({type(e).__name__}: {e}); retry") from e
 
 
 class _NodesManager(NodesManager):
@@ -99,8 +207,11 @@ class _NodesManager(NodesManager):
         except RedisClusterException as e:
             if type(e) is not RedisClusterException:  # SlotNotCoveredError etc. keep their type
                 raise
-            cause = e.__cause__  # the last node's failure; a refused CLUSTER SLOTS is "not enabled"
-            if isinstance(cause, RedisClusterException) and "not enabled" in str(cause):
+            # the last node's failure (redis-py raises the last one `from` it). A node that refuses
+            # CLUSTER SLOTS answered with a ResponseError, which redis-py re-raises inside its
+            # handler as a bare RedisClusterException: the ResponseError is that one's context.
+            cause = e.__cause__
+            if type(cause) is RedisClusterException and isinstance(cause.__context__, ResponseError):
                 raise RedisConfigError(
                     f"redis.cluster=true but the Redis at {', '.join(self.startup_nodes)} refuses CLUSTER SLOTS "
                     f"({cause.__context__ or cause}): it is not a cluster node; set redis.cluster=false "

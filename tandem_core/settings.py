@@ -46,7 +46,9 @@ class RedisConfig(BaseModel):
     password: str | None = None
     socket_timeout_s: PositiveFloat = 10.0
     connect_timeout_s: PositiveFloat = 5.0
-    max_connections: PositiveInt = 1024  # client pool bound (per node on a Redis Cluster)
+    # the client's connection bound (per node on a Redis Cluster): past it a command waits for a
+    # free connection (up to socket_timeout_s), it never opens another (tandem_core/redis_client.py)
+    max_connections: PositiveInt = 64
     sentinel: SentinelConfig = SentinelConfig()
     # Redis Cluster: `url` names any one node (redis:// or rediss://); redis-py's cluster client
     # finds the rest and follows failovers and slot moves.

@@ -186,6 +186,33 @@ async def enqueue(r: aioredis.Redis, ks: KeySpace, pool: str, req: GenerationReq
     direct stream, or to the shared admission stream of its priority; returns the entry id.
     Idempotent by request id for MARKER_TTL_S: a second call returns the first call's entry id and
     writes nothing (the gateway retries an enqueue whose reply a Redis outage swallowed)."""
+    got = await r.eval(*_enqueue_args(ks, pool, req, maxlen, pod, direct))
+    if ks.shards > 1:  # wake the idle readers (another slot: after the script)
+        pipe = r.pipeline(transaction=False)
+        ring(pipe, ks, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
+        await pipe.execute()
+    return got if isinstance(got, bytes) else str(got).encode()
+
+
+async def enqueue_many(r: aioredis.Redis, ks: KeySpace, pool: str, items: list[tuple[GenerationRequest, str | None, bool]],
+                       maxlen: int) -> list[bytes | Exception]:
+    """`enqueue` of many requests ((request, pod, direct) each) in one pipeline: one connection
+    and one round trip for all of them (then one for the doorbells, with more than one shard).
+    Each item's entry id, or the error its script got; a connection error raises for all (each
+    enqueue is idempotent by request id, so all may be sent again)."""
+    pipe = r.pipeline(transaction=False)
+    for req, pod, direct in items:
+        pipe.eval(*_enqueue_args(ks, pool, req, maxlen, pod, direct))
+    res = await pipe.execute(raise_on_error=False)
+    if ks.shards > 1:  # wake the idle readers, each group once (after the scripts)
+        pipe = r.pipeline(transaction=False)
+        for group in sorted({keys.DECODE_GROUP if direct else keys.PREFILL_GROUP for _r, _p, direct in items}):
+            ring(pipe, ks, pool, group)
+        await pipe.execute()
+    return [x if isinstance(x, (bytes, Exception)) else str(x).encode() for x in res]
+
+
+def _enqueue_args(ks: KeySpace, pool: str, req: GenerationRequest, maxlen: int, pod: str | None, direct: bool) -> list:
     shard = ks.request_shard(req.request_id)  # the stream, the marker and the set share its tag
     extra: list[str] = []
     args: list[str] = []
@@ -196,13 +223,8 @@ async def enqueue(r: aioredis.Redis, ks: KeySpace, pool: str, req: GenerationReq
     else:
         stream = ks.pod_admission_stream(pool, req.priority, pod, shard)
         extra, args = [ks.pod_streams_set(pool, shard)], [pod]
-    got = await r.eval(_ENQUEUE, 2 + len(extra), stream, ks.admitted_key(req.request_id), *extra,
-                       req.request_id, req.to_json(), maxlen, MARKER_TTL_S, *args)
-    if ks.shards > 1:  # wake the idle readers (another slot: after the script)
-        pipe = r.pipeline(transaction=False)
-        ring(pipe, ks, pool, keys.DECODE_GROUP if direct else keys.PREFILL_GROUP)
-        await pipe.execute()
-    return got if isinstance(got, bytes) else str(got).encode()
+    return [_ENQUEUE, 2 + len(extra), stream, ks.admitted_key(req.request_id), *extra,
+            req.request_id, req.to_json(), maxlen, MARKER_TTL_S, *args]
 
 
 def _add_xlens(pipe, ks: KeySpace, pool: str, pods: list[str]) -> None:

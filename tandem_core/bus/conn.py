@@ -39,9 +39,10 @@ async def retry_redis(fn, what: str, timeout_s: float | None = 120.0, log=None):
     return await retry(fn, what, transient=REDIS_DOWN, timeout_s=timeout_s, backoff=REDIS_BACKOFF, log=log)
 
 
-def connect(cfg: RedisConfig) -> aioredis.Redis:
-    """The process's Redis client (tandem_core.redis_client.connect)."""
-    return redis_client.connect(cfg)
+def connect(cfg: RedisConfig, client_name: str | None = None) -> aioredis.Redis:
+    """The process's Redis client (tandem_core.redis_client.connect: at most
+    `cfg.max_connections` connections, named `client_name`)."""
+    return redis_client.connect(cfg, client_name)
 
 
 async def check_shards(r: aioredis.Redis, ks: keys.KeySpace) -> None:

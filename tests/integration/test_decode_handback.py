@@ -228,3 +228,85 @@ async def test_entries_claimed_before_a_later_claim_fails_are_started(redis_url,
             assert st["unacked"] == 0 and st["seats"] == 0 and not st["resumed"]
     finally:
         await server.stop(None)
+
+
+async def _direct_pending(r, pool: str, rid: str) -> int:
+    return (await r.xpending(KS.direct_stream(pool, KS.request_shard(rid)), keys.DECODE_GROUP))["pending"]
+
+
+async def test_a_short_prompt_whose_ownership_write_fails_is_handed_back_at_once(redis_url, redis_client, engine):
+    """A short prompt (the direct stream: this pod prefills it) whose running-hash write fails: the
+    request is handed back for recovery at once and its entry acked. Before, the entry stayed
+    pending to this live pod until the stale reclaim (`stale_pending_s`), set out of reach here."""
+    from tandem_core.bus import admission
+
+    r, pool = redis_client, "handback-own-direct"
+    await groups.ensure_groups(r, KS, pool)
+    faults.configure("decode.own@1")
+    req = GenerationRequest("own-direct", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    async with Pod(r, engine, redis_url, pool, direct_prefill=True, stale_pending_s=3600) as pod:
+        await admission.enqueue_request(r, KS, pool, req, 1000, direct=True)
+        st = await _until(r, pod, pool, req.request_id, lambda st: st["resumed"] and st["seats"] == 0)
+        pending = await _direct_pending(r, pool, req.request_id)
+        for _ in range(100):  # the ack follows the hand-back
+            if not pending:
+                break
+            await asyncio.sleep(0.05)
+            pending = await _direct_pending(r, pool, req.request_id)
+        assert faults.raised["decode.own"] == 1, "the fault never fired: the test proves nothing"
+        assert len(st["resumed"]) == 1 and st["resumed"][0].attempt == 1, st["resumed"]
+        assert st["seats"] == 0 and not st["owned"], (pod.table.stages(), st)
+        assert pending == 0, "the direct entry was never acked: it waits for the stale reclaim"
+
+
+async def test_an_unreadable_entry_is_acked_as_a_dead_letter(redis_url, redis_client, engine, caplog):
+    """An entry no request can be read from (a writer's bug, a version skew): acked and logged with
+    its fields, and the pod goes on. Before, it stayed pending and failed again on every reclaim."""
+    r, pool = redis_client, "handback-dead-letter"
+    await groups.ensure_groups(r, KS, pool)
+    stream = KS.direct_stream(pool, 0)
+    async with Pod(r, engine, redis_url, pool, direct_prefill=True) as pod:
+        await r.xadd(stream, {"rid": "garbled", "req": b"{not json"})
+        for _ in range(200):
+            if pod.io.claims.dead_letters and not (await r.xpending(stream, keys.DECODE_GROUP))["pending"]:
+                break
+            await asyncio.sleep(0.05)
+        assert pod.io.claims.dead_letters == 1
+        assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 0, "the unreadable entry was never acked"
+        assert "dead letter" in caplog.text and "{not json" in caplog.text
+        assert sum(pod.table.stages().values()) == 0 and pod.table.reserved == 0 if hasattr(pod.table, "reserved") \
+            else sum(pod.table.stages().values()) == 0
+        # and the pod goes on: a good short prompt after it runs to its end
+        good = GenerationRequest("after-dead-letter", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+        from tandem_core.bus import admission
+        await admission.enqueue_request(r, KS, pool, good, 1000, direct=True)
+        st = await _until(r, pod, pool, good.request_id, lambda st: st["finished"])
+        assert st["finished"]
+
+
+async def test_a_delivery_whose_claim_reply_was_lost_is_taken_again_at_once(redis_url, redis_client, engine):
+    """The lease failure after a Redis restart (issue 31): the decode pod's XREADGROUP ran, but its
+    reply was lost with the dying connection, so the ready entry is pending to this live pod, which
+    never saw it. Only the stale reclaim (`stale_pending_s`, 60 s by default) took it back, and the
+    prefill pod's KV lease (60 s, begun before the entry was written) always ended first: "KV was
+    not pulled by a decode pod within its lease". Here the delivery is made as the pod's consumer
+    (what the lost reply leaves in Redis) and the pod's first claim fails as on a dying connection;
+    the stale reclaim is out of reach, so only taking its own entries again at once finishes it."""
+    r, pool = redis_client, "handback-lost-reply"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    try:
+        req = await _publish_ready(r, engine, store, address, pool, "lost-reply")
+        got = await r.xreadgroup(keys.DECODE_GROUP, WID, {KS.ready_stream(pool, 0): ">"}, count=1)
+        assert got and len(got[0][1]) == 1  # delivered to the pod's consumer; the pod never saw it
+        faults.configure("decode.claim@1:down")
+        async with Pod(r, engine, redis_url, pool, stale_pending_s=3600) as pod:
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] and st["unacked"] == 0,
+                              rounds=1200)  # a bound on the wait on a busy machine, not a timing assertion
+            assert faults.raised["decode.claim"] == 1, "the claim never failed: the test proves nothing"
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st
+            assert st["unacked"] == 0 and st["seats"] == 0 and not st["resumed"]
+            assert len(store) == 0, "the KV is still held: it was never pulled"
+    finally:
+        await server.stop(None)
