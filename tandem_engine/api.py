@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_core.models import ModelInfo
     from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
     from tandem_engine.cores import DecodeState
-    from tandem_engine.engine import Prefix
+    from tandem_engine.engine import PrefillCall, Prefix
     from tandem_engine.model import ModelConfig
 
 
@@ -41,6 +41,8 @@ class ServingEngine(Protocol):
                 choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
                 output_from: int | None = None, stop_ids: Sequence[int] = (),
                 masks: "np.ndarray | None" = None, cached=None) -> "Prefix": ...
+
+    def prefill_batch(self, calls: Sequence["PrefillCall"]) -> "list[Prefix]": ...
 
     def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> "list[TokenLogprobs | None]": ...
 

@@ -15,10 +15,11 @@ import numpy as np
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
-from tandem_engine.cores import logits_core, prefill_cached_core, prefill_core, prompt_logprobs_core
+from tandem_engine.cores import (logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
+                                 prompt_logprobs_core)
 from tandem_engine.engine_base import EngineBase
-from tandem_engine.logits import (check_output_from, mask_rows, slot_logits, stack, unpack_logprobs,
-                                  unpack_tokens)
+from tandem_engine.logits import (SlotLogits, check_output_from, mask_rows, slot_logits, stack,
+                                  unpack_logprobs, unpack_tokens)
 from tandem_engine.sampling import sampling_arrays
 
 
@@ -41,6 +42,18 @@ class Prefix:
             self.first_tokens = [int(self.first_token)]
         if not self.first_logprobs:
             self.first_logprobs = [None] * len(self.first_tokens)
+
+
+@dataclass
+class PrefillCall:
+    """One prompt of a batched prefill (`PrefillSide.prefill_batch`): `prefill`'s arguments for a
+    prompt with one choice, no grammar masks and no cached prefix."""
+
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    start_index: int = 0
+    output_from: int | None = None
+    stop_ids: Sequence[int] = ()
 
 
 def _stack_sampling(picks: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
@@ -86,8 +99,53 @@ class PrefillSide(EngineBase):
         `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
         arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
         only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
-        padded, n = self._pad_prompt(prompt_ids)
         picks = [sampling] if choices is None else list(choices)
+        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
+        rest = (*rest, m)
+        if cached is not None and int(cached.length) > 0:
+            k, v, packed = self._prefill_over(padded, n, cached, rest)
+        else:
+            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
+        return self._prefix(k, v, n, np.asarray(packed), picks)  # the one device -> host copy
+
+    def prefill_batch(self, calls: Sequence[PrefillCall]) -> list[Prefix]:
+        """Several prompts of one bucket, each with one choice, in as few forward passes as the
+        compiled row counts allow (powers of two: 13 prompts run as 8 + 4 + 1, no padded rows).
+        Prefix i is the one `prefill(calls[i]...)` returns alone: the same first token, logprobs
+        and KV (rows never see each other). Raises for the whole batch (InvalidRequest names the
+        field of the first bad call; ValueError for prompts of different buckets): a caller that
+        must fail one bad prompt alone runs the batch's prompts one at a time then."""
+        prepared = [self._prepare(c.prompt_ids, [c.sampling], c.start_index, c.output_from, c.stop_ids)
+                    for c in calls]
+        lengths = {p[0].shape[0] for p in prepared}
+        if len(lengths) > 1:
+            raise ValueError(f"a batched prefill runs prompts of one bucket; got buckets {sorted(lengths)}")
+        out: list[Prefix] = []
+        while len(out) < len(prepared):
+            group = prepared[len(out):]
+            group = group[:1 << (len(group).bit_length() - 1)]
+            if len(group) == 1:  # the single prompt's own compiled prefill
+                (padded, n, rest), = group
+                k, v, packed = prefill_core(self.params, padded, *rest, None, cfg=self.cfg, layout=self.layout)
+                out.append(self._prefix(k, v, n, np.asarray(packed), [calls[len(out)].sampling]))
+                continue
+            cols = list(zip(*(rest for _, _, rest in group)))
+            args = [np.stack(col) for col in cols[:-1]] + [SlotLogits(*(np.stack(xs) for xs in zip(*cols[-1])))]
+            k, v, packed = prefill_batch_core(self.params, np.stack([p for p, _, _ in group]), *args,
+                                              cfg=self.cfg, layout=self.layout)
+            host = np.asarray(packed)  # one device -> host copy for the whole group
+            for i, (_, n, _) in enumerate(group):
+                out.append(self._prefix(k[:, i], v[:, i], n, host[i], [calls[len(out)].sampling]))
+        return out
+
+    def _prepare(self, prompt_ids: Sequence[int], picks: Sequence[SamplingParams], start_index: int,
+                 output_from: int | None, stop_ids: Sequence[int]) -> tuple[np.ndarray, int, tuple]:
+        """Validated host arrays of one prompt: (padded ids, true length, prefill_core's arguments
+        after the tokens, masks left out)."""
+        padded, n = self._pad_prompt(prompt_ids)
         if not picks:
             raise InvalidRequest("choices is empty: at least one is required", param="n")
         out_from = check_output_from(output_from, n)
@@ -95,16 +153,11 @@ class PrefillSide(EngineBase):
             raise InvalidRequest(f"start_index must be >= 0, got {start_index}", param="start_index")
         s = _stack_sampling(picks)
         proc = stack([slot_logits(p, self.info.vocab_size, stop_ids) for p in picks])
-        if masks is not None and len(masks) != len(picks):
-            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
-        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
-        rest = (np.int32(n), np.int32(out_from), np.int32(start_index), s["temperature"], s["top_k"], s["top_p"],
-                s["seed"], proc, m)
-        if cached is not None and int(cached.length) > 0:
-            k, v, packed = self._prefill_over(padded, n, cached, rest)
-        else:
-            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
-        host = np.asarray(packed)  # the one device -> host copy: tokens and logprobs
+        return padded, n, (np.int32(n), np.int32(out_from), np.int32(start_index), s["temperature"], s["top_k"],
+                           s["top_p"], s["seed"], proc)
+
+    @staticmethod
+    def _prefix(k, v, n: int, host: np.ndarray, picks: Sequence[SamplingParams]) -> Prefix:
         tokens = [int(t) for t in unpack_tokens(host)]
         lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
         return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
