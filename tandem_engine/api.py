@@ -11,6 +11,7 @@ to insert/generate/free are donated and must not be used again.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
@@ -20,8 +21,20 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_core.models import ModelInfo
     from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
     from tandem_engine.cores import DecodeState
-    from tandem_engine.engine import PrefillCall, Prefix
+    from tandem_engine.engine import Prefix
     from tandem_engine.model import ModelConfig
+
+
+@dataclass
+class PrefillCall:
+    """One prompt of a batched prefill (`ServingEngine.prefill_batch`): `prefill`'s arguments for a
+    prompt with one choice, no grammar masks and no cached prefix."""
+
+    prompt_ids: Sequence[int]
+    sampling: "SamplingParams"
+    start_index: int = 0
+    output_from: int | None = None
+    stop_ids: Sequence[int] = ()
 
 
 @runtime_checkable

@@ -39,7 +39,8 @@ from tandem_core.types import SamplingParams
 from tandem_engine.cores import DecodeState
 from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
-from tandem_engine.engine_prefill import PrefillCall, PrefillSide, Prefix
+from tandem_engine.api import PrefillCall
+from tandem_engine.engine_prefill import PrefillSide, Prefix
 from tandem_engine.prefix_cache import Hit
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]

@@ -15,6 +15,7 @@ import numpy as np
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
+from tandem_engine.api import PrefillCall
 from tandem_engine.cores import (logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
                                  prompt_logprobs_core)
 from tandem_engine.engine_base import EngineBase
@@ -42,18 +43,6 @@ class Prefix:
             self.first_tokens = [int(self.first_token)]
         if not self.first_logprobs:
             self.first_logprobs = [None] * len(self.first_tokens)
-
-
-@dataclass
-class PrefillCall:
-    """One prompt of a batched prefill (`PrefillSide.prefill_batch`): `prefill`'s arguments for a
-    prompt with one choice, no grammar masks and no cached prefix."""
-
-    prompt_ids: Sequence[int]
-    sampling: SamplingParams
-    start_index: int = 0
-    output_from: int | None = None
-    stop_ids: Sequence[int] = ()
 
 
 def _stack_sampling(picks: Sequence[SamplingParams]) -> dict[str, np.ndarray]:
