@@ -50,6 +50,8 @@ class Prefiller:
         self.max_prefix_bytes = self._max_prefix_bytes()
         self._queue: deque = deque()  # (request, future) waiting for the engine thread, oldest first
         self._running = False  # an engine call is in flight (or about to start)
+        self._arriving = 0  # claimed entries not yet queued (prefill) or done without a prefill
+        self.engine_calls = 0  # engine-thread calls (a batch of prompts is one)
         self.prefilled = 0
         self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
 
@@ -63,21 +65,36 @@ class Prefiller:
         """How many more prompts the held-KV budget can take, each at the worst case."""
         return self.store.room_for(self.max_prefix_bytes)
 
-    async def prefill(self, req: GenerationRequest) -> tuple[entry_fence.EntryWrites, list[str]]:
+    async def prefill(self, req: GenerationRequest, arrive=None) -> tuple[entry_fence.EntryWrites, list[str]]:
         """The writes that answer `req` and the ids of the KV now held for it (exceptions pass).
 
         The request joins the queue of prompts waiting for the engine thread; when the thread is
         free it takes the oldest and every other waiting prompt of the same bucket, up to
         `prefill_batch_tokens` padded tokens, and prefills them in one batched call. Nothing waits
-        for company: a prompt alone in the queue runs alone, at once."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        for company that is not here yet: only the entries already claimed (`expect`) are waited
+        for, until each has reached this queue or dropped out (`arrive`, called once it is queued;
+        `arrived`), a matter of their Redis checks' round trips."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((req, done))
-        if not self._running:
-            self._running = True
-            loop.call_soon(self._dispatch)  # after the callbacks already ready: claims made together batch
+        if arrive is not None:
+            arrive()
+        self._kick()
         out = await done
         return self.first_writes(req, *out)
+
+    def expect(self, count: int) -> None:
+        """`count` claimed entries are on their way to the queue (each ends with `arrived`)."""
+        self._arriving += count
+
+    def arrived(self) -> None:
+        """One expected entry is queued, or needs no prefill."""
+        self._arriving -= 1
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._queue and not self._running and self._arriving <= 0:
+            self._running = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
         """Start the next engine call: the oldest waiting prompt and its batch (one at a time)."""
@@ -85,6 +102,7 @@ class Prefiller:
             self._running = False
             return
         batch = self._next_batch()
+        self.engine_calls += 1
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
@@ -93,7 +111,8 @@ class Prefiller:
             for _, done in batch:
                 if not done.done():
                     done.set_exception(e)
-            loop.call_soon(self._dispatch)
+            self._running = False
+            loop.call_soon(self._kick)
             return
 
         def finished(f: asyncio.Future) -> None:
@@ -113,7 +132,8 @@ class Prefiller:
                     done.set_exception(res)
                 else:
                     done.set_result(res)
-            self._dispatch()
+            self._running = False
+            self._kick()
 
         fut.add_done_callback(finished)
 

@@ -99,8 +99,7 @@ class PrefillWorker:
             return
         claimed = await groups.claim(self.r, self._claim_order(rotation), keys.PREFILL_GROUP, self.worker_id, room,
                                      self.s.claim_block_ms, self.bell)
-        # together: the prompts that reach the engine at once share its calls (prefill.py batches)
-        await asyncio.gather(*(self.handler.handle_until_done(c) for c in claimed))
+        await self.handler.handle_claimed(claimed)  # together: their prompts share engine calls
         await self.takeover.run()
 
     def _claim_order(self, rotation: PriorityRotation) -> list[str]:
