@@ -8,7 +8,7 @@ No I/O, no tokenizer, no settings here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -155,29 +155,70 @@ class PrefillSide(EngineBase):
         """The prompt after a cached prefix, in chunks of `prefix_chunk` tokens over one KV buffer
         of the largest bucket (one compiled shape whatever the lengths), then cut to the prompt's
         bucket. The last chunk's first tokens are the prompt's."""
-        c, cfg, chunk = int(cached.length), self.cfg, self.prefix_chunk
+        c = int(cached.length)
         if not 0 < c < n:
             raise ValueError(f"a cached prefix of {c} tokens must be shorter than the prompt ({n} tokens)")
-        want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
-        if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
-            raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
+        out = None
+        for out in self._chunks(padded, n, cached, rest, self.prefix_chunk):
+            pass
+        return out
+
+    def _chunks(self, padded: np.ndarray, n: int, cached, rest: tuple, chunk: int):
+        """Yield (k, v, packed) after each chunk of the prompt from the cached prefix's end (or
+        from 0: `cached` None) on; the last is the prompt's, k and v cut to its bucket."""
+        c, cfg = (0 if cached is None else int(cached.length)), self.cfg
         size = self.buckets[-1]
+        if cached is not None:
+            want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
+            if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
+                raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
         bufs = []
-        for kv in (cached.k, cached.v):
+        for kv in ((None, None) if cached is None else (cached.k, cached.v)):
             buf = np.zeros((cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim), self._jdtype)
-            buf[:, :c] = kv
+            if kv is not None:
+                buf[:, :c] = kv
             bufs.append(self._place_kv(buf))
         k, v = bufs
         whole = np.zeros((size,), np.int32)
         whole[:n] = padded[:n]
+        bucket = padded.shape[0]
         for start in range(c, n, chunk):
             m = min(chunk, n - start)
             piece = np.zeros((chunk,), np.int32)
             piece[:m] = whole[start:start + m]
             k, v, packed = prefill_cached_core(self.params, piece, np.int32(start), np.int32(m),
                                                k, v, whole, *rest, cfg=self.cfg, layout=self.layout)
-        bucket = padded.shape[0]
-        return k[:, :bucket], v[:, :bucket], packed
+            if start + chunk >= n:
+                yield k[:, :bucket], v[:, :bucket], packed
+            else:
+                yield k, v, packed
+
+    def prefill_chunked(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, chunk: int | None = None,
+                        choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
+                        output_from: int | None = None, stop_ids: Sequence[int] = (),
+                        masks: np.ndarray | None = None, cached=None) -> Iterator[Prefix | None]:
+        """`prefill` in pieces of `chunk` tokens (default `prefix_chunk`), for a caller that does
+        other device work between them (a decode pod's steps: chunked prefill). A generator:
+        each `next` runs one chunk and yields None, and the last yields the Prefix `prefill`
+        gives (the prefill-over-a-cached-prefix path: equal to the whole prompt's up to float
+        rounding in the row blocking). Validation errors raise at the first `next`."""
+        picks = [sampling] if choices is None else list(choices)
+        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
+        rest = (*rest, m)
+        size = max(1, min(int(chunk or self.prefix_chunk), self.buckets[-1]))
+        if cached is not None and int(cached.length) <= 0:
+            cached = None
+        if cached is not None and not 0 < int(cached.length) < n:
+            raise ValueError(f"a cached prefix of {cached.length} tokens must be shorter than the prompt ({n} tokens)")
+        pieces = list(range(0 if cached is None else int(cached.length), n, size))
+        for i, (k, v, packed) in enumerate(self._chunks(padded, n, cached, rest, size)):
+            if i + 1 < len(pieces):
+                yield None
+            else:
+                yield self._prefix(k, v, n, np.asarray(packed), picks)
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`
