@@ -47,8 +47,9 @@ def make(name: str, a, root: Path):
         model_dir = vllm_cpu.prepare_model_dir(BUILTIN_DIR, OUT / "vllm-model")
         return tag, vllm_cpu.VLLMServer(model_dir, free_port(), a.max_len, None, OUT / "vllm.log",
                                         max_num_seqs=a.slots)
+    env = dict(kv.split("=", 1) for kv in a.env)
     return tag, TandemLocal(tag, "builtin", colocated=(name == "colocated"), slots=a.slots, max_len=a.max_len,
-                            pin="", env={}, log_path=OUT / f"{tag}.log", root=root)
+                            pin="", env=env, log_path=OUT / f"{tag}.log", root=root)
 
 
 async def measure(url: str, a) -> dict:
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="disagg,colocated,vllm")
     p.add_argument("--old-root", default="", help="also run the Tandem systems from this checkout")
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Tandem setting for its pods, e.g. TANDEM_PREFILL_PREFILL_BATCH_TOKENS=1024")
     a = p.parse_args(argv)
     if a.quick:
         a.rounds = 2
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"| {tag} | failed: {r['error']} | |")
         else:
-            each = ", ".join("%.0f" % x["p90_ms"] for x in r["rounds"])
+            each = ", ".join(f"{x['p90_ms']:.0f}" for x in r["rounds"])
             print(f"| {tag} | {r['p90_ms_median']:.0f} | {each} |")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "burst.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
