@@ -23,7 +23,7 @@ class DecodeSettings(WorkerSettings):
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread
     # Chunked prefill: while streams run, a local prompt longer than one chunk (prefix_cache.chunk_tokens)
     # is prefilled at most this many tokens between two decode steps; 0 = whole prompts
-    prefill_chunk_tokens: NonNegativeInt = 512
+    prefill_chunk_tokens: NonNegativeInt = 2048
     stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
     max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
     admission_maxlen: PositiveInt = 10000
