@@ -12,7 +12,7 @@ to insert/generate/free are donated and must not be used again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -49,6 +49,7 @@ class ServingEngine(Protocol):
     buckets: tuple[int, ...]  # prefill length buckets (compiled shapes)
     batch_buckets: tuple[int, ...]  # decode step row buckets (compiled shapes)
     dtype: str  # "float32" | "bfloat16": the KV's bytes per element
+    prefix_chunk: int  # tokens per piece of a prefill over a cached prefix, and of a chunked prefill
 
     def prefill(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *,
                 choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
@@ -56,6 +57,11 @@ class ServingEngine(Protocol):
                 masks: "np.ndarray | None" = None, cached=None) -> "Prefix": ...
 
     def prefill_batch(self, calls: Sequence["PrefillCall"]) -> "list[Prefix]": ...
+
+    def prefill_chunked(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *, chunk: int | None = None,
+                        choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
+                        output_from: int | None = None, stop_ids: Sequence[int] = (),
+                        masks: "np.ndarray | None" = None, cached=None) -> "Iterator[Prefix | None]": ...
 
     def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> "list[TokenLogprobs | None]": ...
 
