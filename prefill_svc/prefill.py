@@ -128,7 +128,9 @@ class Prefiller:
             for (_, done), res in zip(batch, results):
                 if done.done():
                     continue
-                if isinstance(res, BaseException):
+                if isinstance(res, asyncio.CancelledError):
+                    done.cancel()
+                elif isinstance(res, BaseException):
                     done.set_exception(res)
                 else:
                     done.set_result(res)
