@@ -18,8 +18,9 @@ class PrefillSettings(WorkerSettings):
     kv_chunk_bytes: PositiveInt = 1024 * 1024
     max_batch: PositiveInt = 8  # prompts claimed per read
     # One engine call prefills the waiting prompts of one length bucket together, up to this many
-    # padded tokens (at least one prompt): 2 x 512, 8 x 128. A prompt never waits for company.
-    prefill_batch_tokens: PositiveInt = 1024
+    # padded tokens (at least one prompt): 4 x 128, 2 x 256, a 512 alone (on CPU a batch of long prompts
+    # is no faster per prompt: bench/burst.py; an accelerator wants far more). Never waits for company.
+    prefill_batch_tokens: PositiveInt = 512
     ready_maxlen: PositiveInt = 10000
     # An admission entry whose request's deadline passed this long ago is acked unanswered: its
     # gateway gave up on it long since (a backlog left while every prefill pod was down).
