@@ -22,6 +22,7 @@ BENCHMARKS = [
     "serve.py",
     "interleave.py",  # reuses serve.py's burst runs of the same `make bench`
     "peer.py",  # vLLM CPU vs Tandem side by side, unpinned (issue 11)
+    "burst.py",  # 16 prompts of 512 tokens at once: TTFT on both paths vs vLLM (issue 29)
     "prefix.py",  # multi-turn chats: Tandem prefix cache on/off vs vLLM with prefix caching (issue 14)
     "token_plane.py",  # the token plane alone, 10,000 streams, key placement, Redis cost per token (issue 15)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)

@@ -31,8 +31,9 @@ class TandemLocal:
     is its own per-role `--pin`, `cpus` a taskset of the whole cluster."""
 
     def __init__(self, name: str, model: str, *, colocated: bool, slots: int, max_len: int, pin: str,
-                 env: dict[str, str], log_path: Path, cpus: str = "") -> None:
+                 env: dict[str, str], log_path: Path, cpus: str = "", root: Path = ROOT) -> None:
         self.name, self.model, self.colocated, self.slots = name, model, colocated, slots
+        self.root = Path(root)  # the checkout whose code runs (bench/burst.py --old-root: another commit's)
         self.max_len, self.pin, self.env, self.log_path = max_len, pin, env, log_path
         self.cpus = cpus  # taskset -c on the launcher (and so every child), when given
         self.port = free_port()
@@ -55,7 +56,7 @@ class TandemLocal:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command(), cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if "Tandem is serving" in self.log_path.read_text():

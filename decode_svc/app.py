@@ -43,7 +43,8 @@ async def _compiled_engine(s: DecodeSettings):
     c = s.prefix_cache
     cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
     # plain, logprobs and masked steps; colocated: every prefill bucket and the prefill over a cached prefix
-    await asyncio.to_thread(engine.warmup, s.colocated, True, True, s.colocated and cache.enabled)
+    await asyncio.to_thread(engine.warmup, s.colocated, True, True,
+                            s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0))  # chunked prefill too
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s)", time.monotonic() - t0,
              list(engine.buckets), list(engine.batch_buckets))
     return engine, cache
@@ -58,7 +59,8 @@ async def serve(s: DecodeSettings) -> int:
     table = RequestTable(s.slots)
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
-                             mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache)
+                             mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache,
+                             prefill_chunk_tokens=s.prefill_chunk_tokens)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
     pod = WorkerPod(s, r, [SERVICE])

@@ -42,7 +42,7 @@ from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats
 from decode_svc.requests import Active, RequestTable
 from tandem_core.errors import TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
-from decode_svc.local_prefill import failed, prefill_here
+from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
 from tandem_core.sampling_args import insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
@@ -56,8 +56,13 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
-                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None) -> None:
+                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None,
+                 prefill_chunk_tokens: int = 0) -> None:
         self.engine = engine
+        # while streams run, local prompts longer than one chunk (engine.prefix_chunk) are prefilled
+        # this many tokens between two steps (chunked prefill, decode_svc/local_prefill.py); 0: whole
+        self.prefill_chunk_tokens = int(prefill_chunk_tokens)
+        self._chunked: deque[ChunkedPrefill] = deque()
         # local prefills reuse cached prefixes (None: a cache that is off, counting prefill tokens only)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(1, 0, enabled=False)
         self.table = table
@@ -107,7 +112,7 @@ class EngineLoop:
         pending = None  # (device tokens, snapshot, logprobs wanted) of the step dispatched last
         while not self._stop.is_set():
             state = self._apply_cancels(state)
-            idle = pending is None and self.table.used == 0
+            idle = pending is None and self.table.used == 0 and not self._chunked
             state = self._apply_inserts(state, block_s=0.05 if idle else 0.0)
             current, masks = None, None
             t0 = time.perf_counter()
@@ -152,6 +157,7 @@ class EngineLoop:
         return state, masks[: self.table.rows()]
 
     def _apply_inserts(self, state, block_s: float):
+        state = self._advance_chunked(state)  # chunked prefill: the next chunks of long local prompts
         state = self._apply_held(state)  # choices already prefilled go first
         while self.table.free and not self._held:
             item = self.bridge.get_insert(block_s)
@@ -187,11 +193,37 @@ class EngineLoop:
         """Prefill here (decode_svc/local_prefill.py); the choices that go on take the prompt's
         seat and wait for slots (with n > 1 the rest wait until slots free up)."""
         try:
+            if self.prefill_chunk_tokens and self.table.used and len(item.req.prompt_ids) > self.engine.prefix_chunk:
+                self._chunked.append(ChunkedPrefill(self.engine, self.prefix_cache, self.grammars.grammars, item))
+                return state  # streams are running: its chunks go between their steps
             done = prefill_here(self.engine, self.prefix_cache, self.grammars.grammars, item)
         except TandemError as e:
             self.table.drop(item.key)
             self._emit(failed(item, e.message))
             return state
+        return self._prefilled(item, done, state)
+
+    def _advance_chunked(self, state):
+        """Run up to `prefill_chunk_tokens` of the waiting chunked prefills, oldest first (all of
+        them while no stream is running); a finished one publishes its first tokens as a whole
+        prefill does."""
+        budget = self.prefill_chunk_tokens
+        while self._chunked and (budget > 0 or not self.table.used):
+            job = self._chunked[0]
+            try:
+                done = job.advance()
+            except TandemError as e:
+                self._chunked.popleft()
+                self.table.drop(job.item.key)
+                self._emit(failed(job.item, e.message))
+                continue
+            budget -= self.engine.prefix_chunk
+            if done is not None:
+                self._chunked.popleft()
+                state = self._prefilled(job.item, done, state)
+        return state
+
+    def _prefilled(self, item: LocalPrefill, done, state):
         self.stats.local_prefills += 1
         self._held.extend(HeldChoice(done.prefix, c, first, self.table.queue_choice(c.request_id))
                           for c, first in done.going)

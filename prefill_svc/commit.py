@@ -9,6 +9,7 @@ acked or its request is long abandoned.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -38,20 +39,33 @@ class EntryHandler:
         self.worker_id = worker_id
         self.fence = entry_fence.EntryFence(r, groups.PREFILL_GROUP, worker_id)
 
-    async def handle_until_done(self, c: groups.Claimed) -> None:
+    async def handle_claimed(self, claimed: list[groups.Claimed]) -> None:
+        """Handle entries claimed together, concurrently, so that their prompts reach the engine
+        together and share its calls (prefill_svc/prefill.py); each is committed on its own."""
+        self.prefiller.expect(len(claimed))
+        await asyncio.gather(*(self.handle_until_done(c, counted=True) for c in claimed))
+
+    async def handle_until_done(self, c: groups.Claimed, counted: bool = False) -> None:
         """Handle one entry; through a Redis outage, retry it (as a reclaim, so work already
         published is not done twice: tandem_core/retry.py, REDIS_DOWN only) until it is acked, or
         until its request is abandoned (its deadline plus `abandoned_after_s`; a request without a
         deadline, `abandoned_after_s` from now). Past that the entry stays pending to this pod,
         which takes it up again after `stale_pending_s` (and then only acks it)."""
-        reclaimed = False
+        reclaimed, waited_for = False, counted
+
+        def arrive() -> None:  # `counted`: the prefiller waits for this entry once, at most until here
+            nonlocal waited_for
+            if waited_for:
+                waited_for = False
+                self.prefiller.arrived()
 
         def as_reclaim(_e: BaseException, _n: int) -> None:
             nonlocal reclaimed
             reclaimed = True
+            arrive()  # a retry through a Redis outage holds no other prompt back
 
         try:
-            await retry(lambda: self.handle(c, reclaimed), f"handling admission entry {_eid(c.entry_id)}",
+            await retry(lambda: self.handle(c, reclaimed, arrive), f"handling admission entry {_eid(c.entry_id)}",
                         transient=REDIS_DOWN, timeout_s=self._patience_s(c), backoff=REDIS_BACKOFF, log=log,
                         on_retry=as_reclaim)
         except REDIS_DOWN as e:
@@ -60,6 +74,8 @@ class EntryHandler:
         except Exception:
             log.exception("handling admission entry %s of %s failed: it stays pending and is taken up again after "
                           "stale_pending_s", _eid(c.entry_id), c.stream)
+        finally:
+            arrive()
 
     def _patience_s(self, c: groups.Claimed) -> float:
         """How long an entry is retried through an outage: until its request is abandoned."""
@@ -71,12 +87,13 @@ class EntryHandler:
             return self.s.abandoned_after_s
         return max(1.0, deadline_ts + self.s.abandoned_after_s - time.time())
 
-    async def handle(self, c: groups.Claimed, reclaimed: bool = False) -> None:
-        """Work out one admission entry's writes, then commit them with its ack, fenced."""
+    async def handle(self, c: groups.Claimed, reclaimed: bool = False, arrive=None) -> None:
+        """Work out one admission entry's writes, then commit them with its ack, fenced.
+        `arrive`: called once its prompt is queued for the engine (prefill_svc/prefill.py)."""
         req = GenerationRequest.from_json(c.fields["req"])
         writes, held = entry_fence.EntryWrites(), []
         if not (req.deadline_ts and time.time() > req.deadline_ts + self.s.abandoned_after_s):  # else ack only
-            writes, held = await self._work(req, reclaimed)
+            writes, held = await self._work(req, reclaimed, arrive)
         try:
             await self._commit(c, req, writes, held)
         except REDIS_DOWN:
@@ -93,7 +110,8 @@ class EntryHandler:
             except Exception:
                 log.exception("could not finish request_id=%s either; its entry stays pending", req.request_id)
 
-    async def _work(self, req: GenerationRequest, reclaimed: bool) -> tuple[entry_fence.EntryWrites, list[str]]:
+    async def _work(self, req: GenerationRequest, reclaimed: bool,
+                    arrive=None) -> tuple[entry_fence.EntryWrites, list[str]]:
         """The writes that answer the request (its first tokens and ready notices, or its finish),
         and the ids of the KV now held for it. Any failure but Redis down becomes its finish."""
         rid = req.request_id
@@ -107,7 +125,7 @@ class EntryHandler:
             if req.deadline_ts and time.time() > req.deadline_ts:
                 return self._finish(req, FINISH_ERROR, "deadline passed before prefill"), []
             faults.hit("prefill.prefill")
-            return await self.prefiller.prefill(req)
+            return await self.prefiller.prefill(req, arrive)
         except REDIS_DOWN:
             raise
         except TandemError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -20,13 +21,20 @@ from tandem_core.grammar import Grammars
 from tandem_core.bus import KeySpace
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import GenerationRequest, encode_prompt_logprobs
+from tandem_engine.api import PrefillCall
 from tandem_engine.prefix_cache import PrefixCache
-from tandem_engine.prefix_cache import prefill as cached_prefill
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine
 
 log = logging.getLogger(__name__)
+_LOOKUP = object()  # prefill_sync's default: look the prompt up in the prefix cache
+
+
+def _one_choice_args(req: GenerationRequest) -> dict:
+    """`PrefillCall` keywords of a request with one choice and no grammar (prefill_args' others)."""
+    kw = prefill_args(req)
+    return {"start_index": kw["start_index"], "output_from": kw["output_from"], "stop_ids": kw["stop_ids"]}
 
 
 class Prefiller:
@@ -45,6 +53,10 @@ class Prefiller:
         self.grammars = Grammars(engine.info, cache_size=settings.engine.grammar_cache_size,
                                  deadline_s=settings.engine.mask_deadline_s)
         self.max_prefix_bytes = self._max_prefix_bytes()
+        self._queue: deque = deque()  # (request, future) waiting for the engine thread, oldest first
+        self._running = False  # an engine call is in flight (or about to start)
+        self._arriving = 0  # claimed entries not yet queued (prefill) or done without a prefill
+        self.engine_calls = 0  # engine-thread calls (a batch of prompts is one)
         self.prefilled = 0
         self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
 
@@ -58,23 +70,154 @@ class Prefiller:
         """How many more prompts the held-KV budget can take, each at the worst case."""
         return self.store.room_for(self.max_prefix_bytes)
 
-    async def prefill(self, req: GenerationRequest) -> tuple[entry_fence.EntryWrites, list[str]]:
-        """The writes that answer `req` and the ids of the KV now held for it (exceptions pass)."""
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        out = await loop.run_in_executor(self.device, self.prefill_sync, req)
-        took = time.perf_counter() - t0
-        self.prefill_ema_s = took if not self.prefilled else 0.8 * self.prefill_ema_s + 0.2 * took
-        self.prefilled += 1
-        log.debug("prefilled request_id=%s len=%d n=%d in %.1f ms", req.request_id, len(req.prompt_ids), req.n,
-                  took * 1e3)
+    async def prefill(self, req: GenerationRequest, arrive=None) -> tuple[entry_fence.EntryWrites, list[str]]:
+        """The writes that answer `req` and the ids of the KV now held for it (exceptions pass).
+
+        The request joins the queue of prompts waiting for the engine thread; when the thread is
+        free it takes the oldest and every other waiting prompt of the same bucket, up to
+        `prefill_batch_tokens` padded tokens, and prefills them in one batched call. Nothing waits
+        for company that is not here yet: only the entries already claimed (`expect`) are waited
+        for, until each has reached this queue or dropped out (`arrive`, called once it is queued;
+        `arrived`), a matter of their Redis checks' round trips."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((req, done))
+        if arrive is not None:
+            arrive()
+        self._kick()
+        out = await done
         return self.first_writes(req, *out)
 
-    def prefill_sync(self, req: GenerationRequest):
+    def expect(self, count: int) -> None:
+        """`count` claimed entries are on their way to the queue (each ends with `arrived`)."""
+        self._arriving += count
+
+    def arrived(self) -> None:
+        """One expected entry is queued, or needs no prefill."""
+        self._arriving -= 1
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._queue and not self._running and self._arriving <= 0:
+            self._running = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        """Start the next engine call: the oldest waiting prompt and its batch (one at a time)."""
+        if not self._queue:
+            self._running = False
+            return
+        batch = self._next_batch()
+        self.engine_calls += 1
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            fut = loop.run_in_executor(self.device, self.prefill_batch_sync, [req for req, _ in batch])
+        except RuntimeError as e:  # the engine thread is shut down (the pod is stopping)
+            for _, done in batch:
+                if not done.done():
+                    done.set_exception(e)
+            self._running = False
+            loop.call_soon(self._kick)
+            return
+
+        def finished(f: asyncio.Future) -> None:
+            took = time.perf_counter() - t0
+            try:
+                results = f.result()
+            except BaseException as e:  # noqa: BLE001 - the executor is shut down (pod stopping)
+                results = [e] * len(batch)
+            per_prompt = took / len(batch)
+            self.prefill_ema_s = per_prompt if not self.prefilled else 0.8 * self.prefill_ema_s + 0.2 * per_prompt
+            self.prefilled += len(batch)
+            log.debug("prefilled %d prompt(s) in one call in %.1f ms", len(batch), took * 1e3)
+            for (_, done), res in zip(batch, results):
+                if done.done():
+                    continue
+                if isinstance(res, asyncio.CancelledError):
+                    done.cancel()
+                elif isinstance(res, BaseException):
+                    done.set_exception(res)
+                else:
+                    done.set_result(res)
+            self._running = False
+            self._kick()
+
+        fut.add_done_callback(finished)
+
+    def _next_batch(self) -> list:
+        """The oldest waiting prompt, and with it the next waiting prompts of its bucket that can
+        share its call (one choice, no grammar), up to `prefill_batch_tokens` padded tokens."""
+        head_req, _ = head = self._queue.popleft()
+        bucket = self._batch_bucket(head_req)
+        if bucket is None:
+            return [head]
+        batch, rest = [head], deque[tuple]()
+        while self._queue:
+            item = self._queue.popleft()
+            if (len(batch) + 1) * bucket <= self.s.prefill_batch_tokens and self._batch_bucket(item[0]) == bucket:
+                batch.append(item)
+            else:
+                rest.append(item)
+        self._queue = rest
+        return batch
+
+    def _batch_bucket(self, req: GenerationRequest) -> int | None:
+        """The bucket a request batches in, or None if it runs alone (several choices, a grammar,
+        prompt logprobs, a prompt no bucket fits)."""
+        if req.n > 1 or req.grammar is not None or req.prompt_logprobs is not None:
+            return None
+        n = len(req.prompt_ids)
+        return next((b for b in self.engine.buckets if b >= n), None)
+
+    def prefill_batch_sync(self, reqs: list[GenerationRequest]) -> list:
+        """On the engine thread: each request's `prefill_sync` result, or the exception that failed
+        it. Prompts that miss the prefix cache run in one `engine.prefill_batch`; a prompt over a
+        cached prefix runs alone over it. If the batched call fails, its prompts run again one at a
+        time, so one bad prompt fails alone."""
+        if len(reqs) == 1:
+            return [self._settle(self.prefill_sync, reqs[0])]
+        out: list = [None] * len(reqs)
+        plain = []
+        for i, req in enumerate(reqs):
+            hit = self.cache.lookup(req.prompt_ids)
+            if hit is None:
+                plain.append(i)
+            else:
+                out[i] = self._settle(self.prefill_sync, req, hit)
+        if plain:
+            calls = [PrefillCall(reqs[i].prompt_ids, reqs[i].sampling, **_one_choice_args(reqs[i])) for i in plain]
+            try:
+                prefixes = self.engine.prefill_batch(calls)
+            except Exception as e:  # noqa: BLE001 - each prompt again alone: the bad one fails by itself
+                log.info("batched prefill of %d prompts failed (%s: %s); running them one at a time", len(plain),
+                         type(e).__name__, e)
+                for i in plain:
+                    out[i] = self._settle(self.prefill_sync, reqs[i], None)
+                return out
+            for i, prefix in zip(plain, prefixes):
+                out[i] = self._settle(self._finish_sync, reqs[i], prefix, None)
+        return out
+
+    @staticmethod
+    def _settle(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the request's own handler
+            return e
+
+    def prefill_sync(self, req: GenerationRequest, hit=_LOOKUP):
         """On the engine thread: (payload, per-choice first tokens and their logprobs, encoded
-        prompt logprobs or None)."""
-        prefix, payload = cached_prefill(self.engine, self.cache, req.prompt_ids, req.sampling, export=True,
-                                         **prefill_args(req, self.grammars))
+        prompt logprobs or None). `hit`: the prefix-cache lookup already made (default: look up)."""
+        if hit is _LOOKUP:
+            hit = self.cache.lookup(req.prompt_ids)
+        prefix = self.engine.prefill(req.prompt_ids, req.sampling, cached=hit, **prefill_args(req, self.grammars))
+        return self._finish_sync(req, prefix, hit)
+
+    def _finish_sync(self, req: GenerationRequest, prefix, hit):
+        """The prefix's KV to the host, its new blocks cached, its prompt logprobs if asked."""
+        payload = self.engine.export_prefix(prefix)
+        self.cache.stats.computed += len(req.prompt_ids) - (hit.length if hit else 0)
+        self.cache.insert(req.prompt_ids, lambda: (payload.k, payload.v))
         prompt_lp = None
         if req.prompt_logprobs is not None and req.start_index == 0:
             prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))

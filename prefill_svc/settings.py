@@ -16,7 +16,11 @@ class PrefillSettings(WorkerSettings):
     kv_budget_bytes: PositiveInt = 256 * 1024 * 1024  # held KV above this stops claiming prompts
     kv_lease_s: PositiveFloat = 60.0  # KV not pulled within this is freed
     kv_chunk_bytes: PositiveInt = 1024 * 1024
-    max_batch: PositiveInt = 4  # prompts claimed per read
+    max_batch: PositiveInt = 8  # prompts claimed per read
+    # One engine call prefills the waiting prompts of one length bucket together, up to this many
+    # padded tokens (at least one prompt): 4 x 128, 2 x 256, a 512 alone (on CPU a batch of long prompts
+    # is no faster per prompt: bench/burst.py; an accelerator wants far more). Never waits for company.
+    prefill_batch_tokens: PositiveInt = 512
     ready_maxlen: PositiveInt = 10000
     # An admission entry whose request's deadline passed this long ago is acked unanswered: its
     # gateway gave up on it long since (a backlog left while every prefill pod was down).

@@ -4,8 +4,9 @@ Life of one request here:
 1. XREADGROUP from the admission streams (high priority first), at most as many prompts as the
    held-KV budget can take (worst case: the largest bucket). (This module.)
 2. Drop it with a clear error if it is cancelled or past its deadline. (prefill_svc/commit.py)
-3. Prefill on the engine thread; copy the KV to host memory; hold it in the KVStore with a lease.
-   (prefill_svc/prefill.py)
+3. Prefill on the engine thread, together with the other claimed prompts of its length bucket
+   (one batched call, up to `prefill_batch_tokens`); copy the KV to host memory; hold it in the
+   KVStore with a lease. (prefill_svc/prefill.py)
 4. Commit, in one script: token index 0 on the request's token stream, a ready notice for decode
    unless that token already ends the request (EOS, max_tokens == 1), and the XACK + XDEL of the
    admission entry. A crash before it leaves the entry pending, for this pod's restart or another
@@ -103,8 +104,7 @@ class PrefillWorker:
             return
         claimed = await groups.claim(self.r, self._claim_order(rotation), groups.PREFILL_GROUP, self.worker_id, room,
                                      self.s.claim_block_ms, self.bell)
-        for c in claimed:
-            await self.handler.handle_until_done(c)
+        await self.handler.handle_claimed(claimed)  # together: their prompts share engine calls
         await self.takeover.run()
 
     def _claim_order(self, rotation: PriorityRotation) -> list[str]:

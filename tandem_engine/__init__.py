@@ -6,7 +6,7 @@ a DecodeState, generate one step for all slots), plus explicit device<->host mov
 services only ever move bytes. `load_engine(..., tp=N)` (or `mesh=`) splits weights and KV over
 N chips by attention head and MLP unit, or whole experts (sharding.py). It imports no Redis, gRPC, HTTP or settings.
 """
-from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, Prefix
+from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, PrefillCall, Prefix
 from tandem_engine.loading import load_engine
 from tandem_engine.logits import PACKED_WIDTH, unpack_logprobs, unpack_tokens
 from tandem_engine.model import ModelConfig, config_from_info, reference_forward, reference_greedy
@@ -19,6 +19,7 @@ __all__ = [
     "Engine",
     "Layout",
     "PACKED_WIDTH",
+    "PrefillCall",
     "ModelConfig",
     "Prefix",
     "config_from_info",

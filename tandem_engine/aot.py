@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from tandem_core.models import ModelInfo
 from tandem_core.types import SamplingParams
 from tandem_engine import engine_decode, engine_prefill
+from tandem_engine.api import PrefillCall
 from tandem_engine.engine import Engine, Prefix
 from tandem_engine.sharding import AXIS, Layout, make_layout
 from tandem_engine.weights import init_params
@@ -288,6 +289,9 @@ class Compiler:
         if kind == "prefill":
             lowered = _lower_call(engine_prefill, "prefill_core",
                                   lambda: eng.prefill([0] * arg, SamplingParams()), rep)
+        elif kind == "prefill_batch":  # `rows` prompts of bucket `arg` in one pass (a prefill pod's batch)
+            calls = [PrefillCall([0] * arg, SamplingParams())] * int(opts.get("rows", 2))
+            lowered = _lower_call(engine_prefill, "prefill_batch_core", lambda: eng.prefill_batch(calls), rep)
         elif kind == "insert":
             c = eng.cfg
             kv = jax.ShapeDtypeStruct((c.num_layers, arg, c.num_kv_heads, c.head_dim), eng._jdtype,
@@ -351,6 +355,10 @@ class Compiler:
 
     def prefill(self, bucket: int, **kw) -> Step:
         return self.step("prefill", bucket, **kw)
+
+    def prefill_batch(self, bucket: int, rows: int, **kw) -> Step:
+        """`rows` prompts of one bucket in one batched prefill (a power of two, as prefill_batch runs)."""
+        return self.step("prefill_batch", bucket, rows=rows, **kw)
 
     def insert(self, bucket: int, **kw) -> Step:
         return self.step("insert", bucket, layers=False, **kw)

@@ -12,7 +12,8 @@ to insert/generate/free are donated and must not be used again.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -23,6 +24,18 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_engine.cores import DecodeState
     from tandem_engine.engine import Prefix
     from tandem_engine.model import ModelConfig
+
+
+@dataclass
+class PrefillCall:
+    """One prompt of a batched prefill (`ServingEngine.prefill_batch`): `prefill`'s arguments for a
+    prompt with one choice, no grammar masks and no cached prefix."""
+
+    prompt_ids: Sequence[int]
+    sampling: "SamplingParams"
+    start_index: int = 0
+    output_from: int | None = None
+    stop_ids: Sequence[int] = ()
 
 
 @runtime_checkable
@@ -37,11 +50,19 @@ class ServingEngine(Protocol):
     buckets: tuple[int, ...]  # prefill length buckets (compiled shapes)
     batch_buckets: tuple[int, ...]  # decode step row buckets (compiled shapes)
     dtype: str  # "float32" | "bfloat16": the KV's bytes per element
+    prefix_chunk: int  # tokens per piece of a prefill over a cached prefix, and of a chunked prefill
 
     def prefill(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *,
                 choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
                 output_from: int | None = None, stop_ids: Sequence[int] = (),
                 masks: "np.ndarray | None" = None, cached=None) -> "Prefix": ...
+
+    def prefill_batch(self, calls: Sequence["PrefillCall"]) -> "list[Prefix]": ...
+
+    def prefill_chunked(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *, chunk: int | None = None,
+                        choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
+                        output_from: int | None = None, stop_ids: Sequence[int] = (),
+                        masks: "np.ndarray | None" = None, cached=None) -> "Iterator[Prefix | None]": ...
 
     def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> "list[TokenLogprobs | None]": ...
 

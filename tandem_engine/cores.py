@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
-from tandem_engine.model import (ModelConfig, decode_forward, prefill_forward, prefill_logits_all,
-                                 prefill_suffix_forward)
+from tandem_engine.model import (ModelConfig, decode_forward, prefill_batch_forward, prefill_forward,
+                                 prefill_logits_all, prefill_suffix_forward)
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
 
@@ -60,6 +60,20 @@ def prefill_core(params, tokens, true_length, output_from, index, temperature, t
     packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
                            proc, masks)
     return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), packed
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout"))
+def prefill_batch_core(params, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
+                       proc: SlotLogits, *, cfg: ModelConfig, layout: Layout | None):
+    """`prefill_core` over B prompts padded to one bucket, in one forward pass: tokens [B, T] and
+    every other argument with a leading [B] axis before prefill_core's own (each row's choices,
+    one per row here; no masks). Row b's first tokens come from row b's logits by prefill_core's
+    own code (vmapped). Returns (k, v [L, B, T, KV, hd], packed [B, choices, PACKED_WIDTH])."""
+    logits, k, v = prefill_batch_forward(params, tokens, true_length, cfg)
+    packed = jax.vmap(_first_tokens, in_axes=(0,) * 10 + (None,))(
+        logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed, proc, None)
+    batched = None if layout is None else layout.kv_prefixes()
+    return constrain(k, batched), constrain(v, batched), packed
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=(4, 5))

@@ -39,10 +39,11 @@ from tandem_core.types import SamplingParams
 from tandem_engine.cores import DecodeState
 from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
+from tandem_engine.api import PrefillCall
 from tandem_engine.engine_prefill import PrefillSide, Prefix
 from tandem_engine.prefix_cache import Hit
 
-__all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "Prefix"]
+__all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
 
 
 class Engine(PrefillSide, DecodeSide):

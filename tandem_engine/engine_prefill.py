@@ -8,17 +8,19 @@ No I/O, no tokenizer, no settings here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
-from tandem_engine.cores import logits_core, prefill_cached_core, prefill_core, prompt_logprobs_core
+from tandem_engine.api import PrefillCall
+from tandem_engine.cores import (logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
+                                 prompt_logprobs_core)
 from tandem_engine.engine_base import EngineBase
-from tandem_engine.logits import (check_output_from, mask_rows, slot_logits, stack, unpack_logprobs,
-                                  unpack_tokens)
+from tandem_engine.logits import (SlotLogits, check_output_from, mask_rows, slot_logits, stack,
+                                  unpack_logprobs, unpack_tokens)
 from tandem_engine.sampling import sampling_arrays
 
 
@@ -86,8 +88,53 @@ class PrefillSide(EngineBase):
         `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
         arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
         only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
-        padded, n = self._pad_prompt(prompt_ids)
         picks = [sampling] if choices is None else list(choices)
+        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
+        rest = (*rest, m)
+        if cached is not None and int(cached.length) > 0:
+            k, v, packed = self._prefill_over(padded, n, cached, rest)
+        else:
+            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
+        return self._prefix(k, v, n, np.asarray(packed), picks)  # the one device -> host copy
+
+    def prefill_batch(self, calls: Sequence[PrefillCall]) -> list[Prefix]:
+        """Several prompts of one bucket, each with one choice, in as few forward passes as the
+        compiled row counts allow (powers of two: 13 prompts run as 8 + 4 + 1, no padded rows).
+        Prefix i is the one `prefill(calls[i]...)` returns alone: the same first token, logprobs
+        and KV (rows never see each other). Raises for the whole batch (InvalidRequest names the
+        field of the first bad call; ValueError for prompts of different buckets): a caller that
+        must fail one bad prompt alone runs the batch's prompts one at a time then."""
+        prepared = [self._prepare(c.prompt_ids, [c.sampling], c.start_index, c.output_from, c.stop_ids)
+                    for c in calls]
+        lengths = {p[0].shape[0] for p in prepared}
+        if len(lengths) > 1:
+            raise ValueError(f"a batched prefill runs prompts of one bucket; got buckets {sorted(lengths)}")
+        out: list[Prefix] = []
+        while len(out) < len(prepared):
+            group = prepared[len(out):]
+            group = group[:1 << (len(group).bit_length() - 1)]
+            if len(group) == 1:  # the single prompt's own compiled prefill
+                (padded, n, rest), = group
+                k, v, packed = prefill_core(self.params, padded, *rest, None, cfg=self.cfg, layout=self.layout)
+                out.append(self._prefix(k, v, n, np.asarray(packed), [calls[len(out)].sampling]))
+                continue
+            cols = list(zip(*(rest for _, _, rest in group)))
+            args = [np.stack(col) for col in cols[:-1]] + [SlotLogits(*(np.stack(xs) for xs in zip(*cols[-1])))]
+            k, v, packed = prefill_batch_core(self.params, np.stack([p for p, _, _ in group]), *args,
+                                              cfg=self.cfg, layout=self.layout)
+            host = np.asarray(packed)  # one device -> host copy for the whole group
+            for i, (_, n, _) in enumerate(group):
+                out.append(self._prefix(k[:, i], v[:, i], n, host[i], [calls[len(out)].sampling]))
+        return out
+
+    def _prepare(self, prompt_ids: Sequence[int], picks: Sequence[SamplingParams], start_index: int,
+                 output_from: int | None, stop_ids: Sequence[int]) -> tuple[np.ndarray, int, tuple]:
+        """Validated host arrays of one prompt: (padded ids, true length, prefill_core's arguments
+        after the tokens, masks left out)."""
+        padded, n = self._pad_prompt(prompt_ids)
         if not picks:
             raise InvalidRequest("choices is empty: at least one is required", param="n")
         out_from = check_output_from(output_from, n)
@@ -95,16 +142,11 @@ class PrefillSide(EngineBase):
             raise InvalidRequest(f"start_index must be >= 0, got {start_index}", param="start_index")
         s = _stack_sampling(picks)
         proc = stack([slot_logits(p, self.info.vocab_size, stop_ids) for p in picks])
-        if masks is not None and len(masks) != len(picks):
-            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
-        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
-        rest = (np.int32(n), np.int32(out_from), np.int32(start_index), s["temperature"], s["top_k"], s["top_p"],
-                s["seed"], proc, m)
-        if cached is not None and int(cached.length) > 0:
-            k, v, packed = self._prefill_over(padded, n, cached, rest)
-        else:
-            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
-        host = np.asarray(packed)  # the one device -> host copy: tokens and logprobs
+        return padded, n, (np.int32(n), np.int32(out_from), np.int32(start_index), s["temperature"], s["top_k"],
+                           s["top_p"], s["seed"], proc)
+
+    @staticmethod
+    def _prefix(k, v, n: int, host: np.ndarray, picks: Sequence[SamplingParams]) -> Prefix:
         tokens = [int(t) for t in unpack_tokens(host)]
         lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
         return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
@@ -113,29 +155,70 @@ class PrefillSide(EngineBase):
         """The prompt after a cached prefix, in chunks of `prefix_chunk` tokens over one KV buffer
         of the largest bucket (one compiled shape whatever the lengths), then cut to the prompt's
         bucket. The last chunk's first tokens are the prompt's."""
-        c, cfg, chunk = int(cached.length), self.cfg, self.prefix_chunk
+        c = int(cached.length)
         if not 0 < c < n:
             raise ValueError(f"a cached prefix of {c} tokens must be shorter than the prompt ({n} tokens)")
-        want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
-        if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
-            raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
+        out = None
+        for out in self._chunks(padded, n, cached, rest, self.prefix_chunk):
+            pass
+        return out
+
+    def _chunks(self, padded: np.ndarray, n: int, cached, rest: tuple, chunk: int):
+        """Yield (k, v, packed) after each chunk of the prompt from the cached prefix's end (or
+        from 0: `cached` None) on; the last is the prompt's, k and v cut to its bucket."""
+        c, cfg = (0 if cached is None else int(cached.length)), self.cfg
         size = self.buckets[-1]
+        if cached is not None:
+            want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
+            if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
+                raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
         bufs = []
-        for kv in (cached.k, cached.v):
+        for kv in ((None, None) if cached is None else (cached.k, cached.v)):
             buf = np.zeros((cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim), self._jdtype)
-            buf[:, :c] = kv
+            if kv is not None:
+                buf[:, :c] = kv
             bufs.append(self._place_kv(buf))
         k, v = bufs
         whole = np.zeros((size,), np.int32)
         whole[:n] = padded[:n]
+        bucket = padded.shape[0]
         for start in range(c, n, chunk):
             m = min(chunk, n - start)
             piece = np.zeros((chunk,), np.int32)
             piece[:m] = whole[start:start + m]
             k, v, packed = prefill_cached_core(self.params, piece, np.int32(start), np.int32(m),
                                                k, v, whole, *rest, cfg=self.cfg, layout=self.layout)
-        bucket = padded.shape[0]
-        return k[:, :bucket], v[:, :bucket], packed
+            if start + chunk >= n:
+                yield k[:, :bucket], v[:, :bucket], packed
+            else:
+                yield k, v, packed
+
+    def prefill_chunked(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, chunk: int | None = None,
+                        choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
+                        output_from: int | None = None, stop_ids: Sequence[int] = (),
+                        masks: np.ndarray | None = None, cached=None) -> Iterator[Prefix | None]:
+        """`prefill` in pieces of `chunk` tokens (default `prefix_chunk`), for a caller that does
+        other device work between them (a decode pod's steps: chunked prefill). A generator:
+        each `next` runs one chunk and yields None, and the last yields the Prefix `prefill`
+        gives (the prefill-over-a-cached-prefix path: equal to the whole prompt's up to float
+        rounding in the row blocking). Validation errors raise at the first `next`."""
+        picks = [sampling] if choices is None else list(choices)
+        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
+        rest = (*rest, m)
+        size = max(1, min(int(chunk or self.prefix_chunk), self.buckets[-1]))
+        if cached is not None and int(cached.length) <= 0:
+            cached = None
+        if cached is not None and not 0 < int(cached.length) < n:
+            raise ValueError(f"a cached prefix of {cached.length} tokens must be shorter than the prompt ({n} tokens)")
+        pieces = list(range(0 if cached is None else int(cached.length), n, size))
+        for i, (k, v, packed) in enumerate(self._chunks(padded, n, cached, rest, size)):
+            if i + 1 < len(pieces):
+                yield None
+            else:
+                yield self._prefix(k, v, n, np.asarray(packed), picks)
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 
 from tandem_engine.arch import ModelConfig, config_from_info
 
-__all__ = ["ModelConfig", "config_from_info", "decode_forward", "prefill_forward", "prefill_logits_all",
+__all__ = ["ModelConfig", "config_from_info", "decode_forward", "prefill_batch_forward", "prefill_forward",
+           "prefill_logits_all",
            "prefill_suffix_forward", "reference_forward", "reference_greedy"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
@@ -340,23 +341,33 @@ def prefill_forward(params: dict, tokens: jax.Array, true_length: jax.Array, cfg
     real positions). Returns (logits [vocab] at position true_length - 1, k, v) with k and v
     [num_layers, T, KV, hd] in the weight dtype.
     """
+    x, ks, vs = _prefill_layers(params, tokens[None], cfg)
+    last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
+    return logits_from_hidden(params, last, cfg), ks[:, 0], vs[:, 0]
+
+
+def prefill_batch_forward(params: dict, tokens: jax.Array, true_lengths: jax.Array, cfg: ModelConfig):
+    """`prefill_forward` over B prompts padded to one bucket, in one pass: tokens [B, T],
+    true_lengths [B]. Returns (logits [B, vocab], k, v [num_layers, B, T, KV, hd]). Rows never see
+    each other (the attention is per row), so row b is the one `prefill_forward` gives alone."""
     x, ks, vs = _prefill_layers(params, tokens, cfg)
-    last = jax.lax.dynamic_index_in_dim(x, true_length - 1, axis=0, keepdims=False)
+    last = jnp.take_along_axis(x, (true_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, d]
     return logits_from_hidden(params, last, cfg), ks, vs
 
 
 def prefill_logits_all(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Logits [T, vocab] at every position of one padded prompt (prompt logprobs, echo): the
     same layers as `prefill_forward`, the LM head on every row instead of the last real one."""
-    x, _, _ = _prefill_layers(params, tokens, cfg)
-    return logits_from_hidden(params, x, cfg)
+    x, _, _ = _prefill_layers(params, tokens[None], cfg)
+    return logits_from_hidden(params, x[0], cfg)
 
 
 def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
-    """Hidden states [T, d] after the last layer, and the KV [num_layers, T, KV, hd]."""
-    t = tokens.shape[0]
+    """tokens [B, T] (B prompts padded to one length): hidden states [B, T, d] after the last
+    layer, and the KV [num_layers, B, T, KV, hd]."""
+    t = tokens.shape[1]
     positions = jnp.arange(t, dtype=jnp.int32)
-    x = embed(params, tokens, cfg)[None]  # [1, T, d]
+    x = embed(params, tokens, cfg)  # [B, T, d]
 
     def layer(x, xs):
         lp, lc = xs
@@ -364,10 +375,10 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
         q, k, v = _qkv(h, lp, positions[None], lc, cfg)
         x = _attn_out(x, _grouped_attention(q, k, v, mask, cfg, _sinks(lp, cfg)), lp, cfg)
-        return _ffn(x, lp, cfg), (k[0], v[0])
+        return _ffn(x, lp, cfg), (k, v)
 
     x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], layer_consts(cfg)))
-    return x[0], ks, vs
+    return x, ks, vs
 
 
 def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, true_length: jax.Array,

@@ -53,6 +53,7 @@ _EXPERT_EP = {
 }
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
 _KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
+_KV_PREFIXES = P(None, None, None, AXIS, None)  # [L, B, T, KV, hd]: a batched prefill's
 
 
 class Layout(NamedTuple):
@@ -74,6 +75,9 @@ class Layout(NamedTuple):
 
     def kv_prefix(self) -> NamedSharding:
         return self.named(_KV_PREFIX)
+
+    def kv_prefixes(self) -> NamedSharding:
+        return self.named(_KV_PREFIXES)
 
     def kv_cache(self) -> NamedSharding:
         return self.named(_KV_CACHE)

@@ -100,6 +100,10 @@ def test_steps_compile_for_v5e_and_hold_what_tandem_places(devices, tp, kv_heads
     assert _close(prefill.output_bytes, prefix_kv), (prefill, prefix_kv)
     for step in (prefill, decode, insert):
         assert step.peak_bytes > 0 and step.flops > 0
+    # a prefill pod's batch of 4 prompts: the same weights in, four prompts' KV out, split tp ways
+    batch = comp.prefill_batch(BUCKET, 4, layers=False)
+    assert _close(batch.argument_bytes, weights), (batch, weights)
+    assert _close(batch.output_bytes, 4 * prefix_kv), (batch, prefix_kv)
 
 
 def test_builtin_at_tp4_is_refused_as_an_engine_refuses_it(devices):

@@ -1,0 +1,124 @@
+"""A burst of long prompts at once (the first turns of 16 chats): TTFT on both Tandem paths and
+vLLM CPU's (issue 29: the prefill pod batches one bucket's prompts, the colocated pod chunks them).
+
+Each system: started, warmed with one untimed burst of the same shape (so the batched prefill's
+compiles are done), then `--rounds` bursts of `--n` prompts of `--prompt-len` tokens sent at once
+(`--output-len` tokens each, greedy, ignore_eos), one round after the other finished. Reported:
+TTFT p50 / p90 / max per round and the median of the rounds' p90. `--old-root DIR` also runs the
+Tandem systems from another checkout (e.g. `git archive <commit> | tar -x -C DIR`), back to back
+with this one's. vLLM runs when bench/.venv-vllm is installed (`--no-vllm` skips it). The numbers
+are wall-clock on whatever machine this runs on: on a shared machine they are noisy.
+
+    python bench/burst.py [--quick] [--old-root /tmp/old] [--systems disagg,colocated,vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import vllm_cpu
+from bench.loadgen import RequestSpec, percentile, run_load
+from bench.systems import ROOT, TandemLocal, model_id
+
+OUT = ROOT / "bench" / "out" / "burst"
+EXTRA = {"ignore_eos": True, "temperature": 0.0}
+
+
+def burst(n: int, prompt_len: int, output_len: int, seed: int, vocab: int = 2048) -> list[RequestSpec]:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return [RequestSpec(0.0, prompt_len, output_len, "long", rng.integers(3, vocab, prompt_len).tolist())
+            for _ in range(n)]
+
+
+def make(name: str, a, root: Path):
+    tag = f"{name}-old" if root != ROOT else name
+    if name == "vllm":
+        from tandem.redis_proc import free_port
+        from tandem_core.models import BUILTIN_DIR
+        model_dir = vllm_cpu.prepare_model_dir(BUILTIN_DIR, OUT / "vllm-model")
+        return tag, vllm_cpu.VLLMServer(model_dir, free_port(), a.max_len, None, OUT / "vllm.log",
+                                        max_num_seqs=a.slots)
+    env = dict(kv.split("=", 1) for kv in a.env)
+    return tag, TandemLocal(tag, "builtin", colocated=(name == "colocated"), slots=a.slots, max_len=a.max_len,
+                            pin="", env=env, log_path=OUT / f"{tag}.log", root=root)
+
+
+async def measure(url: str, a) -> dict:
+    model = model_id(url)
+    await run_load(url, model, burst(a.n, a.prompt_len, 4, seed=1), extra=EXTRA)  # untimed: compiles
+    rounds = []
+    for i in range(a.rounds):
+        res, wall = await run_load(url, model, burst(a.n, a.prompt_len, a.output_len, seed=10 + i), extra=EXTRA)
+        bad = [r.error for r in res if not r.ok]
+        ttft = [r.ttft_s for r in res if r.ok]
+        rounds.append({"p50_ms": 1e3 * percentile(ttft, 50), "p90_ms": 1e3 * percentile(ttft, 90),
+                       "max_ms": 1e3 * max(ttft), "wall_s": wall, "errors": len(bad)})
+        print(f"   round {i}: TTFT p50 {rounds[-1]['p50_ms']:.0f} ms, p90 {rounds[-1]['p90_ms']:.0f} ms, "
+              f"max {rounds[-1]['max_ms']:.0f} ms, errors {len(bad)}", flush=True)
+        await asyncio.sleep(1.0)
+    return {"rounds": rounds, "p90_ms_median": statistics.median(r["p90_ms"] for r in rounds)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2 rounds")
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--systems", default="disagg,colocated,vllm")
+    p.add_argument("--old-root", default="", help="also run the Tandem systems from this checkout")
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Tandem setting for its pods, e.g. TANDEM_PREFILL_PREFILL_BATCH_TOKENS=1024")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.rounds = 2
+    names = [s for s in a.systems.split(",") if s and not (s == "vllm" and a.no_vllm)]
+    if "vllm" in names and not vllm_cpu.installed():
+        print("vLLM CPU is not installed (bench/.venv-vllm): skipping it", flush=True)
+        names.remove("vllm")
+    plan = []
+    for name in names:
+        if a.old_root and name != "vllm":
+            plan.append((name, Path(a.old_root)))
+        plan.append((name, ROOT))
+    results = {}
+    for name, root in plan:
+        tag, server = make(name, a, root)
+        print(f"== {tag} ({a.n} x {a.prompt_len} tokens at once, {a.rounds} rounds)", flush=True)
+        t0 = time.monotonic()
+        try:
+            server.start()
+            results[tag] = asyncio.run(measure(server.base_url, a))
+        except Exception as e:  # noqa: BLE001 - one system failing still reports the others
+            results[tag] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"   failed: {results[tag]['error']}", flush=True)
+        finally:
+            server.stop()
+        print(f"   ({time.monotonic() - t0:.0f}s)", flush=True)
+    print("\n| system | TTFT p90, median of rounds (ms) | rounds' p90 (ms) |\n|---|---|---|")
+    for tag, r in results.items():
+        if "error" in r:
+            print(f"| {tag} | failed: {r['error']} | |")
+        else:
+            each = ", ".join(f"{x['p90_ms']:.0f}" for x in r["rounds"])
+            print(f"| {tag} | {r['p90_ms_median']:.0f} | {each} |")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "burst.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
