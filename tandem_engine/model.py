@@ -596,7 +596,7 @@ def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig,
     Why blocks on a CPU: XLA CPU hands a dot only whole buffers, so the chunked loop's
     dynamic_slice of one [L, slots, KV, max_len, hd] cache copied every chunk it read (and the
     layer scan every layer's weights) before each dot; a block is read in place.
-    Returns out [rows, 1, H*hd] in q's dtype.
+    Returns (out [rows, 1, H*hd] in q's dtype, the number of blocks run).
     """
     rows = q.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
@@ -611,6 +611,7 @@ def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig,
                  jnp.ones(shape, jnp.float32))
     carry = (*carry, jnp.zeros((*shape, hd), jnp.float32))
     sizes = tuple(b.shape[-1] for b in k_blocks)
+    ran = jnp.int32(0)
     for start, kb, vb in zip(block_starts(sizes), k_blocks, v_blocks):
         size = kb.shape[-1]
 
@@ -631,8 +632,9 @@ def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig,
         if window and reach is not None:
             needed = needed & (start + size > reach)
         carry = jax.lax.cond(needed, block, lambda c: c, carry)
+        ran = ran + needed.astype(jnp.int32)
     _, l, acc = carry
-    return (acc / l[..., None]).astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd)
+    return (acc / l[..., None]).astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd), ran
 
 
 def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, cfg: ModelConfig,
@@ -668,8 +670,8 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
         if window:
             lo = jnp.maximum(write_pos - window + 1, 0)
             reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
-        attn = blocked_decode_attention(q, kbs, vbs, write_pos, cfg, longest, window=window, reach=reach,
-                                        sinks=_sinks(lp, cfg))
+        attn, _ = blocked_decode_attention(q, kbs, vbs, write_pos, cfg, longest, window=window, reach=reach,
+                                           sinks=_sinks(lp, cfg))
         x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
         out_k.append(tuple(kbs))
         out_v.append(tuple(vbs))
