@@ -48,7 +48,10 @@ def decode(engine, prefixes: dict, steps: int = STEPS) -> dict[str, list[int]]:
         host = np.asarray(tokens)
         for slot in prefixes:
             out[str(slot)].append(int(host[slot]))
-    out["_kv_spec"] = str(getattr(state.k.sharding, "spec", None))
+    import jax
+
+    # tp 1 on a CPU keeps the cache in blocks (one device, no spec): the first block stands for it
+    out["_kv_spec"] = str(getattr(jax.tree.leaves(state.k)[0].sharding, "spec", None))
     return out
 
 
