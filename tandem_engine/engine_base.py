@@ -62,13 +62,19 @@ class EngineBase:
         self.batch_buckets = tuple(sorted({1 << i for i in range(1, self.slots.bit_length()) if 1 << i < self.slots}
                                           | {self.slots}))
 
+    # False: keep the one cache array (and the scanned, chunked step) on a CPU too, as on chips.
+    # The two compute the same step up to float rounding (the blocked one runs its layers
+    # unrolled and its scores from transposed K); in bfloat16 that rounding can change a greedy
+    # token within a few steps, so bit-for-bit comparisons with chips set this.
+    blocked_cache: bool = True
+
     @property
     def kv_blocks(self) -> tuple[int, ...] | None:
         """Rows of each decode cache block when the cache is kept in blocks (one CPU device and no
         layout: XLA CPU copies any slice of a buffer before a dot, so the chunked attention over
         one [L, slots, KV, max_len, hd] array copied every chunk it read;
         model.decode_forward_blocked reads each block in place). None: one array (chips)."""
-        if self.layout is None and self._one_cpu:
+        if self.layout is None and self._one_cpu and self.blocked_cache:
             return kv_block_sizes(self.max_len)
         return None
 
