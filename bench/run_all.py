@@ -15,6 +15,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 BENCHMARKS = [
     "engine.py",
+    "step_roofline.py",  # the decode step vs its memory roofline at serving shapes, old vs new optional (issue 29)
     "families.py",  # every served family: decode at batch 8 and 32 vs the roofline, MoE vs dense (issue 28)
     "processing.py",  # penalties, bias and logprobs vs the plain decode step (issue 12)
     "constrained.py",  # grammar-constrained slots (0/50/100%) vs the plain decode step (issue 13)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
-from tandem_engine.model import (ModelConfig, decode_forward, prefill_batch_forward, prefill_forward,
-                                 prefill_logits_all, prefill_suffix_forward)
+from tandem_engine.model import (ModelConfig, decode_forward, decode_forward_blocked, prefill_batch_forward,
+                                 prefill_forward, prefill_logits_all, prefill_suffix_forward, write_blocks)
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
 
@@ -30,8 +30,11 @@ from tandem_engine.sharding import Layout, constrain
 class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
-    k: jax.Array  # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major)
-    v: jax.Array  # same
+    # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major); on a single CPU device
+    # (engine.kv_blocks) blocks instead: k[layer][block] [slots, KV, head_dim, rows] (transposed),
+    # v[layer][block] [slots, KV, rows, head_dim] (model.decode_forward_blocked)
+    k: jax.Array | tuple
+    v: jax.Array | tuple
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits
     tokens: jax.Array  # int32 [slots]: each slot's next input token
     active: jax.Array  # bool [slots]
@@ -123,16 +126,23 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
     # whatever a previous occupant left further on.
     start = (0, slot, 0, 0, 0)
     cache = _kv(layout, True)
+    blocked = isinstance(state.k, tuple)
 
     def rows(x):
         return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
 
+
     # the penalty state: the prompt (seen), the output so far in it (counted), the first token
     vocab = state.history.shape[1]
     hist = history_row(hist_ids, hist_len, output_from, vocab).at[first_token].add(2, mode="drop")
+    if blocked:
+        new_k, new_v = write_blocks(state.k, state.v, k, v, slot)
+    else:
+        new_k = constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache)
+        new_v = constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache)
     return state._replace(
-        k=constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache),
-        v=constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache),
+        k=new_k,
+        v=new_v,
         positions=state.positions.at[slot].set(true_length),
         tokens=state.tokens.at[slot].set(first_token),
         active=state.active.at[slot].set(True),
@@ -155,8 +165,9 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     # variant without the mask, so an unconstrained batch runs exactly the code it ran before.
     active = state.active[:rows]
     step = state.step[:rows]
-    logits, k, v = decode_forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
-                                  active=active)
+    forward = decode_forward_blocked if isinstance(state.k, tuple) else decode_forward
+    logits, k, v = forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
+                           active=active)
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)
@@ -164,8 +175,10 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     tokens = sample(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
     advance = active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)
     cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
+    if not isinstance(k, tuple):
+        k, v = constrain(k, cache), constrain(v, cache)
     new = state._replace(
-        k=constrain(k, cache), v=constrain(v, cache), tokens=state.tokens.at[:rows].set(tokens),
+        k=k, v=v, tokens=state.tokens.at[:rows].set(tokens),
         positions=state.positions.at[:rows].add(advance), step=state.step.at[:rows].add(advance),
         history=record(state.history, tokens, advance),
     )

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from tandem_core.errors import PromptTooLong
 from tandem_core.models import ModelInfo
-from tandem_engine.model import config_from_info
+from tandem_engine.model import config_from_info, kv_block_sizes
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
 
@@ -48,6 +48,7 @@ class EngineBase:
         self.params = params if self.layout is None else self.layout.place_params(params)
         self.slots = int(slots)
         self.max_len = int(max_len)
+        self._one_cpu = jax.devices()[0].platform == "cpu"
         self.buckets = tuple(sorted({int(b) for b in prefill_buckets if 0 < b <= max_len})) or (
             self.max_len,
         )
@@ -60,6 +61,22 @@ class EngineBase:
         # copies of the whole cache (seen in the compiled HLO: 12 ms a step instead of 2 at 32 slots).
         self.batch_buckets = tuple(sorted({1 << i for i in range(1, self.slots.bit_length()) if 1 << i < self.slots}
                                           | {self.slots}))
+
+    # False: keep the one cache array (and the scanned, chunked step) on a CPU too, as on chips.
+    # The two compute the same step up to float rounding (the blocked one runs its layers
+    # unrolled and its scores from transposed K); in bfloat16 that rounding can change a greedy
+    # token within a few steps, so bit-for-bit comparisons with chips set this.
+    blocked_cache: bool = True
+
+    @property
+    def kv_blocks(self) -> tuple[int, ...] | None:
+        """Rows of each decode cache block when the cache is kept in blocks (one CPU device and no
+        layout: XLA CPU copies any slice of a buffer before a dot, so the chunked attention over
+        one [L, slots, KV, max_len, hd] array copied every chunk it read;
+        model.decode_forward_blocked reads each block in place). None: one array (chips)."""
+        if self.layout is None and self._one_cpu and self.blocked_cache:
+            return kv_block_sizes(self.max_len)
+        return None
 
     @property
     def tp(self) -> int:

@@ -31,9 +31,18 @@ class DecodeSide(EngineBase):
         cache = (c.num_layers, s, c.num_kv_heads, self.max_len, c.head_dim)  # head-major
         kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
         dev = None if lay is None else lay.replicated()
+        if self.kv_blocks:  # one CPU device: a buffer per layer and block (model.decode_forward_blocked)
+            kvh, hd = c.num_kv_heads, c.head_dim
+            k = tuple(tuple(jnp.zeros((s, kvh, hd, n), self._jdtype) for n in self.kv_blocks)
+                      for _ in range(c.num_layers))
+            v = tuple(tuple(jnp.zeros((s, kvh, n, hd), self._jdtype) for n in self.kv_blocks)
+                      for _ in range(c.num_layers))
+        else:
+            k = jnp.zeros(cache, self._jdtype, device=kv_dev)
+            v = jnp.zeros(cache, self._jdtype, device=kv_dev)
         return DecodeState(
-            k=jnp.zeros(cache, self._jdtype, device=kv_dev),
-            v=jnp.zeros(cache, self._jdtype, device=kv_dev),
+            k=k,
+            v=v,
             positions=jnp.zeros((s,), jnp.int32, device=dev),
             tokens=jnp.zeros((s,), jnp.int32, device=dev),
             active=jnp.zeros((s,), jnp.bool_, device=dev),
@@ -76,7 +85,7 @@ class DecodeSide(EngineBase):
         if self.layout is not None:  # a prefix from an engine on other chips moves here first
             k, v = self._place_kv(k), self._place_kv(v)
         elif len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
-            k, v = jax.device_put(k, state.k.sharding), jax.device_put(v, state.v.sharding)
+            k, v = jax.device_put(k, state.positions.sharding), jax.device_put(v, state.positions.sharding)
         return insert_core(
             state, k, v, np.int32(slot), np.int32(prefix.true_length), np.int32(first),
             np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],

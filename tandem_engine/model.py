@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 from tandem_engine.arch import ModelConfig, config_from_info
 
-__all__ = ["ModelConfig", "config_from_info", "decode_forward", "prefill_batch_forward", "prefill_forward",
-           "prefill_logits_all",
+__all__ = ["ModelConfig", "config_from_info", "decode_forward", "decode_forward_blocked", "prefill_batch_forward",
+           "prefill_forward", "prefill_logits_all",
            "prefill_suffix_forward", "reference_forward", "reference_greedy"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
@@ -546,6 +546,147 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
 
     (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)))
     return logits_from_hidden(params, x[:, 0], cfg), k_cache, v_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# decode on a CPU: the cache in blocks, each its own buffer
+
+
+KV_BLOCK_MIN = 128  # rows of a cache block (at least): the step reads whole blocks up to the longest slot
+KV_BLOCKS_MAX = 8  # blocks per layer (at most): each block is one more buffer the step passes
+
+
+def kv_block_sizes(max_len: int) -> tuple[int, ...]:
+    """Rows of each block of a blocked decode cache (`decode_forward_blocked`): blocks of
+    max(KV_BLOCK_MIN, ceil(max_len / KV_BLOCKS_MAX)) rows, the last one shorter where max_len
+    is not a multiple."""
+    size = max(KV_BLOCK_MIN, -(-max_len // KV_BLOCKS_MAX))
+    return tuple(min(size, max_len - start) for start in range(0, max_len, size))
+
+
+def block_starts(sizes) -> tuple[int, ...]:
+    out, at = [], 0
+    for size in sizes:
+        out.append(at)
+        at += size
+    return tuple(out)
+
+
+def write_blocks(k_blocks, v_blocks, k, v, slot):
+    """Rows [0, T) of one slot from a prefix's k, v [L, T, KV, hd] into the blocks (T <= the
+    cache's rows; blocks past T are left as they are: masked until decode overwrites them)."""
+    t = k.shape[1]
+    out_k, out_v = [], []
+    for i, (kbs, vbs) in enumerate(zip(k_blocks, v_blocks)):
+        row_k, row_v = [], []
+        for start, kb, vb in zip(block_starts(tuple(b.shape[-1] for b in kbs)), kbs, vbs):
+            end = min(start + kb.shape[-1], t)
+            if end > start:  # K blocks are [slots, KV, hd, rows] (transposed), V [slots, KV, rows, hd]
+                part_k = jnp.transpose(k[i, start:end], (1, 2, 0))[None].astype(kb.dtype)
+                part_v = jnp.swapaxes(v[i, start:end], 0, 1)[None].astype(vb.dtype)
+                kb = jax.lax.dynamic_update_slice(kb, part_k, (slot, 0, 0, 0))
+                vb = jax.lax.dynamic_update_slice(vb, part_v, (slot, 0, 0, 0))
+            row_k.append(kb)
+            row_v.append(vb)
+        out_k.append(tuple(row_k))
+        out_v.append(tuple(row_v))
+    return tuple(out_k), tuple(out_v)
+
+
+def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig, longest, *,
+                             window: int = 0, reach=None, sinks: jax.Array | None = None):
+    """Decode attention of one layer over its cache blocks, each a buffer of its own.
+
+    q [rows, 1, H, hd]; k_blocks [slots, KV, hd, size] (K transposed: the scores are a plain
+    [groups, hd] x [hd, size] product per slot and head), v_blocks [slots, KV, size, hd]; only
+    the first rows slots are read. A block runs (`lax.cond`) only when some active slot reaches
+    it: start <= longest, and for a windowed layer end > reach (the earliest row any window
+    reaches). Online softmax in float32 across blocks, started from the sink logit where the
+    family has one. Masked scores are finite: a slot with nothing in a block gets no NaN.
+
+    Why blocks on a CPU: XLA CPU hands a dot only whole buffers, so the chunked loop's
+    dynamic_slice of one [L, slots, KV, max_len, hd] cache copied every chunk it read (and the
+    layer scan every layer's weights) before each dot; a block is read in place.
+    Returns (out [rows, 1, H*hd] in q's dtype, the number of blocks run).
+    """
+    rows = q.shape[0]
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    groups = cfg.num_heads // kvh
+    qg = q.reshape(rows, kvh, groups, hd)
+    win = window or NO_WINDOW
+    shape = (rows, kvh, groups)
+    if sinks is None:
+        carry = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
+    else:  # the sink is one more logit with no value: it only adds exp(sink - m) to the sum
+        carry = (jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), shape),
+                 jnp.ones(shape, jnp.float32))
+    carry = (*carry, jnp.zeros((*shape, hd), jnp.float32))
+    sizes = tuple(b.shape[-1] for b in k_blocks)
+    ran = jnp.int32(0)
+    for start, kb, vb in zip(block_starts(sizes), k_blocks, v_blocks):
+        size = kb.shape[-1]
+
+        def block(c, start=start, kb=kb, vb=vb, size=size):
+            m, denom, acc = c
+            k = kb if rows == kb.shape[0] else kb[:rows]
+            v = vb if rows == vb.shape[0] else vb[:rows]
+            s = _scores(jnp.einsum("bkgd,bkds->bkgs", qg, k, preferred_element_type=jnp.float32), cfg)
+            ok = _window_mask(positions[:, None], (start + jnp.arange(size))[None, :], win)
+            s = jnp.where(ok[:, None, None, :], s, _NEG)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+        needed = start <= longest
+        if window and reach is not None:
+            needed = needed & (start + size > reach)
+        carry = jax.lax.cond(needed, block, lambda c: c, carry)
+        ran = ran + needed.astype(jnp.int32)
+    _, denom, acc = carry
+    return (acc / denom[..., None]).astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd), ran
+
+
+def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, cfg: ModelConfig,
+                           active: jax.Array | None = None):
+    """`decode_forward` over a blocked cache (what a single-CPU engine keeps): k_blocks[layer]
+    [block] [slots, KV, hd, size] (K transposed), v_blocks[layer][block] [slots, KV, size, hd],
+    the blocks of one layer covering max_len rows in order. The layers run unrolled (each has
+    its own blocks). Same inputs and outputs otherwise: (logits [rows, vocab], k_blocks,
+    v_blocks), the new K/V written at `positions` (clamped to max_len - 1)."""
+    rows = tokens.shape[0]
+    sizes = tuple(b.shape[-1] for b in k_blocks[0])
+    starts, max_len = block_starts(sizes), sum(sizes)
+    write_pos = jnp.minimum(positions, max_len - 1)
+    slot_idx = jnp.arange(rows)
+    in_use = write_pos if active is None else jnp.where(active, write_pos, 0)
+    longest = jnp.max(in_use)  # a freed slot keeps its old position: it must not add blocks
+    consts = layer_consts(cfg)
+    x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
+    out_k, out_v = [], []
+    for i in range(cfg.num_layers):
+        lp = jax.tree.map(lambda w, i=i: w[i], params["layers"])
+        lc = jax.tree.map(lambda c, i=i: c[i], consts)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
+        kbs, vbs = [], []
+        for start, kb, vb in zip(starts, k_blocks[i], v_blocks[i]):
+            size = kb.shape[-1]
+            local = write_pos - start
+            local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
+            kbs.append(kb.at[slot_idx, :, :, local].set(k[:, 0].astype(kb.dtype), mode="drop"))
+            vbs.append(vb.at[slot_idx, :, local].set(v[:, 0].astype(vb.dtype), mode="drop"))
+        window, reach = cfg.window(i), None
+        if window:
+            lo = jnp.maximum(write_pos - window + 1, 0)
+            reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
+        attn, _ = blocked_decode_attention(q, kbs, vbs, write_pos, cfg, longest, window=window, reach=reach,
+                                           sinks=_sinks(lp, cfg))
+        x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
+        out_k.append(tuple(kbs))
+        out_v.append(tuple(vbs))
+    return logits_from_hidden(params, x[:, 0], cfg), tuple(out_k), tuple(out_v)
 
 
 # ---------------------------------------------------------------------------------------------

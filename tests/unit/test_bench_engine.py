@@ -110,3 +110,13 @@ def test_machine_info_and_run_all_list():
     assert m["nproc"] >= 1 and m["cpu"] and m["date"]
     assert "engine.py" in run_all.BENCHMARKS
     assert all((common.BENCH_DIR / s).is_file() for s in run_all.BENCHMARKS)
+
+
+def test_step_roofline_positions_and_flops_by_hand():
+    from bench import step_roofline as sr
+
+    assert sr.positions_for(1024) == [64, 256, 512, 1023]
+    assert sr.positions_for(128) == [64, 127]
+    # projections 2 * (1152 + 8 * 100) * batch 3, attention 4 * 2 layers * 2 heads * 4 hd * 10 rows * 3
+    assert sr.step_flops(TOY, 3, 9) == 2.0 * (1152 + 800) * 3 + 4.0 * 2 * 2 * 4 * 10 * 3
+    assert "step_roofline.py" in run_all.BENCHMARKS
