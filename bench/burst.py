@@ -25,10 +25,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import vllm_cpu
+from bench.common import machine_info, machine_line, markdown_table, write_section
 from bench.loadgen import RequestSpec, percentile, run_load
 from bench.systems import ROOT, TandemLocal, model_id
 
 OUT = ROOT / "bench" / "out" / "burst"
+SECTION = "burst"
 EXTRA = {"ignore_eos": True, "temperature": 0.0}
 
 
@@ -68,6 +70,33 @@ async def measure(url: str, a) -> dict:
     return {"rounds": rounds, "p90_ms_median": statistics.median(r["p90_ms"] for r in rounds)}
 
 
+def section(results: dict, a, argv) -> str:
+    """The burst section of RESULTS.md: each system's TTFT p90 (median of its rounds), and each
+    Tandem system's p90 over vLLM's when vLLM ran and served every request."""
+    peer = results.get("vllm", {})
+    healthy = "error" not in peer and peer and all(r["errors"] == 0 for r in peer.get("rounds", []))
+    rows = []
+    for tag, r in results.items():
+        if "error" in r:
+            rows.append([tag, f"failed: {r['error']}", None, None, None])
+            continue
+        errors = sum(x["errors"] for x in r["rounds"])
+        ratio = r["p90_ms_median"] / peer["p90_ms_median"] if healthy and tag != "vllm" else None
+        rows.append([tag, r["p90_ms_median"], ", ".join(f"{x['p90_ms']:.0f}" for x in r["rounds"]), errors, ratio])
+    cmd = " ".join(["python bench/burst.py", *(argv if argv is not None else sys.argv[1:])])
+    return "\n".join([
+        "## A burst of long prompts: TTFT against vLLM CPU", "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {machine_line(machine_info())}  ",
+        f"{a.n} prompts of {a.prompt_len} tokens sent at once ({a.output_len} output tokens each, greedy, "
+        f"`ignore_eos`), {a.rounds} rounds after an untimed one; built-in model, {a.slots} slots, max_len "
+        f"{a.max_len} on every system; unpinned. `-old` rows: the `--old-root` checkout, run just before.", "",
+        markdown_table(["system", "TTFT p90 ms (median of rounds)", "each round's p90 ms", "errors",
+                        "p90 / vLLM's (target <= 1)"], rows),
+        "" if healthy else "\nvLLM did not run or did not serve every request: no ratio is quoted.",
+    ])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 rounds")
@@ -80,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default="disagg,colocated,vllm")
     p.add_argument("--old-root", default="", help="also run the Tandem systems from this checkout")
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="a Tandem setting for its pods, e.g. TANDEM_PREFILL_PREFILL_BATCH_TOKENS=1024")
     a = p.parse_args(argv)
@@ -108,15 +138,12 @@ def main(argv=None) -> int:
         finally:
             server.stop()
         print(f"   ({time.monotonic() - t0:.0f}s)", flush=True)
-    print("\n| system | TTFT p90, median of rounds (ms) | rounds' p90 (ms) |\n|---|---|---|")
-    for tag, r in results.items():
-        if "error" in r:
-            print(f"| {tag} | failed: {r['error']} | |")
-        else:
-            each = ", ".join(f"{x['p90_ms']:.0f}" for x in r["rounds"])
-            print(f"| {tag} | {r['p90_ms_median']:.0f} | {each} |")
+    text = section(results, a, argv)
+    print(text)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "burst.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    if not a.no_write:
+        write_section(SECTION, text)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
