@@ -333,12 +333,13 @@ class StepView:
     @classmethod
     def of(cls, acts, max_len: int, constrained) -> StepView:
         acts = tuple(acts)
-        stops = set().union(*(a.stop_ids for a in acts)) if acts else set()
-        return cls(acts, np.fromiter((a.slot for a in acts), np.intp, len(acts)),
-                   np.fromiter((last_index(a, max_len) for a in acts), np.int64, len(acts)),
-                   np.fromiter(stops, np.int64, len(stops)),
-                   np.fromiter((a.req.sampling.logprobs is not None or constrained(a.slot) for a in acts), bool, len(acts)),
-                   tuple(a.req.request_id for a in acts), any(a.req.sampling.logprobs is not None for a in acts))
+        if not acts:
+            return cls((), np.zeros(0, np.intp), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), ())
+        rows = [a.view_row or _view_row(a, max_len, constrained) for a in acts]  # per row once in its life
+        slots, last, special, rids = zip(*rows)
+        stops = set().union(*(a.stop_ids for a in acts))
+        return cls(acts, np.array(slots, np.intp), np.array(last, np.int64), np.fromiter(stops, np.int64, len(stops)),
+                   np.array(special, bool), rids, any(a.req.sampling.logprobs is not None for a in acts))
 
     def live(self) -> StepView:
         """Without the rows finished or cancelled since the snapshot (itself when none is)."""
@@ -365,6 +366,14 @@ class StepViews:
         if self._view is None or key != self._key:  # (the view holds its records: no id is reused meanwhile)
             self._key, self._view = key, StepView.of(snapshot, self.max_len, self.constrained)
         return self._view
+
+
+def _view_row(act: Active, max_len: int, constrained) -> tuple:
+    """`Active.view_row`: computed at the first step that sees the request, kept while it runs (its
+    slot, length limit, grammar and logprobs do not change in the slot)."""
+    row = act.view_row = (act.slot, last_index(act, max_len),
+                          act.req.sampling.logprobs is not None or constrained(act.slot), act.req.request_id)
+    return row
 
 
 def last_index(act: Active, max_len: int) -> int:
