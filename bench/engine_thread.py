@@ -155,6 +155,31 @@ def main(argv=None) -> int:
     ev_tokens = sum(len(b) for b in batches)
     ev = time.thread_time() - t
 
+    # and the same batches written to a real Redis through the publisher's one round trip per step
+    # (`Publisher._execute_tokens`: add_batch, redis-py's packing, the send and the parsing of replies)
+    import asyncio
+
+    from tandem.redis_proc import RedisProcess
+    red = RedisProcess().start()
+    try:
+        async def publish() -> float:
+            rr = aioredis.from_url(red.url)
+            pub = token_stream.OwnedPublisher(rr, KeySpace(shards=1), "decode-bench", 600, 10000, 60)
+            await pub.load()
+            rids = {e.request_id for b in batches for e in b}
+            await rr.hset(pub.running_of(0).decode(), mapping={rid: "1" for rid in rids})
+            t = time.thread_time()
+            for batch in batches:
+                pipe = rr.pipeline(transaction=False)
+                placed = pub.add_batch(pipe, batch)
+                placed.results(await pipe.execute())
+            spent = time.thread_time() - t
+            await rr.aclose()
+            return spent
+        ev_redis = asyncio.run(publish())
+    finally:
+        red.stop()
+
     us = 1e6
     print(f"rows {a.rows}, {steps} steps, {tokens} tokens, wall {wall / steps * 1e3:.1f} ms/step")
     print(f"engine thread CPU : {(c1 - c0) / steps * 1e3:.3f} ms/step  {(c1 - c0) / tokens * us:.1f} us/token")
@@ -164,6 +189,8 @@ def main(argv=None) -> int:
     print(f"  the rest        : {rest / steps * 1e3:.3f} ms/step  {rest / tokens * us:.1f} us/token")
     print(f"publisher (event loop) add_batch+pack: {ev / len(batches) * 1e3:.3f} ms/batch  "
           f"{ev / ev_tokens * us:.1f} us/token over {len(batches)} batches")
+    print(f"publisher to Redis (client CPU): {ev_redis / len(batches) * 1e3:.3f} ms/batch  "
+          f"{ev_redis / ev_tokens * us:.1f} us/token")
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(a.sort).print_stats(25)
