@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="builtin")
     p.add_argument("--output", type=int, default=64, help="tokens per request: finished ones are replaced at once")
     p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=1024, help="the engine's context (bench/host_path.py's)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     a = p.parse_args(argv)
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     from tandem_engine import load_engine
 
     max_tokens = a.output
-    engine = load_engine(a.model, slots=a.rows, max_len=a.prompt + a.output + 32, prefill_buckets=(a.prompt,),
+    engine = load_engine(a.model, slots=a.rows, max_len=max(a.max_len, a.prompt + a.output + 32), prefill_buckets=(a.prompt,),
                          cpu_threads=1)
     table = RequestTable(a.rows)
     bridge = Bridge(a.rows, 1 << 16)
@@ -193,7 +194,19 @@ def main(argv=None) -> int:
           f"{ev_redis / ev_tokens * us:.1f} us/token")
     if prof is not None:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats(a.sort).print_stats(25)
+        st = pstats.Stats(prof, stream=out).sort_stats(a.sort)
+        st.print_stats(25)
+        areas: dict[str, float] = {}
+        for (file, _line, fn), (_cc, _nc, tt, _ct, callers) in st.stats.items():  # type: ignore[attr-defined]
+            # a builtin (numpy, locks) is charged to the area of its first caller
+            where = file if file != "~" else next(iter(callers), ("?",))[0]
+            area = next((k for k in ("decode_svc", "tandem_engine", "jax", "numpy", "queue", "threading", "bench")
+                         if f"/{k}/" in where or where.endswith(f"/{k}.py")), "other")
+            areas[area] = areas.get(area, 0.0) + tt
+        total = sum(areas.values())
+        print("engine thread CPU by where the time was spent (profiled, whole run):")
+        for k, v in sorted(areas.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:14s} {v * 1e3:8.1f} ms  {v / total:5.1%}")
         print(out.getvalue())
     return 0
 
