@@ -27,6 +27,7 @@ one bridge to the event loop (decode_svc/bridge.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -281,8 +282,8 @@ class EngineLoop:
         got = tokens[live.slots]
         idx = np.fromiter([a.next_index for a in live.acts], np.int64, len(live.acts))
         look = idx >= live.last  # ends by length (max_tokens, or the end of the context)
-        if live.stop_ids.size:
-            look |= np.isin(got, live.stop_ids)  # sampled some row's stop id: that row's own?
+        if live.stop_ids.size:  # sampled some row's stop id: that row's own? (a table lookup, not np.isin)
+            look |= live.stop_mask[np.minimum(got, live.stop_mask.size - 1)]
         if live.special.any():
             look |= live.special  # a grammar to feed or logprobs to encode
         out: list[Emitted] = [Emitted(rid, i, t) for rid, i, t in zip(live.rids, idx.tolist(), got.tolist())]
@@ -326,6 +327,7 @@ class StepView:
     slots: np.ndarray  # each row's slot (indexes the step's token array)
     last: np.ndarray  # the index at which each row ends by length
     stop_ids: np.ndarray  # every row's stop ids together (a hit is checked against its own row's)
+    stop_mask: np.ndarray  # token -> one of `stop_ids`, one past the highest (False: any token beyond)
     special: np.ndarray  # rows with a grammar or that want logprobs: looked at every step
     rids: tuple[str, ...]
     logprobs: bool = False  # some row wants logprobs: the step runs the variant that returns them
@@ -333,12 +335,14 @@ class StepView:
     @classmethod
     def of(cls, acts, max_len: int, constrained) -> StepView:
         acts = tuple(acts)
-        stops = set().union(*(a.stop_ids for a in acts)) if acts else set()
-        return cls(acts, np.fromiter((a.slot for a in acts), np.intp, len(acts)),
-                   np.fromiter((last_index(a, max_len) for a in acts), np.int64, len(acts)),
-                   np.fromiter(stops, np.int64, len(stops)),
-                   np.fromiter((a.req.sampling.logprobs is not None or constrained(a.slot) for a in acts), bool, len(acts)),
-                   tuple(a.req.request_id for a in acts), any(a.req.sampling.logprobs is not None for a in acts))
+        if not acts:
+            return cls((), np.zeros(0, np.intp), np.zeros(0, np.int64), np.zeros(0, np.int64), _stop_mask(frozenset()),
+                       np.zeros(0, bool), ())
+        rows = [a.view_row or _view_row(a, max_len, constrained) for a in acts]  # per row once in its life
+        slots, last, special, rids = zip(*rows)
+        stops = frozenset().union(*(a.stop_ids for a in acts))
+        return cls(acts, np.array(slots, np.intp), np.array(last, np.int64), np.fromiter(stops, np.int64, len(stops)),
+                   _stop_mask(stops), np.array(special, bool), rids, any(a.req.sampling.logprobs is not None for a in acts))
 
     def live(self) -> StepView:
         """Without the rows finished or cancelled since the snapshot (itself when none is)."""
@@ -346,7 +350,7 @@ class StepView:
             return self
         keep = np.fromiter((not a.done for a in self.acts), bool, len(self.acts))
         acts = tuple(a for a in self.acts if not a.done)
-        return StepView(acts, self.slots[keep], self.last[keep], self.stop_ids, self.special[keep],
+        return StepView(acts, self.slots[keep], self.last[keep], self.stop_ids, self.stop_mask, self.special[keep],
                         tuple(a.req.request_id for a in acts))
 
 
@@ -365,6 +369,24 @@ class StepViews:
         if self._view is None or key != self._key:  # (the view holds its records: no id is reused meanwhile)
             self._key, self._view = key, StepView.of(snapshot, self.max_len, self.constrained)
         return self._view
+
+
+@functools.lru_cache(maxsize=16)
+def _stop_mask(stops: frozenset[int]) -> np.ndarray:
+    """A lookup table of these stop ids (the same few sets come back, so each is built once): True
+    at each, False at the last entry, where `_process` clips every token past the table."""
+    ids = [t for t in stops if 0 <= t < 1 << 22]  # none beyond: no vocabulary is that large, no token matches
+    mask = np.zeros(max(ids, default=-1) + 2, bool)
+    mask[ids] = True
+    return mask
+
+
+def _view_row(act: Active, max_len: int, constrained) -> tuple:
+    """`Active.view_row`: computed at the first step that sees the request, kept while it runs (its
+    slot, length limit, grammar and logprobs do not change in the slot)."""
+    row = act.view_row = (act.slot, last_index(act, max_len),
+                          act.req.sampling.logprobs is not None or constrained(act.slot), act.req.request_id)
+    return row
 
 
 def last_index(act: Active, max_len: int) -> int:

@@ -47,6 +47,9 @@ class Active:
     next_index: int = 1  # index 0 came from prefill
     done: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    # (slot, last index by length, looked at every step, request id): what a step's view of the
+    # running set needs of it, fixed for its life in the slot; set by decode_svc/loop.py's StepView
+    view_row: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
