@@ -35,6 +35,9 @@ SITES: dict[str, str] = {
     "decode.handback": "decode pod: giving a request it cannot finish back for recovery (resume)",
     "prefill.prefill": "prefill pod: the engine's prefill of one claimed admission entry",
     "prefill.commit": "prefill pod: the fenced commit of a prefill's first token and ready notice",
+    "gateway.enqueue": "gateway: one pipeline of admission enqueues (the EnqueueBatcher's enqueue_many)",
+    "gateway.read": "gateway: a token reader's blocking XREAD of the token streams it relays",
+    "prefill.claim": "prefill pod: one claim round's XREADGROUP of admission entries",
 }
 
 

@@ -40,6 +40,9 @@ PLAN = {
     "decode.handback": "decode.handback@1,decode.pull@2",  # a handback needs a failure first
     "prefill.prefill": "prefill.prefill@4",
     "prefill.commit": "prefill.commit@6",
+    "gateway.enqueue": "gateway.enqueue@1:down",  # the first pipeline: a burst may be one or two
+    "gateway.read": "gateway.read@3-4:down",
+    "prefill.claim": "prefill.claim@4-5:down",
 }
 FAST = {"TANDEM_DECODE_RECOVER_INTERVAL_S": "0.3", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.3"}
 EACH = os.environ.get("TANDEM_FAULT_SITES_EACH") == "1"
