@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import httpx
@@ -43,6 +45,7 @@ PLAN = {
     "gateway.enqueue": "gateway.enqueue@1:down",  # the first pipeline: a burst may be one or two
     "gateway.read": "gateway.read@3-4:down",
     "prefill.claim": "prefill.claim@4-5:down",
+    "decode.step": "decode.step@6",
 }
 FAST = {"TANDEM_DECODE_RECOVER_INTERVAL_S": "0.3", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.3"}
 EACH = os.environ.get("TANDEM_FAULT_SITES_EACH") == "1"
@@ -101,7 +104,8 @@ def _settled(base: str) -> dict:
 
 
 def _run_with(plan: str, expected: dict[int, str]) -> tuple[list, dict, str]:
-    cl = start_local(slots=4, env={faults.ENV: plan, **FAST})
+    state = tempfile.mkdtemp(prefix="tandem-faults-")  # a restarted pod does not fire the same fault again
+    cl = start_local(slots=4, env={faults.ENV: plan, faults.STATE_ENV: state, **FAST})
     try:
         async def load():
             async with httpx.AsyncClient(base_url=cl.base_url, timeout=60) as c:
@@ -118,6 +122,7 @@ def _run_with(plan: str, expected: dict[int, str]) -> tuple[list, dict, str]:
             time.sleep(0.3)
     finally:
         stop_local(cl.proc)
+        shutil.rmtree(state, ignore_errors=True)
         if os.environ.get("TANDEM_FAULT_SITES_LOG"):
             with open(os.environ["TANDEM_FAULT_SITES_LOG"], "w") as f:
                 f.write("".join(cl.log))
