@@ -4,8 +4,11 @@ site raise, and a batch of greedy streams. Every request ends with the engine's 
 unbroken run's) or a clear error that names the fault; afterwards no decode seat is held, nothing is
 owed, no KV is held, no queue has a leftover, and every planned fault fired.
 
-Faults at a decode site must cost the client nothing (the request is handed back and resumed);
-a fault in the prefill itself or its commit fails that one request with a clear error.
+Faults at a decode site must cost the client nothing (the request is handed back and resumed; a
+failed engine step stops the pod, which hands its requests back and is restarted); a Redis-down
+fault at the gateway's enqueue or token read or the prefill claim is waited out; a fault in the
+prefill itself or its commit fails that one request with a clear error. A planned fault fires once
+per cluster (TANDEM_FAULTS_STATE), not again in a restarted process.
 
 By default one cluster takes every site's fault in one run; TANDEM_FAULT_SITES_EACH=1 walks the
 sites one cluster each (what docs/reliability.md's table reports)."""
