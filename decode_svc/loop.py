@@ -41,6 +41,7 @@ from decode_svc.bridge import Bridge
 from decode_svc.constrained import SlotGrammars
 from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats
 from decode_svc.requests import Active, RequestTable
+from tandem_core import faults
 from tandem_core.errors import TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
@@ -139,6 +140,7 @@ class EngineLoop:
         kw: dict[str, Any] = {"logprobs": True} if want else {}
         if masks is not None:
             kw["masks"] = masks
+        faults.hit("decode.step")
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
         self.stats.steps += 1
         return (toks, snapshot, want), state

@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 
+from tandem_core import faults
 from tandem_core.bus import KeySpace, admission
 from tandem_core.types import GenerationRequest
 
@@ -82,6 +83,7 @@ class EnqueueBatcher:
                 continue
             self.batches += 1
             try:
+                faults.hit("gateway.enqueue")
                 results = await admission.enqueue_many(self.redis(), self.ks, self.pool, [w[:3] for w in batch], self.maxlen)
             except BaseException as e:
                 for *_, fut in batch:

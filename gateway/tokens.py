@@ -27,7 +27,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from tandem_core import redis_client
+from tandem_core import faults, redis_client
 from tandem_core.bus import conn, token_stream
 from tandem_core.bus import KeySpace
 
@@ -212,6 +212,7 @@ class ShardReader:
             want[self.wake_stream] = wake_id
             self._reading = True
             try:
+                faults.hit("gateway.read")
                 resp = await redis_client.xread(self.r, want, count=self.count, block=self.block_ms)
             except conn.REDIS_DOWN as e:
                 if not failed:

@@ -71,6 +71,14 @@ async def serve(settings: PrefillSettings) -> int:
     log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
              engine.info.name, store.budget_bytes)
     loop_task = asyncio.create_task(worker.run(pod.stop))
+
+    def loop_ended(task: asyncio.Task) -> None:  # a loop that died must not leave a pod that claims nothing
+        if not task.cancelled() and task.exception() is not None:
+            log.error("prefill loop failed: %r; stopping (restarted, the pod takes back what it had claimed)",
+                      task.exception())
+            pod.stop.set()
+
+    loop_task.add_done_callback(loop_ended)
     await pod.stop.wait()
     await pod.drain()
     await loop_task

@@ -32,7 +32,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
 from prefill_svc.takeover import Takeover
-from tandem_core import lifecycle
+from tandem_core import faults, lifecycle
 from tandem_core.bus import admission, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_DOWN
 from tandem_core.bus import KeySpace
@@ -102,6 +102,7 @@ class PrefillWorker:
         if room == 0:
             await asyncio.sleep(BUDGET_FULL_POLL_S)  # budget full: keep serving pulls, claim nothing
             return
+        faults.hit("prefill.claim")
         claimed = await groups.claim(self.r, self._claim_order(rotation), groups.PREFILL_GROUP, self.worker_id, room,
                                      self.s.claim_block_ms, self.bell)
         await self.handler.handle_claimed(claimed)  # together: their prompts share engine calls

@@ -11,6 +11,12 @@ every later one), and `kind` is `error` (default: `InjectedFault`, an error noth
 `down` (redis-py's ConnectionError: Redis looks down, so the retry paths run). Example:
 `TANDEM_FAULTS=decode.own@2,decode.publish@3-40:down`.
 
+A fault that ends a process (an engine call failing kills the decode pod's engine thread: the pod
+hands its requests back and exits, its supervisor restarts it) would fire again in every restart,
+whose call counts start at 0. With `TANDEM_FAULTS_STATE` set to a directory shared by the processes,
+each planned call (`site@N`) raises once in the whole cluster: the first process to reach it leaves
+a file there, and later lives of the same pod go on.
+
 Off (no spec), `hit` is one dict lookup: it may sit on per-step paths.
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 log = logging.getLogger(__name__)
 ENV = "TANDEM_FAULTS"
+STATE_ENV = "TANDEM_FAULTS_STATE"  # a directory: each planned call raises once across processes
 
 # Every site, where it sits, and what the code must do when it raises there (docs/reliability.md).
 SITES: dict[str, str] = {
@@ -35,6 +42,10 @@ SITES: dict[str, str] = {
     "decode.handback": "decode pod: giving a request it cannot finish back for recovery (resume)",
     "prefill.prefill": "prefill pod: the engine's prefill of one claimed admission entry",
     "prefill.commit": "prefill pod: the fenced commit of a prefill's first token and ready notice",
+    "gateway.enqueue": "gateway: one pipeline of admission enqueues (the EnqueueBatcher's enqueue_many)",
+    "gateway.read": "gateway: a token reader's blocking XREAD of the token streams it relays",
+    "prefill.claim": "prefill pod: one claim round's XREADGROUP of admission entries",
+    "decode.step": "decode pod: the engine's generate call of one step (the engine thread)",
 }
 
 
@@ -100,9 +111,21 @@ def hit(site: str) -> None:
     _counts[site] += 1
     n = _counts[site]
     for rule in _plan.get(site, ()):
-        if rule.matches(n):
+        if rule.matches(n) and _first_time(site, n):
             raised[site] += 1
             log.warning("injected fault at %s (call %d, %s)", site, n, rule.kind)
             if rule.kind == "down":
                 raise RedisConnectionError(f"injected fault at {site} (call {n}): Redis looks down")
             raise InjectedFault(f"injected fault at {site} (call {n})")
+
+
+def _first_time(site: str, n: int) -> bool:
+    """Whether call `n` at `site` has not raised yet in this cluster (always, without STATE_ENV)."""
+    state = os.environ.get(STATE_ENV)
+    if not state:
+        return True
+    try:
+        os.close(os.open(os.path.join(state, f"{site}@{n}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

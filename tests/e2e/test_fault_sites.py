@@ -4,8 +4,11 @@ site raise, and a batch of greedy streams. Every request ends with the engine's 
 unbroken run's) or a clear error that names the fault; afterwards no decode seat is held, nothing is
 owed, no KV is held, no queue has a leftover, and every planned fault fired.
 
-Faults at a decode site must cost the client nothing (the request is handed back and resumed);
-a fault in the prefill itself or its commit fails that one request with a clear error.
+Faults at a decode site must cost the client nothing (the request is handed back and resumed; a
+failed engine step stops the pod, which hands its requests back and is restarted); a Redis-down
+fault at the gateway's enqueue or token read or the prefill claim is waited out; a fault in the
+prefill itself or its commit fails that one request with a clear error. A planned fault fires once
+per cluster (TANDEM_FAULTS_STATE), not again in a restarted process.
 
 By default one cluster takes every site's fault in one run; TANDEM_FAULT_SITES_EACH=1 walks the
 sites one cluster each (what docs/reliability.md's table reports)."""
@@ -14,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import httpx
@@ -40,6 +45,10 @@ PLAN = {
     "decode.handback": "decode.handback@1,decode.pull@2",  # a handback needs a failure first
     "prefill.prefill": "prefill.prefill@4",
     "prefill.commit": "prefill.commit@6",
+    "gateway.enqueue": "gateway.enqueue@1:down",  # the first pipeline: a burst may be one or two
+    "gateway.read": "gateway.read@3-4:down",
+    "prefill.claim": "prefill.claim@4-5:down",
+    "decode.step": "decode.step@6",
 }
 FAST = {"TANDEM_DECODE_RECOVER_INTERVAL_S": "0.3", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.3"}
 EACH = os.environ.get("TANDEM_FAULT_SITES_EACH") == "1"
@@ -98,7 +107,8 @@ def _settled(base: str) -> dict:
 
 
 def _run_with(plan: str, expected: dict[int, str]) -> tuple[list, dict, str]:
-    cl = start_local(slots=4, env={faults.ENV: plan, **FAST})
+    state = tempfile.mkdtemp(prefix="tandem-faults-")  # a restarted pod does not fire the same fault again
+    cl = start_local(slots=4, env={faults.ENV: plan, faults.STATE_ENV: state, **FAST})
     try:
         async def load():
             async with httpx.AsyncClient(base_url=cl.base_url, timeout=60) as c:
@@ -115,6 +125,7 @@ def _run_with(plan: str, expected: dict[int, str]) -> tuple[list, dict, str]:
             time.sleep(0.3)
     finally:
         stop_local(cl.proc)
+        shutil.rmtree(state, ignore_errors=True)
         if os.environ.get("TANDEM_FAULT_SITES_LOG"):
             with open(os.environ["TANDEM_FAULT_SITES_LOG"], "w") as f:
                 f.write("".join(cl.log))

@@ -59,3 +59,14 @@ def test_down_raises_what_redis_being_down_raises():
 def test_a_bad_spec_says_what_is_wrong(spec):
     with pytest.raises(ValueError, match="bad fault spec"):
         faults.configure(spec)
+
+
+def test_with_a_state_directory_each_planned_call_raises_once_across_process_lives(monkeypatch, tmp_path):
+    monkeypatch.setenv(faults.STATE_ENV, str(tmp_path))
+    faults.configure("decode.step@2")
+    assert calls_that_raise("decode.step", 4) == [2]
+    faults.configure("decode.step@2")  # a restarted process: its counts start again
+    assert calls_that_raise("decode.step", 4) == []
+    monkeypatch.delenv(faults.STATE_ENV)
+    faults.configure("decode.step@2")  # without it, every life fires again
+    assert calls_that_raise("decode.step", 4) == [2]
