@@ -128,7 +128,9 @@ async def _drain(io: DecodeIO, timeout_s: float) -> None:
     if table.used:
         # Hand them back: each resumes on another pod from what it has streamed so far.
         left = table.snapshot()
-        log.warning("drain deadline passed with %d running requests: handing them back", len(left))
+        failed = io.engine_loop.error is not None
+        why = "its engine thread failed" if failed else "the drain deadline passed"
+        log.warning("%s with %d running requests: handing them back", why, len(left))
         for act in left:
-            await io.resume(act.req, "decode pod drained before it finished", owner=io.worker_id)
+            await io.resume(act.req, f"decode pod stopped before it finished ({why})", owner=io.worker_id)
         io.engine_loop.cancel({a.req.request_id for a in left}, silent=True)
