@@ -196,7 +196,12 @@ class EngineLoop:
         """Prefill here (decode_svc/local_prefill.py); the choices that go on take the prompt's
         seat and wait for slots (with n > 1 the rest wait until slots free up)."""
         try:
-            if self.prefill_chunk_tokens and self.table.used and len(item.req.prompt_ids) > self.engine.prefix_chunk:
+            # chunked only when whole it would take more than the budget between two steps: a
+            # prompt within it runs whole (one call at its bucket; in `prefix_chunk` pieces it costs
+            # several calls over the cached-prefix path: colocated bursts of 512-token prompts got slower)
+            n = len(item.req.prompt_ids)
+            if self.prefill_chunk_tokens and self.table.used and n > max(self.prefill_chunk_tokens,
+                                                                          self.engine.prefix_chunk):
                 self._chunked.append(ChunkedPrefill(self.engine, self.prefix_cache, self.grammars.grammars, item))
                 return state  # streams are running: its chunks go between their steps
             done = prefill_here(self.engine, self.prefix_cache, self.grammars.grammars, item)

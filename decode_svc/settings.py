@@ -22,8 +22,9 @@ class DecodeSettings(WorkerSettings):
     cancel_poll_s: PositiveFloat = 0.05
     pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread
-    # Chunked prefill: while streams run, a local prompt longer than one chunk (prefix_cache.chunk_tokens)
-    # is prefilled at most this many tokens between two decode steps; 0 = whole prompts
+    # Chunked prefill: while streams run, a local prompt longer than this is prefilled in chunks (the
+    # engine's prefix_chunk), at most this many tokens between two decode steps; shorter ones run whole;
+    # 0 = whole prompts always
     prefill_chunk_tokens: NonNegativeInt = 2048
     stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
     max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
