@@ -70,6 +70,16 @@ class PrefillSide(EngineBase):
         padded[:n] = ids
         return padded, n
 
+    def _prepare_masked(self, prompt_ids, sampling, choices, start_index, output_from, stop_ids, masks):
+        """`_prepare` for `prefill` and `prefill_chunked`: the choices (one `sampling`, or
+        `choices`) first, and the grammar masks checked against them and appended to the rest."""
+        picks = [sampling] if choices is None else list(choices)
+        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
+        if masks is not None and len(masks) != len(picks):
+            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
+        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
+        return picks, padded, n, (*rest, m)
+
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
                 choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
                 output_from: int | None = None, stop_ids: Sequence[int] = (),
@@ -88,12 +98,8 @@ class PrefillSide(EngineBase):
         `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
         arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
         only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
-        picks = [sampling] if choices is None else list(choices)
-        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
-        if masks is not None and len(masks) != len(picks):
-            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
-        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
-        rest = (*rest, m)
+        picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
+                                                      stop_ids, masks)
         if cached is not None and int(cached.length) > 0:
             k, v, packed = self._prefill_over(padded, n, cached, rest)
         else:
@@ -202,12 +208,8 @@ class PrefillSide(EngineBase):
         each `next` runs one chunk and yields None, and the last yields the Prefix `prefill`
         gives (the prefill-over-a-cached-prefix path: equal to the whole prompt's up to float
         rounding in the row blocking). Validation errors raise at the first `next`."""
-        picks = [sampling] if choices is None else list(choices)
-        padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
-        if masks is not None and len(masks) != len(picks):
-            raise ValueError(f"masks has {len(masks)} rows; the prefill samples {len(picks)} choices")
-        m = None if masks is None else mask_rows(masks, len(picks), self.info.vocab_size)
-        rest = (*rest, m)
+        picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
+                                                      stop_ids, masks)
         size = max(1, min(int(chunk or self.prefix_chunk), self.buckets[-1]))
         if cached is not None and int(cached.length) <= 0:
             cached = None
