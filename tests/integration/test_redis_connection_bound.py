@@ -64,17 +64,24 @@ async def test_hundreds_of_concurrent_commands_share_a_bounded_pool(cfg_and_node
         else:
             assert await script(keys=[f"bound:{tag}:x"], args=[i]) >= 1
 
+    async def held(i: int) -> None:
+        # a blocking read on one key holds its connection for its whole timeout, and every one
+        # of them goes to the same node: past the bound they must queue, not open more
+        assert await r.blpop([f"bound:{{bound-held}}:{name}"], timeout=0.3) is None
+
     w = asyncio.create_task(watch())
     try:
         await asyncio.gather(*(one(i) for i in range(TASKS)))  # any error (MaxConnectionsError) fails here
+        await asyncio.gather(*(held(i) for i in range(3 * BOUND)))
     finally:
         stop.set()
         await w
     try:
         after = _named(nodes, name)
         assert sum(await asyncio.gather(*(r.exists(f"bound:{{bound-{k}}}:n") for k in range(37)))) == 37
-        # the load filled the pool (on a cluster the bound keeps one place for the connection
-        # the slot map is read through) and no node ever held more than the bound
+        # the held reads filled the pool on their node (on a cluster the bound keeps one place
+        # for the connection the slot map is read through; the mixed load spreads over three
+        # nodes and need not fill any), and no node ever held more than the bound
         assert max(after) >= BOUND - 1 and max(peak + after) <= BOUND, (peak, after)
     finally:
         await r.aclose()
