@@ -9,7 +9,10 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
 2. Steps run back to back for all slots. The step is pipelined (the vLLM seed): step n is
    dispatched (JAX dispatch is asynchronous) *before* step n-1's tokens are copied to the host, so
    the device never waits on host bookkeeping. The cost: a finished slot is noticed one step late,
-   and its extra token is dropped.
+   and its extra token is dropped. Multi-step decode (`steps_per_dispatch` K, EngineConfig): one
+   call runs K steps when no grammar and no waiting insert needs a single step, so the dispatch and
+   this bookkeeping are paid once per K tokens a row; tokens reach the publisher in bursts of K, and
+   a slot that finishes inside a call idles to its end (its later tokens are dropped, never emitted).
 3. After copying step n-1's tokens, the thread decides per slot: emit the token, finish on a stop id,
    on max_tokens or at the end of the context; a finished slot is freed at once.
 4. Each step's emitted tokens go to the bounded `outputs` queue as one batch; the I/O side writes
@@ -47,7 +50,7 @@ from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
 from tandem_core.sampling_args import insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
-from tandem_engine.logits import unpack_logprobs, unpack_tokens
+from tandem_engine.logits import unpack_logprobs
 from tandem_engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:  # the type only: no JAX import

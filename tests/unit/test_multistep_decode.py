@@ -109,7 +109,7 @@ def _drive(engine, reqs, steps_per_dispatch: int, cancel_after: dict[str, int] |
     cancelled: set[str] = set()
     deadline = time.monotonic() + timeout_s
     try:
-        while sum(bool(v) and v[-1][2] is not None for v in got.values()) < len(reqs):
+        while sum(any(f is not None for _i, _t, f in v) for v in got.values()) < len(reqs):
             assert time.monotonic() < deadline, f"stalled: {got}"
             try:
                 batch = bridge.outputs.get(timeout=1)
