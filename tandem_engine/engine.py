@@ -13,7 +13,8 @@ Life of a request through the engine:
      holds slots [0, rows)) and returns tokens still on the device, so the caller can dispatch the
      next step before copying them (pipelining); `logprobs=True` returns them packed with their
      logprobs (logits.py), still one device -> host copy. The token a slot returns at its n-th
-     step is token index start_index + n.
+     step is token index start_index + n. `generate(state, rows, steps=K)` runs K steps in one
+     call (multi-step decode; tokens [K, bucket]): the same tokens as K one-step calls.
   5. `free(state, slot)` marks the slot inactive when the request finishes.
 
 Public methods do host work (validation, padding, seeds); the jitted cores (cores.py) do device
