@@ -12,7 +12,8 @@ wall time (the machine may be shared):
   * event loop's per-step work on the step's tokens: `OwnedPublisher.add_batch` onto a redis-py
     pipeline, the pipeline's packing of those commands (what `execute` does before it sends),
     the replies turned into results, the acks and finishes looked over (as `Publisher._publish`).
-`--profile` runs cProfile on the engine thread and prints its top functions instead.
+`--profile` runs cProfile on the engine thread over the measured window and prints its top functions too.
+`--steps-per-dispatch K`: multi-step decode, K steps per generate call (a step counts each of them).
 Timings are printed, never asserted.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", type=int, default=64, help="tokens per request: finished ones are replaced at once")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--max-len", type=int, default=1024, help="the engine's context (bench/host_path.py's)")
+    p.add_argument("--steps-per-dispatch", type=int, default=None,
+                   help="multi-step decode: steps per generate call (default: the engine's setting)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     a = p.parse_args(argv)
@@ -60,12 +63,21 @@ def main(argv=None) -> int:
                          cpu_threads=1)
     table = RequestTable(a.rows)
     bridge = Bridge(a.rows, 1 << 16)
-    loop = EngineLoop(engine, table, bridge)
+    kw = {} if a.steps_per_dispatch is None else {"steps_per_dispatch": a.steps_per_dispatch}
+    if kw:
+        engine.steps_per_dispatch = a.steps_per_dispatch  # warmup compiles its variant
+    loop = EngineLoop(engine, table, bridge, **kw)  # (an old tree's EngineLoop takes no steps_per_dispatch)
     t_proc = [0.0]
     t_gen = [0.0]
     orig_process, orig_generate = loop._process, engine.generate
 
+    profiling = threading.Event()  # set over the measured window: the engine thread profiles itself then
+    prof_on = [False]
+
     def process(step, state):
+        if prof is not None and profiling.is_set() != prof_on[0]:
+            prof_on[0] = not prof_on[0]
+            (prof.enable if prof_on[0] else prof.disable)()
         t = time.thread_time()
         try:
             return orig_process(step, state)
@@ -82,16 +94,6 @@ def main(argv=None) -> int:
     loop._process = process  # type: ignore[method-assign]
     engine.generate = generate  # type: ignore[method-assign]
     prof = cProfile.Profile(time.thread_time) if a.profile else None
-    if prof is not None:
-        run = loop._loop
-
-        def profiled():
-            prof.enable()
-            try:
-                run()
-            finally:
-                prof.disable()
-        loop._loop = profiled  # type: ignore[method-assign]
 
     prompts = [[256] + [70 + (i * 7 + j) % 50 for j in range(a.prompt - 1)] for i in range(4)]
     prefixes = [engine.export_prefix(engine.prefill(pr, SamplingParams())) for pr in prompts]
@@ -124,13 +126,17 @@ def main(argv=None) -> int:
         time.sleep(0.01)
     while not bridge.outputs.empty():
         bridge.outputs.get_nowait()
+    n0 = getattr(loop.stats, "calls", 0)
     s0, c0, p0, g0 = loop.stats.steps, time.clock_gettime(clock), t_proc[0], t_gen[0]
     w0 = time.perf_counter()
+    profiling.set()
     want = a.steps - 20
     while loop.stats.steps - s0 < want:
         batches.append(bridge.outputs.get(timeout=60))
     s1, c1, p1, g1 = loop.stats.steps, time.clock_gettime(clock), t_proc[0], t_gen[0]
     wall = time.perf_counter() - w0
+    calls = getattr(loop.stats, "calls", 0) - n0
+    profiling.clear()
     stop.set()
     feed.join(10)
     loop.stop(30)
@@ -182,7 +188,8 @@ def main(argv=None) -> int:
         red.stop()
 
     us = 1e6
-    print(f"rows {a.rows}, {steps} steps, {tokens} tokens, wall {wall / steps * 1e3:.1f} ms/step")
+    print(f"rows {a.rows}, {steps} steps in {calls or steps} generate calls, {tokens} tokens, "
+          f"wall {wall / steps * 1e3:.1f} ms/step")
     print(f"engine thread CPU : {(c1 - c0) / steps * 1e3:.3f} ms/step  {(c1 - c0) / tokens * us:.1f} us/token")
     print(f"  _process        : {(p1 - p0) / steps * 1e3:.3f} ms/step  {(p1 - p0) / tokens * us:.1f} us/token")
     print(f"  engine.generate : {(g1 - g0) / steps * 1e3:.3f} ms/step  {(g1 - g0) / tokens * us:.1f} us/token")
@@ -204,7 +211,7 @@ def main(argv=None) -> int:
                          if f"/{k}/" in where or where.endswith(f"/{k}.py")), "other")
             areas[area] = areas.get(area, 0.0) + tt
         total = sum(areas.values())
-        print("engine thread CPU by where the time was spent (profiled, whole run):")
+        print("engine thread CPU by where the time was spent (profiled, the measured window):")
         for k, v in sorted(areas.items(), key=lambda kv: -kv[1]):
             print(f"  {k:14s} {v * 1e3:8.1f} ms  {v / total:5.1%}")
         print(out.getvalue())

@@ -57,7 +57,8 @@ class HeldChoice:
 
 @dataclass
 class LoopStats:
-    steps: int = 0
+    steps: int = 0  # decode steps run (a multi-step call counts each of its steps)
+    calls: int = 0  # decode calls dispatched (one per step without multi-step decode)
     tokens: int = 0
     local_prefills: int = 0
     cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)

@@ -9,7 +9,10 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
 2. Steps run back to back for all slots. The step is pipelined (the vLLM seed): step n is
    dispatched (JAX dispatch is asynchronous) *before* step n-1's tokens are copied to the host, so
    the device never waits on host bookkeeping. The cost: a finished slot is noticed one step late,
-   and its extra token is dropped.
+   and its extra token is dropped. Multi-step decode (`steps_per_dispatch` K, EngineConfig): one
+   call runs K steps when no grammar and no waiting insert needs a single step, so the dispatch and
+   this bookkeeping are paid once per K tokens a row; tokens reach the publisher in bursts of K, and
+   a slot that finishes inside a call idles to its end (its later tokens are dropped, never emitted).
 3. After copying step n-1's tokens, the thread decides per slot: emit the token, finish on a stop id,
    on max_tokens or at the end of the context; a finished slot is freed at once.
 4. Each step's emitted tokens go to the bounded `outputs` queue as one batch; the I/O side writes
@@ -47,7 +50,7 @@ from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
 from tandem_core.sampling_args import insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
-from tandem_engine.logits import unpack_logprobs, unpack_tokens
+from tandem_engine.logits import unpack_logprobs
 from tandem_engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:  # the type only: no JAX import
@@ -59,8 +62,11 @@ class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk_tokens: int = 0) -> None:
+                 prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None) -> None:
         self.engine = engine
+        # multi-step decode: this many steps per dispatched call when nothing needs a shorter one
+        # (`_steps_for`); None: the engine's own setting (engine.steps_per_dispatch, EngineConfig)
+        self.steps_per_dispatch = max(1, int(engine.steps_per_dispatch if steps_per_dispatch is None else steps_per_dispatch))
         # while streams run, local prompts longer than one chunk (engine.prefix_chunk) are prefilled
         # this many tokens between two steps (chunked prefill, decode_svc/local_prefill.py); 0: whole
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
@@ -111,7 +117,7 @@ class EngineLoop:
 
     def _loop(self) -> None:
         state = self.engine.init_state()
-        pending = None  # (device tokens, snapshot, logprobs wanted) of the step dispatched last
+        pending = None  # (device tokens, snapshot, logprobs wanted, steps) of the call dispatched last
         while not self._stop.is_set():
             state = self._apply_cancels(state)
             idle = pending is None and self.table.used == 0 and not self._chunked
@@ -133,17 +139,36 @@ class EngineLoop:
             self.stats.busy_s += time.perf_counter() - t0
 
     def _dispatch(self, state, masks):
-        """Dispatch one step over the slots in use (returns before the device is done); the variant
-        with logprobs only when a slot asks for them, the masked one only when a slot has a grammar."""
+        """Dispatch one call over the slots in use (returns before the device is done): one step, or
+        `steps_per_dispatch` of them (`_steps_for`); the variant with logprobs only when a slot asks for
+        them, the masked one only when a slot has a grammar."""
         snapshot = self.table.snapshot()
-        want = self._views.of(snapshot).logprobs
+        view = self._views.of(snapshot)
+        want = view.logprobs
         kw: dict[str, Any] = {"logprobs": True} if want else {}
+        steps = 1
         if masks is not None:
             kw["masks"] = masks
+        elif self.steps_per_dispatch > 1:
+            steps = self._steps_for()
+            if steps > 1:
+                kw["steps"] = steps
         faults.hit("decode.step")
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
-        self.stats.steps += 1
-        return (toks, snapshot, want), state
+        self.stats.steps += steps
+        self.stats.calls += 1
+        return (toks, snapshot, want, steps), state
+
+    def _steps_for(self) -> int:
+        """`steps_per_dispatch`, or 1 while work waits for its turn on this thread (a pulled KV or a
+        local prompt with a free slot, choices held, chunked prefills: one step between two looks at
+        it, as without multi-step, so no prompt waits a whole call). A request that ends inside a
+        call (stop id, length) has its later tokens dropped by `_process`; its slot idles for the
+        rest of the call and is freed when the call's tokens are read (one call late, as one step is
+        late without multi-step): a call of k steps holds a finished slot up to 2k - 1 steps."""
+        if self._held or self._chunked or (self.table.free and not self.bridge.inserts.empty()):
+            return 1
+        return self.steps_per_dispatch
 
     def _masks(self, state):
         """(state, masks [rows, words] for the next step, or None if no constrained slot is left)."""
@@ -273,41 +298,69 @@ class EngineLoop:
         return state
 
     def _process(self, step, state):
-        """Emit one step's tokens. The decisions run over the step's token array at once (numpy:
-        which rows end by length, which sampled a stop id); Python per row only builds its entry,
-        and looks closer at the few rows that finish, sample a stop id, carry a grammar or want
-        logprobs."""
-        toks, snapshot, want = step
+        """Emit one call's tokens (one step's, or `steps` of them: [steps, bucket]). The decisions run
+        over the call's token array at once (numpy: which rows end by length, which sampled a stop
+        id); Python per row only builds its entries, and looks closer at the few (row, step) pairs
+        that finish, sample a stop id, carry a grammar or want logprobs. A row that finishes at step j
+        of a multi-step call keeps its tokens up to j; those after it are dropped (never emitted)."""
+        toks, snapshot, want, steps = step
         t0 = time.perf_counter()
-        host = np.asarray(toks)  # the one device -> host copy of the step
+        host = np.asarray(toks)  # the one device -> host copy of the call
         self.stats.host_wait_s += time.perf_counter() - t0
-        tokens = unpack_tokens(host) if want else host
+        if steps == 1:
+            host = host[None]
+        tokens = host[..., 0] if want else host  # [steps, bucket]
         view = self._views.of(snapshot)
-        live = view.live()  # those not finished or cancelled since this step was dispatched
+        live = view.live()  # those not finished or cancelled since this call was dispatched
         if not live.acts:
             return state
-        got = tokens[live.slots]
-        idx = np.fromiter([a.next_index for a in live.acts], np.int64, len(live.acts))
-        look = idx >= live.last  # ends by length (max_tokens, or the end of the context)
+        n = len(live.acts)
+        got = tokens[:, live.slots]  # [steps, rows]
+        idx = np.fromiter([a.next_index for a in live.acts], np.int64, n)
+        at = idx + np.arange(steps)[:, None]  # each token's index
+        look = at >= live.last  # ends by length (max_tokens, or the end of the context)
         if live.stop_ids.size:  # sampled some row's stop id: that row's own? (a table lookup, not np.isin)
             look |= live.stop_mask[np.minimum(got, live.stop_mask.size - 1)]
         if live.special.any():
             look |= live.special  # a grammar to feed or logprobs to encode
-        out: list[Emitted] = [Emitted(rid, i, t) for rid, i, t in zip(live.rids, idx.tolist(), got.tolist())]
-        for act in live.acts:
-            act.next_index += 1
-        for row in np.flatnonzero(look).tolist():
-            act, e = live.acts[row], out[row]
-            error, grammar_done = self.grammars.consume(act.slot, e.token)
-            finish = finish_of(act, e.index, e.token, error, grammar_done, self.engine.max_len)
-            k = act.req.sampling.logprobs
-            if want and k is not None and error is None:
-                e.logprobs = unpack_logprobs(host[act.slot], k).encode()
-            if error is not None:
-                e.token, e.error = -1, error
-            e.finish = finish
-            if finish:
-                state = self._free(state, act)
+        count = [steps] * n  # tokens each row emits from this call
+        ends: dict[tuple[int, int], tuple[str, str | None]] = {}  # (step, row) -> (finish, error)
+        lp: dict[tuple[int, int], str] = {}
+        if look.any():
+            for row in np.flatnonzero(look.any(axis=0)).tolist():
+                act = live.acts[row]
+                k = act.req.sampling.logprobs
+                for j in np.flatnonzero(look[:, row]).tolist():
+                    tok = int(got[j, row])
+                    error, grammar_done = self.grammars.consume(act.slot, tok)
+                    finish = finish_of(act, int(at[j, row]), tok, error, grammar_done, self.engine.max_len)
+                    if want and k is not None and error is None:
+                        lp[j, row] = unpack_logprobs(host[j, act.slot], k).encode()
+                    if finish:
+                        ends[j, row] = (finish, error)
+                        count[row] = j + 1
+                        break
+        rids, idxs = live.rids, idx.tolist()
+        if steps == 1 or min(count) == steps:
+            out = [Emitted(rid, i + j, t) for j, line in enumerate(got.tolist())
+                   for rid, i, t in zip(rids, idxs, line)]
+        else:  # step-major, so each request's entries stay in index order
+            out = [Emitted(rid, i + j, t) for j, line in enumerate(got.tolist())
+                   for rid, i, t, c in zip(rids, idxs, line, count) if j < c]
+        if lp or ends:  # entry (j, row)'s place in `out`: the emitted pairs before it, step-major
+            place = np.cumsum(np.arange(steps)[:, None] < np.array(count)) - 1
+            for (j, row), text in lp.items():
+                if j < count[row]:
+                    out[place[j * n + row]].logprobs = text
+            for (j, row), (finish, error) in ends.items():
+                e = out[place[j * n + row]]
+                if error is not None:
+                    e.token, e.error = -1, error
+                e.finish = finish
+        for act, c in zip(live.acts, count):
+            act.next_index += c
+        for (_j, row) in ends:
+            state = self._free(state, live.acts[row])
         self.stats.tokens += len(out)
         self._emit(out)
         return state

@@ -104,6 +104,11 @@ class EngineConfig(BaseModel):
     # before its request fails (the others go on).
     grammar_cache_size: PositiveInt = 128
     mask_deadline_s: PositiveFloat = 0.05
+    # Multi-step decode: a decode pod runs this many steps per dispatched call when it can (one
+    # while a grammar, a waiting insert or a request ending by length needs a single step): the
+    # host's per-call cost is paid once per this many tokens, and tokens reach clients in bursts
+    # of it (decode_svc/loop.py). 1 turns it off. Default by bench/engine_thread.py.
+    steps_per_dispatch: PositiveInt = 4
 
     def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:
         """The keyword arguments of `tandem_engine.load_engine` for this block, with the pod's
@@ -112,7 +117,7 @@ class EngineConfig(BaseModel):
         return {"model": self.model, "slots": slots, "max_len": self.max_len,
                 "prefill_buckets": tuple(self.prefill_buckets), "dtype": self.dtype, "tp": self.tp,
                 "expert_parallel": self.expert_parallel, "compile_cache_dir": self.compile_cache_dir, "cpu_threads": self.cpu_threads,
-                "prefix_chunk": prefix_chunk}
+                "prefix_chunk": prefix_chunk, "steps_per_dispatch": self.steps_per_dispatch}
 
 
 def default_worker_id(role: str) -> str:

@@ -51,6 +51,7 @@ class ServingEngine(Protocol):
     batch_buckets: tuple[int, ...]  # decode step row buckets (compiled shapes)
     dtype: str  # "float32" | "bfloat16": the KV's bytes per element
     prefix_chunk: int  # tokens per piece of a prefill over a cached prefix, and of a chunked prefill
+    steps_per_dispatch: int  # multi-step decode: steps a decode pod runs per generate call when it can
 
     def prefill(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *,
                 choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
@@ -78,7 +79,7 @@ class ServingEngine(Protocol):
                stop_ids: Sequence[int] = ()) -> "DecodeState": ...
 
     def generate(self, state: "DecodeState", rows: int | None = None, *, logprobs: bool = False,
-                 masks: "np.ndarray | None" = None) -> "tuple[DecodeState, jax.Array]": ...
+                 masks: "np.ndarray | None" = None, steps: int = 1) -> "tuple[DecodeState, jax.Array]": ...
 
     def free(self, state: "DecodeState", slot: int) -> "DecodeState": ...
 

@@ -13,7 +13,8 @@ Life of a request through the engine:
      holds slots [0, rows)) and returns tokens still on the device, so the caller can dispatch the
      next step before copying them (pipelining); `logprobs=True` returns them packed with their
      logprobs (logits.py), still one device -> host copy. The token a slot returns at its n-th
-     step is token index start_index + n.
+     step is token index start_index + n. `generate(state, rows, steps=K)` runs K steps in one
+     call (multi-step decode; tokens [K, bucket]): the same tokens as K one-step calls.
   5. `free(state, slot)` marks the slot inactive when the request finishes.
 
 Public methods do host work (validation, padding, seeds); the jitted cores (cores.py) do device
@@ -70,8 +71,8 @@ class Engine(PrefillSide, DecodeSide):
             self.prefill([0] * b, SamplingParams())
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False) -> None:
-        """Compile every bucket's insert and every batch bucket's decode step (with `logprobs`
-        its logprobs variant too: it doubles the step compiles; with `masks` the grammar-masked
+        """Compile every bucket's insert and every batch bucket's decode step, one step and
+        `steps_per_dispatch` of them (with `logprobs` their logprobs variants too: it doubles the step compiles; with `masks` the grammar-masked
         step too), and with `prefill` every bucket's prefill (one choice), so no request pays for
         a compilation (decode pods call this before they report ready). `prefix`: the prefill over a
         cached prefix too (`warmup_prefix`)."""
@@ -86,10 +87,12 @@ class Engine(PrefillSide, DecodeSide):
                 kv = jnp.zeros((c.num_layers, b, c.num_kv_heads, c.head_dim), self._jdtype)
                 prefix = Prefix(kv, kv, 1, 0)
             state = self.insert(prefix, state, 0, SamplingParams())
+        multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
         for rows in self.batch_buckets:
-            state, tokens = self.generate(state, rows)
-            if logprobs:
-                state, tokens = self.generate(state, rows, logprobs=True)
+            for steps in multi:  # multi-step decode: its own compiled variants
+                state, tokens = self.generate(state, rows, steps=steps)
+                if logprobs:
+                    state, tokens = self.generate(state, rows, logprobs=True, steps=steps)
             if masks:
                 ones = np.full((rows, (self.info.vocab_size + 31) // 32), -1, np.int32)
                 state, tokens = self.generate(state, rows, masks=ones)

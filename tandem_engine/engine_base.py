@@ -21,6 +21,7 @@ from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_STEPS_PER_DISPATCH = 4  # bench/engine_thread.py --steps-per-dispatch; EngineConfig mirrors it
 
 
 class EngineBase:
@@ -30,7 +31,7 @@ class EngineBase:
     def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
                  prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -47,6 +48,11 @@ class EngineBase:
             self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
         self.params = params if self.layout is None else self.layout.place_params(params)
         self.slots = int(slots)
+        if steps_per_dispatch < 1:
+            raise ValueError(f"steps_per_dispatch must be >= 1 (got {steps_per_dispatch})")
+        # multi-step decode: the decode steps one dispatched call may run (engine_decode.generate's
+        # `steps`); a decode pod runs this many when nothing needs a single step (decode_svc/loop.py)
+        self.steps_per_dispatch = int(steps_per_dispatch)
         self.max_len = int(max_len)
         self._one_cpu = jax.devices()[0].platform == "cpu"
         self.buckets = tuple(sorted({int(b) for b in prefill_buckets if 0 < b <= max_len})) or (

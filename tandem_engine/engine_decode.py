@@ -93,7 +93,7 @@ class DecodeSide(EngineBase):
         )
 
     def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
-                 masks: np.ndarray | None = None) -> tuple[DecodeState, jax.Array]:
+                 masks: np.ndarray | None = None, steps: int = 1) -> tuple[DecodeState, jax.Array]:
         """One decode step (donates `state`). `rows`: every active slot is below it (None: all
         slots); the step computes the smallest batch bucket >= rows. Returns int32 tokens
         [bucket] still on the device (index by slot): no host round trip here. `logprobs=True`
@@ -101,14 +101,28 @@ class DecodeSide(EngineBase):
         packed (read with logits.unpack_tokens / unpack_logprobs). `masks` (grammars): int32
         [<= bucket, ceil(vocab / 32)] allowed-token bitmasks by slot, all-ones for an
         unconstrained slot (missing rows are padded so); a compiled variant of its own, so a
-        batch without masks runs the unmasked step."""
+        batch without masks runs the unmasked step.
+
+        `steps` > 1 (multi-step decode, a compiled variant per count): that many steps in one call,
+        tokens [steps, bucket(, PACKED_WIDTH)], row n of a slot the same token its n-th of `steps`
+        one-step calls returns. A slot whose position reaches max_len - 1 stays there (its later
+        tokens are garbage; nothing past max_len is written); the caller drops a slot's tokens past
+        its finish. No `masks` with steps > 1 (a mask needs the token before it)."""
         bucket = self.rows_for(rows)
+        steps = int(steps)
+        if steps < 1 or (steps > 1 and masks is not None):
+            raise ValueError(f"steps must be >= 1, and 1 with grammar masks (got {steps}"
+                             f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
-        return generate_core(self.params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
-                             logprobs=bool(logprobs))
+        if steps == 1:
+            return generate_core(self.params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
+                                 logprobs=bool(logprobs))
+        return generate_core(self.params, state, None, cfg=self.cfg, layout=self.layout, rows=bucket,
+                             logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
-        """Mark `slot` inactive (donates `state`); its KV is left to be overwritten."""
+        """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the
+        `active` array goes through the call (the cache and the rest of the state are not passed)."""
         self._check_slot(slot)
-        return free_core(state, np.int32(slot))
+        return state._replace(active=free_core(state.active, np.int32(slot)))
 

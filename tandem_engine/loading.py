@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from tandem_core.models import resolve_model
 from tandem_engine.cpu_pool import limit_cpu_threads
 from tandem_engine.engine import DEFAULT_BUCKETS, Engine
+from tandem_engine.engine_base import DEFAULT_STEPS_PER_DISPATCH
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import load_params
 
@@ -34,7 +35,8 @@ def use_compile_cache(path: str) -> None:
 def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
                 tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
-                cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False) -> Engine:
+                cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False,
+                steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
     random weights) or a HF directory of a served family (tandem_engine/arch.py).
 
@@ -52,4 +54,4 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     params = load_params(info, dtype)
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
                   dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
-                  expert_parallel=expert_parallel)
+                  expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch)

@@ -175,8 +175,11 @@ def test_a_dropped_stream_stops_the_decode_pod_within_a_step(local_cluster):
     decoded = after["tokens"] - before["tokens"]
     assert after["cancelled"] - before["cancelled"] == 1, f"the decode pod wrote no cancelled finish: {after}"
     assert decoded < LONG_STREAM - 1, f"the decode pod ran the dropped stream to its end ({decoded} tokens)"
-    # the cancel reached the engine while it ran, and it stopped within the step in flight
-    assert after["cancel_lag_tokens"] <= 2, f"{after['cancel_lag_tokens']} tokens decoded after the cancel arrived"
+    # the cancel reached the engine while it ran, and it stopped within the call in flight: one
+    # step, or with multi-step decode the call being read and the one dispatched after it
+    from tandem_core.settings import EngineConfig
+    bound = 2 * EngineConfig().steps_per_dispatch
+    assert after["cancel_lag_tokens"] <= bound, f"{after['cancel_lag_tokens']} tokens decoded after the cancel arrived"
 
 
 def test_colocated_mode_gives_the_engines_greedy_tokens():

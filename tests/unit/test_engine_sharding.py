@@ -36,18 +36,19 @@ def prompts() -> dict[int, list[int]]:
     return {slot: rng.integers(0, 256, size=n).tolist() for slot, n in ((0, 5), (1, 20), (2, 31))}
 
 
-def decode(engine, prefixes: dict, steps: int = STEPS) -> dict[str, list[int]]:
-    """Insert each slot's prefix, run `steps` greedy steps for the batch; tokens per slot."""
+def decode(engine, prefixes: dict, steps: int = STEPS, per_call: int = 1) -> dict[str, list[int]]:
+    """Insert each slot's prefix, run `steps` greedy steps for the batch (`per_call` of them in
+    each generate call: multi-step decode); tokens per slot."""
     state = engine.init_state()
     out = {}
     for slot, prefix in prefixes.items():
         state = engine.insert(prefix, state, slot, GREEDY)
         out[str(slot)] = [prefix.first_token]
-    for _ in range(steps):
-        state, tokens = engine.generate(state)
-        host = np.asarray(tokens)
+    for _ in range(steps // per_call):
+        state, tokens = engine.generate(state, steps=per_call)
+        host = np.asarray(tokens).reshape(per_call, -1)
         for slot in prefixes:
-            out[str(slot)].append(int(host[slot]))
+            out[str(slot)] += host[:, slot].tolist()
     import jax
 
     # tp 1 on a CPU keeps the cache in blocks (one device, no spec): the first block stands for it
@@ -72,6 +73,9 @@ def child(workdir: str) -> dict:
         res[f"greedy_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
         wq = e.params["layers"]["wq"]
         res[f"wq_shard_tp{tp}"] = list(wq.addressable_shards[0].data.shape)
+    # multi-step decode (4 steps per call) at tp=4: the same tokens, the cache kept sharded by head
+    e = engines[4]
+    res["multi_tp4"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()}, per_call=4)
     # prefill at tp=2 -> host bytes -> decode at tp=4 and tp=1
     payloads = {s: engines[2].export_prefix(engines[2].prefill(ids, GREEDY)) for s, ids in prompts().items()}
     res["payload_shape"] = list(payloads[1].k.shape)
@@ -134,6 +138,10 @@ def test_greedy_tokens_equal_across_tp(results):
     assert len(want) == 3 and all(len(t) == STEPS + 1 for t in want.values())
     assert tokens(results["greedy_tp2"]) == want
     assert tokens(results["greedy_tp4"]) == want
+
+
+def test_multi_step_decode_shards(results):
+    assert results["multi_tp4"] == results["greedy_tp4"]  # tokens and the KV's sharding spec
 
 
 def test_prefix_moves_between_tp(results):
