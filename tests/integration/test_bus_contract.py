@@ -128,3 +128,29 @@ async def test_an_unfinished_stream_keeps_the_running_ttl(any_redis, any_keys):
         await fn(r, ks, rid, TOKENS[:2], None)
         ttl = await r.ttl(ks.token_stream(rid))
         assert FINISHED_TTL < ttl <= TTL, f"{writer}: ttl {ttl}"
+
+
+async def test_own_and_ack_owns_first_and_never_acks_alone(any_redis, any_keys):
+    """A pulled request is owned and its ready entry acked in one script call (decode_svc/claims.py
+    `_own`): after it the request is in the pod's running hash and the entry neither pending nor
+    in the stream; when the call fails (here the running hash's key holds a string), nothing of
+    it is written: the entry stays pending, to be acked only once the request is owned."""
+    r, ks = any_redis, any_keys
+    pub = token_stream.OwnedPublisher(r, ks, "decode-own-ack", TTL, MAXLEN, FINISHED_TTL)
+    for rid, broken in (("own-ack-ok", False), ("own-ack-broken", True)):
+        stream = ks.ready_stream(f"contract-{rid}", ks.request_shard(rid))  # the request's slot
+        await r.xgroup_create(stream, keys.DECODE_GROUP, id="0", mkstream=True)
+        entry_id = await r.xadd(stream, {"notice": "{}"})
+        await r.xreadgroup(keys.DECODE_GROUP, "decode-own-ack", {stream: ">"}, count=1)
+        assert pub.can_own_and_ack(rid, stream)
+        if broken:
+            await r.set(pub.running(rid), "not a hash")
+            with pytest.raises(Exception, match="WRONGTYPE"):
+                await pub.own_and_ack(_req(rid), stream, keys.DECODE_GROUP, entry_id)
+            assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 1, "acked without being owned"
+            assert await r.xlen(stream) == 1
+            continue
+        await pub.own_and_ack(_req(rid), stream, keys.DECODE_GROUP, entry_id)
+        assert await r.hget(pub.running(rid), rid) == _req(rid).to_json().encode()
+        assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 0
+        assert await r.xlen(stream) == 0

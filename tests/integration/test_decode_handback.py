@@ -153,21 +153,24 @@ async def test_a_failed_pull_task_frees_its_seat_and_hands_the_request_back(
         await server.stop(None)
 
 
-async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine):
-    """The request is owned and running when its ready entry's ack fails: it runs to its end, and the
-    ack is written by the next recovery round (before issue 31 the task died there and the entry
-    stayed pending and marked busy for the pod's life)."""
-    r, pool = redis_client, "handback-ack"
+@pytest.mark.parametrize("fails", [1, 2])
+async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine, fails):
+    """The request is owned and its ready entry acked in one call (claims.py `_own`); when that
+    call fails, the request is owned alone and its entry acked after (fails=1); when that ack
+    fails too (fails=2), the request runs to its end and the ack is written by the next recovery
+    round (before issue 31 the task died there and the entry stayed pending and marked busy for
+    the pod's life)."""
+    r, pool = redis_client, f"handback-ack-{fails}"
     await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
-    faults.configure("decode.ack@1")
+    faults.configure(f"decode.ack@1-{fails}")
     try:
         async with Pod(r, engine, redis_url, pool) as pod:
-            req = await _publish_ready(r, engine, store, address, pool, "ack-fails")
+            req = await _publish_ready(r, engine, store, address, pool, f"ack-fails-{fails}")
             st = await _until(r, pod, pool, req.request_id,
                               lambda st: st["finished"] and st["unacked"] == 0 and st["seats"] == 0)
-            assert faults.raised["decode.ack"] == 1
+            assert faults.raised["decode.ack"] == fails
             assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st["indices"]
             assert st["unacked"] == 0, "the failed ack was never written again"
             assert st["seats"] == 0 and not st["owned"] and not st["resumed"]
