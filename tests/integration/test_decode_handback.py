@@ -153,6 +153,53 @@ async def test_a_failed_pull_task_frees_its_seat_and_hands_the_request_back(
         await server.stop(None)
 
 
+async def test_a_pulled_request_is_owned_and_acked_in_one_call(redis_url, redis_client, engine):
+    """A pulled request's ownership and its ready entry's ack are one script call (claims.py
+    `_own`): Redis's MONITOR sees no HSET or XACK of the pod's own, only inside the script, and
+    the request runs to its end owned, its entry acked."""
+    import redis.asyncio as aioredis
+
+    r, pool = redis_client, "handback-one-call"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    watcher = aioredis.Redis.from_url(redis_url)
+    seen: list[dict] = []
+    started = asyncio.Event()
+
+    async def watch() -> None:
+        async with watcher.monitor() as m:
+            started.set()
+            async for c in m.listen():
+                seen.append(c)
+
+    task = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        async with Pod(r, engine, redis_url, pool) as pod:
+            req = await _publish_ready(r, engine, store, address, pool, "one-call")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["finished"] and st["unacked"] == 0 and st["seats"] == 0)
+        assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st["indices"]
+        assert st["unacked"] == 0 and not st["resumed"]
+        await r.get("one-call-sentinel")  # once the monitor has seen this, it has seen the pod's commands
+        for _ in range(600):
+            if any("one-call-sentinel" in c["command"] for c in seen):
+                break
+            await asyncio.sleep(0.05)
+        assert any("one-call-sentinel" in c["command"] for c in seen), \
+            f"the monitor saw {len(seen)} commands: {task.done() and task.exception()!r}"
+        mine = [c["command"].split()[0].upper() for c in seen if c.get("client_type") != "lua"]
+        in_script = [c["command"].split()[0].upper() for c in seen if c.get("client_type") == "lua"]
+        assert "HSET" not in mine and "XACK" not in mine, mine
+        assert in_script.count("XACK") == 1 and "HSET" in in_script, in_script
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.aclose()
+        await server.stop(None)
+
+
 @pytest.mark.parametrize("fails", [1, 2])
 async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine, fails):
     """The request is owned and its ready entry acked in one call (claims.py `_own`); when that
