@@ -200,6 +200,31 @@ async def test_a_pulled_request_is_owned_and_acked_in_one_call(redis_url, redis_
         await server.stop(None)
 
 
+async def test_a_running_request_is_cancelled_by_its_steps_write(redis_url, redis_client, engine):
+    """No cancel poll runs here (this Pod starts no `cancel_loop`): the step that writes a running
+    request's token finds its cancel key (the publisher's script looks it up), and the engine ends
+    it with a `cancelled` finish, its seat freed, instead of decoding to max_tokens."""
+    from tandem_core.bus import cancel
+
+    r, pool = redis_client, "handback-cancel"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            await cancel.request_cancel(r, KS, "cancel-running", 60)  # the client left before its first step
+            req = await _publish_ready(r, engine, store, address, pool, "cancel-running")
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] and st["seats"] == 0)
+            tokens = await r.xrange(KS.token_stream(req.request_id))
+            finishes = [f[b"f"] for _id, f in tokens if b"f" in f]
+            assert finishes == [b"cancelled"], (finishes, st["indices"])
+            assert len(st["indices"]) < MAX_TOKENS - 1, st["indices"]
+            assert st["unacked"] == 0 and not st["owned"] and not st["resumed"]
+            assert pod.eloop.stats.cancelled == 1
+    finally:
+        await server.stop(None)
+
+
 @pytest.mark.parametrize("fails", [1, 2])
 async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine, fails):
     """The request is owned and its ready entry acked in one call (claims.py `_own`); when that
