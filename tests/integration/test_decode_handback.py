@@ -163,7 +163,7 @@ async def test_a_pulled_request_is_owned_and_acked_in_one_call(redis_url, redis_
     await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
-    watcher = aioredis.Redis.from_url(redis_url)
+    watcher = aioredis.Redis.from_url(redis_url, socket_timeout=600)  # it may sit idle while the pod starts
     seen: list[dict] = []
     started = asyncio.Event()
 
