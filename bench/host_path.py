@@ -188,6 +188,15 @@ def decode_counts(url: str) -> tuple[int, int]:
     raise RuntimeError(f"no decode pod in the registry of {url}")
 
 
+def redis_calls(url: str) -> dict[str, int]:
+    """Calls per command so far (INFO commandstats): every role's commands together, the round
+    trips behind the CPU a role spends in its socket writes and reads."""
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # one cluster
 
@@ -220,8 +229,10 @@ async def measured(url: str, model: str, load: list[RequestSpec], c: int, pids: 
     await asyncio.sleep(1.5)  # a heartbeat after the warm-up: the step count below starts here
     s0 = decode_counts(redis)
     before = {r: tids(p) for r, p in pids.items() if r in ROLES}
+    cmd0 = redis_calls(redis)
     res, wall = await run_load(url, model, load, concurrency=c, extra=EXTRA)
     after = {r: tids(p) for r, p in pids.items() if r in ROLES}
+    cmd1 = redis_calls(redis)
     for r, p in pids.items():  # executor threads started during the run
         if r in ROLES:
             py[r].update(dump_tids(p))
@@ -236,8 +247,10 @@ async def measured(url: str, model: str, load: list[RequestSpec], c: int, pids: 
                     "native_us_per_token": per_token_us(nm, tokens), "python_threads": len(py[r]),
                     "python_us_per_token_by_thread": {k: per_token_us(v, tokens) for k, v in
                                                       by_name(before[r], after[r], py[r]).items()}}
+    calls = {k: v - cmd0.get(k, 0) for k, v in cmd1.items() if v > cmd0.get(k, 0)}
     return {"tokens": tokens, "wall_s": wall, "errors": len(errors), "first_error": errors[0] if errors else None,
-            "roles": roles, "decode": projection(roles["decode"]["python_ms"], s1[0] - s0[0], s1[1] - s0[1])}
+            "roles": roles, "redis_calls_per_token": {k: round(v / tokens, 3) for k, v in
+                                                      sorted(calls.items(), key=lambda kv: -kv[1]) if tokens}, "decode": projection(roles["decode"]["python_ms"], s1[0] - s0[0], s1[1] - s0[1])}
 
 
 def run_cluster(label: str, slots: int, c: int, load: list[RequestSpec], plan: Plan, code_dir: Path | None,
@@ -266,7 +279,9 @@ def profiled(url: str, model: str, load: list[RequestSpec], c: int, pid: int, la
     prof = subprocess.Popen([str(PY_SPY), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100",
                              "--native", "--gil", "--threads", "-f", "raw", "-o", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    asyncio.run(run_load(url, model, load, concurrency=c, extra=EXTRA))
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end and prof.poll() is None:  # keep the pod busy for the whole recording
+        asyncio.run(run_load(url, model, load, concurrency=c, extra=EXTRA))
     try:
         prof.wait(seconds + 60)
     except subprocess.TimeoutExpired:
@@ -381,6 +396,8 @@ def main(argv=None) -> int:
         if "c32" in args.parts:
             run["c32"] = run_cluster(f"{tag}-c32", plan.slots, plan.slots, load, plan, where)
             print(f"    {json.dumps(run['c32'].get('roles', run['c32']))[:1200]}", flush=True)
+            print(f"    Redis calls per token: {json.dumps(run['c32'].get('redis_calls_per_token', {}))[:600]}",
+                  flush=True)
         if "big" in args.parts:
             print(f"==> {code}: {plan.slots_big} slots", flush=True)
             run["big"] = run_cluster(f"{tag}-big", plan.slots_big, plan.slots_big, big, plan, where)

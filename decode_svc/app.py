@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the type only: no JAX import
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.Decode"
+REDIS_CLIENT_NAME = "tandem-decode"  # every connection of a decode pod, as CLIENT LIST shows it
 
 
 def build_engine(s: DecodeSettings) -> ServingEngine:
@@ -53,7 +54,7 @@ async def _compiled_engine(s: DecodeSettings):
 async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
     engine, cache = await _compiled_engine(s)
-    r = conn.connect(s.redis)
+    r = conn.connect(s.redis, client_name=REDIS_CLIENT_NAME)
     ks = KeySpace(s.redis.shard_count())
     await groups.ensure_groups(r, ks, s.pool)
     table = RequestTable(s.slots)

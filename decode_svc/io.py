@@ -46,7 +46,7 @@ class DecodeIO:
         self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume)
         self.publisher = Publisher(s, r, self.owned, self.journal, table, bridge, self._drop_silently,
                                    lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
-                                   self.handback, self._give_up)
+                                   self.handback, self._give_up, self._cancel)
         self.resync = self.publisher.resync
         self.claims = Claims(s, r, worker_id, table, bridge, self.owned, self.journal, self.publisher, self.resync,
                              self.resume, lambda: engine_loop is not None and engine_loop.error is not None,
@@ -86,21 +86,28 @@ class DecodeIO:
             marker_ttl_s=self.s.resume_marker_ttl_s,
         )
 
+    def _cancel(self, hit: set[str]) -> None:
+        """The client cancelled these: freed in whatever stage they are (the engine frees a queued
+        or running one within a step, a pull in flight ends cancelled)."""
+        to_engine = self.table.cancel(hit) if hit else set()
+        if to_engine and self.engine_loop is not None:
+            self.engine_loop.cancel(to_engine)
+
     async def cancel_loop(self, stop: asyncio.Event) -> None:
-        """Poll the cancel keys of every request held here; a hit frees it in whatever stage it is:
-        the engine frees a queued or running one within a step, a pull in flight ends cancelled."""
+        """Poll the cancel keys of every request held here and not yet running (claimed, pulling,
+        queued); a running request's cancel is found by each step's write of its token (the
+        publisher's script looks its key up, `Publisher.on_cancelled`), so a pod whose requests
+        all run polls nothing."""
         names: dict[str, bytes] = {}  # cancel keys of the requests held here, encoded once each
         while not stop.is_set():
-            rids = self.table.request_ids()
+            rids = self.table.request_ids(running=False)
             if len(names) > 2 * len(rids) + 64:  # bounded: forget those no longer held
                 held = set(rids)
                 names = {k: v for k, v in names.items() if k in held}
             if rids:
                 try:
                     hit = await cancel.cancelled(self.r, self.ks, rids, names)
-                    to_engine = self.table.cancel(hit) if hit else set()
-                    if to_engine and self.engine_loop is not None:
-                        self.engine_loop.cancel(to_engine)
+                    self._cancel(hit)
                 except Exception as e:  # noqa: BLE001
                     log.warning("cancel poll failed: %s", e)
             await asyncio.sleep(self.s.cancel_poll_s)

@@ -42,7 +42,8 @@ class Publisher:
     def __init__(self, s: DecodeSettings, r: aioredis.Redis, owned: token_stream.OwnedPublisher, journal: Journal,
                  table: RequestTable, bridge: Bridge, on_lost: Callable[[set[str]], None],
                  resume: Callable[[GenerationRequest], Awaitable[str]], handback: Handback,
-                 give_up: Callable[[set[str], str], Awaitable[None]]) -> None:
+                 give_up: Callable[[set[str], str], Awaitable[None]],
+                 on_cancelled: Callable[[set[str]], None] | None = None) -> None:
         self.s, self.r, self.owned, self.journal, self.table, self.bridge = s, r, owned, journal, table, bridge
         self.bounds = token_stream.StreamBounds.of(s)
         self.on_lost = on_lost  # requests the fence refused: the engine drops them (silently)
@@ -53,6 +54,9 @@ class Publisher:
         self.finished_here: OrderedDict[str, float] = OrderedDict()
         self.replay_refused: list = []  # journal token items the fence refused in the replay running
         self.give_up, self.handback = give_up, handback
+        # requests a step's write found cancelled by their client (the watch over running requests:
+        # DecodeIO.cancel_loop polls only those not running yet)
+        self.on_cancelled = on_cancelled
 
     async def finish(self, rid: str, index: int, reason: str, error: str | None = None) -> None:
         """A finish entry (no token) for a request that ends before or outside the engine."""
@@ -103,7 +107,9 @@ class Publisher:
         if results is None:
             await self._abandon(batch, "its tokens could not be written to Redis")
             return set()
-        if 0 not in results:  # the common case, checked in C
+        if 2 in results:  # written, and the client has cancelled (checked in C, as the next)
+            self._cancelled(batch, results)
+        if 0 not in results:  # the common case
             return set()
         lost = {e.request_id for e, ok in zip(batch, results) if ok == 0}
         try:  # a reconcile ran since `gen`, or runs now (this waits for it)
@@ -120,12 +126,19 @@ class Publisher:
         if results is None:
             await self._abandon(again, "its tokens could not be written to Redis")
             return set()
+        if 2 in results:
+            self._cancelled(again, results)
         return {e.request_id for e, ok in zip(again, results) if ok == 0}
 
-    async def _execute_tokens(self, items: list, acks: list, fenced: bool = True) -> list[int]:
-        """One script call per shard for the token items, then the acks: one round trip."""
+    def _cancelled(self, batch: list, results: list[int]) -> None:
+        if self.on_cancelled is not None:
+            self.on_cancelled({e.request_id for e, ok in zip(batch, results) if ok == 2})
+
+    async def _execute_tokens(self, items: list, acks: list, fenced: bool = True, cancels: bool = False) -> list[int]:
+        """One script call per shard for the token items, then the acks: one round trip.
+        `cancels`: the items' requests are looked up for a cancel too (2 instead of 1)."""
         pipe = self.r.pipeline(transaction=False)
-        placed = self.owned.add_batch(pipe, items, fenced)
+        placed = self.owned.add_batch(pipe, items, fenced, cancels)
         for stream, group, entry_id in acks:
             pipe.xack(stream, group, entry_id)
             pipe.xdel(stream, entry_id)
@@ -133,7 +146,8 @@ class Publisher:
 
     async def _publish(self, batch: list) -> list | None:
         """Write one batch, retrying through a Redis restart (tandem_core/retry.py: REDIS_DOWN only,
-        `publish_retries` tries); 1 (written) / 0 (fenced off) per entry, or None when it gave up.
+        `publish_retries` tries); 1 (written) / 2 (written, its client cancelled) / 0 (fenced off)
+        per entry, or None when it gave up.
         Each attempt builds its pipeline anew: redis-py empties a pipeline when `execute` fails, so
         re-running the old one would write nothing and silently lose the step's tokens."""
         items, acks = batch, [e.ack for e in batch if e.ack]  # the entries go as they are: no copy per token
@@ -144,10 +158,10 @@ class Publisher:
             await self.resync.wait_idle()
             faults.hit("decode.publish")
             try:
-                return await self._execute_tokens(items, acks)
+                return await self._execute_tokens(items, acks, cancels=True)
             except NoScriptError:  # a restarted Redis without the script: load it, write again
                 await conn.retry_redis(self.owned.load, "load publish script", log=log)
-                return await self._execute_tokens(items, acks)
+                return await self._execute_tokens(items, acks, cancels=True)
 
         try:
             results = await retry(attempt, f"token publish ({len(batch)} entries)", transient=conn.REDIS_DOWN,
@@ -200,7 +214,7 @@ class Publisher:
     def note_finished(self, items: list, results: list) -> None:
         now = time.monotonic()
         for it, ok in zip(items, results):
-            if it.finish and ok == 1:  # a finish this pod wrote while it owned the request
+            if it.finish and ok:  # a finish this pod wrote while it owned the request
                 self.finished_here[it.request_id] = now
         horizon = now - 2 * self.journal.window_s
         while self.finished_here and (len(self.finished_here) > self.s.finished_ids_max

@@ -131,10 +131,13 @@ class RequestTable:
                         to_engine.add(rec.request_id)
             return to_engine
 
-    def request_ids(self) -> list[str]:
-        """Every request held here, in any stage (what the cancel watch polls)."""
+    def request_ids(self, running: bool = True) -> list[str]:
+        """Every request held here, in any stage; `running=False`: those not RUNNING (what the
+        cancel watch polls: a running one's tokens are looked up for a cancel as they are written)."""
         with self._lock:
-            return list({rec.request_id for rec in self._records.values()})
+            if running:
+                return list({rec.request_id for rec in self._records.values()})
+            return list({rec.request_id for rec in self._records.values() if rec.stage is not Stage.RUNNING})
 
     def stages(self) -> dict[str, int]:
         with self._lock:

@@ -153,7 +153,12 @@ class KeySpace:
         return f"{PREFIX}:{self.request_tag(request_id)}:admitted:{request_id}"
 
     def cancel_key(self, request_id: str) -> str:
-        return f"{PREFIX}:{self.request_tag(request_id)}:cancel:{request_id}"
+        return self.cancel_prefix(self.request_shard(request_id)) + request_id
+
+    def cancel_prefix(self, shard: int) -> str:
+        """The cancel keys of `shard`'s requests are this and the request id (the decode pod's
+        fenced token script looks them up from it)."""
+        return f"{PREFIX}:{self.tag(shard)}:cancel:"
 
     def running_key(self, worker_id: str, shard: int) -> str:
         """Requests of `shard` a decode pod owns. Its token writes are fenced on this hash: once a

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 
 from tandem_core.keys import KeySpace
 from tandem_core.types import GenerationRequest, TokenLogprobs
@@ -132,9 +133,12 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
 # token cost, and a TTL of minutes cannot run out between two refreshes of a stream still being
 # written. KEYS[1] is the running hash, KEYS[1 + j] item j's token stream; ARGV: ttl, maxlen,
 # finished ttl, '1' to write without the fence (tokens of a request this writer itself finished:
-# see `OwnedPublisher.add_batch`) or '', then per item: request id, index, token, '1' if it
+# see `OwnedPublisher.add_batch`) or '', the shard's cancel-key prefix (`KeySpace.cancel_prefix`:
+# each written item's request is looked up there, the decode pod's cancel watch over its running
+# requests folded into the step's write) or '' for none, then per item: request id, index, token, '1' if it
 # finishes or '', the number of further field pairs (0 for a plain token), those pairs (`entry_fields`
-# after `i` and `t`, in its order). Returns 1 (written) or 0 (fenced off) per item, in order, so a
+# after `i` and `t`, in its order). Returns 1 (written), 2 (written, and its request has a cancel
+# key: the client left) or 0 (fenced off) per item, in order, so a
 # request that appears twice (two queued steps) is written in index order. A plain token costs five
 # arguments and its key: the script itself adds the `i` and `t` field names.
 EXPIRE_EVERY = 16
@@ -143,7 +147,8 @@ _PUBLISH_OWNED = """
 local REFRESH = """ + str(EXPIRE_EVERY) + """
 local out = {}
 local unfenced = ARGV[4] == '1'
-local p = 5
+local cancels = ARGV[5]
+local p = 6
 for j = 1, #KEYS - 1 do
   local rid, index, tok, fin, n = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], tonumber(ARGV[p + 4])
   local first = p + 5
@@ -159,10 +164,26 @@ for j = 1, #KEYS - 1 do
       redis.call('EXPIRE', KEYS[j + 1], ARGV[1])
     end
     out[j] = 1
+    -- (the cancel key shares the request's slot: its tag)
+    if cancels ~= '' and fin ~= '1' and redis.call('EXISTS', cancels .. rid) == 1 then
+      out[j] = 2
+    end
   end
 end
 return out
 """
+
+# A pulled request owned and its ready entry acked in one call (`OwnedPublisher.own_and_ack`):
+# KEYS[1] the running hash, KEYS[2] the ready stream (one slot: both carry the request's shard
+# tag); ARGV: request id, request json, group, entry id. A script runs whole or not at all, so the
+# entry is never acked without the request owned (the order two round trips kept before).
+_OWN_AND_ACK = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+redis.call('XDEL', KEYS[2], ARGV[4])
+return 1
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class TokenEntry:
@@ -191,7 +212,8 @@ class Placed:
         return len(self.calls)
 
     def results(self, replies: list) -> list[int]:
-        """1 (written) / 0 (fenced off) per item, in the items' order, from the pipeline's replies."""
+        """1 (written) / 2 (written, its request cancelled: `add_batch(cancels=True)`) / 0 (fenced
+        off) per item, in the items' order, from the pipeline's replies."""
         out = [0] * self.n
         for call, items in enumerate(self.calls):
             for k, j in enumerate(items):
@@ -207,8 +229,10 @@ class OwnedPublisher:
         self.r, self.ks, self.worker_id = r, ks, worker_id
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
+        self._own_ack = r.register_script(_OWN_AND_ACK)  # (loads itself on NOSCRIPT)
         self._streams: dict[str, tuple[int, bytes, bytes]] = {}  # request id -> `stream_of`
         self._running: dict[int, bytes] = {}  # shard -> this pod's running hash there
+        self._cancels: dict[int, bytes] = {}  # shard -> its cancel keys' prefix
 
     def running(self, request_id: str) -> str:
         return self.ks.running_key(self.worker_id, self.ks.request_shard(request_id))
@@ -222,17 +246,32 @@ class OwnedPublisher:
             pipe.hset(key, mapping=fields)
         await pipe.execute()
 
+    def can_own_and_ack(self, request_id: str, stream: str) -> bool:
+        """Whether `own_and_ack` may take this request and entry: its running hash and the stream
+        share a slot (a script touches keys of one slot on a Redis Cluster)."""
+        return key_slot(self.running(request_id).encode()) == key_slot(stream.encode())
+
+    async def own_and_ack(self, req: GenerationRequest, stream: str, group: str, entry_id: bytes) -> None:
+        """`own(req)`, then ack and delete the stream entry it came from, in one round trip and
+        atomically (only where `can_own_and_ack`): a pulled request costs one write less, and
+        no crash can fall between the two."""
+        await self._own_ack(keys=[self.running(req.request_id), stream],
+                            args=[req.request_id, req.to_json(), group, entry_id])
+
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running(request_id), request_id)
 
-    def add_batch(self, pipe, items: list, fenced: bool = True) -> Placed:
+    def add_batch(self, pipe, items: list, fenced: bool = True, cancels: bool = False) -> Placed:
         """Queue one script call per shard writing its items (`TokenEntry`s, or anything with the
         same attributes), in order (a request's items stay in one call, so in index order);
         `Placed.results` turns the replies into 1 (written) / 0 (fenced off) per item. Queue it
         first on `pipe`. Logprobs travel pre-encoded (`TokenLogprobs.encode`). `fenced=False`
         writes without the ownership check: only for tokens of a request whose finish this writer
         wrote while it owned it (no other pod can own it since), when Redis lost some of its
-        earlier tokens and their rewrite would otherwise be refused. A plain token (no finish,
+        earlier tokens and their rewrite would otherwise be refused. `cancels=True`: each written
+        item whose request has a cancel key (`KeySpace.cancel_key`) comes back 2, not 1 (the
+        decode pod's watch over its running requests, at no round trip of its own; a finishing
+        item is not looked up). A plain token (no finish,
         error or logprobs) is five arguments and its stream's key, the key and shard looked up
         once per request (`stream_of`)."""
         # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
@@ -244,7 +283,8 @@ class OwnedPublisher:
             call = calls.get(shard)
             if call is None:
                 call = calls[shard] = ([self.running_of(shard)],
-                                       [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1"], [])
+                                       [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1",
+                                        self.cancel_prefix_of(shard) if cancels else ""], [])
             names, args, pos = call
             names.append(stream)
             pos.append(j)
@@ -273,6 +313,12 @@ class OwnedPublisher:
                 self._streams.clear()
             got = self._streams[request_id] = (self.ks.request_shard(request_id),
                                                self.ks.token_stream(request_id).encode(), request_id.encode())
+        return got
+
+    def cancel_prefix_of(self, shard: int) -> bytes:
+        got = self._cancels.get(shard)
+        if got is None:
+            got = self._cancels[shard] = self.ks.cancel_prefix(shard).encode()
         return got
 
     def running_of(self, shard: int) -> bytes:

@@ -128,3 +128,57 @@ async def test_an_unfinished_stream_keeps_the_running_ttl(any_redis, any_keys):
         await fn(r, ks, rid, TOKENS[:2], None)
         ttl = await r.ttl(ks.token_stream(rid))
         assert FINISHED_TTL < ttl <= TTL, f"{writer}: ttl {ttl}"
+
+
+async def test_own_and_ack_owns_first_and_never_acks_alone(any_redis, any_keys):
+    """A pulled request is owned and its ready entry acked in one script call (decode_svc/claims.py
+    `_own`): after it the request is in the pod's running hash and the entry neither pending nor
+    in the stream; when the call fails (here the running hash's key holds a string), nothing of
+    it is written: the entry stays pending, to be acked only once the request is owned."""
+    r, ks = any_redis, any_keys
+    pub = token_stream.OwnedPublisher(r, ks, "decode-own-ack", TTL, MAXLEN, FINISHED_TTL)
+    for rid, broken in (("own-ack-ok", False), ("own-ack-broken", True)):
+        stream = ks.ready_stream(f"contract-{rid}", ks.request_shard(rid))  # the request's slot
+        await r.xgroup_create(stream, keys.DECODE_GROUP, id="0", mkstream=True)
+        entry_id = await r.xadd(stream, {"notice": "{}"})
+        await r.xreadgroup(keys.DECODE_GROUP, "decode-own-ack", {stream: ">"}, count=1)
+        assert pub.can_own_and_ack(rid, stream)
+        if broken:
+            await r.set(pub.running(rid), "not a hash")
+            with pytest.raises(Exception, match="WRONGTYPE"):
+                await pub.own_and_ack(_req(rid), stream, keys.DECODE_GROUP, entry_id)
+            assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 1, "acked without being owned"
+            assert await r.xlen(stream) == 1
+            continue
+        await pub.own_and_ack(_req(rid), stream, keys.DECODE_GROUP, entry_id)
+        assert await r.hget(pub.running(rid), rid) == _req(rid).to_json().encode()
+        assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 0
+        assert await r.xlen(stream) == 0
+
+
+async def test_a_step_write_reports_the_requests_cancelled_by_their_client(any_redis, any_keys):
+    """`add_batch(cancels=True)` looks each written item's cancel key up (the one the gateway sets,
+    `cancel.request_cancel`) in the same script call: 2 = written and cancelled, 1 = written; a
+    finishing item is not looked up; without `cancels` nothing is (on a Redis Cluster too: the
+    cancel key shares the request's slot)."""
+    from tandem_core.bus import cancel
+
+    r, ks = any_redis, any_keys
+    pub = token_stream.OwnedPublisher(r, ks, "decode-cancels", TTL, MAXLEN, FINISHED_TTL)
+    await pub.load()
+    rids = [f"cancels-{i}" for i in range(6)]
+    await pub.own(*[_req(rid) for rid in rids])
+    for rid in rids[::2]:
+        await cancel.request_cancel(r, ks, rid, 60)
+    items = [token_stream.TokenEntry(rid, 1, 7) for rid in rids]
+    pipe = r.pipeline(transaction=False)
+    placed = pub.add_batch(pipe, items, cancels=True)
+    assert placed.results(await pipe.execute()) == [2, 1, 2, 1, 2, 1]
+    pipe = r.pipeline(transaction=False)
+    placed = pub.add_batch(pipe, [token_stream.TokenEntry(rid, 2, 8) for rid in rids])
+    assert placed.results(await pipe.execute()) == [1] * 6
+    pipe = r.pipeline(transaction=False)
+    placed = pub.add_batch(pipe, [token_stream.TokenEntry(rid, 3, 9, "length") for rid in rids], cancels=True)
+    assert placed.results(await pipe.execute()) == [1] * 6
+    for rid in rids:
+        assert [int(f[b"i"]) for _id, f in await r.xrange(ks.token_stream(rid))] == [1, 2, 3]

@@ -55,7 +55,7 @@ class Pod:
                                 pool=pool, slots=SLOTS, claim_block_ms=50, recover_interval_s=0.2,
                                 worker_id=WID, **settings)
         self.table = RequestTable(SLOTS)
-        self.bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
+        self.bridge = Bridge(SLOTS, settings.get("output_queue_size", 64), asyncio.get_running_loop())
         self.eloop = EngineLoop(engine, self.table, self.bridge)
         self.io = DecodeIO(self.s, r, KS, self.table, self.eloop, self.bridge, WID)
         self.stop, self.done = asyncio.Event(), asyncio.Event()
@@ -85,8 +85,8 @@ async def _kv_server(store):
     return server, f"127.0.0.1:{port}"
 
 
-async def _publish_ready(r, engine, store, address, pool, rid: str) -> GenerationRequest:
-    req = GenerationRequest(rid, [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+async def _publish_ready(r, engine, store, address, pool, rid: str, max_tokens: int = MAX_TOKENS) -> GenerationRequest:
+    req = GenerationRequest(rid, [256, 65, 66], max_tokens, SamplingParams(), ignore_eos=True)
     payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
     held = store.put(req.request_id, payload)
     notice = ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0", payload.first_token)
@@ -153,21 +153,98 @@ async def test_a_failed_pull_task_frees_its_seat_and_hands_the_request_back(
         await server.stop(None)
 
 
-async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine):
-    """The request is owned and running when its ready entry's ack fails: it runs to its end, and the
-    ack is written by the next recovery round (before issue 31 the task died there and the entry
-    stayed pending and marked busy for the pod's life)."""
-    r, pool = redis_client, "handback-ack"
+async def test_a_pulled_request_is_owned_and_acked_in_one_call(redis_url, redis_client, engine):
+    """A pulled request's ownership and its ready entry's ack are one script call (claims.py
+    `_own`): Redis's MONITOR sees no HSET or XACK of the pod's own, only inside the script, and
+    the request runs to its end owned, its entry acked."""
+    import redis.asyncio as aioredis
+
+    r, pool = redis_client, "handback-one-call"
     await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
-    faults.configure("decode.ack@1")
+    watcher = aioredis.Redis.from_url(redis_url, socket_timeout=600)  # it may sit idle while the pod starts
+    seen: list[dict] = []
+    started = asyncio.Event()
+
+    async def watch() -> None:
+        async with watcher.monitor() as m:
+            started.set()
+            async for c in m.listen():
+                seen.append(c)
+
+    task = asyncio.create_task(watch())
     try:
+        await asyncio.wait_for(started.wait(), 10)
         async with Pod(r, engine, redis_url, pool) as pod:
-            req = await _publish_ready(r, engine, store, address, pool, "ack-fails")
+            req = await _publish_ready(r, engine, store, address, pool, "one-call")
             st = await _until(r, pod, pool, req.request_id,
                               lambda st: st["finished"] and st["unacked"] == 0 and st["seats"] == 0)
-            assert faults.raised["decode.ack"] == 1
+        assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st["indices"]
+        assert st["unacked"] == 0 and not st["resumed"]
+        await r.get("one-call-sentinel")  # once the monitor has seen this, it has seen the pod's commands
+        for _ in range(600):
+            if any("one-call-sentinel" in c["command"] for c in seen):
+                break
+            await asyncio.sleep(0.05)
+        assert any("one-call-sentinel" in c["command"] for c in seen), \
+            f"the monitor saw {len(seen)} commands: {task.done() and task.exception()!r}"
+        mine = [c["command"].split()[0].upper() for c in seen if c.get("client_type") != "lua"]
+        in_script = [c["command"].split()[0].upper() for c in seen if c.get("client_type") == "lua"]
+        assert "HSET" not in mine and "XACK" not in mine, mine
+        assert in_script.count("XACK") == 1 and "HSET" in in_script, in_script
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watcher.aclose()
+        await server.stop(None)
+
+
+async def test_a_running_request_is_cancelled_by_its_steps_write(redis_url, redis_client, engine):
+    """No cancel poll runs here (this Pod starts no `cancel_loop`): the step that writes a running
+    request's token finds its cancel key (the publisher's script looks it up), and the engine ends
+    it with a `cancelled` finish, its seat freed, instead of decoding to max_tokens. One step per
+    write and one step queued: the engine runs at most a few steps ahead of the writes (it blocks
+    on the bridge), so the cancel lands long before 40 tokens, however fast the engine."""
+    from tandem_core.bus import cancel
+
+    r, pool = redis_client, "handback-cancel"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    try:
+        async with Pod(r, engine, redis_url, pool, output_queue_size=1, publish_coalesce_steps=1) as pod:
+            await cancel.request_cancel(r, KS, "cancel-running", 60)  # the client left before its first step
+            req = await _publish_ready(r, engine, store, address, pool, "cancel-running", max_tokens=40)
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] and st["seats"] == 0)
+            tokens = await r.xrange(KS.token_stream(req.request_id))
+            finishes = [f[b"f"] for _id, f in tokens if b"f" in f]
+            assert finishes == [b"cancelled"], (finishes, st["indices"])
+            assert len(st["indices"]) < 20, st["indices"]
+            assert st["unacked"] == 0 and not st["owned"] and not st["resumed"]
+            assert pod.eloop.stats.cancelled == 1
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+async def test_an_ack_that_fails_is_owed_not_lost(redis_url, redis_client, engine, fails):
+    """The request is owned and its ready entry acked in one call (claims.py `_own`); when that
+    call fails, the request is owned alone and its entry acked after (fails=1); when that ack
+    fails too (fails=2), the request runs to its end and the ack is written by the next recovery
+    round (before issue 31 the task died there and the entry stayed pending and marked busy for
+    the pod's life)."""
+    r, pool = redis_client, f"handback-ack-{fails}"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure(f"decode.ack@1-{fails}")
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            req = await _publish_ready(r, engine, store, address, pool, f"ack-fails-{fails}")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["finished"] and st["unacked"] == 0 and st["seats"] == 0)
+            assert faults.raised["decode.ack"] == fails
             assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), st["indices"]
             assert st["unacked"] == 0, "the failed ack was never written again"
             assert st["seats"] == 0 and not st["owned"] and not st["resumed"]

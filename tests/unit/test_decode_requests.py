@@ -50,6 +50,8 @@ def test_cancel_reaches_the_engine_only_for_queued_and_running_requests():
     t.advance(running, Stage.QUEUED)
     t.start(running, _active("r", 0))
     assert sorted(t.request_ids()) == ["p", "q", "r"]
+    # the cancel watch polls only these: a running request's cancel is read with its tokens' write
+    assert sorted(t.request_ids(running=False)) == ["p", "q"]
     assert t.cancel({"p", "q", "r", "gone"}) == {"q", "r"}
     assert t.cancelled(pulling) and not t.advance(pulling, Stage.QUEUED)  # the pull sees the mark
     t.drop(pulling)
