@@ -142,11 +142,17 @@ def layer_consts(cfg: ModelConfig) -> LayerConsts:
     )
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale=1.0) -> jax.Array:
-    """Rotate x [..., T, heads, hd] by positions [..., T] in HF's rotate_half layout."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, scale=1.0) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [..., T, 1, hd] of positions [..., T] (times YaRN's `scale`): what `rope` rotates by."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, hd]
-    cos, sin = jnp.cos(emb) * scale, jnp.sin(emb) * scale
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale=1.0, tables=None) -> jax.Array:
+    """Rotate x [..., T, heads, hd] by positions [..., T] in HF's rotate_half layout. `tables`:
+    `rope_tables(positions, inv_freq, scale)` computed beforehand (positions and inv_freq then unused)."""
+    cos, sin = rope_tables(positions, inv_freq, scale) if tables is None else tables
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
@@ -259,8 +265,9 @@ def embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     return x
 
 
-def _qkv(x: jax.Array, lp: dict, positions: jax.Array, lc: LayerConsts, cfg: ModelConfig):
-    """Project x [..., T, d] to rotated q [..., T, H, hd], k and v [..., T, KV, hd]."""
+def _qkv(x: jax.Array, lp: dict, positions: jax.Array, lc: LayerConsts, cfg: ModelConfig, tables=None):
+    """Project x [..., T, d] to rotated q [..., T, H, hd], k and v [..., T, KV, hd] (`tables`: the
+    layer's `rope_tables` of positions, when the caller computed them once for all layers)."""
     lead = x.shape[:-1]
     q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
     if cfg.qkv_bias:
@@ -271,7 +278,8 @@ def _qkv(x: jax.Array, lp: dict, positions: jax.Array, lc: LayerConsts, cfg: Mod
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg)
-    return rope(q, positions, lc.inv_freq, lc.rope_scale), rope(k, positions, lc.inv_freq, lc.rope_scale), v
+    return (rope(q, positions, lc.inv_freq, lc.rope_scale, tables),
+            rope(k, positions, lc.inv_freq, lc.rope_scale, tables), v)
 
 
 def _scores(raw: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -415,17 +423,28 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
     t = tokens.shape[1]
     positions = jnp.arange(t, dtype=jnp.int32)
     x = embed(params, tokens, cfg)  # [B, T, d]
+    consts = layer_consts(cfg)
 
     def layer(x, xs):
-        lp, lc = xs
+        lp, lc, tables = xs
         mask = _window_mask(positions[:, None], positions[None, :], lc.window)[None]  # [1, T, T]
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[None], lc, cfg)
+        q, k, v = _qkv(h, lp, positions[None], lc, cfg, tables)
         x = _attn_out(x, _causal_attention(q, k, v, mask, cfg, _sinks(lp, cfg)), lp, cfg)
         return _ffn(x, lp, cfg), (k, v)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], layer_consts(cfg)))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, _layer_rope_tables(positions[None], consts)))
     return x, ks, vs
+
+
+def _layer_rope_tables(positions: jax.Array, consts: LayerConsts):
+    """Every layer's `rope_tables` of positions, stacked on [num_layers] for the layer scan.
+
+    Why: computed inside the layer, XLA CPU fused cos and sin into every consumer of the rotated
+    q and k (the KV written out, the transposes, each attention block's slice) and evaluated them
+    again in each: a quarter of a 512-token prefill's time. Computed here they are read, not
+    recomputed (the same values: the same ops on the same inputs)."""
+    return jax.vmap(lambda inv, scale: rope_tables(positions, inv, scale))(consts.inv_freq, consts.rope_scale)
 
 
 def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, true_length: jax.Array,
@@ -444,18 +463,20 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
     t, s = tokens.shape[0], k_buf.shape[1]
     positions = start + jnp.arange(t, dtype=jnp.int32)
     x = embed(params, tokens, cfg)[None]  # [1, T, d]
+    consts = layer_consts(cfg)
 
     def layer(x, xs):
-        lp, lc, kc, vc = xs  # kc, vc [S, KV, hd]
+        lp, lc, tables, kc, vc = xs  # kc, vc [S, KV, hd]
         mask = _window_mask(positions[:, None], jnp.arange(s)[None, :], lc.window)[None]  # [1, T, S]
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[None], lc, cfg)
+        q, k, v = _qkv(h, lp, positions[None], lc, cfg, tables)
         kc = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
         vc = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
         x = _attn_out(x, _grouped_attention(q, kc[None], vc[None], mask, cfg, _sinks(lp, cfg)), lp, cfg)
         return _ffn(x, lp, cfg), (kc, vc)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], layer_consts(cfg), k_buf, v_buf))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, _layer_rope_tables(positions[None], consts),
+                                          k_buf, v_buf))
     last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), ks, vs
 

@@ -80,3 +80,21 @@ def test_blocks_skip_the_scores_above_the_diagonal():
     full = CFG.num_heads * 256 * 256
     assert score_elements(_grouped_attention, 256) == full
     assert score_elements(_causal_attention, 256, block=64) == full * 10 // 16
+
+
+def test_rope_tables_computed_once_rotate_as_rope_does():
+    """The prefill's per-layer tables (computed before the layer scan) give rope's own rotation,
+    for a global layer and a local one with its own frequencies (Gemma 3's)."""
+    from tandem_engine.model import _layer_rope_tables, layer_consts, rope
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      rope_theta=10000.0, rms_norm_eps=1e-6, local_rope_theta=10.0, windows=(4, 0))
+    consts = layer_consts(cfg)
+    positions = (7 + jnp.arange(20))[None]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 20, 4, 8)), jnp.float32)
+    tables = _layer_rope_tables(positions, consts)
+    for i in range(cfg.num_layers):
+        want = rope(x, positions, consts.inv_freq[i], consts.rope_scale[i])
+        got = rope(x, positions, None, tables=(tables[0][i], tables[1][i]))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.allclose(np.asarray(consts.inv_freq[0]), np.asarray(consts.inv_freq[1]))
