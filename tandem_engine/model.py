@@ -424,27 +424,32 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
     positions = jnp.arange(t, dtype=jnp.int32)
     x = embed(params, tokens, cfg)  # [B, T, d]
     consts = layer_consts(cfg)
+    stacked, shared = _layer_rope_tables(positions[None], consts, cfg)
 
     def layer(x, xs):
         lp, lc, tables = xs
         mask = _window_mask(positions[:, None], positions[None, :], lc.window)[None]  # [1, T, T]
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[None], lc, cfg, tables)
+        q, k, v = _qkv(h, lp, positions[None], lc, cfg, shared if tables is None else tables)
         x = _attn_out(x, _causal_attention(q, k, v, mask, cfg, _sinks(lp, cfg)), lp, cfg)
         return _ffn(x, lp, cfg), (k, v)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, _layer_rope_tables(positions[None], consts)))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked))
     return x, ks, vs
 
 
-def _layer_rope_tables(positions: jax.Array, consts: LayerConsts):
-    """Every layer's `rope_tables` of positions, stacked on [num_layers] for the layer scan.
+def _layer_rope_tables(positions: jax.Array, consts: LayerConsts, cfg: ModelConfig):
+    """Every layer's `rope_tables` of positions, for the layer scan: (tables stacked on
+    [num_layers], None) where layers rotate differently (a local RoPE, Gemma 3's), else (None, the
+    one table every layer uses).
 
     Why: computed inside the layer, XLA CPU fused cos and sin into every consumer of the rotated
     q and k (the KV written out, the transposes, each attention block's slice) and evaluated them
-    again in each: a quarter of a 512-token prefill's time. Computed here they are read, not
-    recomputed (the same values: the same ops on the same inputs)."""
-    return jax.vmap(lambda inv, scale: rope_tables(positions, inv, scale))(consts.inv_freq, consts.rope_scale)
+    again in each: a quarter of a 512-token prefill's time. Computed here, once per distinct
+    rotation, they are read, not recomputed (the same values: the same ops on the same inputs)."""
+    if not cfg.local_rope_theta:  # layer_consts gives every layer the global frequencies
+        return None, rope_tables(positions, consts.inv_freq[0], consts.rope_scale[0])
+    return jax.vmap(lambda inv, scale: rope_tables(positions, inv, scale))(consts.inv_freq, consts.rope_scale), None
 
 
 def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, true_length: jax.Array,
@@ -464,19 +469,19 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
     positions = start + jnp.arange(t, dtype=jnp.int32)
     x = embed(params, tokens, cfg)[None]  # [1, T, d]
     consts = layer_consts(cfg)
+    stacked, shared = _layer_rope_tables(positions[None], consts, cfg)
 
     def layer(x, xs):
         lp, lc, tables, kc, vc = xs  # kc, vc [S, KV, hd]
         mask = _window_mask(positions[:, None], jnp.arange(s)[None, :], lc.window)[None]  # [1, T, S]
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[None], lc, cfg, tables)
+        q, k, v = _qkv(h, lp, positions[None], lc, cfg, shared if tables is None else tables)
         kc = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
         vc = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
         x = _attn_out(x, _grouped_attention(q, kc[None], vc[None], mask, cfg, _sinks(lp, cfg)), lp, cfg)
         return _ffn(x, lp, cfg), (kc, vc)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, _layer_rope_tables(positions[None], consts),
-                                          k_buf, v_buf))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked, k_buf, v_buf))
     last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), ks, vs
 

@@ -89,12 +89,15 @@ def test_rope_tables_computed_once_rotate_as_rope_does():
 
     cfg = ModelConfig(vocab_size=8, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                       rope_theta=10000.0, rms_norm_eps=1e-6, local_rope_theta=10.0, windows=(4, 0))
-    consts = layer_consts(cfg)
     positions = (7 + jnp.arange(20))[None]
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 20, 4, 8)), jnp.float32)
-    tables = _layer_rope_tables(positions, consts)
-    for i in range(cfg.num_layers):
-        want = rope(x, positions, consts.inv_freq[i], consts.rope_scale[i])
-        got = rope(x, positions, None, tables=(tables[0][i], tables[1][i]))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert not np.allclose(np.asarray(consts.inv_freq[0]), np.asarray(consts.inv_freq[1]))
+    for local in (10.0, 0.0):  # per-layer tables; one table for every layer
+        c = cfg._replace(local_rope_theta=local)
+        consts = layer_consts(c)
+        stacked, shared = _layer_rope_tables(positions, consts, c)
+        assert (stacked is None) == (not local) and (shared is None) == bool(local)
+        for i in range(c.num_layers):
+            want = rope(x, positions, consts.inv_freq[i], consts.rope_scale[i])
+            tables = shared if shared is not None else (stacked[0][i], stacked[1][i])
+            np.testing.assert_array_equal(np.asarray(rope(x, positions, None, tables=tables)), np.asarray(want))
+        assert np.allclose(np.asarray(consts.inv_freq[0]), np.asarray(consts.inv_freq[1])) == (not local)
