@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import time
@@ -54,6 +55,16 @@ def make(name: str, a, root: Path):
                             pin="", env=env, log_path=OUT / f"{tag}.log", root=root)
 
 
+def timeline(ttft: list[float]) -> tuple[float, float]:
+    """Where a burst's time goes, from its sorted first-token times: (the first one in ms, the
+    mean gap between the first and the last in ms). A server that prefills one prompt per call
+    answers at about first + i x cadence; one that batches them all answers all at once."""
+    if not ttft:
+        return math.nan, math.nan
+    xs = sorted(ttft)
+    return 1e3 * xs[0], (1e3 * (xs[-1] - xs[0]) / (len(xs) - 1) if len(xs) > 1 else 0.0)
+
+
 async def measure(url: str, a) -> dict:
     model = model_id(url)
     await run_load(url, model, burst(a.n, a.prompt_len, 4, seed=1), extra=EXTRA)  # untimed: compiles
@@ -62,10 +73,14 @@ async def measure(url: str, a) -> dict:
         res, wall = await run_load(url, model, burst(a.n, a.prompt_len, a.output_len, seed=10 + i), extra=EXTRA)
         bad = [r.error for r in res if not r.ok]
         ttft = [r.ttft_s for r in res if r.ok]
+        first, cadence = timeline(ttft)
         rounds.append({"p50_ms": 1e3 * percentile(ttft, 50), "p90_ms": 1e3 * percentile(ttft, 90),
-                       "max_ms": 1e3 * max(ttft), "wall_s": wall, "errors": len(bad)})
+                       "max_ms": 1e3 * max(ttft), "wall_s": wall, "errors": len(bad),
+                       "ttft_sorted_ms": [round(1e3 * x, 1) for x in sorted(ttft)],
+                       "first_ms": first, "cadence_ms": cadence})
         print(f"   round {i}: TTFT p50 {rounds[-1]['p50_ms']:.0f} ms, p90 {rounds[-1]['p90_ms']:.0f} ms, "
-              f"max {rounds[-1]['max_ms']:.0f} ms, errors {len(bad)}", flush=True)
+              f"max {rounds[-1]['max_ms']:.0f} ms, errors {len(bad)}; first token after {first:.0f} ms, then one "
+              f"every {cadence:.1f} ms", flush=True)
         await asyncio.sleep(1.0)
     return {"rounds": rounds, "p90_ms_median": statistics.median(r["p90_ms"] for r in rounds)}
 
@@ -78,11 +93,14 @@ def section(results: dict, a, argv) -> str:
     rows = []
     for tag, r in results.items():
         if "error" in r:
-            rows.append([tag, f"failed: {r['error']}", None, None, None])
+            rows.append([tag, f"failed: {r['error']}", None, None, None, None, None])
             continue
         errors = sum(x["errors"] for x in r["rounds"])
         ratio = r["p90_ms_median"] / peer["p90_ms_median"] if healthy and tag != "vllm" else None
-        rows.append([tag, r["p90_ms_median"], ", ".join(f"{x['p90_ms']:.0f}" for x in r["rounds"]), errors, ratio])
+        first = statistics.median(x.get("first_ms", math.nan) for x in r["rounds"])
+        cadence = statistics.median(x.get("cadence_ms", math.nan) for x in r["rounds"])
+        rows.append([tag, r["p90_ms_median"], ", ".join(f"{x['p90_ms']:.0f}" for x in r["rounds"]), first, cadence,
+                     errors, ratio])
     cmd = " ".join(["python bench/burst.py", *(argv if argv is not None else sys.argv[1:])])
     return "\n".join([
         "## A burst of long prompts: TTFT against vLLM CPU", "",
@@ -91,8 +109,11 @@ def section(results: dict, a, argv) -> str:
         f"{a.n} prompts of {a.prompt_len} tokens sent at once ({a.output_len} output tokens each, greedy, "
         f"`ignore_eos`), {a.rounds} rounds after an untimed one; built-in model, {a.slots} slots, max_len "
         f"{a.max_len} on every system; unpinned. `-old` rows: the `--old-root` checkout, run just before.", "",
-        markdown_table(["system", "TTFT p90 ms (median of rounds)", "each round's p90 ms", "errors",
-                        "p90 / vLLM's (target <= 1)"], rows),
+        markdown_table(["system", "TTFT p90 ms (median of rounds)", "each round's p90 ms", "first TTFT ms",
+                        "then one every ms", "errors", "p90 / vLLM's (target <= 1)"], rows),
+        "\n`first TTFT` is the burst's earliest first token and `then one every` the mean gap from it to the "
+        "last (medians of the rounds): the fixed path in front of the first prefill, and the prefill's own "
+        "cadence when prompts are answered one call after another.",
         "" if healthy else "\nvLLM did not run or did not serve every request: no ratio is quoted.",
     ])
 
