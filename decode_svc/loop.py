@@ -105,7 +105,8 @@ class EngineLoop:
             self._cancel |= request_ids
             if silent:
                 self._silent |= request_ids
-            self._cancel_at.update(at)
+            for rid, index in at.items():  # the first cancel's index: a repeat (tokens in flight) is later
+                self._cancel_at.setdefault(rid, index)
 
     def _run(self) -> None:
         try:
