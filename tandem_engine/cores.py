@@ -171,7 +171,9 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)
-    keys = token_keys(state.seeds[:rows], step)
+    def keys():  # derived only when some slot samples (an all-greedy step skips them)
+        return token_keys(state.seeds[:rows], step)
+
     tokens = sample(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
     advance = active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)
     cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused

@@ -104,7 +104,7 @@ class DecodeSide(EngineBase):
         batch without masks runs the unmasked step."""
         bucket = self.rows_for(rows)
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
-        return generate_core(self.params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
+        return generate_core(self.step_params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
                              logprobs=bool(logprobs))
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
