@@ -31,8 +31,8 @@ class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
     # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major); on a single CPU device
-    # (engine.kv_blocks) blocks instead: k[layer][block] [slots, KV, head_dim, rows] (transposed),
-    # v[layer][block] [slots, KV, rows, head_dim] (model.decode_forward_blocked)
+    # (engine.kv_blocks) blocks instead: k[layer][slot group][block] [group slots, KV, head_dim, rows]
+    # (transposed), v[layer][slot group][block] [group slots, KV, rows, head_dim] (model.blocked_cache)
     k: jax.Array | tuple
     v: jax.Array | tuple
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits

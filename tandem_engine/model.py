@@ -40,7 +40,8 @@ from tandem_engine.arch import ModelConfig, config_from_info
 
 __all__ = ["ModelConfig", "config_from_info", "decode_forward", "decode_forward_blocked", "prefill_batch_forward",
            "prefill_forward", "prefill_logits_all",
-           "prefill_suffix_forward", "reference_forward", "reference_greedy", "split_layers"]
+           "prefill_suffix_forward", "reference_forward", "reference_greedy", "split_layers", "blocked_cache",
+           "kv_slot_groups"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
 
@@ -572,24 +573,78 @@ def block_starts(sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
+KV_SLOT_GROUP = 8  # slots of a blocked cache's first slot group: a step of <= 8 rows reads it in place
+
+
+def kv_slot_groups(slots: int) -> tuple[int, ...]:
+    """Slots of each slot group of a blocked decode cache: the first KV_SLOT_GROUP slots, then
+    the rest (one group when slots <= KV_SLOT_GROUP).
+
+    Why groups: XLA CPU copies a buffer's [:rows] slice before a dot, so a step of 8 rows over
+    32-slot blocks copied 8 slots of every block it read (1.4 of the 3.4 ms step at 8 rows,
+    position 1,023, built-in model; profile in bench/RESULTS.md's step_roofline notes). A step
+    of up to KV_SLOT_GROUP rows reads group 0 whole, in place; a larger one reads the groups
+    its rows cover, each with its own chain of blocks (one more chain per block than one
+    group: measured ~10% on attention at 32 rows)."""
+    if slots <= KV_SLOT_GROUP:
+        return (slots,)
+    return (KV_SLOT_GROUP, slots - KV_SLOT_GROUP)
+
+
+def blocked_cache(num_layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int, dtype):
+    """An all-zero blocked decode cache (`decode_forward_blocked`): (k, v), each
+    [layer][slot group][block]: K [group slots, KV, hd, block rows] (transposed), V [group
+    slots, KV, block rows, hd], groups `kv_slot_groups(slots)`, blocks `kv_block_sizes(max_len)`."""
+    sizes, groups = kv_block_sizes(max_len), kv_slot_groups(slots)
+    k = tuple(tuple(tuple(jnp.zeros((g, kv_heads, head_dim, n), dtype) for n in sizes) for g in groups)
+              for _ in range(num_layers))
+    v = tuple(tuple(tuple(jnp.zeros((g, kv_heads, n, head_dim), dtype) for n in sizes) for g in groups)
+              for _ in range(num_layers))
+    return k, v
+
+
+def _grouped(blocks) -> bool:
+    """Whether a blocked cache is [layer][group][block] (else [layer][block]: one group)."""
+    return not hasattr(blocks[0][0], "shape")
+
+
 def write_blocks(k_blocks, v_blocks, k, v, slot):
     """Rows [0, T) of one slot from a prefix's k, v [L, T, KV, hd] into the blocks (T <= the
-    cache's rows; blocks past T are left as they are: masked until decode overwrites them)."""
+    cache's rows; blocks past T are left as they are: masked until decode overwrites them).
+    The blocks are [layer][group][block] (`blocked_cache`) or [layer][block] (one group), and
+    come back in the same nesting. `slot` may be traced: every group's block is written in
+    place at the slot's row within the group, with the rows it already holds where the slot
+    is in another group."""
+    grouped = _grouped(k_blocks)
+    if not grouped:
+        k_blocks, v_blocks = tuple((g,) for g in k_blocks), tuple((g,) for g in v_blocks)
     t = k.shape[1]
     out_k, out_v = [], []
-    for i, (kbs, vbs) in enumerate(zip(k_blocks, v_blocks)):
-        row_k, row_v = [], []
-        for start, kb, vb in zip(block_starts(tuple(b.shape[-1] for b in kbs)), kbs, vbs):
-            end = min(start + kb.shape[-1], t)
-            if end > start:  # K blocks are [slots, KV, hd, rows] (transposed), V [slots, KV, rows, hd]
-                part_k = jnp.transpose(k[i, start:end], (1, 2, 0))[None].astype(kb.dtype)
-                part_v = jnp.swapaxes(v[i, start:end], 0, 1)[None].astype(vb.dtype)
-                kb = jax.lax.dynamic_update_slice(kb, part_k, (slot, 0, 0, 0))
-                vb = jax.lax.dynamic_update_slice(vb, part_v, (slot, 0, 0, 0))
-            row_k.append(kb)
-            row_v.append(vb)
-        out_k.append(tuple(row_k))
-        out_v.append(tuple(row_v))
+    for i, (kgs, vgs) in enumerate(zip(k_blocks, v_blocks)):
+        group_k, group_v, first = [], [], 0
+        for kbs, vbs in zip(kgs, vgs):
+            n = kbs[0].shape[0]
+            local = jnp.clip(slot - first, 0, n - 1)
+            mine = (slot >= first) & (slot < first + n)
+            row_k, row_v = [], []
+            for start, kb, vb in zip(block_starts(tuple(b.shape[-1] for b in kbs)), kbs, vbs):
+                end = min(start + kb.shape[-1], t)
+                if end > start:  # K blocks are [slots, KV, hd, rows] (transposed), V [slots, KV, rows, hd]
+                    part_k = jnp.transpose(k[i, start:end], (1, 2, 0))[None].astype(kb.dtype)
+                    part_v = jnp.swapaxes(v[i, start:end], 0, 1)[None].astype(vb.dtype)
+                    at = (local, 0, 0, 0)
+                    if len(kgs) > 1:  # another group's slot: rewrite what this row holds
+                        part_k = jnp.where(mine, part_k, jax.lax.dynamic_slice(kb, at, part_k.shape))
+                        part_v = jnp.where(mine, part_v, jax.lax.dynamic_slice(vb, at, part_v.shape))
+                    kb = jax.lax.dynamic_update_slice(kb, part_k, at)
+                    vb = jax.lax.dynamic_update_slice(vb, part_v, at)
+                row_k.append(kb)
+                row_v.append(vb)
+            group_k.append(tuple(row_k))
+            group_v.append(tuple(row_v))
+            first += n
+        out_k.append(tuple(group_k) if grouped else group_k[0])
+        out_v.append(tuple(group_v) if grouped else group_v[0])
     return tuple(out_k), tuple(out_v)
 
 
@@ -674,19 +729,31 @@ def _layer_params(layers, i: int) -> dict:
 def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, cfg: ModelConfig,
                            active: jax.Array | None = None):
     """`decode_forward` over a blocked cache (what a single-CPU engine keeps): k_blocks[layer]
-    [block] [slots, KV, hd, size] (K transposed), v_blocks[layer][block] [slots, KV, size, hd],
-    the blocks of one layer covering max_len rows in order. The layers run unrolled (each has
-    its own blocks). params["layers"] is stacked ([L, ...] arrays, as everywhere) or, faster
-    here, a tuple of per-layer dicts (`split_layers`). Same inputs and outputs otherwise:
-    (logits [rows, vocab], k_blocks, v_blocks), the new K/V written at `positions` (clamped to
-    max_len - 1)."""
+    [group][block] [group slots, KV, hd, size] (K transposed), v_blocks[layer][group][block]
+    [group slots, KV, size, hd] (`blocked_cache`): the slot groups cover the slots in order
+    (`kv_slot_groups`), the blocks of one group max_len rows in order; [layer][block] (one
+    group of all slots) works too and comes back so. The layers run unrolled (each has its own
+    blocks); a group runs only for the rows it holds, its blocks up to its own longest active
+    slot. params["layers"] is stacked ([L, ...] arrays, as everywhere) or, faster here, a tuple
+    of per-layer dicts (`split_layers`). Same inputs and outputs otherwise: (logits [rows,
+    vocab], k_blocks, v_blocks), the new K/V written at `positions` (clamped to max_len - 1)."""
+    grouped = _grouped(k_blocks)
+    if not grouped:
+        k_blocks, v_blocks = tuple((g,) for g in k_blocks), tuple((g,) for g in v_blocks)
     rows = tokens.shape[0]
-    sizes = tuple(b.shape[-1] for b in k_blocks[0])
+    sizes = tuple(b.shape[-1] for b in k_blocks[0][0])
     starts, max_len = block_starts(sizes), sum(sizes)
     write_pos = jnp.minimum(positions, max_len - 1)
-    slot_idx = jnp.arange(rows)
     in_use = write_pos if active is None else jnp.where(active, write_pos, 0)
-    longest = jnp.max(in_use)  # a freed slot keeps its old position: it must not add blocks
+    # each group's rows [a, b) of the step, and its longest active slot (a freed slot keeps its
+    # old position: it must not add blocks)
+    spans, first = [], 0
+    for g in k_blocks[0]:
+        n = g[0].shape[0]
+        if first < rows:
+            b = min(first + n, rows)
+            spans.append((first, b, jnp.max(in_use[first:b])))
+        first += n
     consts = layer_consts(cfg)
     x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
     out_k, out_v = [], []
@@ -695,22 +762,30 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
         lc = jax.tree.map(lambda c, i=i: c[i], consts)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
         q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
-        kbs, vbs = [], []
-        for start, kb, vb in zip(starts, k_blocks[i], v_blocks[i]):
-            size = kb.shape[-1]
-            local = write_pos - start
-            local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
-            kbs.append(kb.at[slot_idx, :, :, local].set(k[:, 0].astype(kb.dtype), mode="drop"))
-            vbs.append(vb.at[slot_idx, :, local].set(v[:, 0].astype(vb.dtype), mode="drop"))
-        window, reach = cfg.window(i), None
-        if window:
-            lo = jnp.maximum(write_pos - window + 1, 0)
-            reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
-        attn, _ = blocked_decode_attention(q, kbs, vbs, write_pos, cfg, longest, window=window, reach=reach,
-                                           sinks=_sinks(lp, cfg))
+        window = cfg.window(i)
+        group_k, group_v, parts = list(k_blocks[i]), list(v_blocks[i]), []
+        for g, (a, b, longest) in enumerate(spans):
+            pos = write_pos[a:b]
+            slot_idx = jnp.arange(b - a)
+            kbs, vbs = [], []
+            for start, kb, vb in zip(starts, group_k[g], group_v[g]):
+                size = kb.shape[-1]
+                local = pos - start
+                local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
+                kbs.append(kb.at[slot_idx, :, :, local].set(k[a:b, 0].astype(kb.dtype), mode="drop"))
+                vbs.append(vb.at[slot_idx, :, local].set(v[a:b, 0].astype(vb.dtype), mode="drop"))
+            reach = None
+            if window:
+                lo = jnp.maximum(pos - window + 1, 0)
+                reach = jnp.min(lo if active is None else jnp.where(active[a:b], lo, max_len))
+            attn, _ = blocked_decode_attention(q[a:b], kbs, vbs, pos, cfg, longest, window=window, reach=reach,
+                                               sinks=_sinks(lp, cfg))
+            parts.append(attn)
+            group_k[g], group_v[g] = tuple(kbs), tuple(vbs)
+        attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
-        out_k.append(tuple(kbs))
-        out_v.append(tuple(vbs))
+        out_k.append(tuple(group_k) if grouped else group_k[0])
+        out_v.append(tuple(group_v) if grouped else group_v[0])
     return logits_from_hidden(params, x[:, 0], cfg), tuple(out_k), tuple(out_v)
 
 
