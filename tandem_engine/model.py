@@ -582,7 +582,7 @@ def kv_slot_groups(slots: int) -> tuple[int, ...]:
 
     Why groups: XLA CPU copies a buffer's [:rows] slice before a dot, so a step of 8 rows over
     32-slot blocks copied 8 slots of every block it read (1.4 of the 3.4 ms step at 8 rows,
-    position 1,023, built-in model; profile in bench/RESULTS.md's step_roofline notes). A step
+    position 1,023, built-in model, one XLA thread: a jax.profiler trace of the step). A step
     of up to KV_SLOT_GROUP rows reads group 0 whole, in place; a larger one reads the groups
     its rows cover, each with its own chain of blocks (one more chain per block than one
     group: measured ~10% on attention at 32 rows)."""
