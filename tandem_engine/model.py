@@ -654,7 +654,9 @@ def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig,
 
     q [rows, 1, H, hd]; k_blocks [slots, KV, hd, size] (K transposed: the scores are a plain
     [groups, hd] x [hd, size] product per slot and head), v_blocks [slots, KV, size, hd]; only
-    the first rows slots are read. A block runs (`lax.cond`) only when some active slot reaches
+    the first rows slots are read. A block may also be a tuple of slot groups' buffers (the
+    slots in order): each group's rows get their own two dots, the softmax runs once over all
+    rows (one chain of small ops per block, not one per group). A block runs (`lax.cond`) only when some active slot reaches
     it: start <= longest, and for a windowed layer end > reach (the earliest row any window
     reaches). Online softmax in float32 across blocks, started from the sink logit where the
     family has one. Masked scores are finite: a slot with nothing in a block gets no NaN.
@@ -676,22 +678,36 @@ def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig,
         carry = (jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), shape),
                  jnp.ones(shape, jnp.float32))
     carry = (*carry, jnp.zeros((*shape, hd), jnp.float32))
-    sizes = tuple(b.shape[-1] for b in k_blocks)
+    k_blocks = [b if isinstance(b, tuple) else (b,) for b in k_blocks]
+    v_blocks = [b if isinstance(b, tuple) else (b,) for b in v_blocks]
+    spans, first = [], 0  # each group's rows [a, b) of q
+    for buf in k_blocks[0]:
+        if first < rows:
+            spans.append((first, min(first + buf.shape[0], rows)))
+        first += buf.shape[0]
+    q_parts = [qg if (a, b) == (0, rows) else qg[a:b] for a, b in spans]
+
+    def dots(spec, lhs_parts, bufs):
+        """One dot per group (a group's buffer cut to its rows in use), rows concatenated."""
+        outs = [jnp.einsum(spec, x, buf if buf.shape[0] == b - a else buf[:b - a], preferred_element_type=jnp.float32)
+                for x, buf, (a, b) in zip(lhs_parts, bufs, spans)]
+        return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+
+    sizes = tuple(b[0].shape[-1] for b in k_blocks)
     ran = jnp.int32(0)
     for start, kb, vb in zip(block_starts(sizes), k_blocks, v_blocks):
-        size = kb.shape[-1]
+        size = kb[0].shape[-1]
 
         def block(c, start=start, kb=kb, vb=vb, size=size):
             m, denom, acc = c
-            k = kb if rows == kb.shape[0] else kb[:rows]
-            v = vb if rows == vb.shape[0] else vb[:rows]
-            s = _scores(jnp.einsum("bkgd,bkds->bkgs", qg, k, preferred_element_type=jnp.float32), cfg)
+            s = _scores(dots("bkgd,bkds->bkgs", q_parts, kb), cfg)
             ok = _window_mask(positions[:, None], (start + jnp.arange(size))[None, :], win)
             s = jnp.where(ok[:, None, None, :], s, _NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            p_parts = [(p if (a, b) == (0, rows) else p[a:b]).astype(vb[0].dtype) for a, b in spans]
+            pv = dots("bkgs,bksd->bkgd", p_parts, vb)
             return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
         needed = start <= longest
@@ -733,8 +749,7 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
     [group slots, KV, size, hd] (`blocked_cache`): the slot groups cover the slots in order
     (`kv_slot_groups`), the blocks of one group max_len rows in order; [layer][block] (one
     group of all slots) works too and comes back so. The layers run unrolled (each has its own
-    blocks); a group runs only for the rows it holds, its blocks up to its own longest active
-    slot. params["layers"] is stacked ([L, ...] arrays, as everywhere) or, faster here, a tuple
+    blocks); a group is read only for the rows it holds. params["layers"] is stacked ([L, ...] arrays, as everywhere) or, faster here, a tuple
     of per-layer dicts (`split_layers`). Same inputs and outputs otherwise: (logits [rows,
     vocab], k_blocks, v_blocks), the new K/V written at `positions` (clamped to max_len - 1)."""
     grouped = _grouped(k_blocks)
@@ -745,14 +760,12 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
     starts, max_len = block_starts(sizes), sum(sizes)
     write_pos = jnp.minimum(positions, max_len - 1)
     in_use = write_pos if active is None else jnp.where(active, write_pos, 0)
-    # each group's rows [a, b) of the step, and its longest active slot (a freed slot keeps its
-    # old position: it must not add blocks)
-    spans, first = [], 0
+    longest = jnp.max(in_use)  # a freed slot keeps its old position: it must not add blocks
+    spans, first = [], 0  # each group's rows [a, b) of the step
     for g in k_blocks[0]:
         n = g[0].shape[0]
         if first < rows:
-            b = min(first + n, rows)
-            spans.append((first, b, jnp.max(in_use[first:b])))
+            spans.append((first, min(first + n, rows)))
         first += n
     consts = layer_consts(cfg)
     x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
@@ -763,8 +776,8 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
         q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
         window = cfg.window(i)
-        group_k, group_v, parts = list(k_blocks[i]), list(v_blocks[i]), []
-        for g, (a, b, longest) in enumerate(spans):
+        group_k, group_v = list(k_blocks[i]), list(v_blocks[i])
+        for g, (a, b) in enumerate(spans):
             pos = write_pos[a:b]
             slot_idx = jnp.arange(b - a)
             kbs, vbs = [], []
@@ -774,15 +787,16 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
                 local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
                 kbs.append(kb.at[slot_idx, :, :, local].set(k[a:b, 0].astype(kb.dtype), mode="drop"))
                 vbs.append(vb.at[slot_idx, :, local].set(v[a:b, 0].astype(vb.dtype), mode="drop"))
-            reach = None
-            if window:
-                lo = jnp.maximum(pos - window + 1, 0)
-                reach = jnp.min(lo if active is None else jnp.where(active[a:b], lo, max_len))
-            attn, _ = blocked_decode_attention(q[a:b], kbs, vbs, pos, cfg, longest, window=window, reach=reach,
-                                               sinks=_sinks(lp, cfg))
-            parts.append(attn)
             group_k[g], group_v[g] = tuple(kbs), tuple(vbs)
-        attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        reach = None
+        if window:
+            lo = jnp.maximum(write_pos - window + 1, 0)
+            reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
+        used = range(len(spans))  # the blocks of the groups this step reads, block by block
+        k_used = [tuple(group_k[g][j] for g in used) for j in range(len(sizes))]
+        v_used = [tuple(group_v[g][j] for g in used) for j in range(len(sizes))]
+        attn, _ = blocked_decode_attention(q, k_used, v_used, write_pos, cfg, longest, window=window, reach=reach,
+                                           sinks=_sinks(lp, cfg))
         x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
         out_k.append(tuple(group_k) if grouped else group_k[0])
         out_v.append(tuple(group_v) if grouped else group_v[0])
