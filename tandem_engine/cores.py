@@ -31,8 +31,8 @@ class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
     # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major); on a single CPU device
-    # (engine.kv_blocks) blocks instead: k[layer][block] [slots, KV, head_dim, rows] (transposed),
-    # v[layer][block] [slots, KV, rows, head_dim] (model.decode_forward_blocked)
+    # (engine.kv_blocks) blocks instead: k[layer][slot group][block] [group slots, KV, head_dim, rows]
+    # (transposed), v[layer][slot group][block] [group slots, KV, rows, head_dim] (model.blocked_cache)
     k: jax.Array | tuple
     v: jax.Array | tuple
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits
@@ -189,7 +189,9 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)
-    keys = token_keys(state.seeds[:rows], step)
+    def keys():  # derived only when some slot samples (an all-greedy step skips them)
+        return token_keys(state.seeds[:rows], step)
+
     tokens = sample(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
     cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
     if not isinstance(k, tuple):

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from tandem_core.errors import PromptTooLong
 from tandem_core.models import ModelInfo
-from tandem_engine.model import config_from_info, kv_block_sizes
+from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
 
@@ -47,6 +47,7 @@ class EngineBase:
             platform = next(iter(devices)).platform
             self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
         self.params = params if self.layout is None else self.layout.place_params(params)
+        self._step_params: dict | None = None  # step_params, made on first use
         self.slots = int(slots)
         if steps_per_dispatch < 1:
             raise ValueError(f"steps_per_dispatch must be >= 1 (got {steps_per_dispatch})")
@@ -83,6 +84,19 @@ class EngineBase:
         if self.layout is None and self._one_cpu and self.blocked_cache:
             return kv_block_sizes(self.max_len)
         return None
+
+    @property
+    def step_params(self) -> dict:
+        """The params a decode step reads: `params` itself, or on a blocked cache (`kv_blocks`)
+        the same params with the layer weights also held one layer apiece
+        (model.split_layers: XLA CPU copies a stacked weight's layer slice before every dot).
+        That copy of the layer weights is made once, on first use, and kept: on one CPU
+        device the layer weights sit in memory twice (prefill scans the stacked ones)."""
+        if not self.kv_blocks:
+            return self.params
+        if self._step_params is None:
+            self._step_params = split_layers(self.params)
+        return self._step_params
 
     @property
     def tp(self) -> int:

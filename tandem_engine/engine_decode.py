@@ -19,6 +19,7 @@ from tandem_engine.cores import DecodeState, free_core, generate_core, insert_co
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
+from tandem_engine.model import blocked_cache
 from tandem_engine.sampling import sampling_arrays
 
 
@@ -31,12 +32,8 @@ class DecodeSide(EngineBase):
         cache = (c.num_layers, s, c.num_kv_heads, self.max_len, c.head_dim)  # head-major
         kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
         dev = None if lay is None else lay.replicated()
-        if self.kv_blocks:  # one CPU device: a buffer per layer and block (model.decode_forward_blocked)
-            kvh, hd = c.num_kv_heads, c.head_dim
-            k = tuple(tuple(jnp.zeros((s, kvh, hd, n), self._jdtype) for n in self.kv_blocks)
-                      for _ in range(c.num_layers))
-            v = tuple(tuple(jnp.zeros((s, kvh, n, hd), self._jdtype) for n in self.kv_blocks)
-                      for _ in range(c.num_layers))
+        if self.kv_blocks:  # one CPU device: a buffer per layer, slot group and block (model.blocked_cache)
+            k, v = blocked_cache(c.num_layers, s, c.num_kv_heads, c.head_dim, self.max_len, self._jdtype)
         else:
             k = jnp.zeros(cache, self._jdtype, device=kv_dev)
             v = jnp.zeros(cache, self._jdtype, device=kv_dev)
@@ -115,9 +112,9 @@ class DecodeSide(EngineBase):
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
         if steps == 1:
-            return generate_core(self.params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
+            return generate_core(self.step_params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
                                  logprobs=bool(logprobs))
-        return generate_core(self.params, state, None, cfg=self.cfg, layout=self.layout, rows=bucket,
+        return generate_core(self.step_params, state, None, cfg=self.cfg, layout=self.layout, rows=bucket,
                              logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:

@@ -78,19 +78,34 @@ def filter_sorted(logits, temperature, top_k, top_p):
     return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
 
+def greedy_tokens(logits) -> jax.Array:
+    """int32 [slots]: each row's first index of its largest logit, what `jnp.argmax` gives
+    (rows with a NaN aside), computed as a max and then a min over the indices holding it.
+
+    Why not `jnp.argmax`: XLA CPU lowers it to one variadic (value, index) reduction that does
+    not vectorise: 325 vs 44 µs of CPU at 32 rows x 2,048 logits on one XLA thread (measured
+    apart; in a profile of the built-in model's step it was 0.3 of ~4 ms at 32 rows)."""
+    vocab = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    at = jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(at, vocab - 1)  # an all-NaN row has no maximum: the last id, not out of range
+
+
 def sample(logits, temperature, top_k, top_p, keys):
     """Tokens int32 [slots]. logits [slots, vocab]; temperature, top_p float32 [slots]; top_k int32
-    [slots]; keys typed PRNG keys [slots]. temperature == 0 -> argmax (top_k/top_p ignored).
+    [slots]; keys typed PRNG keys [slots], or a function returning them (called only inside the
+    branch that samples, so an all-greedy step derives no keys). temperature == 0 -> argmax
+    (top_k/top_p ignored).
 
     An all-greedy batch skips the sort entirely (`lax.cond`): the sort over the vocabulary is most
     of a small model's decode step. Sampled slots draw in ranked order, then map back through the
     ranking, so no second sort is needed; the draw depends only on the slot's own logits and key.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
 
     def sampled(_):
         order, filtered = filter_sorted(logits, temperature, top_k, top_p)
-        pick = jax.vmap(jax.random.categorical)(keys, filtered)
+        pick = jax.vmap(jax.random.categorical)(keys() if callable(keys) else keys, filtered)
         drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
