@@ -124,6 +124,8 @@ async def busiest_pid(cluster, role: str, healthy: list[dict] | None = None) -> 
     workers as `wait_healthy` found them just before (a stream here lasts a fraction of a second:
     there is no time to ask again)."""
     base = cluster.base_url
+    if healthy and not all(_alive(w["pid"]) for w in healthy if w["role"] == role):
+        healthy = None  # a pod restarted since (its registry entry was a beat old): ask again
     if role != "prefill" and healthy:
         return await _most_running(cluster, [w for w in healthy if w["role"] == role])
     live = [w for w in await wait_healthy(base, WANT) if w["role"] == role]
@@ -132,6 +134,14 @@ async def busiest_pid(cluster, role: str, healthy: list[dict] | None = None) -> 
     async with httpx.AsyncClient(base_url=base, timeout=10) as c:
         pods = (await cluster_view(c))["queues"].get("pod_admission") or {}
     return max(live, key=lambda w: (sum(pods.get(w["id"], {}).values()), w["held_kv_bytes"]))["pid"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 async def _most_running(cluster, live: list[dict], timeout_s: float = 5.0) -> int:
