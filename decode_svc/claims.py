@@ -217,8 +217,11 @@ class Claims:
                           exc_info=not isinstance(e, (TandemError, *conn.REDIS_DOWN)))
             if not isinstance(e, KVTransferFailed):  # its KV may still be held for it: free it now, not at its lease
                 await self._release_kv(notice)
-            if not await self._fail_clearly(req, e):
-                await self.handback.give_back(req, why)
+            if not await self._fail_clearly(req, e) and not await self.handback.give_back(req, why):
+                # Acked now, a crash before the owed resume is written would lose the request: not
+                # owned, not pending, nothing recovers it. Acked once the resume is written (settle).
+                self.handback.owe_ack(*entry)
+                return
         await self.handback.ack(*entry)
 
     async def _release_kv(self, notice: ready.ReadyNotice) -> None:

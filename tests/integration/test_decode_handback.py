@@ -153,6 +153,36 @@ async def test_a_failed_pull_task_frees_its_seat_and_hands_the_request_back(
         await server.stop(None)
 
 
+async def test_a_failed_pull_whose_hand_back_is_owed_keeps_its_entry_pending(redis_url, redis_client, engine):
+    """A pull fails and its hand-back cannot be written either (owed, in this pod's memory). Its
+    ready entry must stay pending until the owed resume is written: acked at once (as before), a
+    crash of the pod in between (CI's fault-site run: an engine step failed just then) left the
+    request neither owned nor pending, so nothing recovered it and the client waited out its
+    deadline after the first token. Once the hand-back goes through, the entry is acked."""
+    r, pool = redis_client, "handback-owed"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.pull@1,decode.handback@1-3")  # three recovery rounds fail to hand it back
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            req = await _publish_ready(r, engine, store, address, pool, "handback-owed")
+            for _ in range(300):
+                if faults.raised.get("decode.handback", 0) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            st = await _state(r, pod, pool, req.request_id)
+            assert faults.raised["decode.pull"] == 1 and faults.raised["decode.handback"] >= 2, faults.raised
+            assert pod.io.handback.owed_resumes, "the hand-back was not owed: the test proves nothing"
+            assert st["unacked"] == 1, "the entry was acked while its request's resume was only owed"
+            assert not st["resumed"] and not st["owned"] and st["seats"] == 0, st
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["resumed"] and st["unacked"] == 0)
+            assert len(st["resumed"]) == 1 and st["unacked"] == 0, st
+            assert not pod.io.handback.owed, (pod.io.handback.owed_resumes, pod.io.handback.owed_acks)
+    finally:
+        await server.stop(None)
+
+
 async def test_a_pulled_request_is_owned_and_acked_in_one_call(redis_url, redis_client, engine):
     """A pulled request's ownership and its ready entry's ack are one script call (claims.py
     `_own`): Redis's MONITOR sees no HSET or XACK of the pod's own, only inside the script, and
