@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path and not os.environ.get("STEP_ROOFLINE_WORKER"):
     sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_info, machine_line, markdown_table, merge_summary, write_section
-from bench.engine import decode_roofline_s, decode_weight_bytes, layer_matmul_params
+from bench.engine import decode_roofline_s, decode_weight_bytes, kv_bytes, layer_matmul_params
 
 SECTION = "step_roofline"
 BATCHES = (8, 32)
@@ -71,11 +71,12 @@ def worker(args) -> int:
         from bench.engine import measure_bandwidth, measure_matmul
 
         bw = measure_bandwidth(nbytes=128 << 20)
-        print(json.dumps({"bandwidth": max(bw.values()), **bw, "matmul_flops": measure_matmul(1024)}))
+        print(json.dumps({"bandwidth": max(bw.values()), **bw, "matmul_flops": measure_matmul(1024),
+                          "read_bandwidth": measure_read_bandwidth(128 << 20)}))
         return 0
     state = eng.init_state()
     out = {}
-    for batch in BATCHES:
+    for batch in args.batches:
         for pos in args.positions:
             at = jnp.full((SLOTS,), pos, jnp.int32)
             state = state._replace(positions=at, active=jnp.arange(SLOTS) < batch)
@@ -94,8 +95,64 @@ def worker(args) -> int:
                 cpu = min(cpu, (time.process_time() - c0) / args.steps)
             out[f"{batch}/{pos}"] = best
             out[f"{batch}/{pos}/cpu"] = cpu
+            if not args.no_parts:
+                out[f"{batch}/{pos}/attn"] = attention_alone(eng, batch, pos, args.steps, args.reps)
     print(json.dumps(out))
     return 0
+
+
+def measure_read_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes read per second by a jitted sum over `nbytes` (a read-only stream, what a decode
+    step's weights and KV are; the roofline keeps the copy bandwidth, read + written bytes)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        total(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def attention_alone(eng, batch: int, pos: int, steps: int, reps: int) -> float | None:
+    """Seconds of the step's decode attention alone (`model.blocked_decode_attention` of every
+    layer, the engine's own block and slot-group layout, `batch` rows at `pos`), best of `reps`
+    rounds of `steps` calls; None where the engine keeps no blocked cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from tandem_engine import model
+
+    if not getattr(eng, "kv_blocks", None):
+        return None
+    c = eng.cfg
+    k, v = model.blocked_cache(c.num_layers, SLOTS, c.num_kv_heads, c.head_dim, eng.max_len, jnp.float32)
+    groups = model.kv_slot_groups(SLOTS)
+    used = [g for g in range(len(groups)) if sum(groups[:g]) < batch]  # the groups a step of `batch` rows reads
+    # each layer its own blocks ([layer][block][group]), as in the step: no layer reads another's from cache
+    k_used = [[tuple(k[i][g][j] for g in used) for j in range(len(k[i][0]))] for i in range(c.num_layers)]
+    v_used = [[tuple(v[i][g][j] for g in used) for j in range(len(v[i][0]))] for i in range(c.num_layers)]
+    q = jnp.ones((batch, 1, c.num_heads, c.head_dim), jnp.float32) * 0.01
+    at = jnp.full((batch,), pos, jnp.int32)
+
+    @jax.jit
+    def layers(q, kb, vb, at):
+        outs = [model.blocked_decode_attention(q, kb[i], vb[i], at, c, jnp.max(at))[0] for i in range(c.num_layers)]
+        return sum(outs)
+
+    jax.block_until_ready(layers(q, k_used, v_used, at))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = layers(q, k_used, v_used, at)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return best
 
 
 def run_worker(tree: Path, extra: list[str]) -> dict:
@@ -119,15 +176,29 @@ def export_tree(ref: str, dest: Path) -> Path:
 # report
 
 
-def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: dict | None) -> list[list]:
+def kv_rows_read(max_len: int, pos: int) -> int:
+    """Cache rows per slot and layer the blocked step reads at `pos`: every block that starts at or
+    before it (model.kv_block_sizes), against the pos + 1 rows the roofline counts."""
+    from tandem_engine.model import block_starts, kv_block_sizes
+
+    sizes = kv_block_sizes(max_len)
+    return sum(n for start, n in zip(block_starts(sizes), sizes) if start <= pos)
+
+
+def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: dict | None,
+             batches=BATCHES, max_len: int = 0) -> list[list]:
     rows = []
-    for batch in BATCHES:
+    for batch in batches:
         for pos in positions:
             key = f"{batch}/{pos}"
             step, cpu = results[key], results[key + "/cpu"]
             roof = decode_roofline_s(info, batch, pos + 1, limits["bandwidth"])
             floor = step_flops(info, batch, pos) / limits["matmul_flops"]
             row = [batch, pos, step * 1e3, cpu * 1e3, roof * 1e3, step / roof, floor * 1e3]
+            attn = results.get(key + "/attn")
+            if attn is not None:
+                read = kv_bytes(info, batch, kv_rows_read(max_len, pos))
+                row += [read / 1e6, attn * 1e3, read / attn / 1e9]
             if baseline is not None:
                 old, old_cpu = baseline[key], baseline[key + "/cpu"]
                 row += [old * 1e3, old_cpu * 1e3, old / roof, old / step, old_cpu / cpu]
@@ -135,9 +206,11 @@ def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: 
     return rows
 
 
-def report(info, rows, limits, command, plan, baseline_ref, threads, max_len) -> str:
+def report(info, rows, limits, command, plan, baseline_ref, threads, max_len, parts=False) -> str:
     head = ["batch", "position", "step ms", "CPU ms / step", "mem roofline ms", "step / roofline",
             "compute floor ms"]
+    if parts:
+        head += ["KV read MB (whole blocks)", "attention alone ms", "attention GB/s"]
     if baseline_ref:
         head += [f"{baseline_ref} step ms", f"{baseline_ref} CPU ms", f"{baseline_ref} / roofline",
                  "speedup, wall", "speedup, CPU"]
@@ -151,13 +224,20 @@ def report(info, rows, limits, command, plan, baseline_ref, threads, max_len) ->
         f"matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s (float32 1024^3 jnp.dot). Roofline: "
         f"(weights {decode_weight_bytes(info) / 1e6:.1f} MB + KV of position + 1 rows per slot) / "
         f"bandwidth. Compute floor: the step's matmul FLOPs / that rate (a step cannot beat it "
-        f"either; where it is above 3x the roofline the 3x target is out of reach in float32).",
+        f"either; where it is above 3x the roofline the 3x target is out of reach in float32)."
+        + (f" A read-only stream (a jitted sum over 128 MB) reads {limits['read_bandwidth'] / 1e9:.1f} GB/s "
+           f"with the same threads." if limits.get("read_bandwidth") else ""),
         markdown_table(head, rows),
         f"Every slot of the batch at the position; best of {plan['reps']} rounds of {plan['steps']} "
         f"steps dispatched back to back" + (f", {plan['rounds']} alternating old/new rounds" if baseline_ref else "")
         + ". CPU ms / step: the process's CPU time over the same steps (every XLA thread; less "
         "sensitive than wall time to other processes on a shared machine). The machine may be "
-        "shared: absolute ms move with its load; the old/new ratio comes from runs interleaved in time.",
+        "shared: absolute ms move with its load; the old/new ratio comes from runs interleaved in time."
+        + (" Attention alone: `model.blocked_decode_attention` of every layer over the engine's own "
+           "blocks and slot groups at the cell's rows and position, nothing else (no projections, no "
+           "cache write, no sampling), timed like the step; KV read: the whole blocks it reads (every "
+           "block starting at or before the position, K and V, all layers), the bytes its GB/s divides."
+           if parts else ""),
     ])
 
 
@@ -168,6 +248,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=SERVING_THREADS, help="XLA CPU threads (tandem local: 1)")
     p.add_argument("--baseline", default="", metavar="REF", help="also measure the engine at git REF, alternating")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and summary.json")
+    p.add_argument("--batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=BATCHES,
+                   help="row buckets to measure (default 8,32); a subset does not write RESULTS.md")
+    p.add_argument("--at", type=lambda s: [int(x) for x in s.split(",")], default=None, metavar="POSITIONS",
+                   help="positions to measure (default 64,256,512 and the context's last); "
+                        "a subset does not write RESULTS.md")
+    p.add_argument("--rounds", type=int, default=0, help="alternating old/new rounds (default 3, --quick 1)")
+    p.add_argument("--no-parts", action="store_true", help="skip the attention-alone columns")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--limits", action="store_true", help=argparse.SUPPRESS)
@@ -183,11 +270,15 @@ def main(argv=None) -> int:
 
     info = resolve_model(args.model)
     max_len = info.max_position_embeddings
-    positions = positions_for(max_len)
-    plan = {"steps": 5 if args.quick else 10, "reps": 2 if args.quick else 3, "rounds": 1 if args.quick else 3}
+    positions = args.at or positions_for(max_len)
+    partial_run = args.at is not None or tuple(args.batches) != BATCHES
+    plan = {"steps": 5 if args.quick else 10, "reps": 2 if args.quick else 3,
+            "rounds": args.rounds or (1 if args.quick else 3)}
     common = ["--model", args.model, "--threads", str(args.threads), "--max-len", str(max_len)]
     work = common + ["--positions", ",".join(map(str, positions)), "--steps", str(plan["steps"]),
-                     "--reps", str(plan["reps"])]
+                     "--reps", str(plan["reps"]), "--batches", ",".join(map(str, args.batches))]
+    if args.no_parts:
+        work.append("--no-parts")
     limits = run_worker(ROOT, common + ["--limits"])
     limits["machine"] = machine_info()
     print(f"bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s "
@@ -206,10 +297,9 @@ def main(argv=None) -> int:
                     acc[k] = min(acc.get(k, float("inf")), v)
                 print(f"  round {r + 1} {name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items()
                                                               if not k.endswith("/cpu")), flush=True)
-    rows = rows_for(info, new, limits, positions, old)
-    command = "python bench/step_roofline.py" + (" --quick" if args.quick else "") + (
-        f" --baseline {args.baseline}" if args.baseline else "")
-    text = report(info, rows, limits, command, plan, args.baseline, args.threads, max_len)
+    rows = rows_for(info, new, limits, positions, old, args.batches, max_len)
+    command = "python bench/step_roofline.py" + " ".join([""] + (argv if argv is not None else sys.argv[1:]))
+    text = report(info, rows, limits, command, plan, args.baseline, args.threads, max_len, parts=not args.no_parts)
     print("\n" + text)
     keys = {}
     for row in rows:
@@ -217,9 +307,11 @@ def main(argv=None) -> int:
         keys[f"decode_step_b{batch}_p{pos}_over_mem_roofline"] = round(ratio, 3)
     keys["decode_step_worst_over_mem_roofline"] = round(max(r[5] for r in rows), 3)
     print("\nsummary:", keys)
-    if not args.no_write:
+    if not args.no_write and not partial_run:
         write_section(SECTION, text)
         merge_summary(keys)
+    elif not args.no_write:
+        print("(a subset of batches or positions: RESULTS.md and summary.json left as they are)")
     return 0
 
 
