@@ -127,8 +127,8 @@ def attention_alone(eng, batch: int, pos: int, steps: int, reps: int) -> float |
 
     from tandem_engine import model
 
-    if not getattr(eng, "kv_blocks", None):
-        return None
+    if not getattr(eng, "kv_blocks", None) or not hasattr(model, "kv_slot_groups"):
+        return None  # no blocked cache (or a baseline tree from before slot groups)
     c = eng.cfg
     k, v = model.blocked_cache(c.num_layers, SLOTS, c.num_kv_heads, c.head_dim, eng.max_len, jnp.float32)
     groups = model.kv_slot_groups(SLOTS)
