@@ -196,7 +196,7 @@ def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: 
             floor = step_flops(info, batch, pos) / limits["matmul_flops"]
             row = [batch, pos, step * 1e3, cpu * 1e3, roof * 1e3, step / roof, floor * 1e3]
             attn = results.get(key + "/attn")
-            if attn is not None:
+            if attn is not None and all(f"{b}/{p}/attn" in results for b in batches for p in positions):
                 read = kv_bytes(info, batch, kv_rows_read(max_len, pos))
                 row += [read / 1e6, attn * 1e3, read / attn / 1e9]
             if baseline is not None:
@@ -294,12 +294,14 @@ def main(argv=None) -> int:
             for name, tree, acc in sides:
                 got = run_worker(tree, work)
                 for k, v in got.items():
-                    acc[k] = min(acc.get(k, float("inf")), v)
+                    if v is not None:
+                        acc[k] = min(acc.get(k, float("inf")), v)
                 print(f"  round {r + 1} {name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items()
-                                                              if not k.endswith("/cpu")), flush=True)
+                                                              if v is not None and not k.endswith("/cpu")), flush=True)
     rows = rows_for(info, new, limits, positions, old, args.batches, max_len)
     command = "python bench/step_roofline.py" + " ".join([""] + (argv if argv is not None else sys.argv[1:]))
-    text = report(info, rows, limits, command, plan, args.baseline, args.threads, max_len, parts=not args.no_parts)
+    parts = all(f"{b}/{p}/attn" in new for b in args.batches for p in positions)
+    text = report(info, rows, limits, command, plan, args.baseline, args.threads, max_len, parts=parts)
     print("\n" + text)
     keys = {}
     for row in rows:
