@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -53,9 +54,12 @@ class Prefiller:
         self.grammars = Grammars(engine.info, cache_size=settings.engine.grammar_cache_size,
                                  deadline_s=settings.engine.mask_deadline_s)
         self.max_prefix_bytes = self._max_prefix_bytes()
+        # Shared by the loop and the engine thread, under `_lock`:
+        self._lock = threading.Lock()
         self._queue: deque = deque()  # (request, future) waiting for the engine thread, oldest first
-        self._running = False  # an engine call is in flight (or about to start)
+        self._running = False  # the engine thread is running calls (or about to start)
         self._arriving = 0  # claimed entries not yet queued (prefill) or done without a prefill
+        self._closed = False
         self.engine_calls = 0  # engine-thread calls (a batch of prompts is one)
         self.prefilled = 0
         self.prefill_ema_s = 0.0  # recent per-prompt prefill time, for the gateway's TTFT prediction
@@ -80,7 +84,8 @@ class Prefiller:
         for, until each has reached this queue or dropped out (`arrive`, called once it is queued;
         `arrived`), a matter of their Redis checks' round trips."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append((req, done))
+        with self._lock:
+            self._queue.append((req, done))
         if arrive is not None:
             arrive()
         self._kick()
@@ -89,64 +94,90 @@ class Prefiller:
 
     def expect(self, count: int) -> None:
         """`count` claimed entries are on their way to the queue (each ends with `arrived`)."""
-        self._arriving += count
+        with self._lock:
+            self._arriving += count
 
     def arrived(self) -> None:
         """One expected entry is queued, or needs no prefill."""
-        self._arriving -= 1
+        with self._lock:
+            self._arriving -= 1
         self._kick()
 
     def _kick(self) -> None:
-        if self._queue and not self._running and self._arriving <= 0:
+        """Start the engine thread's run of calls (on the next turn of the loop, so prompts queued
+        in this one share its first call) if prompts wait, it is idle and no claimed entry is
+        still on its way."""
+        with self._lock:
+            if not self._queue or self._running or self._arriving > 0:
+                return
             self._running = True
-            asyncio.get_running_loop().call_soon(self._dispatch)
+        asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
-        """Start the next engine call: the oldest waiting prompt and its batch (one at a time)."""
-        if not self._queue:
-            self._running = False
-            return
-        batch = self._next_batch()
-        self.engine_calls += 1
+        """Hand the engine thread a run of calls (`_run_calls`); if it is shut down (the pod is
+        stopping), fail what waits."""
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
         try:
-            fut = loop.run_in_executor(self.device, self.prefill_batch_sync, [req for req, _ in batch])
-        except RuntimeError as e:  # the engine thread is shut down (the pod is stopping)
-            for _, done in batch:
-                if not done.done():
-                    done.set_exception(e)
-            self._running = False
-            loop.call_soon(self._kick)
-            return
+            self.device.submit(self._run_calls, loop)
+        except RuntimeError as e:  # the engine thread is shut down
+            with self._lock:
+                self._running = False
+            self._fail_waiting(e)
 
-        def finished(f: asyncio.Future) -> None:
+    def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: engine calls back to back while prompts wait (and no claimed
+        entry is still on its way), each call's results handed to the loop as it ends. The next
+        call starts here, not after a round trip through the event loop: in a burst the loop is
+        busy with the previous prompts' commits and KV pulls, and on shared cores each hop through
+        it left the engine idle for a scheduler slice."""
+        while True:
+            with self._lock:
+                if self._closed or not self._queue or self._arriving > 0:
+                    self._running = False
+                    return
+                batch = self._next_batch()
+                self.engine_calls += 1
+            t0 = time.perf_counter()
+            try:
+                results = self.prefill_batch_sync([req for req, _ in batch])
+            except BaseException as e:  # noqa: BLE001 - handed to every request of the call
+                results = [e] * len(batch)
             took = time.perf_counter() - t0
             try:
-                results = f.result()
-            except BaseException as e:  # noqa: BLE001 - the executor is shut down (pod stopping)
-                results = [e] * len(batch)
-            per_prompt = took / len(batch)
-            self.prefill_ema_s = per_prompt if not self.prefilled else 0.8 * self.prefill_ema_s + 0.2 * per_prompt
-            self.prefilled += len(batch)
-            log.debug("prefilled %d prompt(s) in one call in %.1f ms", len(batch), took * 1e3)
-            for (_, done), res in zip(batch, results):
-                if done.done():
-                    continue
-                if isinstance(res, asyncio.CancelledError):
-                    done.cancel()
-                elif isinstance(res, BaseException):
-                    done.set_exception(res)
-                else:
-                    done.set_result(res)
-            self._running = False
-            self._kick()
+                loop.call_soon_threadsafe(self._deliver, batch, results, took)
+            except RuntimeError:  # the loop is closed: nobody waits for these any more
+                with self._lock:
+                    self._running = False
+                return
 
-        fut.add_done_callback(finished)
+    def _deliver(self, batch: list, results: list, took: float) -> None:
+        """On the loop: one engine call's results to the requests that wait for them."""
+        per_prompt = took / len(batch)
+        self.prefill_ema_s = per_prompt if not self.prefilled else 0.8 * self.prefill_ema_s + 0.2 * per_prompt
+        self.prefilled += len(batch)
+        log.debug("prefilled %d prompt(s) in one call in %.1f ms", len(batch), took * 1e3)
+        for (_, done), res in zip(batch, results):
+            if done.done():
+                continue
+            if isinstance(res, asyncio.CancelledError):
+                done.cancel()
+            elif isinstance(res, BaseException):
+                done.set_exception(res)
+            else:
+                done.set_result(res)
+
+    def _fail_waiting(self, e: BaseException) -> None:
+        """On the loop: every prompt still queued fails with `e` (the engine thread is gone)."""
+        with self._lock:
+            waiting, self._queue = list(self._queue), deque()
+        for _, done in waiting:
+            if not done.done():
+                done.set_exception(e)
 
     def _next_batch(self) -> list:
         """The oldest waiting prompt, and with it the next waiting prompts of its bucket that can
-        share its call (one choice, no grammar), up to `prefill_batch_tokens` padded tokens."""
+        share its call (one choice, no grammar), up to `prefill_batch_tokens` padded tokens.
+        (Under `_lock`.)"""
         head_req, _ = head = self._queue.popleft()
         bucket = self._batch_bucket(head_req)
         if bucket is None:
@@ -253,4 +284,12 @@ class Prefiller:
         return writes, [h.request_id for h in held]
 
     def close(self) -> None:
+        """Stop the engine thread after its current call; prompts still queued fail (on the loop)."""
+        with self._lock:
+            self._closed = True
         self.device.shutdown(wait=False, cancel_futures=True)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here: nobody awaits the queued prompts
+            return
+        self._fail_waiting(RuntimeError("the prefill engine thread is shut down (the pod is stopping)"))

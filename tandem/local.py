@@ -38,6 +38,7 @@ DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]  # prefill length buckets; doubled
 AUTO_MAX_LEN = 4096  # --max-len 0 (auto) never goes past this on a laptop: compile time and memory grow with it
 KV_MEMORY_FRACTION = 0.25  # of this machine's memory, for the decode workers' KV at the auto context
 KV_BYTES = 4  # float32 KV on a CPU
+DEFAULT_CPU_THREADS = "prefill=0,decode=1"  # --cpu-threads (bench/RESULTS.md, the burst section)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -69,9 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=0,
                    help="positions per sequence (prompt + output); 0: the model's own context length, bounded "
                    f"by {AUTO_MAX_LEN} and by the memory the decode slots' KV may take (said at start)")
-    p.add_argument("--cpu-threads", type=int, default=1, metavar="N",
-                   help="XLA CPU compute threads per prefill/decode worker (0: one per core). 1 suits a "
-                   "laptop, where the workers share the cores (idle pool threads spin)")
+    p.add_argument("--cpu-threads", type=_cpu_threads, default=DEFAULT_CPU_THREADS, metavar="N|ROLE=N,...",
+                   help="XLA CPU compute threads of the prefill and decode workers (0: one per core): one count for "
+                   "both, or per role (ROLE=N items; a role left out gets 1). Decode steps run back to back, so one "
+                   "thread suits a laptop whose cores the workers share (idle pool threads spin against the other "
+                   "workers); prefill runs in bursts, whose first tokens wait on it, so it gets every core. A "
+                   "--colocated worker takes decode's count")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                    help="host memory per worker for the KV of prompt prefixes already seen (0: no prefix cache)")
@@ -185,6 +189,23 @@ def _die_with_parent() -> None:
         pass
 
 
+def _cpu_threads(spec: str) -> dict[str, int]:
+    """`--cpu-threads 2` -> {"prefill": 2, "decode": 2}; `prefill=0,decode=1` -> per role (a role
+    left out gets 1; 0: one per core). Raises ArgumentTypeError (argparse prints it) for anything else."""
+    spec = spec.strip()
+    if spec.isdigit():
+        return {"prefill": int(spec), "decode": int(spec)}
+    out = {"prefill": 1, "decode": 1}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        role, _, n = item.partition("=")
+        if role not in out or not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"bad item {item!r}: give a count (e.g. 2) or ROLE=N items (ROLE one of prefill, decode; "
+                "N >= 0, 0 meaning one per core), e.g. prefill=2,decode=1")
+        out[role] = int(n)
+    return out
+
+
 def _pin_map(spec: str) -> dict[str, set[int]]:
     """`--pin prefill=0,decode=1` -> {"prefill": {0}, "decode": {1}} (CPUS: 0, 0-1 or 0+1)."""
     out: dict[str, set[int]] = {}
@@ -250,10 +271,10 @@ class Cluster:
         """The URL the children get: the embedded Redis's, or --redis-url."""
         return self.redis.url if self.redis is not None else self.a.redis_url
 
-    def _engine_env(self, prefix: str) -> dict[str, str]:
+    def _engine_env(self, prefix: str, role: str) -> dict[str, str]:
         return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets),
-                f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads),
+                f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads[role]),
                 f"{prefix}PREFIX_CACHE__BUDGET_BYTES": str(self.a.prefix_cache_bytes)}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
@@ -297,12 +318,12 @@ class Cluster:
         if role == "prefill":
             pre = "TANDEM_PREFILL_"
             self._spawn(f"prefill-{i}", "prefill_svc", self._env(pre, {
-                **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
+                **self._engine_env(pre, "prefill"), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
                 f"{pre}WORKER_ID": f"prefill-{i}", f"{pre}KV_BUDGET_BYTES": str(self.a.kv_budget_bytes)}))
             return
         pre = "TANDEM_DECODE_"
         self._spawn(f"decode-{i}", "decode_svc", self._env(pre, {
-            **self._engine_env(pre), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
+            **self._engine_env(pre, "decode"), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
             f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots),
             f"{pre}COLOCATED": "true" if self.a.colocated else "false"}))
 
