@@ -4,12 +4,15 @@ a reader drops duplicates and finds gaps; streams have a MAXLEN and expire.
 """
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import redis_client
 from tandem_core.keys import KeySpace
@@ -282,7 +285,8 @@ class _Wire:
 
     async def call(self, packed: bytes, n: int) -> list:
         """Send `packed` (n commands), return their n replies; a command's error (ResponseError,
-        NoScriptError) is raised after every reply is read, as redis-py's pipeline raises it."""
+        NoScriptError) is raised after every reply is read, as redis-py's pipeline raises it. A
+        failed write or read raises redis-py's ConnectionError / TimeoutError (`conn.REDIS_DOWN`)."""
         self.busy = True
         try:
             conn = self.conn
@@ -291,7 +295,7 @@ class _Wire:
             replies: list = []
             first: ResponseError | None = None
             try:
-                await conn.send_packed_command(packed, check_health=False)
+                await self._send(conn, packed)
                 for _ in range(n):
                     try:
                         replies.append(await conn.read_response())
@@ -306,6 +310,27 @@ class _Wire:
         if first is not None:
             raise first
         return replies
+
+    @staticmethod
+    async def _send(conn, packed: bytes) -> None:
+        """Write on the connection's stream (redis-py's `send_packed_command` runs every write as a
+        task under `wait_for`: most of a step's remaining CPU, measured); wait only when the socket
+        is full, up to the socket timeout. tests/integration/test_step_wire.py holds the redis-py
+        internals this reads (`_writer`) to the pinned versions."""
+        writer = conn._writer if conn.is_connected else None
+        if writer is None or writer.transport.is_closing():
+            if writer is not None:
+                await conn.disconnect(nowait=True)
+            await conn.connect()
+            writer = conn._writer
+        try:
+            writer.write(packed)
+            if writer.transport.get_write_buffer_size():
+                await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+        except asyncio.TimeoutError:
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            raise RedisConnectionError(f"Error while writing to socket: {e}") from e
 
 
 class OwnedPublisher:
