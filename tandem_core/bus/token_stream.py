@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import redis_client
@@ -305,6 +305,8 @@ class _Wire:
             except BaseException:  # a reply may still be in flight: never read it as another call's
                 await conn.disconnect(nowait=True)
                 raise
+            if isinstance(first, ReadOnlyError):  # a primary demoted under it: connect again (to the new one)
+                await conn.disconnect(nowait=True)
         finally:
             self.busy = False
         if first is not None:
