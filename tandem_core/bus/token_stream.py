@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tandem_core import redis_client
@@ -373,9 +373,31 @@ class OwnedPublisher:
     async def own_and_ack(self, req: GenerationRequest, stream: str, group: str, entry_id: bytes) -> None:
         """`own(req)`, then ack and delete the stream entry it came from, in one round trip and
         atomically (only where `can_own_and_ack`): a pulled request costs one write less, and
-        no crash can fall between the two."""
-        await self._own_ack(keys=[self.running(req.request_id), stream],
-                            args=[req.request_id, req.to_json(), group, entry_id])
+        no crash can fall between the two. On one Redis it goes on the step writes' connection
+        when that is free (`command`)."""
+        keys, args = [self.running(req.request_id), stream], [req.request_id, req.to_json(), group, entry_id]
+        if self._wire is None:  # a Redis Cluster: redis-py routes the script by its keys
+            await self._own_ack(keys=keys, args=args)
+            return
+        cmd = ("EVALSHA", self._own_ack.sha, 2, *keys, *args)
+        try:
+            await self.command(*cmd)
+        except NoScriptError:  # a restarted Redis without the script (nothing of it ran)
+            await self.r.script_load(_OWN_AND_ACK)
+            await self.command(*cmd)
+
+    async def command(self, *args):
+        """One command's raw reply, on the step writes' connection (`_Wire`) when there is one and
+        it is free: no pool checkout, no redis-py packing; else on the client (its pool)."""
+        wire = self._wire
+        if wire is None or wire.busy:
+            return await self.r.execute_command(*args)
+        return (await wire.call(_pack(*args), 1))[0]
+
+    @property
+    def wired(self) -> bool:
+        """Whether `command` and `write` use a connection of their own (one Redis, not a Cluster)."""
+        return self._wire is not None
 
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running(request_id), request_id)

@@ -137,3 +137,32 @@ async def test_a_redis_without_the_script_raises_noscript_and_the_wire_stays_in_
     await pub.load()
     assert await pub.write([token_stream.TokenEntry(rids[4], 0, 5), token_stream.TokenEntry(rids[0], 0, 5)]) == [0, 1]
     assert await r.xlen(stream) == 0  # the ack went through with the refused script call
+
+
+async def test_own_and_ack_and_commands_on_the_wire(plain, redis_url):
+    """A pulled request's ownership and ack (a script Redis may have lost) and the cancel poll's
+    MGET go on the same connection when it is free, and give what the client would."""
+    from decode_svc.bridge import Bridge
+    from decode_svc.io import DecodeIO
+    from decode_svc.requests import RequestTable
+    from decode_svc.settings import DecodeSettings
+
+    r, ks = plain
+    pub, rids = await _setup(r, ks, "own")
+    stream = ks.ready_stream("wire", ks.request_shard("own-new"))
+    await groups.ensure_group(r, stream, groups.DECODE_GROUP)
+    entry = await r.xadd(stream, {"notice": "x"})
+    await r.xreadgroup(groups.DECODE_GROUP, "decode-wire", {stream: ">"}, count=1)
+    await r.script_flush()  # a restarted Redis: the script is loaded again on NOSCRIPT
+    req = GenerationRequest("own-new", [1, 2], 8)
+    assert pub.can_own_and_ack(req.request_id, stream)
+    await pub.own_and_ack(req, stream, groups.DECODE_GROUP, entry)
+    assert await r.hget(pub.running("own-new"), "own-new") == req.to_json().encode()
+    assert await r.xlen(stream) == 0 and (await r.xpending(stream, groups.DECODE_GROUP))["pending"] == 0
+    assert pub._wire.conn is not None  # it went over the wire
+    io = DecodeIO(DecodeSettings(redis=RedisConfig(url=redis_url, shards=4)), r, ks, RequestTable(2), None,
+                  Bridge(2, 8), "decode-wire")
+    names: dict[str, bytes] = {}
+    assert await io._cancelled(rids, names) == {rids[3]}  # the one whose client left (`_setup`)
+    await r.set(ks.cancel_key(rids[0]), 1)
+    assert await io._cancelled(rids, names) == {rids[0], rids[3]}
