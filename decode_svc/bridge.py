@@ -82,8 +82,10 @@ class Bridge:
 
     def get_insert(self, block_s: float):
         """The next item for a slot, or None (waits up to `block_s` when the pod is idle)."""
+        if not block_s:  # every step while a slot is free: no queue.Empty raised for nothing
+            return self.inserts.get_nowait() if self.inserts.qsize() else None  # (the only taker)
         try:
-            return self.inserts.get(timeout=block_s) if block_s else self.inserts.get_nowait()
+            return self.inserts.get(timeout=block_s)
         except queue.Empty:
             return None
 
