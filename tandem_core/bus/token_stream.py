@@ -270,48 +270,79 @@ def _pack_numbers(nums: list[int]) -> bytes:
 
 
 class _Wire:
-    """One connection of the client's pool, held for a decode pod's step writes (`OwnedPublisher.write`):
-    a step's commands go out packed here, in one write, and their replies are read back, without
-    a pool checkout, redis-py's packing and its pipeline per step (most of the event loop's CPU per
-    step, measured: bench/loop_ops.py). Any failure drops the connection (`disconnect`), so no
-    reply of a failed round trip is ever read as the next one's; the next call connects again
-    (and a Sentinel-managed connection asks the sentinels again). One user at a time (`busy`); the
-    client's `aclose` closes it with the pool's others."""
+    """One connection of the client's pool, held for a decode pod's step writes (`OwnedPublisher.write`)
+    and its other frequent commands (`OwnedPublisher.command`): each caller's commands go out
+    packed, in one write, at once (pipelined behind any still in flight), and each caller reads
+    its own replies in the order the writes went out. No pool checkout, no redis-py packing or
+    pipeline per step: most of the event loop's CPU per step, measured (bench/loop_ops.py).
+
+    No reply is ever read as another command's: every write takes a ticket (`_last`) and reads
+    only after the previous ticket's replies are read, and only on the connection it was written
+    on (`gen` counts the connections dropped). Any failure (a broken socket, a timeout, a cancel
+    with replies unread) drops the connection; the callers whose replies were still due raise
+    redis-py's ConnectionError (`conn.REDIS_DOWN`: retried, as a pipeline whose connection broke
+    after its write), and the next write connects again (a Sentinel-managed connection asks the
+    sentinels again). The client's `aclose` closes it with the pool's others."""
 
     def __init__(self, pool) -> None:
         self.pool = pool
         self.conn = None
-        self.busy = False
+        self.gen = 0  # connections dropped so far: a caller reads only on the one it wrote on
+        self._last: asyncio.Future | None = None  # the latest caller's replies read (or given up)
+        self._send_lock = asyncio.Lock()  # (re)connecting and writing: one caller at a time
 
     async def call(self, packed: bytes, n: int) -> list:
         """Send `packed` (n commands), return their n replies; a command's error (ResponseError,
         NoScriptError) is raised after every reply is read, as redis-py's pipeline raises it. A
         failed write or read raises redis-py's ConnectionError / TimeoutError (`conn.REDIS_DOWN`)."""
-        self.busy = True
-        try:
+        async with self._send_lock:
             conn = self.conn
             if conn is None:
                 conn = self.conn = await self.pool.get_connection()
-            replies: list = []
-            first: ResponseError | None = None
+            await self._connected(conn)
+            gen, prev = self.gen, self._last
+            mine = self._last = asyncio.get_running_loop().create_future()
             try:
                 await self._send(conn, packed)
-                for _ in range(n):
-                    try:
-                        replies.append(await conn.read_response())
-                    except ResponseError as e:
-                        replies.append(e)
-                        first = first or e
-            except BaseException:  # a reply may still be in flight: never read it as another call's
-                await conn.disconnect(nowait=True)
+            except BaseException:
+                await self._drop(conn, gen)
+                _done(mine)
                 raise
-            if isinstance(first, ReadOnlyError):  # a primary demoted under it: connect again (to the new one)
-                await conn.disconnect(nowait=True)
+        replies: list = []
+        first: ResponseError | None = None
+        try:
+            if prev is not None and not prev.done():
+                await prev  # the replies written before these are read first
+            if gen != self.gen:
+                raise RedisConnectionError("the connection to Redis was dropped before this command's reply came")
+            for _ in range(n):
+                try:
+                    replies.append(await conn.read_response(disconnect_on_error=False))
+                except ResponseError as e:
+                    replies.append(e)
+                    first = first or e
+        except BaseException:  # replies may still be in flight: never read them as another call's
+            await self._drop(conn, gen)
+            raise
         finally:
-            self.busy = False
+            _done(mine)
+        if isinstance(first, ReadOnlyError):  # a primary demoted under it: connect again (to the new one)
+            await self._drop(conn, gen)
         if first is not None:
             raise first
         return replies
+
+    async def _drop(self, conn, gen: int) -> None:
+        if gen == self.gen:  # (not one made since by a later write)
+            self.gen += 1
+            await conn.disconnect(nowait=True)
+
+    async def _connected(self, conn) -> None:
+        writer = conn._writer if conn.is_connected else None
+        if writer is None or writer.transport.is_closing():
+            if writer is not None:
+                await self._drop(conn, self.gen)
+            await conn.connect()
 
     @staticmethod
     async def _send(conn, packed: bytes) -> None:
@@ -319,12 +350,7 @@ class _Wire:
         task under `wait_for`: most of a step's remaining CPU, measured); wait only when the socket
         is full, up to the socket timeout. tests/integration/test_step_wire.py holds the redis-py
         internals this reads (`_writer`) to the pinned versions."""
-        writer = conn._writer if conn.is_connected else None
-        if writer is None or writer.transport.is_closing():
-            if writer is not None:
-                await conn.disconnect(nowait=True)
-            await conn.connect()
-            writer = conn._writer
+        writer = conn._writer
         try:
             writer.write(packed)
             if writer.transport.get_write_buffer_size():
@@ -333,6 +359,11 @@ class _Wire:
             raise RedisTimeoutError("Timeout writing to socket") from None
         except OSError as e:
             raise RedisConnectionError(f"Error while writing to socket: {e}") from e
+
+
+def _done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class OwnedPublisher:
@@ -374,7 +405,7 @@ class OwnedPublisher:
         """`own(req)`, then ack and delete the stream entry it came from, in one round trip and
         atomically (only where `can_own_and_ack`): a pulled request costs one write less, and
         no crash can fall between the two. On one Redis it goes on the step writes' connection
-        when that is free (`command`)."""
+        (`command`)."""
         keys, args = [self.running(req.request_id), stream], [req.request_id, req.to_json(), group, entry_id]
         if self._wire is None:  # a Redis Cluster: redis-py routes the script by its keys
             await self._own_ack(keys=keys, args=args)
@@ -387,10 +418,11 @@ class OwnedPublisher:
             await self.command(*cmd)
 
     async def command(self, *args):
-        """One command's raw reply, on the step writes' connection (`_Wire`) when there is one and
-        it is free: no pool checkout, no redis-py packing; else on the client (its pool)."""
+        """One command's raw reply, on the step writes' connection (`_Wire`, pipelined behind any
+        write in flight) where there is one: no pool checkout, no redis-py packing; else (a Redis
+        Cluster) on the client. Only commands that answer at once (never a blocking read)."""
         wire = self._wire
-        if wire is None or wire.busy:
+        if wire is None:
             return await self.r.execute_command(*args)
         return (await wire.call(_pack(*args), 1))[0]
 
@@ -454,11 +486,11 @@ class OwnedPublisher:
     async def write(self, items: list, acks: list | tuple = (), fenced: bool = True, cancels: bool = False) -> list[int]:
         """`add_batch` and then XACK + XDEL of each (stream, group, entry id) in `acks`, written in
         one round trip; 1 / 2 / 0 per item (`Placed.results`). On one Redis (or Sentinel) the
-        commands are packed here and go out on a connection of their own (`_Wire`); on a Redis
-        Cluster, or while that connection is in use (a step's write and a replay's at once), on
-        a redis-py pipeline. A command's error (NoScriptError) is raised after all replies."""
+        commands are packed here and go out on a connection of their own (`_Wire`, pipelined
+        behind any write still in flight); on a Redis Cluster on a redis-py pipeline. A command's
+        error (NoScriptError) is raised after all replies."""
         wire = self._wire
-        if wire is None or wire.busy:
+        if wire is None:
             pipe = self.r.pipeline(transaction=False)
             placed = self.add_batch(pipe, items, fenced, cancels)
             for stream, group, entry_id in acks:

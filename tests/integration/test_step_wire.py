@@ -166,3 +166,33 @@ async def test_own_and_ack_and_commands_on_the_wire(plain, redis_url):
     assert await io._cancelled(rids, names) == {rids[3]}  # the one whose client left (`_setup`)
     await r.set(ks.cancel_key(rids[0]), 1)
     assert await io._cancelled(rids, names) == {rids[0], rids[3]}
+
+
+async def test_concurrent_callers_each_read_their_own_replies(plain):
+    """Callers pipelined on the one connection (step writes, own-and-acks, polls at once) each get
+    their own replies; a caller cancelled while others wait costs them a retryable error, never
+    another's reply."""
+    r, ks = plain
+    pub, rids = await _setup(r, ks, "many")
+
+    async def echo(i: int) -> bytes:
+        return await pub.command("ECHO", f"reply-{i}")
+
+    async def step(i: int) -> list[int]:
+        return await pub.write([token_stream.TokenEntry(rids[i % 5], 100 + i, i)])
+
+    got = await asyncio.gather(*[echo(i) if i % 2 else step(i) for i in range(40)])
+    assert got == [f"reply-{i}".encode() if i % 2 else [0 if i % 5 == 4 else 1] for i in range(40)]
+    tasks = [asyncio.create_task(echo(i)) for i in range(20)]
+    await asyncio.sleep(0)  # all written, the first reading, the others waiting their turn
+    tasks[10].cancel()
+    fresh = [asyncio.create_task(echo(100 + i)) for i in range(5)]  # written on the connection made again
+    for i, t in enumerate(tasks):
+        try:
+            assert await t == f"reply-{i}".encode()
+        except asyncio.CancelledError:
+            assert i == 10
+        except conn.REDIS_DOWN:
+            pass  # its reply was lost with the connection: the caller retries
+    assert await asyncio.gather(*fresh) == [f"reply-{100 + i}".encode() for i in range(5)]
+    assert await asyncio.gather(*[echo(i) for i in range(5)]) == [f"reply-{i}".encode() for i in range(5)]
