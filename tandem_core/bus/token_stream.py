@@ -379,7 +379,8 @@ class OwnedPublisher:
         self._streams: dict[str, tuple] = {}  # request id -> `_entry`
         self._running: dict[int, bytes] = {}  # shard -> this pod's running hash there
         self._cancels: dict[int, bytes] = {}  # shard -> its cancel keys' prefix
-        self._fixed: dict[tuple[int, bool, bool], bytes] = {}  # (shard, fenced, cancels) -> packed head arguments
+        # (shard, fenced, cancels) -> (packed running hash, packed arguments before the numbers)
+        self._fixed: dict[tuple[int, bool, bool], tuple[bytes, bytes]] = {}
         # the step writes' own connection; a Redis Cluster routes by key: its pipeline then
         pool = getattr(r, "connection_pool", None)
         self._wire = _Wire(pool) if pool is not None and not redis_client.is_cluster(r) else None
@@ -504,9 +505,10 @@ class OwnedPublisher:
             nk = len(ents) + 1
             parts.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n$%d\r\n%d\r\n" % (
                 10 + 2 * len(ents) + len(call.extras), self._sha, len(str(nk)), nk))
-            parts.append(self._fixed_of(shard, fenced, cancels))
+            running, head = self._fixed_of(shard, fenced, cancels)
+            parts.append(running)
             parts += [x[3] for x in ents]
-            parts.append(self._fixed[shard, fenced, cancels, 1])
+            parts.append(head)
             parts.append(b"$%d\r\n%b\r\n" % (len(blob), blob))
             parts += [x[4] for x in ents]
             if call.extras:
@@ -517,16 +519,15 @@ class OwnedPublisher:
         replies = await wire.call(b"".join(parts), len(calls) + 2 * len(acks))
         return Placed([c.pos for c in calls.values()], len(items)).results(replies)
 
-    def _fixed_of(self, shard: int, fenced: bool, cancels: bool) -> bytes:
-        """The packed running hash of `shard` (KEYS[1]); its arguments before the numbers are cached
-        beside it under the key with a 1 added (`write`)."""
+    def _fixed_of(self, shard: int, fenced: bool, cancels: bool) -> tuple[bytes, bytes]:
+        """The packed running hash of `shard` (KEYS[1]) and the packed arguments before the
+        numbers (`write`), made once."""
         key = (shard, fenced, cancels)
         got = self._fixed.get(key)
         if got is None:
-            got = self._fixed[key] = _bulk(self.running_of(shard))
-            self._fixed[key + (1,)] = b"".join([_bulk(x) for x in (
+            got = self._fixed[key] = (_bulk(self.running_of(shard)), b"".join([_bulk(x) for x in (
                 self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1",
-                self.cancel_prefix_of(shard) if cancels else "")])
+                self.cancel_prefix_of(shard) if cancels else "")]))
         return got
 
     def _entry(self, request_id: str) -> tuple:
