@@ -4,6 +4,7 @@ bridge; readiness only once the engine is compiled; a drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -54,6 +55,12 @@ async def _compiled_engine(s: DecodeSettings):
 async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
     engine, cache = await _compiled_engine(s)
+    # Everything alive after the compile (JAX's and the model's objects: millions) is moved out of
+    # the collector's reach: otherwise a full collection walks them all, measured at up to 1.8 s of
+    # one thread holding the GIL in the middle of serving (bench/host_path.py --profile), every
+    # Python thread of the pod stalled behind it.
+    gc.collect()
+    gc.freeze()
     r = conn.connect(s.redis, client_name=REDIS_CLIENT_NAME)
     ks = KeySpace(s.redis.shard_count())
     await groups.ensure_groups(r, ks, s.pool)

@@ -1,18 +1,63 @@
 """The one bridge between the decode pod's engine thread and its event loop.
 
 Work goes in on `inserts` (pulled KV, prompts to prefill here) and tokens come out on `outputs`
-(one batch per step), both bounded queues. The engine thread never touches an asyncio object: it
-wakes the loop through `call_soon_threadsafe` (a slot was freed; a step's tokens are ready), and the
-loop never blocks on a queue: it waits on its events and takes what is there without blocking.
+(one batch per engine call: one step's tokens, or a multi-step call's), both bounded queues. The
+engine thread never touches an asyncio object: it wakes the loop through `call_soon_threadsafe`
+(a slot was freed; tokens are ready), and the loop never blocks on a queue: it waits on a future
+and takes what is there without blocking.
+
+A wake costs both threads a system call (the loop's self-pipe), so the engine thread wakes the
+loop only when a waiter is parked (`_Waker`): while the publisher is still writing the previous
+step, a new step is simply queued and taken by its next pass. The waiter is parked before the
+queue is looked at once more, and the engine thread queues before it looks for a waiter, so one
+of the two always sees the other (the GIL orders them): no step waits for the timeout.
 
 Bounds: `inserts` holds at least `slots` items and every item holds a seat in the request table,
-so a put from the loop never finds it full; `outputs` holds `output_queue_size` steps, and when the
-publisher falls behind the engine thread blocks on it (back-pressure, not memory).
+so a put from the loop never finds it full; `outputs` holds `output_queue_size` batches, and when
+the publisher falls behind the engine thread blocks on it (back-pressure, not memory).
 """
 from __future__ import annotations
 
 import asyncio
 import queue
+from collections.abc import Callable
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Waker:
+    """One coroutine's wait on the event loop for a wake from another thread (or its timeout)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._loop = loop
+        self._waiter: asyncio.Future | None = None
+        self.woken = 0  # wakes sent (the other thread found a waiter)
+
+    def wake(self) -> None:
+        """From any thread: wake the parked waiter, if one is parked."""
+        w = self._waiter
+        if w is not None and self._loop is not None:
+            self.woken += 1
+            self._loop.call_soon_threadsafe(_wake, w)
+
+    async def wait(self, timeout_s: float, ready: Callable[[], bool]) -> None:
+        """Park until woken or `timeout_s`, unless `ready()` (looked at once parked) says there
+        is something to do already."""
+        loop = asyncio.get_running_loop()
+        w = self._waiter = loop.create_future()
+        try:
+            if ready():
+                return
+            timer = loop.call_later(timeout_s, _wake, w)
+            try:
+                await w
+            finally:
+                timer.cancel()
+        finally:
+            self._waiter = None
 
 
 class Bridge:
@@ -21,25 +66,26 @@ class Bridge:
         self.inserts: queue.Queue = queue.Queue(maxsize=insert_queue_size)
         self.outputs: queue.Queue = queue.Queue(maxsize=output_queue_size)
         self._loop = loop
-        self.slot_freed = asyncio.Event()
-        self.output_ready = asyncio.Event()
+        self._freed = _Waker(loop)  # the claim loop, waiting for a free slot
+        self._output = _Waker(loop)  # the publisher, waiting for tokens
 
     # ------------------------------------------------------------ engine thread
     def wake_claims(self) -> None:
         """A slot was freed (or the thread died): the claim loop may claim again."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.slot_freed.set)
+        self._freed.wake()
 
     def put_output(self, batch: list, timeout_s: float) -> None:
-        """One step's tokens; blocks while the publisher is behind (queue.Full after `timeout_s`)."""
+        """One engine call's tokens; blocks while the publisher is behind (queue.Full after
+        `timeout_s`); wakes the publisher if it waits."""
         self.outputs.put(batch, timeout=timeout_s)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.output_ready.set)
+        self._output.wake()
 
     def get_insert(self, block_s: float):
         """The next item for a slot, or None (waits up to `block_s` when the pod is idle)."""
+        if not block_s:  # every step while a slot is free: no queue.Empty raised for nothing
+            return self.inserts.get_nowait() if self.inserts.qsize() else None  # (the only taker)
         try:
-            return self.inserts.get(timeout=block_s) if block_s else self.inserts.get_nowait()
+            return self.inserts.get(timeout=block_s)
         except queue.Empty:
             return None
 
@@ -48,26 +94,22 @@ class Bridge:
         self.inserts.put_nowait(item)
 
     def take_outputs(self, max_batches: int) -> list:
-        """Up to `max_batches` queued steps' tokens, in order, without blocking."""
+        """Up to `max_batches` queued batches' tokens, in order, without blocking (the loop is
+        the only taker: what `qsize` counts is there)."""
+        q = self.outputs
+        n = min(q.qsize(), max_batches)
+        if n == 1:
+            return q.get_nowait()  # the engine's own list (it keeps no reference)
         got: list = []
-        for _ in range(max_batches):
-            try:
-                got += self.outputs.get_nowait()
-            except queue.Empty:
-                break
+        for _ in range(n):
+            got += q.get_nowait()
         return got
 
     async def wait_output(self, timeout_s: float) -> None:
-        self.output_ready.clear()
+        """Until tokens are queued (or `timeout_s`)."""
         if self.outputs.empty():
-            try:
-                await asyncio.wait_for(self.output_ready.wait(), timeout=timeout_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._output.wait(timeout_s, lambda: not self.outputs.empty())
 
     async def wait_slot_freed(self, timeout_s: float) -> None:
-        self.slot_freed.clear()
-        try:
-            await asyncio.wait_for(self.slot_freed.wait(), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        """Until the engine thread frees a slot after this call began (or `timeout_s`)."""
+        await self._freed.wait(timeout_s, lambda: False)

@@ -106,8 +106,19 @@ class DecodeIO:
                 names = {k: v for k, v in names.items() if k in held}
             if rids:
                 try:
-                    hit = await cancel.cancelled(self.r, self.ks, rids, names)
+                    hit = await self._cancelled(rids, names)
                     self._cancel(hit)
                 except Exception as e:  # noqa: BLE001
                     log.warning("cancel poll failed: %s", e)
             await asyncio.sleep(self.s.cancel_poll_s)
+
+    async def _cancelled(self, rids: list[str], names: dict[str, bytes]) -> set[str]:
+        """`cancel.cancelled`, its MGET on the publisher's own connection where there is one
+        (`OwnedPublisher.command`: no pool checkout per poll, 20 polls a second)."""
+        if not self.owned.wired:
+            return await cancel.cancelled(self.r, self.ks, rids, names)
+        for x in rids:
+            if x not in names:
+                names[x] = self.ks.cancel_key(x).encode()
+        vals = await self.owned.command("MGET", *[names[x] for x in rids])
+        return {rid for rid, v in zip(rids, vals) if v is not None}

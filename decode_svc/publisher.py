@@ -135,14 +135,10 @@ class Publisher:
             self.on_cancelled({e.request_id for e, ok in zip(batch, results) if ok == 2})
 
     async def _execute_tokens(self, items: list, acks: list, fenced: bool = True, cancels: bool = False) -> list[int]:
-        """One script call per shard for the token items, then the acks: one round trip.
+        """One script call per shard for the token items, then the acks: one round trip
+        (`OwnedPublisher.write`: packed once, on a connection of its own where it can be).
         `cancels`: the items' requests are looked up for a cancel too (2 instead of 1)."""
-        pipe = self.r.pipeline(transaction=False)
-        placed = self.owned.add_batch(pipe, items, fenced, cancels)
-        for stream, group, entry_id in acks:
-            pipe.xack(stream, group, entry_id)
-            pipe.xdel(stream, entry_id)
-        return placed.results(await pipe.execute())
+        return await self.owned.write(items, acks, fenced, cancels)
 
     async def _publish(self, batch: list) -> list | None:
         """Write one batch, retrying through a Redis restart (tandem_core/retry.py: REDIS_DOWN only,

@@ -4,11 +4,17 @@ a reader drops duplicates and finds gaps; streams have a MAXLEN and expire.
 """
 from __future__ import annotations
 
+import asyncio
+import struct
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tandem_core import redis_client
 from tandem_core.keys import KeySpace
 from tandem_core.types import GenerationRequest, TokenLogprobs
 
@@ -135,12 +141,15 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
 # finished ttl, '1' to write without the fence (tokens of a request this writer itself finished:
 # see `OwnedPublisher.add_batch`) or '', the shard's cancel-key prefix (`KeySpace.cancel_prefix`:
 # each written item's request is looked up there, the decode pod's cancel watch over its running
-# requests folded into the step's write) or '' for none, then per item: request id, index, token, '1' if it
-# finishes or '', the number of further field pairs (0 for a plain token), those pairs (`entry_fields`
-# after `i` and `t`, in its order). Returns 1 (written), 2 (written, and its request has a cancel
-# key: the client left) or 0 (fenced off) per item, in order, so a
-# request that appears twice (two queued steps) is written in index order. A plain token costs five
-# arguments and its key: the script itself adds the `i` and `t` field names.
+# requests folded into the step's write) or '' for none, then the items' numbers packed in one
+# argument (`_pack_numbers`: per item four little-endian int32s: index, token, 1 if it finishes or
+# 0, the number of further field pairs), then each item's request id, then the further field pairs
+# of the items that have some, in item order (`entry_fields` after `i` and `t`, in its order).
+# Returns 1 (written), 2 (written, and its request has a cancel key: the client left) or 0 (fenced
+# off) per item, in order, so a request that appears twice (two queued steps) is written in index
+# order. A plain token costs two arguments (its stream's key and its request id, both encoded once
+# per request) and 16 bytes of the numbers: no number is formatted per token, and the script adds
+# the `i` and `t` field names itself.
 EXPIRE_EVERY = 16
 STREAM_CACHE_MAX = 65536  # requests whose stream key `OwnedPublisher` keeps (a pod runs far fewer at once)
 _PUBLISH_OWNED = """
@@ -148,24 +157,30 @@ local REFRESH = """ + str(EXPIRE_EVERY) + """
 local out = {}
 local unfenced = ARGV[4] == '1'
 local cancels = ARGV[5]
-local p = 6
-for j = 1, #KEYS - 1 do
-  local rid, index, tok, fin, n = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], tonumber(ARGV[p + 4])
-  local first = p + 5
+local nums = ARGV[6]
+local items = #KEYS - 1
+local q = 1
+local p = 7 + items
+for j = 1, items do
+  local rid = ARGV[6 + j]
+  local index, tok, fin, n
+  index, tok, fin, n, q = struct.unpack('<i4i4i4i4', nums, q)
+  local first = p
   p = first + 2 * n
   if not unfenced and redis.call('HEXISTS', KEYS[1], rid) == 0 then
     out[j] = 0
   else
-    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', 'i', index, 't', tok, unpack(ARGV, first, p - 1))
-    if fin == '1' then
+    redis.call('XADD', KEYS[j + 1], 'MAXLEN', '~', ARGV[2], '*', 'i', string.format('%d', index),
+               't', string.format('%d', tok), unpack(ARGV, first, p - 1))
+    if fin == 1 then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[3])
       redis.call('HDEL', KEYS[1], rid)
-    elseif tonumber(index) % REFRESH == 0 then
+    elseif index % REFRESH == 0 then
       redis.call('EXPIRE', KEYS[j + 1], ARGV[1])
     end
     out[j] = 1
     -- (the cancel key shares the request's slot: its tag)
-    if cancels ~= '' and fin ~= '1' and redis.call('EXISTS', cancels .. rid) == 1 then
+    if cancels ~= '' and fin ~= 1 and redis.call('EXISTS', cancels .. rid) == 1 then
       out[j] = 2
     end
   end
@@ -214,11 +229,141 @@ class Placed:
     def results(self, replies: list) -> list[int]:
         """1 (written) / 2 (written, its request cancelled: `add_batch(cancels=True)`) / 0 (fenced
         off) per item, in the items' order, from the pipeline's replies."""
+        if len(self.calls) == 1:  # one shard (always on one Redis): the reply is in the items' order
+            return list(map(int, replies[0]))
         out = [0] * self.n
         for call, items in enumerate(self.calls):
             for k, j in enumerate(items):
                 out[j] = int(replies[call][k])
         return out
+
+
+class _Call:
+    """One script call of a batch (one shard): its items' cached encodings (`OwnedPublisher._entry`),
+    their numbers (four per item, `_PUBLISH_OWNED`), the further field pairs, the items' positions."""
+
+    __slots__ = ("ents", "nums", "extras", "pos")
+
+    def __init__(self) -> None:
+        self.ents: list[tuple] = []
+        self.nums: list[int] = []
+        self.extras: list = []
+        self.pos: list[int] = []
+
+
+def _bulk(x) -> bytes:
+    """One RESP bulk string (bytes, str or int)."""
+    if isinstance(x, str):
+        x = x.encode()
+    elif isinstance(x, int):
+        x = b"%d" % x
+    return b"$%d\r\n%b\r\n" % (len(x), x)
+
+
+def _pack(*args) -> bytes:
+    """One command in RESP (as redis-py would send it)."""
+    return b"*%d\r\n" % len(args) + b"".join([_bulk(a) for a in args])
+
+
+def _pack_numbers(nums: list[int]) -> bytes:
+    return struct.pack(f"<{len(nums)}i", *nums)
+
+
+class _Wire:
+    """One connection of the client's pool, held for a decode pod's step writes (`OwnedPublisher.write`)
+    and its other frequent commands (`OwnedPublisher.command`): each caller's commands go out
+    packed, in one write, at once (pipelined behind any still in flight), and each caller reads
+    its own replies in the order the writes went out. No pool checkout, no redis-py packing or
+    pipeline per step: most of the event loop's CPU per step, measured (bench/loop_ops.py).
+
+    No reply is ever read as another command's: every write takes a ticket (`_last`) and reads
+    only after the previous ticket's replies are read, and only on the connection it was written
+    on (`gen` counts the connections dropped). Any failure (a broken socket, a timeout, a cancel
+    with replies unread) drops the connection; the callers whose replies were still due raise
+    redis-py's ConnectionError (`conn.REDIS_DOWN`: retried, as a pipeline whose connection broke
+    after its write), and the next write connects again (a Sentinel-managed connection asks the
+    sentinels again). The client's `aclose` closes it with the pool's others."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.conn = None
+        self.gen = 0  # connections dropped so far: a caller reads only on the one it wrote on
+        self._last: asyncio.Future | None = None  # the latest caller's replies read (or given up)
+        self._send_lock = asyncio.Lock()  # (re)connecting and writing: one caller at a time
+
+    async def call(self, packed: bytes, n: int) -> list:
+        """Send `packed` (n commands), return their n replies; a command's error (ResponseError,
+        NoScriptError) is raised after every reply is read, as redis-py's pipeline raises it. A
+        failed write or read raises redis-py's ConnectionError / TimeoutError (`conn.REDIS_DOWN`)."""
+        async with self._send_lock:
+            conn = self.conn
+            if conn is None:
+                conn = self.conn = await self.pool.get_connection()
+            await self._connected(conn)
+            gen, prev = self.gen, self._last
+            mine = self._last = asyncio.get_running_loop().create_future()
+            try:
+                await self._send(conn, packed)
+            except BaseException:
+                await self._drop(conn, gen)
+                _done(mine)
+                raise
+        replies: list = []
+        first: ResponseError | None = None
+        try:
+            if prev is not None and not prev.done():
+                await prev  # the replies written before these are read first
+            if gen != self.gen:
+                raise RedisConnectionError("the connection to Redis was dropped before this command's reply came")
+            for _ in range(n):
+                try:
+                    replies.append(await conn.read_response(disconnect_on_error=False))
+                except ResponseError as e:
+                    replies.append(e)
+                    first = first or e
+        except BaseException:  # replies may still be in flight: never read them as another call's
+            await self._drop(conn, gen)
+            raise
+        finally:
+            _done(mine)
+        if isinstance(first, ReadOnlyError):  # a primary demoted under it: connect again (to the new one)
+            await self._drop(conn, gen)
+        if first is not None:
+            raise first
+        return replies
+
+    async def _drop(self, conn, gen: int) -> None:
+        if gen == self.gen:  # (not one made since by a later write)
+            self.gen += 1
+            await conn.disconnect(nowait=True)
+
+    async def _connected(self, conn) -> None:
+        writer = conn._writer if conn.is_connected else None
+        if writer is None or writer.transport.is_closing():
+            if writer is not None:
+                await self._drop(conn, self.gen)
+            await conn.connect()
+
+    @staticmethod
+    async def _send(conn, packed: bytes) -> None:
+        """Write on the connection's stream (redis-py's `send_packed_command` runs every write as a
+        task under `wait_for`: most of a step's remaining CPU, measured); wait only when the socket
+        is full, up to the socket timeout. tests/integration/test_step_wire.py holds the redis-py
+        internals this reads (`_writer`) to the pinned versions."""
+        writer = conn._writer
+        try:
+            writer.write(packed)
+            if writer.transport.get_write_buffer_size():
+                await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+        except asyncio.TimeoutError:
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            raise RedisConnectionError(f"Error while writing to socket: {e}") from e
+
+
+def _done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class OwnedPublisher:
@@ -229,10 +374,16 @@ class OwnedPublisher:
         self.r, self.ks, self.worker_id = r, ks, worker_id
         self.ttl_s, self.maxlen, self.finished_ttl_s = ttl_s, maxlen, finished_ttl_s
         self._script = r.register_script(_PUBLISH_OWNED)
+        self._sha = self._script.sha.encode()
         self._own_ack = r.register_script(_OWN_AND_ACK)  # (loads itself on NOSCRIPT)
-        self._streams: dict[str, tuple[int, bytes, bytes]] = {}  # request id -> `stream_of`
+        self._streams: dict[str, tuple] = {}  # request id -> `_entry`
         self._running: dict[int, bytes] = {}  # shard -> this pod's running hash there
         self._cancels: dict[int, bytes] = {}  # shard -> its cancel keys' prefix
+        # (shard, fenced, cancels) -> (packed running hash, packed arguments before the numbers)
+        self._fixed: dict[tuple[int, bool, bool], tuple[bytes, bytes]] = {}
+        # the step writes' own connection; a Redis Cluster routes by key: its pipeline then
+        pool = getattr(r, "connection_pool", None)
+        self._wire = _Wire(pool) if pool is not None and not redis_client.is_cluster(r) else None
 
     def running(self, request_id: str) -> str:
         return self.ks.running_key(self.worker_id, self.ks.request_shard(request_id))
@@ -254,12 +405,58 @@ class OwnedPublisher:
     async def own_and_ack(self, req: GenerationRequest, stream: str, group: str, entry_id: bytes) -> None:
         """`own(req)`, then ack and delete the stream entry it came from, in one round trip and
         atomically (only where `can_own_and_ack`): a pulled request costs one write less, and
-        no crash can fall between the two."""
-        await self._own_ack(keys=[self.running(req.request_id), stream],
-                            args=[req.request_id, req.to_json(), group, entry_id])
+        no crash can fall between the two. On one Redis it goes on the step writes' connection
+        (`command`)."""
+        keys, args = [self.running(req.request_id), stream], [req.request_id, req.to_json(), group, entry_id]
+        if self._wire is None:  # a Redis Cluster: redis-py routes the script by its keys
+            await self._own_ack(keys=keys, args=args)
+            return
+        cmd = ("EVALSHA", self._own_ack.sha, 2, *keys, *args)
+        try:
+            await self.command(*cmd)
+        except NoScriptError:  # a restarted Redis without the script (nothing of it ran)
+            await self.r.script_load(_OWN_AND_ACK)
+            await self.command(*cmd)
+
+    async def command(self, *args):
+        """One command's raw reply, on the step writes' connection (`_Wire`, pipelined behind any
+        write in flight) where there is one: no pool checkout, no redis-py packing; else (a Redis
+        Cluster) on the client. Only commands that answer at once (never a blocking read)."""
+        wire = self._wire
+        if wire is None:
+            return await self.r.execute_command(*args)
+        return (await wire.call(_pack(*args), 1))[0]
+
+    @property
+    def wired(self) -> bool:
+        """Whether `command` and `write` use a connection of their own (one Redis, not a Cluster)."""
+        return self._wire is not None
 
     async def disown(self, request_id: str) -> None:
         await self.r.hdel(self.running(request_id), request_id)
+
+    def _encode(self, items: list, fenced: bool) -> dict[int, _Call]:
+        """The items by shard, in order (a request's items stay in one call, so in index order)."""
+        calls: dict[int, _Call] = {}
+        entry = self._entry
+        for j, e in enumerate(items):
+            ent = entry(e.request_id)
+            call = calls.get(ent[0])
+            if call is None:
+                call = calls[ent[0]] = _Call()
+            call.ents.append(ent)
+            call.pos.append(j)
+            if e.finish is None and e.logprobs is None and e.prompt_logprobs is None:
+                call.nums += (e.index, e.token, 0, 0)
+                continue
+            fields = entry_fields(e.index, e.token, e.finish, e.error, e.logprobs, e.prompt_logprobs)
+            del fields["i"], fields["t"]
+            call.nums += (e.index, e.token, 1 if e.finish else 0, len(fields))
+            for kv in fields.items():
+                call.extras += kv
+            if e.finish:
+                self._streams.pop(e.request_id, None)  # its last entry: the cache holds running requests only
+        return calls
 
     def add_batch(self, pipe, items: list, fenced: bool = True, cancels: bool = False) -> Placed:
         """Queue one script call per shard writing its items (`TokenEntry`s, or anything with the
@@ -271,49 +468,83 @@ class OwnedPublisher:
         earlier tokens and their rewrite would otherwise be refused. `cancels=True`: each written
         item whose request has a cancel key (`KeySpace.cancel_key`) comes back 2, not 1 (the
         decode pod's watch over its running requests, at no round trip of its own; a finishing
-        item is not looked up). A plain token (no finish,
-        error or logprobs) is five arguments and its stream's key, the key and shard looked up
-        once per request (`stream_of`)."""
+        item is not looked up). A plain token (no finish, error or logprobs) is its stream's key,
+        its request id (both encoded once per request, `_entry`) and four numbers in one packed
+        argument (`_PUBLISH_OWNED`). `write` sends the same commands without a pipeline."""
         # EVALSHA only: no SCRIPT EXISTS round trip per step (what `pipe.scripts` would add).
         # A Redis that lost the script (a restart) answers NOSCRIPT; `load` it and retry.
-        calls: dict[int, tuple[list, list, list[int]]] = {}  # shard -> (key names, args, item positions)
-        stream_of = self.stream_of
-        for j, e in enumerate(items):
-            shard, stream, rid = stream_of(e.request_id)
-            call = calls.get(shard)
-            if call is None:
-                call = calls[shard] = ([self.running_of(shard)],
-                                       [self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1",
-                                        self.cancel_prefix_of(shard) if cancels else ""], [])
-            names, args, pos = call
-            names.append(stream)
-            pos.append(j)
-            if e.finish is None and e.logprobs is None and e.prompt_logprobs is None:
-                args += (rid, e.index, e.token, "", 0)
-                continue
-            fields = entry_fields(e.index, e.token, e.finish, e.error, e.logprobs, e.prompt_logprobs)
-            del fields["i"], fields["t"]
-            args += (rid, e.index, e.token, "1" if e.finish else "", len(fields))
-            for kv in fields.items():
-                args += kv
-            if e.finish:
-                self._streams.pop(e.request_id, None)  # its last entry: the cache holds running requests only
-        for names, args, _pos in calls.values():
+        calls = self._encode(items, fenced)
+        for shard, call in calls.items():
+            names = [self.running_of(shard)] + [x[1] for x in call.ents]
             # (execute_command: redis-py's cluster pipeline refuses its evalsha method, but routes
             # the command itself by its keys)
-            pipe.execute_command("EVALSHA", self._script.sha, len(names), *names, *args)
-        return Placed([pos for _n, _a, pos in calls.values()], len(items))
+            pipe.execute_command("EVALSHA", self._script.sha, len(names), *names, self.ttl_s, self.maxlen,
+                                 self.finished_ttl_s, "" if fenced else "1",
+                                 self.cancel_prefix_of(shard) if cancels else "", _pack_numbers(call.nums),
+                                 *[x[2] for x in call.ents], *call.extras)
+        return Placed([c.pos for c in calls.values()], len(items))
 
-    def stream_of(self, request_id: str) -> tuple[int, bytes, bytes]:
-        """(shard, token stream key, request id) of a request, the last two encoded: computed once
-        while it runs (bounded), so a step's command is packed without encoding them again."""
+    async def write(self, items: list, acks: list | tuple = (), fenced: bool = True, cancels: bool = False) -> list[int]:
+        """`add_batch` and then XACK + XDEL of each (stream, group, entry id) in `acks`, written in
+        one round trip; 1 / 2 / 0 per item (`Placed.results`). On one Redis (or Sentinel) the
+        commands are packed here and go out on a connection of their own (`_Wire`, pipelined
+        behind any write still in flight); on a Redis Cluster on a redis-py pipeline. A command's
+        error (NoScriptError) is raised after all replies."""
+        wire = self._wire
+        if wire is None:
+            pipe = self.r.pipeline(transaction=False)
+            placed = self.add_batch(pipe, items, fenced, cancels)
+            for stream, group, entry_id in acks:
+                pipe.xack(stream, group, entry_id)
+                pipe.xdel(stream, entry_id)
+            return placed.results(await pipe.execute())
+        calls = self._encode(items, fenced)
+        parts = []
+        for shard, call in calls.items():
+            ents, blob = call.ents, _pack_numbers(call.nums)
+            nk = len(ents) + 1
+            parts.append(b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n$%d\r\n%d\r\n" % (
+                10 + 2 * len(ents) + len(call.extras), self._sha, len(str(nk)), nk))
+            running, head = self._fixed_of(shard, fenced, cancels)
+            parts.append(running)
+            parts += [x[3] for x in ents]
+            parts.append(head)
+            parts.append(b"$%d\r\n%b\r\n" % (len(blob), blob))
+            parts += [x[4] for x in ents]
+            if call.extras:
+                parts += [_bulk(x) for x in call.extras]
+        for stream, group, entry_id in acks:
+            parts.append(_pack("XACK", stream, group, entry_id))
+            parts.append(_pack("XDEL", stream, entry_id))
+        replies = await wire.call(b"".join(parts), len(calls) + 2 * len(acks))
+        return Placed([c.pos for c in calls.values()], len(items)).results(replies)
+
+    def _fixed_of(self, shard: int, fenced: bool, cancels: bool) -> tuple[bytes, bytes]:
+        """The packed running hash of `shard` (KEYS[1]) and the packed arguments before the
+        numbers (`write`), made once."""
+        key = (shard, fenced, cancels)
+        got = self._fixed.get(key)
+        if got is None:
+            got = self._fixed[key] = (_bulk(self.running_of(shard)), b"".join([_bulk(x) for x in (
+                self.ttl_s, self.maxlen, self.finished_ttl_s, "" if fenced else "1",
+                self.cancel_prefix_of(shard) if cancels else "")]))
+        return got
+
+    def _entry(self, request_id: str) -> tuple:
+        """(shard, token stream key, request id, both packed as RESP) of a request, the key and id
+        encoded: computed once while it runs (bounded), so a step's command is packed without
+        encoding them again."""
         got = self._streams.get(request_id)
         if got is None:
             if len(self._streams) >= STREAM_CACHE_MAX:
                 self._streams.clear()
-            got = self._streams[request_id] = (self.ks.request_shard(request_id),
-                                               self.ks.token_stream(request_id).encode(), request_id.encode())
+            key, rid = self.ks.token_stream(request_id).encode(), request_id.encode()
+            got = self._streams[request_id] = (self.ks.request_shard(request_id), key, rid, _bulk(key), _bulk(rid))
         return got
+
+    def stream_of(self, request_id: str) -> tuple[int, bytes, bytes]:
+        """(shard, token stream key, request id) of a request, the last two encoded (`_entry`)."""
+        return self._entry(request_id)[:3]
 
     def cancel_prefix_of(self, shard: int) -> bytes:
         got = self._cancels.get(shard)
