@@ -177,11 +177,30 @@ class DecodeSide(EngineBase):
             raise ValueError(f"steps must be >= 1, and 1 with grammar masks (got {steps}"
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
+        groups = self._step_groups(state, bucket)
+        if groups is not None:  # a blocked cache: the groups past the step's rows are not passed
+            used = state._replace(k=tuple(layer[:groups] for layer in state.k),
+                                  v=tuple(layer[:groups] for layer in state.v))
+            new, tokens = self.generate(used, bucket, logprobs=logprobs, masks=masks, steps=steps)
+            return new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
+                                v=tuple(n + o[groups:] for n, o in zip(new.v, state.v))), tokens
         if steps == 1:
             return generate_core(self.step_params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
                                  logprobs=bool(logprobs))
         return generate_core(self.step_params, state, None, cfg=self.cfg, layout=self.layout, rows=bucket,
                              logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
+
+    def _step_groups(self, state: DecodeState, bucket: int) -> int | None:
+        """On a blocked cache with slot groups, how many leading groups a step of `bucket` rows
+        reads and writes, when fewer than all (None otherwise). A step never touches a group
+        past its rows (model.decode_forward_blocked), so those blocks stay out of the call: at 32
+        slots a step of <= 8 rows passes 64 of the 128 cache buffers (each passed buffer is
+        flattened, checked and donated on the host, every call)."""
+        if not isinstance(state.k, tuple) or not _grouped(state.k):
+            return None
+        groups = len(state.k[0])
+        need = sum(1 for start in block_starts(tuple(g[0].shape[0] for g in state.k[0])) if start < bucket)
+        return need if need < groups else None
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the

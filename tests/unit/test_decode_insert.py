@@ -106,3 +106,26 @@ def test_a_bad_payload_is_refused_with_what_is_wrong(engine):
 
 def test_warmup_inserts_into_every_slot_group(engine):
     assert engine.warm_insert_slots() == (0, 8)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_step_over_the_first_group_passes_only_its_blocks_and_computes_the_same(engine, steps):
+    """A step of <= 8 rows at 16 slots leaves the second group's blocks out of the call
+    (engine._step_groups); tokens and the whole state after it are those of the call over every block."""
+    from tandem_engine.cores import generate_core
+
+    state = engine.init_state()
+    for slot in range(3):
+        prompt = [(slot * 31 + i * 7 + 2) % engine.info.vocab_size for i in range(10 + 4 * slot)]
+        state = engine.insert(engine.prefill(prompt, SamplingParams()), state, slot, PARAMS[slot % 2],
+                              history=prompt)
+    state = engine.insert(engine.prefill([5, 6, 7], SamplingParams()), state, 12, PARAMS[0])  # second group
+    state = engine.free(state, 12)  # (rows 0-2 only: the step below runs bucket 4)
+    assert engine._step_groups(state, engine.rows_for(3)) == 1
+    copy = jax.tree.map(lambda a: a.copy(), state)
+    kw = {} if steps == 1 else {"steps": steps, "max_len": engine.max_len}
+    want_state, want = generate_core(engine.step_params, copy, None, cfg=engine.cfg, layout=None,
+                                     rows=engine.rows_for(3), **kw)
+    got_state, got = engine.generate(state, 3, steps=steps)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_same(got_state, want_state)
