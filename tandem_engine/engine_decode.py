@@ -178,17 +178,18 @@ class DecodeSide(EngineBase):
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
         groups = self._step_groups(state, bucket)
-        if groups is not None:  # a blocked cache: the groups past the step's rows are not passed
-            used = state._replace(k=tuple(layer[:groups] for layer in state.k),
-                                  v=tuple(layer[:groups] for layer in state.v))
-            new, tokens = self.generate(used, bucket, logprobs=logprobs, masks=masks, steps=steps)
-            return new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
-                                v=tuple(n + o[groups:] for n, o in zip(new.v, state.v))), tokens
+        run = state if groups is None else state._replace(  # the groups past the step's rows stay out
+            k=tuple(layer[:groups] for layer in state.k), v=tuple(layer[:groups] for layer in state.v))
         if steps == 1:
-            return generate_core(self.step_params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
-                                 logprobs=bool(logprobs))
-        return generate_core(self.step_params, state, None, cfg=self.cfg, layout=self.layout, rows=bucket,
-                             logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
+            new, tokens = generate_core(self.step_params, run, m, cfg=self.cfg, layout=self.layout, rows=bucket,
+                                        logprobs=bool(logprobs))
+        else:
+            new, tokens = generate_core(self.step_params, run, None, cfg=self.cfg, layout=self.layout, rows=bucket,
+                                        logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
+        if groups is not None:
+            new = new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
+                               v=tuple(n + o[groups:] for n, o in zip(new.v, state.v)))
+        return new, tokens
 
     def _step_groups(self, state: DecodeState, bucket: int) -> int | None:
         """On a blocked cache with slot groups, how many leading groups a step of `bucket` rows
