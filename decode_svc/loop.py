@@ -158,6 +158,7 @@ class EngineLoop:
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
         self.stats.steps += steps
         self.stats.calls += 1
+        self.stats.single_calls += steps == 1 and self.steps_per_dispatch > 1
         return (toks, snapshot, want, steps), state
 
     def _steps_for(self) -> int:
