@@ -9,6 +9,8 @@ Life of a request through the engine:
   3. decode pod: `import_prefix(payload)` puts it back on the device; `insert(prefix, state, slot,
      sampling, history=...)` writes it into a free slot of the `DecodeState` with that request's
      sampling params and penalty state (the prompt it holds; the output in it, if resumed).
+     `insert_payload(payload, state, slot, ...)` does both in one move (a decode pod's pulled KV:
+     on one device the host arrays go straight into the insert call).
   4. `generate(state, rows)` runs ONE step for the slots in use (the smallest batch bucket that
      holds slots [0, rows)) and returns tokens still on the device, so the caller can dispatch the
      next step before copying them (pipelining); `logprobs=True` returns them packed with their
