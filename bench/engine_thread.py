@@ -14,6 +14,14 @@ wall time (the machine may be shared):
     the replies turned into results, the acks and finishes looked over (as `Publisher._publish`).
 `--profile` runs cProfile on the engine thread over the measured window and prints its top functions too.
 `--steps-per-dispatch K`: multi-step decode, K steps per generate call (a step counts each of them).
+`--arrive-every S` (insert-heavy, the prefill-starved decode pod of bench/host_path.py): one new
+request every S engine steps (counted by the loop, so old and new code see the same arrivals
+whatever the machine's load) instead of one as soon as a slot frees, each of `--output` tokens
+exactly (e.g. `--output 32 --arrive-every 4`: ~8 rows running); also reports the engine thread's
+CPU per insert (in `EngineLoop._apply_inserts`: import, insert, bookkeeping) and the share of
+generate calls that ran a single step while multi-step decode was on.
+`--code DIR`: import decode_svc / tandem_engine from another tree (an old export, e.g.
+/tmp/old-main) to compare back to back with this script's own measurements.
 Timings are printed, never asserted.
 """
 from __future__ import annotations
@@ -28,7 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if "--code" in sys.argv:  # before any import of the project: the other tree's code is measured
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
+elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
@@ -42,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024, help="the engine's context (bench/host_path.py's)")
     p.add_argument("--steps-per-dispatch", type=int, default=None,
                    help="multi-step decode: steps per generate call (default: the engine's setting)")
+    p.add_argument("--arrive-every", type=int, default=0,
+                   help="insert-heavy: a new request every this many engine steps (0: refill at once)")
+    p.add_argument("--code", default="", help="import the project from this tree (e.g. /tmp/old-main)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     a = p.parse_args(argv)
@@ -69,7 +82,10 @@ def main(argv=None) -> int:
     loop = EngineLoop(engine, table, bridge, **kw)  # (an old tree's EngineLoop takes no steps_per_dispatch)
     t_proc = [0.0]
     t_gen = [0.0]
-    orig_process, orig_generate = loop._process, engine.generate
+    t_ins = [0.0]
+    single = [0]  # generate calls of one step
+    inserted = [0]
+    orig_process, orig_generate, orig_apply = loop._process, engine.generate, loop._apply_inserts
 
     profiling = threading.Event()  # set over the measured window: the engine thread profiles itself then
     prof_on = [False]
@@ -84,7 +100,17 @@ def main(argv=None) -> int:
         finally:
             t_proc[0] += time.thread_time() - t
 
+    def apply_inserts(state, block_s):
+        t = time.thread_time()
+        n = table.used
+        try:
+            return orig_apply(state, block_s)
+        finally:
+            t_ins[0] += time.thread_time() - t
+            inserted[0] += table.used - n  # (a slot freed inside is freed by _process, not here)
+
     def generate(*args, **kw):
+        single[0] += kw.get("steps", 1) == 1
         t = time.thread_time()
         try:
             return orig_generate(*args, **kw)
@@ -92,6 +118,7 @@ def main(argv=None) -> int:
             t_gen[0] += time.thread_time() - t
 
     loop._process = process  # type: ignore[method-assign]
+    loop._apply_inserts = apply_inserts  # type: ignore[method-assign]
     engine.generate = generate  # type: ignore[method-assign]
     prof = cProfile.Profile(time.thread_time) if a.profile else None
 
@@ -102,38 +129,47 @@ def main(argv=None) -> int:
 
     def feeder() -> None:  # the claims loop's part: a new request as soon as a slot is free
         n = 0
+        due = 0  # (--arrive-every) the loop's step count at which the next request arrives
         while not stop.is_set():
+            if a.arrive_every and loop.stats.steps < due:
+                time.sleep(0.0005)
+                continue
             if table.reserve(1) == 0:
                 time.sleep(0.0005)
                 continue
+            due += a.arrive_every
             rid = f"req-{n:06d}-{'x' * 24}"
             key = table.claim(rid)
             assert key is not None
             bridge.put_insert(Insert(prefixes[n % len(prefixes)],
-                                     GenerationRequest(rid, prompts[n % len(prompts)], max_tokens - 16 + n % 33, SamplingParams(),
+                                     GenerationRequest(rid, prompts[n % len(prompts)],
+                                                       max_tokens if a.arrive_every else max_tokens - 16 + n % 33,
+                                                       SamplingParams(),
                                                        ignore_eos=True), key))
             n += 1
 
     feed = threading.Thread(target=feeder, daemon=True)
     feed.start()
     loop.start()
-    while table.used < a.rows:
+    while table.used < (1 if a.arrive_every else a.rows):
         time.sleep(0.01)
     clock = time.pthread_getcpuclockid(loop.thread.ident)  # type: ignore[arg-type]
     batches: list = []
     # skip the first steps (compiles, the pipeline filling)
-    while loop.stats.steps < 5:
+    while loop.stats.steps < (5 + 2 * a.output if a.arrive_every else 5):  # (arrivals: to the steady state)
         time.sleep(0.01)
     while not bridge.outputs.empty():
         bridge.outputs.get_nowait()
     n0 = getattr(loop.stats, "calls", 0)
     s0, c0, p0, g0 = loop.stats.steps, time.clock_gettime(clock), t_proc[0], t_gen[0]
+    i0, n1_0, ins0 = t_ins[0], single[0], inserted[0]
     w0 = time.perf_counter()
     profiling.set()
     want = a.steps - 20
     while loop.stats.steps - s0 < want:
         batches.append(bridge.outputs.get(timeout=60))
     s1, c1, p1, g1 = loop.stats.steps, time.clock_gettime(clock), t_proc[0], t_gen[0]
+    i1, n1_1, ins1 = t_ins[0], single[0], inserted[0]
     wall = time.perf_counter() - w0
     calls = getattr(loop.stats, "calls", 0) - n0
     profiling.clear()
@@ -193,7 +229,13 @@ def main(argv=None) -> int:
     print(f"engine thread CPU : {(c1 - c0) / steps * 1e3:.3f} ms/step  {(c1 - c0) / tokens * us:.1f} us/token")
     print(f"  _process        : {(p1 - p0) / steps * 1e3:.3f} ms/step  {(p1 - p0) / tokens * us:.1f} us/token")
     print(f"  engine.generate : {(g1 - g0) / steps * 1e3:.3f} ms/step  {(g1 - g0) / tokens * us:.1f} us/token")
-    rest = (c1 - c0) - (p1 - p0) - (g1 - g0)
+    inserts = ins1 - ins0
+    print(f"  _apply_inserts  : {(i1 - i0) / steps * 1e3:.3f} ms/step  {(i1 - i0) / tokens * us:.1f} us/token  "
+          f"{(i1 - i0) / max(1, inserts) * us:.0f} us/insert over {inserts} inserts "
+          f"({tokens / steps:.1f} rows a step)")
+    print(f"  single-step calls: {n1_1 - n1_0} of {calls or steps} "
+          f"({(n1_1 - n1_0) / max(1, calls or steps):.0%}; multi-step K={engine.steps_per_dispatch})")
+    rest = (c1 - c0) - (p1 - p0) - (g1 - g0) - (i1 - i0)
     print(f"  the rest        : {rest / steps * 1e3:.3f} ms/step  {rest / tokens * us:.1f} us/token")
     print(f"publisher (event loop) add_batch+pack: {ev / len(batches) * 1e3:.3f} ms/batch  "
           f"{ev / ev_tokens * us:.1f} us/token over {len(batches)} batches")

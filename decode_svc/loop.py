@@ -49,7 +49,7 @@ from tandem_core.errors import TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
 from tandem_core.sampling_args import insert_args
-from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest
+from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload
 from tandem_engine.logits import unpack_logprobs
 from tandem_engine.prefix_cache import PrefixCache
 
@@ -158,6 +158,7 @@ class EngineLoop:
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
         self.stats.steps += steps
         self.stats.calls += 1
+        self.stats.single_calls += steps == 1 and self.steps_per_dispatch > 1
         return (toks, snapshot, want, steps), state
 
     def _steps_for(self) -> int:
@@ -196,8 +197,7 @@ class EngineLoop:
             if isinstance(item, LocalPrefill):
                 state = self._local_prefill(item, state)
                 continue
-            prefix = self.engine.import_prefix(item.payload)
-            state = self._insert(state, prefix, item.req, item.payload.first_token, item.key)
+            state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key)
         return state
 
     def _insert(self, state, prefix, req: GenerationRequest, first_token: int, key: int):
@@ -212,7 +212,10 @@ class EngineLoop:
         if slot is None:  # a claim holds a seat (RequestTable), so a queued request always finds one
             raise RuntimeError(f"no free slot to insert {req.request_id}: the request table admitted more "
                                f"requests than its {self.table.slots} slots (a bug in decode_svc/requests.py)")
-        state = self.engine.insert(prefix, state, slot, req.sampling, **insert_args(req, first_token))
+        if isinstance(prefix, KVPayload):  # a pulled KV: straight from the host arrays into the slot
+            state = self.engine.insert_payload(prefix, state, slot, req.sampling, **insert_args(req, first_token))
+        else:  # a prefix on the device (prefilled here)
+            state = self.engine.insert(prefix, state, slot, req.sampling, **insert_args(req, first_token))
         self.grammars.attach(slot, matcher)
         self.table.start(key, Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
                                      stop_ids=frozenset(req.stop_token_ids)))

@@ -78,6 +78,11 @@ class ServingEngine(Protocol):
                output_from: int | None = None, start_index: int = 0,
                stop_ids: Sequence[int] = ()) -> "DecodeState": ...
 
+    def insert_payload(self, payload: "KVPayload", state: "DecodeState", slot: int, sampling: "SamplingParams", *,
+                       first_token: int | None = None, history: Sequence[int] | None = None,
+                       output_from: int | None = None, start_index: int = 0,
+                       stop_ids: Sequence[int] = ()) -> "DecodeState": ...
+
     def generate(self, state: "DecodeState", rows: int | None = None, *, logprobs: bool = False,
                  masks: "np.ndarray | None" = None, steps: int = 1) -> "tuple[DecodeState, jax.Array]": ...
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
@@ -131,18 +132,67 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
     def rows(x):
         return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
 
-
-    # the penalty state: the prompt (seen), the output so far in it (counted), the first token
-    vocab = state.history.shape[1]
-    hist = history_row(hist_ids, hist_len, output_from, vocab).at[first_token].add(2, mode="drop")
     if blocked:
         new_k, new_v = write_blocks(state.k, state.v, k, v, slot)
     else:
         new_k = constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache)
         new_v = constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache)
+    return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
+                        hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
+
+
+INSERT_INTS = 9  # the scalars leading `insert_blocks_core`'s ints (see `pack_insert`)
+INSERT_FLOATS = 6
+
+
+def pack_insert(slot, local, true_length, first_token, step, temperature, top_k, top_p, seed, hist_ids,
+                hist_len, output_from, proc: SlotLogits) -> tuple[np.ndarray, np.ndarray]:
+    """An insert's host arguments as two arrays (int32, float32): one transfer each into the call
+    instead of ~20 (each numpy argument of a jitted call is its own host -> device transfer)."""
+    ints = np.concatenate([
+        np.array([slot, local, true_length, first_token, step, top_k, hist_len, output_from, proc.min_tokens],
+                 np.int32),
+        np.asarray(seed, np.uint32).view(np.int32), np.asarray(hist_ids, np.int32),
+        np.asarray(proc.bias_ids, np.int32).reshape(-1), np.asarray(proc.stop_ids, np.int32).reshape(-1)])
+    floats = np.concatenate([
+        np.array([temperature, top_p, proc.repetition, proc.presence, proc.frequency, proc.penalized], np.float32),
+        np.asarray(proc.bias, np.float32).reshape(-1)])
+    return ints, floats
+
+
+@partial(jax.jit, donate_argnums=(0, 1, 2))
+def insert_blocks_core(state: DecodeState, k_blocks, v_blocks, k, v, ints, floats) -> tuple[DecodeState, tuple, tuple]:
+    """`insert_core` on a blocked cache (engine.kv_blocks), passing only what the insert writes:
+    `state` without its cache (k = v = ()), and k_blocks, v_blocks [layer][block] the blocks of
+    the slot's group that rows [0, length) fall in. The other blocks are not arguments at all, so
+    the call flattens and donates ~25 buffers instead of the whole cache's too (145 at 32 slots,
+    max_len 1024), and the request's scalars and rows come packed in `ints` and `floats`
+    (`pack_insert`). Returns (state without its cache, the new k blocks, the new v blocks)."""
+    t = k.shape[1]
+    nb, ns = state.processing.bias_ids.shape[1], state.processing.stop_ids.shape[1]
+    slot, local, true_length, first_token, step, top_k, hist_len, output_from, min_tokens = (
+        ints[i] for i in range(INSERT_INTS))
+    at = INSERT_INTS
+    seed = jax.lax.bitcast_convert_type(ints[at:at + 2], jnp.uint32)
+    hist_ids = ints[at + 2:at + 2 + t]
+    bias_ids = ints[at + 2 + t:at + 2 + t + nb]
+    stop_ids = ints[at + 2 + t + nb:at + 2 + t + nb + ns]
+    temperature, top_p, repetition, presence, frequency, penalized = (floats[i] for i in range(INSERT_FLOATS))
+    proc = SlotLogits(repetition, presence, frequency, bias_ids, floats[INSERT_FLOATS:INSERT_FLOATS + nb],
+                      stop_ids, min_tokens, penalized != 0)
+    new_k, new_v = write_blocks(k_blocks, v_blocks, k, v, local)
+    small = _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
+                         hist_ids, hist_len, output_from, proc)
+    return small, new_k, new_v
+
+
+def _insert_slot(state: DecodeState, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
+                 hist_ids, hist_len, output_from, proc: SlotLogits) -> DecodeState:
+    """The slot's per-slot arrays of an insert (everything but the KV)."""
+    # the penalty state: the prompt (seen), the output so far in it (counted), the first token
+    vocab = state.history.shape[1]
+    hist = history_row(hist_ids, hist_len, output_from, vocab).at[first_token].add(2, mode="drop")
     return state._replace(
-        k=new_k,
-        v=new_v,
         positions=state.positions.at[slot].set(true_length),
         tokens=state.tokens.at[slot].set(first_token),
         active=state.active.at[slot].set(True),

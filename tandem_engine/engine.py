@@ -9,6 +9,8 @@ Life of a request through the engine:
   3. decode pod: `import_prefix(payload)` puts it back on the device; `insert(prefix, state, slot,
      sampling, history=...)` writes it into a free slot of the `DecodeState` with that request's
      sampling params and penalty state (the prompt it holds; the output in it, if resumed).
+     `insert_payload(payload, state, slot, ...)` does both in one move (a decode pod's pulled KV:
+     on one device the host arrays go straight into the insert call).
   4. `generate(state, rows)` runs ONE step for the slots in use (the smallest batch bucket that
      holds slots [0, rows)) and returns tokens still on the device, so the caller can dispatch the
      next step before copying them (pipelining); `logprobs=True` returns them packed with their
@@ -86,7 +88,8 @@ class Engine(PrefillSide, DecodeSide):
             else:
                 kv = jnp.zeros((c.num_layers, b, c.num_kv_heads, c.head_dim), self._jdtype)
                 prefix = Prefix(kv, kv, 1, 0)
-            state = self.insert(prefix, state, 0, SamplingParams())
+            for slot in self.warm_insert_slots():  # a blocked cache compiles an insert per slot group
+                state = self.insert(prefix, state, slot, SamplingParams())
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
         for rows in self.batch_buckets:
             for steps in multi:  # multi-step decode: its own compiled variants
@@ -96,5 +99,6 @@ class Engine(PrefillSide, DecodeSide):
             if masks:
                 ones = np.full((rows, (self.info.vocab_size + 31) // 32), -1, np.int32)
                 state, tokens = self.generate(state, rows, masks=ones)
-        state = self.free(state, 0)
+        for slot in self.warm_insert_slots():
+            state = self.free(state, slot)
         jax.block_until_ready((state, tokens))

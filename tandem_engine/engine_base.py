@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from tandem_core.errors import PromptTooLong
+from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo
+from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
@@ -124,6 +125,26 @@ class EngineBase:
         if rows is None or rows >= self.slots:
             return self.slots
         return next(b for b in self.batch_buckets if b >= max(1, rows))
+
+    def check_payload(self, payload: KVPayload) -> None:
+        """InvalidRequest / PromptTooLong unless the payload's KV fits this model and max_len
+        (any length bucket, any dtype): what import_prefix checks before placing it."""
+        want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        for name, arr in (("k", payload.k), ("v", payload.v)):
+            shape = tuple(arr.shape)
+            if len(shape) != 4 or (shape[0], shape[2], shape[3]) != want:
+                raise InvalidRequest(
+                    f"KV payload {name} has shape {shape}; this model needs "
+                    f"[{want[0]}, length, {want[1]}, {want[2]}]"
+                )
+        length = payload.k.shape[1]
+        if payload.v.shape[1] != length or not 0 < payload.true_length <= length:
+            raise InvalidRequest(
+                f"KV payload lengths disagree: k {length}, v {payload.v.shape[1]}, "
+                f"true_length {payload.true_length}"
+            )
+        if length > self.max_len:
+            raise PromptTooLong(f"KV payload has {length} positions; this engine's max_len is {self.max_len}")
 
     def _place_kv(self, kv) -> jax.Array:
         """A prefix array (host or device, any sharding) on this engine's chips, in its dtype."""

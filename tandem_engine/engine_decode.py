@@ -15,11 +15,13 @@ import numpy as np
 
 from tandem_core.errors import PromptTooLong
 from tandem_core.types import SamplingParams
-from tandem_engine.cores import DecodeState, free_core, generate_core, insert_core
+from tandem_core.types import KVPayload
+from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_blocks_core, insert_core,
+                                pack_insert)
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
-from tandem_engine.model import blocked_cache
+from tandem_engine.model import _grouped, block_starts, blocked_cache, kv_slot_groups
 from tandem_engine.sampling import sampling_arrays
 
 
@@ -68,26 +70,90 @@ class DecodeSide(EngineBase):
         repetition sees all of it, presence/frequency count history[output_from:] (the output so
         far; default none) plus the first token. None: nothing seen but the first token."""
         self._check_slot(slot)
-        length = prefix.k.shape[1]
+        k, v = prefix.k, prefix.v
+        if self.layout is not None:  # a prefix from an engine on other chips moves here first
+            k, v = self._place_kv(k), self._place_kv(v)
+        elif isinstance(k, jax.Array) and len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
+            k, v = jax.device_put(k, state.positions.sharding), jax.device_put(v, state.positions.sharding)
+        return self._insert(state, k, v, slot, prefix.true_length, prefix.first_token, sampling, first_token,
+                            history, output_from, start_index, stop_ids)
+
+    def insert_payload(self, payload: KVPayload, state: DecodeState, slot: int, sampling: SamplingParams, *,
+                       first_token: int | None = None, history: Sequence[int] | None = None,
+                       output_from: int | None = None, start_index: int = 0,
+                       stop_ids: Sequence[int] = ()) -> DecodeState:
+        """`insert(import_prefix(payload), ...)` in one move (donates `state`): what a decode pod
+        does with a pulled KV. On one device the host arrays go straight into the insert call
+        (its argument transfer; no separate device_put, no jnp.asarray conversion of each: ~80 us
+        of host CPU per payload saved); with a layout, import_prefix places them on the chips."""
+        if self.layout is not None:
+            return self.insert(self.import_prefix(payload), state, slot, sampling, first_token=first_token,  # type: ignore[attr-defined]
+                               history=history, output_from=output_from, start_index=start_index,
+                               stop_ids=stop_ids)
+        self._check_slot(slot)
+        self.check_payload(payload)
+        k, v = payload.k, payload.v
+        if k.dtype != self._jdtype:  # (on the host: one conversion, then the call's transfer)
+            k, v = np.asarray(k, self._jdtype), np.asarray(v, self._jdtype)
+        return self._insert(state, k, v, slot, int(payload.true_length), int(payload.first_token), sampling,
+                            first_token, history, output_from, start_index, stop_ids)
+
+    def _insert(self, state: DecodeState, k, v, slot: int, true_length: int, prefix_first: int,
+                sampling: SamplingParams, first_token: int | None, history: Sequence[int] | None,
+                output_from: int | None, start_index: int, stop_ids: Sequence[int]) -> DecodeState:
+        """k, v [L, length, KV, hd] (device arrays, or host arrays on one device) into `slot`."""
+        length = k.shape[1]
         if length > self.max_len:
             raise PromptTooLong(f"prefix has {length} positions; this engine's max_len is {self.max_len}")
-        first = int(prefix.first_token if first_token is None else first_token)
+        first = int(prefix_first if first_token is None else first_token)
         if not 0 <= first < self.info.vocab_size:
             raise ValueError(f"first token {first} is outside the vocabulary [0, {self.info.vocab_size})")
         s = sampling_arrays(sampling)
         proc = slot_logits(sampling, self.info.vocab_size, stop_ids)
-        hist_ids, hist_len, out_from = history_arrays(history, output_from, prefix.true_length, length,
+        hist_ids, hist_len, out_from = history_arrays(history, output_from, true_length, length,
                                                       self.info.vocab_size)
-        k, v = prefix.k, prefix.v
-        if self.layout is not None:  # a prefix from an engine on other chips moves here first
-            k, v = self._place_kv(k), self._place_kv(v)
-        elif len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
-            k, v = jax.device_put(k, state.positions.sharding), jax.device_put(v, state.positions.sharding)
-        return insert_core(
-            state, k, v, np.int32(slot), np.int32(prefix.true_length), np.int32(first),
-            np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],
-            hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout,
-        )
+        if isinstance(state.k, tuple):  # a blocked cache: only the blocks the prefix's rows fall in
+            return self._insert_blocks(state, k, v, int(slot), length, lambda local: pack_insert(
+                slot, local, true_length, first, int(start_index) + 1, s["temperature"], s["top_k"], s["top_p"],
+                s["seed"], hist_ids, hist_len, out_from, proc))
+        return insert_core(state, k, v, np.int32(slot), np.int32(true_length), np.int32(first),
+                           np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],
+                           hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout)
+
+    def _insert_blocks(self, state: DecodeState, k, v, slot: int, length: int, packed) -> DecodeState:
+        """`insert_blocks_core` over the slot's group's first blocks (those rows [0, length) fall
+        in), put back into the cache's nesting ([layer][group][block], or [layer][block])."""
+        grouped = _grouped(state.k)
+        group, local = 0, slot
+        if grouped:
+            for n in kv_slot_groups(self.slots):
+                if local < n:
+                    break
+                group, local = group + 1, local - n
+        layer0 = state.k[0][group] if grouped else state.k[0]
+        blocks = sum(1 for start in block_starts(tuple(b.shape[-1] for b in layer0)) if start < length)
+
+        def take(cache):
+            return tuple((layer[group] if grouped else layer)[:blocks] for layer in cache)
+
+        def put(cache, written):
+            if not grouped:
+                return tuple(new + old[blocks:] for old, new in zip(cache, written))
+            return tuple(old[:group] + (new + old[group][blocks:],) + old[group + 1:]
+                         for old, new in zip(cache, written))
+
+        k_blocks, v_blocks = take(state.k), take(state.v)
+        small, new_k, new_v = insert_blocks_core(state._replace(k=(), v=()), k_blocks, v_blocks, k, v,
+                                                 *packed(local))
+        return small._replace(k=put(state.k, new_k), v=put(state.v, new_v))
+
+    def warm_insert_slots(self) -> tuple[int, ...]:
+        """One slot of each compiled insert variant (a blocked cache's slot groups have their own):
+        the slots engine.warmup inserts into, so no request pays for an insert's compilation."""
+        if not self.kv_blocks:
+            return (0,)
+        groups = kv_slot_groups(self.slots)
+        return tuple(block_starts(groups))
 
     def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
                  masks: np.ndarray | None = None, steps: int = 1) -> tuple[DecodeState, jax.Array]:
@@ -111,11 +177,31 @@ class DecodeSide(EngineBase):
             raise ValueError(f"steps must be >= 1, and 1 with grammar masks (got {steps}"
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
+        groups = self._step_groups(state, bucket)
+        run = state if groups is None else state._replace(  # the groups past the step's rows stay out
+            k=tuple(layer[:groups] for layer in state.k), v=tuple(layer[:groups] for layer in state.v))
         if steps == 1:
-            return generate_core(self.step_params, state, m, cfg=self.cfg, layout=self.layout, rows=bucket,
-                                 logprobs=bool(logprobs))
-        return generate_core(self.step_params, state, None, cfg=self.cfg, layout=self.layout, rows=bucket,
-                             logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
+            new, tokens = generate_core(self.step_params, run, m, cfg=self.cfg, layout=self.layout, rows=bucket,
+                                        logprobs=bool(logprobs))
+        else:
+            new, tokens = generate_core(self.step_params, run, None, cfg=self.cfg, layout=self.layout, rows=bucket,
+                                        logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
+        if groups is not None:
+            new = new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
+                               v=tuple(n + o[groups:] for n, o in zip(new.v, state.v)))
+        return new, tokens
+
+    def _step_groups(self, state: DecodeState, bucket: int) -> int | None:
+        """On a blocked cache with slot groups, how many leading groups a step of `bucket` rows
+        reads and writes, when fewer than all (None otherwise). A step never touches a group
+        past its rows (model.decode_forward_blocked), so those blocks stay out of the call: at 32
+        slots a step of <= 8 rows passes 64 of the 128 cache buffers (each passed buffer is
+        flattened, checked and donated on the host, every call)."""
+        if not isinstance(state.k, tuple) or not _grouped(state.k):
+            return None
+        groups = len(state.k[0])
+        need = sum(1 for start in block_starts(tuple(g[0].shape[0] for g in state.k[0])) if start < bucket)
+        return need if need < groups else None
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the

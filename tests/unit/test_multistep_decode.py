@@ -140,6 +140,8 @@ def test_loop_tokens_at_k4_equal_k1_across_finishes_inside_a_call(engine):
     k1, _ = _drive(engine, reqs, 1)
     k4, loop = _drive(engine, reqs, 4)
     assert loop.stats.calls < loop.stats.steps  # some calls did run several steps
+    # the single-step calls (work waiting at dispatch) are counted apart: every other call ran 4 steps
+    assert loop.stats.steps == 4 * (loop.stats.calls - loop.stats.single_calls) + loop.stats.single_calls
     want_stop = next(i for i, t in enumerate(toks, start=1) if t == stop_tok)
     assert [(i, f) for i, _t, f in k1["stops"]][-1] == (want_stop, "stop")
     assert [(i, f) for i, _t, f in k1["short"]][-1] == (5, "length")

@@ -1,0 +1,131 @@
+"""An insert on a blocked decode cache (one CPU device) passes only the blocks the prefix's rows
+fall in, in the slot's group, and the request's scalars packed in two arrays
+(cores.insert_blocks_core); a pulled payload goes straight from the host into that call
+(engine.insert_payload). Both must leave exactly the state the whole-state insert
+(cores.insert_core over every block) leaves: every block, every per-slot array, bit for bit,
+whatever the slot's group, the prefix's length (one block or several) and the request's sampling
+and processing params."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tandem_core.errors import InvalidRequest
+from tandem_core.types import KVPayload, SamplingParams
+from tandem_engine import load_engine
+from tandem_engine.cores import insert_core
+from tandem_engine.logits import history_arrays, slot_logits
+from tandem_engine.model import kv_slot_groups
+from tandem_engine.sampling import sampling_arrays
+
+SLOTS, MAX_LEN = 16, 300  # slot groups of 8 and 8; blocks of 128, 128 and 44 rows
+
+PARAMS = [
+    SamplingParams(seed=99),  # greedy (a seed: None draws a new one per insert)
+    SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1234, repetition_penalty=1.3,
+                   presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((7, 2.5), (11, -3.0)), min_tokens=3),
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16, 200))
+    assert eng.kv_blocks and kv_slot_groups(SLOTS) == (8, 8)
+    return eng
+
+
+def filled_state(engine, seed: int):
+    """A state whose cache and per-slot arrays hold noise (what earlier occupants leave)."""
+    rng = np.random.default_rng(seed)
+    state = engine.init_state()
+    return jax.tree.map(lambda a: jax.numpy.asarray(
+        rng.integers(0, 5, a.shape) if a.dtype.kind in "iub" and a.dtype != bool else
+        rng.integers(0, 2, a.shape).astype(bool) if a.dtype == bool else rng.standard_normal(a.shape),
+        a.dtype), state)
+
+
+def reference(engine, state, prefix, slot, sampling, history, start_index, stop_ids):
+    """The whole-state insert (every block of every group through one call)."""
+    length = prefix.k.shape[1]
+    s = sampling_arrays(sampling)
+    hist_ids, hist_len, out_from = history_arrays(history, None, prefix.true_length, length, engine.info.vocab_size)
+    return insert_core(state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.true_length),
+                       np.int32(prefix.first_token), np.int32(start_index + 1), s["temperature"], s["top_k"],
+                       s["top_p"], s["seed"], hist_ids, np.int32(hist_len), np.int32(out_from),
+                       slot_logits(sampling, engine.info.vocab_size, stop_ids), layout=None)
+
+
+def assert_same(got, want):
+    flat_got, tree_got = jax.tree.flatten(got)
+    flat_want, tree_want = jax.tree.flatten(want)
+    assert tree_got == tree_want
+    for i, (a, b) in enumerate(zip(flat_got, flat_want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"leaf {i} differs")
+
+
+@pytest.mark.parametrize("slot", [0, 5, 8, 15])  # first group, second group
+@pytest.mark.parametrize("prompt_len", [12, 150])  # one block, two blocks
+@pytest.mark.parametrize("params", range(len(PARAMS)))
+def test_sliced_insert_leaves_the_whole_state_insert_state(engine, slot, prompt_len, params):
+    sampling = PARAMS[params]
+    prompt = [(i * 13 + 5) % engine.info.vocab_size for i in range(prompt_len)]
+    prefix = engine.prefill(prompt, SamplingParams())
+    kw = dict(history=prompt, start_index=0, stop_ids=(3, 9))
+    want = reference(engine, filled_state(engine, slot), prefix, slot, sampling, prompt, 0, (3, 9))
+    got = engine.insert(prefix, filled_state(engine, slot), slot, sampling, **kw)
+    assert_same(got, want)
+    payload = engine.export_prefix(prefix)  # a pulled KV: host arrays into the same call
+    got = engine.insert_payload(payload, filled_state(engine, slot), slot, sampling, **kw)
+    assert_same(got, want)
+
+
+def test_payload_in_another_dtype_and_a_resumed_request(engine):
+    prompt = list(range(1, 40))
+    prefix = engine.prefill(prompt, SamplingParams())
+    payload = engine.export_prefix(prefix)
+    half = KVPayload(payload.k.astype(np.float16), payload.v.astype(np.float16), payload.true_length,
+                     payload.first_token)
+    # resumed: the prompt holds 5 tokens of output already, and the next token is index 6
+    want = engine.insert(engine.import_prefix(half), filled_state(engine, 3), 11, PARAMS[1], history=prompt,
+                         output_from=34, start_index=5, first_token=17)
+    got = engine.insert_payload(half, filled_state(engine, 3), 11, PARAMS[1], history=prompt, output_from=34,
+                                start_index=5, first_token=17)
+    assert_same(got, want)
+
+
+def test_a_bad_payload_is_refused_with_what_is_wrong(engine):
+    prefix = engine.export_prefix(engine.prefill([1, 2, 3], SamplingParams()))
+    bad = KVPayload(prefix.k[:, :, :1], prefix.v[:, :, :1], prefix.true_length, prefix.first_token)
+    with pytest.raises(InvalidRequest, match="KV payload k has shape"):
+        engine.insert_payload(bad, engine.init_state(), 0, SamplingParams())
+    bad = KVPayload(prefix.k, prefix.v, prefix.k.shape[1] + 1, prefix.first_token)
+    with pytest.raises(InvalidRequest, match="lengths disagree"):
+        engine.insert_payload(bad, engine.init_state(), 0, SamplingParams())
+
+
+def test_warmup_inserts_into_every_slot_group(engine):
+    assert engine.warm_insert_slots() == (0, 8)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_step_over_the_first_group_passes_only_its_blocks_and_computes_the_same(engine, steps):
+    """A step of <= 8 rows at 16 slots leaves the second group's blocks out of the call
+    (engine._step_groups); tokens and the whole state after it are those of the call over every block."""
+    from tandem_engine.cores import generate_core
+
+    state = engine.init_state()
+    for slot in range(3):
+        prompt = [(slot * 31 + i * 7 + 2) % engine.info.vocab_size for i in range(10 + 4 * slot)]
+        state = engine.insert(engine.prefill(prompt, SamplingParams()), state, slot, PARAMS[slot % 2],
+                              history=prompt)
+    state = engine.insert(engine.prefill([5, 6, 7], SamplingParams()), state, 12, PARAMS[0])  # second group
+    state = engine.free(state, 12)  # (rows 0-2 only: the step below runs bucket 4)
+    assert engine._step_groups(state, engine.rows_for(3)) == 1
+    copy = jax.tree.map(lambda a: a.copy(), state)
+    kw = {} if steps == 1 else {"steps": steps, "max_len": engine.max_len}
+    want_state, want = generate_core(engine.step_params, copy, None, cfg=engine.cfg, layout=None,
+                                     rows=engine.rows_for(3), **kw)
+    got_state, got = engine.generate(state, 3, steps=steps)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_same(got_state, want_state)
