@@ -38,7 +38,7 @@ DEFAULT_BUCKETS = [16, 32, 64, 128, 256, 512]  # prefill length buckets; doubled
 AUTO_MAX_LEN = 4096  # --max-len 0 (auto) never goes past this on a laptop: compile time and memory grow with it
 KV_MEMORY_FRACTION = 0.25  # of this machine's memory, for the decode workers' KV at the auto context
 KV_BYTES = 4  # float32 KV on a CPU
-DEFAULT_CPU_THREADS = "prefill=0,decode=1"  # --cpu-threads (bench/RESULTS.md, the burst section)
+DEFAULT_CPU_THREADS = "1"  # --cpu-threads: every core for prefill was no faster in a quiet burst (bench/RESULTS.md)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="XLA CPU compute threads of the prefill and decode workers (0: one per core): one count for "
                    "both, or per role (ROLE=N items; a role left out gets 1). Decode steps run back to back, so one "
                    "thread suits a laptop whose cores the workers share (idle pool threads spin against the other "
-                   "workers); prefill runs in bursts, whose first tokens wait on it, so it gets every core. A "
+                   "workers; one for prefill too: every core for it gained nothing in a quiet burst run). A "
                    "--colocated worker takes decode's count")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
