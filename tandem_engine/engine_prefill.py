@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
-from tandem_core.errors import InvalidRequest, PromptTooLong
+from tandem_core.errors import InvalidRequest
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
 from tandem_engine.api import PrefillCall
 from tandem_engine.cores import (logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
@@ -250,22 +250,7 @@ class PrefillSide(EngineBase):
     def import_prefix(self, payload: KVPayload) -> Prefix:
         """Host -> device, split across this engine's chips. Accepts payloads from any engine
         serving the same architecture, whatever its tp or dtype."""
-        want = (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
-        for name, arr in (("k", payload.k), ("v", payload.v)):
-            shape = tuple(arr.shape)
-            if len(shape) != 4 or (shape[0], shape[2], shape[3]) != want:
-                raise InvalidRequest(
-                    f"KV payload {name} has shape {shape}; this model needs "
-                    f"[{want[0]}, length, {want[1]}, {want[2]}]"
-                )
-        length = payload.k.shape[1]
-        if payload.v.shape[1] != length or not 0 < payload.true_length <= length:
-            raise InvalidRequest(
-                f"KV payload lengths disagree: k {length}, v {payload.v.shape[1]}, "
-                f"true_length {payload.true_length}"
-            )
-        if length > self.max_len:
-            raise PromptTooLong(f"KV payload has {length} positions; this engine's max_len is {self.max_len}")
+        self.check_payload(payload)
         return Prefix(
             k=self._place_kv(payload.k), v=self._place_kv(payload.v),
             true_length=int(payload.true_length), first_token=int(payload.first_token),
