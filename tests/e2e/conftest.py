@@ -1,6 +1,7 @@
 """The whole cluster as processes: `tandem local` started in a subprocess, stopped by PID."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tandem.redis_proc import free_port
@@ -95,3 +97,31 @@ def both_paths(request):
         yield c
     finally:
         stop_local(c.proc)
+
+
+def until_quiet(base: str, timeout_s: float = 30) -> dict:
+    """The decode pod's counters once the whole cluster is idle and stays so: every pod's slots
+    free, no KV held, nothing queued, and the decode and prefill counters unchanged over more
+    than two heartbeats of fresh reports. (Free decode slots alone are no witness: a prompt still inside
+    the prefill pod reaches the decode pod later, and a cancel of an earlier test's request would
+    then land in this test's counters.)"""
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while True:
+        snap = httpx.get(base + "/admin/cluster", timeout=10).json()
+        workers = snap["workers"]
+        dec = [w for w in workers if w["role"] == "decode"]
+        idle = (len(dec) == 1 and all(w["free_slots"] == w["slots"] for w in workers)
+                and all(w.get("held_kv_bytes", 0) == 0 for w in workers)
+                and all(w["heartbeat_age_s"] < 1.5 for w in workers)
+                and not any(dec[0]["extra"].get("requests", {}).values())  # none claimed or pulling
+                and snap["queues"]["admission_backlog"] == 0 and snap["queues"]["ready"] == 0)
+        counters = (dec[0]["extra"]["cancelled"], dec[0]["extra"]["tokens"],
+                    [w["extra"].get("prefilled") for w in workers if w["role"] == "prefill"]) if idle else None
+        now = time.monotonic()
+        if counters is None or counters != last:
+            last, since = counters, now
+        elif now - since > 2.5:
+            return {**dec[0]["extra"], "free": True}
+        assert now < deadline, f"the cluster did not settle: {json.dumps(snap)[:800]}"
+        time.sleep(0.2)

@@ -3,14 +3,13 @@ everything, colocated mode serves the same greedy tokens."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_local, stop_local
+from tests.e2e.conftest import start_local, stop_local, until_quiet
 
 pytestmark = pytest.mark.e2e
 
@@ -101,7 +100,7 @@ async def _start_and_drop(base: str, n_events: int, model: str) -> str:
 
 
 def test_disconnect_cancels_and_frees_slots_and_kv(local_cluster):
-    before = _until_quiet(local_cluster.base_url)
+    before = until_quiet(local_cluster.base_url)
 
     async def run():
         # Six long requests for four slots: some are decoding, some wait in admission/ready.
@@ -111,7 +110,7 @@ def test_disconnect_cancels_and_frees_slots_and_kv(local_cluster):
 
     asyncio.run(run())
     # every pod idle again (slots free, KV freed, nothing queued, counters settled) ...
-    after = _until_quiet(local_cluster.base_url)
+    after = until_quiet(local_cluster.base_url)
     # ... because they were cancelled, not because they ran to their end: the decode pod wrote a
     # cancelled finish for those it held, and decoded far fewer than 6 x 399 tokens
     assert after["cancelled"] > before["cancelled"], after
@@ -123,34 +122,6 @@ def _decode_extra(base: str) -> dict:
     dec = [w for w in workers if w["role"] == "decode"]
     assert len(dec) == 1, workers
     return {**dec[0]["extra"], "free": dec[0]["free_slots"] == dec[0]["slots"]}
-
-
-def _until_quiet(base: str, timeout_s: float = 30) -> dict:
-    """The decode pod's counters once the whole cluster is idle and stays so: every pod's slots
-    free, no KV held, nothing queued, and the decode and prefill counters unchanged over more
-    than two heartbeats of fresh reports. (Free decode slots alone are no witness: a prompt still inside
-    the prefill pod reaches the decode pod later, and a cancel of an earlier test's request would
-    then land in this test's counters.)"""
-    deadline = time.monotonic() + timeout_s
-    last, since = None, time.monotonic()
-    while True:
-        snap = httpx.get(base + "/admin/cluster", timeout=10).json()
-        workers = snap["workers"]
-        dec = [w for w in workers if w["role"] == "decode"]
-        idle = (len(dec) == 1 and all(w["free_slots"] == w["slots"] for w in workers)
-                and all(w.get("held_kv_bytes", 0) == 0 for w in workers)
-                and all(w["heartbeat_age_s"] < 1.5 for w in workers)
-                and not any(dec[0]["extra"].get("requests", {}).values())  # none claimed or pulling
-                and snap["queues"]["admission_backlog"] == 0 and snap["queues"]["ready"] == 0)
-        counters = (dec[0]["extra"]["cancelled"], dec[0]["extra"]["tokens"],
-                    [w["extra"].get("prefilled") for w in workers if w["role"] == "prefill"]) if idle else None
-        now = time.monotonic()
-        if counters is None or counters != last:
-            last, since = counters, now
-        elif now - since > 2.5:
-            return {**dec[0]["extra"], "free": True}
-        assert now < deadline, f"the cluster did not settle: {json.dumps(snap)[:800]}"
-        time.sleep(0.2)
 
 
 def _until_decode(base: str, settled, timeout_s: float = 30) -> dict:
@@ -172,7 +143,7 @@ def test_a_dropped_stream_stops_the_decode_pod_within_a_step(local_cluster):
     counter), long before the tokens it asked for (its token counter), and no more than the step
     in flight after the cancel reached the engine (its cancel lag)."""
     base = local_cluster.base_url
-    before = _until_quiet(base)
+    before = until_quiet(base)
 
     async def drop():
         body = {"model": local_cluster.model, "prompt": "x" * 40, "max_tokens": LONG_STREAM, "stream": True,
