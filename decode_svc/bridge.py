@@ -93,15 +93,18 @@ class Bridge:
     def put_insert(self, item) -> None:
         self.inserts.put_nowait(item)
 
-    def take_outputs(self, max_batches: int) -> list:
+    def take_outputs(self, max_batches: int):
         """Up to `max_batches` queued batches' tokens, in order, without blocking (the loop is
-        the only taker: what `qsize` counts is there)."""
+        the only taker: what `qsize` counts is there). A batch that is not a list (a `Preempted`:
+        requests to hand back) comes alone, and only once the tokens queued before it are taken."""
         q = self.outputs
         n = min(q.qsize(), max_batches)
         if n == 1:
             return q.get_nowait()  # the engine's own list (it keeps no reference)
         got: list = []
         for _ in range(n):
+            if type(q.queue[0]) is not list:  # (a peek: the loop is the only taker)
+                return got or q.get_nowait()
             got += q.get_nowait()
         return got
 
