@@ -39,8 +39,8 @@ if TYPE_CHECKING:  # the type only: no JAX import
 class BlockBudget:
     def __init__(self, engine: ServingEngine, reserve_steps: int, recent: int = 32) -> None:
         self.engine = engine
-        self.block_size = int(engine.kv_block_size)  # type: ignore[attr-defined]
-        self.total = int(engine.kv_blocks_total)  # type: ignore[attr-defined]
+        self.block_size = int(engine.kv_block_size)
+        self.total = int(engine.kv_blocks_total)
         self.per_row = -(-max(1, int(reserve_steps)) // self.block_size)  # reserve blocks per running row
         self.max_prompt = self.blocks_for(engine.max_len)
         self._recent: deque[int] = deque(maxlen=recent)  # prompt blocks of the latest claims
@@ -57,7 +57,7 @@ class BlockBudget:
         return -(-max(0, int(length)) // self.block_size)
 
     def free(self) -> int:
-        return int(self.engine.kv_blocks_free())  # type: ignore[attr-defined]
+        return int(self.engine.kv_blocks_free())
 
     def reserve(self, rows: int) -> int:
         """The reserve for `rows` rows running or on their way."""

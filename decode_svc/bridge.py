@@ -21,6 +21,10 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decode_svc.items import Preempted
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -74,7 +78,7 @@ class Bridge:
         """A slot was freed (or the thread died): the claim loop may claim again."""
         self._freed.wake()
 
-    def put_output(self, batch: list, timeout_s: float) -> None:
+    def put_output(self, batch: list | Preempted, timeout_s: float) -> None:
         """One engine call's tokens; blocks while the publisher is behind (queue.Full after
         `timeout_s`); wakes the publisher if it waits."""
         self.outputs.put(batch, timeout=timeout_s)

@@ -46,7 +46,7 @@ from decode_svc.constrained import SlotGrammars
 from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats, Preempted
 from decode_svc.requests import Active, RequestTable
 from tandem_core import faults
-from tandem_core.errors import TandemError
+from tandem_core.errors import OutOfKVBlocks, TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
 from tandem_core.sampling_args import insert_args
@@ -179,7 +179,7 @@ class EngineLoop:
         the call in flight are dropped, as a finished row's are, and produced again by its resume,
         so none is lost or written twice). Newest first: the oldest rows, nearest their end, keep
         going, and the rows handed back have the least streamed to prefill again."""
-        state, short = self.engine.reserve(state, steps)  # type: ignore[attr-defined]
+        state, short = self.engine.reserve(state, steps)
         gone: list[Active] = []
         while short:
             acts = self.table.snapshot()
@@ -188,7 +188,7 @@ class EngineLoop:
             newest = max(acts, key=lambda a: a.order)
             state = self._free(state, newest)
             gone.append(newest)
-            state, short = self.engine.reserve(state, steps)  # type: ignore[attr-defined]
+            state, short = self.engine.reserve(state, steps)
         if gone:
             alone = not self.table.used  # even one row did not fit: a resume counts as an attempt then
             self.stats.handed_back_for_blocks += len(gone)
@@ -244,10 +244,15 @@ class EngineLoop:
             if isinstance(item, LocalPrefill):
                 state = self._local_prefill(item, state)
                 continue
+            held = HeldChoice(item.payload, item.req, item.payload.first_token, item.key)
             if not self._fits(item.payload):  # paged: its blocks went to growing rows since the claim
-                self._held.append(HeldChoice(item.payload, item.req, item.payload.first_token, item.key))
+                self._held.append(held)
                 break
-            state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key)
+            try:
+                state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key)
+            except OutOfKVBlocks:  # (the engine's count, should it differ from the fit check's)
+                self._held.append(held)
+                break
         return state
 
     def _insert(self, state, prefix, req: GenerationRequest, first_token: int, key: int):
@@ -325,7 +330,11 @@ class EngineLoop:
     def _apply_held(self, state):
         while self._held_ready():  # oldest first: one that does not fit yet holds the rest back
             held = self._held.popleft()
-            state = self._insert(state, held.prefix, held.req, held.first_token, held.key)
+            try:
+                state = self._insert(state, held.prefix, held.req, held.first_token, held.key)
+            except OutOfKVBlocks:  # the pool is fuller than the fit check saw: wait for a free
+                self._held.appendleft(held)
+                break
         return state
 
     def _apply_cancels(self, state):
