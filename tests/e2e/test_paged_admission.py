@@ -1,5 +1,5 @@
 """A decode pod whose KV is paged, end to end: `tandem local --kv-layout paged --kv-blocks 16`
-(16 blocks of 16 positions: 256 positions for 8 rows of a 128-position context), six concurrent
+(16 blocks of 16 positions: 256 positions for 4 rows of a 128-position context), six concurrent
 greedy requests that each grow to ~100 positions. The pool runs out mid-generation, the decode
 pod hands the newest requests back (resumed from their streamed tokens through the prefill pod),
 and every client still gets exactly the text of the engine alone; /admin/cluster shows the
@@ -34,7 +34,10 @@ def test_paged_decode_pod_hands_the_newest_back_and_every_stream_is_exact():
 
     tok = load_tokenizer(resolve_model("tiny"))
     want = [tok.decode(_reference_greedy("tiny", MAX_LEN, p, MAX_TOKENS)) for p in PROMPTS]
-    cl = start_local("tiny", slots=8, max_len=MAX_LEN, extra=["--kv-layout", "paged", "--kv-blocks", "16"])
+    # (a paged decode pod's warm-up compiled for minutes on 2 shared cores: the persistent compile
+    # cache makes later starts quick)
+    cl = start_local("tiny", slots=4, max_len=MAX_LEN, timeout_s=900,
+                     extra=["--kv-layout", "paged", "--kv-blocks", "16", "--ready-timeout", "880"])
     try:
         async def run() -> list[str]:
             async with httpx.AsyncClient(base_url=cl.base_url, timeout=180) as c:
