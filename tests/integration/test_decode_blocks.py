@@ -148,7 +148,8 @@ async def test_claims_stop_at_the_block_budget_not_the_row_count(redis_url, redi
     assert store.held_bytes == 0
 
 
-async def test_a_pool_that_runs_out_hands_the_newest_back_and_no_token_is_lost(redis_url, redis_client, reference):
+async def test_a_pool_that_runs_out_hands_the_newest_back_and_no_token_is_lost(redis_url, redis_client, reference,
+                                                                                caplog):
     """12 blocks of 8 positions (96) for 4 requests that each grow to 5 + 40 = 45 positions (6
     blocks): they all start (prompts of 1 block), then the pool runs out as they grow, and the
     newest are handed back (to the admission stream: this colocated pod prefills them again from
@@ -161,6 +162,7 @@ async def test_a_pool_that_runs_out_hands_the_newest_back_and_no_token_is_lost(r
     want = {rid: _greedy(reference, p, max_tokens) for rid, p in prompts.items()}
     s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=MAX_LEN),
                        pool=pool, slots=ROWS, colocated=True, claim_block_ms=20, prefill_chunk_tokens=0)
+    caplog.set_level("WARNING", logger="decode_svc.loop")
     async with _Pod(s, r, engine) as pod:
         for rid, p in prompts.items():
             await admission.enqueue(r, KS, pool, GenerationRequest(rid, p, max_tokens, SamplingParams(),
@@ -175,6 +177,10 @@ async def test_a_pool_that_runs_out_hands_the_newest_back_and_no_token_is_lost(r
         assert handed >= 1, "the pool never ran out: the test does not test the hand-back"
         assert pod.io.handback.handed_back == handed and not pod.io.handback.owed
         assert engine.kv_blocks_free() == engine.kv_blocks_total
+    # All four went into rows in stream order (1 block each fits at once); the first row short of a
+    # block (at ~24 positions each) hands back the one inserted last.
+    first = next(rec.getMessage() for rec in caplog.records if "handing back the newest" in rec.getMessage())
+    assert first.endswith("['grow-3']"), first
     for rid in prompts:
         got, _ = await _tokens(r, rid)
         assert [i for i, _t in got] == list(range(max_tokens)), f"{rid}: indices {[i for i, _t in got]}"
