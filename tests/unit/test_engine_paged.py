@@ -87,8 +87,10 @@ def tiny():
 
 
 def test_freed_rows_recycle_blocks_without_old_kv(tiny):
-    """A row freed mid-decode gives its blocks back; a new prompt in its place (the same blocks,
-    recycled) decodes as it would alone, and the row beside it is undisturbed."""
+    """A row freed mid-decode gives its blocks back; a new prompt in another row (the same
+    blocks, recycled) decodes as it would alone while the freed row, still inside the step's
+    batch, keeps stepping (its writes go to the null block), and the row beside it is
+    undisturbed."""
     slots, paged = tiny
     rng = np.random.default_rng(1)
     a, b, c = (rng.integers(0, 200, n).tolist() for n in (30, 9, 21))
@@ -110,16 +112,16 @@ def test_freed_rows_recycle_blocks_without_old_kv(tiny):
     state = paged.free(state, 0)
     assert paged.kv_blocks_free() == free_before + held_a and paged.kv_blocks_of(0) == 0
     assert not np.asarray(state.block_table)[0].any()  # the free row now writes the null block
-    state = paged.insert(paged.prefill(c, GREEDY), state, 0, GREEDY)
+    state = paged.insert(paged.prefill(c, GREEDY), state, 2, GREEDY)
     out_c = [paged.prefill(c, GREEDY).first_token]
     for _ in range(12):
         state, short = paged.reserve(state, 1)
         assert short == []
         state, tokens = paged.generate(state)
         out_b.append(int(np.asarray(tokens)[1]))
-        out_c.append(int(np.asarray(tokens)[0]))
+        out_c.append(int(np.asarray(tokens)[2]))
     assert out_c == alone_c[0] and out_b == alone_b[1]
-    state = paged.free(paged.free(state, 0), 1)
+    state = paged.free(paged.free(state, 2), 1)
     assert paged.kv_blocks_free() == total
 
 
