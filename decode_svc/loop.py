@@ -20,6 +20,11 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
    blocks: back-pressure instead of unbounded memory.
 Every step's batch is delivered (or the thread stops): no step's tokens are skipped silently.
 
+Paged KV (decode_svc/blocks.py; None of it on the slot layout): a request goes into a row only when
+the blocks for its prompt plus the reserve are free, else it waits in the held queue (oldest first);
+before each call `_make_room` gets every row the blocks the call writes, handing the newest request
+back (a `Preempted` on the outputs queue, behind its tokens) while some row cannot get them.
+
 Constrained slots (a request with a grammar): while any is active the step runs unpipelined, since
 step n+1's mask needs token n on the host (decode_svc/constrained.py). Unconstrained batches stay
 pipelined and use the maskless compiled step.
