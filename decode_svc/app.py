@@ -10,6 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from decode_svc.blocks import BlockBudget
 from decode_svc.bridge import Bridge
 from decode_svc.io import DecodeIO
 from decode_svc.loop import EngineLoop
@@ -66,9 +67,10 @@ async def serve(s: DecodeSettings) -> int:
     await groups.ensure_groups(r, ks, s.pool)
     table = RequestTable(s.slots)
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
+    blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # paged KV: capacity in blocks too
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
                              mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache,
-                             prefill_chunk_tokens=s.prefill_chunk_tokens)
+                             prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
     pod = WorkerPod(s, r, [SERVICE])
@@ -84,7 +86,9 @@ async def serve(s: DecodeSettings) -> int:
     tasks += [asyncio.create_task(recover_loop(io, done)), asyncio.create_task(_watch_engine(engine_loop, pod.stop))]
     claim = asyncio.create_task(io.claims.claim_loop(pod.stop))
     await pod.ready()
-    log.info("decode ready worker_id=%s slots=%d model=%s", worker_id, s.slots, engine.info.name)
+    log.info("decode ready worker_id=%s slots=%d model=%s kv=%s", worker_id, s.slots, engine.info.name,
+             "slots" if blocks is None else f"paged {blocks.total} blocks of {blocks.block_size} "
+             f"(reserve {blocks.per_row} a row)")
     await pod.stop.wait()
     await pod.drain()
     await claim
@@ -94,8 +98,8 @@ async def serve(s: DecodeSettings) -> int:
     await asyncio.gather(*tasks, return_exceptions=True)
     await io.puller.close()
     await pod.close(grace_s=1.0)
-    log.info("decode stopped worker_id=%s steps=%d tokens=%d", worker_id, engine_loop.stats.steps,
-             engine_loop.stats.tokens)
+    log.info("decode stopped worker_id=%s steps=%d tokens=%d handed_back_for_blocks=%d", worker_id,
+             engine_loop.stats.steps, engine_loop.stats.tokens, engine_loop.stats.handed_back_for_blocks)
     return 1 if engine_loop.error else 0
 
 
@@ -111,8 +115,15 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
                    "calls": stats.calls, "single_calls": stats.single_calls, "tokens": stats.tokens, "cancelled": stats.cancelled + io.claims.cancelled,
                    "cancel_lag_tokens": stats.cancel_lag_tokens, "handed_back": io.handback.handed_back,
                    "owed": io.handback.owed, "pulled": io.claims.pulled, "local_prefills": stats.local_prefills,
-                   "colocated": s.colocated, "requests": table.stages()},
+                   "colocated": s.colocated, "requests": table.stages(), **kv_info()},
         )
+
+    def kv_info() -> dict:
+        """Paged KV: the pool's blocks (free_slots stays rows); the slot layout reports none."""
+        blocks = io.engine_loop.blocks
+        if blocks is None:
+            return {}
+        return {"kv": blocks.summary(), "handed_back_for_blocks": stats.handed_back_for_blocks}
     return info
 
 

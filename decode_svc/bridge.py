@@ -21,6 +21,10 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decode_svc.items import Preempted
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -74,7 +78,7 @@ class Bridge:
         """A slot was freed (or the thread died): the claim loop may claim again."""
         self._freed.wake()
 
-    def put_output(self, batch: list, timeout_s: float) -> None:
+    def put_output(self, batch: list | Preempted, timeout_s: float) -> None:
         """One engine call's tokens; blocks while the publisher is behind (queue.Full after
         `timeout_s`); wakes the publisher if it waits."""
         self.outputs.put(batch, timeout=timeout_s)
@@ -93,15 +97,18 @@ class Bridge:
     def put_insert(self, item) -> None:
         self.inserts.put_nowait(item)
 
-    def take_outputs(self, max_batches: int) -> list:
+    def take_outputs(self, max_batches: int):
         """Up to `max_batches` queued batches' tokens, in order, without blocking (the loop is
-        the only taker: what `qsize` counts is there)."""
+        the only taker: what `qsize` counts is there). A batch that is not a list (a `Preempted`:
+        requests to hand back) comes alone, and only once the tokens queued before it are taken."""
         q = self.outputs
         n = min(q.qsize(), max_batches)
         if n == 1:
             return q.get_nowait()  # the engine's own list (it keeps no reference)
         got: list = []
         for _ in range(n):
+            if type(q.queue[0]) is not list:  # (a peek: the loop is the only taker)
+                return got or q.get_nowait()
             got += q.get_nowait()
         return got
 

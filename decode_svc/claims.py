@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 
+from decode_svc.blocks import BlockBudget
 from decode_svc.bridge import Bridge
 from decode_svc.handback import Handback
 from decode_svc.items import Insert, LocalPrefill
@@ -37,12 +38,13 @@ log = logging.getLogger(__name__)
 class Claims:
     def __init__(self, s: DecodeSettings, r, worker_id: str, table: RequestTable, bridge: Bridge,
                  owned: token_stream.OwnedPublisher, journal: Journal, publisher: Publisher, resync: Resync,
-                 resume, engine_failed, handback: Handback) -> None:
+                 resume, engine_failed, handback: Handback, blocks: BlockBudget | None = None) -> None:
         self.s, self.r, self.worker_id, self.table, self.bridge = s, r, worker_id, table, bridge
         self.owned, self.journal, self.publisher, self.resync = owned, journal, publisher, resync
         self.resume = resume  # (req, why) -> outcome: prefill again elsewhere from what was streamed
         self.engine_failed = engine_failed  # () -> bool: the engine thread died, stop claiming
         self.handback = handback  # what a failed pull ends with: resumed elsewhere, its entry acked
+        self.blocks = blocks  # paged KV: claims stop at the block budget too (decode_svc/blocks.py); None: slots
         self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
         self.rotation = PriorityRotation(owned.ks, s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
@@ -74,7 +76,7 @@ class Claims:
                     log.warning("looking for deliveries lost with a claim's reply failed: %s", e)
                     await asyncio.sleep(0.5)
                     continue
-            n = self.table.reserve(self.table.slots)  # pull only for slots that are free
+            n = self._tickets()  # pull only for slots (and, paged, KV blocks) that are free
             if n == 0:
                 await self.bridge.wait_slot_freed(0.1)
                 continue
@@ -93,6 +95,18 @@ class Claims:
                     await self.dispatch(c, group, started)
                 except Exception:
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
+
+    def _tickets(self) -> int:
+        """Tickets for one claim: a free row each, and on a paged pod no more than the free KV
+        blocks cover (decode_svc/blocks.py: the prompt plus the reserve of every row)."""
+        n = self.table.reserve(self.table.slots)
+        if n and self.blocks is not None:
+            rows, promised, tickets = self.table.blocks_ahead()  # (tickets: ours included)
+            fit = self.blocks.claimable(rows, promised, tickets - n)
+            if fit < n:
+                self.table.unreserve(n - fit)
+                n = fit
+        return n
 
     async def retake_own(self) -> int:
         """Start this pod's own pending entries that nothing here works on (not in the request
@@ -170,6 +184,10 @@ class Claims:
         key = self.table.claim(req.request_id, (c.stream, c.entry_id))
         if key is None:  # delivered again while still being worked on here
             return
+        if self.blocks is not None:  # its prompt's blocks are spoken for from now until it runs
+            need = self.blocks.blocks_for(len(req.prompt_ids))
+            self.table.promise(key, need)
+            self.blocks.note(need)
         if notice is not None:
             task = asyncio.create_task(self._pull_one(c, notice, key, started), name=f"pull {req.request_id}")
             self.pulls.add(task)

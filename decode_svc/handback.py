@@ -36,7 +36,8 @@ Ack = tuple[str, str, bytes]  # (stream, group, entry id)
 
 class Handback:
     def __init__(self, r: aioredis.Redis, ks: KeySpace, worker_id: str, table: RequestTable, journal: Journal,
-                 resume: Callable[..., Awaitable[str]], timeout_s: float = 10.0) -> None:
+                 resume: Callable[..., Awaitable[str]], timeout_s: float = 10.0,
+                 preempt: Callable[..., Awaitable[str]] | None = None) -> None:
         self.r, self.ks, self.worker_id, self.table, self.journal = r, ks, worker_id, table, journal
         self._resume = resume  # DecodeIO.resume: (req, why, owner=) -> "resumed" | "finished" | "failed"
         self.timeout_s = timeout_s  # how long one attempt waits out Redis before the work is owed
@@ -44,6 +45,13 @@ class Handback:
         self.owed_acks: dict[tuple[str, bytes], Ack] = {}
         self.unread: set[str] = set()  # given up on before their request could be read: in the running hash
         self.handed_back = 0  # requests given back (resumed, finished or failed clearly), ever
+        # DecodeIO.preempt: (req, why, counted) -> outcome; a pod's own hand-back of a running request
+        self._preempt_fn = preempt
+
+    async def _preempt(self, req: GenerationRequest, why: str, counted: bool) -> str:
+        if self._preempt_fn is None:
+            return await self._resume(req, why, owner=self.worker_id)
+        return await self._preempt_fn(req, why, counted)
 
     async def give_back(self, req: GenerationRequest, why: str, timeout_s: float | None = None) -> bool:
         """Resume `req` elsewhere, dropping this pod's ownership of it; never raises. False: Redis
@@ -62,6 +70,26 @@ class Handback:
         self.journal.add("disown", rid)  # a replay to a Redis that lost this must not own it again
         self.handed_back += 1
         log.warning("handed back request_id=%s: %s (%s)", rid, outcome, why)
+        return True
+
+    async def preempt(self, req: GenerationRequest, why: str, counted: bool = False) -> bool:
+        """Hand back a request this pod stopped running because its paged KV ran out (decode_svc/
+        loop.py `_make_room`): resumed elsewhere from its streamed tokens, no attempt spent unless
+        `counted` (tandem_core/bus/recovery.py `preempt`); never raises. Redis away: owed, as
+        `give_back`'s are (written by `settle` as a plain resume)."""
+        rid = req.request_id
+        try:
+            faults.hit("decode.handback")
+            outcome = await conn.retry_redis(lambda: self._preempt(req, why, counted), f"hand back request_id={rid}",
+                                             timeout_s=self.timeout_s, log=log)
+        except Exception as e:  # noqa: BLE001 - owed, not lost: the next recovery round writes it
+            log.error("could not hand back request_id=%s (%s): %s: %s; owed, retried every recovery round",
+                      rid, why, type(e).__name__, e)
+            self.owed_resumes[rid] = (req, why)
+            return False
+        self.journal.add("disown", rid)
+        self.handed_back += 1
+        log.info("handed back request_id=%s: %s (%s)", rid, outcome, why)
         return True
 
     async def ack(self, stream: str, group: str, entry_id: bytes, timeout_s: float | None = None) -> bool:

@@ -43,14 +43,14 @@ class DecodeIO:
         # This pod's recent writes, written again when Redis comes back without them (resync.py).
         self.journal = Journal(s.resync_window_s)
         # What this pod could not finish goes back for recovery, its ownership dropped (owed while Redis is down).
-        self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume)
+        self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume, preempt=self.preempt)
         self.publisher = Publisher(s, r, self.owned, self.journal, table, bridge, self._drop_silently,
                                    lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
                                    self.handback, self._give_up, self._cancel)
         self.resync = self.publisher.resync
         self.claims = Claims(s, r, worker_id, table, bridge, self.owned, self.journal, self.publisher, self.resync,
                              self.resume, lambda: engine_loop is not None and engine_loop.error is not None,
-                             self.handback)
+                             self.handback, engine_loop.blocks if engine_loop is not None else None)
 
     @property
     def puller(self):
@@ -85,6 +85,13 @@ class DecodeIO:
             token_ttl_s=self.s.token_ttl_s, token_maxlen=self.s.token_maxlen, why=why, owner=owner,
             marker_ttl_s=self.s.resume_marker_ttl_s,
         )
+
+    async def preempt(self, req: GenerationRequest, why: str, counted: bool = False) -> str:
+        """Hand back a request this pod stopped running (its paged KV ran out): recovery.preempt."""
+        return await recovery.preempt(
+            self.r, self.ks, self.s.pool, req, owner=self.worker_id, maxlen=self.s.admission_maxlen,
+            max_attempts=self.s.max_attempts, token_ttl_s=self.s.token_ttl_s, token_maxlen=self.s.token_maxlen,
+            why=why, counted=counted)
 
     def _cancel(self, hit: set[str]) -> None:
         """The client cancelled these: freed in whatever stage they are (the engine frees a queued

@@ -2,7 +2,7 @@
 
 In (`Bridge.inserts`): `Insert` (a pulled KV) and `LocalPrefill` (a prompt this pod prefills), each
 naming the request-table record (`key`) whose seat it fills. Out (`Bridge.outputs`): one list of
-`Emitted` per step, written to Redis in one round trip.
+`Emitted` per step, written to Redis in one round trip, or a `Preempted` (requests to hand back).
 """
 from __future__ import annotations
 
@@ -46,6 +46,19 @@ class Emitted:
 
 
 @dataclass
+class Preempted:
+    """Requests the engine thread freed because its paged KV ran out (decode_svc/loop.py
+    `_make_room`), to hand back: a batch of its own on `Bridge.outputs`, behind every token of
+    theirs already queued, so the publisher resumes them only once those are written. `counted`:
+    the resume spends one of the request's attempts (it was alone and still did not fit: no
+    endless round trips); otherwise it does not (the pod was merely full)."""
+
+    reqs: list[GenerationRequest]
+    why: str
+    counted: bool = False
+
+
+@dataclass
 class HeldChoice:
     """A choice of a local n > 1 prefill waiting for a free slot (the KV stays on the device)."""
 
@@ -64,6 +77,7 @@ class LoopStats:
     local_prefills: int = 0
     cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)
     cancel_lag_tokens: int = 0  # the most tokens a request produced after its cancel reached the engine
+    handed_back_for_blocks: int = 0  # running requests handed back because the paged KV ran out
     host_wait_s: float = 0.0  # time blocked copying tokens to the host
     constrained_steps: int = 0  # steps run with grammar masks (unpipelined)
     mask_s: float = 0.0  # host time computing those masks

@@ -20,6 +20,11 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
    blocks: back-pressure instead of unbounded memory.
 Every step's batch is delivered (or the thread stops): no step's tokens are skipped silently.
 
+Paged KV (decode_svc/blocks.py; None of it on the slot layout): a request goes into a row only when
+the blocks for its prompt plus the reserve are free, else it waits in the held queue (oldest first);
+before each call `_make_room` gets every row the blocks the call writes, handing the newest request
+back (a `Preempted` on the outputs queue, behind its tokens) while some row cannot get them.
+
 Constrained slots (a request with a grammar): while any is active the step runs unpipelined, since
 step n+1's mask needs token n on the host (decode_svc/constrained.py). Unconstrained batches stay
 pipelined and use the maskless compiled step.
@@ -40,12 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from decode_svc.blocks import BlockBudget
 from decode_svc.bridge import Bridge
 from decode_svc.constrained import SlotGrammars
-from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats
+from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats, Preempted
 from decode_svc.requests import Active, RequestTable
 from tandem_core import faults
-from tandem_core.errors import TandemError
+from tandem_core.errors import OutOfKVBlocks, TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
 from tandem_core.sampling_args import insert_args
@@ -62,8 +68,12 @@ class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None) -> None:
+                 prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
+                 blocks: BlockBudget | None = None) -> None:
         self.engine = engine
+        # paged KV (decode_svc/blocks.py): a request goes into a row only when its blocks are free,
+        # and rows that cannot grow hand the newest request back; None: the slot layout, as before
+        self.blocks = blocks
         # multi-step decode: this many steps per dispatched call when nothing needs a shorter one
         # (`_steps_for`); None: the engine's own setting (engine.steps_per_dispatch, EngineConfig)
         self.steps_per_dispatch = max(1, int(engine.steps_per_dispatch if steps_per_dispatch is None else steps_per_dispatch))
@@ -142,24 +152,66 @@ class EngineLoop:
     def _dispatch(self, state, masks):
         """Dispatch one call over the slots in use (returns before the device is done): one step, or
         `steps_per_dispatch` of them (`_steps_for`); the variant with logprobs only when a slot asks for
-        them, the masked one only when a slot has a grammar."""
+        them, the masked one only when a slot has a grammar. On paged KV every row first gets the
+        blocks the call writes (`_make_room`); None instead of a call when no row is left."""
+        steps = self._steps_for() if masks is None and self.steps_per_dispatch > 1 else 1
+        if self.blocks is not None:
+            state = self._make_room(state, steps)
+            if not self.table.used:
+                return None, state
+            if masks is not None:
+                masks = masks[: self.table.rows()]
         snapshot = self.table.snapshot()
         view = self._views.of(snapshot)
         want = view.logprobs
         kw: dict[str, Any] = {"logprobs": True} if want else {}
-        steps = 1
         if masks is not None:
             kw["masks"] = masks
-        elif self.steps_per_dispatch > 1:
-            steps = self._steps_for()
-            if steps > 1:
-                kw["steps"] = steps
+        elif steps > 1:
+            kw["steps"] = steps
         faults.hit("decode.step")
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
         self.stats.steps += steps
         self.stats.calls += 1
         self.stats.single_calls += steps == 1 and self.steps_per_dispatch > 1
         return (toks, snapshot, want, steps), state
+
+    def _make_room(self, state, steps: int):
+        """Paged KV: blocks for the positions the next call writes, for every running row
+        (`engine.reserve`). While some row cannot get them, the NEWEST request (the one that went
+        into its row last) is freed here, silently, and handed back: resumed elsewhere from the
+        tokens it has streamed (`Preempted`, after every token of it already queued; its tokens of
+        the call in flight are dropped, as a finished row's are, and produced again by its resume,
+        so none is lost or written twice). Newest first: the oldest rows, nearest their end, keep
+        going, and the rows handed back have the least streamed to prefill again."""
+        state, short = self.engine.reserve(state, steps)
+        gone: list[Active] = []
+        while short:
+            acts = self.table.snapshot()
+            if not acts:
+                raise RuntimeError(f"engine.reserve left slots {short} without KV blocks with no request running")
+            newest = max(acts, key=lambda a: a.order)
+            state = self._free(state, newest)
+            gone.append(newest)
+            state, short = self.engine.reserve(state, steps)
+        if gone:
+            alone = not self.table.used  # even one row did not fit: a resume counts as an attempt then
+            self.stats.handed_back_for_blocks += len(gone)
+            free = self.blocks.free() if self.blocks is not None else 0
+            log.warning("KV blocks ran out (%d free of %d): handing back the newest %d of %d running requests: %s",
+                        free, self.blocks.total if self.blocks is not None else 0, len(gone),
+                        len(gone) + self.table.used, [a.req.request_id for a in gone])
+            self.bridge.put_output(Preempted([a.req for a in gone], "KV blocks ran out on its decode pod "
+                                             "(the newest request is handed back)", counted=alone),
+                                   self.output_timeout_s)
+        return state
+
+    def _held_ready(self) -> bool:
+        """A held request can go into a row now (paged: its blocks are free too)."""
+        return bool(self._held) and self.table.free > 0 and self._fits(self._held[0].prefix)
+
+    def _fits(self, prefix) -> bool:
+        return self.blocks is None or self.blocks.fits(prefix.true_length, self.table.used)
 
     def _steps_for(self) -> int:
         """`steps_per_dispatch`, or 1 while work waits for its turn on this thread (a pulled KV or a
@@ -168,7 +220,7 @@ class EngineLoop:
         call (stop id, length) has its later tokens dropped by `_process`; its slot idles for the
         rest of the call and is freed when the call's tokens are read (one call late, as one step is
         late without multi-step): a call of k steps holds a finished slot up to 2k - 1 steps."""
-        if self._held or self._chunked or (self.table.free and not self.bridge.inserts.empty()):
+        if self._held_ready() or self._chunked or (self.table.free and not self.bridge.inserts.empty()):
             return 1
         return self.steps_per_dispatch
 
@@ -197,7 +249,15 @@ class EngineLoop:
             if isinstance(item, LocalPrefill):
                 state = self._local_prefill(item, state)
                 continue
-            state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key)
+            held = HeldChoice(item.payload, item.req, item.payload.first_token, item.key)
+            if not self._fits(item.payload):  # paged: its blocks went to growing rows since the claim
+                self._held.append(held)
+                break
+            try:
+                state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key)
+            except OutOfKVBlocks:  # (the engine's count, should it differ from the fit check's)
+                self._held.append(held)
+                break
         return state
 
     def _insert(self, state, prefix, req: GenerationRequest, first_token: int, key: int):
@@ -264,14 +324,22 @@ class EngineLoop:
         self.stats.local_prefills += 1
         self._held.extend(HeldChoice(done.prefix, c, first, self.table.queue_choice(c.request_id))
                           for c, first in done.going)
+        if self.blocks is not None:  # each choice's own copy of the prompt's blocks
+            need = self.blocks.blocks_for(done.prefix.true_length)
+            for held in list(self._held)[-len(done.going):] if done.going else []:
+                self.table.promise(held.key, need)
         self.table.drop(item.key)  # after its choices took their seats: claims never see a gap
         self._emit(done.emitted)
         return self._apply_held(state)
 
     def _apply_held(self, state):
-        while self._held and self.table.free:
+        while self._held_ready():  # oldest first: one that does not fit yet holds the rest back
             held = self._held.popleft()
-            state = self._insert(state, held.prefix, held.req, held.first_token, held.key)
+            try:
+                state = self._insert(state, held.prefix, held.req, held.first_token, held.key)
+            except OutOfKVBlocks:  # the pool is fuller than the fit check saw: wait for a free
+                self._held.appendleft(held)
+                break
         return state
 
     def _apply_cancels(self, state):

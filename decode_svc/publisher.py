@@ -20,6 +20,7 @@ from redis.exceptions import NoScriptError
 
 from decode_svc.bridge import Bridge
 from decode_svc.handback import Handback
+from decode_svc.items import Preempted
 from decode_svc.requests import RequestTable
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
@@ -85,6 +86,10 @@ class Publisher:
                 if done.is_set():
                     return
                 await self.bridge.wait_output(0.2)
+                continue
+            if isinstance(batch, Preempted):  # its requests' tokens queued before it are written
+                for req in batch.reqs:
+                    await self.handback.preempt(req, batch.why, batch.counted)
                 continue
             batch = self._drop_abandoned(batch)
             if not batch:

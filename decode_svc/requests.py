@@ -50,6 +50,7 @@ class Active:
     # (slot, last index by length, looked at every step, request id): what a step's view of the
     # running set needs of it, fixed for its life in the slot; set by decode_svc/loop.py's StepView
     view_row: tuple | None = field(default=None, repr=False, compare=False)
+    order: int = 0  # when it went into its slot (RequestTable.start): the newest is handed back first
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Tracked:
     request_id: str
     stage: Stage
     cancelled: bool = False  # the client cancelled it before it ran (see `cancel`)
+    blocks: int = 0  # paged KV: its prompt's blocks, spoken for until it runs (decode_svc/blocks.py)
 
 
 class RequestTable:
@@ -70,6 +72,7 @@ class RequestTable:
         self._running: dict[int, Active] = {}  # slot -> the request in it
         self._slot_keys: dict[int, int] = {}  # slot -> its record's key
         self._entries: dict[Entry, str] = {}  # entries claimed and not yet acked -> request id
+        self._started = itertools.count(1)  # Active.order
 
     # ------------------------------------------------------------ the I/O side
     def reserve(self, n: int) -> int:
@@ -103,6 +106,20 @@ class RequestTable:
             rec = self._records[key]
             rec.stage = stage
             return not rec.cancelled
+
+    def promise(self, key: int, blocks: int) -> None:
+        """Paged KV: the prompt blocks this record will take once it runs (spoken for till then)."""
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None:
+                rec.blocks = blocks
+
+    def blocks_ahead(self) -> tuple[int, int, int]:
+        """(records, prompt blocks promised by those not running, tickets): what a claim counts
+        against a paged pool (decode_svc/blocks.py `BlockBudget.claimable`)."""
+        with self._lock:
+            promised = sum(r.blocks for r in self._records.values() if r.stage is not Stage.RUNNING)
+            return len(self._records), promised, self._tickets
 
     def cancelled(self, key: int) -> bool:
         """Whether the client cancelled this record's request (False once it is gone)."""
@@ -170,6 +187,7 @@ class RequestTable:
         with self._lock:
             rec = self._records[key]
             rec.stage = Stage.RUNNING
+            act.order = next(self._started)
             self._running[act.slot] = act
             self._slot_keys[act.slot] = key
 

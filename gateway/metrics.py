@@ -228,15 +228,24 @@ def cluster_load(workers: list[dict], admission_backlog: int, ready: int) -> tup
 
     waiting: admission entries not yet prefilled (all priorities and the direct stream) plus
     prefilled requests waiting in the ready stream for a decode slot. running: decode slots in
-    use. kv_usage: the fuller of the two KV pools, decode slots (slots used / slots) and prefill
-    KV held for pulls (held bytes / budget), because either one full stops new work.
+    use. kv_usage: the fullest KV pool, because any one full stops new work: decode slots (slots
+    used / slots) on pods with the slot layout, KV blocks (blocks used / blocks) on pods whose KV is
+    paged (their heartbeat's `extra.kv`: there a row holds only the blocks its sequence wrote, so
+    rows in use say little of the memory), and prefill KV held for pulls (held bytes / budget).
     """
     live = [w for w in workers if not w.get("draining")]
     dec = [w for w in live if w.get("role") == "decode"]
     pre = [w for w in live if w.get("role") == "prefill"]
-    slots = sum(int(w.get("slots", 0)) for w in dec)
     used = sum(max(0, int(w.get("slots", 0)) - int(w.get("free_slots", 0))) for w in dec)
+    kv = [(w.get("extra") or {}).get("kv") or {} for w in dec]
+    paged = [k for k in kv if k.get("blocks_total")]
+    slotted = [w for w, k in zip(dec, kv) if not k.get("blocks_total")]
+    slots = sum(int(w.get("slots", 0)) for w in slotted)
+    slots_used = sum(max(0, int(w.get("slots", 0)) - int(w.get("free_slots", 0))) for w in slotted)
+    blocks = sum(int(k["blocks_total"]) for k in paged)
+    blocks_used = sum(int(k["blocks_total"]) - int(k.get("blocks_free", 0)) for k in paged)
     held = sum(int(w.get("held_kv_bytes", 0)) for w in pre)
     budget = sum(int((w.get("extra") or {}).get("kv_budget_bytes") or 0) for w in pre)
-    usage = max(used / slots if slots else 0.0, held / budget if budget else 0.0)
+    usage = max(slots_used / slots if slots else 0.0, blocks_used / blocks if blocks else 0.0,
+                held / budget if budget else 0.0)
     return admission_backlog + ready, used, min(1.0, usage)

@@ -76,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
                    "thread suits a laptop whose cores the workers share (idle pool threads spin against the other "
                    "workers; one for prefill too: every core for it gained nothing in a quiet burst run). A "
                    "--colocated worker takes decode's count")
+    p.add_argument("--kv-layout", choices=("slots", "paged"), default="slots",
+                   help="decode KV: 'slots' keeps --max-len positions per slot; 'paged' keeps a pool of blocks taken as "
+                   "sequences grow, and --slots counts sequence rows (a decode worker claims work while it has the "
+                   "blocks for the prompt plus a reserve)")
+    p.add_argument("--kv-blocks", type=int, default=0, metavar="N",
+                   help="blocks in each decode worker's pool with --kv-layout paged (0: the slot layout's memory, "
+                   "slots x max-len positions)")
+    p.add_argument("--kv-block-size", type=int, default=16, metavar="B", help="positions per KV block (paged)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                    help="host memory per worker for the KV of prompt prefixes already seen (0: no prefix cache)")
@@ -136,6 +144,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.planner and (a.colocated or a.redis_sentinel or a.redis_cluster):
         p.error("--planner sizes separate prefill and decode workers, following the planner through a plain "
                 "Redis URL (the embedded one or --redis-url): not with --colocated, --redis-sentinel or --redis-cluster")
+    if a.kv_layout == "slots" and (a.kv_blocks or a.kv_block_size != 16):
+        p.error("--kv-blocks and --kv-block-size size a paged KV pool: add --kv-layout paged (or drop them)")
+    if a.kv_blocks < 0 or a.kv_block_size < 1:
+        p.error("--kv-blocks must be >= 0 (0: the slot layout's memory) and --kv-block-size >= 1")
     if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
         p.error(f"--planner: --prefill and --decode must be between 1 and --planner-max ({a.planner_max})")
 
@@ -325,7 +337,12 @@ class Cluster:
         self._spawn(f"decode-{i}", "decode_svc", self._env(pre, {
             **self._engine_env(pre, "decode"), f"{pre}GRPC__PORT": "0", f"{pre}GRPC__HOST": "127.0.0.1",
             f"{pre}WORKER_ID": f"decode-{i}", f"{pre}SLOTS": str(self.a.slots),
-            f"{pre}COLOCATED": "true" if self.a.colocated else "false"}))
+            f"{pre}COLOCATED": "true" if self.a.colocated else "false", **self._kv_env(pre)}))
+
+    def _kv_env(self, prefix: str) -> dict[str, str]:
+        """The decode workers' KV layout (a prefill worker keeps no decode KV: none of it there)."""
+        return {f"{prefix}ENGINE__KV_LAYOUT": self.a.kv_layout, f"{prefix}ENGINE__KV_BLOCKS": str(self.a.kv_blocks),
+                f"{prefix}ENGINE__KV_BLOCK_SIZE": str(self.a.kv_block_size)}
 
     def url(self) -> str:
         host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host
@@ -388,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         a.max_len, why = auto_context(info, a.slots, a.decode, _memory_bytes())
     log.info("serving %s: context %d positions, %s; %d decode slots per decode worker (--slots); "
              "prefill buckets %s", a.model, a.max_len, why, a.slots, buckets_for(a.max_len))
+    if a.kv_layout == "paged":
+        log.info("decode KV paged: %d blocks of %d positions per decode worker (--kv-blocks, --kv-block-size; "
+                 "--slots %d sequence rows)", a.kv_blocks or -(-a.slots * a.max_len // a.kv_block_size),
+                 a.kv_block_size, a.slots)
     cluster = Cluster(a)
     stopping = {"flag": False}
 

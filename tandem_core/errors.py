@@ -60,6 +60,13 @@ class AdmissionRejected(TandemError):
     error_type = "rate_limit_error"
 
 
+class OutOfKVBlocks(AdmissionRejected):
+    """A decode engine's KV block pool has too few free blocks for this prompt (paged KV): a
+    capacity condition, not a bad request, so it is retryable (RESOURCE_EXHAUSTED, like any
+    admission bound). A decode pod checks `kv_blocks_free()` before it claims a prompt and hands
+    the request back (to another pod, or later) instead of failing it."""
+
+
 class DeadlineExceeded(TandemError):
     """The request ran past its deadline and was cancelled everywhere: retry later or with a
     longer timeout."""

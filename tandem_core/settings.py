@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -109,6 +109,29 @@ class EngineConfig(BaseModel):
     # host's per-call cost is paid once per this many tokens, and tokens reach clients in bursts
     # of it (decode_svc/loop.py). 1 turns it off. Default by bench/engine_thread.py.
     steps_per_dispatch: PositiveInt = 4
+    # Where a decode pod keeps its KV. "slots": `slots` rows of `max_len` positions each, whatever a
+    # request uses. "paged": a pool of `kv_blocks` blocks of `kv_block_size` positions, taken as a
+    # sequence grows; `slots` then counts sequence rows, which can be far more than the memory holds
+    # at max_len each: a decode pod claims work while it has the blocks for the prompt plus a reserve
+    # (docs/scaling.md, decode capacity). kv_blocks 0: the slot layout's memory (slots x max_len).
+    kv_layout: str = Field(default="slots", pattern="^(slots|paged)$")
+    kv_block_size: PositiveInt = 16  # positions per KV block (paged)
+    kv_blocks: int = Field(default=0, ge=0)  # blocks in the pool (paged); 0 = slots x max_len / kv_block_size
+
+    @model_validator(mode="after")
+    def _paged_fits_one(self) -> "EngineConfig":
+        if self.kv_layout == "paged" and self.kv_blocks and self.kv_blocks * self.kv_block_size < self.max_len:
+            need = -(-self.max_len // self.kv_block_size)
+            raise ValueError(f"kv_blocks {self.kv_blocks} x kv_block_size {self.kv_block_size} = "
+                             f"{self.kv_blocks * self.kv_block_size} positions cannot hold one sequence of max_len "
+                             f"{self.max_len}: set kv_blocks >= {need} (or 0 for the slot layout's memory), or lower max_len")
+        return self
+
+    def kv_kwargs(self) -> dict:
+        """The paged KV options of `load_engine` (none for the slot layout: its engine is built as before)."""
+        if self.kv_layout == "slots":
+            return {}
+        return {"kv_layout": self.kv_layout, "kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None}
 
     def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:
         """The keyword arguments of `tandem_engine.load_engine` for this block, with the pod's
@@ -117,7 +140,7 @@ class EngineConfig(BaseModel):
         return {"model": self.model, "slots": slots, "max_len": self.max_len,
                 "prefill_buckets": tuple(self.prefill_buckets), "dtype": self.dtype, "tp": self.tp,
                 "expert_parallel": self.expert_parallel, "compile_cache_dir": self.compile_cache_dir, "cpu_threads": self.cpu_threads,
-                "prefix_chunk": prefix_chunk, "steps_per_dispatch": self.steps_per_dispatch}
+                "prefix_chunk": prefix_chunk, "steps_per_dispatch": self.steps_per_dispatch, **self.kv_kwargs()}
 
 
 def default_worker_id(role: str) -> str:

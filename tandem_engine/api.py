@@ -52,6 +52,20 @@ class ServingEngine(Protocol):
     dtype: str  # "float32" | "bfloat16": the KV's bytes per element
     prefix_chunk: int  # tokens per piece of a prefill over a cached prefix, and of a chunked prefill
     steps_per_dispatch: int  # multi-step decode: steps a decode pod runs per generate call when it can
+    # KV capacity in blocks, in both layouts: "slots" (each slot owns max_len rows: it counts as
+    # kv_blocks_for(max_len) blocks, used or not) or "paged" (a pool of kv_blocks_total blocks of
+    # kv_block_size positions shared by `slots` sequence rows). A decode pod takes a prompt when
+    # kv_blocks_free() >= kv_blocks_for(its length) plus its reserve, and calls reserve() before
+    # each generate.
+    kv_layout: str
+    kv_block_size: int
+    kv_blocks_total: int
+
+    def kv_blocks_free(self) -> int: ...
+
+    def kv_blocks_for(self, length: int) -> int: ...
+
+    def reserve(self, state: "DecodeState", steps: int) -> "tuple[DecodeState, list[int]]": ...
 
     def prefill(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *,
                 choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,

@@ -24,6 +24,7 @@ from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, lo
                                   record)
 from tandem_engine.model import (ModelConfig, decode_forward, decode_forward_blocked, prefill_batch_forward,
                                  prefill_forward, prefill_logits_all, prefill_suffix_forward, write_blocks)
+from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
 
@@ -46,6 +47,10 @@ class DecodeState(NamedTuple):
     seeds: jax.Array  # uint32 [slots, 2]
     history: jax.Array  # int32 [slots, vocab]: penalty state (logits.py: 2 x output count | prompt)
     processing: SlotLogits  # per-slot penalties, bias, stop ids, min_tokens
+    # paged KV (engine kv_layout="paged"): k, v are the block pool [L, KV, num_blocks, block_size,
+    # hd] (paged.py) and this int32 [slots, max_blocks_per_seq] each row's blocks in order (0: the
+    # null block); None in the slot layout
+    block_table: jax.Array | None = None
 
 
 def _kv(layout: Layout | None, cache: bool):
@@ -141,6 +146,17 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def insert_paged_core(state: DecodeState, k, v, ids, slot, true_length, first_token, step, temperature, top_k,
+                      top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits) -> DecodeState:
+    """`insert_core` on the paged pool: k, v [L, length, KV, hd] into blocks `ids` int32
+    [ceil(length / block_size)] (paged.write_prompt_blocks; the slot's block table row is the
+    caller's: engine_decode uploads the host table)."""
+    new_k, new_v = write_prompt_blocks(state.k, state.v, k, v, ids)
+    return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
+                        hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
+
+
 INSERT_INTS = 9  # the scalars leading `insert_blocks_core`'s ints (see `pack_insert`)
 INSERT_FLOATS = 6
 
@@ -206,10 +222,10 @@ def _insert_slot(state: DecodeState, slot, true_length, first_token, step, tempe
     )
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs", "steps", "max_len"),
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs", "steps", "max_len", "table_blocks"),
          donate_argnums=(1,))
 def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, layout: Layout | None,
-                  rows: int, logprobs: bool = False, steps: int = 1, max_len: int = 0):
+                  rows: int, logprobs: bool = False, steps: int = 1, max_len: int = 0, table_blocks: int = 0):
     # Only slots [0, rows) are computed (the caller keeps every active slot below `rows`): a step
     # costs what the batch in use costs, not what the slot count would. Rows past it stay as they are.
     # masks int32 [rows, words] (grammars; all-ones rows for free slots) or None: a None traces a
@@ -217,25 +233,37 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     # steps > 1 (multi-step decode, no masks): that many steps in one call (a scan over the same
     # step), tokens [steps, rows(, PACKED_WIDTH)]; a slot whose position reaches `max_len` - 1 (the
     # last cache row) stays there (it rewrites that row with the same input, so nothing past max_len is written).
+    # table_blocks > 0 (paged KV): the step reads each row's first table_blocks blocks through
+    # state.block_table (paged.decode_forward_paged; max_len is then needed for every step count).
+    paged = (table_blocks, max_len) if table_blocks else None
+    if paged and max_len < 1:
+        raise ValueError("a paged step needs the cache's max_len")
     if steps == 1:
-        return _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0)
+        return _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, paged)
     if masks is not None or max_len < 1:
         raise ValueError("a multi-step call takes no masks (each step's mask needs the previous token) "
                          "and needs the cache's max_len")
 
     def body(st, _):
-        return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len)
+        return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len, paged)
 
     return jax.lax.scan(body, state, None, length=steps)
 
 
 def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: Layout | None, rows: int,
-                 logprobs: bool, freeze_at: int):
+                 logprobs: bool, freeze_at: int, paged: tuple[int, int] | None = None):
     active = state.active[:rows]
     step = state.step[:rows]
-    forward = decode_forward_blocked if isinstance(state.k, tuple) else decode_forward
-    logits, k, v = forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
-                           active=active)
+    if paged is not None:
+        assert state.block_table is not None
+        table_blocks, max_len = paged
+        logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
+                                            state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
+                                            active=active)
+    else:
+        forward = decode_forward_blocked if isinstance(state.k, tuple) else decode_forward
+        logits, k, v = forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
+                               active=active)
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)

@@ -44,6 +44,7 @@ from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
 from tandem_engine.api import PrefillCall
 from tandem_engine.engine_prefill import PrefillSide, Prefix
+from tandem_engine.paged import table_buckets
 from tandem_engine.prefix_cache import Hit
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
@@ -91,14 +92,23 @@ class Engine(PrefillSide, DecodeSide):
             for slot in self.warm_insert_slots():  # a blocked cache compiles an insert per slot group
                 state = self.insert(prefix, state, slot, SamplingParams())
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
+        widths: tuple[int | None, ...] = (None,)
+        if self.kv_layout == "paged":  # every table width compiles its own step; all rows free here
+            for slot in self.warm_insert_slots():
+                state = self.free(state, slot)
+            widths = table_buckets(self.max_blocks_per_seq, self.kv_block_size)
         for rows in self.batch_buckets:
-            for steps in multi:  # multi-step decode: its own compiled variants
-                state, tokens = self.generate(state, rows, steps=steps)
-                if logprobs:
-                    state, tokens = self.generate(state, rows, logprobs=True, steps=steps)
-            if masks:
-                ones = np.full((rows, (self.info.vocab_size + 31) // 32), -1, np.int32)
-                state, tokens = self.generate(state, rows, masks=ones)
+            for width in widths:
+                for steps in multi:  # multi-step decode: its own compiled variants
+                    state, tokens = self._generate(state, rows, logprobs=False, masks=None, steps=steps,
+                                                   table_blocks=width)
+                    if logprobs:
+                        state, tokens = self._generate(state, rows, logprobs=True, masks=None, steps=steps,
+                                                       table_blocks=width)
+                if masks:
+                    ones = np.full((rows, (self.info.vocab_size + 31) // 32), -1, np.int32)
+                    state, tokens = self._generate(state, rows, logprobs=False, masks=ones, steps=1,
+                                                   table_blocks=width)
         for slot in self.warm_insert_slots():
             state = self.free(state, slot)
         jax.block_until_ready((state, tokens))

@@ -18,11 +18,19 @@ from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
+from tandem_engine.paged import BlockAllocator
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_STEPS_PER_DISPATCH = 4  # bench/engine_thread.py --steps-per-dispatch; EngineConfig mirrors it
+# Positions per KV block (paged layout; the unit services count KV capacity in for both layouts).
+# 16: a sequence wastes at most 15 positions in its last block (< 5% of a chat turn of a few
+# hundred), and it is vLLM's default and a page size the TPU paged-attention kernel takes in
+# bfloat16 (a multiple of its 16-row sublane tile); larger blocks waste more, smaller ones make
+# longer tables (more gather indices per step).
+DEFAULT_KV_BLOCK_SIZE = 16
+KV_LAYOUTS = ("slots", "paged")
 
 
 class EngineBase:
@@ -32,7 +40,9 @@ class EngineBase:
     def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
                  prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
-                 expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+                 expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
+                 kv_layout: str = "slots", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+                 kv_blocks: int | None = None):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -69,6 +79,53 @@ class EngineBase:
         # copies of the whole cache (seen in the compiled HLO: 12 ms a step instead of 2 at 32 slots).
         self.batch_buckets = tuple(sorted({1 << i for i in range(1, self.slots.bit_length()) if 1 << i < self.slots}
                                           | {self.slots}))
+        # KV layout: "slots" (every slot owns max_len rows) or "paged" (a pool of kv_block_size
+        # blocks shared by `slots` sequence rows; paged.py). Both count capacity in blocks.
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS} (got {kv_layout!r})")
+        if kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1 (got {kv_block_size})")
+        self.kv_layout = kv_layout
+        self.kv_block_size = int(kv_block_size)
+        self.max_blocks_per_seq = -(-self.max_len // self.kv_block_size)
+        if kv_layout == "paged":
+            if self.layout is not None:
+                raise ValueError("kv_layout='paged' runs on one device for now (no tp > 1 or mesh): "
+                                 "use kv_layout='slots' with tp")
+            total = self.slots * self.max_blocks_per_seq if kv_blocks is None else int(kv_blocks)
+            if total < 1:
+                raise ValueError(f"kv_blocks must be >= 1 (got {kv_blocks})")
+            self.kv_blocks_total = total
+        else:
+            if kv_blocks is not None:
+                raise ValueError("kv_blocks sizes the paged pool: pass it with kv_layout='paged'")
+            self.kv_blocks_total = self.slots * self.max_blocks_per_seq
+        self._reset_kv_host()
+
+    def _reset_kv_host(self) -> None:
+        """The host's view of the KV (what init_state starts from): which slots hold a sequence,
+        and in the paged layout the block allocator, each row's block table and blocks held,
+        each row's next position (what generate advances) and insertion order (reserve serves
+        the oldest first)."""
+        self._occupied = np.zeros(self.slots, bool)
+        self._order = np.zeros(self.slots, np.int64)
+        self._inserted = 0
+        if self.kv_layout == "paged":
+            self._alloc = BlockAllocator(self.kv_blocks_total)
+            self._table = np.zeros((self.slots, self.max_blocks_per_seq), np.int32)
+            self._held = np.zeros(self.slots, np.int64)  # blocks in each row's table
+            self._pos = np.zeros(self.slots, np.int64)  # each row's next write position
+
+    def kv_blocks_for(self, length: int) -> int:
+        """Blocks `length` positions of KV take: ceil(length / kv_block_size)."""
+        return -(-int(length) // self.kv_block_size)
+
+    def kv_blocks_free(self) -> int:
+        """Blocks free now: the pool's free list (paged), or the blocks of the free slots
+        (slots: each slot holds ceil(max_len / kv_block_size) of them, used or not)."""
+        if self.kv_layout == "paged":
+            return self._alloc.free_count()
+        return int((~self._occupied).sum()) * self.max_blocks_per_seq
 
     # False: keep the one cache array (and the scanned, chunked step) on a CPU too, as on chips.
     # The two compute the same step up to float rounding (the blocked one runs its layers
@@ -82,7 +139,7 @@ class EngineBase:
         layout: XLA CPU copies any slice of a buffer before a dot, so the chunked attention over
         one [L, slots, KV, max_len, hd] array copied every chunk it read;
         model.decode_forward_blocked reads each block in place). None: one array (chips)."""
-        if self.layout is None and self._one_cpu and self.blocked_cache:
+        if self.layout is None and self._one_cpu and self.blocked_cache and self.kv_layout == "slots":
             return kv_block_sizes(self.max_len)
         return None
 
@@ -93,7 +150,8 @@ class EngineBase:
         (model.split_layers: XLA CPU copies a stacked weight's layer slice before every dot).
         That copy of the layer weights is made once, on first use, and kept: on one CPU
         device the layer weights sit in memory twice (prefill scans the stacked ones)."""
-        if not self.kv_blocks:
+        paged_cpu = self.kv_layout == "paged" and self.layout is None and self._one_cpu
+        if not (self.kv_blocks or paged_cpu):
             return self.params
         if self._step_params is None:
             self._step_params = split_layers(self.params)

@@ -13,28 +13,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tandem_core.errors import PromptTooLong
+from tandem_core.errors import OutOfKVBlocks, PromptTooLong
 from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
 from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_blocks_core, insert_core,
-                                pack_insert)
+                                insert_paged_core, pack_insert)
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
 from tandem_engine.model import _grouped, block_starts, blocked_cache, kv_slot_groups
+from tandem_engine.paged import paged_pool, table_buckets
 from tandem_engine.sampling import sampling_arrays
 
 
 class DecodeSide(EngineBase):
-    """Slots: init_state, insert, generate, free (see engine.Engine for the calling rules)."""
+    """Slots: init_state, insert, reserve, generate, free (see engine.Engine for the calling rules).
+
+    KV layouts (`kv_layout`): "slots", every slot owns max_len rows of KV; "paged", `slots` is
+    the number of sequence rows and their KV sits in `kv_blocks_total` blocks of `kv_block_size`
+    positions shared by all rows (paged.py). The paged calling rules: insert takes
+    `kv_blocks_for(true_length)` free blocks (OutOfKVBlocks when fewer are free: the state is
+    then untouched); before each generate, `reserve(state, steps)` gives every active row the
+    blocks its next `steps` positions fall in (generate raises for an active row without them);
+    free returns a row's blocks. The slot layout answers the same calls (reserve: nothing to do),
+    so a service calls them without asking which layout it runs."""
 
     def init_state(self) -> DecodeState:
-        """An all-free DecodeState; the KV cache is allocated here, once."""
+        """An all-free DecodeState; the KV cache is allocated here, once (and in the paged
+        layout every block goes back to the free list)."""
         c, s, lay = self.cfg, self.slots, self.layout
         cache = (c.num_layers, s, c.num_kv_heads, self.max_len, c.head_dim)  # head-major
         kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
         dev = None if lay is None else lay.replicated()
-        if self.kv_blocks:  # one CPU device: a buffer per layer, slot group and block (model.blocked_cache)
+        self._reset_kv_host()
+        table = None
+        if self.kv_layout == "paged":  # one pool of blocks, two buffers (paged.py)
+            k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
+                              self._jdtype)
+            table = jnp.asarray(self._table)
+        elif self.kv_blocks:  # one CPU device: a buffer per layer, slot group and block (model.blocked_cache)
             k, v = blocked_cache(c.num_layers, s, c.num_kv_heads, c.head_dim, self.max_len, self._jdtype)
         else:
             k = jnp.zeros(cache, self._jdtype, device=kv_dev)
@@ -52,6 +69,7 @@ class DecodeSide(EngineBase):
             seeds=jnp.zeros((s, 2), jnp.uint32, device=dev),
             history=jnp.zeros((s, c.vocab_size), jnp.int32, device=dev),
             processing=init_slot_logits(s, c.vocab_size, dev),
+            block_table=table,
         )
 
     def _check_slot(self, slot: int) -> None:
@@ -112,6 +130,12 @@ class DecodeSide(EngineBase):
         proc = slot_logits(sampling, self.info.vocab_size, stop_ids)
         hist_ids, hist_len, out_from = history_arrays(history, output_from, true_length, length,
                                                       self.info.vocab_size)
+        if self.kv_layout == "paged":
+            return self._insert_paged(state, k, v, int(slot), length, int(true_length), (
+                np.int32(slot), np.int32(true_length), np.int32(first), np.int32(int(start_index) + 1),
+                s["temperature"], s["top_k"], s["top_p"], s["seed"], hist_ids, np.int32(hist_len),
+                np.int32(out_from), proc))
+        self._occupy(int(slot))
         if isinstance(state.k, tuple):  # a blocked cache: only the blocks the prefix's rows fall in
             return self._insert_blocks(state, k, v, int(slot), length, lambda local: pack_insert(
                 slot, local, true_length, first, int(start_index) + 1, s["temperature"], s["top_k"], s["top_p"],
@@ -119,6 +143,84 @@ class DecodeSide(EngineBase):
         return insert_core(state, k, v, np.int32(slot), np.int32(true_length), np.int32(first),
                            np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],
                            hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout)
+
+    def _occupy(self, slot: int) -> None:
+        self._occupied[slot] = True
+        self._inserted += 1
+        self._order[slot] = self._inserted
+
+    def _insert_paged(self, state: DecodeState, k, v, slot: int, length: int, true_length: int,
+                      args: tuple) -> DecodeState:
+        """Take the prompt's blocks (OutOfKVBlocks before anything changes when too few are
+        free; a row still holding blocks gives them back first), write rows [0, length) into
+        them (the padding past the last one goes to the null block) and upload the table."""
+        need = self.kv_blocks_for(true_length)
+        old = self._table[slot, :self._held[slot]]
+        free = self._alloc.free_count() + self._alloc.exclusive(old)
+        if need > free:
+            raise OutOfKVBlocks(
+                f"this decode engine has {free} free KV blocks of {self.kv_block_size} positions; a prompt of "
+                f"{true_length} positions needs {need}: free a sequence (or hand this request to another pod) "
+                f"and retry", retry_after_s=1.0)
+        self._release_row(slot)
+        ids = self._alloc.alloc(need)
+        assert ids is not None
+        self._table[slot, :need] = ids
+        self._held[slot] = need
+        self._pos[slot] = true_length
+        self._occupy(slot)
+        write = np.zeros(self.kv_blocks_for(length), np.int32)  # rows past true_length's blocks: null
+        write[:need] = ids
+        state = state._replace(block_table=jnp.asarray(self._table))
+        return insert_paged_core(state, k, v, write, *args)
+
+    def _release_row(self, slot: int) -> None:
+        held = int(self._held[slot])
+        if held:
+            self._alloc.release(self._table[slot, :held].tolist())
+        self._table[slot] = 0
+        self._held[slot] = 0
+
+    def _blocks_needed(self, slot: int, steps: int) -> int:
+        """Blocks row `slot` needs for the positions its next `steps` steps write (each clamped
+        to max_len - 1, as the step clamps them)."""
+        last = min(int(self._pos[slot]) + max(int(steps), 1) - 1, self.max_len - 1)
+        return last // self.kv_block_size + 1
+
+    def reserve(self, state: DecodeState, steps: int) -> tuple[DecodeState, list[int]]:
+        """Give every active row the blocks its next `steps` steps write (paged layout), oldest
+        insert first. Returns (the state, the slots that could not get theirs): once one row
+        finds too few free blocks, it and every later-inserted row still short go in that list,
+        newest last, and none of them gets a partial grant, so handing back the newest frees
+        blocks for the older. The caller frees some of them and calls reserve again before
+        generate. Does not donate `state` (only its block table changes). Slot layout: every
+        slot owns its rows already; (state, [])."""
+        if self.kv_layout != "paged":
+            return state, []
+        failed: list[int] = []
+        changed = False
+        for slot in sorted(np.flatnonzero(self._occupied).tolist(), key=lambda s: self._order[s]):
+            need = self._blocks_needed(slot, steps)
+            extra = need - int(self._held[slot])
+            if extra <= 0:
+                continue
+            ids = None if failed else self._alloc.alloc(extra)
+            if ids is None:
+                failed.append(slot)
+                continue
+            self._table[slot, self._held[slot]:need] = ids
+            self._held[slot] = need
+            changed = True
+        if changed:
+            state = state._replace(block_table=jnp.asarray(self._table))
+        return state, failed
+
+    def kv_blocks_of(self, slot: int) -> int:
+        """Blocks row `slot` holds now (paged), or a slot's whole share (slots; 0 when free)."""
+        self._check_slot(slot)
+        if self.kv_layout == "paged":
+            return int(self._held[slot])
+        return self.max_blocks_per_seq if self._occupied[slot] else 0
 
     def _insert_blocks(self, state: DecodeState, k, v, slot: int, length: int, packed) -> DecodeState:
         """`insert_blocks_core` over the slot's group's first blocks (those rows [0, length) fall
@@ -150,7 +252,7 @@ class DecodeSide(EngineBase):
     def warm_insert_slots(self) -> tuple[int, ...]:
         """One slot of each compiled insert variant (a blocked cache's slot groups have their own):
         the slots engine.warmup inserts into, so no request pays for an insert's compilation."""
-        if not self.kv_blocks:
+        if not self.kv_blocks:  # (the paged layout too: one insert core)
             return (0,)
         groups = kv_slot_groups(self.slots)
         return tuple(block_starts(groups))
@@ -171,12 +273,24 @@ class DecodeSide(EngineBase):
         one-step calls returns. A slot whose position reaches max_len - 1 stays there (its later
         tokens are garbage; nothing past max_len is written); the caller drops a slot's tokens past
         its finish. No `masks` with steps > 1 (a mask needs the token before it)."""
+        return self._generate(state, rows, logprobs=logprobs, masks=masks, steps=steps)
+
+    def _generate(self, state: DecodeState, rows: int | None, *, logprobs: bool, masks: np.ndarray | None,
+                  steps: int, table_blocks: int | None = None) -> tuple[DecodeState, jax.Array]:
+        """`generate`; `table_blocks` (paged, warmup) forces the step's table width."""
         bucket = self.rows_for(rows)
         steps = int(steps)
         if steps < 1 or (steps > 1 and masks is not None):
             raise ValueError(f"steps must be >= 1, and 1 with grammar masks (got {steps}"
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
+        if self.kv_layout == "paged":
+            tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
+            new, tokens = generate_core(self.step_params, state, m if steps == 1 else None, cfg=self.cfg,
+                                        layout=None, rows=bucket, logprobs=bool(logprobs), steps=steps,
+                                        max_len=self.max_len, table_blocks=tb)
+            self._pos[self._occupied] += steps
+            return new, tokens
         groups = self._step_groups(state, bucket)
         run = state if groups is None else state._replace(  # the groups past the step's rows stay out
             k=tuple(layer[:groups] for layer in state.k), v=tuple(layer[:groups] for layer in state.v))
@@ -190,6 +304,19 @@ class DecodeSide(EngineBase):
             new = new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
                                v=tuple(n + o[groups:] for n, o in zip(new.v, state.v)))
         return new, tokens
+
+    def _table_width(self, steps: int) -> int:
+        """The paged step's table width (a compiled bucket, paged.table_buckets) covering every
+        active row's blocks; RuntimeError when an active row lacks the blocks its next `steps`
+        positions fall in (the caller must `reserve` first: a step never writes another
+        sequence's block, but that row's tokens would be wrong)."""
+        occupied = np.flatnonzero(self._occupied)
+        short = [int(s) for s in occupied if self._blocks_needed(int(s), steps) > self._held[s]]
+        if short:
+            raise RuntimeError(f"slots {short} have no KV blocks for their next {steps} positions: call "
+                               f"reserve(state, {steps}) before generate and free the slots it returns")
+        widest = int(self._held[occupied].max()) if occupied.size else 1
+        return next(b for b in table_buckets(self.max_blocks_per_seq, self.kv_block_size) if b >= widest)
 
     def _step_groups(self, state: DecodeState, bucket: int) -> int | None:
         """On a blocked cache with slot groups, how many leading groups a step of `bucket` rows
@@ -205,7 +332,13 @@ class DecodeSide(EngineBase):
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the
-        `active` array goes through the call (the cache and the rest of the state are not passed)."""
+        `active` array goes through the call (the cache and the rest of the state are not passed).
+        Paged: the row's blocks go back to the pool (and its table row to the null block, so the
+        free row's writes in later steps land there). Freeing a free slot does nothing more."""
         self._check_slot(slot)
+        self._occupied[slot] = False
+        if self.kv_layout == "paged":  # its blocks back to the pool; its table row to the null block
+            self._release_row(int(slot))
+            state = state._replace(block_table=jnp.asarray(self._table))
         return state._replace(active=free_core(state.active, np.int32(slot)))
 

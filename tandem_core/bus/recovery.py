@@ -95,3 +95,50 @@ async def _give_up(r: aioredis.Redis, ks: KeySpace, original: GenerationRequest,
                             error=None if done else f"request failed {attempt - 1} times ({why}); giving up")
     await pipe.execute()
     return "finished" if done else "failed"
+
+
+# Hand a request back for the owner's own reason (its KV ran out): only while `owner` still owns it
+# (its field in the owner's running hash), taken out of that hash and enqueued again in one step.
+_PREEMPT = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'rid', ARGV[1], 'req', ARGV[3])
+return 1
+"""
+
+
+async def preempt(r: aioredis.Redis, ks: KeySpace, pool: str, original: GenerationRequest, *, owner: str,
+                  maxlen: int, max_attempts: int, token_ttl_s: int, token_maxlen: int, why: str,
+                  counted: bool = False) -> str:
+    """Re-enqueue `original`, which decode pod `owner` runs and stops running of its own accord
+    (its paged KV ran out: decode_svc/loop.py `_make_room`), from the tokens streamed so far.
+
+    Unlike `resume` this is no failure: the attempt is not counted (unless `counted`: the request
+    did not fit even alone), and no resume marker is set or read, since a request may be handed
+    back from the same index more than once (it went into a row and out again before its first new
+    token) and a marker would take the second for a duplicate and drop it. What stops a second
+    resume here is ownership: the owner's running-hash field is taken and the entry written in one
+    script, or nothing is written ("gone": someone else has it now). The caller MUST have written
+    every token it streamed for the request before this (resuming from fewer only repeats indices
+    the gateway drops; from more is impossible). Returns "resumed", "finished", "failed" or "gone"."""
+    tokens, finished = await streamed_tokens(r, ks, original.request_id)
+    shard = ks.request_shard(original.request_id)
+    running = ks.running_key(owner, shard)
+    if finished or await cancel.cancelled(r, ks, [original.request_id]):
+        await r.hdel(running, original.request_id)
+        return "finished"
+    attempt = original.attempt + (1 if counted else 0)
+    if len(tokens) >= original.max_tokens or attempt > max_attempts:
+        return await _give_up(r, ks, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
+    base = original.prompt_ids[: len(original.prompt_ids) - original.start_index]
+    again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
+                                priority="high")  # it has waited once already
+    stream = ks.admission_stream(pool, again.priority, shard)
+    if not await r.eval(_PREEMPT, 2, running, stream, original.request_id, maxlen, again.to_json()):
+        return "gone"
+    if ks.shards > 1:  # after the script: the bell is in another slot
+        bell = r.pipeline(transaction=False)
+        groups.ring(bell, ks, pool, keys.PREFILL_GROUP)
+        await bell.execute()
+    log.info("handed back request_id=%s from index %d (attempt %d): %s", original.request_id, len(tokens),
+             attempt, why)
+    return "resumed"

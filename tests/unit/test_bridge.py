@@ -72,3 +72,20 @@ async def test_a_freed_slot_wakes_the_parked_claim_loop_only():
     threading.Thread(target=bridge.wake_claims).start()
     await asyncio.wait_for(waiting, 30)
     assert bridge._freed.woken == 1
+
+
+def test_a_hand_back_comes_alone_and_after_the_tokens_queued_before_it():
+    """A `Preempted` (requests freed for KV blocks, decode_svc/loop.py `_make_room`) is taken only
+    once every batch before it is, and alone: the publisher writes those tokens first, then resumes
+    the requests from them."""
+    from decode_svc.items import Preempted
+
+    bridge = Bridge(4, 8)
+    hb = Preempted([], "KV blocks ran out")
+    for batch in ([1], [2], hb, [3]):
+        bridge.put_output(batch, 1.0)
+    assert bridge.take_outputs(8) == [1, 2]
+    assert bridge.take_outputs(8) is hb
+    assert bridge.take_outputs(8) == [3]
+    bridge.put_output(hb, 1.0)
+    assert bridge.take_outputs(1) is hb

@@ -102,3 +102,14 @@ def test_cluster_load_for_the_inference_extension():
     assert cluster_load(workers, 5, 3) == (8, 6, 0.9)
     assert cluster_load(workers[:1], 0, 0) == (0, 6, 0.75)
     assert cluster_load([], 4, 0) == (4, 0, 0.0)
+
+
+def test_cluster_load_reads_kv_blocks_of_paged_decode_pods():
+    """A paged decode pod's KV usage is its blocks used / blocks, not its rows (which stay rows: 2
+    of 32 rows in use here while 90 of 100 blocks are taken); slot-layout pods still count rows."""
+    paged = {"role": "decode", "slots": 32, "free_slots": 30, "draining": False,
+             "extra": {"kv": {"layout": "paged", "blocks_total": 100, "blocks_free": 10}}}
+    slotted = {"role": "decode", "slots": 8, "free_slots": 6, "draining": False}
+    assert cluster_load([paged], 0, 0) == (0, 2, 0.9)
+    assert cluster_load([paged, slotted], 1, 0) == (1, 4, 0.9)  # the fuller pool
+    assert cluster_load([slotted], 0, 0) == (0, 2, 0.25)

@@ -1,0 +1,187 @@
+"""Paged KV (`Engine(kv_layout="paged")`): the KV of every sequence in fixed-size blocks of one
+shared pool, each sequence row reading its blocks through a block table.
+
+The pool is two arrays, k and v, each [num_layers, num_kv_heads, num_blocks, block_size,
+head_dim]: layer i's slice is [KV, num_blocks, block_size, hd], the layout the TPU Pallas
+paged-attention kernel reads (jax.experimental.pallas.ops.tpu.paged_attention: k_pages
+[num_kv_heads, total_pages, page_size, head_dim]). Two buffers in all, whatever the block count
+(a step passes, flattens and donates each buffer it touches: the blocked slot cache passes up
+to 128).
+
+Block 0 is the null block: never allocated, what a table entry holds where a row has no block.
+A row writing a position it has no block for (a free row of the step's batch, or a slot the
+caller did not `reserve` for) writes the null block, never another sequence's block.
+
+`BlockAllocator` is host state (free list, per-block refcount); the device sees only the tables.
+The attention here is the gather path (any platform): each row's blocks gathered through its
+table, masked by position and window. No I/O, no host state in the functions.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tandem_engine.arch import ModelConfig
+from tandem_engine.model import (NO_WINDOW, _attn_out, _ffn, _layer_params, _qkv, _scores, _sinks, embed,
+                                 layer_consts, logits_from_hidden, rms_norm)
+
+NULL_BLOCK = 0
+_NEG = -1e30  # a masked score: finite, so a row with nothing to attend to yields no NaN
+# Fewest positions a decode step reads per row: the step's table width (blocks read per row) is a
+# compiled bucket, a power of two of blocks from this many positions up to max_len.
+MIN_READ = 64
+
+
+class BlockAllocator:
+    """The pool's blocks on the host: a free list and a refcount per block (block 0, the null
+    block, is never handed out). `share` adds a reference (a prefix held by two sequences, copy
+    on write for a partly filled last block); `release` drops one and returns the block to the
+    free list at zero."""
+
+    def __init__(self, total: int):
+        if total < 1:
+            raise ValueError(f"a KV block pool needs at least one block (got {total})")
+        self.total = int(total)
+        self.refcount = np.zeros(self.total + 1, np.int32)  # [0] is the null block's, always 0
+        self._free = list(range(self.total, 0, -1))  # pop() hands out the lowest ids first
+
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n blocks, each with one reference; None (and nothing taken) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            return None
+        ids = [self._free.pop() for _ in range(n)]
+        self.refcount[ids] = 1
+        return ids
+
+    def share(self, ids) -> None:
+        """One more reference to each block (all must be allocated)."""
+        for b in ids:
+            if b == NULL_BLOCK or self.refcount[b] < 1:
+                raise ValueError(f"block {b} is not allocated: only an allocated block can be shared")
+            self.refcount[b] += 1
+
+    def shared(self, block: int) -> bool:
+        """Whether more than one sequence holds `block` (a write to it must copy it first)."""
+        return bool(self.refcount[block] > 1)
+
+    def release(self, ids) -> None:
+        """Drop one reference to each block; a block nobody holds goes back to the free list."""
+        for b in ids:
+            if b == NULL_BLOCK or self.refcount[b] < 1:
+                raise ValueError(f"block {b} is not allocated: released twice?")
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(int(b))
+
+    def exclusive(self, ids) -> int:
+        """How many of `ids` only one sequence holds (what releasing them frees)."""
+        return sum(1 for b in ids if self.refcount[b] == 1)
+
+
+def table_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The compiled widths of a step's block table (blocks read per row): powers of two from
+    ceil(MIN_READ / block_size) blocks, and max_blocks itself."""
+    low = max(1, -(-MIN_READ // block_size))
+    out, b = {max_blocks}, 1
+    while b < max_blocks:
+        if b >= low:
+            out.add(b)
+        b <<= 1
+    return tuple(sorted(out))
+
+
+def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype):
+    """An all-zero pool (k, v), each [L, KV, blocks + 1, block_size, hd] (block 0: the null block)."""
+    shape = (num_layers, kv_heads, blocks + 1, block_size, head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def write_prompt_blocks(k_pool, v_pool, k, v, ids):
+    """A prompt's k, v [L, T, KV, hd] into the pool's blocks `ids` int32 [ceil(T / B)] in order
+    (rows past T in the last block are zero padding; an id of 0 drops its rows into the null
+    block). Returns the new (k_pool, v_pool)."""
+    num_layers, t, kvh, hd = k.shape
+    bs = k_pool.shape[3]
+    n = ids.shape[0]
+    pad = n * bs - t
+
+    def blocks(x, pool):
+        x = jnp.pad(x.astype(pool.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
+        x = jnp.transpose(x.reshape(num_layers, n, bs, kvh, hd), (0, 3, 1, 2, 4))  # [L, KV, n, B, hd]
+        return pool.at[:, :, ids].set(x)
+
+    return blocks(k, k_pool), blocks(v, v_pool)
+
+
+def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, window: int = 0,
+                    sinks: jax.Array | None = None):
+    """Decode attention of one layer through block tables (the gather path).
+
+    q [rows, 1, H, hd]; k_layer, v_layer [KV, num_blocks, B, hd] (one layer of the pool); table
+    int32 [rows, nb]: row r's positions [j * B, (j + 1) * B) sit in block table[r, j]; positions
+    [rows]: row r attends to its positions <= positions[r] (and > positions[r] - window). Each
+    row's nb blocks are gathered ([KV, rows, nb * B, hd]); scores and softmax in float32
+    (soft-capped by `_scores`), the sink logit added to the softmax's sum where the family has one.
+    Returns [rows, 1, H * hd] in q's dtype."""
+    rows = q.shape[0]
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    groups = cfg.num_heads // kvh
+    nb, bs = table.shape[1], k_layer.shape[2]
+    span = nb * bs
+    kg = k_layer[:, table].reshape(kvh, rows, span, hd)
+    vg = v_layer[:, table].reshape(kvh, rows, span, hd)
+    qg = q.reshape(rows, kvh, groups, hd)
+    s = _scores(jnp.einsum("rkgd,krsd->rkgs", qg, kg, preferred_element_type=jnp.float32), cfg)
+    ok = (jnp.arange(span)[None, :] <= positions[:, None]) & (
+        positions[:, None] - jnp.arange(span)[None, :] < (window or NO_WINDOW))
+    s = jnp.where(ok[:, None, None, :], s, _NEG)
+    m = jnp.max(s, axis=-1)
+    if sinks is not None:  # the sink is one more logit with no value: it only adds to the sum
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), m.shape)
+        m = jnp.maximum(m, sink)
+    p = jnp.exp(s - m[..., None])
+    denom = jnp.sum(p, axis=-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m)
+    out = jnp.einsum("rkgs,krsd->rkgd", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
+    return (out / denom[..., None]).astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd)
+
+
+def decode_forward_paged(params: dict, tokens, positions, k_pool, v_pool, table, cfg: ModelConfig, *,
+                         max_len: int, active: jax.Array | None = None):
+    """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
+
+    k_pool, v_pool [L, KV, num_blocks, B, hd]; table int32 [rows, nb] (each row's first nb
+    blocks: the caller cuts the table to the step's compiled width, wide enough for every active
+    row's blocks). The new K/V of row r go to position p = min(positions[r], max_len - 1), in
+    block table[r, p // B] at row p % B; a row that is not `active`, or whose p falls past its
+    table, writes the null block. params["layers"]: stacked or per-layer (`split_layers`); the
+    layers run unrolled. Returns (logits [rows, vocab], k_pool, v_pool)."""
+    nb, bs = table.shape[1], k_pool.shape[3]
+    write_pos = jnp.minimum(positions, max_len - 1)
+    j = write_pos // bs
+    block = jnp.take_along_axis(table, jnp.minimum(j, nb - 1)[:, None], axis=1)[:, 0]
+    ok = j < nb
+    if active is not None:
+        ok = ok & active
+    block = jnp.where(ok, block, NULL_BLOCK)
+    offset = write_pos % bs
+    consts = layer_consts(cfg)
+    x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
+    for i in range(cfg.num_layers):
+        lp = _layer_params(params["layers"], i)
+        lc = jax.tree.map(lambda c, i=i: c[i], consts)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
+        k_pool = k_pool.at[i, :, block, offset].set(k[:, 0].astype(k_pool.dtype))  # [rows, KV, hd]
+        v_pool = v_pool.at[i, :, block, offset].set(v[:, 0].astype(v_pool.dtype))
+        attn = paged_attention(q, k_pool[i], v_pool[i], table, write_pos, cfg, window=cfg.window(i),
+                               sinks=_sinks(lp, cfg))
+        x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
+    return logits_from_hidden(params, x[:, 0], cfg), k_pool, v_pool

@@ -1,0 +1,196 @@
+"""Paged KV (`kv_layout="paged"`): greedy tokens equal to the slot layout's for every served family,
+and the block accounting a decode pod relies on (insert takes blocks or raises OutOfKVBlocks,
+reserve grants the oldest rows first and names the rest, free gives the blocks back, recycled
+blocks carry no old KV into a new sequence).
+
+Blocks of 4 positions here, so prompts of 13 and 40 tokens span 4 and 10 blocks, decode crosses
+a block boundary every 4 steps, and the step's table width (paged.table_buckets: 16 then 32
+blocks at max_len 128) changes as the longest row passes 64 positions.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem_core.errors import AdmissionRejected, OutOfKVBlocks
+from tandem_core.types import SamplingParams
+from tandem_engine import load_engine
+from tandem_engine.paged import NULL_BLOCK, BlockAllocator, table_buckets
+
+GREEDY = SamplingParams()
+BLOCK = 4
+MAX_LEN = 128
+
+
+def engines(path: str, **kw):
+    common = dict(slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), prefix_chunk=16, **kw)
+    return (load_engine(path, **common),
+            load_engine(path, kv_layout="paged", kv_block_size=BLOCK, **common))
+
+
+def decode(engine, prompts: dict[int, list[int]], steps: int, per_call: int = 1, payload: bool = False):
+    """Greedy tokens per slot: each prompt prefilled and inserted, then `steps` calls of
+    `per_call` steps (reserve first: a no-op on the slot layout)."""
+    state = engine.init_state()
+    out = {}
+    for slot, ids in prompts.items():
+        prefix = engine.prefill(ids, GREEDY)
+        if payload:  # what a decode pod does with a pulled KV
+            state = engine.insert_payload(engine.export_prefix(prefix), state, slot, GREEDY)
+        else:
+            state = engine.insert(prefix, state, slot, GREEDY)
+        out[slot] = [prefix.first_token]
+    for _ in range(steps):
+        state, short = engine.reserve(state, per_call)
+        assert short == []
+        state, tokens = engine.generate(state, steps=per_call)
+        host = np.asarray(tokens).reshape(per_call, -1)
+        for slot in out:
+            out[slot] += host[:, slot].tolist()
+    return out, state
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.families import FAMILIES, build_family
+
+    out = {}
+    for i, name in enumerate(FAMILIES):
+        path = tmp_path_factory.mktemp(name)
+        build_family(name, path, seed=i)
+        out[name] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral",
+                                    "qwen3_moe", "gpt_oss"])
+def test_greedy_tokens_match_the_slot_layout(family, family_dirs):
+    """Every family (sliding windows of 8 < the prompts, softcaps, sinks, MoE): the same greedy
+    tokens in both layouts, one step per call and 3 per call, through insert and insert_payload;
+    the 40-token prompt decodes past 64 positions (the table width changes)."""
+    slots, paged = engines(family_dirs[family])
+    rng = np.random.default_rng(len(family))
+    prompts = {0: rng.integers(0, 256, 13).tolist(), 2: rng.integers(0, 256, 40).tolist()}
+    want, _ = decode(slots, prompts, 30)
+    got, state = decode(paged, prompts, 30)
+    assert got == want
+    got3, _ = decode(paged, prompts, 10, per_call=3, payload=True)  # multi-step: the same tokens as one-step
+    assert got3 == {slot: tokens[:31] for slot, tokens in want.items()}
+    assert paged.kv_blocks_of(2) == paged.kv_blocks_for(40 + 30)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return engines("tiny")
+
+
+def test_freed_rows_recycle_blocks_without_old_kv(tiny):
+    """A row freed mid-decode gives its blocks back; a new prompt in another row (the same
+    blocks, recycled) decodes as it would alone while the freed row, still inside the step's
+    batch, keeps stepping (its writes go to the null block), and the row beside it is
+    undisturbed."""
+    slots, paged = tiny
+    rng = np.random.default_rng(1)
+    a, b, c = (rng.integers(0, 200, n).tolist() for n in (30, 9, 21))
+    alone_b, _ = decode(slots, {1: b}, 24)
+    alone_c, _ = decode(slots, {0: c}, 12)
+    state = paged.init_state()
+    total = paged.kv_blocks_total
+    for slot, ids in ((0, a), (1, b)):
+        state = paged.insert(paged.prefill(ids, GREEDY), state, slot, GREEDY)
+    out_b = [paged.prefill(b, GREEDY).first_token]
+    for _ in range(12):
+        state, short = paged.reserve(state, 1)
+        assert short == []
+        state, tokens = paged.generate(state)
+        out_b.append(int(np.asarray(tokens)[1]))
+    held_a = paged.kv_blocks_of(0)
+    assert held_a == paged.kv_blocks_for(30 + 12)
+    free_before = paged.kv_blocks_free()
+    state = paged.free(state, 0)
+    assert paged.kv_blocks_free() == free_before + held_a and paged.kv_blocks_of(0) == 0
+    assert not np.asarray(state.block_table)[0].any()  # the free row now writes the null block
+    state = paged.insert(paged.prefill(c, GREEDY), state, 2, GREEDY)
+    out_c = [paged.prefill(c, GREEDY).first_token]
+    for _ in range(12):
+        state, short = paged.reserve(state, 1)
+        assert short == []
+        state, tokens = paged.generate(state)
+        out_b.append(int(np.asarray(tokens)[1]))
+        out_c.append(int(np.asarray(tokens)[2]))
+    assert out_c == alone_c[0] and out_b == alone_b[1]
+    state = paged.free(paged.free(state, 2), 1)
+    assert paged.kv_blocks_free() == total
+
+
+def test_a_pool_too_small_raises_and_reserve_names_the_newest():
+    """Insert raises OutOfKVBlocks (retryable, state untouched) when the prompt's blocks are not
+    free; reserve grants the oldest rows first and returns the rest; after the caller frees
+    those, reserve succeeds and the oldest row's tokens are what they would have been."""
+    slots, _ = engines("tiny")
+    paged = load_engine("tiny", slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), kv_layout="paged",
+                        kv_block_size=BLOCK, kv_blocks=9)
+    assert paged.kv_blocks_total == 9 and paged.kv_blocks_free() == 9
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, 200, 16).tolist(), rng.integers(0, 200, 12).tolist()  # 4 and 3 blocks
+    state = paged.init_state()
+    state = paged.insert(paged.prefill(a, GREEDY), state, 0, GREEDY)
+    state = paged.insert(paged.prefill(b, GREEDY), state, 1, GREEDY)
+    assert paged.kv_blocks_free() == 2
+    with pytest.raises(OutOfKVBlocks, match="free a sequence") as err:
+        paged.insert(paged.prefill(a, GREEDY), state, 2, GREEDY)
+    assert isinstance(err.value, AdmissionRejected) and err.value.retryable
+    assert paged.kv_blocks_free() == 2  # nothing taken; the state was not donated
+    with pytest.raises(RuntimeError, match="reserve"):
+        paged.generate(state)  # a needs block 5 for position 16, not reserved
+    state, short = paged.reserve(state, 8)  # a: 16 + 8 -> 6 blocks (+2), b: 12 + 8 -> 5 (+2): only a fits
+    assert short == [1] and paged.kv_blocks_of(0) == 6 and paged.kv_blocks_of(1) == 3
+    state = paged.free(state, 1)  # the pod hands the newest back
+    state, short = paged.reserve(state, 8)
+    assert short == []
+    out = [paged.prefill(a, GREEDY).first_token]
+    for _ in range(2):
+        state, tokens = paged.generate(state, steps=4)
+        out += np.asarray(tokens)[:, 0].tolist()
+    want, _ = decode(slots, {0: a}, 8)
+    assert out == want[0]
+
+
+def test_the_slot_layout_answers_the_same_calls(tiny):
+    slots, _ = tiny
+    per = -(-MAX_LEN // slots.kv_block_size)
+    assert slots.kv_layout == "slots" and slots.kv_blocks_total == 4 * per
+    state = slots.init_state()
+    assert slots.kv_blocks_free() == 4 * per
+    state = slots.insert(slots.prefill([1, 2, 3], GREEDY), state, 2, GREEDY)
+    assert slots.kv_blocks_free() == 3 * per and slots.kv_blocks_for(17) == -(-17 // slots.kv_block_size)
+    state, short = slots.reserve(state, 4)
+    assert short == []
+    state = slots.free(state, 2)
+    assert slots.kv_blocks_free() == 4 * per
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="kv_layout"):
+        load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_layout="pages")
+    with pytest.raises(ValueError, match="kv_blocks"):
+        load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_blocks=8)
+
+
+def test_allocator_refcounts_and_table_buckets():
+    pool = BlockAllocator(4)
+    ids = pool.alloc(3)
+    assert ids == [1, 2, 3] and NULL_BLOCK not in ids and pool.free_count() == 1
+    assert pool.alloc(2) is None and pool.free_count() == 1
+    pool.share(ids[:2])  # a second sequence holds the first two (a shared prefix)
+    assert pool.shared(1) and not pool.shared(3) and pool.exclusive(ids) == 1
+    pool.release(ids)
+    assert pool.free_count() == 2 and pool.shared(1) is False
+    pool.release(ids[:2])
+    assert pool.free_count() == 4
+    with pytest.raises(ValueError, match="released twice"):
+        pool.release([1])
+    assert table_buckets(32, 4) == (16, 32) and table_buckets(64, 16) == (4, 8, 16, 32, 64)
+    assert table_buckets(3, 16) == (3,)
