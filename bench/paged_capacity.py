@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_line, markdown_table, merge_summary, write_section  # noqa: E402
+from bench.common import machine_line, markdown_table, merge_summary, write_section
 
 SECTION = "paged_capacity"
 PAD = 128  # payload lengths are padded to this (each padded length compiles one insert)

@@ -36,7 +36,9 @@ class DecodeSide(EngineBase):
     then untouched); before each generate, `reserve(state, steps)` gives every active row the
     blocks its next `steps` positions fall in (generate raises for an active row without them);
     free returns a row's blocks. The slot layout answers the same calls (reserve: nothing to do),
-    so a service calls them without asking which layout it runs."""
+    so a service calls them without asking which layout it runs. The block accounting is the
+    engine's host state, for one DecodeState at a time: init_state starts it afresh (every block
+    free), so a state made before is not to be used after."""
 
     def init_state(self) -> DecodeState:
         """An all-free DecodeState; the KV cache is allocated here, once (and in the paged

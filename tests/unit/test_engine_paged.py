@@ -4,7 +4,7 @@ reserve grants the oldest rows first and names the rest, free gives the blocks b
 blocks carry no old KV into a new sequence).
 
 Blocks of 4 positions here, so prompts of 13 and 40 tokens span 4 and 10 blocks, decode crosses
-a block boundary every 4 steps, and the step's table width (paged.table_buckets: 16 then 32
+a block boundary every 4 steps, and the step's table width (paged.table_buckets: 16, 24, 32
 blocks at max_len 128) changes as the longest row passes 64 positions.
 """
 from __future__ import annotations
@@ -192,5 +192,12 @@ def test_allocator_refcounts_and_table_buckets():
     assert pool.free_count() == 4
     with pytest.raises(ValueError, match="released twice"):
         pool.release([1])
-    assert table_buckets(32, 4) == (16, 32) and table_buckets(64, 16) == (4, 8, 16, 32, 64)
+    assert table_buckets(32, 4) == (16, 24, 32) and table_buckets(64, 16) == (4, 6, 8, 12, 16, 24, 32, 48, 64)
     assert table_buckets(3, 16) == (3,)
+
+
+def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
+    engine = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_layout="paged", kv_block_size=8,
+                         steps_per_dispatch=2)
+    engine.warmup(prefill=False, logprobs=False)
+    assert engine.kv_blocks_free() == engine.kv_blocks_total == 2 * 8
