@@ -150,7 +150,8 @@ def test_selection_per_platform_and_family(caplog):
     assert select_paged_attention(LLAMA, dtype=jnp.bfloat16).impl == "gather"
     caplog.clear()
     for cfg, dtype, needs in [(GEMMA2, jnp.bfloat16, ["sliding windows on 2 of 4 layers"]),
-                              (GPT_OSS, jnp.bfloat16, ["sliding windows", "attention sinks"]),
+                              (GPT_OSS, jnp.bfloat16, ["sliding windows", "attention sinks", "head_dim 64"]),
+                              (config(8, 2, 64), jnp.bfloat16, ["head_dim 64"]),  # the built-in model's shape
                               (LLAMA, jnp.float32, ["float32 pool"])]:
         attn = select_paged_attention(cfg, dtype=dtype, platform="tpu")
         assert attn.impl == "gather" and all(n in attn.reason for n in needs), attn.reason
@@ -234,3 +235,24 @@ def test_pallas_path_compiles_for_v5e_at_llama_8b_shapes(tp, rows, block_size):
     pool_bytes = 8 * num_blocks * block_size * 128 * 2
     mem = compiled.memory_analysis()
     assert 2 * pool_bytes // tp <= mem.argument_size_in_bytes <= 2 * pool_bytes // tp + (1 << 20), mem
+
+
+@needs_libtpu
+def test_the_kernel_really_refuses_a_head_dim_of_64():
+    """Why a head_dim that is not a multiple of 128 falls back (gpt-oss, the built-in model): the
+    kernel forced on one does not compile for a TPU. Should a JAX release lift that, this fails
+    and `kernel_gaps` can let those models run the kernel."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tandem_engine import aot
+
+    mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
+    cfg = config(8, 2, 64)
+    forced = PagedAttention(cfg, "pallas", "forced for this test")
+    rep = NamedSharding(mesh, P())
+    pool = jax.ShapeDtypeStruct((2, 64, 16, 64), jnp.bfloat16, sharding=rep)
+    args = (jax.ShapeDtypeStruct((4, 8, 64), jnp.bfloat16, sharding=rep), pool, pool,
+            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep), jax.ShapeDtypeStruct((4, 8), jnp.int32, sharding=rep))
+    with pytest.raises(Exception, match="divisible by 8 and 128"):  # Pallas lowering error: a private type
+        jax.jit(forced.__call__).lower(*args).compile()
