@@ -40,10 +40,14 @@ What the kernel lacks, and so which families fall back to "gather" on a TPU (log
   gemma3, gpt-oss, and qwen2 where its config turns windows on;
 - attention sinks (its softmax has no extra logit, and the wrapper drops the running max and sum
   it would take to add one afterwards): gpt-oss;
+- a head_dim that is not a multiple of 128 (the kernel's running max and sum are blocked like q, and
+  Pallas's TPU lowering refuses a last block dimension of 64 over their size-1 axis; the test
+  compiles it to show this holds): gpt-oss, the built-in model, Llama 3.2 1B (all 64);
 - a pool in another dtype than bfloat16: it reads K and V as bfloat16 whatever they are (an
   int8 pool would need its QuantizedTensor form, not wired here).
-Soft-capping alone is supported (gemma2 also has windows, so it falls back anyway). Llama, qwen3,
-mixtral and qwen3_moe in bfloat16 run the kernel.
+Soft-capping alone is supported (gemma2 also has windows, so it falls back anyway). Llama, qwen2
+without windows, qwen3, mixtral and qwen3_moe in bfloat16 run the kernel where their head_dim is a
+multiple of 128 (Llama 3.1 8B, Qwen3: 128; Llama 3.2 1B, Qwen2.5 0.5B: 64, so the gather path).
 
 Nothing here ran on a TPU: tests/unit/test_paged_attention.py compiles the TPU path ahead of time
 for a v5e slice (libtpu's compile-only devices) and runs the kernel itself in Pallas's TPU
@@ -83,6 +87,9 @@ def kernel_gaps(cfg: ModelConfig, dtype) -> list[str]:
         gaps.append(f"sliding windows on {len(windowed)} of {cfg.num_layers} layers (the kernel masks only by length)")
     if cfg.sinks:
         gaps.append("attention sinks (the kernel's softmax has no sink logit)")
+    if cfg.head_dim % 128:
+        gaps.append(f"head_dim {cfg.head_dim} (the kernel's blocks need a multiple of 128: its lowering refuses "
+                    f"others)")
     if jnp.dtype(dtype) != jnp.bfloat16:
         gaps.append(f"a {jnp.dtype(dtype).name} pool (the kernel reads K and V as bfloat16)")
     return gaps
