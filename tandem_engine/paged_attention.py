@@ -225,7 +225,7 @@ def gather_attention(q, k_pages, v_pages, lengths, block_tables, cfg: ModelConfi
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
     chunk = cb * size
     qpos = lengths - 1  # each row's query position
-    win = NO_WINDOW if window is None else jnp.where(jnp.asarray(window) > 0, window, NO_WINDOW)
+    win = jnp.int32(NO_WINDOW) if window is None else jnp.where(jnp.asarray(window) > 0, window, NO_WINDOW)
     live = lengths > 0
     n = (jnp.max(lengths) + chunk - 1) // chunk  # chunks up to the longest row
     reach = jnp.where(live, jnp.maximum(qpos - win + 1, 0), jnp.iinfo(jnp.int32).max)
