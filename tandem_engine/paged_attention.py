@@ -50,7 +50,7 @@ without windows, qwen3, mixtral and qwen3_moe in bfloat16 run the kernel where t
 multiple of 128 (Llama 3.1 8B, Qwen3: 128; Llama 3.2 1B, Qwen2.5 0.5B: 64, so the gather path).
 
 Nothing here ran on a TPU: tests/unit/test_paged_attention.py compiles the TPU path ahead of time
-for a v5e slice (libtpu's compile-only devices) and runs the kernel itself in Pallas's TPU
+for v5e, v6e and v5p chips (libtpu's compile-only devices) and runs the kernel itself in Pallas's TPU
 interpret mode on the CPU against the gather path.
 """
 from __future__ import annotations

@@ -208,21 +208,26 @@ needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtp
 
 
 @needs_libtpu
-@pytest.mark.parametrize("tp, rows, block_size", [(1, 8, 16), (1, 32, 32), (2, 8, 16)])
-def test_pallas_path_compiles_for_v5e_at_llama_8b_shapes(tp, rows, block_size):
+@pytest.mark.parametrize("tpu, topology, tp, rows, block_size, megacore", [
+    ("v5e", "2x2", 1, 8, 16, None), ("v5e", "2x2", 1, 32, 32, None), ("v5e", "2x2", 2, 8, 16, None),
+    ("v6e", "2x2", 1, 8, 16, None), ("v5p", "2x2x1", 1, 8, 16, "kv_head"),  # v5p: two cores a chip
+])
+def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows, block_size, megacore):
     """Llama-3-8B's attention (32 heads, 8 KV heads, head_dim 128) over a bf16 pool with 256 pages
-    a sequence, through the selector, compiled by the TPU compiler for a v5e slice: the Mosaic
-    kernel is in the compiled program (not an XLA fallback) and, at tp 2, each chip holds half
-    the pool (its KV heads)."""
+    a sequence, through the selector, compiled by the TPU compiler for a v5e slice (and one v6e
+    and one v5p configuration, the latter with the kernel's megacore split over KV heads): the
+    Mosaic kernel is in the compiled program (not an XLA fallback) and, at tp 2, each chip holds
+    half the pool (its KV heads). (Megacore compiles for a v6e too, which has one core a chip:
+    a compile cannot tell whether that mode would hang, so the selector leaves it off.)"""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from tandem_engine import aot
 
-    devices = aot.topology_devices("v5e", "2x2")
+    devices = aot.topology_devices(tpu, topology)
     mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
-    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh)
-    assert attn.impl == "pallas"
+    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh, megacore_mode=megacore)
+    assert attn.impl == "pallas" and attn.megacore_mode == megacore
     pages_per_seq, num_blocks = 256, 4096
     spec = {"q": P(None, "tp", None), "pool": P("tp", None, None, None), "rep": P()}
 
