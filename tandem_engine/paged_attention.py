@@ -33,7 +33,10 @@ Implementations:
   None unless asked (the kernel's own advice: set only where megacore is on, else it may hang).
   Under tensor parallelism (`mesh` with a "tp" axis over > 1 chips) the kernel runs per chip in a
   `shard_map` over the chip's KV heads and its query heads; a Mosaic call is not split by XLA's
-  partitioner.
+  partitioner. Hold the pool as one buffer per layer for it: a pool stacked [L, KV, blocks,
+  block_size, hd] and sliced per layer (`k_pool[i]`) makes XLA copy that layer's whole pool for
+  the call, at every layer of every step (compiled for v5e: 448 MiB of temporaries for 4 layers
+  of 64 MiB pools, against 0.25 MiB with per-layer buffers; the test holds this).
 
 What the kernel lacks, and so which families fall back to "gather" on a TPU (logged as a warning):
 - a sliding window (it masks only positions >= length): mistral (sliding_window set), gemma2,

@@ -263,3 +263,39 @@ def test_the_kernel_really_refuses_a_head_dim_of_64():
             jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep), jax.ShapeDtypeStruct((4, 8), jnp.int32, sharding=rep))
     with pytest.raises(Exception, match="divisible by 8 and 128"):  # Pallas lowering error: a private type
         jax.jit(forced.__call__).lower(*args).compile()
+
+
+@needs_libtpu
+def test_on_tpu_the_pool_must_be_one_buffer_per_layer():
+    """The kernel reads a layer's pool in place only when that layer's pool is a buffer of its
+    own: a pool stacked [L, KV, blocks, block_size, hd] and sliced per layer (`k_pool[i]`) makes
+    XLA copy the whole layer's pool for the Mosaic call at every layer of every step (a custom
+    call cannot read a slice in place). The compiler's temporaries show it: about nothing for
+    per-layer buffers, copies of the layers' K and V pools for the stacked one (measured: 448 MiB
+    of temporaries for 4 layers of 64 MiB each, K and V)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tandem_engine import aot
+
+    mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
+    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh)
+    rep = NamedSharding(mesh, P())
+    layers, kv_layer = 4, (8, 2048, 16, 128)
+    layer_bytes = int(np.prod(kv_layer)) * 2
+
+    def s(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    small = (s((8, 32, 128)), s((8,), jnp.int32), s((8, 256), jnp.int32))
+
+    def per_layer(q, lengths, table, ks, vs):
+        return jnp.stack([attn(q, k, v, lengths, table) for k, v in zip(ks, vs)])
+
+    def stacked(q, lengths, table, k, v):
+        return jnp.stack([attn(q, k[i], v[i], lengths, table) for i in range(layers)])
+
+    own = jax.jit(per_layer).lower(*small, (s(kv_layer),) * layers, (s(kv_layer),) * layers).compile()
+    sliced = jax.jit(stacked).lower(*small, s((layers, *kv_layer)), s((layers, *kv_layer))).compile()
+    assert own.memory_analysis().temp_size_in_bytes < layer_bytes // 16
+    assert sliced.memory_analysis().temp_size_in_bytes >= 2 * layer_bytes  # at least a layer's K and V copies
