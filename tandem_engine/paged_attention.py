@@ -8,7 +8,8 @@ The pool of one layer (the layout JAX's Pallas TPU kernel reads):
                       any value (they are clamped into [0, num_blocks): the kernel DMAs whole
                       compute blocks, so an index out of the pool would fault on a TPU)
     lengths           int32 [rows]: how many positions row r attends to, i.e. its new token's
-                      position + 1 with that token's K/V already written; 0 is a free row (zeros out)
+                      position + 1 with that token's K/V already written, at most blocks_per_seq *
+                      block_size; 0 is a free row (zeros out)
     q                 [rows, num_heads, head_dim], num_heads = groups * num_kv_heads (GQA: query
                       head h reads KV head h // groups, as model.py groups them)
 
