@@ -1,0 +1,301 @@
+"""Decode attention over a paged KV pool (tandem_engine/paged_attention.py).
+
+- The gather path (what a CPU runs) equals the engine's dense attention (model.py's
+  `_grouped_attention`, the prefill's math) over the same KV written contiguously: random pools
+  whose unused blocks hold large garbage, block tables shuffled across the pool (and sharing a
+  prefix block between rows), lengths crossing block boundaries, GQA, sliding windows, soft-capping
+  with a query scale, attention sinks; a free row (length 0) gives zeros.
+- The selection: the Pallas kernel on a TPU only for families and dtypes it can serve, the gather
+  path otherwise, logged; forcing the kernel where it cannot serve raises.
+- The Pallas TPU kernel we would ship, run on this CPU in Pallas's TPU interpret mode (it simulates
+  the kernel's DMAs, semaphores and scalar prefetch) through the selector, equals the gather path.
+- The TPU path compiles ahead of time for a v5e slice at Llama-3-8B's attention shapes (libtpu's
+  compile-only devices, as tests/unit/test_tpu_compile.py): one chip, and tp 2 where each chip runs
+  the kernel over its own heads. Those tests skip only where libtpu is not importable (`make test`
+  installs it).
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tandem_engine.aot import libtpu_missing
+from tandem_engine.arch import ModelConfig
+from tandem_engine.model import _grouped_attention, _window_mask
+from tandem_engine.paged_attention import (PagedAttention, gather_attention, pages_per_compute_block,
+                                           select_paged_attention)
+
+
+def config(heads=8, kv_heads=2, head_dim=16, *, windows=(), softcap=0.0, query_scale=0.0, sinks=False, layers=2):
+    return ModelConfig(vocab_size=32, hidden_size=heads * head_dim, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       windows=windows, attn_softcap=softcap, query_scale=query_scale, sinks=sinks)
+
+
+def paged_case(cfg, lengths, *, block_size=4, blocks_per_seq=6, num_blocks=40, dtype=np.float32, seed=0,
+               share_first_block=False):
+    """q, a pool and block tables holding each row's KV in shuffled blocks, and the same KV written
+    contiguously per row ([rows, S, KV, hd], S = blocks_per_seq * block_size). Every pool position
+    no row uses (and every row position past its length) holds large garbage, so a read the mask
+    should have dropped shows."""
+    r = np.random.default_rng(seed)
+    rows, kvh, hd = len(lengths), cfg.num_kv_heads, cfg.head_dim
+    s = blocks_per_seq * block_size
+    q = r.normal(size=(rows, cfg.num_heads, hd)).astype(dtype)
+    dense_k = (r.normal(size=(rows, s, kvh, hd)) * 30).astype(dtype)  # garbage past each length...
+    dense_v = (r.normal(size=(rows, s, kvh, hd)) * 30).astype(dtype)
+    for i, n in enumerate(lengths):  # ...and ordinary values inside it
+        dense_k[i, :n] = r.normal(size=(n, kvh, hd))
+        dense_v[i, :n] = r.normal(size=(n, kvh, hd))
+    pool_k = (r.normal(size=(kvh, num_blocks, block_size, hd)) * 30).astype(dtype)
+    pool_v = (r.normal(size=(kvh, num_blocks, block_size, hd)) * 30).astype(dtype)
+    tables = r.permutation(num_blocks)[:rows * blocks_per_seq].reshape(rows, blocks_per_seq).astype(np.int32)
+    if share_first_block:  # every row's block 0 is row 0's (a shared prefix): same KV there
+        tables[:, 0] = tables[0, 0]
+        dense_k[:, :block_size] = dense_k[0, :block_size]
+        dense_v[:, :block_size] = dense_v[0, :block_size]
+    for i in range(rows):  # write each row's positions through its table
+        for j in range(blocks_per_seq):
+            part = slice(j * block_size, (j + 1) * block_size)
+            pool_k[:, tables[i, j]] = np.swapaxes(dense_k[i, part], 0, 1)
+            pool_v[:, tables[i, j]] = np.swapaxes(dense_v[i, part], 0, 1)
+    return (q, pool_k, pool_v, np.asarray(lengths, np.int32), tables), (dense_k, dense_v)
+
+
+def dense_attention(q, dense_k, dense_v, lengths, cfg, *, window=0, sinks=None):
+    """The engine's dense attention (the prefill's `_grouped_attention`) of each row's query at
+    position length - 1 over its contiguous KV."""
+    s = dense_k.shape[1]
+    qpos = jnp.asarray(lengths)[:, None, None] - 1
+    mask = _window_mask(qpos, jnp.arange(s)[None, None, :], window or (1 << 30))  # [rows, 1, S]
+    out = _grouped_attention(jnp.asarray(q)[:, None], jnp.asarray(dense_k), jnp.asarray(dense_v), mask, cfg,
+                             None if sinks is None else jnp.asarray(sinks))
+    return np.asarray(out).reshape(q.shape)
+
+
+LENGTHS = [1, 4, 5, 9, 24, 13]  # one position, a block exactly, one past, crossing two, the table full
+
+
+@pytest.mark.parametrize("name, cfg, window, sinks", [
+    ("gqa", config(), 0, False),
+    ("mha", config(heads=4, kv_heads=4), 0, False),
+    ("window", config(windows=(6, 0)), 6, False),
+    ("softcap_and_scale", config(softcap=5.0, query_scale=0.3), 0, False),
+    ("sinks", config(sinks=True), 0, True),
+    ("sinks_and_window", config(sinks=True, windows=(3, 0)), 3, True),
+])
+@pytest.mark.parametrize("chunk_blocks", [1, 4, 8])
+def test_gather_equals_dense_attention_over_the_same_kv(name, cfg, window, sinks, chunk_blocks):
+    args, (dk, dv) = paged_case(cfg, LENGTHS, seed=len(name))
+    sink = np.random.default_rng(7).normal(size=(cfg.num_heads,)).astype(np.float32) * 2 if sinks else None
+    attn = PagedAttention(cfg, "gather", "test", chunk_blocks=chunk_blocks)
+    got = np.asarray(jax.jit(lambda *a: attn(*a, window=window or None, sinks=sink))(*args))
+    want = dense_attention(args[0], dk, dv, args[3], cfg, window=window, sinks=sink)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_gather_reads_a_block_shared_between_rows_and_a_traced_window():
+    """Rows share their first block (a cached prefix: one pool block in every table), and the
+    window arrives as a traced per-layer value (a layer scan's carry) with 0 meaning global."""
+    cfg = config(windows=(7, 0))
+    args, (dk, dv) = paged_case(cfg, LENGTHS, share_first_block=True, seed=3)
+    attn = PagedAttention(cfg, "gather", "test")
+    run = jax.jit(lambda w, *a: attn(*a, window=w))
+    for window in (7, 0):
+        got = np.asarray(run(jnp.int32(window), *args))
+        np.testing.assert_allclose(got, dense_attention(args[0], dk, dv, args[3], cfg, window=window),
+                                   rtol=2e-5, atol=2e-5)
+
+
+def test_a_free_row_gives_zeros_and_table_entries_past_the_pool_are_clamped():
+    cfg = config()
+    (q, k, v, lengths, tables), (dk, dv) = paged_case(cfg, [0, 6, 0, 3])
+    tables = tables.copy()
+    tables[1, 2:] = 10_000  # past the row's length and past the pool: never read, must not fault
+    tables[0] = -5
+    # the chosen attention is a static argument of a jitted core, as `cfg` is
+    core = jax.jit(lambda attn, *a: attn(*a), static_argnums=0)
+    got = np.asarray(core(select_paged_attention(cfg, dtype=jnp.float32, platform="cpu"), q, k, v, lengths, tables))
+    assert not got[[0, 2]].any()
+    np.testing.assert_allclose(got[[1, 3]], dense_attention(q, dk, dv, lengths, cfg)[[1, 3]], rtol=2e-5, atol=2e-5)
+
+
+def test_shapes_that_disagree_with_the_model_are_refused():
+    cfg = config()
+    (q, k, v, lengths, tables), _ = paged_case(cfg, [3, 5])
+    attn = PagedAttention(cfg, "gather", "test")
+    with pytest.raises(ValueError, match="KV heads"):
+        attn(q, k[:1], v[:1], lengths, tables)
+    with pytest.raises(ValueError, match="lengths"):
+        attn(q, k, v, lengths[:1], tables)
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+
+
+LLAMA = config(32, 8, 128, layers=4)
+GEMMA2 = config(8, 4, 128, windows=(4096, 0) * 2, softcap=50.0, query_scale=256 ** -0.5, layers=4)
+GPT_OSS = config(64, 8, 64, windows=(128, 0) * 2, sinks=True, layers=4)
+
+
+def test_selection_per_platform_and_family(caplog):
+    caplog.set_level(logging.INFO, logger="tandem_engine.paged_attention")
+    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu").impl == "pallas"
+    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="cpu").impl == "gather"
+    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", impl="gather").impl == "gather"
+    # the default platform is JAX's own (the CPU here)
+    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16).impl == "gather"
+    caplog.clear()
+    for cfg, dtype, needs in [(GEMMA2, jnp.bfloat16, ["sliding windows on 2 of 4 layers"]),
+                              (GPT_OSS, jnp.bfloat16, ["sliding windows", "attention sinks", "head_dim 64"]),
+                              (config(8, 2, 64), jnp.bfloat16, ["head_dim 64"]),  # the built-in model's shape
+                              (LLAMA, jnp.float32, ["float32 pool"])]:
+        attn = select_paged_attention(cfg, dtype=dtype, platform="tpu")
+        assert attn.impl == "gather" and all(n in attn.reason for n in needs), attn.reason
+        # said, not silent: a warning naming what the kernel lacks
+        assert any(r.levelno == logging.WARNING and needs[0] in r.getMessage() for r in caplog.records)
+        with pytest.raises(ValueError, match="cannot serve this model: it lacks"):
+            select_paged_attention(cfg, dtype=dtype, platform="tpu", impl="pallas")
+    with pytest.raises(ValueError, match="only on a TPU"):
+        select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="cpu", impl="pallas")
+
+
+def test_pages_per_compute_block_divides_the_table():
+    assert pages_per_compute_block(256, 16) == 32  # 512 positions
+    assert pages_per_compute_block(256, 32) == 16
+    assert pages_per_compute_block(6, 4) == 6
+    assert pages_per_compute_block(7, 128) == 1  # 7 is prime
+    assert pages_per_compute_block(12, 64) == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# the Pallas kernel itself, interpreted on this CPU
+
+
+@pytest.mark.parametrize("name, cfg", [
+    ("groups4", config(8, 2, 128)),  # num_groups % 8 != 0: the kernel's [.., 1, hd] query layout
+    ("groups8_softcap_scale", config(16, 2, 128, softcap=5.0, query_scale=0.05)),  # groups % 8 == 0
+])
+def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg):
+    from jax.experimental.pallas import tpu as pltpu
+
+    lengths = [1, 16, 17, 40, 0, 64]  # one, a page, one past, mid-block, a free row, the table full
+    (q, k, v, lengths, tables), _ = paged_case(cfg, lengths, block_size=16, blocks_per_seq=4, num_blocks=32,
+                                               seed=len(name))
+    # a bf16 pool (what the kernel reads); q in float32, so the kernel's output is float32 too
+    q, k, v = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    kernel = select_paged_attention(cfg, dtype=jnp.bfloat16, platform="tpu")
+    assert kernel.impl == "pallas"
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        got = np.asarray(kernel(q, k, v, lengths, tables))
+    # the gather path over the same bf16 values held in float32 (the kernel keeps its
+    # probabilities in float32 where the gather path casts them to the pool's dtype)
+    want = np.asarray(gather_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(lengths),
+                                       jnp.asarray(tables), cfg))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not got[4].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# the TPU path compiled ahead of time (no TPU here)
+
+needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtpu_missing()))
+
+
+@needs_libtpu
+@pytest.mark.parametrize("tpu, topology, tp, rows, block_size, megacore", [
+    ("v5e", "2x2", 1, 8, 16, None), ("v5e", "2x2", 1, 32, 32, None), ("v5e", "2x2", 2, 8, 16, None),
+    ("v6e", "2x2", 1, 8, 16, None), ("v5p", "2x2x1", 1, 8, 16, "kv_head"),  # v5p: two cores a chip
+])
+def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows, block_size, megacore):
+    """Llama-3-8B's attention (32 heads, 8 KV heads, head_dim 128) over a bf16 pool with 256 pages
+    a sequence, through the selector, compiled by the TPU compiler for a v5e slice (and one v6e
+    and one v5p configuration, the latter with the kernel's megacore split over KV heads): the
+    Mosaic kernel is in the compiled program (not an XLA fallback) and, at tp 2, each chip holds
+    half the pool (its KV heads). (Megacore compiles for a v6e too, which has one core a chip:
+    a compile cannot tell whether that mode would hang, so the selector leaves it off.)"""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tandem_engine import aot
+
+    devices = aot.topology_devices(tpu, topology)
+    mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
+    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh, megacore_mode=megacore)
+    assert attn.impl == "pallas" and attn.megacore_mode == megacore
+    pages_per_seq, num_blocks = 256, 4096
+    spec = {"q": P(None, "tp", None), "pool": P("tp", None, None, None), "rep": P()}
+
+    def s(shape, dtype, kind):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec[kind]))
+
+    pool = s((8, num_blocks, block_size, 128), jnp.bfloat16, "pool")
+    lowered = jax.jit(attn.__call__).lower(s((rows, 32, 128), jnp.bfloat16, "q"), pool, pool,
+                                           s((rows,), jnp.int32, "rep"), s((rows, pages_per_seq), jnp.int32, "rep"))
+    compiled = lowered.compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    pool_bytes = 8 * num_blocks * block_size * 128 * 2
+    mem = compiled.memory_analysis()
+    assert 2 * pool_bytes // tp <= mem.argument_size_in_bytes <= 2 * pool_bytes // tp + (1 << 20), mem
+
+
+@needs_libtpu
+def test_the_kernel_really_refuses_a_head_dim_of_64():
+    """Why a head_dim that is not a multiple of 128 falls back (gpt-oss, the built-in model): the
+    kernel forced on one does not compile for a TPU. Should a JAX release lift that, this fails
+    and `kernel_gaps` can let those models run the kernel."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tandem_engine import aot
+
+    mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
+    cfg = config(8, 2, 64)
+    forced = PagedAttention(cfg, "pallas", "forced for this test")
+    rep = NamedSharding(mesh, P())
+    pool = jax.ShapeDtypeStruct((2, 64, 16, 64), jnp.bfloat16, sharding=rep)
+    args = (jax.ShapeDtypeStruct((4, 8, 64), jnp.bfloat16, sharding=rep), pool, pool,
+            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep), jax.ShapeDtypeStruct((4, 8), jnp.int32, sharding=rep))
+    with pytest.raises(Exception, match="divisible by 8 and 128"):  # Pallas lowering error: a private type
+        jax.jit(forced.__call__).lower(*args).compile()
+
+
+@needs_libtpu
+def test_on_tpu_the_pool_must_be_one_buffer_per_layer():
+    """The kernel reads a layer's pool in place only when that layer's pool is a buffer of its
+    own: a pool stacked [L, KV, blocks, block_size, hd] and sliced per layer (`k_pool[i]`) makes
+    XLA copy the whole layer's pool for the Mosaic call at every layer of every step (a custom
+    call cannot read a slice in place). The compiler's temporaries show it: about nothing for
+    per-layer buffers, copies of the layers' K and V pools for the stacked one (measured: 448 MiB
+    of temporaries for 4 layers of 64 MiB each, K and V)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tandem_engine import aot
+
+    mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
+    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh)
+    rep = NamedSharding(mesh, P())
+    layers, kv_layer = 4, (8, 2048, 16, 128)
+    layer_bytes = int(np.prod(kv_layer)) * 2
+
+    def s(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    small = (s((8, 32, 128)), s((8,), jnp.int32), s((8, 256), jnp.int32))
+
+    def per_layer(q, lengths, table, ks, vs):
+        return jnp.stack([attn(q, k, v, lengths, table) for k, v in zip(ks, vs)])
+
+    def stacked(q, lengths, table, k, v):
+        return jnp.stack([attn(q, k[i], v[i], lengths, table) for i in range(layers)])
+
+    own = jax.jit(per_layer).lower(*small, (s(kv_layer),) * layers, (s(kv_layer),) * layers).compile()
+    sliced = jax.jit(stacked).lower(*small, s((layers, *kv_layer)), s((layers, *kv_layer))).compile()
+    assert own.memory_analysis().temp_size_in_bytes < layer_bytes // 16
+    assert sliced.memory_analysis().temp_size_in_bytes >= 2 * layer_bytes  # at least a layer's K and V copies
