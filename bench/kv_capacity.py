@@ -146,6 +146,16 @@ def held_stats(samples: list[tuple[float, int]], window: tuple[float, float]) ->
             "samples": len(xs)}
 
 
+def decoding_at_once(spans: list[tuple[float, float]], window: tuple[float, float], step_s: float = 0.05) -> dict:
+    """The client's view of the sequences decoding at once: at every `step_s` in `window`, how many
+    requests are between their second token (the decode pod's first) and their last; max and median."""
+    a, b = window
+    if b <= a:
+        return {"max": math.nan, "median": math.nan}
+    xs = [sum(1 for s, e in spans if s <= t <= e) for t in np.arange(a, b, step_s)]
+    return {"max": max(xs), "median": statistics.median(xs)}
+
+
 def tokens_per_s(token_times: list[float], window: tuple[float, float]) -> float:
     """Tokens received inside `window` over its length."""
     a, b = window
@@ -340,14 +350,16 @@ async def capacity(url: str, model: str, a, vocab: int) -> dict:
     held = held_stats([(t, run) for t, run, _ in sampler.samples], window)
     occupied = held_stats([(t, taken) for t, _, taken in sampler.samples], window)
     toks = tokens_per_s([t for r in ok for t in r.token_s], window)
+    client = decoding_at_once([(r.token_s[1], r.token_s[-1]) for r in ok if len(r.token_s) > 1], window)
     out = {"requests": len(res), "errors": len(res) - len(ok), "wall_s": wall, "window_s": list(window),
-           "held": held, "occupied": occupied, "output_tok_s": toks, "output_tok_s_whole_run": sum(r.tokens_out for r in ok) / wall,
+           "held": held, "occupied": occupied, "decoding_client_view": client, "output_tok_s": toks, "output_tok_s_whole_run": sum(r.tokens_out for r in ok) / wall,
            "ttft_ms": {f"p{q}": 1e3 * percentile([r.ttft_s for r in ok], q) for q in (50, 90)},
            "tpot_ms": {f"p{q}": 1e3 * percentile([r.tpot_s for r in ok], q) for q in (50, 90)},
            "samples": sampler.samples, "first_error": next((r.error for r in res if not r.ok), None),
            "decode_extra": [w.get("extra") for w in decode_workers(sampler.last)]}
     print(f"   capacity: running max {held['max']} median {held['median']} ({held['samples']} samples; rows taken "
-          f"max {occupied['max']} median {occupied['median']}), "
+          f"max {occupied['max']} median {occupied['median']}; decoding as the client sees it max {client['max']} "
+          f"median {client['median']}), "
           f"{toks:.1f} output tok/s, TTFT p50 {out['ttft_ms']['p50']:.0f} ms, TPOT p50 {out['tpot_ms']['p50']:.1f} ms, "
           f"errors {out['errors']}", flush=True)
     return out
@@ -452,11 +464,13 @@ def summary(doc: dict) -> dict:
     held = ratio(p["held"]["median"], s["held"]["median"]) if s and p else math.nan
     held_max = ratio(p["held"]["max"], s["held"]["max"]) if s and p else math.nan
     toks = ratio(p["output_tok_s"], s["output_tok_s"]) if s and p else math.nan
+    client = (ratio(p["decoding_client_view"]["median"], s["decoding_client_view"]["median"])
+              if s and p and "decoding_client_view" in s and "decoding_client_view" in p else math.nan)
     paged = res.get("paged", {})
     mt = (paged.get("multi_turn") or {}).get("met")
     px = paged.get("prefix") or {}
     hit_zero = None if px.get("hit_copy_bytes") is None or not px.get("hit_tokens") else px["hit_copy_bytes"] == 0
-    return {"held_ratio_median": held, "held_ratio_max": held_max, "tok_s_ratio": toks,
+    return {"held_ratio_median": held, "held_ratio_max": held_max, "client_ratio_median": client, "tok_s_ratio": toks,
             "targets": {"concurrent sequences >= 3x": verdict(held, TARGET_HELD),
                         "output tok/s >= 1.5x": verdict(toks, TARGET_TOKS),
                         "multi-turn moves only the new turn's KV": verdict(mt),
@@ -469,17 +483,18 @@ def report(doc: dict) -> str:
     rows = []
     for name, r in res.items():
         if r.get("skipped") or "error" in r:
-            rows.append([name, r.get("skipped") or f"failed: {r['error']}"] + [None] * 9)
+            rows.append([name, r.get("skipped") or f"failed: {r['error']}"] + [None] * 10)
             continue
         c = r["capacity"]
         rows.append([name, r.get("flags", " ".join(r["args"])),
                      f"{r['kv_bytes'] / 2**20:.1f}", r["rows"], _f(c["held"]["max"]), _f(c["held"]["median"], ".1f"),
                      f"{_f(c['occupied']['max'])} / {_f(c['occupied']['median'], '.1f')}",
+                     f"{_f(c['decoding_client_view']['max'])} / {_f(c['decoding_client_view']['median'], '.1f')}",
                      _f(c["output_tok_s"], ".1f"), f"{_f(c['ttft_ms']['p50'])} / {_f(c['ttft_ms']['p90'])}",
                      f"{_f(c['tpot_ms']['p50'], '.1f')} / {_f(c['tpot_ms']['p90'], '.1f')}",
                      c["errors"]])
     rows.append(["paged / slots", None, None, None, _f(sm["held_ratio_max"], ".2f"), _f(sm["held_ratio_median"], ".2f"),
-                 None, _f(sm["tok_s_ratio"], ".2f"), None, None, None])
+                 None, _f(sm["client_ratio_median"], ".2f"), _f(sm["tok_s_ratio"], ".2f"), None, None, None])
     turn_tables = []
     for name, r in res.items():
         mt = r.get("multi_turn")
@@ -516,10 +531,11 @@ def report(doc: dict) -> str:
         f"(p50 {doc['workload']['output_p50']:.0f}, p90 {doc['workload']['output_p90']:.0f}). Greedy, `ignore_eos`. "
         "`held`: sequences the decode pod runs (heartbeat `requests.running`, /admin/cluster sampled every "
         "0.25 s, heartbeats every 1 s) over the steady part (15% of the last send .. the last send); `rows "
-        "taken`: slots - free_slots (requests being pulled or waiting for their insert too); tok/s: tokens "
-        "the client received in that window. Ratios: paged / slots of the held max and median and of tok/s.", "",
+        "taken`: slots - free_slots (requests being pulled or waiting for their insert too); `decoding, client "
+        "view`: requests between their second token and their last, every 50 ms of the window (no heartbeat "
+        "lag); tok/s: tokens the client received in that window. Ratios: paged / slots.", "",
         markdown_table(["config", "tandem local flags", "KV MiB", "rows", "held max", "held median",
-                        "rows taken max / median", "output tok/s", "TTFT p50 / p90 ms", "TPOT p50 / p90 ms",
+                        "rows taken max / median", "decoding, client view, max / median", "output tok/s", "TTFT p50 / p90 ms", "TPOT p50 / p90 ms",
                         "errors"], rows),
         "",
         f"Multi-turn: one conversation of {a['turns']} turns on the one decode pod (64-token system prompt; each "

@@ -66,6 +66,10 @@ def test_the_steady_window_and_what_is_read_in_it():
     assert math.isnan(kc.held_stats([], w)["max"])
     assert kc.tokens_per_s([0.0, 1.0, 2.0, 3.0, 3.5, 12.0], (1.0, 3.0)) == 1.5
     assert math.isnan(kc.tokens_per_s([1.0], (2.0, 2.0)))
+    spans = [(0.0, 1.0), (0.5, 3.0), (2.0, 2.5), (4.0, 9.0)]
+    assert kc.decoding_at_once(spans, (0.0, 3.0), step_s=0.25) == {"max": 2, "median": 1.5}
+    assert kc.decoding_at_once(spans, (0.5, 1.0), step_s=0.25) == {"max": 2, "median": 2}
+    assert math.isnan(kc.decoding_at_once(spans, (3.0, 3.0))["max"])
 
 
 def test_held_now_reads_running_and_rows_taken_from_the_decode_heartbeats():
@@ -109,7 +113,7 @@ def test_missing_flags_reads_the_help_text():
 
 def _cap(held, toks):
     return {"held": {"max": held + 1, "median": held, "samples": 9}, "occupied": {"max": held + 2, "median": held + 1},
-            "output_tok_s": toks, "errors": 0,
+            "decoding_client_view": {"max": held + 1, "median": held}, "output_tok_s": toks, "errors": 0,
             "ttft_ms": {"p50": 10.0, "p90": 20.0}, "tpot_ms": {"p50": 1.0, "p90": 2.0}}
 
 
