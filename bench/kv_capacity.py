@@ -67,6 +67,7 @@ PROMPT_MEAN, OUTPUT_MEAN = 161.0, 338.0
 PROMPT_SIGMA, OUTPUT_SIGMA = 1.0, 0.8
 PROMPT_RANGE, OUTPUT_RANGE = (32, 900), (16, 256)
 TARGET_HELD, TARGET_TOKS = 3.0, 1.5  # issue 30: paged / slots
+MIN_SAMPLES = 5  # heartbeat samples in the window below which the held ratio is the client view's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,12 +227,32 @@ def missing_flags(args: list[str], help_text: str) -> list[str]:
     return [a for a in args if a.startswith("--") and a.split("=", 1)[0] not in listed]
 
 
+def flag_value(args: list[str], name: str) -> str | None:
+    """The last value of `name` in `args` (`--x V` or `--x=V`), None when absent."""
+    out = None
+    for i, x in enumerate(args):
+        if x == name and i + 1 < len(args):
+            out = args[i + 1]
+        elif x.startswith(name + "="):
+            out = x.split("=", 1)[1]
+    return out
+
+
+def after_config(args: list[str], rows: int, max_len: int) -> Config:
+    """The paged side as its flags say: rows from a --slots among them (else `rows`), KV positions
+    from --kv-blocks x --kv-block-size under --kv-layout paged (else rows x max_len)."""
+    rows = int(flag_value(args, "--slots") or rows)
+    blocks, block = flag_value(args, "--kv-blocks"), flag_value(args, "--kv-block-size")
+    paged = flag_value(args, "--kv-layout") == "paged" and blocks is not None
+    return Config("paged", args, rows, int(blocks) * int(block or 16) if paged else rows * max_len)
+
+
 def configs(a) -> list[Config]:
     slots = Config("slots", [], a.slots, a.slots * a.max_len)
     blocks = paged_blocks(a.slots, a.max_len, a.block_size)
     args = shlex.split(a.tandem_args) if a.tandem_args else [
         "--kv-layout", "paged", "--kv-blocks", str(blocks), "--kv-block-size", str(a.block_size)]
-    paged = Config("paged", args, a.paged_rows, blocks * a.block_size)
+    paged = after_config(args, a.paged_rows, a.max_len)
     out = []
     for c in (slots, paged):
         if c.name not in a.configs:
@@ -461,8 +482,9 @@ def summary(doc: dict) -> dict:
     res = doc["results"]
     cap = {n: r.get("capacity") for n, r in res.items() if "capacity" in r}
     s, p = cap.get("slots"), cap.get("paged")
-    held = ratio(p["held"]["median"], s["held"]["median"]) if s and p else math.nan
-    held_max = ratio(p["held"]["max"], s["held"]["max"]) if s and p else math.nan
+    enough = bool(s and p) and min(s["held"]["samples"], p["held"]["samples"]) >= MIN_SAMPLES
+    held = ratio(p["held"]["median"], s["held"]["median"]) if enough else math.nan
+    held_max = ratio(p["held"]["max"], s["held"]["max"]) if enough else math.nan
     toks = ratio(p["output_tok_s"], s["output_tok_s"]) if s and p else math.nan
     client = (ratio(p["decoding_client_view"]["median"], s["decoding_client_view"]["median"])
               if s and p and "decoding_client_view" in s and "decoding_client_view" in p else math.nan)
@@ -471,7 +493,8 @@ def summary(doc: dict) -> dict:
     px = paged.get("prefix") or {}
     hit_zero = None if px.get("hit_copy_bytes") is None or not px.get("hit_tokens") else px["hit_copy_bytes"] == 0
     return {"held_ratio_median": held, "held_ratio_max": held_max, "client_ratio_median": client, "tok_s_ratio": toks,
-            "targets": {"concurrent sequences >= 3x": verdict(held, TARGET_HELD),
+            "held_basis": "heartbeats" if not math.isnan(held) else "client view",
+            "targets": {"concurrent sequences >= 3x": verdict(held if not math.isnan(held) else client, TARGET_HELD),
                         "output tok/s >= 1.5x": verdict(toks, TARGET_TOKS),
                         "multi-turn moves only the new turn's KV": verdict(mt),
                         "a prefix hit copies nothing": verdict(hit_zero)}}
@@ -551,7 +574,9 @@ def report(doc: dict) -> str:
         markdown_table(["config", "requests", "hit tokens", "bytes copied", "per hit request", "per hit token",
                         "errors"], prows),
         "",
-        "Targets (paged side): " + "; ".join(f"{k}: **{v}**" for k, v in sm["targets"].items()) + ".",
+        "Targets (paged side): " + "; ".join(f"{k}: **{v}**" for k, v in sm["targets"].items())
+        + f" (sequences held compared by their medians in the {sm.get('held_basis', 'heartbeats')}"
+        + ("; too few heartbeat samples in a window" if sm.get("held_basis") == "client view" else "") + ").",
     ]
     skipped = [f"{n}: {r['skipped']}" for n, r in res.items() if r.get("skipped")]
     if skipped:

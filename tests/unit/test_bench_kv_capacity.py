@@ -111,6 +111,15 @@ def test_missing_flags_reads_the_help_text():
     assert kc.missing_flags(["--kv-layout=paged"], "--kv-blocks") == ["--kv-layout=paged"]
 
 
+def test_the_paged_side_reads_its_rows_and_kv_from_its_flags():
+    c = kc.after_config(["--kv-layout", "paged", "--kv-blocks", "256", "--kv-block-size", "16"], 16, 1024)
+    assert (c.rows, c.kv_positions) == (16, 4096)
+    c = kc.after_config(["--slots", "12", "--kv-layout=paged", "--kv-blocks=100", "--kv-block-size=32"], 16, 1024)
+    assert (c.rows, c.kv_positions) == (12, 3200)
+    c = kc.after_config(["--slots", "6"], 16, 256)  # not paged: slots x max_len
+    assert (c.rows, c.kv_positions) == (6, 1536)
+
+
 def _cap(held, toks):
     return {"held": {"max": held + 1, "median": held, "samples": 9}, "occupied": {"max": held + 2, "median": held + 1},
             "decoding_client_view": {"max": held + 1, "median": held}, "output_tok_s": toks, "errors": 0,
@@ -145,6 +154,17 @@ def test_summary_and_report_when_the_paged_side_ran():
                              "multi-turn moves only the new turn's KV": "met", "a prefix hit copies nothing": "met"}
     text = kc.report(doc)
     assert "| paged / slots" in text and "3.25" in text and "Not run" not in text
+
+
+def test_too_few_heartbeat_samples_fall_back_to_the_client_view():
+    paged = {"args": [], "rows": 16, "kv_bytes": 1, "capacity": _cap(13, 160.0)}
+    doc = _doc(paged)
+    assert doc["summary"]["held_basis"] == "heartbeats"
+    paged["capacity"]["held"]["samples"] = 2
+    paged["capacity"]["decoding_client_view"]["median"] = 10  # 10 / 4 < 3
+    sm = kc.summary(doc)
+    assert math.isnan(sm["held_ratio_median"]) and sm["held_basis"] == "client view"
+    assert sm["targets"]["concurrent sequences >= 3x"] == "missed"
 
 
 def test_summary_and_report_when_the_paged_side_could_not_run():
