@@ -380,7 +380,7 @@ async def capacity(url: str, model: str, a, vocab: int) -> dict:
            "decode_extra": [w.get("extra") for w in decode_workers(sampler.last)]}
     print(f"   capacity: running max {held['max']} median {held['median']} ({held['samples']} samples; rows taken "
           f"max {occupied['max']} median {occupied['median']}; decoding as the client sees it max {client['max']} "
-          f"median {client['median']}), "
+          f"median {client['median']}), {len(res)} requests in {wall:.1f} s, "
           f"{toks:.1f} output tok/s, TTFT p50 {out['ttft_ms']['p50']:.0f} ms, TPOT p50 {out['tpot_ms']['p50']:.1f} ms, "
           f"errors {out['errors']}", flush=True)
     return out
@@ -594,14 +594,14 @@ def workload_stats(pairs: list[tuple[int, int]]) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="4 slots, 10 requests per slot, 4 turns, 4 prefix requests")
+    p.add_argument("--quick", action="store_true", help="4 slots, 25 requests per slot, 4 turns, 4 prefix requests")
     p.add_argument("--model", default="builtin")
     p.add_argument("--slots", type=int, default=8, help="the slots side's decode slots (S)")
     p.add_argument("--max-len", type=int, default=1024, help="positions per slot (M; the built-in model's context)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block on the paged side (B)")
     p.add_argument("--paged-rows", type=int, default=0, help="the paged side's rows (default 4 S)")
     p.add_argument("--clients", type=int, default=0, help="closed-loop clients (default 5 S: past what either holds)")
-    p.add_argument("--requests", type=int, default=0, help="capacity requests (default 20 S; --quick 10 S)")
+    p.add_argument("--requests", type=int, default=0, help="capacity requests (default 50 S; --quick 25 S)")
     p.add_argument("--turns", type=int, default=0, help="multi-turn conversation turns (default 8; --quick 4)")
     p.add_argument("--turn-output", type=int, default=32)
     p.add_argument("--prefix-requests", type=int, default=0, help="default 8; --quick 4")
@@ -618,7 +618,7 @@ def main(argv=None) -> int:
         a.slots = 4
     a.paged_rows = a.paged_rows or 4 * a.slots
     a.clients = a.clients or 5 * a.slots
-    a.requests = a.requests or (10 if a.quick else 20) * a.slots
+    a.requests = a.requests or (25 if a.quick else 50) * a.slots
     a.turns = a.turns or (4 if a.quick else 8)
     a.prefix_requests = a.prefix_requests or (4 if a.quick else 8)
     a.configs = [c for c in a.configs.split(",") if c]
