@@ -506,7 +506,7 @@ def report(doc: dict) -> str:
     rows = []
     for name, r in res.items():
         if r.get("skipped") or "error" in r:
-            rows.append([name, r.get("skipped") or f"failed: {r['error']}"] + [None] * 10)
+            rows.append([name, "not run (below)" if r.get("skipped") else f"failed: {r['error']}"] + [None] * 10)
             continue
         c = r["capacity"]
         rows.append([name, r.get("flags", " ".join(r["args"])),
