@@ -271,6 +271,11 @@ def flags(c: Config, a) -> str:
     return " ".join([f"--slots {c.rows} --max-len {a.max_len}", *c.args])
 
 
+def pod_args(a) -> list[str]:
+    """Both sides' flags beyond TandemLocal's `--prefill 1 --decode 1` (the last of a flag wins)."""
+    return ["--prefill", str(a.prefill_pods)] if a.prefill_pods != 1 else []
+
+
 def get_json(url: str, timeout: float = 5.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.load(resp)
@@ -278,6 +283,19 @@ def get_json(url: str, timeout: float = 5.0) -> dict:
 
 def decode_workers(cluster: dict) -> list[dict]:
     return [w for w in cluster.get("workers", []) if w.get("role") == "decode" and not w.get("draining")]
+
+
+def ready_now(cluster: dict) -> int:
+    """Prefilled requests waiting for a decode pod to pull them (/admin/cluster's `queues.ready`)."""
+    return int((cluster.get("queues") or {}).get("ready") or 0)
+
+
+def starved_fraction(samples: list[tuple[float, int]], window: tuple[float, float]) -> float:
+    """Of the samples in `window`, the fraction with nothing prefilled waiting for the decode pod:
+    while it is high the decode pod was fed too slowly to be what limits the run (NaN: no samples)."""
+    a, b = window
+    xs = [n for t, n in samples if a <= t <= b]
+    return sum(1 for n in xs if n == 0) / len(xs) if xs else math.nan
 
 
 def held_now(cluster: dict) -> tuple[int, int]:
@@ -312,6 +330,7 @@ class Sampler:
     def __init__(self, base_url: str, t0: float, every_s: float = 0.25) -> None:
         self.url, self.t0, self.every_s = base_url + "/admin/cluster", t0, every_s
         self.samples: list[tuple[float, int, int]] = []
+        self.ready: list[tuple[float, int]] = []  # (seconds since t0, prefilled requests waiting)
         self.last: dict = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -320,7 +339,9 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 c = get_json(self.url)
-                self.samples.append((time.perf_counter() - self.t0, *held_now(c)))
+                now = time.perf_counter() - self.t0
+                self.samples.append((now, *held_now(c)))
+                self.ready.append((now, ready_now(c)))
                 self.last = c
             except OSError:
                 pass
@@ -373,7 +394,8 @@ async def capacity(url: str, model: str, a, vocab: int) -> dict:
     toks = tokens_per_s([t for r in ok for t in r.token_s], window)
     client = decoding_at_once([(r.token_s[1], r.token_s[-1]) for r in ok if len(r.token_s) > 1], window)
     out = {"requests": len(res), "errors": len(res) - len(ok), "wall_s": wall, "window_s": list(window),
-           "held": held, "occupied": occupied, "decoding_client_view": client, "output_tok_s": toks, "output_tok_s_whole_run": sum(r.tokens_out for r in ok) / wall,
+           "held": held, "occupied": occupied, "decoding_client_view": client,
+           "ready_empty_fraction": starved_fraction(sampler.ready, window), "output_tok_s": toks, "output_tok_s_whole_run": sum(r.tokens_out for r in ok) / wall,
            "ttft_ms": {f"p{q}": 1e3 * percentile([r.ttft_s for r in ok], q) for q in (50, 90)},
            "tpot_ms": {f"p{q}": 1e3 * percentile([r.tpot_s for r in ok], q) for q in (50, 90)},
            "samples": sampler.samples, "first_error": next((r.error for r in res if not r.ok), None),
@@ -437,7 +459,7 @@ async def prefix_hits(url: str, model: str, a, vocab: int) -> dict:
 
 def run_config(c: Config, a, vocab: int, per_token: int) -> dict:
     server = _Tandem(c.name, a.model, colocated=False, slots=c.rows, max_len=a.max_len, pin="", env={},
-                     log_path=a.out / f"{c.name}.log", extra_args=c.args)
+                     log_path=a.out / f"{c.name}.log", extra_args=pod_args(a) + c.args)
     t0 = time.monotonic()
     out: dict = {"args": c.args, "flags": flags(c, a), "rows": c.rows, "kv_positions": c.kv_positions,
                  "kv_bytes": c.kv_positions * per_token}
@@ -506,7 +528,7 @@ def report(doc: dict) -> str:
     rows = []
     for name, r in res.items():
         if r.get("skipped") or "error" in r:
-            rows.append([name, "not run (below)" if r.get("skipped") else f"failed: {r['error']}"] + [None] * 10)
+            rows.append([name, "not run (below)" if r.get("skipped") else f"failed: {r['error']}"] + [None] * 11)
             continue
         c = r["capacity"]
         rows.append([name, r.get("flags", " ".join(r["args"])),
@@ -515,9 +537,9 @@ def report(doc: dict) -> str:
                      f"{_f(c['decoding_client_view']['max'])} / {_f(c['decoding_client_view']['median'], '.1f')}",
                      _f(c["output_tok_s"], ".1f"), f"{_f(c['ttft_ms']['p50'])} / {_f(c['ttft_ms']['p90'])}",
                      f"{_f(c['tpot_ms']['p50'], '.1f')} / {_f(c['tpot_ms']['p90'], '.1f')}",
-                     c["errors"]])
+                     _f(c.get("ready_empty_fraction", math.nan) * 100, ".0f"), c["errors"]])
     rows.append(["paged / slots", None, None, None, _f(sm["held_ratio_max"], ".2f"), _f(sm["held_ratio_median"], ".2f"),
-                 None, _f(sm["client_ratio_median"], ".2f"), _f(sm["tok_s_ratio"], ".2f"), None, None, None])
+                 None, _f(sm["client_ratio_median"], ".2f"), _f(sm["tok_s_ratio"], ".2f"), None, None, None, None])
     turn_tables = []
     for name, r in res.items():
         mt = r.get("multi_turn")
@@ -540,7 +562,7 @@ def report(doc: dict) -> str:
         f"Command: `{cmd}`  ",
         f"Machine: {machine_line(doc['machine'])}  ",
         f"Code: {doc['code']}; client: {CLIENT_NAME}  ",
-        f"`tandem local --prefill 1 --decode 1`, built-in model, max_len {a['max_len']}, KV "
+        f"`tandem local --prefill {a.get('prefill_pods', 1)} --decode 1`, built-in model, max_len {a['max_len']}, KV "
         f"{per_token} bytes per position (layers x 2 x kv_heads x head_dim x 4 bytes float32). Same KV "
         f"memory on both sides: {a['slots']} slots x {a['max_len']} positions = {a['slots'] * a['max_len']} positions "
         f"= {paged_blocks(a['slots'], a['max_len'], a['block_size'])} blocks of {a['block_size']}.", "",
@@ -556,10 +578,12 @@ def report(doc: dict) -> str:
         "0.25 s, heartbeats every 1 s) over the steady part (15% of the last send .. the last send); `rows "
         "taken`: slots - free_slots (requests being pulled or waiting for their insert too); `decoding, client "
         "view`: requests between their second token and their last, every 50 ms of the window (no heartbeat "
-        "lag); tok/s: tokens the client received in that window. Ratios: paged / slots.", "",
+        "lag); tok/s: tokens the client received in that window; `ready queue empty %`: of the samples in the "
+        "window, those with no prefilled request waiting for the decode pod (high: the prefill side, not the "
+        "decode pod's KV, limited the run; `--prefill-pods N` adds prefill pods). Ratios: paged / slots.", "",
         markdown_table(["config", "tandem local flags", "KV MiB", "rows", "held max", "held median",
                         "rows taken max / median", "decoding, client view, max / median", "output tok/s", "TTFT p50 / p90 ms", "TPOT p50 / p90 ms",
-                        "errors"], rows),
+                        "ready queue empty %", "errors"], rows),
         "",
         f"Multi-turn: one conversation of {a['turns']} turns on the one decode pod (64-token system prompt; each "
         f"turn adds a synthetic 48-token assistant reply and a 24-48-token user message; {a['turn_output']} output "
@@ -607,6 +631,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-requests", type=int, default=0, help="default 8; --quick 4")
     p.add_argument("--system-len", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-pods", type=int, default=1, help="prefill pods on both sides (one decode pod)")
     p.add_argument("--configs", default="slots,paged")
     p.add_argument("--tandem-args", default="", metavar="ARGS",
                    help="the paged side's `tandem local` flags (default: --slots 4S --kv-layout paged "

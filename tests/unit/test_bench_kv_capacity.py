@@ -81,6 +81,13 @@ def test_held_now_reads_running_and_rows_taken_from_the_decode_heartbeats():
     assert kc.held_now(cluster) == (4 + 3, 5 + 3)
     assert kc.extra_sum(cluster, "hit_copy_bytes", sub="prefix_cache") == 7
     assert kc.extra_sum(cluster, "pulled_kv_bytes", "decode") is None
+    assert kc.ready_now({"queues": {"ready": 3}}) == 3 and kc.ready_now({}) == 0
+
+
+def test_starved_fraction_counts_the_samples_with_nothing_ready():
+    samples = [(0.0, 0), (1.0, 0), (2.0, 3), (3.0, 0), (4.0, 1), (9.0, 0)]
+    assert kc.starved_fraction(samples, (1.0, 4.0)) == 0.5
+    assert math.isnan(kc.starved_fraction(samples, (5.0, 8.0)))
 
 
 def test_conversation_turns_extend_the_previous_prompt():
@@ -122,7 +129,8 @@ def test_the_paged_side_reads_its_rows_and_kv_from_its_flags():
 
 def _cap(held, toks):
     return {"held": {"max": held + 1, "median": held, "samples": 9}, "occupied": {"max": held + 2, "median": held + 1},
-            "decoding_client_view": {"max": held + 1, "median": held}, "output_tok_s": toks, "errors": 0,
+            "decoding_client_view": {"max": held + 1, "median": held}, "ready_empty_fraction": 0.25,
+            "output_tok_s": toks, "errors": 0,
             "ttft_ms": {"p50": 10.0, "p90": 20.0}, "tpot_ms": {"p50": 1.0, "p90": 2.0}}
 
 
@@ -154,6 +162,8 @@ def test_summary_and_report_when_the_paged_side_ran():
                              "multi-turn moves only the new turn's KV": "met", "a prefix hit copies nothing": "met"}
     text = kc.report(doc)
     assert "| paged / slots" in text and "3.25" in text and "Not run" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| slots"))
+    assert [c.strip() for c in row.strip("|").split("|")][-2:] == ["25", "0"]  # ready queue empty %, errors
 
 
 def test_too_few_heartbeat_samples_fall_back_to_the_client_view():
