@@ -28,6 +28,7 @@ BENCHMARKS = [
     "token_plane.py",  # the token plane alone, 10,000 streams, key placement, Redis cost per token (issue 15)
     "paged_capacity.py",  # paged KV vs fixed slots on one KV budget: sequences held, tok/s, step time (issue 30)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)
+    "kv_capacity.py",  # fixed slots vs paged KV at one KV budget: sequences held, tok/s, KV bytes moved (issue 30)
 ]
 
 

@@ -51,6 +51,7 @@ class Claims:
         self.bell = groups.Doorbell(r, s.pool, [groups.DECODE_GROUP] + ([groups.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
+        self.pulled_kv_bytes = 0  # KV bytes of every pull (padded to the prefill bucket): what moved
         self.dead_letters = 0  # entries acked unread: no request could be read from them
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
 
@@ -260,6 +261,7 @@ class Claims:
         faults.hit("decode.pull")
         payload = await self.puller.pull(notice, self.s.pull_timeout_s)
         self.pulled += 1
+        self.pulled_kv_bytes += payload.nbytes
         if self.table.cancelled(key):  # the client left during the pull
             await self._cancelled(key, req)
             return False

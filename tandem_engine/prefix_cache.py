@@ -12,7 +12,8 @@ A hit touches its blocks from the last to the first, and an insert likewise, so 
 blocks are always more recent than its later ones and eviction trims chains from the end (a lost
 middle block would strand every block after it).
 Blocks live in host memory (numpy), apart from the held-KV budget of results waiting to be pulled;
-on an accelerator a hit costs one host -> device copy of its rows.
+on an accelerator a hit costs one host -> device copy of its rows (`hit_copy_bytes` counts the
+bytes every hit copied out of the cache: bench/kv_capacity.py reads it).
 Not thread-safe: the thread that owns the engine owns the cache. No I/O, no JAX here.
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ class CacheStats:
     computed: int = 0  # prompt tokens prefilled (recorded by the caller)
     inserted: int = 0  # blocks added
     evicted: int = 0  # blocks dropped for room
+    hit_copy_bytes: int = 0  # KV bytes the hits copied out of the cache into a prompt's buffer
 
 
 class PrefixCache:
@@ -86,8 +88,10 @@ class PrefixCache:
         self._touch([key for key, _ in found])
         length = len(found) * self.block_size
         self.stats.hits += length
-        return Hit(k=np.concatenate([kv[0] for _, kv in found], axis=1),
-                   v=np.concatenate([kv[1] for _, kv in found], axis=1), length=length, blocks=len(found))
+        hit = Hit(k=np.concatenate([kv[0] for _, kv in found], axis=1),
+                  v=np.concatenate([kv[1] for _, kv in found], axis=1), length=length, blocks=len(found))
+        self.stats.hit_copy_bytes += hit.k.nbytes + hit.v.nbytes  # then host -> device in the prefill
+        return hit
 
     def insert(self, ids: Sequence[int], kv: Callable[[], tuple[np.ndarray, np.ndarray]]) -> int:
         """Cache the full blocks of `ids` not cached yet; `kv()` returns the prompt's KV on the host
@@ -131,7 +135,8 @@ class PrefixCache:
         s = self.stats
         return {"enabled": self.enabled, "block_size": self.block_size, "queries": s.queries, "hits": s.hits,
                 "computed": s.computed, "bytes": self.bytes, "budget_bytes": self.budget_bytes,
-                "blocks": len(self._blocks), "evicted": s.evicted}
+                "blocks": len(self._blocks), "evicted": s.evicted,
+                "hit_copy_bytes": s.hit_copy_bytes}
 
 
 def prefill(engine: ServingEngine, cache: PrefixCache, prompt_ids: Sequence[int], sampling, *, export: bool = False, **kw):

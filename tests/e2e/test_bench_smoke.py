@@ -5,6 +5,9 @@ integration test uses none). No timing is asserted.
 
 - bench/serve.py's load generator against `tandem local`: the client, the workloads, the
   summaries and the JSON come out whole.
+- bench/kv_capacity.py's slots side in a tiny run on `tandem local`: the decode pod's heartbeat
+  carries the KV bytes it pulled (each turn of a conversation pulls at least its whole prompt's KV
+  today) and the prefill pod's prefix cache the bytes its hits copied (one copy of each hit token's KV).
 - bench/token_plane.py in a tiny run on a real Redis (its own redis-server) and real processes:
   the decode pods' fenced writes reach the TokenMux relays exactly once and in order, the report's
   fields are there, a fault injected into the publishers (a duplicate, a gap) makes the benchmark
@@ -44,6 +47,29 @@ def test_serve_bench_against_tandem_local(local_cluster, tmp_path):
     for r in raw["saturate"]["results"]:  # every token was streamed and timed
         assert r["tokens_out"] == r["output_len"] and len(r["itl_s"]) == r["tokens_out"] - 1
     assert "endpoint" in proc.stdout
+
+
+def test_kv_capacity_bench_counts_the_kv_bytes_moved(tmp_path):
+    cmd = [sys.executable, "bench/kv_capacity.py", "--configs", "slots", "--slots", "2", "--max-len", "256",
+           "--requests", "16", "--clients", "4", "--turns", "2", "--turn-output", "8", "--prefix-requests", "2",
+           "--system-len", "64", "--no-write", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "kv_capacity.json").read_text())
+    per_token = doc["kv_bytes_per_token"]
+    r = doc["results"]["slots"]
+    assert r["capacity"]["errors"] == 0 and r["capacity"]["requests"] == 16
+    samples = r["capacity"]["samples"]  # (too short a run for its heartbeats to say much)
+    assert samples and all(0 <= run <= taken <= 2 for _t, run, taken in samples)
+    assert 1 <= r["capacity"]["decoding_client_view"]["max"] <= 2
+    turns = r["multi_turn"]["turns"]
+    assert len(turns) == 2 and r["multi_turn"]["errors"] == 0
+    for t in turns:  # the slot layout pulls the whole (bucket-padded) prompt every turn
+        assert t["pulled_bytes"] >= t["prompt_tokens"] * per_token, t
+    px = r["prefix"]
+    assert px["errors"] == 0 and px["hit_tokens"] == 64  # the second request hits the 4 system blocks
+    assert px["hit_copy_bytes"] == px["hit_tokens"] * per_token
+    assert "paged" not in doc["results"]
 
 
 TINY = dict(publishers=1, gateways=1, batch=8, tokens=8, rates=[20.0, 40.0], warmup_s=0.3, measure_s=0.7)

@@ -1,5 +1,6 @@
 """A decode worker never claims more ready entries than it has free slots (real Redis, real gRPC
-KV server, real engine). Sampled from Redis while a backlog of 12 ready notices waits for 2 slots."""
+KV server, real engine). Sampled from Redis while a backlog of 12 ready notices waits for 2 slots.
+It counts the KV bytes it pulled (`pulled_kv_bytes`)."""
 from __future__ import annotations
 
 import asyncio
@@ -103,3 +104,7 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
         entries = await r.xrange(KS.token_stream(f"req-{i}"))
         assert [int(f[b"i"]) for _id, f in entries] == list(range(1, MAX_TOKENS))
     assert store.held_bytes == 0
+    # Every pull counted its KV bytes (bench/kv_capacity.py reads them from the heartbeat).
+    one = engine.export_prefix(engine.prefill([256, 65, 66], SamplingParams())).nbytes
+    assert io.claims.pulled == N
+    assert io.claims.pulled_kv_bytes == N * one, f"{io.claims.pulled_kv_bytes} KV bytes counted for {N} pulls of {one}"

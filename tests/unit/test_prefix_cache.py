@@ -136,3 +136,19 @@ def test_bad_cached_kv_is_refused(engine):
     Wrong.length = 20
     with pytest.raises(ValueError, match="shorter than the prompt"):
         engine.prefill(ids(20, seed=13), GREEDY, cached=Wrong())
+
+
+def test_a_hit_counts_the_bytes_it_copies(engine):
+    """`hit_copy_bytes`: what every hit copied out of the cache (bench/kv_capacity.py's measure of
+    a prefix hit's cost); a miss copies nothing."""
+    cache = cache_for(engine, BLOCK, 1 << 24)
+    shared = ids(2 * BLOCK, seed=11)
+    cached_prefill(engine, cache, shared + ids(3, seed=12), GREEDY)
+    assert cache.stats.hit_copy_bytes == 0
+    cache.lookup(ids(40, seed=13))  # a miss
+    assert cache.stats.hit_copy_bytes == 0
+    for n in (1, 2):
+        hit = cache.lookup(shared + ids(5, seed=13 + n))
+        assert hit is not None and hit.blocks == 2
+        assert cache.stats.hit_copy_bytes == n * 2 * block_bytes(engine) == n * (hit.k.nbytes + hit.v.nbytes)
+    assert cache.summary()["hit_copy_bytes"] == 2 * 2 * block_bytes(engine)
