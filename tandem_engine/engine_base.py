@@ -18,6 +18,7 @@ from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
+from tandem_engine.quantize import check_quantize, is_quantized, quantize_params
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
 
@@ -32,7 +33,8 @@ class EngineBase:
     def __init__(self, info: ModelInfo, params: dict, *, slots: int = 4, max_len: int = 512,
                  prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
-                 expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+                 expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
+                 quantize: str | None = None):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -47,6 +49,10 @@ class EngineBase:
             devices = self.layout.mesh.devices.flat if self.layout is not None else jax.devices()[:1]
             platform = next(iter(devices)).platform
             self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
+        # int8 weights (quantize.py): the layer matrices quantized here, before they are placed,
+        # so each chip receives its shard of the int8 arrays and of their scales
+        self.quantize = check_quantize(quantize) or ("int8" if is_quantized(params) else None)
+        params = quantize_params(params, self.quantize)
         self.params = params if self.layout is None else self.layout.place_params(params)
         self._step_params: dict | None = None  # step_params, made on first use
         self.slots = int(slots)
