@@ -27,6 +27,7 @@ BENCHMARKS = [
     "prefix.py",  # multi-turn chats: Tandem prefix cache on/off vs vLLM with prefix caching (issue 14)
     "token_plane.py",  # the token plane alone, 10,000 streams, key placement, Redis cost per token (issue 15)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)
+    "quantize_quality.py --write",  # int8 weights vs unquantized: greedy agreement, logit error, bytes (issue 30)
 ]
 
 
@@ -37,10 +38,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     failed = []
-    for script in BENCHMARKS:
+    for entry in BENCHMARKS:
+        script, *extra = entry.split()  # a script writes its section by default, or when given --write
         if only and script not in only and Path(script).stem not in only:
             continue
-        cmd = [sys.executable, str(BENCH_DIR / script)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, str(BENCH_DIR / script), *extra] + (["--quick"] if args.quick else [])
         print(f"==> {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd, cwd=BENCH_DIR.parent)

@@ -280,6 +280,49 @@ def test_int8_shards_with_its_scales(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# on a TPU (compiled ahead of time for a v5e chip here: tandem_engine/aot.py)
+
+
+def test_tpu_steps_take_int8_weights_and_make_no_dequantized_copy():
+    """The built-in model's decode step and prefill compiled for a TPU v5e chip, bfloat16 against
+    int8: the weights the steps take shrink by what int8 saves, and no bfloat16 array of a
+    quantized weight's [in, out] shape appears anywhere in the compiled decode step (the layer's
+    int8 slice goes into the matmul fusion, which converts tile by tile: what decode reads from
+    HBM is the int8)."""
+    from tandem_engine.aot import libtpu_missing
+
+    if libtpu_missing():
+        pytest.skip(libtpu_missing())
+    from tandem_core.models import resolve_model
+    from tandem_engine import aot, engine_decode
+    from tandem_engine.weights import init_params
+
+    info = resolve_model("builtin")
+    devices = aot.topology_devices("v5e", "2x2")
+    kw = dict(tp=1, slots=8, max_len=256, prefill_buckets=(64,), dtype="bfloat16")
+    steps = {}
+    for q in (None, "int8"):
+        comp = aot.Compiler(info, devices, quantize=q, **kw)
+        steps[q] = comp.generate(8, layers=False), comp.prefill(64, layers=False)
+    shapes = jax.eval_shape(lambda: init_params(info, "bfloat16"))["layers"]
+    matrices = sum(int(np.prod(shapes[n].shape)) for n in QUANTIZED if n in shapes)  # elements
+    scales = sum(int(np.prod(shapes[n].shape)) // shapes[n].shape[-2] for n in QUANTIZED if n in shapes)
+    saved = 2 * matrices - (matrices + 4 * scales)  # bfloat16 -> int8 + float32 scales
+    for (f_step, q_step) in zip(steps[None], steps["int8"]):
+        assert abs((f_step.argument_bytes - q_step.argument_bytes) - saved) <= 4096, (f_step, q_step, saved)
+
+    eng = aot.build_engine(info, devices, quantize="int8", **kw)
+    lowered = aot._lower_call(engine_decode, "generate_core", lambda: eng.generate(aot.abstract_state(eng), 8),
+                              eng.layout.replicated())
+    hlo = lowered.compile().as_text()
+    for n in QUANTIZED:
+        if n in shapes:
+            d_in, d_out = shapes[n].shape[-2:]
+            assert f"s8[{d_in},{d_out}]" in hlo, n  # the layer's slice, still int8
+            assert f"bf16[{d_in},{d_out}]" not in hlo and f"bf16[{d_out},{d_in}]" not in hlo, n
+
+
+# ---------------------------------------------------------------------------------------------
 # the quality bench
 
 
