@@ -15,9 +15,13 @@ table), the LM head (the last matmul decides the argmax; left in the serving dty
 error is not added to the layers' — bench/quantize_quality.py reports the bytes this leaves), the
 MoE router (a tiny [d, E] matrix whose error would flip discrete expert choices), norms and biases.
 
-The matmul dequantizes inside the jitted step: (x @ q.astype(dtype)) * scale, accumulated in
-float32, so what XLA reads from memory is the int8 array; the scale multiplies the output columns
-(per output channel, it commutes with the sum over the input axis). No I/O, no settings here.
+The matmul dequantizes inside the jitted step: (x @ q.astype(dtype)) * scale, so what XLA reads
+from memory is the int8 array (the convert fuses into the matmul; checked in a TPU compile,
+tests/unit/test_quantize.py); the scale multiplies the output columns in float32 (per output
+channel, it commutes with the sum over the input axis). The matmul's own output dtype is x's, as
+the unquantized path's: XLA CPU has no bfloat16 x bfloat16 -> float32 batched dot (the experts'
+einsums), and rounding before or after a scale costs the same relative precision.
+No I/O, no settings here.
 """
 from __future__ import annotations
 
@@ -88,8 +92,7 @@ def linear(x: jax.Array, lp: dict, name: str) -> jax.Array:
     w, scale = lp[name], lp.get(name + SCALE)
     if scale is None:
         return x @ w
-    y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32) * scale
-    return y.astype(x.dtype)
+    return (jnp.matmul(x, w.astype(x.dtype)) * scale).astype(x.dtype)
 
 
 def expert_in(x: jax.Array, lp: dict, name: str) -> jax.Array:
@@ -97,8 +100,7 @@ def expert_in(x: jax.Array, lp: dict, name: str) -> jax.Array:
     w, scale = lp[name], lp.get(name + SCALE)
     if scale is None:
         return jnp.einsum("nd,edf->nef", x, w)
-    y = jnp.einsum("nd,edf->nef", x, w.astype(x.dtype), preferred_element_type=jnp.float32) * scale
-    return y.astype(x.dtype)
+    return (jnp.einsum("nd,edf->nef", x, w.astype(x.dtype)) * scale).astype(x.dtype)
 
 
 def expert_out(h: jax.Array, lp: dict, name: str) -> jax.Array:
@@ -107,7 +109,7 @@ def expert_out(h: jax.Array, lp: dict, name: str) -> jax.Array:
     w, scale = lp[name], lp.get(name + SCALE)
     if scale is None:
         return jnp.einsum("nef,efd->nd", h, w)
-    y = jnp.einsum("nef,efd->ned", h, w.astype(h.dtype), preferred_element_type=jnp.float32) * scale
+    y = jnp.einsum("nef,efd->ned", h, w.astype(h.dtype)) * scale  # float32: the scales' dtype
     return jnp.sum(y, axis=1).astype(h.dtype)
 
 
@@ -117,8 +119,7 @@ def ragged(rows: jax.Array, lp: dict, name: str, sizes: jax.Array, chosen: jax.A
     w, scale = lp[name], lp.get(name + SCALE)
     if scale is None:
         return jax.lax.ragged_dot(rows, w, sizes)
-    y = jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes, preferred_element_type=jnp.float32) * scale[chosen]
-    return y.astype(rows.dtype)
+    return (jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes) * scale[chosen]).astype(rows.dtype)
 
 
 __all__ = ["QUANTIZED", "QUANTIZE_MODES", "check_quantize", "dequantize", "expert_in", "expert_out",

@@ -185,6 +185,27 @@ def test_kv_crosses_between_int8_and_float_pods(pair):
         assert 0 <= int(np.asarray(tokens)[0]) < dst.info.vocab_size
 
 
+def test_bfloat16_int8_runs_both_expert_paths(tmp_path):
+    """bfloat16 with int8 experts: the engine's expert path (dense on a CPU) serves, and the
+    grouped-matmul path chips run (ragged_dot) gives the same logits (XLA CPU refused the first
+    version's bfloat16 x bfloat16 -> float32 expert einsum)."""
+    pytest.importorskip("transformers")
+    from tests.families import build_family
+
+    build_family("mixtral", tmp_path, seed=5, dtype="bfloat16")
+    fe = load_engine(str(tmp_path), dtype="bfloat16", slots=2, max_len=32, prefill_buckets=(16,))
+    qe = load_engine(str(tmp_path), dtype="bfloat16", quantize="int8", slots=2, max_len=32, prefill_buckets=(16,))
+    ids = list(range(40, 52))
+    state = qe.insert(qe.prefill(ids, GREEDY), qe.init_state(), 0, GREEDY)
+    for _ in range(3):
+        state, tokens = qe.generate(state)
+        assert 0 <= int(np.asarray(tokens)[0]) < qe.info.vocab_size
+    ours = qe.prompt_logits(ids)
+    ragged = np.asarray(reference_forward(qe.params, ids, config_from_info(qe.info)), np.float32)[-1]
+    assert _range_error(ragged, ours) < 0.02  # two bfloat16 computations of the same int8 model
+    assert _range_error(ours, fe.prompt_logits(ids)) < BOUND["moe"]
+
+
 # ---------------------------------------------------------------------------------------------
 # the option: settings, tandem local, a bad value
 
