@@ -29,6 +29,7 @@ BENCHMARKS = [
     "paged_capacity.py",  # paged KV vs fixed slots on one KV budget: sequences held, tok/s, step time (issue 30)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)
     "kv_capacity.py",  # fixed slots vs paged KV at one KV budget: sequences held, tok/s, KV bytes moved (issue 30)
+    "quantize_quality.py --write",  # int8 weights vs unquantized: greedy agreement, logit error, bytes (issue 30)
 ]
 
 
@@ -39,10 +40,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     failed = []
-    for script in BENCHMARKS:
+    for entry in BENCHMARKS:
+        script, *extra = entry.split()  # a script writes its section by default, or when given --write
         if only and script not in only and Path(script).stem not in only:
             continue
-        cmd = [sys.executable, str(BENCH_DIR / script)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, str(BENCH_DIR / script), *extra] + (["--quick"] if args.quick else [])
         print(f"==> {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd, cwd=BENCH_DIR.parent)

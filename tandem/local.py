@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=0,
                    help="positions per sequence (prompt + output); 0: the model's own context length, bounded "
                    f"by {AUTO_MAX_LEN} and by the memory the decode slots' KV may take (said at start)")
+    p.add_argument("--quantize", choices=["int8"], default="",
+                   help="weight-only quantization of the prefill and decode workers (both alike): int8 holds the "
+                   "attention, MLP and expert matrices as int8 with one scale per output channel, half the weight "
+                   "bytes of bfloat16 (quality against unquantized weights: bench/quantize_quality.py)")
     p.add_argument("--cpu-threads", type=_cpu_threads, default=DEFAULT_CPU_THREADS, metavar="N|ROLE=N,...",
                    help="XLA CPU compute threads of the prefill and decode workers (0: one per core): one count for "
                    "both, or per role (ROLE=N items; a role left out gets 1). Decode steps run back to back, so one "
@@ -287,6 +291,7 @@ class Cluster:
         return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets),
                 f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads[role]),
+                f"{prefix}ENGINE__QUANTIZE": self.a.quantize,
                 f"{prefix}PREFIX_CACHE__BUDGET_BYTES": str(self.a.prefix_cache_bytes)}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
@@ -403,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     why = "--max-len"
     if a.max_len <= 0:
         a.max_len, why = auto_context(info, a.slots, a.decode, _memory_bytes())
-    log.info("serving %s: context %d positions, %s; %d decode slots per decode worker (--slots); "
-             "prefill buckets %s", a.model, a.max_len, why, a.slots, buckets_for(a.max_len))
+    log.info("serving %s%s: context %d positions, %s; %d decode slots per decode worker (--slots); "
+             "prefill buckets %s", a.model, f" ({a.quantize} weights)" if a.quantize else "", a.max_len, why,
+             a.slots, buckets_for(a.max_len))
     if a.kv_layout == "paged":
         log.info("decode KV paged: %d blocks of %d positions per decode worker (--kv-blocks, --kv-block-size; "
                  "--slots %d sequence rows)", a.kv_blocks or -(-a.slots * a.max_len // a.kv_block_size),

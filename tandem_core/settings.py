@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Literal
 
 from pydantic import BaseModel, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -89,6 +90,10 @@ class EngineConfig(BaseModel):
     max_len: PositiveInt = 512
     prefill_buckets: list[PositiveInt] = [16, 32, 64, 128, 256, 512]
     dtype: str = Field(default="float32", pattern="^(float32|bfloat16)$")
+    # weight-only quantization: "int8" holds the layer matrices as int8 with per-output-channel
+    # scales (tandem_engine/quantize.py); "" = weights in `dtype`. The KV stays in `dtype` either
+    # way; prefill and decode pods of one pool set it alike (the chart refuses a mismatch).
+    quantize: Literal["", "int8"] = ""
     tp: int = Field(default=1, ge=0)  # tensor parallelism over this pod's devices; 0 = all of them
     # a mixture of experts: split whole experts across the tp devices (expert parallelism) instead
     # of each expert's hidden units
@@ -138,7 +143,7 @@ class EngineConfig(BaseModel):
         decode `slots` and its prefix cache's `chunk_tokens` (the engine reads no settings: every
         service builds its engine from this one mapping)."""
         return {"model": self.model, "slots": slots, "max_len": self.max_len,
-                "prefill_buckets": tuple(self.prefill_buckets), "dtype": self.dtype, "tp": self.tp,
+                "prefill_buckets": tuple(self.prefill_buckets), "dtype": self.dtype, "quantize": self.quantize or None, "tp": self.tp,
                 "expert_parallel": self.expert_parallel, "compile_cache_dir": self.compile_cache_dir, "cpu_threads": self.cpu_threads,
                 "prefix_chunk": prefix_chunk, "steps_per_dispatch": self.steps_per_dispatch, **self.kv_kwargs()}
 

@@ -39,6 +39,7 @@ from tandem_core.types import SamplingParams
 from tandem_engine import engine_decode, engine_prefill
 from tandem_engine.api import PrefillCall
 from tandem_engine.engine import Engine, Prefix
+from tandem_engine.quantize import quantize_params
 from tandem_engine.sharding import AXIS, Layout, make_layout
 from tandem_engine.weights import init_params
 
@@ -90,15 +91,16 @@ class _AbstractEngine(Engine):
         return jax.ShapeDtypeStruct(tuple(kv.shape), self._jdtype, sharding=self.layout.kv_prefix())
 
 
-def abstract_params(info: ModelInfo, dtype: str, layout: Layout) -> dict:
-    """The params pytree as ShapeDtypeStructs sharded as the engine places them (no weights)."""
-    shapes = jax.eval_shape(lambda: init_params(info, dtype))
+def abstract_params(info: ModelInfo, dtype: str, layout: Layout, quantize: str | None = None) -> dict:
+    """The params pytree as ShapeDtypeStructs sharded as the engine places them (no weights);
+    `quantize="int8"`: the int8 layer matrices and their scales (quantize.py)."""
+    shapes = jax.eval_shape(lambda: quantize_params(init_params(info, dtype), quantize))
     shardings = layout.param_shardings(shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
-                 prefill_buckets, dtype: str, expert_parallel: bool = False) -> Engine:
+                 prefill_buckets, dtype: str, expert_parallel: bool = False, quantize: str | None = None) -> Engine:
     """An Engine for `tp` of `devices` (the first tp) with abstract weights; raises ValueError
     for what a real Engine refuses (tp not dividing the heads, max_len past the model's).
     `expert_parallel`: a mixture of experts splits whole experts across the chips (the layout's
@@ -107,7 +109,7 @@ def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len
         raise ValueError(f"tp={tp} needs {tp} chips; the topology has {len(devices)}")
     ep = {"expert_parallel": True} if expert_parallel else {}
     layout = make_layout(info, tp, Mesh(np.asarray(devices[:tp]), (AXIS,)), **ep)
-    params = abstract_params(info, dtype, layout)
+    params = abstract_params(info, dtype, layout, quantize)
     # tp=1 and no mesh here: the base class keeps `params` as given (no device_put of structs);
     # the layout over the TPU chips is set right after.
     eng = _AbstractEngine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
@@ -267,10 +269,10 @@ class Compiler:
     with its layer loop accounted (`layers=False` skips the unrolled 1- and 2-layer compiles)."""
 
     def __init__(self, info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
-                 prefill_buckets, dtype: str, expert_parallel: bool = False):
+                 prefill_buckets, dtype: str, expert_parallel: bool = False, quantize: str | None = None):
         self.info, self.devices = info, devices
         self.kw = dict(tp=tp, slots=slots, max_len=max_len, prefill_buckets=tuple(prefill_buckets), dtype=dtype,
-                       expert_parallel=expert_parallel)
+                       expert_parallel=expert_parallel, quantize=quantize)
         self.engine = build_engine(info, devices, **self.kw)
         self._small: dict[int, Engine] = {}
 

@@ -19,6 +19,7 @@ from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
 from tandem_engine.paged import BlockAllocator
+from tandem_engine.quantize import check_quantize, is_quantized, quantize_params
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
 
@@ -42,7 +43,7 @@ class EngineBase:
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
                  expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                  kv_layout: str = "slots", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                 kv_blocks: int | None = None):
+                 kv_blocks: int | None = None, quantize: str | None = None):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -57,6 +58,10 @@ class EngineBase:
             devices = self.layout.mesh.devices.flat if self.layout is not None else jax.devices()[:1]
             platform = next(iter(devices)).platform
             self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
+        # int8 weights (quantize.py): the layer matrices quantized here, before they are placed,
+        # so each chip receives its shard of the int8 arrays and of their scales
+        self.quantize = check_quantize(quantize) or ("int8" if is_quantized(params) else None)
+        params = quantize_params(params, self.quantize)
         self.params = params if self.layout is None else self.layout.place_params(params)
         self._step_params: dict | None = None  # step_params, made on first use
         self.slots = int(slots)

@@ -11,6 +11,7 @@ from tandem_core.models import resolve_model
 from tandem_engine.cpu_pool import limit_cpu_threads
 from tandem_engine.engine import DEFAULT_BUCKETS, Engine
 from tandem_engine.engine_base import DEFAULT_KV_BLOCK_SIZE, DEFAULT_STEPS_PER_DISPATCH
+from tandem_engine.quantize import check_quantize
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import load_params
 
@@ -37,7 +38,8 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
                 cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False,
                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, kv_layout: str = "slots",
-                kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_blocks: int | None = None) -> Engine:
+                kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_blocks: int | None = None,
+                quantize: str | None = None) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
     random weights) or a HF directory of a served family (tandem_engine/arch.py).
 
@@ -46,7 +48,9 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     before any weight is read). `expert_parallel`: a mixture of experts splits whole experts
     across the tp devices (the expert count must be divisible by tp) instead of each expert's
     hidden units. `kv_layout`, `kv_block_size`, `kv_blocks`: the KV layout (engine_decode.DecodeSide:
-    "slots" or "paged")."""
+    "slots" or "paged"). `quantize="int8"`: the layer matrices held as int8 with per-output-channel
+    scales (tandem_engine/quantize.py); the KV stays in `dtype`."""
+    check_quantize(quantize)  # fail fast on an unknown mode, before any weight is read
     use_compile_cache(compile_cache_dir)
     limit_cpu_threads(cpu_threads)  # before anything starts a backend
     info = resolve_model(model)
@@ -57,4 +61,4 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
                   dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
                   expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch, kv_layout=kv_layout,
-                  kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                  kv_block_size=kv_block_size, kv_blocks=kv_blocks, quantize=quantize)

@@ -17,6 +17,9 @@ Params pytree (weights stored as `x @ W`, i.e. transposed from HF's [out, in]):
             we_down [L, E, f, d], be_gate, be_up [L, E, f], be_down [L, E, d]
     norm    [d]
     lm_head [d, vocab]   (absent when word embeddings are tied: logits use embed.T)
+With int8 weights (quantize.py) the attention, MLP and expert matrices are int8 and each has
+float32 scales `<name>_scale` [L, (E,) out] beside it; every weight matmul goes through
+quantize.linear / expert_in / expert_out / ragged, which read either form.
 
 Layers differ only in data the scan carries beside their weights (`LayerConsts`: each layer's
 RoPE frequencies and window), so one scanned body serves Gemma 3's local and global layers alike.
@@ -37,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from tandem_engine.arch import ModelConfig, config_from_info
+from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
 __all__ = ["ModelConfig", "config_from_info", "decode_forward", "decode_forward_blocked", "prefill_batch_forward",
            "prefill_forward", "prefill_logits_all",
@@ -171,7 +175,7 @@ def mlp(x: jax.Array, lp: dict, cfg: ModelConfig | None = None) -> jax.Array:
     if cfg is not None and cfg.moe:
         return moe(x, lp, cfg)
     act = "silu" if cfg is None else cfg.act
-    return (_act(x @ lp["w_gate"], act) * (x @ lp["w_up"])) @ lp["w_down"]
+    return linear(_act(linear(x, lp, "w_gate"), act) * linear(x, lp, "w_up"), lp, "w_down")
 
 
 def _expert_gate(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -212,12 +216,12 @@ def _moe_dense(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     weights, idx = route(flat, lp, cfg)
     n = flat.shape[0]
     comb = jnp.zeros((n, cfg.num_experts), weights.dtype).at[jnp.arange(n)[:, None], idx].add(weights)
-    gate = jnp.einsum("nd,edf->nef", flat, lp["we_gate"])
-    up = jnp.einsum("nd,edf->nef", flat, lp["we_up"])
+    gate = expert_in(flat, lp, "we_gate")
+    up = expert_in(flat, lp, "we_up")
     if cfg.expert_bias:
         gate, up = gate + lp["be_gate"], up + lp["be_up"]
     h = _expert_gate(gate, up, cfg) * comb[..., None].astype(gate.dtype)
-    out = jnp.einsum("nef,efd->nd", h.astype(x.dtype), lp["we_down"])
+    out = expert_out(h.astype(x.dtype), lp, "we_down")
     if cfg.expert_bias:
         out = out + comb.astype(out.dtype) @ lp["be_down"]
     return out.astype(x.dtype).reshape(*lead, d)
@@ -237,11 +241,11 @@ def _moe_ragged(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     rows = flat[order // k]  # [n * k, d], grouped by expert
     sizes = jnp.bincount(expert, length=e).astype(jnp.int32)
     chosen = expert[order]
-    gate = jax.lax.ragged_dot(rows, lp["we_gate"], sizes)
-    up = jax.lax.ragged_dot(rows, lp["we_up"], sizes)
+    gate = ragged(rows, lp, "we_gate", sizes, chosen)
+    up = ragged(rows, lp, "we_up", sizes, chosen)
     if cfg.expert_bias:
         gate, up = gate + lp["be_gate"][chosen], up + lp["be_up"][chosen]
-    out = jax.lax.ragged_dot(_expert_gate(gate, up, cfg).astype(x.dtype), lp["we_down"], sizes)
+    out = ragged(_expert_gate(gate, up, cfg).astype(x.dtype), lp, "we_down", sizes, chosen)
     if cfg.expert_bias:
         out = out + lp["be_down"][chosen]
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(n, k, d)
@@ -270,7 +274,7 @@ def _qkv(x: jax.Array, lp: dict, positions: jax.Array, lc: LayerConsts, cfg: Mod
     """Project x [..., T, d] to rotated q [..., T, H, hd], k and v [..., T, KV, hd] (`tables`: the
     layer's `rope_tables` of positions, when the caller computed them once for all layers)."""
     lead = x.shape[:-1]
-    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    q, k, v = linear(x, lp, "wq"), linear(x, lp, "wk"), linear(x, lp, "wv")
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
@@ -361,7 +365,7 @@ def _attend(qg, kt, vt, mask, cfg: ModelConfig, sinks: jax.Array | None) -> jax.
 
 def _attn_out(x: jax.Array, attn: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     """The output projection (and Gemma's norm after it), added to the residual stream."""
-    o = attn @ lp["wo"]
+    o = linear(attn, lp, "wo")
     if cfg.o_bias:
         o = o + lp["bo"]
     if cfg.sandwich_norms:

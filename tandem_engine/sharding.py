@@ -51,6 +51,15 @@ _EXPERT_EP = {
     "we_gate": P(None, AXIS), "we_up": P(None, AXIS), "we_down": P(None, AXIS),
     "be_gate": P(None, AXIS), "be_up": P(None, AXIS), "be_down": P(None, AXIS),
 }
+# int8 weights (quantize.py): a weight's per-output-channel scales [L, (E,) out] are cut where
+# its output columns are: with the columns (q/k/v, gate/up) or not at all (o, down: their output
+# is the all-reduced sum, and the scale multiplies it after the sum is taken)
+_SCALE_SPECS = {
+    "wq_scale": P(None, AXIS), "wk_scale": P(None, AXIS), "wv_scale": P(None, AXIS), "wo_scale": P(),
+    "w_gate_scale": P(None, AXIS), "w_up_scale": P(None, AXIS), "w_down_scale": P(),
+}
+_EXPERT_TP_SCALES = {"we_gate_scale": P(None, None, AXIS), "we_up_scale": P(None, None, AXIS), "we_down_scale": P()}
+_EXPERT_EP_SCALES = {"we_gate_scale": P(None, AXIS), "we_up_scale": P(None, AXIS), "we_down_scale": P(None, AXIS)}
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
 _KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
 _KV_PREFIXES = P(None, None, None, AXIS, None)  # [L, B, T, KV, hd]: a batched prefill's
@@ -85,7 +94,8 @@ class Layout(NamedTuple):
     def param_shardings(self, params: dict) -> dict:
         """A pytree of NamedShardings matching `params` (with or without lm_head)."""
         out = {name: self.replicated() for name in params if name != "layers"}
-        specs = {**_LAYER_SPECS, **(_EXPERT_EP if self.expert_parallel else _EXPERT_TP)}
+        specs = {**_LAYER_SPECS, **_SCALE_SPECS,
+                 **(_EXPERT_EP | _EXPERT_EP_SCALES if self.expert_parallel else _EXPERT_TP | _EXPERT_TP_SCALES)}
         out["layers"] = {name: self.named(specs[name]) for name in params["layers"]}
         return out
 

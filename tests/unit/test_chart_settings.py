@@ -127,11 +127,13 @@ BAD_VALUES = [
     ("pool", {"decode": {"settings": {"pool": "other"}}}, "settings.pool must be equal"),
     ("dtype", {"decode": {"settings": {"engine": {"dtype": "bfloat16"}}}}, "engine.dtype must match"),
     ("model", {"decode": {"settings": {"engine": {"model": "/models/x"}}}}, "must name the same model"),
+    ("quantize", {"decode": {"settings": {"engine": {"quantize": "int8"}}}}, "engine.quantize must match"),
     ("liveness", {"prefill": {"probes": {"liveness": {"periodSeconds": 5, "failureThreshold": 2}}}}, "liveness window"),
     ("grpc-tls", {"grpcTLS": {"enabled": True}}, "grpcTLS.secretName"),
     # values.schema.json: Helm names the offending path.
     ("settings-typo", {"prefill": {"settings": {"kv_budget": 1}}}, "/prefill/settings"),
     ("bad-dtype", {"prefill": {"settings": {"engine": {"dtype": "fp8"}}}}, "/prefill/settings/engine/dtype"),
+    ("bad-quantize", {"prefill": {"settings": {"engine": {"quantize": "int4"}}}}, "/prefill/settings/engine/quantize"),
     ("bad-topology", {"prefill": {"tpu": {"topology": "2by4"}}}, "/prefill/tpu/topology"),
     ("port-zero", {"decode": {"settings": {"grpc": {"port": 0}}}}, "/decode/settings/grpc/port"),
     ("negative-budget", {"prefill": {"settings": {"kv_budget_bytes": -1}}}, "/prefill/settings/kv_budget_bytes"),
@@ -146,6 +148,13 @@ def test_bad_values_fail_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError) as err:
         render(values)
     assert message in str(err.value)
+
+
+def test_int8_weights_reach_both_worker_pools():
+    """`engine.quantize: int8` set alike on prefill and decode renders, and each pod gets it."""
+    r = Rendered({w: {"settings": {"engine": {"quantize": "int8"}}} for w in WORKERS})
+    assert r.container_env("prefill")["TANDEM_PREFILL_ENGINE__QUANTIZE"]["value"] == "int8"
+    assert r.container_env("decode")["TANDEM_DECODE_ENGINE__QUANTIZE"]["value"] == "int8"
 
 
 def test_good_variants_render():

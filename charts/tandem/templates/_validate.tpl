@@ -106,6 +106,9 @@ or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would 
 {{- if ne (toString $p.engine.dtype) (toString $d.engine.dtype) }}
 {{- fail (printf "tandem: prefill and decode engine.dtype must match, KV is transferred as-is (got %q and %q)" (toString $p.engine.dtype) (toString $d.engine.dtype)) }}
 {{- end }}
+{{- if ne (toString $p.engine.quantize) (toString $d.engine.quantize) }}
+{{- fail (printf "tandem: prefill and decode engine.quantize must match: a prompt's KV and first token come from the prefill pod's weights and its other tokens from the decode pod's, so both must serve the same weights (got %q and %q)" (toString $p.engine.quantize) (toString $d.engine.quantize)) }}
+{{- end }}
 {{- if not (and (eq (int $g.max_context_len) (int $p.engine.max_len)) (eq (int $p.engine.max_len) (int $d.engine.max_len))) }}
 {{- fail (printf "tandem: gateway.settings.max_context_len (%d) must equal prefill and decode settings.engine.max_len (%d, %d)" (int $g.max_context_len) (int $p.engine.max_len) (int $d.engine.max_len)) }}
 {{- end }}
