@@ -26,7 +26,7 @@ BENCHMARKS = [
     "burst.py",  # 16 prompts of 512 tokens at once: TTFT on both paths vs vLLM (issue 29)
     "prefix.py",  # multi-turn chats: Tandem prefix cache on/off vs vLLM with prefix caching (issue 14)
     "token_plane.py",  # the token plane alone, 10,000 streams, key placement, Redis cost per token (issue 15)
-    "paged_capacity.py",  # paged KV vs fixed slots on one KV budget: sequences held, tok/s, step time (issue 30)
+    "paged_capacity.py --write",  # paged KV vs fixed slots on one KV budget: sequences held, tok/s, step time (issue 30)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)
     "kv_capacity.py",  # fixed slots vs paged KV at one KV budget: sequences held, tok/s, KV bytes moved (issue 30)
     "quantize_quality.py --write",  # int8 weights vs unquantized: greedy agreement, logit error, bytes (issue 30)
