@@ -3,6 +3,7 @@
 cluster mode), killed by PID in teardown."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,46 @@ if str(ROOT) not in sys.path:
 
 from tandem.redis_cluster import RedisClusterProcess
 from tandem.redis_proc import RedisProcess, docker_reachable
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """After each test module, drop JAX's compiled executables (and the engines the module let go).
+
+    Every XLA:CPU executable maps its code into this process (a model's step: hundreds of maps), and
+    JAX keeps each one for the life of the process. Over the whole suite in one pytest process they
+    reached the kernel's `vm.max_map_count` (65,530 here): mmap then fails inside XLA or malloc and
+    the process dies with a segmentation fault (CI, 2026-12-04: the core held 65,532 maps).
+    If a module still leaves most of the limit mapped, fail here, naming it, rather than crash later."""
+    yield
+    if "jax" not in sys.modules:
+        return
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    maps, limit = _memory_maps(), _max_map_count()
+    if limit and maps > 0.75 * limit:
+        pytest.fail(f"this pytest process holds {maps:,} memory maps of the kernel's vm.max_map_count "
+                    f"{limit:,} after its module's compiled code was dropped: something keeps engines or "
+                    "compiled functions alive across modules (a module global, a cache); the next "
+                    "compiles would crash the process", pytrace=False)
 
 
 @pytest.fixture(scope="session")
