@@ -193,12 +193,16 @@ class KVPayload:
 
     k, v: [num_layers, length, num_kv_heads, head_dim] (length = the prefill bucket, >= true_length).
     `first_token` is the token sampled from the last prompt position (token index 0).
+    `start` > 0: a part, positions [start, start + length) of the prompt only (length =
+    true_length - start): what a decode pod pulls when it holds the first `start` positions
+    already (its block cache, tandem_engine/block_cache.py).
     """
 
     k: np.ndarray
     v: np.ndarray
     true_length: int
     first_token: int
+    start: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ No I/O, no tokenizer, no settings here.
 """
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import jax
@@ -18,7 +19,7 @@ from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
-from tandem_engine.paged import BlockAllocator
+from tandem_engine.block_cache import BlockCache, CachingAllocator
 from tandem_engine.quantize import check_quantize, is_quantized, quantize_params
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
@@ -43,7 +44,7 @@ class EngineBase:
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
                  expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                  kv_layout: str = "slots", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                 kv_blocks: int | None = None, quantize: str | None = None):
+                 kv_blocks: int | None = None, quantize: str | None = None, kv_reuse: bool = True):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -105,6 +106,10 @@ class EngineBase:
             if kv_blocks is not None:
                 raise ValueError("kv_blocks sizes the paged pool: pass it with kv_layout='paged'")
             self.kv_blocks_total = self.slots * self.max_blocks_per_seq
+        # paged: keep finished rows' full blocks for later sequences with the same leading tokens
+        # (block_cache.py: a decode pod pulls only the rows it does not hold)
+        self.kv_reuse = bool(kv_reuse) and kv_layout == "paged"
+        self._blocks_lock = threading.RLock()  # the block host state: engine thread and event loop
         self._reset_kv_host()
 
     def _reset_kv_host(self) -> None:
@@ -115,8 +120,10 @@ class EngineBase:
         self._occupied = np.zeros(self.slots, bool)
         self._order = np.zeros(self.slots, np.int64)
         self._inserted = 0
+        self._reuse: BlockCache | None = None
         if self.kv_layout == "paged":
-            self._alloc = BlockAllocator(self.kv_blocks_total)
+            self._alloc = CachingAllocator(self.kv_blocks_total)
+            self._reuse = BlockCache(self._alloc, self.kv_block_size) if self.kv_reuse else None
             self._table = np.zeros((self.slots, self.max_blocks_per_seq), np.int32)
             self._held = np.zeros(self.slots, np.int64)  # blocks in each row's table
             self._pos = np.zeros(self.slots, np.int64)  # each row's next write position
@@ -128,8 +135,8 @@ class EngineBase:
     def kv_blocks_free(self) -> int:
         """Blocks free now: the pool's free list (paged), or the blocks of the free slots
         (slots: each slot holds ceil(max_len / kv_block_size) of them, used or not)."""
-        if self.kv_layout == "paged":
-            return self._alloc.free_count()
+        if self.kv_layout == "paged":  # cached blocks no row holds are free for the taking
+            return self._alloc.free_count() + self._alloc.cached_only
         return int((~self._occupied).sum()) * self.max_blocks_per_seq
 
     # False: keep the one cache array (and the scanned, chunked step) on a CPU too, as on chips.
@@ -201,13 +208,14 @@ class EngineBase:
                     f"[{want[0]}, length, {want[1]}, {want[2]}]"
                 )
         length = payload.k.shape[1]
-        if payload.v.shape[1] != length or not 0 < payload.true_length <= length:
+        start = int(payload.start)
+        if payload.v.shape[1] != length or start < 0 or not 0 < payload.true_length - start <= length:
             raise InvalidRequest(
                 f"KV payload lengths disagree: k {length}, v {payload.v.shape[1]}, "
-                f"true_length {payload.true_length}"
+                f"true_length {payload.true_length}, start {start}"
             )
-        if length > self.max_len:
-            raise PromptTooLong(f"KV payload has {length} positions; this engine's max_len is {self.max_len}")
+        if start + length > self.max_len:
+            raise PromptTooLong(f"KV payload has {start + length} positions; this engine's max_len is {self.max_len}")
 
     def _place_kv(self, kv) -> jax.Array:
         """A prefix array (host or device, any sharding) on this engine's chips, in its dtype."""

@@ -18,6 +18,7 @@ from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
 from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_blocks_core, insert_core,
                                 insert_paged_core, pack_insert)
+from tandem_engine.block_cache import PrefixMatch
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
@@ -49,7 +50,7 @@ class DecodeSide(EngineBase):
         dev = None if lay is None else lay.replicated()
         self._reset_kv_host()
         table = None
-        if self.kv_layout == "paged":  # one pool of blocks, two buffers (paged.py)
+        if self.kv_layout == "paged":  # one pool of blocks, a buffer per layer (paged.py)
             k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
                               self._jdtype)
             table = jnp.asarray(self._table)
@@ -101,11 +102,21 @@ class DecodeSide(EngineBase):
     def insert_payload(self, payload: KVPayload, state: DecodeState, slot: int, sampling: SamplingParams, *,
                        first_token: int | None = None, history: Sequence[int] | None = None,
                        output_from: int | None = None, start_index: int = 0,
-                       stop_ids: Sequence[int] = ()) -> DecodeState:
+                       stop_ids: Sequence[int] = (), cached: PrefixMatch | None = None) -> DecodeState:
         """`insert(import_prefix(payload), ...)` in one move (donates `state`): what a decode pod
         does with a pulled KV. On one device the host arrays go straight into the insert call
         (its argument transfer; no separate device_put, no jnp.asarray conversion of each: ~80 us
-        of host CPU per payload saved); with a layout, import_prefix places them on the chips."""
+        of host CPU per payload saved); with a layout, import_prefix places them on the chips.
+
+        `cached` (paged, `match_prefix`): the blocks of the prompt's first `cached.length`
+        positions, already in the pool; the payload then holds the rest (`payload.start ==
+        cached.length`), and the row shares those blocks (no copy). A payload that starts at 0
+        anyway (a prefill pod that sent it whole) goes in whole and the match is released.
+        Either way the match is used up (unless the insert raises: then it is still the caller's)."""
+        if cached is not None or payload.start:
+            return self._insert_reused(payload, state, slot, sampling, cached, first_token=first_token,
+                                       history=history, output_from=output_from, start_index=start_index,
+                                       stop_ids=stop_ids)
         if self.layout is not None:
             return self.insert(self.import_prefix(payload), state, slot, sampling, first_token=first_token,  # type: ignore[attr-defined]
                                history=history, output_from=output_from, start_index=start_index,
@@ -118,9 +129,38 @@ class DecodeSide(EngineBase):
         return self._insert(state, k, v, slot, int(payload.true_length), int(payload.first_token), sampling,
                             first_token, history, output_from, start_index, stop_ids)
 
+    def _insert_reused(self, payload: KVPayload, state: DecodeState, slot: int, sampling: SamplingParams,
+                       cached: PrefixMatch | None, **kw) -> DecodeState:
+        """`insert_payload` of a part (payload.start > 0) over the blocks of a match, or of a
+        whole payload with a match not needed."""
+        start = int(payload.start)
+        if cached is not None and cached.done:
+            raise ValueError("this prefix match was inserted or released already")
+        if start == 0:  # sent whole: the match is not needed
+            if cached is not None:
+                self.release_prefix(cached)
+            return self.insert_payload(payload, state, slot, sampling, **kw)
+        if self.kv_layout != "paged" or cached is None or cached.length != start:
+            raise ValueError(f"a KV payload from position {start} needs the match of its first {start} positions "
+                             f"(got {None if cached is None else cached.length}, layout {self.kv_layout})")
+        self._check_slot(slot)
+        self.check_payload(payload)
+        n = int(payload.true_length)
+        # padded to the whole prompt's bucket: the insert's compiled shapes are a full prompt's
+        # (its rows past the part go to the null block)
+        rows = self.bucket_for(n)
+        k = np.zeros((payload.k.shape[0], rows, *payload.k.shape[2:]), self._jdtype)
+        v = np.zeros_like(k)
+        part = payload.k.shape[1]
+        k[:, :part], v[:, :part] = payload.k, payload.v
+        return self._insert(state, k, v, slot, n, int(payload.first_token), sampling, kw.get("first_token"),
+                            kw.get("history"), kw.get("output_from"), kw.get("start_index", 0),
+                            kw.get("stop_ids", ()), cached=cached)
+
     def _insert(self, state: DecodeState, k, v, slot: int, true_length: int, prefix_first: int,
                 sampling: SamplingParams, first_token: int | None, history: Sequence[int] | None,
-                output_from: int | None, start_index: int, stop_ids: Sequence[int]) -> DecodeState:
+                output_from: int | None, start_index: int, stop_ids: Sequence[int],
+                cached: PrefixMatch | None = None) -> DecodeState:
         """k, v [L, length, KV, hd] (device arrays, or host arrays on one device) into `slot`."""
         length = k.shape[1]
         if length > self.max_len:
@@ -136,7 +176,7 @@ class DecodeSide(EngineBase):
             return self._insert_paged(state, k, v, int(slot), length, int(true_length), (
                 np.int32(slot), np.int32(true_length), np.int32(first), np.int32(int(start_index) + 1),
                 s["temperature"], s["top_k"], s["top_p"], s["seed"], hist_ids, np.int32(hist_len),
-                np.int32(out_from), proc))
+                np.int32(out_from), proc), cached)
         self._occupy(int(slot))
         if isinstance(state.k, tuple):  # a blocked cache: only the blocks the prefix's rows fall in
             return self._insert_blocks(state, k, v, int(slot), length, lambda local: pack_insert(
@@ -152,36 +192,80 @@ class DecodeSide(EngineBase):
         self._order[slot] = self._inserted
 
     def _insert_paged(self, state: DecodeState, k, v, slot: int, length: int, true_length: int,
-                      args: tuple) -> DecodeState:
+                      args: tuple, cached: PrefixMatch | None = None) -> DecodeState:
         """Take the prompt's blocks (OutOfKVBlocks before anything changes when too few are
         free; a row still holding blocks gives them back first), write rows [0, length) into
-        them (the padding past the last one goes to the null block) and upload the table."""
-        need = self.kv_blocks_for(true_length)
-        old = self._table[slot, :self._held[slot]]
-        free = self._alloc.free_count() + self._alloc.exclusive(old)
-        if need > free:
-            raise OutOfKVBlocks(
-                f"this decode engine has {free} free KV blocks of {self.kv_block_size} positions; a prompt of "
-                f"{true_length} positions needs {need}: free a sequence (or hand this request to another pod) "
-                f"and retry", retry_after_s=1.0)
-        self._release_row(slot)
-        ids = self._alloc.alloc(need)
-        assert ids is not None
-        self._table[slot, :need] = ids
-        self._held[slot] = need
-        self._pos[slot] = true_length
-        self._occupy(slot)
-        write = np.zeros(self.kv_blocks_for(length), np.int32)  # rows past true_length's blocks: null
-        write[:need] = ids
+        them (the padding past the last one goes to the null block) and upload the table.
+        `cached`: the row's first blocks are the match's (its pins pass to the row) and k, v's
+        rows are the positions after them."""
+        with self._blocks_lock:
+            shared = [] if cached is None else list(cached.blocks)
+            need = self.kv_blocks_for(true_length) - len(shared)
+            old = self._table[slot, :self._held[slot]]
+            free = self.kv_blocks_free() + self._alloc.exclusive(old)
+            if need > free:
+                raise OutOfKVBlocks(
+                    f"this decode engine has {free} free KV blocks of {self.kv_block_size} positions; a prompt of "
+                    f"{true_length} positions needs {need}: free a sequence (or hand this request to another pod) "
+                    f"and retry", retry_after_s=1.0)
+            self._release_row(slot)
+            ids = self._alloc_blocks(need)
+            assert ids is not None
+            held = len(shared) + need
+            self._table[slot, :held] = shared + ids
+            self._held[slot] = held
+            self._pos[slot] = true_length
+            if cached is not None:
+                cached.done = True  # its pins are the row's references now
+            self._occupy(slot)
+            write = np.zeros(self.kv_blocks_for(length), np.int32)  # rows past true_length's blocks: null
+            write[:need] = ids
         state = state._replace(block_table=jnp.asarray(self._table))
         return insert_paged_core(state, k, v, write, *args)
 
-    def _release_row(self, slot: int) -> None:
-        held = int(self._held[slot])
-        if held:
-            self._alloc.release(self._table[slot, :held].tolist())
-        self._table[slot] = 0
-        self._held[slot] = 0
+    def _release_row(self, slot: int, tokens: Sequence[int] | None = None) -> None:
+        """The row's blocks back to the pool; with `tokens` (the ids whose KV the row's first
+        positions hold) its full blocks are kept for reuse first (block_cache.py)."""
+        with self._blocks_lock:
+            held = int(self._held[slot])
+            if held:
+                blocks = self._table[slot, :held].tolist()
+                if tokens is not None and self._reuse is not None:
+                    self._reuse.keep(list(tokens)[:int(self._pos[slot])], blocks)
+                self._alloc.release(blocks)
+            self._table[slot] = 0
+            self._held[slot] = 0
+
+    def _alloc_blocks(self, n: int) -> list[int] | None:
+        """`n` blocks from the free list, evicting cached blocks no row holds when it is short."""
+        if self._reuse is not None:
+            self._reuse.make_room(n)
+        return self._alloc.alloc(n)
+
+    def match_prefix(self, ids: Sequence[int]) -> PrefixMatch | None:
+        """The blocks of `ids`' longest run of leading full blocks this pool keeps from finished
+        rows (paged with kv_reuse; None otherwise or on a miss), pinned until
+        `insert_payload(..., cached=match)` or `release_prefix(match)`. At least the last token
+        of `ids` is left out. Callable from another thread than the engine's."""
+        if self._reuse is None:
+            return None
+        with self._blocks_lock:
+            return self._reuse.match(ids)
+
+    def release_prefix(self, match: PrefixMatch) -> None:
+        """Let a match that will not be inserted go (its pull failed, it was cancelled); a used
+        or released one is left alone. Callable from another thread than the engine's."""
+        if self._reuse is None:
+            return
+        with self._blocks_lock:
+            self._reuse.release(match)
+
+    def kv_reuse_summary(self) -> dict | None:
+        """The block cache's counters (None without one): what a decode pod's heartbeat reports."""
+        if self._reuse is None:
+            return None
+        with self._blocks_lock:
+            return self._reuse.summary()
 
     def _blocks_needed(self, slot: int, steps: int) -> int:
         """Blocks row `slot` needs for the positions its next `steps` steps write (each clamped
@@ -201,18 +285,19 @@ class DecodeSide(EngineBase):
             return state, []
         failed: list[int] = []
         changed = False
-        for slot in sorted(np.flatnonzero(self._occupied).tolist(), key=lambda s: self._order[s]):
-            need = self._blocks_needed(slot, steps)
-            extra = need - int(self._held[slot])
-            if extra <= 0:
-                continue
-            ids = None if failed else self._alloc.alloc(extra)
-            if ids is None:
-                failed.append(slot)
-                continue
-            self._table[slot, self._held[slot]:need] = ids
-            self._held[slot] = need
-            changed = True
+        with self._blocks_lock:
+            for slot in sorted(np.flatnonzero(self._occupied).tolist(), key=lambda s: self._order[s]):
+                need = self._blocks_needed(slot, steps)
+                extra = need - int(self._held[slot])
+                if extra <= 0:
+                    continue
+                ids = None if failed else self._alloc_blocks(extra)
+                if ids is None:
+                    failed.append(slot)
+                    continue
+                self._table[slot, self._held[slot]:need] = ids
+                self._held[slot] = need
+                changed = True
         if changed:
             state = state._replace(block_table=jnp.asarray(self._table))
         return state, failed
@@ -332,15 +417,21 @@ class DecodeSide(EngineBase):
         need = sum(1 for start in block_starts(tuple(g[0].shape[0] for g in state.k[0])) if start < bucket)
         return need if need < groups else None
 
-    def free(self, state: DecodeState, slot: int) -> DecodeState:
+    def free(self, state: DecodeState, slot: int, tokens: Sequence[int] | None = None) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the
         `active` array goes through the call (the cache and the rest of the state are not passed).
         Paged: the row's blocks go back to the pool (and its table row to the null block, so the
-        free row's writes in later steps land there). Freeing a free slot does nothing more."""
+        free row's writes in later steps land there). Freeing a free slot does nothing more.
+
+        `tokens` (paged with kv_reuse): the ids whose KV the row's positions [0, len(tokens))
+        hold (the prompt, then every token fed to a step: the output but its last token); its
+        full blocks stay in the pool's block cache for a later sequence that starts with them
+        (`match_prefix`). Only pass tokens whose KV was written: positions a step wrote past a
+        finish hold other tokens' KV."""
         self._check_slot(slot)
         self._occupied[slot] = False
         if self.kv_layout == "paged":  # its blocks back to the pool; its table row to the null block
-            self._release_row(int(slot))
+            self._release_row(int(slot), tokens)
             state = state._replace(block_table=jnp.asarray(self._table))
         return state._replace(active=free_core(state.active, np.int32(slot)))
 
