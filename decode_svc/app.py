@@ -124,7 +124,10 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
         blocks = io.engine_loop.blocks
         if blocks is None:
             return {}
-        return {"kv": blocks.summary(), "handed_back_for_blocks": stats.handed_back_for_blocks}
+        reuse = io.engine_loop.engine.kv_reuse_summary()
+        if reuse is not None:
+            reuse["reused_tokens"] = io.claims.reused_tokens
+        return {"kv": blocks.summary(), "handed_back_for_blocks": stats.handed_back_for_blocks, "kv_reuse": reuse}
     return info
 
 

@@ -51,7 +51,11 @@ class Claims:
         self.bell = groups.Doorbell(r, s.pool, [groups.DECODE_GROUP] + ([groups.PREFILL_GROUP] if s.colocated else []))
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
-        self.pulled_kv_bytes = 0  # KV bytes of every pull (padded to the prefill bucket): what moved
+        self.pulled_kv_bytes = 0  # KV bytes of every pull (a whole one padded to the prefill bucket): what moved
+        # paged KV with reuse (tandem_engine/block_cache.py): a pull asks only for the positions
+        # after the prompt's leading blocks this pod's pool keeps
+        self.reuse = blocks.engine if blocks is not None and blocks.engine.kv_reuse else None
+        self.reused_tokens = 0  # prompt positions whose KV was not pulled: this pod held them
         self.dead_letters = 0  # entries acked unread: no request could be read from them
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
 
@@ -259,17 +263,28 @@ class Claims:
             await self._cancelled(key, req)
             return False
         faults.hit("decode.pull")
-        payload = await self.puller.pull(notice, self.s.pull_timeout_s)
-        self.pulled += 1
-        self.pulled_kv_bytes += payload.nbytes
-        if self.table.cancelled(key):  # the client left during the pull
-            await self._cancelled(key, req)
-            return False
-        payload.first_token = notice.first_token  # choice i of n shares the KV, not token 0
-        acked = await self._own(req, notice.first_token, started, entry)
-        self.table.advance(key, Stage.QUEUED)  # (a cancel meanwhile: the watch tells the engine)
-        self.bridge.put_insert(Insert(payload, req, key))
+        match = self.reuse.match_prefix(req.prompt_ids) if self.reuse is not None else None
+        try:  # the match's blocks are pinned until the engine thread inserts it (or this lets go)
+            payload = await self.puller.pull(notice, self.s.pull_timeout_s, 0 if match is None else match.length)
+            self.pulled += 1
+            self.pulled_kv_bytes += payload.nbytes
+            self.reused_tokens += payload.start
+            if self.table.cancelled(key):  # the client left during the pull
+                await self._cancelled(key, req)
+                self._let_go(match)
+                return False
+            payload.first_token = notice.first_token  # choice i of n shares the KV, not token 0
+            acked = await self._own(req, notice.first_token, started, entry)
+            self.table.advance(key, Stage.QUEUED)  # (a cancel meanwhile: the watch tells the engine)
+            self.bridge.put_insert(Insert(payload, req, key, match))
+        except BaseException:
+            self._let_go(match)
+            raise
         return acked
+
+    def _let_go(self, match) -> None:
+        if match is not None and self.reuse is not None:
+            self.reuse.release_prefix(match)
 
     async def _fail_clearly(self, req: GenerationRequest, e: Exception) -> bool:
         """A request that cannot run anywhere (a TandemError that says so, the insert queue full)

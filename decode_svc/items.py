@@ -9,7 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from tandem_core.types import GenerationRequest, KVPayload
+
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.block_cache import PrefixMatch
 
 
 @dataclass
@@ -17,6 +22,9 @@ class Insert:
     payload: KVPayload
     req: GenerationRequest
     key: int  # its record in the request table (QUEUED)
+    # the engine's match of the prompt's first payload.start positions (its block cache: the
+    # payload holds the rest), pinned until inserted; whoever drops the item releases it
+    cached: PrefixMatch | None = None
 
 
 @dataclass
@@ -66,6 +74,7 @@ class HeldChoice:
     req: GenerationRequest
     first_token: int
     key: int  # its record in the request table (QUEUED)
+    cached: PrefixMatch | None = None  # a pulled part's match (Insert.cached)
 
 
 @dataclass

@@ -249,21 +249,23 @@ class EngineLoop:
             if isinstance(item, LocalPrefill):
                 state = self._local_prefill(item, state)
                 continue
-            held = HeldChoice(item.payload, item.req, item.payload.first_token, item.key)
+            held = HeldChoice(item.payload, item.req, item.payload.first_token, item.key, item.cached)
             if not self._fits(item.payload):  # paged: its blocks went to growing rows since the claim
                 self._held.append(held)
                 break
             try:
-                state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key)
+                state = self._insert(state, item.payload, item.req, item.payload.first_token, item.key,
+                                     item.cached)
             except OutOfKVBlocks:  # (the engine's count, should it differ from the fit check's)
                 self._held.append(held)
                 break
         return state
 
-    def _insert(self, state, prefix, req: GenerationRequest, first_token: int, key: int):
+    def _insert(self, state, prefix, req: GenerationRequest, first_token: int, key: int, cached=None):
         try:  # the output so far, then token start_index: a resumed request carries on
             matcher = self.grammars.matcher_for(req, first_token)
         except TandemError as e:  # this request fails; its seat is given back
+            self._release(cached)
             self.table.drop(key)
             self.bridge.wake_claims()
             self._emit([Emitted(req.request_id, req.start_index + 1, -1, FINISH_ERROR, error=e.message)])
@@ -273,12 +275,14 @@ class EngineLoop:
             raise RuntimeError(f"no free slot to insert {req.request_id}: the request table admitted more "
                                f"requests than its {self.table.slots} slots (a bug in decode_svc/requests.py)")
         if isinstance(prefix, KVPayload):  # a pulled KV: straight from the host arrays into the slot
-            state = self.engine.insert_payload(prefix, state, slot, req.sampling, **insert_args(req, first_token))
+            state = self.engine.insert_payload(prefix, state, slot, req.sampling, **insert_args(req, first_token),
+                                               cached=cached)
         else:  # a prefix on the device (prefilled here)
             state = self.engine.insert(prefix, state, slot, req.sampling, **insert_args(req, first_token))
         self.grammars.attach(slot, matcher)
         self.table.start(key, Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
-                                     stop_ids=frozenset(req.stop_token_ids)))
+                                     stop_ids=frozenset(req.stop_token_ids),
+                                     fed=[int(first_token)] if self.engine.kv_reuse else None))
         return state
 
     def _local_prefill(self, item: LocalPrefill, state):
@@ -336,7 +340,7 @@ class EngineLoop:
         while self._held_ready():  # oldest first: one that does not fit yet holds the rest back
             held = self._held.popleft()
             try:
-                state = self._insert(state, held.prefix, held.req, held.first_token, held.key)
+                state = self._insert(state, held.prefix, held.req, held.first_token, held.key, held.cached)
             except OutOfKVBlocks:  # the pool is fuller than the fit check saw: wait for a free
                 self._held.appendleft(held)
                 break
@@ -352,6 +356,7 @@ class EngineLoop:
         out = []
         for held in [h for h in self._held if h.req.request_id in ids]:
             self._held.remove(held)
+            self._release(held.cached)
             self.table.drop(held.key)
             if held.req.request_id not in silent:
                 out.append(Emitted(held.req.request_id, held.req.start_index + 1, -1, FINISH_CANCELLED))
@@ -431,6 +436,10 @@ class EngineLoop:
                 e.finish = finish
         for act, c in zip(live.acts, count):
             act.next_index += c
+        if self.engine.kv_reuse:  # what each row fed its steps: its blocks are kept under them
+            for act, c, line in zip(live.acts, count, got.T.tolist()):
+                if act.fed is not None:
+                    act.fed += line[:c]
         for (_j, row) in ends:
             state = self._free(state, live.acts[row])
         self.stats.tokens += len(out)
@@ -440,9 +449,16 @@ class EngineLoop:
     def _free(self, state, act: Active):
         self.grammars.forget(act.slot)
         self.table.release(act.slot)
-        state = self.engine.free(state, act.slot)
+        # the KV its positions hold: the prompt, then each token fed (the last emitted never was)
+        fed = None if act.fed is None else act.req.prompt_ids + act.fed[:-1]
+        state = self.engine.free(state, act.slot, tokens=fed)
         self.bridge.wake_claims()
         return state
+
+    def _release(self, cached) -> None:
+        """Unpin a pulled part's match whose request will not be inserted here."""
+        if cached is not None:
+            self.engine.release_prefix(cached)
 
     def _emit(self, batch: list[Emitted]) -> None:
         # Blocks when the publisher is behind: that is the back-pressure. A publisher gone for

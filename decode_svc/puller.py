@@ -66,16 +66,19 @@ class KVPuller:
                 got = self._sync[address] = (ch, pull)
             return got[1]
 
-    async def pull(self, notice: ReadyNotice, timeout_s: float) -> KVPayload:
+    async def pull(self, notice: ReadyNotice, timeout_s: float, from_position: int = 0) -> KVPayload:
+        """The notice's KV; `from_position` > 0: positions from there on only (this pod holds the
+        rest), though a prefill pod that predates parts sends it whole (payload.start 0)."""
         calls: list = []  # the call, once the thread started it: cancelled if this pull is
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._pull, notice, timeout_s, calls)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._pull, notice, timeout_s, calls,
+                                                                    from_position)
         except asyncio.CancelledError:
             for call in calls:
                 call.cancel()
             raise
 
-    def _pull(self, notice: ReadyNotice, timeout_s: float, calls: list) -> KVPayload:
+    def _pull(self, notice: ReadyNotice, timeout_s: float, calls: list, from_position: int = 0) -> KVPayload:
         """One pull on a worker thread: messages' serialized bytes, read by `kvcodec.parse_chunk`
         without the copies a protobuf parse makes."""
         rid = notice.request.request_id
@@ -83,12 +86,15 @@ class KVPuller:
         call = None
         try:
             call = self._sync_pull(notice.address)(
-                kv_pb2.PullKVRequest(request_id=rid, capability=notice.capability), timeout=timeout_s
-            )
+                kv_pb2.PullKVRequest(request_id=rid, capability=notice.capability, from_position=from_position),
+                timeout=timeout_s)
             calls.append(call)
             for m in call:
                 dec.add(kvcodec.parse_chunk(m))
-            return dec.finish()
+            payload = dec.finish()
+            if payload.start not in (0, from_position):
+                raise KVTransferFailed(f"asked for positions from {from_position}, got them from {payload.start}")
+            return payload
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)

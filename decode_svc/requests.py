@@ -51,6 +51,9 @@ class Active:
     # running set needs of it, fixed for its life in the slot; set by decode_svc/loop.py's StepView
     view_row: tuple | None = field(default=None, repr=False, compare=False)
     order: int = 0  # when it went into its slot (RequestTable.start): the newest is handed back first
+    # paged KV with reuse: the tokens this pod fed its steps (the first token, then each emitted
+    # but the last), so the row's blocks are kept under them when it is freed (None: not kept)
+    fed: list[int] | None = None
 
 
 @dataclass

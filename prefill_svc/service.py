@@ -20,6 +20,7 @@ import grpc
 
 from prefill_svc.kv_store import KVStore
 from tandem_core import kvcodec
+from tandem_core.types import KVPayload
 from tandem_proto import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,23 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         held, err = self._check(request.request_id, request.capability)
         if err:
             await context.abort(*err)
+        payload = held.payload
+        start = int(request.from_position)
+        if start:  # the puller holds positions [0, start) already: the rest only
+            if not 0 < start < payload.true_length:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"from_position {start} is outside (0, {payload.true_length}) for request "
+                                    f"{request.request_id}")
+            n = payload.true_length
+            payload = KVPayload(k=payload.k[:, start:n], v=payload.v[:, start:n], true_length=n,
+                                first_token=payload.first_token, start=start)
         held.pulls += 1
         sent = 0
         # Chunks are encoded (running CRC, the copy out of the held arrays) on a worker thread, the
         # next one while this one is being sent: at most two chunks of a pull are in memory here.
         # (Encoding the first one on the event loop instead measured slower.)
         loop = asyncio.get_running_loop()
-        chunks = kvcodec.encode(held.payload, self._chunk_bytes)
+        chunks = kvcodec.encode(payload, self._chunk_bytes)
         nxt = loop.run_in_executor(self._pool, _message, chunks, self._raw)
         try:
             while (got := await nxt) is not None:

@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="blocks in each decode worker's pool with --kv-layout paged (0: the slot layout's memory, "
                    "slots x max-len positions)")
     p.add_argument("--kv-block-size", type=int, default=16, metavar="B", help="positions per KV block (paged)")
+    p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
+                   help="paged: do not keep finished sequences' blocks for later ones that start with the same "
+                   "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                    help="host memory per worker for the KV of prompt prefixes already seen (0: no prefix cache)")
@@ -347,7 +350,8 @@ class Cluster:
     def _kv_env(self, prefix: str) -> dict[str, str]:
         """The decode workers' KV layout (a prefill worker keeps no decode KV: none of it there)."""
         return {f"{prefix}ENGINE__KV_LAYOUT": self.a.kv_layout, f"{prefix}ENGINE__KV_BLOCKS": str(self.a.kv_blocks),
-                f"{prefix}ENGINE__KV_BLOCK_SIZE": str(self.a.kv_block_size)}
+                f"{prefix}ENGINE__KV_BLOCK_SIZE": str(self.a.kv_block_size),
+                f"{prefix}ENGINE__KV_REUSE": "true" if self.a.kv_reuse else "false"}
 
     def url(self) -> str:
         host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host
@@ -413,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
              a.slots, buckets_for(a.max_len))
     if a.kv_layout == "paged":
         log.info("decode KV paged: %d blocks of %d positions per decode worker (--kv-blocks, --kv-block-size; "
-                 "--slots %d sequence rows)", a.kv_blocks or -(-a.slots * a.max_len // a.kv_block_size),
-                 a.kv_block_size, a.slots)
+                 "--slots %d sequence rows); finished sequences' blocks %s", a.kv_blocks or -(-a.slots * a.max_len // a.kv_block_size),
+                 a.kv_block_size, a.slots, "kept for reuse" if a.kv_reuse else "not kept (--no-kv-reuse)")
     cluster = Cluster(a)
     stopping = {"flag": False}
 

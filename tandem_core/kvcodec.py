@@ -67,7 +67,7 @@ def encode(payload: KVPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterat
     header = json.dumps({
         "codec": CODEC_VERSION, "dtype": k.dtype.name, "k_shape": list(k.shape), "v_shape": list(v.shape),
         "true_length": int(payload.true_length), "first_token": int(payload.first_token),
-        "nbytes": len(views[0]) + len(views[1]),
+        "nbytes": len(views[0]) + len(views[1]), "start": int(payload.start),
     }).encode()
     chunks = plan([len(x) for x in views], chunk_bytes)
     running = 0
@@ -211,4 +211,5 @@ class Decoder:
         nk = int(np.prod(h["k_shape"]))
         k = arr[:nk].reshape(h["k_shape"])
         v = arr[nk:].reshape(h["v_shape"])
-        return KVPayload(k=k, v=v, true_length=h["true_length"], first_token=h["first_token"])
+        return KVPayload(k=k, v=v, true_length=h["true_length"], first_token=h["first_token"],
+                         start=int(h.get("start", 0)))  # (a sender that predates parts: whole)

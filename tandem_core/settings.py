@@ -122,6 +122,10 @@ class EngineConfig(BaseModel):
     kv_layout: str = Field(default="slots", pattern="^(slots|paged)$")
     kv_block_size: PositiveInt = 16  # positions per KV block (paged)
     kv_blocks: int = Field(default=0, ge=0)  # blocks in the pool (paged); 0 = slots x max_len / kv_block_size
+    # paged: keep finished sequences' full blocks in the pool (evicted first when blocks run
+    # short) and share them with later sequences that start with the same tokens: a decode pod
+    # then pulls only the KV it does not hold (a conversation's new turn). tandem_engine/block_cache.py
+    kv_reuse: bool = True
 
     @model_validator(mode="after")
     def _paged_fits_one(self) -> "EngineConfig":
@@ -136,7 +140,8 @@ class EngineConfig(BaseModel):
         """The paged KV options of `load_engine` (none for the slot layout: its engine is built as before)."""
         if self.kv_layout == "slots":
             return {}
-        return {"kv_layout": self.kv_layout, "kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None}
+        return {"kv_layout": self.kv_layout, "kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None,
+                "kv_reuse": self.kv_reuse}
 
     def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:
         """The keyword arguments of `tandem_engine.load_engine` for this block, with the pod's

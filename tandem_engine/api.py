@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
 
     from tandem_core.models import ModelInfo
     from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
+    from tandem_engine.block_cache import PrefixMatch
     from tandem_engine.cores import DecodeState
     from tandem_engine.engine import Prefix
     from tandem_engine.model import ModelConfig
@@ -60,6 +61,15 @@ class ServingEngine(Protocol):
     kv_layout: str
     kv_block_size: int
     kv_blocks_total: int
+    # paged: finished rows' full blocks are kept and shared by later sequences with the same
+    # leading tokens (tandem_engine/block_cache.py); a decode pod pulls only the rest
+    kv_reuse: bool
+
+    def match_prefix(self, ids: Sequence[int]) -> "PrefixMatch | None": ...
+
+    def release_prefix(self, match: "PrefixMatch") -> None: ...
+
+    def kv_reuse_summary(self) -> dict | None: ...
 
     def kv_blocks_free(self) -> int: ...
 
@@ -95,12 +105,12 @@ class ServingEngine(Protocol):
     def insert_payload(self, payload: "KVPayload", state: "DecodeState", slot: int, sampling: "SamplingParams", *,
                        first_token: int | None = None, history: Sequence[int] | None = None,
                        output_from: int | None = None, start_index: int = 0,
-                       stop_ids: Sequence[int] = ()) -> "DecodeState": ...
+                       stop_ids: Sequence[int] = (), cached: "PrefixMatch | None" = None) -> "DecodeState": ...
 
     def generate(self, state: "DecodeState", rows: int | None = None, *, logprobs: bool = False,
                  masks: "np.ndarray | None" = None, steps: int = 1) -> "tuple[DecodeState, jax.Array]": ...
 
-    def free(self, state: "DecodeState", slot: int) -> "DecodeState": ...
+    def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                prefix: bool = False) -> None: ...

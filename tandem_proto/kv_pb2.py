@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem_proto/kv.proto\x12\ttandem.v1\"7\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"m\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\rpayload_crc32\":\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8e\x01\n\nKVTransfer\x12\x38\n\x06PullKV\x12\x18.tandem.v1.PullKVRequest\x1a\x12.tandem.v1.KVChunk0\x01\x12\x46\n\tReleaseKV\x12\x1b.tandem.v1.ReleaseKVRequest\x1a\x1c.tandem.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem_proto/kv.proto\x12\ttandem.v1\"N\n\rPullKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\x12\x15\n\rfrom_position\x18\x03 \x01(\x05\"m\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\x05\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\rpayload_crc32\":\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8e\x01\n\nKVTransfer\x12\x38\n\x06PullKV\x12\x18.tandem.v1.PullKVRequest\x1a\x12.tandem.v1.KVChunk0\x01\x12\x46\n\tReleaseKV\x12\x1b.tandem.v1.ReleaseKVRequest\x1a\x1c.tandem.v1.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem_proto.kv_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLKVREQUEST']._serialized_start=36
-  _globals['_PULLKVREQUEST']._serialized_end=91
-  _globals['_KVCHUNK']._serialized_start=93
-  _globals['_KVCHUNK']._serialized_end=202
-  _globals['_RELEASEKVREQUEST']._serialized_start=204
-  _globals['_RELEASEKVREQUEST']._serialized_end=262
-  _globals['_RELEASEKVRESPONSE']._serialized_start=264
-  _globals['_RELEASEKVRESPONSE']._serialized_end=301
-  _globals['_KVTRANSFER']._serialized_start=304
-  _globals['_KVTRANSFER']._serialized_end=446
+  _globals['_PULLKVREQUEST']._serialized_end=114
+  _globals['_KVCHUNK']._serialized_start=116
+  _globals['_KVCHUNK']._serialized_end=225
+  _globals['_RELEASEKVREQUEST']._serialized_start=227
+  _globals['_RELEASEKVREQUEST']._serialized_end=285
+  _globals['_RELEASEKVRESPONSE']._serialized_start=287
+  _globals['_RELEASEKVRESPONSE']._serialized_end=324
+  _globals['_KVTRANSFER']._serialized_start=327
+  _globals['_KVTRANSFER']._serialized_end=469
 # @@protoc_insertion_point(module_scope)

@@ -5,12 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("request_id", "capability")
+    __slots__ = ("request_id", "capability", "from_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    FROM_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capability: str
-    def __init__(self, request_id: _Optional[str] = ..., capability: _Optional[str] = ...) -> None: ...
+    from_position: int
+    def __init__(self, request_id: _Optional[str] = ..., capability: _Optional[str] = ..., from_position: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("seq", "total", "header", "data", "crc32")

@@ -59,6 +59,27 @@ async def test_pull_round_trip_many_chunks_then_released(kv_server):
     assert released == ["r1"] and store.held_bytes == 0 and len(store) == 0
 
 
+async def test_a_pull_from_a_position_moves_only_the_rest(kv_server):
+    """A decode pod that holds a prompt's first positions (its block cache) asks for the rest:
+    positions [from_position, true_length), said in the payload's `start`; a position outside
+    (0, true_length) is INVALID_ARGUMENT and keeps the KV."""
+    store, addr, released = kv_server
+    p = _payload()
+    held = store.put("r1", p)
+    puller = KVPuller(8 << 20)
+    try:
+        with pytest.raises(KVTransferFailed, match="INVALID_ARGUMENT.*outside"):
+            await puller.pull(_notice("r1", addr, held.capability), timeout_s=10, from_position=p.true_length)
+        assert len(store) == 1 and released == []
+        got = await puller.pull(_notice("r1", addr, held.capability), timeout_s=10, from_position=16)
+    finally:
+        await puller.close()
+    assert got.start == 16 and got.true_length == p.true_length
+    assert np.array_equal(got.k, p.k[:, 16:p.true_length]) and np.array_equal(got.v, p.v[:, 16:p.true_length])
+    assert got.nbytes == p.nbytes * (p.true_length - 16) // p.k.shape[1]
+    assert released == ["r1"]
+
+
 async def test_wrong_capability_is_permission_denied_and_keeps_kv(kv_server):
     store, addr, _ = kv_server
     store.put("r2", _payload(1))

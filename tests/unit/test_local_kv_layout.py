@@ -28,12 +28,15 @@ def decode_env(argv: list[str]) -> dict[str, str]:
 def test_paged_flags_reach_the_decode_workers_settings(monkeypatch):
     env = decode_env(["--kv-layout", "paged", "--kv-blocks", "64", "--kv-block-size", "8"])
     assert env == {"TANDEM_DECODE_ENGINE__KV_LAYOUT": "paged", "TANDEM_DECODE_ENGINE__KV_BLOCKS": "64",
-                   "TANDEM_DECODE_ENGINE__KV_BLOCK_SIZE": "8"}
+                   "TANDEM_DECODE_ENGINE__KV_BLOCK_SIZE": "8", "TANDEM_DECODE_ENGINE__KV_REUSE": "true"}
     for k, v in {**env, "TANDEM_DECODE_ENGINE__MAX_LEN": "256"}.items():
         monkeypatch.setenv(k, v)
     e = DecodeSettings().engine
-    assert (e.kv_layout, e.kv_blocks, e.kv_block_size) == ("paged", 64, 8)
+    assert (e.kv_layout, e.kv_blocks, e.kv_block_size, e.kv_reuse) == ("paged", 64, 8, True)
     assert e.load_kwargs(8, 64)["kv_layout"] == "paged" and e.load_kwargs(8, 64)["kv_blocks"] == 64
+    off = decode_env(["--kv-layout", "paged", "--no-kv-reuse"])
+    monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_REUSE", off["TANDEM_DECODE_ENGINE__KV_REUSE"])
+    assert DecodeSettings().engine.load_kwargs(8, 64)["kv_reuse"] is False
 
 
 def test_prefill_workers_get_no_decode_kv_layout(monkeypatch):

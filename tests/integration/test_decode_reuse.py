@@ -1,0 +1,133 @@
+"""Decode-side reuse (tandem_engine/block_cache.py): a paged decode pod keeps a finished
+conversation turn's KV blocks and pulls only the positions after them for the next turn. Real
+Redis, real gRPC KV server (the prefill pod's servicer, `from_position`), real engines: the
+built-in model (its attention tells KV positions apart; a random tiny model's barely does).
+
+1. Turn 2 (turn 1's prompt + its output + a new message) moves only what turn 1's kept blocks do
+   not cover, its tokens are the whole-prompt run's, and no block stays pinned.
+2. A pull that fails after its prompt matched (the prefill pod lost the KV) hands the request back
+   and lets the match go: every block of the pool is free again.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_svc.settings import DecodeSettings
+from prefill_svc.kv_store import KVStore
+from tandem_core import keys
+from tandem_core.bus import groups, ready
+from tandem_core.settings import EngineConfig, RedisConfig
+from tandem_core.types import GenerationRequest, SamplingParams
+from tandem_engine import load_engine
+from tests.integration.test_decode_blocks import KS, _greedy, _kv_server, _Pod, _tokens
+
+MAX_LEN = 128
+BLOCK = 8
+BUCKETS = (32, 64, 128)
+
+
+@pytest.fixture(scope="module")
+def prefill_engine():
+    """The prefill pod's engine and the reference run (slot layout)."""
+    return load_engine("builtin", slots=1, max_len=MAX_LEN, prefill_buckets=BUCKETS)
+
+
+def _decode_engine():
+    return load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
+                       kv_block_size=BLOCK, kv_blocks=48)
+
+
+async def _offer(r, pool, store, address, engine, req: GenerationRequest, hold: bool = True):
+    """Prefill `req` as a prefill pod does, hold its KV (unless not `hold`: a pod that lost it)
+    and write its ready notice."""
+    payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+    held = store.put(req.request_id, payload)
+    if not hold:
+        store.release(req.request_id)
+    pipe = r.pipeline(transaction=False)
+    ready.add_ready(pipe, KS, pool, ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0",
+                                                      payload.first_token), 1000)
+    groups.ring(pipe, KS, pool, keys.DECODE_GROUP)
+    await pipe.execute()
+    return payload
+
+
+async def _finished(r, rid: str, tries: int = 1500) -> list[int]:
+    for _ in range(tries):
+        got, done = await _tokens(r, rid)
+        if done:
+            return [t for _i, t in got]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{rid} did not finish")
+
+
+def _settings(redis_url, pool):
+    return DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="builtin", max_len=MAX_LEN),
+                          pool=pool, slots=4, claim_block_ms=50)
+
+
+async def test_a_second_turn_pulls_only_what_the_first_turn_did_not_leave(redis_url, redis_client, prefill_engine):
+    engine = _decode_engine()
+    r, pool = redis_client, "reuse-turns"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    per_token = engine.cfg.num_layers * 2 * engine.cfg.num_kv_heads * engine.cfg.head_dim * 4  # float32
+    turn1 = [256] + list(range(300, 320))  # 21 tokens
+    try:
+        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
+            req1 = GenerationRequest("turn-1", turn1, 12, SamplingParams(), ignore_eos=True)
+            await _offer(r, pool, store, address, prefill_engine, req1)
+            out1 = await _finished(r, "turn-1")
+            assert len(out1) == 11  # indices 1-11 (token 0 is the prefill pod's to write)
+            before = pod.io.claims.pulled_kv_bytes
+            # the KV the row held: turn1, token 0, then 10 of the 11 it emitted: 32 positions, 4 blocks
+            token0 = _greedy(prefill_engine, turn1, 1)[0]
+            turn2 = turn1 + [token0] + out1 + [256, 400, 401, 402, 403, 404, 405]
+            req2 = GenerationRequest("turn-2", turn2, 8, SamplingParams(), ignore_eos=True)
+            await _offer(r, pool, store, address, prefill_engine, req2)
+            out2 = await _finished(r, "turn-2")
+            moved = pod.io.claims.pulled_kv_bytes - before
+            kept = (len(turn1) + 11) // BLOCK * BLOCK  # positions of full blocks the first row left
+            assert pod.io.claims.reused_tokens == kept
+            assert moved == (len(turn2) - kept) * per_token, (moved, len(turn2), kept)
+            summary = engine.kv_reuse_summary()
+            assert summary["hits"] == kept and summary["kept"] >= kept // BLOCK
+            for _ in range(100):  # the engine thread frees turn-2's row just after its last token
+                if engine.kv_blocks_free() == engine.kv_blocks_total:
+                    break
+                await asyncio.sleep(0.02)
+            assert engine.kv_blocks_free() == engine.kv_blocks_total  # nothing left pinned
+    finally:
+        await server.stop(None)
+    assert out2 == _greedy(prefill_engine, turn2, 8)[1:]  # the whole prompt's run, token for token
+
+
+async def test_a_failed_pull_after_a_match_lets_the_match_go(redis_url, redis_client, prefill_engine, caplog):
+    engine = _decode_engine()
+    r, pool = redis_client, "reuse-lost"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    prompt = [256] + list(range(500, 530))
+    caplog.set_level("WARNING", logger="decode_svc.claims")
+    try:
+        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
+            await _offer(r, pool, store, address, prefill_engine,
+                         GenerationRequest("first", prompt, 4, SamplingParams(), ignore_eos=True))
+            await _finished(r, "first")
+            # the same prompt again, its KV gone from the prefill pod: the pull fails after the match
+            await _offer(r, pool, store, address, prefill_engine,
+                         GenerationRequest("again", prompt + [7], 4, SamplingParams(), ignore_eos=True), hold=False)
+            for _ in range(500):
+                if pod.io.handback.handed_back:
+                    break
+                await asyncio.sleep(0.02)
+            assert pod.io.handback.handed_back == 1
+            assert engine.kv_reuse_summary()["hits"] > 0, "the prompt did not match: the test tests nothing"
+            assert engine.kv_blocks_free() == engine.kv_blocks_total  # the match's pins were let go
+    finally:
+        await server.stop(None)
+    assert any("KV pull failed" in rec.getMessage() for rec in caplog.records)
