@@ -98,6 +98,9 @@ class PrefillSide(EngineBase):
         `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
         arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
         only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
+        if getattr(cached, "match", None) is not None:  # a hit of the device cache (prefix_pool.py)
+            return self._prefill_over_pool(prompt_ids, sampling, choices, start_index, output_from, stop_ids,
+                                           masks, cached)
         picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
                                                       stop_ids, masks)
         if cached is not None and int(cached.length) > 0:
@@ -105,6 +108,27 @@ class PrefillSide(EngineBase):
         else:
             k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
         return self._prefix(k, v, n, np.asarray(packed), picks)  # the one device -> host copy
+
+    def _prefill_over_pool(self, prompt_ids, sampling, choices, start_index, output_from, stop_ids, masks,
+                           hit) -> Prefix:
+        """`prefill` over a `prefix_pool.BlockHit`: the rest of the prompt through the device
+        cache's pool, its hit read in place (copied nothing); when the pool has no room for the
+        rest, the prompt runs whole. The hit is used up either way, and let go if this raises."""
+        cache = hit.cache
+        try:
+            picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
+                                                          stop_ids, masks)
+            if not 0 < hit.length < n:
+                raise ValueError(f"a cached prefix of {hit.length} tokens must be shorter than the prompt ({n} tokens)")
+            out = cache.prefill_over(self, hit, padded, n, rest)
+        except BaseException:
+            cache.release(hit)
+            raise
+        if out is None:  # no blocks for the rest: whole, as a miss
+            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
+        else:
+            k, v, packed = out
+        return self._prefix(k, v, n, np.asarray(packed), picks)
 
     def prefill_batch(self, calls: Sequence[PrefillCall]) -> list[Prefix]:
         """Several prompts of one bucket, each with one choice, in as few forward passes as the
@@ -208,6 +232,10 @@ class PrefillSide(EngineBase):
         each `next` runs one chunk and yields None, and the last yields the Prefix `prefill`
         gives (the prefill-over-a-cached-prefix path: equal to the whole prompt's up to float
         rounding in the row blocking). Validation errors raise at the first `next`."""
+        if getattr(cached, "match", None) is not None:
+            cached.cache.release(cached)
+            raise ValueError("prefill_chunked runs over a host cache's hit (prefix_cache.Hit), not a device "
+                             "cache's (prefix_pool.BlockHit)")
         picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
                                                       stop_ids, masks)
         size = max(1, min(int(chunk or self.prefix_chunk), self.buckets[-1]))

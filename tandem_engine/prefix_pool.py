@@ -1,0 +1,250 @@
+"""A prefill pod's prefix cache on the device: the KV of prompt prefixes already prefilled, kept in
+a pool of KV blocks (paged.py's layout) that a later prompt's prefill reads in place.
+
+The host cache (prefix_cache.PrefixCache) keeps blocks in host memory, and a hit copies them into
+the prompt's KV buffer (`hit_copy_bytes`: 4,096 B per hit token on the built-in model). Here a
+hit is a list of pool blocks, pinned (block_cache.BlockCache, the index the decode side uses
+too); the prompt's row is those blocks plus new ones for the rest, and the rest runs in chunks of
+`prefix_chunk` tokens through the paged forward (each chunk's tokens are rows of one sequence at
+consecutive positions sharing one block table: `paged.decode_forward_paged`), which writes the
+new rows into the new blocks and reads the cached ones where they are: a hit copies nothing. The
+prompt's full blocks then join the index as they are (no copy either), and the Prefix handed on
+(to the KV store and the transfer) is the row's blocks read out once, as any prefill's KV is
+read out to the host.
+
+A prompt that misses runs the engine's ordinary prefill (one pass, the fastest), and `insert`
+writes its new full blocks into the pool: an insert's copy, counted in `insert_copy_bytes`.
+
+Memory: the pool is `budget_bytes` of device memory, allocated when the cache is made; a prompt's
+blocks beyond the cached ones are taken for the prefill and given back after it (evicting
+cached blocks least recently used first when the pool is short: then the prompt runs without
+the cache). Same interface as PrefixCache, so the prefill pod uses either. Engine-thread only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tandem_core.prefix import block_hashes, cache_salt
+from tandem_engine.block_cache import BlockCache, CachingAllocator, PrefixMatch
+from tandem_engine.cores import _first_tokens
+from tandem_engine.paged import NULL_BLOCK, decode_forward_paged, paged_pool, write_prompt_blocks
+from tandem_engine.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from tandem_engine.engine import Engine
+
+
+@dataclass
+class BlockHit:
+    """A prompt's first `length` tokens found in the pool: their blocks, pinned until the
+    prefill over them runs (or `DevicePrefixCache.release`)."""
+
+    length: int
+    blocks: list[int]
+    match: PrefixMatch
+    cache: "DevicePrefixCache"
+
+
+class DevicePrefixCache(PrefixCache):
+    def __init__(self, engine: "Engine", block_size: int, budget_bytes: int, salt: bytes = b"",
+                 enabled: bool = True) -> None:
+        super().__init__(block_size, budget_bytes, salt, enabled)
+        c = engine.cfg
+        itemsize = np.dtype(engine._jdtype).itemsize
+        self.block_bytes = 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
+        self.blocks_total = self.budget_bytes // self.block_bytes if self.enabled else 0
+        self.enabled = self.enabled and self.blocks_total >= 1
+        self.engine = engine
+        self.insert_copy_bytes = 0  # KV bytes written into the pool for prompts that missed
+        self._alloc = CachingAllocator(max(1, self.blocks_total))
+        self._index = BlockCache(self._alloc, self.block_size, salt)
+        self.k = self.v = None
+        if self.enabled:
+            self.k, self.v = paged_pool(c.num_layers, c.num_kv_heads, self.blocks_total, self.block_size,
+                                        c.head_dim, engine._jdtype)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def lookup(self, ids: Sequence[int]) -> BlockHit | None:  # type: ignore[override]
+        """The pool blocks of the longest cached run of `ids`' leading blocks, pinned (None on a
+        miss), leaving at least the last token to compute. Nothing is copied."""
+        if not self.enabled:
+            return None
+        self.stats.queries += len(ids)
+        m = self._index.match(ids)
+        if m is None:
+            return None
+        self.stats.hits += m.length
+        return BlockHit(m.length, list(m.blocks), m, self)
+
+    def release(self, hit: BlockHit) -> None:
+        """Unpin a hit whose prefill did not run (the request failed before it)."""
+        self._index.release(hit.match)
+
+    def insert(self, ids: Sequence[int], kv: Callable[[], tuple[np.ndarray, np.ndarray]]) -> int:
+        """Cache the full blocks of `ids` the pool does not hold: `kv()` (host [L, >= len(ids),
+        KV, hd]) written into free blocks (a prompt that ran over a hit left its blocks in
+        already: then nothing is written). Returns blocks added."""
+        if not self.enabled:
+            return 0
+        keys = block_hashes(ids, self.block_size, self.salt)
+        row: list[int] = []
+        new: list[int] = []  # positions in `row` of blocks to write
+        for i, key in enumerate(keys):
+            block = self._index._keys.get(key)
+            if block is not None:
+                self._alloc.share([block])
+                row.append(block)
+                continue
+            self._index.make_room(1)
+            got = self._alloc.alloc(1)
+            if got is None:
+                break  # the pool is full of blocks rows hold: cache the leading ones only
+            row.append(got[0])
+            new.append(i)
+        if new:
+            k, v = kv()
+            self._write(k, v, row, new)
+        added = self._index.keep(list(ids)[:len(row) * self.block_size], row)
+        self._alloc.release(row)
+        self.stats.inserted += added
+        return added
+
+    def _write(self, k: np.ndarray, v: np.ndarray, row: list[int], new: list[int]) -> None:
+        """Rows of the blocks `new` (indices into `row`) from the host arrays into the pool, in one
+        call compiled per prompt bucket (blocks already cached write the null block)."""
+        bs = self.block_size
+        span = self.engine.bucket_for(len(row) * bs)
+        ids = np.zeros(-(-span // bs), np.int32)
+        for i in new:
+            ids[i] = row[i]
+        n = min(k.shape[1], span, len(row) * bs)
+        kk = np.zeros((k.shape[0], span, *k.shape[2:]), self.engine._jdtype)
+        vv = np.zeros_like(kk)
+        kk[:, :n], vv[:, :n] = k[:, :n], v[:, :n]
+        self.k, self.v = _write_core(self.k, self.v, kk, vv, ids)
+        self.insert_copy_bytes += len(new) * self.block_bytes
+
+    def prefill_over(self, engine: "Engine", hit: BlockHit, padded: np.ndarray, n: int, rest: tuple):
+        """Engine.prefill over a hit: the prompt's rest in chunks through the pool, reading the
+        hit's blocks in place. Returns (k, v [L, bucket, KV, hd], packed first tokens), or None
+        when the pool has no blocks for the rest (the hit is let go; the caller prefills whole).
+        The prompt's full blocks join the index; the row's blocks are given back."""
+        bs, c = self.block_size, hit.length
+        bucket = padded.shape[0]
+        # the table as wide as the prompt's bucket: a compiled shape per bucket (one at the largest
+        # bucket for all, as the host path has, cost 1.4x a hit's time at 448 of 1024 positions)
+        width = -(-bucket // bs)
+        need = -(-n // bs) - len(hit.blocks)
+        self._index.make_room(need)
+        new = self._alloc.alloc(need)
+        if new is None:
+            self.release(hit)
+            return None
+        row = hit.blocks + new
+        hit.match.done = True  # its pins are the row's references now
+        try:
+            table = np.zeros(width, np.int32)
+            table[:len(row)] = row
+            chunk = engine.prefix_chunk
+            packed = None
+            for start in range(c, n, chunk):
+                m = min(chunk, n - start)
+                piece = np.zeros(chunk, np.int32)
+                piece[:m] = padded[start:start + m]
+                self.k, self.v, packed = _chunk_core(
+                    engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, padded, *rest,
+                    cfg=engine.cfg, max_len=engine.max_len)
+            k, v = _gather_rows(self.k, self.v, table)
+            self._index.keep(list(padded[:n]), row)
+        finally:
+            self._alloc.release(row)
+        return k[:, :bucket], v[:, :bucket], packed
+
+    def warmup(self) -> None:
+        """Compile what a hit and an insert run per prompt bucket (the insert's write, the chunk
+        through the pool, the read-out), with the pool left as it was: every block free, nothing
+        cached."""
+        if not self.enabled:
+            return
+        from tandem_core.types import SamplingParams
+
+        e, bs = self.engine, self.block_size
+        for b in e.buckets:
+            if b <= bs or self.blocks_total * bs < b:
+                continue
+            ids = [1] * b
+            kv = np.zeros((e.cfg.num_layers, b, e.cfg.num_kv_heads, e.cfg.head_dim), e._jdtype)
+            self.insert(ids, lambda kv=kv: (kv, kv))
+            hit = self.lookup(ids)
+            if hit is not None:
+                e.prefill(ids, SamplingParams(), cached=hit)
+            self._index.make_room(self.blocks_total)
+        self._index = BlockCache(self._alloc, self.block_size, self.salt)
+        self.stats = type(self.stats)()
+        self.insert_copy_bytes = 0
+
+    def summary(self) -> dict:
+        s = self.stats
+        return {"enabled": self.enabled, "on_device": True, "block_size": self.block_size, "queries": s.queries,
+                "hits": s.hits, "computed": s.computed, "bytes": len(self._index) * self.block_bytes,
+                "budget_bytes": self.budget_bytes, "blocks": len(self._index), "evicted": self._index.stats.evicted,
+                "hit_copy_bytes": s.hit_copy_bytes, "insert_copy_bytes": self.insert_copy_bytes}
+
+
+def device_cache_for(engine: "Engine", block_size: int, budget_bytes: int, enabled: bool = True) -> DevicePrefixCache:
+    """A device cache whose keys are salted as `prefix_cache.cache_for`'s."""
+    info = engine.info
+    return DevicePrefixCache(engine, block_size, budget_bytes,
+                             cache_salt(info.name, info.path, engine.dtype, engine.cfg), enabled=enabled)
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _write_core(k_pool, v_pool, k, v, ids):
+    return write_prompt_blocks(k_pool, v_pool, k, v, ids)
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_len"), donate_argnums=(5, 6))
+def _chunk_core(params, piece, start, length, table, k_pool, v_pool, tokens, true_length, output_from, index,
+                temperature, top_k, top_p, seed, proc, masks=None, *, cfg, max_len):
+    """One chunk of a prompt through the pool: `piece` [C] the tokens at positions start.., the
+    first `length` real (the others write the null block); every row reads the prompt's block
+    table. Returns (k_pool, v_pool, packed first tokens from the chunk's last real row)."""
+    rows = piece.shape[0]
+    positions = start + jnp.arange(rows, dtype=jnp.int32)
+    tables = jnp.broadcast_to(table[None], (rows, table.shape[0]))
+    logits, k_pool, v_pool = decode_forward_paged(params, piece, positions, k_pool, v_pool, tables, cfg,
+                                                  max_len=max_len, active=jnp.arange(rows) < length)
+    packed = _first_tokens(logits[length - 1], tokens, true_length, output_from, index, temperature, top_k, top_p,
+                           seed, proc, masks)
+    return k_pool, v_pool, packed
+
+
+@jax.jit
+def _gather_rows(k_pool, v_pool, table):
+    """The blocks of `table` [W] read out as rows: (k, v) [L, W * B, KV, hd]. The pool is one
+    array [L, KV, blocks, B, hd] or one [KV, blocks, B, hd] per layer."""
+    def rows(pool):
+        if isinstance(pool, (tuple, list)):
+            return jnp.stack([rows_of_layer(p) for p in pool])
+        x = jnp.take(pool, table, axis=2)  # [L, KV, W, B, hd]
+        num_layers, kvh, w, bs, hd = x.shape
+        return jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(num_layers, w * bs, kvh, hd)
+
+    def rows_of_layer(p):
+        x = jnp.take(p, table, axis=1)  # [KV, W, B, hd]
+        kvh, w, bs, hd = x.shape
+        return jnp.transpose(x, (1, 2, 0, 3)).reshape(w * bs, kvh, hd)
+
+    return rows(k_pool), rows(v_pool)
+
+
+__all__ = ["BlockHit", "DevicePrefixCache", "NULL_BLOCK", "device_cache_for"]
