@@ -118,7 +118,8 @@ class Admitter:
         s = self.settings
         route = choose_route(
             len(prep.request.prompt_ids), direct_max_tokens=s.direct_prefill_max_tokens, backlog=queued.total,
-            prefill_workers=view.prefill_workers, decode_free_slots=view.decode_free_slots,
+            prefill_workers=view.prefill_workers,
+            decode_free_slots=view.decode_room_for(len(prep.request.prompt_ids)),  # paged pods: in blocks too
             backlog_threshold=s.direct_backlog_threshold,
         )
         self.metrics.routes.labels("local" if route.direct else "remote", route.reason).inc()

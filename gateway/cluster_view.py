@@ -23,12 +23,43 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class DecodeRoom:
+    """What one live decode pod can take now: free rows, and on a paged pod its free KV blocks
+    (`blocks_free` None on the slot layout, where a free row holds max_len positions)."""
+
+    free_slots: int
+    blocks_free: int | None = None
+    block_size: int = 16
+
+    def takes(self, prompt_tokens: int) -> int:
+        """Prompts of `prompt_tokens` this pod has room for now (rows, and blocks for each prompt)."""
+        if self.blocks_free is None:
+            return self.free_slots
+        return min(self.free_slots, self.blocks_free // max(1, -(-prompt_tokens // max(1, self.block_size))))
+
+    @classmethod
+    def of(cls, w: dict) -> "DecodeRoom":
+        kv = (w.get("extra") or {}).get("kv") or {}
+        if kv.get("layout") == "paged":
+            return cls(int(w["free_slots"]), int(kv.get("blocks_free", 0)), int(kv.get("block_size", 16)))
+        return cls(int(w["free_slots"]))
+
+
+@dataclass(frozen=True)
 class ClusterView:
     prefill_workers: int = 0
     decode_workers: int = 0
     decode_free_slots: int = 0
     prefill_s: float = 0.0  # mean of the prefill workers' recent per-prompt prefill time
     prefill_ids: tuple[str, ...] = ()  # live prefill pods that take per-pod entries (prefix_route_pods)
+    decode_rooms: tuple[DecodeRoom, ...] = ()  # per live decode pod (empty: `decode_free_slots` says all)
+
+    def decode_room_for(self, prompt_tokens: int) -> int:
+        """Prompts of this length the live decode pods can take now: free rows, and on paged pods
+        the blocks for the prompt too (a free row with no free blocks takes nothing)."""
+        if not self.decode_rooms:
+            return self.decode_free_slots
+        return sum(r.takes(prompt_tokens) for r in self.decode_rooms)
 
     @classmethod
     def of(cls, workers: list[dict], pool: str | None = None) -> "ClusterView":
@@ -38,7 +69,8 @@ class ClusterView:
         times = [float(w.get("extra", {}).get("prefill_ema_s") or 0) for w in pre]
         times = [t for t in times if t > 0]
         return cls(len(pre), len(dec), sum(int(w["free_slots"]) for w in dec),
-                   sum(times) / len(times) if times else 0.0, prefix_route_pods(pre, pool))
+                   sum(times) / len(times) if times else 0.0, prefix_route_pods(pre, pool),
+                   tuple(DecodeRoom.of(w) for w in dec))
 
 
 class ClusterReport:

@@ -44,6 +44,21 @@ def test_cluster_view_ignores_draining_workers():
     assert (v.prefill_workers, v.decode_workers, v.decode_free_slots, v.prefill_s) == (1, 1, 3, 0.2)
 
 
+def test_direct_routing_counts_a_paged_decode_pods_free_blocks():
+    """A paged decode pod's free rows count for direct routing only as far as its free KV blocks
+    hold the prompt: 6 free rows but 10 free blocks of 16 take 2 prompts of 70 tokens (5 blocks
+    each); the slot-layout pod's 3 free rows take 3."""
+    paged = {"role": "decode", "free_slots": 6,
+             "extra": {"kv": {"layout": "paged", "block_size": 16, "blocks_total": 64, "blocks_free": 10}}}
+    v = ClusterView.of([{"role": "prefill", "free_slots": 0, "extra": {}}, paged,
+                        {"role": "decode", "free_slots": 3, "extra": {}}])
+    assert v.decode_free_slots == 9  # rows, as the load gauges count them
+    assert v.decode_room_for(70) == 2 + 3
+    assert v.decode_room_for(16) == 6 + 3
+    full = ClusterView.of([{**paged, "extra": {"kv": {**paged["extra"]["kv"], "blocks_free": 0}}}])
+    assert full.decode_room_for(10) == 0
+
+
 def test_open_streams_at_their_bound_is_429():
     svc = _svc(max_open_streams=2, retry_after_s=3)
     view = ClusterView(prefill_workers=1, decode_workers=1, decode_free_slots=4)
