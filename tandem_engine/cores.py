@@ -47,9 +47,10 @@ class DecodeState(NamedTuple):
     seeds: jax.Array  # uint32 [slots, 2]
     history: jax.Array  # int32 [slots, vocab]: penalty state (logits.py: 2 x output count | prompt)
     processing: SlotLogits  # per-slot penalties, bias, stop ids, min_tokens
-    # paged KV (engine kv_layout="paged"): k, v are the block pool [L, KV, num_blocks, block_size,
-    # hd] (paged.py) and this int32 [slots, max_blocks_per_seq] each row's blocks in order (0: the
-    # null block); None in the slot layout
+    # paged KV (engine kv_layout="paged"): k, v are the block pool, a tuple of L layer buffers each
+    # [KV, num_blocks, block_size, hd] (paged.py: one buffer per layer, what the TPU kernel reads in
+    # place), and this int32 [slots, max_blocks_per_seq] each row's blocks in order (0: the null
+    # block); None in the slot layout
     block_table: jax.Array | None = None
 
 
@@ -150,8 +151,8 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
 def insert_paged_core(state: DecodeState, k, v, ids, slot, true_length, first_token, step, temperature, top_k,
                       top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits) -> DecodeState:
     """`insert_core` on the paged pool: k, v [L, length, KV, hd] into blocks `ids` int32
-    [ceil(length / block_size)] (paged.write_prompt_blocks; the slot's block table row is the
-    caller's: engine_decode uploads the host table)."""
+    [ceil(length / block_size)] of each layer's buffer (paged.write_prompt_blocks; the slot's block
+    table row is the caller's: engine_decode uploads the host table)."""
     new_k, new_v = write_prompt_blocks(state.k, state.v, k, v, ids)
     return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
@@ -234,7 +235,8 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     # step), tokens [steps, rows(, PACKED_WIDTH)]; a slot whose position reaches `max_len` - 1 (the
     # last cache row) stays there (it rewrites that row with the same input, so nothing past max_len is written).
     # table_blocks > 0 (paged KV): the step reads each row's first table_blocks blocks through
-    # state.block_table (paged.decode_forward_paged; max_len is then needed for every step count).
+    # state.block_table (paged.decode_forward_paged: the Pallas kernel per layer buffer when compiled
+    # for a TPU and the family allows it, else the gather; max_len is then needed for every step count).
     paged = (table_blocks, max_len) if table_blocks else None
     if paged and max_len < 1:
         raise ValueError("a paged step needs the cache's max_len")

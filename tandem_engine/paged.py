@@ -1,22 +1,36 @@
 """Paged KV (`Engine(kv_layout="paged")`): the KV of every sequence in fixed-size blocks of one
 shared pool, each sequence row reading its blocks through a block table.
 
-The pool is two arrays, k and v, each [num_layers, num_kv_heads, num_blocks, block_size,
-head_dim]: layer i's slice is [KV, num_blocks, block_size, hd], the layout the TPU Pallas
-paged-attention kernel reads (jax.experimental.pallas.ops.tpu.paged_attention: k_pages
-[num_kv_heads, total_pages, page_size, head_dim]). Two buffers in all, whatever the block count
-(a step passes, flattens and donates each buffer it touches: the blocked slot cache passes up
-to 128).
+The pool is one buffer per layer, for k and for v: two tuples of num_layers arrays, each
+[num_kv_heads, num_blocks, block_size, head_dim], the layout the TPU Pallas paged-attention
+kernel reads (jax.experimental.pallas.ops.tpu.paged_attention: k_pages [num_kv_heads,
+total_pages, page_size, head_dim]). One buffer per layer because a Mosaic call reads only whole
+buffers: a pool stacked over the layers and sliced per layer (`k_pool[i]`) made XLA copy that
+layer's whole pool for each kernel call, every layer of every step (compiled for v5e: 448 MiB of
+temporaries against 0.25 MiB; tests/unit/test_paged_attention.py). As tpu-inference and vLLM's
+JAX runner hold theirs (a list of per-layer KV arrays, donated through the step). The step
+donates all 2 * num_layers buffers (the blocked slot cache passes up to 128), and each layer's
+write of the new token and its attention read that layer's buffer in place.
 
 Block 0 is the null block: never allocated, what a table entry holds where a row has no block.
 A row writing a position it has no block for (a free row of the step's batch, or a slot the
 caller did not `reserve` for) writes the null block, never another sequence's block.
 
 `BlockAllocator` is host state (free list, per-block refcount); the device sees only the tables.
-The attention here is the gather path (any platform): each row's blocks gathered through its
-table, masked by position and window. No I/O, no host state in the functions.
+
+The step's attention (`decode_forward_paged`): on a TPU, where the family and the pool's dtype
+allow it (paged_attention.kernel_gaps: no sliding window, no sinks, head_dim a multiple of 128,
+bfloat16), the Pallas kernel (paged_attention.PagedAttention, impl "pallas"); everywhere else the
+gather path here (`paged_attention`: each row's blocks gathered through its table, masked by
+position and window). The choice between the two is made when the step is compiled, for the
+platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile holds only the kernel,
+a CPU compile only the gather), so an engine, and a TPU program compiled ahead of time on a CPU
+host, need no flag. No I/O, no host state in the functions.
 """
 from __future__ import annotations
+
+import logging
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +39,9 @@ import numpy as np
 from tandem_engine.arch import ModelConfig
 from tandem_engine.model import (NO_WINDOW, _attn_out, _ffn, _layer_params, _qkv, _scores, _sinks, embed,
                                  layer_consts, logits_from_hidden, rms_norm)
+from tandem_engine.paged_attention import PagedAttention, kernel_gaps
+
+log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 _NEG = -1e30  # a masked score: finite, so a row with nothing to attend to yields no NaN
@@ -103,24 +120,27 @@ def table_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
 
 
 def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype):
-    """An all-zero pool (k, v), each [L, KV, blocks + 1, block_size, hd] (block 0: the null block)."""
-    shape = (num_layers, kv_heads, blocks + 1, block_size, head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, block_size, hd]
+    (block 0: the null block), one buffer per layer."""
+    shape = (kv_heads, blocks + 1, block_size, head_dim)
+    return (tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
 
-def write_prompt_blocks(k_pool, v_pool, k, v, ids):
+def write_prompt_blocks(k_pool: tuple, v_pool: tuple, k, v, ids):
     """A prompt's k, v [L, T, KV, hd] into the pool's blocks `ids` int32 [ceil(T / B)] in order
     (rows past T in the last block are zero padding; an id of 0 drops its rows into the null
-    block). Returns the new (k_pool, v_pool)."""
+    block). k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]. Returns the new
+    (k_pool, v_pool)."""
     num_layers, t, kvh, hd = k.shape
-    bs = k_pool.shape[3]
+    bs = k_pool[0].shape[2]
     n = ids.shape[0]
     pad = n * bs - t
 
     def blocks(x, pool):
-        x = jnp.pad(x.astype(pool.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
+        x = jnp.pad(x.astype(pool[0].dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
         x = jnp.transpose(x.reshape(num_layers, n, bs, kvh, hd), (0, 3, 1, 2, 4))  # [L, KV, n, B, hd]
-        return pool.at[:, :, ids].set(x)
+        return tuple(layer.at[:, ids].set(x[i]) for i, layer in enumerate(pool))
 
     return blocks(k, k_pool), blocks(v, v_pool)
 
@@ -179,17 +199,49 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
     return out.astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd)
 
 
-def decode_forward_paged(params: dict, tokens, positions, k_pool, v_pool, table, cfg: ModelConfig, *,
-                         max_len: int, active: jax.Array | None = None):
+def _write_rows(layer, new, at):
+    """`new` [rows, KV, hd] into the layer buffer [KV, num_blocks, B, hd] at flat rows `at`
+    [rows * KV] of its [KV * num_blocks * B, hd] view (a bitcast): one row of hd per (row, KV
+    head). A scatter over whole minor rows keeps the buffer's row-major layout, the one the TPU
+    kernel reads: scattered at [:, block, offset] instead, XLA's TPU layout assignment gave a
+    buffer carried through the multi-step scan another layout and copied every layer's buffer
+    back for every kernel call, every step (compiled for v5e: a temporary the size of the whole
+    pool). Rows that share a target (free rows, all at the null block) write it in any order."""
+    hd = layer.shape[-1]
+    flat = layer.reshape(-1, hd).at[at].set(new.reshape(-1, hd).astype(layer.dtype))
+    return flat.reshape(layer.shape)
+
+
+@lru_cache(maxsize=None)
+def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
+    """The Pallas kernel's attention for this family and pool dtype, or None when the kernel
+    cannot serve it (paged_attention.kernel_gaps). Logged once per (family, dtype): a TPU compile
+    of the paged step then runs the kernel; None, the gather path on a TPU too (a warning where
+    JAX's default backend is a TPU)."""
+    gaps = kernel_gaps(cfg, dtype)
+    if gaps:
+        reason = "the Pallas kernel lacks " + "; ".join(gaps)
+        on_tpu = jax.default_backend() == "tpu"
+        (log.warning if on_tpu else log.info)("paged decode step: the gather path on every platform: %s", reason)
+        return None
+    log.info("paged decode step: the Pallas kernel where compiled for a TPU, the gather path elsewhere")
+    return PagedAttention(cfg, "pallas", "TPU, and the family needs nothing the kernel lacks")
+
+
+def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
+                         *, max_len: int, active: jax.Array | None = None):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
-    k_pool, v_pool [L, KV, num_blocks, B, hd]; table int32 [rows, nb] (each row's first nb
-    blocks: the caller cuts the table to the step's compiled width, wide enough for every active
-    row's blocks). The new K/V of row r go to position p = min(positions[r], max_len - 1), in
-    block table[r, p // B] at row p % B; a row that is not `active`, or whose p falls past its
-    table, writes the null block. params["layers"]: stacked or per-layer (`split_layers`); the
-    layers run unrolled. Returns (logits [rows, vocab], k_pool, v_pool)."""
-    nb, bs = table.shape[1], k_pool.shape[3]
+    k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]; table int32 [rows, nb]
+    (each row's first nb blocks: the caller cuts the table to the step's compiled width, wide
+    enough for every active row's blocks). The new K/V of row r go to position p =
+    min(positions[r], max_len - 1), in block table[r, p // B] at row p % B; a row that is not
+    `active`, or whose p falls past its table, writes the null block. Each layer then attends
+    over its own buffer: the Pallas kernel when compiled for a TPU and `step_kernel` allows it
+    (lengths p + 1, at most nb * B; 0 for a row that is not `active`, whose output is zeros),
+    the gather path (`paged_attention`) otherwise. params["layers"]: stacked or per-layer
+    (`split_layers`); the layers run unrolled. Returns (logits [rows, vocab], k_pool, v_pool)."""
+    nb, bs = table.shape[1], k_pool[0].shape[2]
     write_pos = jnp.minimum(positions, max_len - 1)
     j = write_pos // bs
     block = jnp.take_along_axis(table, jnp.minimum(j, nb - 1)[:, None], axis=1)[:, 0]
@@ -198,16 +250,33 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool, v_pool, table,
         ok = ok & active
     block = jnp.where(ok, block, NULL_BLOCK)
     offset = write_pos % bs
+    kvh = k_pool[0].shape[0]
+    # each row's new K/V rows in a layer buffer seen as [KV * num_blocks * B, hd]: [rows * KV] (row-major)
+    at = (jnp.arange(kvh)[None, :] * (k_pool[0].shape[1] * bs) + (block * bs + offset)[:, None]).reshape(-1)
+    kernel = step_kernel(cfg, jnp.dtype(k_pool[0].dtype))
+    lengths = jnp.minimum(write_pos + 1, nb * bs).astype(jnp.int32)
+    if active is not None:
+        lengths = jnp.where(active, lengths, 0)
     consts = layer_consts(cfg)
     x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
+    new_k, new_v = [], []
     for i in range(cfg.num_layers):
         lp = _layer_params(params["layers"], i)
         lc = jax.tree.map(lambda c, i=i: c[i], consts)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
         q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
-        k_pool = k_pool.at[i, :, block, offset].set(k[:, 0].astype(k_pool.dtype))  # [rows, KV, hd]
-        v_pool = v_pool.at[i, :, block, offset].set(v[:, 0].astype(v_pool.dtype))
-        attn = paged_attention(q, k_pool[i], v_pool[i], table, write_pos, cfg, window=cfg.window(i),
-                               sinks=_sinks(lp, cfg))
+        k_layer, v_layer = _write_rows(k_pool[i], k[:, 0], at), _write_rows(v_pool[i], v[:, 0], at)
+        gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=cfg.window(i),
+                         sinks=_sinks(lp, cfg))
+        if kernel is None:
+            attn = gather(q, k_layer, v_layer)
+        else:
+            def pallas(q, k_layer, v_layer, kernel=kernel):
+                out = kernel(q[:, 0], k_layer, v_layer, lengths, table)  # [rows, H, hd]
+                return out.reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
+
+            attn = jax.lax.platform_dependent(q, k_layer, v_layer, tpu=pallas, default=gather)
+        new_k.append(k_layer)
+        new_v.append(v_layer)
         x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
-    return logits_from_hidden(params, x[:, 0], cfg), k_pool, v_pool
+    return logits_from_hidden(params, x[:, 0], cfg), tuple(new_k), tuple(new_v)

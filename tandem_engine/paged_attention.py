@@ -34,10 +34,17 @@ Implementations:
   None unless asked (the kernel's own advice: set only where megacore is on, else it may hang).
   Under tensor parallelism (`mesh` with a "tp" axis over > 1 chips) the kernel runs per chip in a
   `shard_map` over the chip's KV heads and its query heads; a Mosaic call is not split by XLA's
-  partitioner. Hold the pool as one buffer per layer for it: a pool stacked [L, KV, blocks,
-  block_size, hd] and sliced per layer (`k_pool[i]`) makes XLA copy that layer's whole pool for
-  the call, at every layer of every step (compiled for v5e: 448 MiB of temporaries for 4 layers
-  of 64 MiB pools, against 0.25 MiB with per-layer buffers; the test holds this).
+  partitioner. A row of length 0 comes back as zeros, as from the gather (the kernel skips it and
+  leaves its output unwritten). Hold the pool as one buffer per layer for it, as the engine's
+  paged pool is (paged.py): a pool stacked [L, KV, blocks, block_size, hd] and sliced per layer
+  (`k_pool[i]`) makes XLA copy that layer's whole pool for the call, at every layer of every step
+  (compiled for v5e: 448 MiB of temporaries for 4 layers of 64 MiB pools, against 0.25 MiB with
+  per-layer buffers; the test holds this).
+
+The engine's paged decode step (paged.decode_forward_paged) calls this kernel on a TPU through
+`paged.step_kernel` (the same `kernel_gaps`, decided when the step is compiled for a platform:
+`jax.lax.platform_dependent`), and its own gather path (paged.paged_attention, tuned for the CPU)
+elsewhere; `select_paged_attention` is the standalone choice, for a caller that holds a pool.
 
 What the kernel lacks, and so which families fall back to "gather" on a TPU (logged as a warning):
 - a sliding window (it masks only positions >= length): mistral (sliding_window set), gemma2,
@@ -55,7 +62,9 @@ multiple of 128 (Llama 3.1 8B, Qwen3: 128; Llama 3.2 1B, Qwen2.5 0.5B: 64, so th
 
 Nothing here ran on a TPU: tests/unit/test_paged_attention.py compiles the TPU path ahead of time
 for v5e, v6e and v5p chips (libtpu's compile-only devices) and runs the kernel itself in Pallas's TPU
-interpret mode on the CPU against the gather path.
+interpret mode on the CPU against the gather path (alone, and inside the engine's paged step);
+tests/unit/test_paged_step_tpu.py compiles the engine's whole paged step for a v5e chip with the
+kernel in it, each layer's buffer read in place.
 """
 from __future__ import annotations
 
@@ -157,10 +166,13 @@ class PagedAttention:
             return out.astype(q.dtype)
 
         if self.mesh is None or self.mesh.shape.get(AXIS, 1) == 1:
-            return run(q, k_pages, v_pages, lengths, block_tables)
-        heads, pool, rep = P(None, AXIS, None), P(AXIS, None, None, None), P()
-        return jax.shard_map(run, mesh=self.mesh, in_specs=(heads, pool, pool, rep, rep), out_specs=heads,
-                             check_vma=False)(q, k_pages, v_pages, lengths, block_tables)
+            out = run(q, k_pages, v_pages, lengths, block_tables)
+        else:
+            heads, pool, rep = P(None, AXIS, None), P(AXIS, None, None, None), P()
+            out = jax.shard_map(run, mesh=self.mesh, in_specs=(heads, pool, pool, rep, rep), out_specs=heads,
+                                check_vma=False)(q, k_pages, v_pages, lengths, block_tables)
+        # the kernel skips a row of length 0 and leaves its output block unwritten: zeros, as the gather gives
+        return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros((), out.dtype))
 
 
 def select_paged_attention(cfg: ModelConfig, *, dtype, platform: str | None = None, mesh: Mesh | None = None,

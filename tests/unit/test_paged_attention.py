@@ -8,7 +8,9 @@
 - The selection: the Pallas kernel on a TPU only for families and dtypes it can serve, the gather
   path otherwise, logged; forcing the kernel where it cannot serve raises.
 - The Pallas TPU kernel we would ship, run on this CPU in Pallas's TPU interpret mode (it simulates
-  the kernel's DMAs, semaphores and scalar prefetch) through the selector, equals the gather path.
+  the kernel's DMAs, semaphores and scalar prefetch) through the selector, equals the gather path;
+  and the engine's paged decode step with the kernel in it (its TPU branch, interpreted) equals
+  the same step on the gather path.
 - The TPU path compiles ahead of time for a v5e slice at Llama-3-8B's attention shapes (libtpu's
   compile-only devices, as tests/unit/test_tpu_compile.py): one chip, and tp 2 where each chip runs
   the kernel over its own heads. Those tests skip only where libtpu is not importable (`make test`
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -299,3 +302,59 @@ def test_on_tpu_the_pool_must_be_one_buffer_per_layer():
     sliced = jax.jit(stacked).lower(*small, s((layers, *kv_layer)), s((layers, *kv_layer))).compile()
     assert own.memory_analysis().temp_size_in_bytes < layer_bytes // 16
     assert sliced.memory_analysis().temp_size_in_bytes >= 2 * layer_bytes  # at least a layer's K and V copies
+
+
+# ---------------------------------------------------------------------------------------------
+# the paged decode step with the kernel in it (what a TPU compile runs), interpreted on this CPU
+
+
+def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monkeypatch):
+    """paged.decode_forward_paged as a TPU compile runs it (its `platform_dependent` taken at the
+    "tpu" branch, the kernel in Pallas's TPU interpret mode) against the same step on the gather
+    path, on a Llama-shaped bf16 model with head_dim 128: rows at different lengths over shuffled
+    blocks (crossing a block boundary, the table full), one free row (length 0, writing the null
+    block). The same K/V written, and the same logits and greedy tokens up to the two paths'
+    rounding (the kernel keeps its probabilities in float32)."""
+    import dataclasses
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    from tandem_core.models import PRESETS
+    from tandem_engine import paged
+    from tandem_engine.model import config_from_info
+    from tandem_engine.weights import init_params
+
+    info = dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=128, max_position_embeddings=256)
+    cfg = config_from_info(info)
+    assert paged.step_kernel(cfg, jnp.dtype(jnp.bfloat16)) is not None
+    params = init_params(info, "bfloat16")
+    bs, nb, blocks, rows = 16, 4, 24, 4
+    r = np.random.default_rng(7)
+    pool = [jnp.asarray(r.normal(size=(2, blocks + 1, bs, 128)), jnp.bfloat16) for _ in range(4)]
+    k_pool, v_pool = tuple(pool[:2]), tuple(pool[2:])
+    table = np.zeros((rows, nb), np.int32)
+    table[:3] = r.permutation(np.arange(1, blocks + 1))[:3 * nb].reshape(3, nb)  # row 3: free (null blocks)
+    positions = jnp.asarray([5, 16, 63, 9], jnp.int32)  # mid-block, a block's first row, the table full
+    active = jnp.asarray([True, True, True, False])
+    tokens = jnp.asarray([3, 7, 11, 0], jnp.int32)
+
+    def step():
+        return jax.jit(partial(paged.decode_forward_paged, cfg=cfg, max_len=nb * bs))(
+            params, tokens, positions, k_pool, v_pool, jnp.asarray(table), active=active)
+
+    want_logits, want_k, want_v = step()
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, tpu, default: tpu(*args))
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        got_logits, got_k, got_v = step()
+    # layer 0's new K/V come before any attention: the same bits; layer 1's follow layer 0's output
+    # (the null block aside: the free row's write there follows its attention, zeros from the
+    # kernel, whatever the null block held from the gather)
+    assert np.array_equal(np.asarray(got_k[0]), np.asarray(want_k[0]))
+    assert np.array_equal(np.asarray(got_v[0]), np.asarray(want_v[0]))
+    for got, want in ((got_k[1], want_k[1]), (got_v[1], want_v[1])):
+        np.testing.assert_allclose(np.asarray(got, np.float32)[:, 1:], np.asarray(want, np.float32)[:, 1:],
+                                   rtol=0.05, atol=0.05)
+    got, want = np.asarray(got_logits, np.float32)[:3], np.asarray(want_logits, np.float32)[:3]
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
