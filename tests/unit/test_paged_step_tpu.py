@@ -1,0 +1,123 @@
+"""The engine's paged decode step, compiled ahead of time for a TPU v5e chip (libtpu's compile-only
+devices, as tests/unit/test_tpu_compile.py; no TPU here), runs the Pallas paged-attention kernel
+over each layer's pool buffer in place.
+
+What is compiled is what a decode pod on a TPU runs: an Engine with kv_layout="paged" over
+abstract bf16 weights of a small Llama-shaped model (head_dim 128, GQA 4:2, so the kernel can
+serve it), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
+call (engine_decode -> cores.generate_core with table_blocks set), one step per call and four
+(the multi-step scan). Held:
+- the Mosaic kernel is in the compiled program, once per layer (paged.decode_forward_paged picks
+  it for the platform it is compiled for; a CPU compile of the same step holds the gather path);
+- the compiler's temporaries are small (measured: 2.4 MB one step, 2.5 MB four, against a layer's
+  K buffer of 268 MB): no layer's pool is copied. Broken on purpose, each fails here: a pool
+  stacked [L, ...] and sliced per layer (temporaries 1.08 GB: every layer's K and V copied), the
+  new K/V scattered at [:, block, offset] (four steps: 1.08 GB, XLA's TPU layout for the scatter
+  differs from the kernel's, so each layer's buffer is copied back for each call), the kernel
+  chosen by JAX's default backend at trace time instead of by the compile's platform (no Mosaic
+  call; the gather path compiled for the TPU: 815 MB of temporaries);
+- the donated pool comes back aliased (updated in place), and the insert writes a prompt's blocks
+  in place too.
+
+Skips only where libtpu is not importable (`make test` installs it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tandem_engine.aot import libtpu_missing
+
+_why = libtpu_missing()
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tandem_core.models import PRESETS
+from tandem_core.types import SamplingParams
+from tandem_engine import aot, engine_decode
+from tandem_engine.engine_prefill import Prefix
+from tandem_engine.weights import init_params
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS, ROWS, MAX_LEN = 2, 2, 128, 16, 32768, 8, 2048
+# one layer's K buffer: [KV, BLOCKS + 1 (the null block), BLOCK, HEAD_DIM] bf16 (268 MB)
+LAYER_BYTES = KV_HEADS * (BLOCKS + 1) * BLOCK * HEAD_DIM * 2
+POOL_BYTES = 2 * LAYERS * LAYER_BYTES
+LLAMA_HD128 = dataclasses.replace(PRESETS["tiny"], name="llama-hd128", hidden_size=512, intermediate_size=1024,
+                                  num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                  max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def chip():
+    return NamedSharding(Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",)), P())
+
+
+def paged_engine(info, chip):
+    """A paged Engine over abstract bf16 weights placed on one v5e chip, and its init_state as
+    structs on that chip."""
+    def place(s):
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=chip)
+
+    params = jax.tree.map(place, jax.eval_shape(lambda: init_params(info, "bfloat16")))
+    eng = aot._AbstractEngine(info, params, slots=ROWS, max_len=MAX_LEN, prefill_buckets=(16,), dtype="bfloat16",
+                              kv_layout="paged", kv_block_size=BLOCK, kv_blocks=BLOCKS)
+    eng._one_cpu = False  # as on a TPU host: the step reads the stacked params (no CPU split_layers copy)
+    return eng, jax.tree.map(place, jax.eval_shape(eng.init_state))
+
+
+def lower_engine_call(name: str, call, chip):
+    """The jitted core `engine_decode.<name>` lowered with the arguments the engine's own host code
+    built for it (the call stops there; its host arrays as structs on the chip)."""
+    with aot._capture(engine_decode, name) as (real, calls):
+        try:
+            call()
+        except aot._Captured:
+            pass
+    assert calls, f"the engine did not call engine_decode.{name}"
+    args, kwargs = calls[0]
+    return real.lower(*aot._abstract_args(args, chip), **kwargs)
+
+
+def kernel_calls(compiled) -> int:
+    return compiled.as_text().count('custom_call_target="tpu_custom_call"')
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_paged_step_runs_the_kernel_on_each_layer_buffer_in_place(chip, steps):
+    eng, state = paged_engine(LLAMA_HD128, chip)
+    assert isinstance(state.k, tuple) and len(state.k) == LAYERS
+    assert state.k[0].shape == (KV_HEADS, BLOCKS + 1, BLOCK, HEAD_DIM)
+    widest = eng.max_blocks_per_seq  # every row reads its whole table (128 blocks, 2048 positions)
+    compiled = lower_engine_call("generate_core", lambda: eng._generate(
+        state, ROWS, logprobs=False, masks=None, steps=steps, table_blocks=widest), chip).compile()
+    mem = compiled.memory_analysis()
+    print(f"paged step x{steps} on v5e: temp {mem.temp_size_in_bytes:,} B, aliased {mem.alias_size_in_bytes:,} B, "
+          f"one layer's K buffer {LAYER_BYTES:,} B")
+    assert kernel_calls(compiled) == LAYERS  # the Mosaic kernel, one call per layer (a scan's body: once)
+    assert mem.temp_size_in_bytes < LAYER_BYTES // 32, mem  # no layer's pool copied (measured: 2.4-2.5 MB)
+    assert mem.alias_size_in_bytes >= POOL_BYTES, mem  # the donated pool is the returned pool
+
+
+def test_the_insert_writes_a_prompt_into_the_layer_buffers_in_place(chip):
+    eng, state = paged_engine(LLAMA_HD128, chip)
+    kv = jax.ShapeDtypeStruct((LAYERS, 16, KV_HEADS, HEAD_DIM), jax.numpy.bfloat16, sharding=chip)
+    compiled = lower_engine_call("insert_paged_core", lambda: eng.insert(
+        Prefix(kv, kv, 13, 0), state, 0, SamplingParams()), chip).compile()
+    mem = compiled.memory_analysis()
+    print(f"paged insert on v5e: temp {mem.temp_size_in_bytes:,} B")
+    assert mem.temp_size_in_bytes < LAYER_BYTES // 32 and mem.alias_size_in_bytes >= POOL_BYTES, mem
+
+
+def test_a_family_the_kernel_cannot_serve_compiles_the_gather_path(chip):
+    """head_dim 16 (the "tiny" preset): the kernel's lowering refuses it (paged_attention.kernel_gaps),
+    so the TPU compile of the same step holds no Mosaic call."""
+    eng, state = paged_engine(dataclasses.replace(PRESETS["tiny"], max_position_embeddings=4096), chip)
+    compiled = lower_engine_call("generate_core", lambda: eng._generate(
+        state, ROWS, logprobs=False, masks=None, steps=1, table_blocks=8), chip).compile()
+    assert kernel_calls(compiled) == 0
