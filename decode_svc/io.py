@@ -91,7 +91,7 @@ class DecodeIO:
         return await recovery.preempt(
             self.r, self.ks, self.s.pool, req, owner=self.worker_id, maxlen=self.s.admission_maxlen,
             max_attempts=self.s.max_attempts, token_ttl_s=self.s.token_ttl_s, token_maxlen=self.s.token_maxlen,
-            why=why, counted=counted)
+            why=why, counted=counted, free_preempts=self.s.max_block_handbacks)
 
     def _cancel(self, hit: set[str]) -> None:
         """The client cancelled these: freed in whatever stage they are (the engine frees a queued

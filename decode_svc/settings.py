@@ -32,6 +32,9 @@ class DecodeSettings(WorkerSettings):
     kv_reserve_steps: NonNegativeInt = 0
     stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
     max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
+    # Paged KV: hand-backs for blocks a request takes without spending an attempt; each one past
+    # it spends one, so one that keeps being the newest on full pods fails clearly after max_attempts more
+    max_block_handbacks: NonNegativeInt = 8
     admission_maxlen: PositiveInt = 10000
     resync_window_s: PositiveFloat = 5.0  # own writes kept to write again to a Redis that lost them
     publish_retries: PositiveInt = 30  # ~1 minute of retries through a Redis restart

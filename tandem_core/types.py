@@ -137,6 +137,7 @@ class GenerationRequest:
     enqueued_ts: float = 0.0
     start_index: int = 0
     attempt: int = 0
+    preempted: int = 0  # hand-backs for KV blocks (paged decode pods): past a pod's free ones each is an attempt
     n: int = 1
     prompt_logprobs: int | None = None
     grammar: dict | None = None

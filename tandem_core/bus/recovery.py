@@ -108,12 +108,14 @@ return 1
 
 async def preempt(r: aioredis.Redis, ks: KeySpace, pool: str, original: GenerationRequest, *, owner: str,
                   maxlen: int, max_attempts: int, token_ttl_s: int, token_maxlen: int, why: str,
-                  counted: bool = False) -> str:
+                  counted: bool = False, free_preempts: int | None = None) -> str:
     """Re-enqueue `original`, which decode pod `owner` runs and stops running of its own accord
     (its paged KV ran out: decode_svc/loop.py `_make_room`), from the tokens streamed so far.
 
     Unlike `resume` this is no failure: the attempt is not counted (unless `counted`: the request
-    did not fit even alone), and no resume marker is set or read, since a request may be handed
+    did not fit even alone; or it was handed back more than `free_preempts` times already, so a
+    request that keeps being the newest on full pods ends, after max_attempts more, with a clear
+    error instead of going round for ever), and no resume marker is set or read, since a request may be handed
     back from the same index more than once (it went into a row and out again before its first new
     token) and a marker would take the second for a duplicate and drop it. What stops a second
     resume here is ownership: the owner's running-hash field is taken and the entry written in one
@@ -126,12 +128,15 @@ async def preempt(r: aioredis.Redis, ks: KeySpace, pool: str, original: Generati
     if finished or await cancel.cancelled(r, ks, [original.request_id]):
         await r.hdel(running, original.request_id)
         return "finished"
+    preempted = original.preempted + 1
+    if free_preempts is not None and preempted > free_preempts:
+        counted = True
     attempt = original.attempt + (1 if counted else 0)
     if len(tokens) >= original.max_tokens or attempt > max_attempts:
         return await _give_up(r, ks, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
     base = original.prompt_ids[: len(original.prompt_ids) - original.start_index]
     again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
-                                priority="high")  # it has waited once already
+                                preempted=preempted, priority="high")  # it has waited once already
     stream = ks.admission_stream(pool, again.priority, shard)
     if not await r.eval(_PREEMPT, 2, running, stream, original.request_id, maxlen, again.to_json()):
         return "gone"
