@@ -103,18 +103,24 @@ class BlockAllocator:
 
 def table_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
     """The compiled widths of a step's block table (blocks read per row): from ceil(MIN_READ /
-    block_size) blocks up, powers of two and the halfway steps between them (4, 6, 8, 12, 16,
-    24, ...), and max_blocks itself. A step reads every row's blocks up to the width covering
-    the longest row, so its cost follows the width: with powers of two alone a row of 257
-    positions read 512 (measured on the built-in model at 32 rows: the step at 200 positions
-    7.1 ms, at 256 positions 15.5 ms, CPU time); the halfway steps cap the overread at a third,
-    for twice the compiled variants."""
+    block_size) blocks up, the powers of two (4, 8, 16, 32, ...), and max_blocks itself. A step
+    reads every row's blocks up to the width covering the longest row, so on the gather path its
+    cost follows the width, and a row just past a power of two reads up to twice its blocks.
+    Measured on the built-in model, 16 rows, 4 steps per call, CPU (2 shared cores; medians): 7.5,
+    10.1, 14.7, 23.6, 42.1 ms at 4, 8, 16, 32, 64 blocks of 16; the halfway widths this once also
+    compiled (6, 12, 24, 48) ran 9.0, 12.7, 20.0, 30.9 ms, so when the longest row is in one of
+    their ranges (65-96, 129-192, 257-384, 513-768 positions) the step costs 12-36% more. Each width is a compiled variant of every batch
+    bucket's step (one and `steps_per_dispatch` steps, with and without logprobs, grammar-masked:
+    5 each), all compiled before a decode pod is ready: with the halfway widths a 16-row pod at
+    max_len 1024 compiled 180 steps (452 s on 2 busy CPU cores, over `tandem local`'s 180 s ready
+    timeout), with powers of two 100. vLLM's TPU runner went further: one table width, its paged
+    kernel reading only each row's own pages (the Pallas kernel here also takes each row's length
+    and skips the blocks past it, so on a TPU the width should cost little: not measured)."""
     low = max(1, -(-MIN_READ // block_size))
     out, b = {max_blocks}, 1
     while b < max_blocks:
-        for w in (b, b + b // 2):
-            if low <= w < max_blocks:
-                out.add(w)
+        if b >= low:
+            out.add(b)
         b <<= 1
     return tuple(sorted(out))
 
@@ -149,7 +155,7 @@ READ_CHUNK = 128  # positions per piece of a step's attention (gathered, then re
 
 
 def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, window: int = 0,
-                    sinks: jax.Array | None = None):
+                    sinks: jax.Array | None = None, shared_table: bool = False):
     """Decode attention of one layer through block tables (the gather path).
 
     q [rows, 1, H, hd]; k_layer, v_layer [KV, num_blocks, B, hd] (one layer of the pool); table
@@ -160,7 +166,9 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
     online softmax in float32 (soft-capped by `_scores`; started from the sink logit where the
     family has one). In pieces because one gather of every row's whole table outgrew the CPU's
     caches: on the built-in model at 32 rows, 384 positions a row cost 13 ms a step where the
-    slot layout's blocks (read in place) cost 6. Returns [rows, 1, H * hd] in q's dtype."""
+    slot layout's blocks (read in place) cost 6. `shared_table`: every row reads table[0] (the
+    rows are positions of one sequence: a chunk of a prompt, prefix_pool.py), gathered once for
+    all of them. Returns [rows, 1, H * hd] in q's dtype."""
     rows = q.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
     groups = cfg.num_heads // kvh
@@ -179,12 +187,15 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
     acc = jnp.zeros((*shape, hd), jnp.float32)
     win = window or NO_WINDOW
     for first in range(0, nb, per):
-        cols = table[:, first:first + per]
+        cols = table[:1 if shared_table else rows, first:first + per]
         n = cols.shape[1] * bs
         flat = cols.reshape(-1)
-        kg = jnp.take(k_rows, flat, axis=1).reshape(kvh, rows, n, hd)
-        vg = jnp.take(v_rows, flat, axis=1).reshape(kvh, rows, n, hd)
-        s = _scores(jnp.einsum("krgd,krsd->krgs", qg, kg, preferred_element_type=jnp.float32), cfg)
+        kg = jnp.take(k_rows, flat, axis=1).reshape(kvh, -1, n, hd)  # [KV, rows (1: shared), n, hd]
+        vg = jnp.take(v_rows, flat, axis=1).reshape(kvh, -1, n, hd)
+        if shared_table:
+            kg, vg = kg[:, 0], vg[:, 0]
+        s = _scores(jnp.einsum("krgd,ksd->krgs" if shared_table else "krgd,krsd->krgs", qg, kg,
+                               preferred_element_type=jnp.float32), cfg)
         at = first * bs + jnp.arange(n)
         ok = (at[None, :] <= positions[:, None]) & (positions[:, None] - at[None, :] < win)
         s = jnp.where(ok[None, :, None, :], s, _NEG)
@@ -192,8 +203,8 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         denom = alpha * denom + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("krgs,krsd->krgd", p.astype(vg.dtype), vg,
-                                                  preferred_element_type=jnp.float32)
+        acc = alpha[..., None] * acc + jnp.einsum("krgs,ksd->krgd" if shared_table else "krgs,krsd->krgd",
+                                                  p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
         m = m_new
     out = jnp.transpose(acc / denom[..., None], (1, 0, 2, 3))  # [rows, KV, groups, hd]
     return out.astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd)
@@ -229,7 +240,8 @@ def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
 
 
 def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
-                         *, max_len: int, active: jax.Array | None = None):
+                         *, max_len: int, active: jax.Array | None = None, shared_table: bool = False,
+                         logits_at: jax.Array | None = None):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
     k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]; table int32 [rows, nb]
@@ -240,7 +252,9 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     over its own buffer: the Pallas kernel when compiled for a TPU and `step_kernel` allows it
     (lengths p + 1, at most nb * B; 0 for a row that is not `active`, whose output is zeros),
     the gather path (`paged_attention`) otherwise. params["layers"]: stacked or per-layer
-    (`split_layers`); the layers run unrolled. Returns (logits [rows, vocab], k_pool, v_pool)."""
+    (`split_layers`); the layers run unrolled. `shared_table`: every row is a position of one
+    sequence and reads table[0] (paged_attention's). `logits_at`: the one row whose logits are
+    wanted (then [vocab]). Returns (logits [rows, vocab], k_pool, v_pool)."""
     nb, bs = table.shape[1], k_pool[0].shape[2]
     write_pos = jnp.minimum(positions, max_len - 1)
     j = write_pos // bs
@@ -267,7 +281,7 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
         q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
         k_layer, v_layer = _write_rows(k_pool[i], k[:, 0], at), _write_rows(v_pool[i], v[:, 0], at)
         gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=cfg.window(i),
-                         sinks=_sinks(lp, cfg))
+                         sinks=_sinks(lp, cfg), shared_table=shared_table)
         if kernel is None:
             attn = gather(q, k_layer, v_layer)
         else:
@@ -279,4 +293,5 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
         new_k.append(k_layer)
         new_v.append(v_layer)
         x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
-    return logits_from_hidden(params, x[:, 0], cfg), tuple(new_k), tuple(new_v)
+    hidden = x[:, 0] if logits_at is None else x[logits_at, 0]
+    return logits_from_hidden(params, hidden, cfg), tuple(new_k), tuple(new_v)

@@ -222,8 +222,9 @@ def _chunk_core(params, piece, start, length, table, k_pool, v_pool, tokens, tru
     positions = start + jnp.arange(rows, dtype=jnp.int32)
     tables = jnp.broadcast_to(table[None], (rows, table.shape[0]))
     logits, k_pool, v_pool = decode_forward_paged(params, piece, positions, k_pool, v_pool, tables, cfg,
-                                                  max_len=max_len, active=jnp.arange(rows) < length)
-    packed = _first_tokens(logits[length - 1], tokens, true_length, output_from, index, temperature, top_k, top_p,
+                                                  max_len=max_len, active=jnp.arange(rows) < length,
+                                                  shared_table=True, logits_at=length - 1)
+    packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p,
                            seed, proc, masks)
     return k_pool, v_pool, packed
 
