@@ -1,5 +1,6 @@
 """int8 weights against the unquantized weights in the same dtype: greedy agreement, logit error,
-weight bytes (`python bench/quantize_quality.py [--quick] [--models a,b] [--dtypes ...] [--write]`).
+weight bytes (`python bench/quantize_quality.py [--quick] [--models a,b] [--dtypes ...] [--kv] [--write]`);
+with --kv, fp8 decode KV against the dtype's KV by the same measures (decode steps teacher-forced).
 
 For each model — the built-in trained checkpoint ("builtin", the headline: its logits mean
 something), the random-weight preset "tiny", and a small random checkpoint of every served family
@@ -76,6 +77,7 @@ def greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
         state = engine.insert(prefix, state, slot, g)
         out.append([prefix.first_token])
     for _ in range(n - 1):
+        state, _short = engine.reserve(state, 1)  # (paged: the blocks of the next position; slots: nothing)
         state, tokens = engine.generate(state)
         host = np.asarray(tokens)
         for slot in range(len(prompts)):
@@ -98,6 +100,44 @@ def all_logits(engine, ids: list[int], pad: int) -> np.ndarray:
 _JIT: dict = {}
 
 
+def decode_logits(engine, prompt: list[int], cont: list[int]) -> np.ndarray:
+    """float32 logits [len(cont) - 1, vocab] of the decode steps fed cont[:-1] after `prompt`
+    (teacher-forced, one row, over the engine's paged pool as the pods run it): where a KV element
+    type shows, since the prefill's own attention never reads the pool."""
+    import jax
+    import jax.numpy as jnp
+
+    from tandem_core.types import SamplingParams
+    from tandem_engine.paged import decode_forward_paged
+
+    g = SamplingParams()
+    state = engine.insert(engine.prefill(prompt, g), engine.init_state(), 0, g)
+    state, _short = engine.reserve(state, len(cont) + 1)
+    fn = _JIT.setdefault("step", jax.jit(decode_forward_paged, static_argnames=("cfg", "max_len")))
+    k, v, table = state.k, state.v, state.block_table[:1]
+    out = []
+    for j, t in enumerate(cont[:-1]):
+        logits, k, v = fn(engine.step_params, jnp.asarray([t], jnp.int32), jnp.asarray([len(prompt) + j], jnp.int32),
+                          k, v, table, cfg=engine.cfg, max_len=engine.max_len)
+        out.append(np.asarray(logits[0], np.float32))
+    return np.stack(out)
+
+
+def kv_quality(model: str, dtype: str, prompts: list[list[int]], tokens: int, kw: dict) -> dict:
+    """fp8 decode KV against the dtype's (both paged): greedy agreement, and the logit error of the
+    decode steps teacher-forced on the dtype-KV engine's tokens; plus KV bytes per position."""
+    from tandem_engine import load_engine
+
+    base = load_engine(model, dtype=dtype, kv_layout="paged", **kw)
+    fp8 = load_engine(model, dtype=dtype, kv_layout="paged", kv_dtype="fp8", **kw)
+    a_tok, b_tok = greedy(base, prompts, tokens), greedy(fp8, prompts, tokens)
+    a_log = [decode_logits(base, p, t) for p, t in zip(prompts, a_tok)]
+    b_log = [decode_logits(fp8, p, t) for p, t in zip(prompts, a_tok)]
+    per_pos = [2 * sum(int(x.nbytes) for x in e.init_state().k) // (e.kv_blocks_total + 1) // e.kv_block_size
+               for e in (base, fp8)]  # K and V, every layer
+    return {**compare(a_tok, b_tok, a_log, b_log), "kv_bytes": per_pos}
+
+
 def compare(a_tokens, b_tokens, a_logits, b_logits) -> dict:
     """Greedy agreement of two token lists per prompt and the logit error of b against a."""
     n = len(a_tokens[0])
@@ -117,7 +157,7 @@ def compare(a_tokens, b_tokens, a_logits, b_logits) -> dict:
             "max_err": err, "rel_err": rel, "top1": top / total}
 
 
-def run_model(model: str, dtypes: list[str], prompts_n: int, tokens: int) -> list[dict]:
+def run_model(model: str, dtypes: list[str], prompts_n: int, tokens: int, kv: bool = False) -> list[dict]:
     """Per dtype: the float and int8 engines of `model` compared (and, in `float`, each dtype's
     greedy tokens and logits for the yardstick)."""
     from tandem_core.models import resolve_model
@@ -146,7 +186,8 @@ def run_model(model: str, dtypes: list[str], prompts_n: int, tokens: int) -> lis
         layers = sum(int(w.size) * w.dtype.itemsize for w in base.params["layers"].values())
         out.append({"model": model, "dtype": dtype, "bytes": weight_bytes(base.params),
                     "bytes_int8": weight_bytes(quant.params), "layer_share": layers / weight_bytes(base.params),
-                    **compare(a_tok, b_tok, a_log, b_log), "yardstick": yard, "tokens": tokens})
+                    **compare(a_tok, b_tok, a_log, b_log), "yardstick": yard, "tokens": tokens,
+                    "kv": kv_quality(model, dtype, prompts, tokens, kw) if kv else None})
         del base, quant
     return out
 
@@ -193,6 +234,17 @@ def report(results: list[dict], command: str) -> str:
             yard.append([r["model"], r["dtype"], f"{100 * c['agree']:.1f}%", f"{c['identical']}/{c['prompts']}",
                          "-" if c["first_div"] is None else c["first_div"], f"{c['max_err']:.3g}",
                          f"{100 * c['rel_err']:.2f}%", f"{100 * c['top1']:.1f}%"])
+    kv = [[r["model"], r["dtype"], f"{r['kv']['kv_bytes'][0]} -> {r['kv']['kv_bytes'][1]}",
+           f"{100 * r['kv']['agree']:.1f}%", f"{r['kv']['identical']}/{r['kv']['prompts']}",
+           "-" if r["kv"]["first_div"] is None else r["kv"]["first_div"], f"{r['kv']['max_err']:.3g}",
+           f"{100 * r['kv']['rel_err']:.2f}%", f"{100 * r['kv']['top1']:.1f}%"] for r in results if r.get("kv")]
+    if kv:
+        lines += ["", "fp8 decode KV (`kv_dtype=\"fp8\"`, float8_e4m3fn, paged) against the dtype's KV, weights "
+                  "unquantized: greedy agreement of the decode, and the logits of the decode steps teacher-forced "
+                  "on the dtype-KV engine's tokens (the prefill's attention never reads the pool):", "",
+                  markdown_table(["model", "dtype", "KV bytes/position", "greedy agree", "prompts identical",
+                                  "first divergence", "max abs dlogit", "max abs dlogit / range",
+                                  "top-1 agree (forced)"], kv)]
     if yard:
         lines += ["", "Yardstick: the dtype against float32, no int8 (the same measures; the logits of both on "
                   "float32's tokens):", "",
@@ -212,6 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=0, help="prompts per model (default 8; --quick 4)")
     p.add_argument("--tokens", type=int, default=0, help="greedy tokens per prompt (default 32; --quick 16)")
     p.add_argument("--write", action="store_true", help="write the quantize section of bench/RESULTS.md")
+    p.add_argument("--kv", action="store_true", help="also fp8 decode KV against the dtype's (paged layout)")
     a = p.parse_args(argv)
     dtypes = [d for d in (a.dtypes or ("bfloat16" if a.quick else "bfloat16,float32")).split(",") if d]
     prompts_n = a.prompts or (4 if a.quick else 8)
@@ -224,7 +277,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_families(Path(tmp), [m for m in models if m in FAMILIES])
         for m in models:
-            for r in run_model(paths.get(m, m), dtypes, prompts_n, tokens):
+            for r in run_model(paths.get(m, m), dtypes, prompts_n, tokens, a.kv):
                 r["model"] = m
                 results.append(r)
                 print(f"{m} {r['dtype']}: agree {r['agree']:.3f} identical {r['identical']}/{r['prompts']} "

@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="blocks in each decode worker's pool with --kv-layout paged (0: the slot layout's memory, "
                    "slots x max-len positions)")
     p.add_argument("--kv-block-size", type=int, default=16, metavar="B", help="positions per KV block (paged)")
+    p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                   help="paged: the decode KV's element type; fp8 (float8_e4m3fn) holds twice bfloat16's "
+                   "positions in the same memory (its error: bench/quantize_quality.py --kv)")
     p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
                    help="paged: do not keep finished sequences' blocks for later ones that start with the same "
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
@@ -151,6 +154,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.planner and (a.colocated or a.redis_sentinel or a.redis_cluster):
         p.error("--planner sizes separate prefill and decode workers, following the planner through a plain "
                 "Redis URL (the embedded one or --redis-url): not with --colocated, --redis-sentinel or --redis-cluster")
+    if a.kv_layout == "slots" and a.kv_dtype != "auto":
+        p.error(f"--kv-dtype {a.kv_dtype} needs --kv-layout paged (the slot layout keeps the KV in the compute dtype)")
     if a.kv_layout == "slots" and (a.kv_blocks or a.kv_block_size != 16):
         p.error("--kv-blocks and --kv-block-size size a paged KV pool: add --kv-layout paged (or drop them)")
     if a.kv_blocks < 0 or a.kv_block_size < 1:
@@ -351,7 +356,8 @@ class Cluster:
         """The decode workers' KV layout (a prefill worker keeps no decode KV: none of it there)."""
         return {f"{prefix}ENGINE__KV_LAYOUT": self.a.kv_layout, f"{prefix}ENGINE__KV_BLOCKS": str(self.a.kv_blocks),
                 f"{prefix}ENGINE__KV_BLOCK_SIZE": str(self.a.kv_block_size),
-                f"{prefix}ENGINE__KV_REUSE": "true" if self.a.kv_reuse else "false"}
+                f"{prefix}ENGINE__KV_REUSE": "true" if self.a.kv_reuse else "false",
+                f"{prefix}ENGINE__KV_DTYPE": self.a.kv_dtype}
 
     def url(self) -> str:
         host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host

@@ -126,9 +126,14 @@ class EngineConfig(BaseModel):
     # short) and share them with later sequences that start with the same tokens: a decode pod
     # then pulls only the KV it does not hold (a conversation's new turn). tandem_engine/block_cache.py
     kv_reuse: bool = True
+    # paged: the decode KV's element type; "fp8" (float8_e4m3fn) holds twice bfloat16's positions
+    # in the same memory (error against the dtype: bench/quantize_quality.py --kv); "auto": `dtype`
+    kv_dtype: str = Field(default="auto", pattern="^(auto|fp8)$")
 
     @model_validator(mode="after")
     def _paged_fits_one(self) -> "EngineConfig":
+        if self.kv_dtype != "auto" and self.kv_layout != "paged":
+            raise ValueError(f"kv_dtype {self.kv_dtype} is served by the paged KV layout: set kv_layout: paged too")
         if self.kv_layout == "paged" and self.kv_blocks and self.kv_blocks * self.kv_block_size < self.max_len:
             need = -(-self.max_len // self.kv_block_size)
             raise ValueError(f"kv_blocks {self.kv_blocks} x kv_block_size {self.kv_block_size} = "
@@ -141,7 +146,7 @@ class EngineConfig(BaseModel):
         if self.kv_layout == "slots":
             return {}
         return {"kv_layout": self.kv_layout, "kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None,
-                "kv_reuse": self.kv_reuse}
+                "kv_reuse": self.kv_reuse, "kv_dtype": None if self.kv_dtype == "auto" else self.kv_dtype}
 
     def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:
         """The keyword arguments of `tandem_engine.load_engine` for this block, with the pod's

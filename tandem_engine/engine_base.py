@@ -44,7 +44,8 @@ class EngineBase:
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
                  expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                  kv_layout: str = "slots", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                 kv_blocks: int | None = None, quantize: str | None = None, kv_reuse: bool = True):
+                 kv_blocks: int | None = None, quantize: str | None = None, kv_reuse: bool = True,
+                 kv_dtype: str | None = None):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -106,6 +107,10 @@ class EngineBase:
             if kv_blocks is not None:
                 raise ValueError("kv_blocks sizes the paged pool: pass it with kv_layout='paged'")
             self.kv_blocks_total = self.slots * self.max_blocks_per_seq
+        # the decode pool's element type: the compute dtype, or "fp8" (float8_e4m3fn, paged only:
+        # half of bfloat16's bytes, a quarter of float32's; K and V cast to it when written and back
+        # when read; its error against the dtype: bench/quantize_quality.py --kv)
+        self.kv_dtype, self._kv_jdtype = _kv_dtype(kv_dtype, dtype, self._jdtype, kv_layout)
         # paged: keep finished rows' full blocks for later sequences with the same leading tokens
         # (block_cache.py: a decode pod pulls only the rows it does not hold)
         self.kv_reuse = bool(kv_reuse) and kv_layout == "paged"
@@ -224,3 +229,18 @@ class EngineBase:
         if isinstance(kv, np.ndarray):
             kv = np.asarray(kv, dtype=self._jdtype)  # convert on the host, then one transfer
         return jax.device_put(kv, self.layout.kv_prefix()).astype(self._jdtype)
+
+
+KV_DTYPES = ("auto", "fp8")
+
+
+def _kv_dtype(kv_dtype: str | None, dtype: str, jdtype, kv_layout: str):
+    """(name, element type) of the decode KV: `dtype`'s for None / "auto"; "fp8" needs the paged
+    layout (the slot layout's caches stay in the compute dtype)."""
+    if kv_dtype in (None, "", "auto"):
+        return dtype, jdtype
+    if kv_dtype != "fp8":
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (got {kv_dtype!r})")
+    if kv_layout != "paged":
+        raise ValueError("kv_dtype='fp8' is served by the paged KV layout: pass kv_layout='paged' too")
+    return "fp8", jnp.float8_e4m3fn

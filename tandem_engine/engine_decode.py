@@ -52,7 +52,7 @@ class DecodeSide(EngineBase):
         table = None
         if self.kv_layout == "paged":  # one pool of blocks, a buffer per layer (paged.py)
             k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
-                              self._jdtype)
+                              self._kv_jdtype)
             table = jnp.asarray(self._table)
         elif self.kv_blocks:  # one CPU device: a buffer per layer, slot group and block (model.blocked_cache)
             k, v = blocked_cache(c.num_layers, s, c.num_kv_heads, c.head_dim, self.max_len, self._jdtype)

@@ -39,7 +39,7 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False,
                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, kv_layout: str = "slots",
                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_blocks: int | None = None,
-                quantize: str | None = None, kv_reuse: bool = True) -> Engine:
+                quantize: str | None = None, kv_reuse: bool = True, kv_dtype: str | None = None) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
     random weights) or a HF directory of a served family (tandem_engine/arch.py).
 
@@ -49,7 +49,7 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     across the tp devices (the expert count must be divisible by tp) instead of each expert's
     hidden units. `kv_layout`, `kv_block_size`, `kv_blocks`: the KV layout (engine_decode.DecodeSide:
     "slots" or "paged"; `kv_reuse`: paged, finished rows' blocks shared by later sequences, block_cache.py). `quantize="int8"`: the layer matrices held as int8 with per-output-channel
-    scales (tandem_engine/quantize.py); the KV stays in `dtype`."""
+    scales (tandem_engine/quantize.py); the KV stays in `dtype` unless `kv_dtype="fp8"` (paged)."""
     check_quantize(quantize)  # fail fast on an unknown mode, before any weight is read
     use_compile_cache(compile_cache_dir)
     limit_cpu_threads(cpu_threads)  # before anything starts a backend
@@ -61,4 +61,5 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
                   dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
                   expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch, kv_layout=kv_layout,
-                  kv_block_size=kv_block_size, kv_blocks=kv_blocks, quantize=quantize, kv_reuse=kv_reuse)
+                  kv_block_size=kv_block_size, kv_blocks=kv_blocks, quantize=quantize, kv_reuse=kv_reuse,
+                  kv_dtype=kv_dtype)

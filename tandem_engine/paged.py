@@ -194,6 +194,8 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
         vg = jnp.take(v_rows, flat, axis=1).reshape(kvh, -1, n, hd)
         if shared_table:
             kg, vg = kg[:, 0], vg[:, 0]
+        if kg.dtype != q.dtype:  # a pool of another element type (kv_dtype fp8): read in q's
+            kg, vg = kg.astype(q.dtype), vg.astype(q.dtype)
         s = _scores(jnp.einsum("krgd,ksd->krgs" if shared_table else "krgd,krsd->krgs", qg, kg,
                                preferred_element_type=jnp.float32), cfg)
         at = first * bs + jnp.arange(n)

@@ -28,7 +28,8 @@ def decode_env(argv: list[str]) -> dict[str, str]:
 def test_paged_flags_reach_the_decode_workers_settings(monkeypatch):
     env = decode_env(["--kv-layout", "paged", "--kv-blocks", "64", "--kv-block-size", "8"])
     assert env == {"TANDEM_DECODE_ENGINE__KV_LAYOUT": "paged", "TANDEM_DECODE_ENGINE__KV_BLOCKS": "64",
-                   "TANDEM_DECODE_ENGINE__KV_BLOCK_SIZE": "8", "TANDEM_DECODE_ENGINE__KV_REUSE": "true"}
+                   "TANDEM_DECODE_ENGINE__KV_BLOCK_SIZE": "8", "TANDEM_DECODE_ENGINE__KV_REUSE": "true",
+                   "TANDEM_DECODE_ENGINE__KV_DTYPE": "auto"}
     for k, v in {**env, "TANDEM_DECODE_ENGINE__MAX_LEN": "256"}.items():
         monkeypatch.setenv(k, v)
     e = DecodeSettings().engine
@@ -37,6 +38,18 @@ def test_paged_flags_reach_the_decode_workers_settings(monkeypatch):
     off = decode_env(["--kv-layout", "paged", "--no-kv-reuse"])
     monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_REUSE", off["TANDEM_DECODE_ENGINE__KV_REUSE"])
     assert DecodeSettings().engine.load_kwargs(8, 64)["kv_reuse"] is False
+    assert DecodeSettings().engine.load_kwargs(8, 64)["kv_dtype"] is None
+    fp8 = decode_env(["--kv-layout", "paged", "--kv-dtype", "fp8"])
+    monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_DTYPE", fp8["TANDEM_DECODE_ENGINE__KV_DTYPE"])
+    assert DecodeSettings().engine.load_kwargs(8, 64)["kv_dtype"] == "fp8"
+
+
+def test_fp8_kv_needs_the_paged_layout(monkeypatch):
+    with pytest.raises(SystemExit):
+        decode_env(["--kv-dtype", "fp8"])
+    monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="paged KV layout"):
+        DecodeSettings()
 
 
 def test_prefill_workers_get_no_decode_kv_layout(monkeypatch):
