@@ -45,11 +45,20 @@ async def _compiled_engine(s: DecodeSettings):
     t0 = time.monotonic()
     c = s.prefix_cache
     cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
+    last = [0.0]
+
+    def progress(done: int, total: int, seconds: float) -> None:  # the warm-up thread's
+        if done == total or seconds - last[0] >= 10.0:
+            last[0] = seconds
+            log.info("warm-up: %d/%d decode step variants compiled, %.1fs", done, total, seconds)
+
     # plain, logprobs and masked steps; colocated: every prefill bucket and the prefill over a cached prefix
-    await asyncio.to_thread(engine.warmup, s.colocated, True, True,
-                            s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0))  # chunked prefill too
-    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s)", time.monotonic() - t0,
-             list(engine.buckets), list(engine.batch_buckets))
+    steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True,
+                                    s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0),  # chunked prefill too
+                                    progress)
+    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants%s)",
+             time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
+             ", each batch bucket's for every block-table width" if s.engine.kv_layout == "paged" else "")
     return engine, cache
 
 

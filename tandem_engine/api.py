@@ -13,7 +13,7 @@ to insert/generate/free are donated and must not be used again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -113,7 +113,7 @@ class ServingEngine(Protocol):
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
-               prefix: bool = False) -> None: ...
+               prefix: bool = False, progress: Callable[[int, int, float], None] | None = None) -> int: ...
 
     def warmup_prefix(self) -> None: ...
 

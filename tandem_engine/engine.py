@@ -34,6 +34,9 @@ No I/O, no tokenizer, no settings here.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,12 +76,34 @@ class Engine(PrefillSide, DecodeSide):
         for b in self.buckets:
             self.prefill([0] * b, SamplingParams())
 
-    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False) -> None:
-        """Compile every bucket's insert and every batch bucket's decode step, one step and
-        `steps_per_dispatch` of them (with `logprobs` their logprobs variants too: it doubles the step compiles; with `masks` the grammar-masked
-        step too), and with `prefill` every bucket's prefill (one choice), so no request pays for
-        a compilation (decode pods call this before they report ready). `prefix`: the prefill over a
-        cached prefix too (`warmup_prefix`)."""
+    def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[tuple[int, int | None, int, bool, bool]]:
+        """The decode step variants `warmup` compiles, in its order: (rows, table width, steps,
+        logprobs, masked) for every batch bucket, every table width (paged: paged.table_buckets,
+        the widths a step picks from; None on the slot layout), one step and `steps_per_dispatch`
+        of them, with `logprobs` their logprobs variants too, with `masks` the grammar-masked step."""
+        multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
+        widths: tuple[int | None, ...] = (None,)
+        if self.kv_layout == "paged":  # every table width compiles its own step
+            widths = table_buckets(self.max_blocks_per_seq, self.kv_block_size)
+        out: list[tuple[int, int | None, int, bool, bool]] = []
+        for rows in self.batch_buckets:
+            for width in widths:
+                for steps in multi:  # multi-step decode: its own compiled variants
+                    out += [(rows, width, steps, lp, False) for lp in ((False, True) if logprobs else (False,))]
+                if masks:
+                    out.append((rows, width, 1, False, True))
+        return out
+
+    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False,
+               progress: Callable[[int, int, float], None] | None = None) -> int:
+        """Compile every bucket's insert and every decode step variant (`warm_steps`: each batch
+        bucket's, one step and `steps_per_dispatch` of them, with `logprobs` their logprobs variants
+        too: it doubles the step compiles; with `masks` the grammar-masked step too; paged: for
+        every table width), and with `prefill` every bucket's prefill (one choice), so no request
+        pays for a compilation (decode pods call this before they report ready). `prefix`: the
+        prefill over a cached prefix too (`warmup_prefix`). `progress(done, total, seconds)` after
+        each step variant (the caller logs it). Returns the step variants compiled."""
+        t0 = time.monotonic()
         if prefix:
             self.warmup_prefix()
         state = self.init_state()
@@ -91,24 +116,18 @@ class Engine(PrefillSide, DecodeSide):
                 prefix = Prefix(kv, kv, 1, 0)
             for slot in self.warm_insert_slots():  # a blocked cache compiles an insert per slot group
                 state = self.insert(prefix, state, slot, SamplingParams())
-        multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
-        widths: tuple[int | None, ...] = (None,)
-        if self.kv_layout == "paged":  # every table width compiles its own step; all rows free here
+        if self.kv_layout == "paged":  # the steps run with every row free (no blocks held)
             for slot in self.warm_insert_slots():
                 state = self.free(state, slot)
-            widths = table_buckets(self.max_blocks_per_seq, self.kv_block_size)
-        for rows in self.batch_buckets:
-            for width in widths:
-                for steps in multi:  # multi-step decode: its own compiled variants
-                    state, tokens = self._generate(state, rows, logprobs=False, masks=None, steps=steps,
-                                                   table_blocks=width)
-                    if logprobs:
-                        state, tokens = self._generate(state, rows, logprobs=True, masks=None, steps=steps,
-                                                       table_blocks=width)
-                if masks:
-                    ones = np.full((rows, (self.info.vocab_size + 31) // 32), -1, np.int32)
-                    state, tokens = self._generate(state, rows, logprobs=False, masks=ones, steps=1,
-                                                   table_blocks=width)
+        variants = self.warm_steps(logprobs, masks)
+        ones = np.full((max(self.batch_buckets), (self.info.vocab_size + 31) // 32), -1, np.int32)
+        for i, (rows, width, steps, lp, masked) in enumerate(variants):
+            state, tokens = self._generate(state, rows, logprobs=lp, masks=ones[:rows] if masked else None,
+                                           steps=steps, table_blocks=width)
+            if progress is not None:
+                jax.block_until_ready(tokens)
+                progress(i + 1, len(variants), time.monotonic() - t0)
         for slot in self.warm_insert_slots():
             state = self.free(state, slot)
         jax.block_until_ready((state, tokens))
+        return len(variants)

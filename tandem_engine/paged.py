@@ -109,11 +109,12 @@ def table_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
     Measured on the built-in model, 16 rows, 4 steps per call, CPU (2 shared cores; medians): 7.5,
     10.1, 14.7, 23.6, 42.1 ms at 4, 8, 16, 32, 64 blocks of 16; the halfway widths this once also
     compiled (6, 12, 24, 48) ran 9.0, 12.7, 20.0, 30.9 ms, so when the longest row is in one of
-    their ranges (65-96, 129-192, 257-384, 513-768 positions) the step costs 12-36% more. Each width is a compiled variant of every batch
-    bucket's step (one and `steps_per_dispatch` steps, with and without logprobs, grammar-masked:
-    5 each), all compiled before a decode pod is ready: with the halfway widths a 16-row pod at
-    max_len 1024 compiled 180 steps (452 s on 2 busy CPU cores, over `tandem local`'s 180 s ready
-    timeout), with powers of two 100. vLLM's TPU runner went further: one table width, its paged
+    their ranges (65-96, 129-192, 257-384, 513-768 positions) the step costs 12-36% more. Each
+    width is a compiled variant of every batch bucket's step (one and `steps_per_dispatch` steps,
+    with and without logprobs, grammar-masked: 5 each), all compiled before a decode pod is ready
+    (Engine.warm_steps): with the halfway widths a 16-row pod at max_len 1024 compiled 180 steps
+    (452 s on 2 busy CPU cores, over `tandem local`'s 180 s ready timeout), with powers of two 100
+    (174 s, same machine, less busy). vLLM's TPU runner went further: one table width, its paged
     kernel reading only each row's own pages (the Pallas kernel here also takes each row's length
     and skips the blocks past it, so on a TPU the width should cost little: not measured)."""
     low = max(1, -(-MIN_READ // block_size))

@@ -4,7 +4,7 @@ reserve grants the oldest rows first and names the rest, free gives the blocks b
 blocks carry no old KV into a new sequence).
 
 Blocks of 4 positions here, so prompts of 13 and 40 tokens span 4 and 10 blocks, decode crosses
-a block boundary every 4 steps, and the step's table width (paged.table_buckets: 16, 24, 32
+a block boundary every 4 steps, and the step's table width (paged.table_buckets: 16 and 32
 blocks at max_len 128) changes as the longest row passes 64 positions.
 """
 from __future__ import annotations
@@ -192,8 +192,8 @@ def test_allocator_refcounts_and_table_buckets():
     assert pool.free_count() == 4
     with pytest.raises(ValueError, match="released twice"):
         pool.release([1])
-    assert table_buckets(32, 4) == (16, 24, 32) and table_buckets(64, 16) == (4, 6, 8, 12, 16, 24, 32, 48, 64)
-    assert table_buckets(3, 16) == (3,)
+    assert table_buckets(32, 4) == (16, 32) and table_buckets(64, 16) == (4, 8, 16, 32, 64)
+    assert table_buckets(3, 16) == (3,) and table_buckets(100, 16) == (4, 8, 16, 32, 64, 100)
 
 
 def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
@@ -201,3 +201,34 @@ def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
                          steps_per_dispatch=2)
     engine.warmup(prefill=False, logprobs=False)
     assert engine.kv_blocks_free() == engine.kv_blocks_total == 2 * 8
+
+
+def test_warmup_compiles_every_step_variant_a_decode_then_runs():
+    """What a paged decode pod warms (no prefill; logprobs and grammar-masked variants too) is every
+    step it runs later: a row growing through every table width (paged.table_buckets, the widths
+    the step picks from), one step and steps_per_dispatch of them, with logprobs and masked,
+    compiles no new step (generate_core's compiled variants stay as many)."""
+    from tandem_engine.cores import generate_core
+
+    engine = load_engine("tiny", slots=2, max_len=256, prefill_buckets=(64,), kv_layout="paged", kv_block_size=16,
+                         steps_per_dispatch=2)
+    widths = table_buckets(engine.max_blocks_per_seq, engine.kv_block_size)
+    assert widths == (4, 8, 16)
+    assert {w for _, w, *_ in engine.warm_steps(True, True)} == set(widths)
+    done = []
+    n = engine.warmup(prefill=False, logprobs=True, masks=True, progress=lambda *a: done.append(a))
+    assert n == len(engine.batch_buckets) * len(widths) * 5 == len(done) and done[-1][:2] == (n, n)
+    compiled = generate_core._cache_size()
+    state = engine.init_state()
+    prompt = list(range(3, 60))  # 57 positions: 4 blocks, the narrowest width
+    state = engine.insert(engine.prefill(prompt, GREEDY), state, 0, GREEDY)
+    ones = np.full((1, (engine.info.vocab_size + 31) // 32), -1, np.int32)  # a mask allowing every token
+    pos = len(prompt)
+    while pos < 160:  # past 64 positions (width 8) and 128 (width 16)
+        for kw in ({"steps": 2}, {"steps": 2, "logprobs": True}, {}, {"logprobs": True}, {"masks": ones}):
+            state, short = engine.reserve(state, kw.get("steps", 1))
+            assert short == []
+            state, tokens = engine.generate(state, **kw)
+            pos += kw.get("steps", 1)
+        assert generate_core._cache_size() == compiled, f"a step at position {pos} compiled after warm-up"
+    np.asarray(tokens)
