@@ -3,7 +3,7 @@
 real HTTP client (bench/loadgen.py).
 
     python bench/kv_capacity.py [--quick] [--no-write] [--slots S] [--max-len M] [--block-size B]
-                                [--configs slots,paged] [--tandem-args ARGS]
+                                [--configs slots,paged] [--tandem-args ARGS] [--ready-timeout SECONDS]
 
 Two configurations, back to back in one run, with the SAME KV memory budget (S x M positions):
   * slots  `tandem local --slots S --max-len M`: today's layout, M positions reserved per slot;
@@ -459,12 +459,15 @@ async def prefix_hits(url: str, model: str, a, vocab: int) -> dict:
 
 def run_config(c: Config, a, vocab: int, per_token: int) -> dict:
     server = _Tandem(c.name, a.model, colocated=False, slots=c.rows, max_len=a.max_len, pin="", env={},
-                     log_path=a.out / f"{c.name}.log", extra_args=pod_args(a) + c.args)
+                     log_path=a.out / f"{c.name}.log", extra_args=pod_args(a) + c.args,
+                     ready_timeout=a.ready_timeout)
     t0 = time.monotonic()
     out: dict = {"args": c.args, "flags": flags(c, a), "rows": c.rows, "kv_positions": c.kv_positions,
                  "kv_bytes": c.kv_positions * per_token}
     try:
         server.start()
+        out["ready_s"] = time.monotonic() - t0  # `tandem local` start to serving: the pods' warm-up
+        print(f"   {c.name}: cluster ready in {out['ready_s']:.0f}s", flush=True)
         url = server.base_url
         model = model_id(url)
 
@@ -528,17 +531,17 @@ def report(doc: dict) -> str:
     rows = []
     for name, r in res.items():
         if r.get("skipped") or "error" in r:
-            rows.append([name, "not run (below)" if r.get("skipped") else f"failed: {r['error']}"] + [None] * 11)
+            rows.append([name, "not run (below)" if r.get("skipped") else f"failed: {r['error']}"] + [None] * 12)
             continue
         c = r["capacity"]
         rows.append([name, r.get("flags", " ".join(r["args"])),
-                     f"{r['kv_bytes'] / 2**20:.1f}", r["rows"], _f(c["held"]["max"]), _f(c["held"]["median"], ".1f"),
+                     f"{r['kv_bytes'] / 2**20:.1f}", r["rows"], _f(r.get("ready_s"), ".0f"), _f(c["held"]["max"]), _f(c["held"]["median"], ".1f"),
                      f"{_f(c['occupied']['max'])} / {_f(c['occupied']['median'], '.1f')}",
                      f"{_f(c['decoding_client_view']['max'])} / {_f(c['decoding_client_view']['median'], '.1f')}",
                      _f(c["output_tok_s"], ".1f"), f"{_f(c['ttft_ms']['p50'])} / {_f(c['ttft_ms']['p90'])}",
                      f"{_f(c['tpot_ms']['p50'], '.1f')} / {_f(c['tpot_ms']['p90'], '.1f')}",
                      _f(c.get("ready_empty_fraction", math.nan) * 100, ".0f"), c["errors"]])
-    rows.append(["paged / slots", None, None, None, _f(sm["held_ratio_max"], ".2f"), _f(sm["held_ratio_median"], ".2f"),
+    rows.append(["paged / slots", None, None, None, None, _f(sm["held_ratio_max"], ".2f"), _f(sm["held_ratio_median"], ".2f"),
                  None, _f(sm["client_ratio_median"], ".2f"), _f(sm["tok_s_ratio"], ".2f"), None, None, None, None])
     turn_tables = []
     for name, r in res.items():
@@ -580,8 +583,10 @@ def report(doc: dict) -> str:
         "view`: requests between their second token and their last, every 50 ms of the window (no heartbeat "
         "lag); tok/s: tokens the client received in that window; `ready queue empty %`: of the samples in the "
         "window, those with no prefilled request waiting for the decode pod (high: the prefill side, not the "
-        "decode pod's KV, limited the run; `--prefill-pods N` adds prefill pods). Ratios: paged / slots.", "",
-        markdown_table(["config", "tandem local flags", "KV MiB", "rows", "held max", "held median",
+        "decode pod's KV, limited the run; `--prefill-pods N` adds prefill pods); `ready s`: `tandem local` start "
+        "to serving (the pods' warm-up compiles; JAX's persistent compilation cache shortens a repeat). Ratios: "
+        "paged / slots.", "",
+        markdown_table(["config", "tandem local flags", "KV MiB", "rows", "ready s", "held max", "held median",
                         "rows taken max / median", "decoding, client view, max / median", "output tok/s", "TTFT p50 / p90 ms", "TPOT p50 / p90 ms",
                         "ready queue empty %", "errors"], rows),
         "",
@@ -633,6 +638,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-pods", type=int, default=1, help="prefill pods on both sides (one decode pod)")
     p.add_argument("--configs", default="slots,paged")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="`tandem local --ready-timeout`: seconds each cluster may take to warm up (a paged decode "
+                        "pod compiles a step per table width: minutes on a 2-core CPU without the compilation cache)")
     p.add_argument("--tandem-args", default="", metavar="ARGS",
                    help="the paged side's `tandem local` flags (default: --slots 4S --kv-layout paged "
                         "--kv-blocks S*ceil(M/B) --kv-block-size B)")

@@ -28,14 +28,18 @@ BUCKETS = (16, 32, 64, 128, 256, 512)
 
 class TandemLocal:
     """`tandem local` in a subprocess; `env` is added to its environment (TANDEM_* settings); `pin`
-    is its own per-role `--pin`, `cpus` a taskset of the whole cluster."""
+    is its own per-role `--pin`, `cpus` a taskset of the whole cluster. `ready_timeout`: `tandem
+    local --ready-timeout` (seconds it waits for every pod's warm-up; None: its default, 180), and
+    `start` waits that long plus a minute."""
 
     def __init__(self, name: str, model: str, *, colocated: bool, slots: int, max_len: int, pin: str,
-                 env: dict[str, str], log_path: Path, cpus: str = "", root: Path = ROOT) -> None:
+                 env: dict[str, str], log_path: Path, cpus: str = "", root: Path = ROOT,
+                 ready_timeout: float | None = None) -> None:
         self.name, self.model, self.colocated, self.slots = name, model, colocated, slots
         self.root = Path(root)  # the checkout whose code runs (bench/burst.py --old-root: another commit's)
         self.max_len, self.pin, self.env, self.log_path = max_len, pin, env, log_path
         self.cpus = cpus  # taskset -c on the launcher (and so every child), when given
+        self.ready_timeout = ready_timeout
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -47,12 +51,15 @@ class TandemLocal:
         cmd = [sys.executable, "-m", "tandem.cli", "local", "--model", self.model, "--port", str(self.port),
                "--grpc-port", str(free_port()), "--slots", str(self.slots), "--max-len", str(self.max_len),
                "--log-level", "WARNING"]
+        if self.ready_timeout is not None:
+            cmd += ["--ready-timeout", f"{self.ready_timeout:g}"]
         if self.pin:
             cmd += ["--pin", self.pin]
         cmd += ["--colocated"] if self.colocated else ["--prefill", "1", "--decode", "1"]
         return ["taskset", "-c", self.cpus, *cmd] if self.cpus else cmd
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float | None = None) -> None:
+        timeout_s = max(300.0, (self.ready_timeout or 0.0) + 60.0) if timeout_s is None else timeout_s
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}

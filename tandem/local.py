@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     _redis_flags(p.add_argument_group("redis"))
     _planner_flags(p.add_argument_group("planner"))
     p.add_argument("--log-level", default="INFO", help="log level of the launcher and every service")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the cluster")
+    p.add_argument("--ready-timeout", type=float, default=None,
+                   help="seconds to wait for the cluster (default 180; 600 with --kv-layout paged: its decode pods "
+                        "compile each step for every block-table width, ~3 min cold on 2 CPU cores)")
     return p
 
 
@@ -158,6 +160,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--kv-dtype {a.kv_dtype} needs --kv-layout paged (the slot layout keeps the KV in the compute dtype)")
     if a.kv_layout == "slots" and (a.kv_blocks or a.kv_block_size != 16):
         p.error("--kv-blocks and --kv-block-size size a paged KV pool: add --kv-layout paged (or drop them)")
+    if a.ready_timeout is None:
+        a.ready_timeout = 600.0 if a.kv_layout == "paged" else 180.0
     if a.kv_blocks < 0 or a.kv_block_size < 1:
         p.error("--kv-blocks must be >= 0 (0: the slot layout's memory) and --kv-block-size >= 1")
     if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
