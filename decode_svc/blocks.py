@@ -83,10 +83,11 @@ class BlockBudget:
             return max(1, spare // per)
         return max(0, spare // per)
 
-    def fits(self, length: int, running: int) -> bool:
+    def fits(self, length: int, running: int, have: int = 0) -> bool:
         """Whether a prompt of `length` positions goes into a row now, beside `running` rows, with
-        the reserve of each (the new one's too) left free; always when no row runs."""
-        need = self.blocks_for(length)
+        the reserve of each (the new one's too) left free; always when no row runs. `have`: blocks
+        of it the request holds already (a match of the pool's block cache, pinned: not free)."""
+        need = max(0, self.blocks_for(length) - int(have))
         free = self.free()
         return need <= free if running == 0 else need + self.reserve(running + 1) <= free
 

@@ -208,10 +208,13 @@ class EngineLoop:
 
     def _held_ready(self) -> bool:
         """A held request can go into a row now (paged: its blocks are free too)."""
-        return bool(self._held) and self.table.free > 0 and self._fits(self._held[0].prefix)
+        return bool(self._held) and self.table.free > 0 and self._fits(self._held[0].prefix, self._held[0].cached)
 
-    def _fits(self, prefix) -> bool:
-        return self.blocks is None or self.blocks.fits(prefix.true_length, self.table.used)
+    def _fits(self, prefix, cached=None) -> bool:
+        """Whether `prefix` goes into a row now (paged: its blocks, less those its match of the
+        block cache holds pinned already, are free with the reserve)."""
+        have = 0 if cached is None else len(cached.blocks)
+        return self.blocks is None or self.blocks.fits(prefix.true_length, self.table.used, have)
 
     def _steps_for(self) -> int:
         """`steps_per_dispatch`, or 1 while work waits for its turn on this thread (a pulled KV or a
@@ -250,7 +253,7 @@ class EngineLoop:
                 state = self._local_prefill(item, state)
                 continue
             held = HeldChoice(item.payload, item.req, item.payload.first_token, item.key, item.cached)
-            if not self._fits(item.payload):  # paged: its blocks went to growing rows since the claim
+            if not self._fits(item.payload, item.cached):  # paged: its blocks went to growing rows since the claim
                 self._held.append(held)
                 break
             try:

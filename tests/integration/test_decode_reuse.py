@@ -131,3 +131,32 @@ async def test_a_failed_pull_after_a_match_lets_the_match_go(redis_url, redis_cl
     finally:
         await server.stop(None)
     assert any("KV pull failed" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_a_request_whose_match_holds_part_of_a_small_pool_still_goes_in(redis_url, redis_client,
+                                                                               prefill_engine):
+    """16 blocks (one max_len sequence). Turn 1 leaves 4 blocks kept; turn 2 (100 tokens: 13
+    blocks) matches them, so it holds 4 pinned and needs 9 more of the 12 free: it fits. Counted
+    at its whole 13 blocks against the 12 free it would wait in the held queue for ever (its own
+    pins are what is missing)."""
+    engine = load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
+                         kv_block_size=BLOCK, kv_blocks=16)
+    r, pool = redis_client, "reuse-small"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    turn1 = [256] + list(range(300, 320))
+    try:
+        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
+            await _offer(r, pool, store, address, prefill_engine,
+                         GenerationRequest("small-1", turn1, 12, SamplingParams(), ignore_eos=True))
+            out1 = await _finished(r, "small-1")
+            token0 = _greedy(prefill_engine, turn1, 1)[0]
+            turn2 = (turn1 + [token0] + out1 + list(range(600, 700)))[:100]
+            await _offer(r, pool, store, address, prefill_engine,
+                         GenerationRequest("small-2", turn2, 8, SamplingParams(), ignore_eos=True))
+            out2 = await _finished(r, "small-2", tries=750)
+            assert pod.io.claims.reused_tokens == 32
+    finally:
+        await server.stop(None)
+    assert out2 == _greedy(prefill_engine, turn2, 8)[1:]
