@@ -241,7 +241,14 @@ class Prefiller:
         prompt logprobs or None). `hit`: the prefix-cache lookup already made (default: look up)."""
         if hit is _LOOKUP:
             hit = self.cache.lookup(req.prompt_ids)
-        prefix = self.engine.prefill(req.prompt_ids, req.sampling, cached=hit, **prefill_args(req, self.grammars))
+        try:  # (a grammar that cannot run fails here, before the engine)
+            kw = prefill_args(req, self.grammars)
+        except BaseException:
+            release = getattr(hit, "cache", None)  # a device cache's hit pins its blocks until its prefill
+            if release is not None:
+                release.release(hit)
+            raise
+        prefix = self.engine.prefill(req.prompt_ids, req.sampling, cached=hit, **kw)
         return self._finish_sync(req, prefix, hit)
 
     def _finish_sync(self, req: GenerationRequest, prefix, hit):
