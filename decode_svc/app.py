@@ -82,6 +82,7 @@ async def serve(s: DecodeSettings) -> int:
                              prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
+    await io.claims.ensure_own_groups()  # (its per-pod ready streams: cache-aware routing)
     pod = WorkerPod(s, r, [SERVICE])
     address = pod.bind()
     await pod.start()
@@ -125,7 +126,10 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
                    "cancel_lag_tokens": stats.cancel_lag_tokens, "handed_back": io.handback.handed_back,
                    "owed": io.handback.owed, "pulled": io.claims.pulled,
                    "pulled_kv_bytes": io.claims.pulled_kv_bytes, "local_prefills": stats.local_prefills,
-                   "colocated": s.colocated, "requests": table.stages(), **kv_info()},
+                   "colocated": s.colocated, "requests": table.stages(),
+                   # gateways steer conversations only to pods that say they read their own ready stream
+                   "ready_affinity": io.claims.affinity,
+                   "stolen": 0 if io.claims.stealer is None else io.claims.stealer.stolen, **kv_info()},
         )
 
     def kv_info() -> dict:

@@ -17,6 +17,8 @@ import asyncio
 import logging
 import queue
 
+from redis.exceptions import ResponseError
+
 from decode_svc.blocks import BlockBudget
 from decode_svc.bridge import Bridge
 from decode_svc.handback import Handback
@@ -27,7 +29,7 @@ from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults
-from tandem_core.bus import conn, groups, ready, reclaim, token_stream
+from tandem_core.bus import conn, groups, ready, reclaim, steal, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -57,18 +59,35 @@ class Claims:
         self.reuse = blocks.engine if blocks is not None and blocks.engine.kv_reuse else None
         self.reused_tokens = 0  # prompt positions whose KV was not pulled: this pod held them
         self.dead_letters = 0  # entries acked unread: no request could be read from them
+        # Cache-aware routing to decode pods: this pod's own per-pod ready streams come first (when it
+        # holds a block cache to steer to), and other pods' entries left unread are taken (steal.py)
+        self.affinity = bool(s.ready_affinity and self.reuse is not None and not s.colocated)
+        self.stealer = None if s.colocated else steal.Stealer(r, owned.ks, s.pool, worker_id, s.affinity_wait_ms / 1000)
+        self._due_s: float | None = None  # the last steal pass: when an unread entry may be taken
+        self._watch: list[str] = []  # the last steal pass: other pods' per-pod streams (the wait's)
+        self._last_sources: list[tuple[list[str], str]] = []  # the last claim pass's (the wait's)
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
 
     def _sources(self) -> list[tuple[list[str], str]]:
         out = []
         pool, shards = self.s.pool, self.rotation.shard_order()  # (the previous pass's start: fine)
         if not self.s.colocated:
-            out.append(([self.owned.ks.ready_stream(pool, s) for s in shards], groups.DECODE_GROUP))
+            own = [self.owned.ks.pod_ready_stream(pool, self.worker_id, s) for s in shards] if self.affinity else []
+            out.append((own + [self.owned.ks.ready_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.direct_prefill or self.s.colocated:
             out.append(([self.owned.ks.direct_stream(pool, s) for s in shards], groups.DECODE_GROUP))
         if self.s.colocated:
             out.append((self.rotation.next_order(), groups.PREFILL_GROUP))
         return out
+
+    async def ensure_own_groups(self) -> None:
+        """The decode group of this pod's own per-pod ready streams, at id 0 (entries already
+        steered here are read too). Again after a NOGROUP: paused past its heartbeat, this pod was
+        taken for dead and its empty streams forgotten, and a steered write made one again."""
+        if self.affinity:
+            for shard in self.owned.ks.all_shards():
+                await groups.ensure_group(self.r, self.owned.ks.pod_ready_stream(self.s.pool, self.worker_id, shard),
+                                          groups.DECODE_GROUP)
 
     async def claim_loop(self, stop: asyncio.Event) -> None:
         lost_reply = False  # a claim failed: its XREADGROUP may have run with its reply lost
@@ -92,9 +111,26 @@ class Claims:
                 self.table.unreserve(n)
                 log.warning("claim failed: %s", e)
                 lost_reply = isinstance(e, conn.REDIS_DOWN)
+                if isinstance(e, ResponseError) and "NOGROUP" in str(e):
+                    # (the failed pass may have claimed entries before it: pending here, retaken)
+                    lost_reply = True
+                    try:
+                        await self.ensure_own_groups()
+                    except Exception as err:  # noqa: BLE001 - the next pass tries again
+                        log.warning("re-creating this pod's ready groups failed: %s", err)
                 await asyncio.sleep(0.5)
                 continue
             self.table.unreserve(n - len(got))
+            if not got:
+                # Wait with no tickets held: the recovery loop's reclaim of a dead pod's pending
+                # entries (decode_svc/recover.py) takes its room from the same tickets, and an idle
+                # pod that held them through every wait left it none.
+                try:
+                    await self._wait()
+                except Exception as e:  # noqa: BLE001 - Redis blip: the next pass retries
+                    log.warning("claim wait failed: %s", e)
+                    await asyncio.sleep(0.5)
+                continue
             for c, group in got:
                 try:
                     await self.dispatch(c, group, started)
@@ -138,11 +174,11 @@ class Claims:
         return got
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
-        """Up to `n` entries: one non-blocking pass over every source in order; if that finds
-        nothing, wait briefly on all streams of the first source's group at once, and return
-        (claim_loop's next pass claims what woke it)."""
+        """Up to `n` entries: one non-blocking pass over every source in order, then other pods'
+        steered entries left unread (`_steal`). If that finds nothing, claim_loop gives the
+        tickets back and waits (`_wait`)."""
         got: list[tuple[groups.Claimed, str]] = []
-        sources = self._sources()
+        sources = self._last_sources = self._sources()
         for names, group in sources:
             want = n - len(got)
             if want <= 0:
@@ -159,15 +195,39 @@ class Claims:
                 log.warning("claim from %s failed after %d entries were claimed: %s; starting those", names[0],
                             len(got), e)
                 return got
-        if not got:
-            group = sources[0][1]
-            names = [s for ns, g in sources if g == group for s in ns]
-            # A wait that covers every source ends on any new entry: it may block long (fewer
-            # empty passes per second). One that leaves a source out (colocated: the admission
-            # streams) returns every claim_block_ms to look at that source again.
-            whole = all(g == group for _ns, g in sources)
-            await groups.wait(self.r, names, self.s.claim_wait_ms if whole else self.s.claim_block_ms, self.bell)
+        if len(got) < n and self.stealer is not None:
+            got += await self._steal(n - len(got))
         return got
+
+    async def _wait(self) -> None:
+        """Wait briefly for a new entry on all streams of the first source's group at once (the
+        next pass claims what woke it)."""
+        sources = self._last_sources or self._sources()  # (the pass's: _sources turns the rotation)
+        group = sources[0][1]
+        names = [s for ns, g in sources if g == group for s in ns]
+        # A wait that covers every source ends on any new entry: it may block long (fewer
+        # empty passes per second). One that leaves a source out (colocated: the admission
+        # streams) returns every claim_block_ms to look at that source again.
+        whole = all(g == group for _ns, g in sources)
+        block_ms = self.s.claim_wait_ms if whole else self.s.claim_block_ms
+        if self._due_s is not None:  # an entry steered elsewhere may be taken then
+            block_ms = max(1, min(block_ms, int(self._due_s * 1000) + 1))
+        await groups.wait(self.r, names + self._watch, block_ms, self.bell)
+
+    async def _steal(self, want: int) -> list[tuple[groups.Claimed, str]]:
+        """Entries other decode pods were steered but left unread for `affinity_wait_ms`."""
+        assert self.stealer is not None
+        try:
+            taken = await self.stealer.take(want)
+        except Exception as e:  # noqa: BLE001 - only a look at others' streams: the next pass again
+            log.warning("looking at other decode pods' ready streams failed: %s", e)
+            self._due_s, self._watch = None, []
+            return []
+        self._due_s, self._watch = taken.due_s, taken.watch
+        for c in taken.claimed:
+            log.info("took %s entry %r, steered to another decode pod and left unread %.0f ms or more", c.stream,
+                     c.entry_id, self.s.affinity_wait_ms)
+        return [(c, groups.DECODE_GROUP) for c in taken.claimed]
 
     async def dispatch(self, c: groups.Claimed, group: str, started: int | None = None) -> None:
         """Start one claimed entry. The caller holds a ticket for it, which this spends (or gives

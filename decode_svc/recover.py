@@ -4,8 +4,9 @@ Two kinds of leftovers, both found from Redis alone:
 1. requests in a dead pod's running hash (`tandem:running:{id}`): they resume from the prompt
    plus the tokens already streamed (tandem_core.bus.recovery), and leave the hash in the same
    transaction, which also fences off the pod if it was only paused;
-2. entries of the ready/direct streams delivered to a dead consumer and never acked: this pod
-   claims them (XCLAIM) for slots it has free, as if it had read them itself.
+2. entries of the ready/direct streams (and of every decode pod's per-pod ready stream)
+   delivered to a dead consumer and never acked: this pod claims them (XCLAIM) for slots it has
+   free, as if it had read them itself. A dead pod's per-pod stream, once empty, is forgotten.
 "Dead" means no registry entry (its heartbeat key expired), and counts only once this pod has
 itself talked to the same Redis for a heartbeat TTL (`io.peers`, tandem_core.lifecycle.PeerJudge):
 after a Redis outage or restart every entry can be gone at once. A pod restarted under the same id
@@ -50,7 +51,8 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     s = io.s
     taker = reclaim.Reclaimer(io.r, groups.DECODE_GROUP, io.worker_id, int(s.stale_pending_s * 1000),
                               limit=s.reclaim_batch, min_idle_ms=s.reclaim_min_idle_ms)
-    for stream in ready.decode_streams(io.ks, s.pool):
+    pods = await ready.pod_ready_streams(io.r, io.ks, s.pool)  # (cache-aware routing: steered notices)
+    for stream in ready.decode_streams(io.ks, s.pool) + [p.stream for p in pods]:
         started = io.resync.started  # (Claims.dispatch: a reconcile begun after this counts)
         claimed, n = await taker.take(stream, io.table.reserve, include_self, others=io.peers.trusted,
                                       busy=io.table.busy_entries(stream))
@@ -59,7 +61,23 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
             log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
             await io.claims.dispatch(c, groups.DECODE_GROUP, started)
         got += len(claimed)
+    if io.peers.trusted:
+        await forget_dead_pod_streams(io, pods)
     return got
+
+
+async def forget_dead_pod_streams(io: DecodeIO, pods: list[ready.PodStream]) -> None:
+    """Delete the per-pod ready streams of dead decode pods once empty (their entries were taken by
+    the steal, and the pending ones by the reclaim above), so the set does not grow with every
+    pod that ever lived."""
+    alive: dict[str, bool] = {}
+    for p in pods:
+        if p.owner == io.worker_id:
+            continue
+        if p.owner not in alive:
+            alive[p.owner] = await registry.worker_alive(io.r, p.owner)
+        if not alive[p.owner] and await ready.forget_pod_ready(io.r, io.ks, io.s.pool, p.owner, p.shard):
+            log.info("forgot the empty ready stream of dead decode pod %s (shard %d)", p.owner, p.shard)
 
 
 async def recover_loop(io: DecodeIO, stop: asyncio.Event) -> None:

@@ -31,6 +31,13 @@ class DecodeSettings(WorkerSettings):
     # one more dispatched call of every row. Larger: fewer hand-backs when blocks run out, fewer rows admitted.
     kv_reserve_steps: NonNegativeInt = 0
     stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
+    # Cache-aware routing to decode pods (gateway/decode_route.py, paged KV with kv_reuse): read this
+    # pod's own per-pod ready stream before the shared one and say so in the heartbeat, so gateways
+    # steer conversations here. Off: the shared stream only (steering skips this pod).
+    ready_affinity: bool = True
+    # A notice steered to another decode pod and seen unread this long is taken by a pod with room
+    # (tandem_core/bus/steal.py): a busy, paused or dead pod never strands it. A miss costs a whole pull.
+    affinity_wait_ms: PositiveInt = 200
     max_attempts: PositiveInt = 3  # resumes per request before it fails with a clear error
     # Paged KV: hand-backs for blocks a request takes without spending an attempt; each one past
     # it spends one, so one that keeps being the newest on full pods fails clearly after max_attempts more

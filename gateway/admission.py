@@ -10,7 +10,8 @@ tandem_core/bus/admission.py; this module decides. `Admitter.submit` runs, in or
    c. a client-chosen request id must be unused (checked once, not again on a retry);
    d. the route: straight to the decode pods' direct stream when the prompt is short and they
       have room (tandem_core/scheduling.py), else a prefill pool, to the pod likeliest to hold the
-      prompt's prefix unless it is busy (prefix_route.py);
+      prompt's prefix unless it is busy (prefix_route.py), and steered to the decode pod likeliest
+      to hold its leading KV blocks (decode_route.py);
    e. the resume record of a resumable request (resume.py), then the enqueue.
    The backlog and registry reads of concurrent admissions share one read in flight, and one
    writer sends their enqueues in pipelines (batching.py): a burst's Redis connections stay few.
@@ -29,6 +30,7 @@ from gateway import resume
 from gateway.attachment import Attachment
 from gateway.batching import EnqueueBatcher, SingleFlight
 from gateway.cluster_view import ClusterView
+from gateway.decode_route import DecodeRouter
 from gateway.hold import RedisHold
 from gateway.limits import KeyLimiter, Lease
 from gateway.metrics import GatewayMetrics
@@ -67,6 +69,9 @@ class Admitter:
             settings.prefix_block_size, settings.prefix_index_entries, settings.prefix_route_max_backlog,
             salt=cache_salt("gateway", settings.pool), enabled=settings.prefix_routing,
         )
+        self.decode_router = DecodeRouter(settings.prefix_block_size, settings.prefix_index_entries,
+                                          salt=cache_salt("gateway-decode", settings.pool),
+                                          enabled=settings.decode_routing)
 
     async def submit(self, prep: Prepared, fresh_id: bool, api_key: str) -> Attachment:
         """Admit (or 429) and enqueue. `fresh_id` False: the client chose the id, check it is unused."""
@@ -127,6 +132,9 @@ class Admitter:
             return True, None
         pick = self.router.choose(prep.request.prompt_ids, view.prefill_ids, queued.of_priority(prep.request.priority))
         self.metrics.prefix_routes.labels(pick.reason).inc()
+        steer = self.decode_router.choose(prep.request.prompt_ids, view.decode_rooms)
+        self.metrics.decode_routes.labels(steer.reason).inc()
+        prep.request.decode_pod = steer.pod  # the prefill pod writes its ready notice for that pod
         return False, pick.pod
 
     def check(self, backlog: int, view: ClusterView) -> None:

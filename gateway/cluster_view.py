@@ -30,6 +30,8 @@ class DecodeRoom:
     free_slots: int
     blocks_free: int | None = None
     block_size: int = 16
+    worker_id: str = ""
+    affinity: bool = False  # it reads its per-pod ready stream: cache-aware routing may steer to it
 
     def takes(self, prompt_tokens: int) -> int:
         """Prompts of `prompt_tokens` this pod has room for now (rows, and blocks for each prompt)."""
@@ -39,10 +41,12 @@ class DecodeRoom:
 
     @classmethod
     def of(cls, w: dict) -> "DecodeRoom":
-        kv = (w.get("extra") or {}).get("kv") or {}
+        extra = w.get("extra") or {}
+        kv = extra.get("kv") or {}
+        who = {"worker_id": str(w.get("id") or ""), "affinity": extra.get("ready_affinity") is True}
         if kv.get("layout") == "paged":
-            return cls(int(w["free_slots"]), int(kv.get("blocks_free", 0)), int(kv.get("block_size", 16)))
-        return cls(int(w["free_slots"]))
+            return cls(int(w["free_slots"]), int(kv.get("blocks_free", 0)), int(kv.get("block_size", 16)), **who)
+        return cls(int(w["free_slots"]), **who)
 
 
 @dataclass(frozen=True)

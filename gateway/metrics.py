@@ -92,6 +92,10 @@ class GatewayMetrics:
             "tandem_prefix_route", "Remote prompts by cache-aware routing decision (gateway/prefix_route.py)",
             ["reason"], registry=reg,
         )
+        self.decode_routes = Counter(
+            "tandem_decode_route", "Remote prompts by cache-aware decode routing decision (gateway/decode_route.py)",
+            ["reason"], registry=reg,
+        )
         self._add_inference_extension_gauges(reg)
         self._add_prefix_cache_counters(reg)
 

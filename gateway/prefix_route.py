@@ -80,7 +80,7 @@ class PrefixRouter:
         hashes = block_hashes(prompt_ids, self.block_size, self.salt)
         if not hashes:
             return PrefixRoute(None, "short")
-        pod, matched = self._longest_match(hashes, set(pods))
+        pod, matched = self.longest_match(hashes, set(pods))
         reason = "prefix_hit"
         if pod is None:
             pod, reason = rendezvous(hashes[0], pods), "rendezvous"
@@ -90,7 +90,7 @@ class PrefixRouter:
         self.record(hashes, pod)
         return PrefixRoute(pod, reason, matched)
 
-    def _longest_match(self, hashes: list[bytes], live: set[str]) -> tuple[str | None, int]:
+    def longest_match(self, hashes: list[bytes], live: set[str]) -> tuple[str | None, int]:
         """The live pod owning the deepest indexed block, and how many blocks that covers. A block's
         key covers its whole prefix, so the pod that got block i has seen blocks 0..i too."""
         for i in range(len(hashes) - 1, -1, -1):

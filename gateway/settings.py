@@ -77,3 +77,6 @@ class GatewaySettings(BaseSettings):
     prefix_block_size: PositiveInt = 16
     prefix_route_max_backlog: PositiveInt = 4  # a pod's own stream this long: use the shared stream
     prefix_index_entries: PositiveInt = 100_000  # block key -> pod entries the router remembers (LRU)
+    # Steer each prompt to the decode pod likeliest to hold its leading KV blocks (a conversation's
+    # earlier turns), among pods that say they read a per-pod ready stream (gateway/decode_route.py)
+    decode_routing: bool = True

@@ -20,6 +20,8 @@ Keys (all prefixed `tandem:`; `<x>` is a value, `{...}` a hash tag):
 | `tandem:{T}:<pool>:podstreams` | set of worker ids | gateway (SADD with each routed XADD) | prefill pods' reclaim (removed, with the streams, once dead and empty) | one per pod |
 | `tandem:{T}:<pool>:direct` | stream, group `decode` | gateway (short prompts) | decode (prefills locally) | MAXLEN ~ |
 | `tandem:{T}:<pool>:ready` | stream, group `decode` | prefill (XADD) | decode (XREADGROUP COUNT = free slots) | MAXLEN ~ |
+| `tandem:{T}:<pool>:ready:pod:<worker_id>` | stream, group `decode` | prefill (the request's `decode_pod`) | that decode pod first; any pod once an entry waited `affinity_wait_ms` | MAXLEN ~ |
+| `tandem:{T}:<pool>:podready` | set of worker ids | prefill (SADD with each steered XADD) | decode pods' steal and reclaim (removed, with the stream, once dead and empty) | one per pod |
 | `tandem:{<pool>.bell}:<group>` | stream | enqueuers, with more than one shard | idle readers of the group (one XREAD BLOCK) | MAXLEN ~ 64 |
 | `tandem:{T}:tok:<request_id>` | stream | prefill (index 0), decode (1..) | gateway (one XREAD BLOCK per shard over its streams) | MAXLEN, EXPIRE ttl |
 | `tandem:{T}:gwwake:<gateway_id>` | stream | the gateway subscribing a new request | the same gateway's token reader of shard T | MAXLEN ~ 16, EXPIRE 1 h |
@@ -139,6 +141,17 @@ class KeySpace:
 
     def ready_stream(self, pool: str, shard: int) -> str:
         return f"{PREFIX}:{self.tag(shard)}:{pool}:ready"
+
+    def pod_ready_stream(self, pool: str, worker_id: str, shard: int) -> str:
+        """Ready notices the gateway steered to one decode pod, likeliest to hold their prompt's
+        leading KV blocks (`GenerationRequest.decode_pod`). That pod reads it before the shared
+        ready stream; any other takes an entry left unread there for `affinity_wait_ms`, and a
+        dead pod's pending ones are reclaimed as the shared stream's are."""
+        return f"{self.ready_stream(pool, shard)}:pod:{worker_id}"
+
+    def pod_ready_set(self, pool: str, shard: int) -> str:
+        """Decode pod ids that may have per-pod ready streams in `shard` (so they are found)."""
+        return f"{PREFIX}:{self.tag(shard)}:{pool}:podready"
 
     def token_stream(self, request_id: str) -> str:
         return f"{PREFIX}:{self.request_tag(request_id)}:tok:{request_id}"

@@ -141,6 +141,9 @@ class GenerationRequest:
     n: int = 1
     prompt_logprobs: int | None = None
     grammar: dict | None = None
+    # The decode pod the gateway steered it to (its KV block cache likely holds the prompt's leading
+    # blocks: gateway/decode_route.py); a hint: any decode pod may take it. None: any.
+    decode_pod: str | None = None
 
     @property
     def output_from(self) -> int:
@@ -171,12 +174,15 @@ class GenerationRequest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationRequest":
-        d = dict(d)
+        # Fields a newer version added are dropped, not fatal: in a rolling upgrade an older pod
+        # reads what a newer gateway wrote (every field added since has a default).
+        d = {k: v for k, v in d.items() if k in _REQUEST_NAMES}
         d["sampling"] = SamplingParams.from_dict(d.get("sampling") or {})
         return cls(**d)
 
 
 _REQUEST_FIELDS = dataclasses.fields(GenerationRequest)
+_REQUEST_NAMES = frozenset(f.name for f in _REQUEST_FIELDS)
 
 
 def choice_id(request_id: str, i: int) -> str:

@@ -20,7 +20,7 @@ Why the consumer group's pending list is the fence, and who can still write, in 
   its own entries): that pod's earlier process is gone, and a second commit of an entry already
   committed finds it acked and writes nothing.
 
-What this module must not know: what the writes are. `EntryWrites` records the XADD/EXPIRE calls
+What this module must not know: what the writes are. `EntryWrites` records the XADD/EXPIRE/SADD calls
 that the `bus.token_stream` and `bus.ready` helpers (`add_tokens`, `add_ready`, `add_prompt_logprobs`) queue on a
 pipeline, so the fenced writes are exactly the ones the unfenced code writes. Every key touched is
 passed to the script in KEYS, as Redis Cluster requires (the keys must then share a slot, as the
@@ -36,6 +36,7 @@ import redis.asyncio as aioredis
 # consumer, ARGV[3] entry id, then the writes in order, each one of
 #   'x', key index, maxlen ('' = none), '~' or '=', field count n, then n values (name, value, ...)
 #   'e', key index, seconds
+#   's', key index, member (SADD)
 # Returns 1 (written and acked) or 0 (the entry is no longer pending to this consumer: nothing
 # written). XPENDING goes through pcall: a stream or group deleted meanwhile (a dead pod's per-pod
 # stream forgotten once drained) reads as "not pending", not as an error.
@@ -54,6 +55,9 @@ while i <= #ARGV do
     for k = 1, n do args[#args + 1] = ARGV[i + 4 + k] end
     redis.call('XADD', unpack(args))
     i = i + 5 + n
+  elseif ARGV[i] == 's' then
+    redis.call('SADD', key, ARGV[i + 2])
+    i = i + 3
   else
     redis.call('EXPIRE', key, ARGV[i + 2])
     i = i + 3
@@ -66,7 +70,7 @@ return 1
 
 
 class EntryWrites:
-    """The writes that go with one entry's ack, recorded in order. Duck-types the two pipeline
+    """The writes that go with one entry's ack, recorded in order. Duck-types the pipeline
     methods the `add_*` helpers call, so they can queue here unchanged."""
 
     def __init__(self) -> None:
@@ -92,6 +96,9 @@ class EntryWrites:
 
     def expire(self, name, time: int) -> None:
         self.args += ["e", self._key(name), int(time)]
+
+    def sadd(self, name, member: str) -> None:
+        self.args += ["s", self._key(name), member]
 
 
 class EntryFence:

@@ -127,11 +127,11 @@ async def _read_each(r: aioredis.Redis, streams: list[str], group: str, consumer
         want = count - len(out)
         if want <= 0:
             break
-        out += _claimed(await redis_client.xreadgroup(r, group, consumer, stream, want))
+        out += as_claimed(await redis_client.xreadgroup(r, group, consumer, stream, want))
     return out
 
 
-def _claimed(resp) -> list[Claimed]:
+def as_claimed(resp) -> list[Claimed]:
     """XREADGROUP's reply as Claimed entries."""
     out = []
     for name, entries in resp or []:

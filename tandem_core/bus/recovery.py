@@ -66,8 +66,10 @@ async def resume(r: aioredis.Redis, ks: KeySpace, pool: str, original: Generatio
     if len(tokens) >= original.max_tokens or attempt > max_attempts:
         return await _give_up(r, ks, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
     base = original.prompt_ids[: len(original.prompt_ids) - original.start_index]
+    # (priority high: it has waited once already; decode_pod None: any decode pod, the one it was
+    # steered to may be the one that failed)
     again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
-                                priority="high")  # it has waited once already
+                                priority="high", decode_pod=None)
     pipe = r.pipeline(transaction=True)
     if owner:
         pipe.hdel(ks.running_key(owner, ks.request_shard(original.request_id)), original.request_id)
@@ -135,8 +137,9 @@ async def preempt(r: aioredis.Redis, ks: KeySpace, pool: str, original: Generati
     if len(tokens) >= original.max_tokens or attempt > max_attempts:
         return await _give_up(r, ks, original, tokens, attempt, why, owner, token_ttl_s, token_maxlen)
     base = original.prompt_ids[: len(original.prompt_ids) - original.start_index]
+    # (decode_pod None: the pod it was steered to had no blocks for it)
     again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
-                                preempted=preempted, priority="high")  # it has waited once already
+                                preempted=preempted, priority="high", decode_pod=None)  # it has waited once already
     stream = ks.admission_stream(pool, again.priority, shard)
     if not await r.eval(_PREEMPT, 2, running, stream, original.request_id, maxlen, again.to_json()):
         return "gone"

@@ -1,20 +1,24 @@
 """Issue 30's two reuse paths on the whole cluster as a user runs it (`tandem local`, the `openai`
-client): a conversation on a paged decode pod with the prefill pod's prefix cache on the device.
+client): conversations on two paged decode pods, with the prefill pod's prefix cache on the device.
 
 - The prefill pod's hits read the cached blocks in place: its `hit_copy_bytes` stays 0 while its
-  hits count the conversation's earlier turns (tandem_engine/prefix_pool.py).
-- The decode pod keeps each finished turn's blocks and pulls only the positions after them for
-  the next turn: the KV bytes it pulls per turn are the turn's tokens it did not hold
-  (tandem_engine/block_cache.py, `PullKVRequest.from_position`).
+  hits count the conversations' earlier turns (tandem_engine/prefix_pool.py).
+- The gateway steers each turn to the decode pod that decoded the conversation's last turn
+  (gateway/decode_route.py); that pod keeps each finished turn's blocks and pulls only the
+  positions after them (tandem_engine/block_cache.py, `PullKVRequest.from_position`). So with two
+  decode pods too, every later turn pulls no more than its new tokens and one block: a turn that
+  landed on the other pod would pull the whole conversation again.
 - Every turn's text is the engine's own greedy run of the whole prompt.
 """
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import start_local, stop_local
-from tests.e2e.test_prefix_cache import SYSTEM, client, reference, text, until
+from tests.e2e.test_prefix_cache import SYSTEM, client, counter, reference, text, until
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +32,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def reuse_cluster():
-    c = start_local(slots=2, extra=["--kv-layout", "paged"], timeout_s=600,
+    c = start_local(slots=2, decode=2, extra=["--kv-layout", "paged"], timeout_s=900,
                     env={"TANDEM_PREFILL_PREFIX_CACHE__ON_DEVICE": "true"})
     try:
         yield c
@@ -36,42 +40,77 @@ def reuse_cluster():
         stop_local(c.proc)
 
 
-def _extras(c) -> dict[str, dict]:
-    workers = httpx.get(c.base_url + "/admin/cluster", timeout=10).json()["workers"]
-    return {w["id"].split("-")[0]: w["extra"] for w in workers}
+def _workers(c) -> list[dict]:
+    return httpx.get(c.base_url + "/admin/cluster", timeout=10).json()["workers"]
 
 
-def _reused(decode: dict) -> int:
-    return (decode.get("kv_reuse") or {}).get("reused_tokens", 0)  # (None: the pod keeps no blocks)
+def _decode(c) -> dict[str, int]:
+    """The decode pods' counts, summed (each turn runs alone: the difference is that turn's)."""
+    out = {"pulled": 0, "tokens": 0, "pulled_kv_bytes": 0, "reused": 0, "pods": 0}
+    for w in _workers(c):
+        if w["role"] == "decode":
+            x = w["extra"]
+            out["pods"] += 1
+            for k in ("pulled", "tokens", "pulled_kv_bytes"):
+                out[k] += x[k]
+            out["reused"] += (x.get("kv_reuse") or {}).get("reused_tokens", 0)  # (None: the pod keeps no blocks)
+    return out
 
 
-def test_a_conversation_moves_only_new_kv_and_copies_no_hit(reuse_cluster, engine):
+def _routes(c, reason: str) -> float:
+    """The gateway's decode routing decisions with this reason."""
+    got = re.search(rf'^tandem_decode_route_total{{reason="{reason}"}} ([0-9.e+]+)$',
+                    httpx.get(c.base_url + "/metrics", timeout=10).text, re.M)
+    return float(got.group(1)) if got else 0.0
+
+
+def _prefill(c) -> dict:
+    return next(w["extra"] for w in _workers(c) if w["role"] == "prefill")
+
+
+def _turn(c, engine, prompt: list[int], per_token: int) -> tuple[list[int], int, int]:
+    """One turn alone on the cluster: (its tokens, KV bytes pulled, prompt positions not pulled)."""
+    before = until(lambda: (lambda d: d if d["pods"] == 2 else None)(_decode(c)))
+    want = reference(engine, prompt, 8)
+    got = client(c).completions.create(model=c.model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert got.choices[0].text == text(want), len(prompt)
+
+    def settled(pulls=before["pulled"] + 1, tokens=before["tokens"] + 7):  # this turn is in the heartbeats
+        d = _decode(c)
+        return d if d["pulled"] >= pulls and d["tokens"] >= tokens else None
+
+    after = until(settled)
+    moved, reused = after["pulled_kv_bytes"] - before["pulled_kv_bytes"], after["reused"] - before["reused"]
+    # the pull moved exactly the positions the decode pod did not hold (a whole one: the prompt's
+    # bucket, padding included, as the prefill pod holds it)
+    rows = len(prompt) - reused if reused else 1 << (len(prompt) - 1).bit_length()
+    assert moved == rows * per_token, (moved, reused, len(prompt))
+    return want, moved, reused
+
+
+def test_conversations_move_only_new_kv_and_copy_no_hit(reuse_cluster, engine):
     c = reuse_cluster
     cfg = engine.cfg
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 KV
-    prompt = list(SYSTEM) + [400 + j for j in range(21)]
-    moved, reused = [], []
+    steered = counter(c, "tandem_decode_route_total")
+    # two conversations, turns interleaved; the second does not share the first's system prompt
+    prompts = [list(SYSTEM) + [400 + j for j in range(21)], [1] + [700 + j for j in range(84)]]
+    moved: list[list[int]] = [[], []]
+    reused: list[list[int]] = [[], []]
     for turn in range(3):
-        before = until(lambda: _extras(c).get("decode"))
-        want = reference(engine, prompt, 8)
-        got = client(c).completions.create(model=c.model, prompt=prompt, max_tokens=8, temperature=0,
-                                           extra_body={"ignore_eos": True})
-        assert got.choices[0].text == text(want), f"turn {turn + 1}"
-        def settled(pulls=before["pulled"] + 1, tokens=before["tokens"] + 7):  # this turn is in the heartbeat
-            x = _extras(c)["decode"]
-            return x if x["pulled"] >= pulls and x["tokens"] >= tokens else None
-
-        after = until(settled)
-        moved.append(after["pulled_kv_bytes"] - before["pulled_kv_bytes"])
-        reused.append(_reused(after) - _reused(before))
-        # the pull moved exactly the positions the decode pod did not hold (a whole one: the
-        # prompt's bucket, padding included, as the prefill pod holds it)
-        rows = len(prompt) - reused[-1] if reused[-1] else 1 << (len(prompt) - 1).bit_length()
-        assert moved[-1] == rows * per_token, (turn, moved, reused, len(prompt))
-        prompt = prompt + want + [900 + 10 * turn + j for j in range(11)]  # the reply, then a new message
-    assert reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1], reused
-    # turns 2 and 3 pulled less than one block more than their new tokens (8 of reply + 11 of message)
-    assert all(m <= (8 + 11 + 16) * per_token for m in moved[1:]), moved
-    pre = _extras(c)["prefill"]["prefix_cache"]
+        for k in range(2):
+            want, m, u = _turn(c, engine, prompts[k], per_token)
+            moved[k].append(m)
+            reused[k].append(u)
+            prompts[k] = prompts[k] + want + [900 + 10 * turn + j for j in range(11)]  # the reply, a new message
+    for k in range(2):
+        assert reused[k][0] == 0 and reused[k][1] > 0 and reused[k][2] > reused[k][1], (k, reused)
+        # turns 2 and 3 pulled less than one block more than their new tokens (8 of reply + 11 of
+        # message): each went to the pod holding the conversation's last turn
+        assert all(m <= (8 + 11 + 16) * per_token for m in moved[k][1:]), (k, moved)
+    hits = _routes(c, "prefix_hit")
+    assert hits >= 4, f"{hits} of {counter(c, 'tandem_decode_route_total') - steered} turns steered by prefix"
+    pre = _prefill(c)["prefix_cache"]
     assert pre["on_device"] and pre["hits"] >= 2 * len(SYSTEM), pre
     assert pre["hit_copy_bytes"] == 0, pre
