@@ -10,8 +10,8 @@ arrival rate plus the backlog spread over one interval.
 
 Decode. A pod's batch b is bounded twice: by the largest batch whose step time meets the ITL
 target (never past the profile's slots: the step time is not extrapolated), and by the sequences
-its KV holds at the predicted mean length (planner/kv.py; when the pods' heartbeats say: None, and
-the ITL bound alone, as before). A running sequence holds prompt + output / 2 positions on average
+its KV holds at the predicted mean length (planner/kv.py; unknown when no decode pod's heartbeat
+says, and then the ITL bound alone, as before). A running sequence holds prompt + output / 2 positions on average
 over its life (it enters with its prompt and grows a position a step), which is also the context
 length Dynamo's SLA planner sizes decode at; the pods' sum over their sequences is that mean times
 the batch. The pod then makes max_utilization * b / itl(b) tokens/s. Replicas = ceil(load *

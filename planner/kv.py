@@ -78,7 +78,7 @@ def pod_capacity(slots: int, free_slots: int, extra: Mapping) -> KVCapacity | No
         reserve = int(kv.get("reserve_blocks", 1))
         return KVCapacity("paged", rows=slots, block_size=size, blocks_total=total, reserve_blocks=reserve,
                           used=max(0, total - free) / total)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
 
 
@@ -90,9 +90,9 @@ def pool_capacity(pods: Iterable[KVCapacity]) -> KVCapacity | None:
     pods it adds are of whichever spec the Deployment has now, so the mean would count on KV that a
     pod it is sizing may not have; the smallest never does, and at worst asks for a pod too many
     while a rollout lasts. So: the fewest rows of any pod, and if any pod is paged, the paged pool
-    with the fewest positions (blocks_total x block_size) with its block size and reserve. A pod
-    The two minima come from two different pods only during such a rollout; then the result is
-    below every pod's capacity, which is the safe side. None: no pod said anything."""
+    with the fewest positions (blocks_total x block_size) with its block size and reserve. The two
+    minima come from two different pods only during such a rollout; then the result is below every
+    pod's capacity, which is the safe side. None: no pod said anything."""
     pods = list(pods)
     if not pods:
         return None

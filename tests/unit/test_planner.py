@@ -223,6 +223,7 @@ def test_kv_capacity_read_from_heartbeats_and_the_smallest_pod_kept():
     assert slots == KVCapacity("slots", rows=8, used=0.25)
     assert pod_capacity(0, 0, {}) is None  # no rows: says nothing
     assert pod_capacity(8, 8, {"kv": {"layout": "paged", "block_size": "x"}}) is None
+    assert pod_capacity(8, 8, {"kv": {**paged, "blocks_total": 0}}) is None  # malformed: says nothing
     got = pool_capacity([big, older, slots])
     # the fewest rows (the slot pod's 8) and the smallest pool (128 blocks, its reserve)
     assert (got.layout, got.rows, got.blocks_total, got.block_size, got.reserve_blocks, got.pods) == \
