@@ -24,6 +24,17 @@ A request's mean ITL is (finish - first token) / (output - 1).
 Decode pods with a free slot read the ready queue in turn, one request each (Redis hands entries to
 blocked readers in the order they blocked; a pod with slots left reads again, at the back).
 
+KV (`SimConfig.kv`, a planner/kv.py KVCapacity: every decode pod's): a pod runs at most its rows
+(and never more than the profile's slots: past them there is no step time). On a paged pool a
+request is charged, from its hand-off to its finish, the blocks of its mean footprint, prompt +
+output / 2 positions plus the reserve (`KVCapacity.blocks_for`): the mean of what a real pod holds
+for it, without simulating its growth and the hand-backs that meet growth past the reserve. A pod
+reads the ready queue while it has free blocks and takes the head request only if its charge fits
+(an empty pod always takes one, as decode_svc/blocks.py's claim rule); otherwise it waits for one
+of its requests to finish. The policies see the capacity in their snapshot (`Snapshot.kv`), as the
+planner reads it from the pods' heartbeats. None (the default): rows = the profile's slots, no
+block pool, no capacity in the snapshot: the model as before.
+
 Pods start `startup_s` after they are asked for (0 for the ones a run starts with). Scale-down
 cancels pods still starting first (newest first), then drains the least busy: a draining pod takes
 no new work and leaves when its work is done; a prefill pod's work includes the prefilled results
@@ -33,6 +44,7 @@ each role, with a `Snapshot` of what the cluster saw since their last tick.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -42,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.plan_trace import Trace
+from planner.kv import KVCapacity
 from planner.profile import Profile
 
 ROLES = ("prefill", "decode")
@@ -56,6 +69,7 @@ class SimConfig:
     prefill_hold: int = 0  # a prefill pod takes no prompt while it holds this many unpulled results (0: no bound)
     sample_s: float = 60.0  # the replica time series' step
     horizon_s: float = 6 * 3600.0  # stop this long after the last arrival even if requests remain
+    kv: KVCapacity | None = None  # every decode pod's KV (see the module's docstring); None: the profile's slots
 
     def __post_init__(self) -> None:
         if self.first_token not in ("decode", "prefill"):
@@ -85,11 +99,12 @@ class Snapshot:
     decoding: int = 0  # requests in decode slots (hand-offs included)
     current: dict = field(default_factory=dict)  # replicas asked for (starting + active), per role
     ready_pods: dict = field(default_factory=dict)  # pods serving, per role
+    kv: KVCapacity | None = None  # the serving decode pods' KV, as their heartbeats would say (None: not modelled, or none serving)
 
 
 class Pod:
     __slots__ = ("role", "id", "state", "t_request", "t_ready", "t_exit", "busy", "held", "idle",
-                 "batch", "reserved", "S", "t_last", "itl", "heap", "version", "reading")
+                 "batch", "reserved", "S", "t_last", "itl", "heap", "version", "reading", "blocks")
 
     def __init__(self, role: str, pid: int, t: float) -> None:
         self.role, self.id, self.state = role, pid, STARTING
@@ -98,6 +113,7 @@ class Pod:
         self.batch, self.reserved, self.S, self.t_last, self.itl = 0, 0, 0.0, t, 0.0  # decode
         self.heap: list = []
         self.version, self.reading = 0, False  # decode: waiting on the ready queue (has a free slot)
+        self.blocks = 0  # decode, paged KV: blocks charged to its requests (hand-offs included)
 
     def work(self) -> int:
         return (self.busy >= 0) + self.held + self.batch + self.reserved
@@ -135,6 +151,12 @@ class Cluster:
         self.itl = [math.nan] * n
         self.steps = [o - 1 if cfg.first_token == "prefill" else o for o in self.output]
         self.slots, self.handoff = profile.slots, profile.handoff_s
+        kv = self.kv = cfg.kv
+        self.need: list[int] | None = None  # paged: each request's blocks (its mean footprint + reserve)
+        if kv is not None:
+            self.slots = min(profile.slots, kv.rows)
+            if kv.layout == "paged":
+                self.need = [kv.blocks_for(p + o / 2) for p, o in zip(self.prompt, self.output)]
         self.itl_tab = [profile.decode_itl(max(1, b)) for b in range(profile.slots + 1)]
         self._pre: dict[int, float] = {}
         self.heap: list = []
@@ -197,9 +219,12 @@ class Cluster:
 
     def offer(self, pod: Pod) -> None:
         """A decode pod with a free slot reads the ready queue (XREADGROUP): it joins the readers."""
-        if pod.state == ACTIVE and not pod.reading and pod.batch + pod.reserved < self.slots:
+        if pod.state == ACTIVE and not pod.reading and pod.batch + pod.reserved < self.slots and self.blocks_left(pod):
             pod.reading = True
             self.readers.append(pod)
+
+    def blocks_left(self, pod: Pod) -> bool:
+        return self.need is None or self.kv is None or pod.blocks < self.kv.blocks_total
 
     def leave_if_done(self, t: float, pod: Pod) -> None:
         if pod.state == DRAINING and pod.work() == 0:
@@ -263,15 +288,22 @@ class Cluster:
     def dispatch_decode(self, t: float) -> None:
         """Ready requests to the decode pods reading, one each in turn (Redis serves blocked
         readers in the order they blocked; a pod with slots left reads again, at the back)."""
-        ready, readers, slots = self.ready, self.readers, self.slots
+        ready, readers, slots, need = self.ready, self.readers, self.slots, self.need
+        total = self.kv.blocks_total if self.kv is not None else 0
         while ready and readers:
             p = readers.popleft()
             if p.state != ACTIVE or p.batch + p.reserved >= slots:
                 p.reading = False
                 continue
+            if need is not None:
+                r = ready[0][0]
+                if p.batch + p.reserved > 0 and p.blocks + need[r] > total:
+                    p.reading = False  # it reads again when one of its requests finishes
+                    continue
+                p.blocks += need[r]
             p.reserved += 1
             self.push(t + self.handoff, HANDOFF_DONE, p, ready.popleft())
-            if p.batch + p.reserved < slots:
+            if p.batch + p.reserved < slots and self.blocks_left(p):
                 readers.append(p)
             else:
                 p.reading = False
@@ -312,6 +344,8 @@ class Cluster:
         while h and h[0][0] <= pod.S + 1e-6:
             _, r = heapq.heappop(h)
             pod.batch -= 1
+            if self.need is not None:
+                pod.blocks -= self.need[r]
             self.finished(r, t)
         self.reschedule(pod, t)
         self.offer(pod)
@@ -348,8 +382,21 @@ class Cluster:
         s.decoding = sum(p.batch + p.reserved for p in self.live["decode"])
         s.current = {r: sum(1 for p in self.live[r] if p.state in (STARTING, ACTIVE)) for r in ROLES}
         s.ready_pods = {r: len(self.active[r]) for r in ROLES}
+        s.kv = self.kv_seen()
         self.win, self.win_start = Snapshot(0.0, 0.0), t
         return s
+
+    def kv_seen(self) -> KVCapacity | None:
+        """The serving decode pods' KV as their heartbeats say it (planner/kv.py): the configured
+        capacity with the pods' mean share in use now; None when not modelled or no pod serves."""
+        kv, pods = self.kv, self.active["decode"]
+        if kv is None or not pods:
+            return None
+        if self.need is not None:
+            used = sum(p.blocks for p in pods) / (kv.blocks_total * len(pods))
+        else:
+            used = sum(p.batch + p.reserved for p in pods) / (self.slots * len(pods))
+        return dataclasses.replace(kv, used=used, pods=len(pods))
 
     def tick(self, t: float) -> None:
         want = self.policy.decide(t, self.snapshot(t))

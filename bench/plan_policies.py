@@ -15,7 +15,9 @@ often it is asked; 0 = never), `initial()` (the replicas a run starts with, read
   * PlannerPolicy: planner.decide.Planner, fed an Observation every `interval_s` built from what
     the simulated cluster saw in the interval (arrivals, lengths, backlogs, the mean TTFT and gap,
     and what the pods did: prompts prefilled and their mean busy seconds, tokens decoded, which
-    the planner's correction factors read); its decisions are kept in `log`.
+    the planner's correction factors read, and the decode pods' KV capacity when the model has
+    one: `kv_signal=False` withholds it, the planner as it was before it read KV); its decisions are
+    kept in `log`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from bench.plan_model import ROLES, Snapshot
 from planner.correct import Corrections
 from planner.decide import Observation, PlanConfig, Planner, decode_needed, prefill_needed
+from planner.kv import KVCapacity
 from planner.predict import LoadPredictor
 from planner.profile import Profile
 from planner.settings import RoleBounds, SLOConfig
@@ -40,10 +43,12 @@ def scaled(profile: Profile, prefill_mult: float = 1.0, prefill_add_s: float = 0
 
 
 def size_for(rate: float, prompt_mean: float, output_mean: float, profile: Profile, slo: SLOConfig,
-             max_utilization: float = 0.8) -> dict[str, int]:
-    """Replicas per role for a steady load (req/s, mean lengths), by the planner's arithmetic."""
+             max_utilization: float = 0.8, kv: KVCapacity | None = None) -> dict[str, int]:
+    """Replicas per role for a steady load (req/s, mean lengths), by the planner's arithmetic
+    (`kv`: the decode pods' KV bounds their batch too; None: the ITL target alone)."""
     return {"prefill": max(1, prefill_needed(rate, prompt_mean, profile, slo, max_utilization)),
-            "decode": max(1, decode_needed(rate, output_mean, profile, slo, max_utilization))}
+            "decode": max(1, decode_needed(rate, output_mean, profile, slo, max_utilization, kv=kv,
+                                           prompt_tokens=prompt_mean))}
 
 
 @dataclass
@@ -154,6 +159,7 @@ class PlannerPolicy:
     interval_s: float = 30.0
     predictor: LoadPredictor | None = None
     correction: bool = True  # the planner's correction factors (planner/correct.py), as its setting
+    kv_signal: bool = True  # the observation carries the decode pods' KV capacity (when the model has one)
     name: str = "planner"
     log: list = field(default_factory=list)  # (t, decision)
     planner: Planner | None = None
@@ -169,8 +175,7 @@ class PlannerPolicy:
     def initial(self) -> dict[str, int]:
         return dict(self.start)
 
-    @staticmethod
-    def observation(snap: Snapshot) -> Observation:
+    def observation(self, snap: Snapshot) -> Observation:
         return Observation(
             t=snap.t, interval_s=snap.interval_s, arrivals=snap.arrivals,
             prompt_tokens_mean=snap.prompt_sum / snap.arrivals if snap.arrivals else None,
@@ -180,7 +185,8 @@ class PlannerPolicy:
             itl_mean_s=snap.gap_sum / snap.gap_n if snap.gap_n else None,
             prefilled_per_s=snap.prefilled / snap.interval_s,
             decoded_tokens_per_s=snap.decoded / snap.interval_s,
-            prefill_seconds_seen=snap.prefill_busy_s / snap.prefilled if snap.prefilled else None)
+            prefill_seconds_seen=snap.prefill_busy_s / snap.prefilled if snap.prefilled else None,
+            kv=snap.kv if self.kv_signal else None)
 
     def decide(self, t: float, snap: Snapshot) -> dict[str, int]:
         d = self.planner.step(self.observation(snap), dict(snap.current))

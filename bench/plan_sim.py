@@ -21,7 +21,11 @@ Per policy: SLO attainment (TTFT <= target, 500 ms; the request's mean gap <= ta
 TTFT and ITL percentiles, pod-hours per role, scale events. TTFT ends at the prefill pod's token 0
 (--first-token prefill, what Tandem streams first and what --validate measured); --first-token
 decode ends it at the first decode step. --cluster-scale makes the simulated pods dearer than the
-profile the policies size with (a profile measured on the engine alone, as --validate found). Plots under bench/plots/, the `plan_sim` section of
+profile the policies size with (a profile measured on the engine alone, as --validate found).
+--kv-blocks N gives every decode pod a paged KV pool of N blocks (--kv-block-size, --kv-reserve-blocks,
+--kv-rows; bench/plan_model.py says how it is modelled): the pods run only what their blocks hold,
+the planner reads the capacity as it does the pods' heartbeats, and the static and HPA sizes count
+it too (--no-kv-signal: the planner sizes decode by the ITL target alone). Plots under bench/plots/, the `plan_sim` section of
 bench/RESULTS.md, `plan_sim_*` keys of bench/out/summary.json. Nothing here is asserted.
 """
 from __future__ import annotations
@@ -43,7 +47,8 @@ from bench import plan_trace
 from bench.common import BENCH_DIR, machine_info, machine_line, markdown_table, merge_summary, pyplot, write_section
 from bench.plan_model import ROLES, SimConfig, SimResult, simulate
 from bench.plan_policies import HPAPolicy, PlannerPolicy, StaticPolicy, scaled, size_for
-from planner.decide import PlanConfig
+from planner.decide import PlanConfig, decode_batch
+from planner.kv import KVCapacity
 from planner.profile import Profile, load_profile
 from planner.settings import RoleBounds, SLOConfig
 
@@ -87,22 +92,32 @@ def build_trace(args, profile: Profile, slo: SLOConfig) -> plan_trace.Trace:
     return plan_trace.synthetic(spec)
 
 
+def kv_of(args, profile: Profile) -> KVCapacity | None:
+    """Every simulated decode pod's KV (--kv-blocks; 0: not modelled)."""
+    if args.kv_blocks <= 0:
+        return None
+    return KVCapacity("paged", rows=args.kv_rows or profile.slots, block_size=args.kv_block_size,
+                      blocks_total=args.kv_blocks, reserve_blocks=args.kv_reserve_blocks)
+
+
 def policies(trace: plan_trace.Trace, profile: Profile, slo: SLOConfig, args) -> list:
     pm, om = float(trace.prompt.mean()), float(trace.output.mean())
     mean_rate = len(trace) / max(trace.duration_s, 1.0)
     _, per_min = trace.rate_per_bin(60.0)
     _, first = trace.rate_per_bin(300.0)
-    peak = size_for(float(per_min.max()), pm, om, profile, slo)
+    kv = kv_of(args, profile)
+    peak = size_for(float(per_min.max()), pm, om, profile, slo, kv=kv)
     bounds = {r: RoleBounds(min_replicas=1, max_replicas=args.max_replicas or 2 * peak[r]) for r in ROLES}
-    start = size_for(float(first[0]), pm, om, profile, slo)
-    b = max(1, profile.decode_batch_for_itl(slo.itl_s))
+    start = size_for(float(first[0]), pm, om, profile, slo, kv=kv)
+    b = max(1, decode_batch(profile, slo, kv=kv, prompt_tokens=pm, output_tokens=om).size)
     hpa_targets = {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target or 0.8 * b}
     cfg = PlanConfig(slo, bounds, max_utilization=0.8, scale_up_cooldown_s=args.up_cooldown_s,
                      scale_down_cooldown_s=args.down_cooldown_s)
-    return [StaticPolicy(size_for(mean_rate, pm, om, profile, slo), name="static"),
+    return [StaticPolicy(size_for(mean_rate, pm, om, profile, slo, kv=kv), name="static"),
             StaticPolicy(peak, name="static-peak"),
             HPAPolicy(hpa_targets, bounds, start),
-            PlannerPolicy(profile, cfg, start, interval_s=args.interval_s, correction=not args.no_correction)]
+            PlannerPolicy(profile, cfg, start, interval_s=args.interval_s, correction=not args.no_correction,
+                          kv_signal=not args.no_kv_signal)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +247,11 @@ def report(doc: dict) -> str:
         f"{slo['ttft_s']:g} s, ITL {slo['itl_s'] * 1e3:g} ms (per request; the planner sizes for the means). "
         f"Pods start {doc['sim']['startup_s']:g} s after they are asked for; first token: {doc['sim']['first_token']}"
         + (f"; the simulated pods cost more than the profile the policies size with (--cluster-scale "
-           f"{doc['sim']['cluster_scale']})." if doc["sim"].get("cluster_scale") else "."),
+           f"{doc['sim']['cluster_scale']})" if doc["sim"].get("cluster_scale") else "")
+        + (f"; decode pods' KV: {kv['blocks_total']} blocks of {kv['block_size']} positions, {kv['rows']} rows, "
+           f"{kv['reserve_blocks']} block(s) of reserve a row (the planner "
+           f"{'reads it' if doc['sim'].get('kv_signal', True) else 'does not read it: ITL target alone'})."
+           if (kv := doc["sim"].get("kv")) else "."),
         f"Static sized for the mean: {doc['sizes'].get('static')}; static-peak: {doc['sizes'].get('static-peak')}; HPA "
         f"targets (per pod) {doc['sizes'].get('hpa_targets')}; planner every {doc['sizes']['interval_s']:g} s, scale-up "
         f"cooldown {doc['sizes']['up_cooldown_s']:g} s, scale-down window {doc['sizes']['down_cooldown_s']:g} s; "
@@ -284,7 +303,7 @@ def run(args, argv: list[str]) -> int:
     t0 = time.perf_counter()
     trace = build_trace(args, profile, slo)
     print(f"trace: {trace.name}: {len(trace):,} requests ({time.perf_counter() - t0:.1f} s)", flush=True)
-    cfg = SimConfig(startup_s=args.startup_s, first_token=args.first_token)
+    cfg = SimConfig(startup_s=args.startup_s, first_token=args.first_token, kv=kv_of(args, profile))
     pols = policies(trace, profile, slo, args)
     if args.policies:
         pols = [p for p in pols if p.name in args.policies.split(",")]
@@ -309,7 +328,10 @@ def run(args, argv: list[str]) -> int:
                   "prompt_mean": float(trace.prompt.mean()), "output_mean": float(trace.output.mean())},
         "profile": {"source": _rel(profile.source), "slots": profile.slots, "handoff_s": profile.handoff_s},
         "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
-        "sim": {"startup_s": cfg.startup_s, "first_token": cfg.first_token, "cluster_scale": args.cluster_scale},
+        "sim": {"startup_s": cfg.startup_s, "first_token": cfg.first_token, "cluster_scale": args.cluster_scale,
+                "kv": None if cfg.kv is None else {k: getattr(cfg.kv, k) for k in
+                                                   ("rows", "block_size", "blocks_total", "reserve_blocks")},
+                "kv_signal": not args.no_kv_signal},
         "sizes": sizes(pols, args), "policies": summaries,
         "planner_notes": planner_notes(next((p.log for p in pols if p.name == "planner"), [])),
     }
@@ -359,6 +381,11 @@ def parse(argv):
                    help="the simulated pods cost more than the profile the policies size with: decode step x K, "
                         "prefill x A + C ms (bench/plan_validate.py's fit)")
     p.add_argument("--no-correction", action="store_true", help="the planner without its correction factors")
+    p.add_argument("--kv-blocks", type=int, default=0, help="every decode pod's paged KV pool, in blocks (0: not modelled)")
+    p.add_argument("--kv-block-size", type=int, default=16, help="positions a block")
+    p.add_argument("--kv-reserve-blocks", type=int, default=1, help="blocks kept free for every running row")
+    p.add_argument("--kv-rows", type=int, default=0, help="a decode pod's rows (default: the profile's slots)")
+    p.add_argument("--no-kv-signal", action="store_true", help="the planner sizes decode by the ITL target alone")
     p.add_argument("--policies", default="", help="comma-separated subset of static,static-peak,hpa,planner")
     p.add_argument("--report-only", action="store_true", help="re-render the section from bench/out/plan_sim.json")
     p.add_argument("--tag", default="", help="write bench/out/plan_sim_TAG.json")

@@ -93,5 +93,6 @@ class BlockBudget:
 
     def summary(self) -> dict:
         free = self.free()
+        # reserve_blocks: what every running row keeps free (the planner's sequences-per-pod rule reads it)
         return {"layout": "paged", "block_size": self.block_size, "blocks_total": self.total, "blocks_free": free,
-                "blocks_used": self.total - free}
+                "blocks_used": self.total - free, "reserve_blocks": self.per_row}

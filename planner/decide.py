@@ -8,9 +8,14 @@ publishes the first token itself: the hand-off to decode is in the first gap, no
 never above `max_utilization` either. Replicas = ceil(load * s / rho), where load is the planned
 arrival rate plus the backlog spread over one interval.
 
-Decode. The largest batch b whose step time meets the ITL target is the most one pod may run;
-it then makes max_utilization * b / itl(b) tokens/s. Replicas = ceil(load * output_tokens /
-that), with the ready backlog counted like prefill's.
+Decode. A pod's batch b is bounded twice: by the largest batch whose step time meets the ITL
+target (never past the profile's slots: the step time is not extrapolated), and by the sequences
+its KV holds at the predicted mean length (planner/kv.py; unknown when no decode pod's heartbeat
+says, and then the ITL bound alone, as before). A running sequence holds prompt + output / 2 positions on average
+over its life (it enters with its prompt and grows a position a step), which is also the context
+length Dynamo's SLA planner sizes decode at; the pods' sum over their sequences is that mean times
+the batch. The pod then makes max_utilization * b / itl(b) tokens/s. Replicas = ceil(load *
+output_tokens / that), with the ready backlog counted like prefill's.
 
 Both use the profile scaled by what the pods measurably do (planner/correct.py).
 
@@ -23,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.correct import Corrections
+from planner.kv import KVCapacity
 from planner.predict import Forecast, LoadPredictor
 from planner.profile import Profile
 from planner.settings import RoleBounds, SLOConfig
@@ -51,6 +57,34 @@ class Observation:
     prefilled_per_s: float | None = None
     decoded_tokens_per_s: float | None = None
     prefill_seconds_seen: float | None = None  # the prefill pods' mean recent seconds a prompt
+    # The decode pods' KV (their heartbeats; planner/kv.py): None = unknown, decode sized by ITL alone.
+    kv: KVCapacity | None = None
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The batch one decode pod is planned at, and what bounds it."""
+
+    itl: int  # the largest batch whose step meets the ITL target (<= the profile's slots)
+    kv: int | None = None  # sequences the pod's KV holds at `positions` each (None: capacity unknown)
+    positions: float | None = None  # positions a running sequence holds on average: prompt + output / 2
+
+    @property
+    def size(self) -> int:
+        """The batch the replicas are sized at: the smaller bound."""
+        return self.itl if self.kv is None else min(self.itl, self.kv)
+
+    @property
+    def kv_bound(self) -> bool:
+        """The KV, not the ITL target, bounds the batch."""
+        return self.kv is not None and self.kv < self.itl
+
+    def note(self) -> str:
+        """What the decision's notes say when the KV bounds the batch ("" when it does not)."""
+        if not self.kv_bound:
+            return ""
+        return (f"decode: KV holds {self.kv} sequences of ~{self.positions:.0f} positions per pod, below the "
+                f"{self.itl} the ITL target allows")
 
 
 @dataclass(frozen=True)
@@ -64,6 +98,7 @@ class Decision:
     notes: tuple[str, ...] = ()
     forecast: Forecast | None = None
     corrections: tuple[float, float] | None = None  # (prefill, decode) slowdowns of the profile used
+    decode_batch: DecodeBatch | None = None  # the batch a decode pod was sized at, and its bounds
 
     def replicas(self, role: str) -> int:
         return self.prefill if role == "prefill" else self.decode
@@ -85,14 +120,35 @@ def prefill_needed(rate: float, prompt_tokens: float, profile: Profile, slo: SLO
     return math.ceil(rate * s / rho - 1e-9)
 
 
-def decode_needed(rate: float, output_tokens: float, profile: Profile, slo: SLOConfig,
-                  max_utilization: float, slowdown: float = 1.0) -> int:
+def decode_batch(profile: Profile, slo: SLOConfig, slowdown: float = 1.0, kv: KVCapacity | None = None,
+                 prompt_tokens: float = 0.0, output_tokens: float = 0.0) -> DecodeBatch:
+    """The batch one decode pod may run: the ITL target's, capped by what `kv` holds at a running
+    sequence's mean length, prompt + output / 2 (`kv` None: the ITL target's alone). The KV bound
+    only ever lowers the batch: past the profile's slots there is no step time to size with."""
     b = profile.decode_batch_for_itl(slo.itl_s / slowdown)
     if b == 0:
         raise Infeasible(f"one request alone steps every {profile.decode_itl(1) * slowdown * 1000:.1f} ms (the "
                          f"profile's x {slowdown:.2f} measured), past the ITL target {slo.itl_s * 1000:.1f} ms")
+    if kv is None:
+        return DecodeBatch(itl=b)
+    positions = max(0.0, prompt_tokens) + max(0.0, output_tokens) / 2
+    return DecodeBatch(itl=b, kv=kv.sequences(positions), positions=positions)
+
+
+def decode_replicas(rate: float, output_tokens: float, batch: DecodeBatch, profile: Profile,
+                    max_utilization: float, slowdown: float = 1.0) -> int:
+    """Decode pods for `rate` requests/s of `output_tokens` each, every pod running `batch.size`."""
+    b = batch.size
     per_pod = max_utilization * b / (profile.decode_itl(b) * slowdown)  # tokens/s
     return math.ceil(rate * output_tokens / per_pod - 1e-9)
+
+
+def decode_needed(rate: float, output_tokens: float, profile: Profile, slo: SLOConfig,
+                  max_utilization: float, slowdown: float = 1.0, kv: KVCapacity | None = None,
+                  prompt_tokens: float = 0.0) -> int:
+    """Decode pods for a load: `decode_replicas` at `decode_batch` (`kv` None: by ITL alone)."""
+    batch = decode_batch(profile, slo, slowdown, kv, prompt_tokens, output_tokens)
+    return decode_replicas(rate, output_tokens, batch, profile, max_utilization, slowdown)
 
 
 @dataclass
@@ -142,17 +198,21 @@ class Planner:
         load_d = fc.planned_rate + obs.decode_backlog / obs.interval_s
         u, c = self.cfg.max_utilization, self.corrections
         try:
-            wanted = {"prefill": prefill_needed(load_p, fr.prompt_tokens, self.profile, self.cfg.slo, u, c.prefill),
-                      "decode": decode_needed(load_d, fc.output_tokens, self.profile, self.cfg.slo, u, c.decode)}
+            prefill = prefill_needed(load_p, fr.prompt_tokens, self.profile, self.cfg.slo, u, c.prefill)
+            batch = decode_batch(self.profile, self.cfg.slo, c.decode, obs.kv, fc.prompt_tokens, fc.output_tokens)
+            wanted = {"prefill": prefill,
+                      "decode": decode_replicas(load_d, fc.output_tokens, batch, self.profile, u, c.decode)}
         except Infeasible as e:
             return self.hold(obs.t, current, f"SLO infeasible: {e}", fc)
         notes, out = [], {}
+        if batch.kv_bound:
+            notes.append(batch.note())
         for role in ROLES:
             out[role], note = self._bounded(role, wanted[role], current[role], obs.t)
             if note:
                 notes.append(note)
         return Decision(obs.t, out["prefill"], out["decode"], wanted["prefill"], wanted["decode"],
-                        notes=tuple(notes), forecast=fc, corrections=(c.prefill, c.decode))
+                        notes=tuple(notes), forecast=fc, corrections=(c.prefill, c.decode), decode_batch=batch)
 
     def _bounded(self, role: str, wanted: int, current: int, t: float) -> tuple[int, str]:
         b, cfg = self.cfg.bounds[role], self.cfg

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from planner.decide import ROLES, Decision, Observation
+from planner.kv import KVCapacity
 
 
 class PlannerMetrics:
@@ -31,6 +32,13 @@ class PlannerMetrics:
         self.correction = Gauge("tandem_planner_profile_correction", "How much slower the pods measurably are "
                                 "than the capacity profile (planner/correct.py; 1 = as profiled)", ["role"],
                                 registry=reg)
+        self.decode_batch = Gauge("tandem_planner_decode_batch", "Sequences one decode pod is sized to run: "
+                                  "itl = the most whose step meets the ITL target, kv = the most its KV holds at the "
+                                  "predicted mean length (NaN: capacity unknown), planned = the smaller",
+                                  ["bound"], registry=reg)
+        self.kv = Gauge("tandem_planner_decode_kv", "The decode pods' KV as their heartbeats say (the smallest "
+                        "pod's): rows, block_size, blocks_total, reserve_blocks (0 on the slot layout), paged (1/0), "
+                        "used (the pods' mean share of KV in use), pods", ["field"], registry=reg)
         self.leader = Gauge("tandem_planner_leader", "1 when this planner may scale (holds the Lease)",
                             registry=reg)
 
@@ -50,6 +58,10 @@ class PlannerMetrics:
         if d.corrections is not None:
             self.correction.labels("prefill").set(d.corrections[0])
             self.correction.labels("decode").set(d.corrections[1])
+        b, nan = d.decode_batch, float("nan")  # None (a hold before sizing): NaN, as the needed replicas
+        self.decode_batch.labels("itl").set(nan if b is None else b.itl)
+        self.decode_batch.labels("kv").set(nan if b is None or b.kv is None else b.kv)
+        self.decode_batch.labels("planned").set(nan if b is None else b.size)
         if d.forecast is not None:
             self.rate.set(d.forecast.rate)
             self.margin.set(d.forecast.margin)
@@ -64,6 +76,19 @@ class PlannerMetrics:
                             ("prefill_seconds_seen", obs.prefill_seconds_seen)):
                 if v is not None:
                     self.observed.labels(name).set(v)
+            self.record_kv(obs.kv)
+
+    def record_kv(self, k: KVCapacity | None) -> None:
+        """The decode pods' KV gauges; NaN (pods 0) while no decode pod says (nothing stale)."""
+        nan = float("nan")
+        fields: tuple[tuple[str, float], ...] = (
+            ("rows", nan), ("block_size", nan), ("blocks_total", nan), ("reserve_blocks", nan), ("paged", nan),
+            ("used", nan), ("pods", 0)) if k is None else (
+            ("rows", k.rows), ("block_size", k.block_size), ("blocks_total", k.blocks_total),
+            ("reserve_blocks", k.reserve_blocks), ("paged", 1 if k.layout == "paged" else 0),
+            ("used", nan if k.used is None else k.used), ("pods", k.pods))
+        for name, v in fields:
+            self.kv.labels(name).set(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,7 @@ an SLO no replica count meets) becomes a *hold*: the replicas stay as they are, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -93,9 +94,8 @@ class PlannerService:
             return self._held(t, current, None, "first interval: counting starts now")
         d = self.planner.step(snap.observation, current)
         if not leader and not d.held:
-            d = Decision(d.t, current["prefill"], current["decode"], d.wanted_prefill, d.wanted_decode,
-                         held="not the leader: another planner holds the lease", forecast=d.forecast,
-                         corrections=d.corrections)
+            d = dataclasses.replace(d, prefill=current["prefill"], decode=current["decode"],
+                                    held="not the leader: another planner holds the lease")
         if d.held:
             return self._held(t, current, snap.observation, d.held, d)
         if any(d.replicas(r) != current[r] for r in ROLES):
@@ -127,7 +127,7 @@ class PlannerService:
             return Decision(t, 0, 0, None, None, held=reason)
         held = Decision(t, current["prefill"], current["decode"], d.wanted_prefill if d else None,
                         d.wanted_decode if d else None, held=reason, notes=d.notes if d else (),
-                        forecast=d.forecast if d else None)
+                        forecast=d.forecast if d else None, decode_batch=d.decode_batch if d else None)
         return self._done(held, current, obs)
 
     def _done(self, d: Decision, current: dict[str, int], obs) -> Decision:
@@ -153,6 +153,10 @@ def decision_json(d: Decision, current: dict[str, int], obs) -> dict:
            "needed": {"prefill": d.wanted_prefill, "decode": d.wanted_decode}, "held": d.held, "notes": list(d.notes)}
     if d.corrections is not None:
         out["corrections"] = {"prefill": round(d.corrections[0], 3), "decode": round(d.corrections[1], 3)}
+    if d.decode_batch is not None:
+        b = d.decode_batch
+        out["decode_batch"] = {"itl": b.itl, "kv": b.kv, "size": b.size, "kv_bound": b.kv_bound,
+                               "positions": None if b.positions is None else round(b.positions, 1)}
     if d.forecast is not None:
         f = d.forecast
         out["forecast"] = {"rate": round(f.rate, 4), "margin": round(f.margin, 4),
@@ -164,5 +168,6 @@ def decision_json(d: Decision, current: dict[str, int], obs) -> dict:
                            "decoded_tokens_per_s": obs.decoded_tokens_per_s,
                            "prefill_seconds_seen": obs.prefill_seconds_seen,
                            "prefill_backlog": obs.prefill_backlog, "decode_backlog": obs.decode_backlog,
-                           "ttft_mean_s": obs.ttft_mean_s, "itl_mean_s": obs.itl_mean_s}
+                           "ttft_mean_s": obs.ttft_mean_s, "itl_mean_s": obs.itl_mean_s,
+                           "kv": None if obs.kv is None else dataclasses.asdict(obs.kv)}
     return out

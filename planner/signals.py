@@ -9,7 +9,10 @@
   for a decode slot (the ready stream); pods XDEL what they ack, so XLEN is the backlog.
 - Pods: the live, non-draining prefill and decode pods of this pool in the registry, and what
   their heartbeats report of their throughput (prompts prefilled, tokens decoded, a prefill pod's
-  recent seconds a prompt), published beside the decision so the profile can be checked.
+  recent seconds a prompt), published beside the decision so the profile can be checked; and
+  the live decode pods' KV capacity (rows, and a paged pod's block pool: planner/kv.py), which
+  bounds the batch a decode pod is sized at. No decode pod live: None, and decode is sized by the
+  ITL target alone.
 The first read only sets the baseline of the counts; every later one is an `Observation`.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from planner.decide import Observation
+from planner.kv import KVCapacity, pod_capacity, pool_capacity
 from tandem_core import load_report
 from tandem_core.bus import admission, ready, registry
 from tandem_core.bus import KeySpace
@@ -33,6 +37,15 @@ class Snapshot:
     observation: Observation | None  # None on the first read (the baseline)
     live: dict[str, int]  # role -> live, non-draining pods of the pool
     gateways: int
+
+
+@dataclass(frozen=True)
+class PodReport:
+    """The pool's pods as the registry has them, read once a tick."""
+
+    live: dict[str, int]  # role -> live, non-draining pods
+    done: dict[str, float]  # since the last read: prompts prefilled, tokens decoded; prefill_s: seconds a prompt
+    kv: KVCapacity | None  # the live decode pods' KV (the smallest pod's; planner/kv.py)
 
 
 class Signals:
@@ -54,10 +67,11 @@ class Signals:
         return (await admission.admission_backlog(self.r, self.ks, self.pool) + routed,
                 await ready.ready_backlog(self.r, self.ks, self.pool))
 
-    async def pods(self) -> tuple[dict[str, int], dict[str, float]]:
-        """(live non-draining pods per role, what the pool's pods did since the last read:
-        prompts prefilled, tokens decoded, and the prefill pods' mean recent seconds a prompt)."""
-        live, reps, ema = {"prefill": 0, "decode": 0}, [], []
+    async def pods(self) -> PodReport:
+        """The live non-draining pods per role, what the pool's pods did since the last read
+        (prompts prefilled, tokens decoded, the prefill pods' mean recent seconds a prompt) and the
+        live decode pods' KV capacity (a draining pod's is not counted: it takes no new work)."""
+        live, reps, ema, kv = {"prefill": 0, "decode": 0}, [], [], []
         for w in await registry.list_workers(self.r):
             extra = w.get("extra") or {}
             if w["role"] not in live or extra.get("pool", self.pool) != self.pool:
@@ -67,13 +81,18 @@ class Signals:
                          "tokens": extra.get("tokens", 0)})
             if w["role"] == "prefill" and extra.get("prefill_ema_s"):
                 ema.append(float(extra["prefill_ema_s"]))
+            if w["role"] == "decode" and not w.get("draining"):
+                cap = pod_capacity(int(w.get("slots", 0)), int(w.get("free_slots", 0)), extra)
+                if cap is not None:
+                    kv.append(cap)
         done = self.pod_increments.step(reps)
-        return live, {**done, "prefill_s": sum(ema) / len(ema) if ema else 0.0}
+        return PodReport(live, {**done, "prefill_s": sum(ema) / len(ema) if ema else 0.0}, pool_capacity(kv))
 
     async def read(self, t: float) -> Snapshot:
         reports = await load_report.read(self.r)
         d = self.increments.step(reports)
-        live, done = await self.pods()
+        pods = await self.pods()
+        live, done = pods.live, pods.done
         if self.last_t is None:
             self.last_t = t
             return Snapshot(None, live, len(reports))
@@ -93,7 +112,7 @@ class Signals:
             prefill_arrivals=int(round(d["admitted_remote"])),
             prefill_prompt_tokens_mean=_mean(d["prompt_tokens_remote"], d["admitted_remote"]),
             prefilled_per_s=done["prefilled"] / wall, decoded_tokens_per_s=done["tokens"] / wall,
-            prefill_seconds_seen=done["prefill_s"] or None,
+            prefill_seconds_seen=done["prefill_s"] or None, kv=pods.kv,
         )
         return Snapshot(obs, live, len(reports))
 

@@ -14,11 +14,13 @@ import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
 
 from planner.app import create_app
+from planner.decide import Observation
 from planner.kube import RecordingApi
-from planner.service import PlannerService, build_connector
+from planner.service import PlannerService, build_connector, build_planner
 from planner.settings import KubernetesConfig, PlannerSettings, RoleBounds, SLOConfig
+from planner.signals import Signals
 from tandem_core import keys, load_report
-from tandem_core.bus import registry
+from tandem_core.bus import KeySpace, registry
 from tandem_core.settings import RedisConfig
 from tests.integration.test_gateway_relay import gateway_with_worker
 from tests.unit.clock import Clock
@@ -107,6 +109,72 @@ async def test_local_mode_decides_from_the_reports_and_writes_the_decision(redis
     assert svc.history[-1]["observed"]["prompt_tokens_mean"] == 64
     # the next tick reads the replicas back from Redis, not from the live pods (none here)
     assert await svc.connector.current({"prefill": 0, "decode": 0}) == {"prefill": d.prefill, "decode": d.decode}
+
+
+def paged_kv(blocks_total: int, blocks_free: int, reserve_blocks: int = 1, block_size: int = 16) -> dict:
+    """A paged decode pod's `extra.kv`, as decode_svc/blocks.py `BlockBudget.summary()` writes it."""
+    return {"layout": "paged", "block_size": block_size, "blocks_total": blocks_total, "blocks_free": blocks_free,
+            "blocks_used": blocks_total - blocks_free, "reserve_blocks": reserve_blocks}
+
+
+async def test_decode_pods_kv_from_their_heartbeats_bounds_the_decode_batch(redis_client, redis_url, profile_path):
+    """The live decode pods' heartbeats (real registry entries) become the observation's KV
+    capacity: the smallest pool of the pool's live, non-draining decode pods. Long requests on it
+    bound the batch below the ITL target's, and the decision, its notes, /decision and the gauges
+    say so."""
+    pool = f"plan-{uuid.uuid4().hex[:6]}"
+    clock = Clock(100.0)
+    svc = PlannerService(settings(redis_url, pool, profile_path, mode="local", interval_s=10), redis_client, clock=clock)
+
+    async def beat(wid: str, role: str, slots: int, free: int, kv: dict | None = None, draining: bool = False,
+                   in_pool: str = pool) -> None:
+        extra = {"pool": in_pool, "tokens": 0, **({"kv": kv} if kv else {})}
+        await registry.heartbeat(redis_client, registry.WorkerInfo(role, f"{pool}-{wid}", 7, "127.0.0.1:1", slots, free,
+                                                                   draining=draining, extra=extra), 30)
+
+    async def beat_all() -> None:
+        await beat("d0", "decode", 8, 2, paged_kv(256, 64))
+        await beat("d1", "decode", 8, 8, paged_kv(128, 128))  # the smallest live pool: what is planned with
+        await beat("d2", "decode", 8, 8, paged_kv(16, 16), draining=True)  # takes no work: not counted
+        await beat("x0", "decode", 8, 8, paged_kv(8, 8), in_pool="another-pool")
+        await beat("p0", "prefill", 1, 1)
+
+    await beat_all()
+    await report(redis_client, "gw-a", 0, 0, 0, 0, now=T0)
+    assert (await svc.tick()).held.startswith("first interval")
+    clock.t += 10
+    # 40 requests of 64 prompt tokens and 1400 output tokens: a running one holds 64 + 700 = 764
+    # positions, 48 blocks + 1 of reserve; 128 blocks hold 2 of them, the ITL target allows 4
+    await report(redis_client, "gw-a", 40, 40 * 64, 40, 40 * 1400, now=T0 + 10)
+    await beat_all()
+    d = await svc.tick()
+    assert not d.held, d
+    kv = svc.history[-1]["observed"]["kv"]
+    assert kv == {"layout": "paged", "rows": 8, "block_size": 16, "blocks_total": 128, "reserve_blocks": 1,
+                  "used": pytest.approx((0.75 + 0.0) / 2), "pods": 2}
+    assert svc.history[-1]["decode_batch"] == {"itl": 4, "kv": 2, "size": 2, "kv_bound": True, "positions": 764.0}
+    assert "decode: KV holds 2 sequences of ~764 positions per pod, below the 4 the ITL target allows" in d.notes
+    metrics = svc.metrics.render().decode()
+    assert 'tandem_planner_decode_batch{bound="kv"} 2.0' in metrics
+    assert 'tandem_planner_decode_batch{bound="itl"} 4.0' in metrics
+    assert 'tandem_planner_decode_kv{field="blocks_total"} 128.0' in metrics
+    # the same load sized by the ITL target alone (no capacity known) asks for fewer decode pods
+    obs = Observation(t=0, interval_s=10, arrivals=40, prompt_tokens_mean=64, output_tokens_mean=1400)
+    itl_only = build_planner(svc.s, svc.profile).step(obs, {"prefill": 1, "decode": 1})
+    assert itl_only.decode_batch.kv is None and d.wanted_decode > itl_only.wanted_decode
+
+
+async def test_slot_pods_publish_rows_and_no_decode_pod_means_no_capacity(redis_client, redis_url, profile_path):
+    pool = f"plan-{uuid.uuid4().hex[:6]}"
+    sig = Signals(redis_client, KeySpace(1), pool)
+    await registry.heartbeat(redis_client, registry.WorkerInfo("prefill", f"{pool}-p0", 7, "127.0.0.1:1", 1, 1,
+                                                               extra={"pool": pool}), 30)
+    assert (await sig.pods()).kv is None  # no decode pod: the planner sizes decode by ITL alone
+    await registry.heartbeat(redis_client, registry.WorkerInfo("decode", f"{pool}-d0", 7, "127.0.0.1:1", 3, 2,
+                                                               extra={"pool": pool, "tokens": 5}), 30)
+    got = (await sig.pods()).kv
+    assert got is not None and (got.layout, got.rows, got.blocks_total, got.pods) == ("slots", 3, 0, 1)
+    assert got.used == pytest.approx(1 / 3)
 
 
 async def test_kubernetes_mode_patches_the_scale_subresource_only_as_leader(redis_client, redis_url, profile_path, tmp_path):

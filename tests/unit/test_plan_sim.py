@@ -12,7 +12,8 @@ import pytest
 from bench.plan_model import SimConfig, simulate
 from bench.plan_policies import HPAPolicy, HPAStabilizer, PlannerPolicy, StaticPolicy, hpa_desired, scaled, size_for
 from bench.plan_trace import Trace, TraceSpec, poisson_slice, rate_curve, read_jsonl, synthetic, write_jsonl
-from planner.decide import PlanConfig
+from planner.decide import DecodeBatch, PlanConfig
+from planner.kv import KVCapacity
 from planner.profile import parse_profile
 from planner.settings import RoleBounds, SLOConfig
 
@@ -180,3 +181,52 @@ def test_recorded_trace_round_trip(tmp_path):
     f.write_text('{"t": 0, "prompt_tokens": 3}\n')
     with pytest.raises(ValueError, match="output"):
         read_jsonl(f)
+
+
+# A small paged pool: 256 blocks of 16 positions (4096), a block of reserve a row, 8 rows.
+SMALL_PAGED = KVCapacity("paged", rows=8, block_size=16, blocks_total=256, reserve_blocks=1)
+
+
+def _kv_run(kv, kv_signal=True):
+    """4 req/s of 1500-token prompts and 200-token outputs for 10 minutes, the planner every 15 s."""
+    tr = poisson_slice(4.0, 600.0, [(1500, 200)], seed=1)
+    slo = SLOConfig(ttft_s=0.5, itl_s=0.05)
+    start = size_for(len(tr) / tr.duration_s, 1500.0, 200.0, PROFILE, slo)  # by the ITL rule: 3 decode pods
+    pol = PlannerPolicy(PROFILE, PlanConfig(slo, BOUNDS, scale_down_cooldown_s=120.0), start, interval_s=15.0,
+                        kv_signal=kv_signal)
+    return simulate(tr, PROFILE, pol, SimConfig(startup_s=10.0, kv=kv)), pol
+
+
+def test_long_prompts_on_a_small_paged_pool_get_the_decode_pods_their_kv_needs():
+    """A running request holds 1500 + 200 / 2 = 1600 positions, 101 blocks with its reserve: the
+    pool runs 2 of them, where the ITL target allows the profile's 8. The planner that reads the
+    pods' KV sizes decode at 2 a pod from its first decision; the ITL rule alone (the planner before
+    it read KV) sizes at 8 a pod, and only the ready queue that then builds pushes it up, late:
+    requests wait for a decode pod and their gaps grow."""
+    slo = SLOConfig(ttft_s=0.5, itl_s=0.05)
+    assert size_for(4.0, 1500.0, 200.0, PROFILE, slo, kv=SMALL_PAGED)["decode"] > size_for(4.0, 1500.0, 200.0, PROFILE, slo)["decode"]
+    kv_res, kv_pol = _kv_run(SMALL_PAGED)
+    itl_res, itl_pol = _kv_run(SMALL_PAGED, kv_signal=False)
+    assert kv_res.unfinished == 0 and itl_res.unfinished == 0
+    kv_d = [d for _, d in kv_pol.log if not d.held]
+    itl_d = [d for _, d in itl_pol.log if not d.held]
+    assert all(d.decode_batch.size == 2 and d.decode_batch.itl == 8 for d in kv_d)
+    assert all(d.decode_batch.kv is None and d.decode_batch.size == d.decode_batch.itl for d in itl_d)
+    assert "decode: KV holds 2 sequences of ~1600 positions per pod, below the 8 the ITL target allows" in kv_d[0].notes
+    assert kv_d[0].wanted_decode > itl_d[0].wanted_decode  # the same first interval, sized apart
+    assert np.median([d.decode for d in kv_d]) > np.median([d.decode for d in itl_d])
+    # the ITL rule's pods ran out of KV: prefilled requests waited for a decode pod, gaps grew
+    assert itl_res.series["ready_queue"].mean() > 1.0 > kv_res.series["ready_queue"].mean()
+    assert np.nanpercentile(itl_res.itl, 90) > 2 * np.nanpercentile(kv_res.itl, 90)
+
+
+def test_without_a_kv_model_the_simulator_and_the_planner_are_as_before():
+    """kv=None: no capacity in the snapshot, so the planner sizes by the ITL target alone; and the
+    cluster is the same as one whose pods' rows are the profile's slots (which bounds nothing)."""
+    res, pol = _kv_run(None)
+    rows, rows_pol = _kv_run(KVCapacity("slots", rows=PROFILE.slots))
+    assert res.unfinished == 0
+    assert all(d.decode_batch == DecodeBatch(itl=8) for _, d in pol.log if not d.held)
+    assert [(d.prefill, d.decode, d.wanted_decode) for _, d in pol.log] == \
+        [(d.prefill, d.decode, d.wanted_decode) for _, d in rows_pol.log]
+    assert np.array_equal(res.finish, rows.finish) and res.scale_events == rows.scale_events

@@ -6,9 +6,12 @@ import math
 
 import pytest
 
+from decode_svc.blocks import BlockBudget
 from planner.correct import LIMIT, Corrections
-from planner.decide import Infeasible, Observation, PlanConfig, Planner, decode_needed, prefill_needed
+from planner.decide import (DecodeBatch, Infeasible, Observation, PlanConfig, Planner, decode_batch, decode_needed,
+                             prefill_needed)
 from planner.kube import LeaseKeeper, RecordingApi, lease_action, lease_body
+from planner.kv import KVCapacity, pod_capacity, pool_capacity
 from planner.predict import LoadPredictor
 from planner.profile import parse_profile
 from planner.settings import PlannerSettings, RoleBounds, SLOConfig
@@ -184,3 +187,110 @@ def test_pods_slower_than_the_profile_get_more_replicas():
     # a wild measurement is clamped
     wild = planner().step(obs(10, 20, prefill_seconds_seen=100.0, prefilled_per_s=1.0), {"prefill": 1, "decode": 1})
     assert wild.corrections[0] == pytest.approx((1 + LIMIT) / 2)
+
+
+# -- KV capacity (planner/kv.py) bounds the decode batch ------------------------------------------
+
+# A small paged pool: 128 blocks of 16 positions, one block of reserve a row, 16 rows.
+SMALL_PAGED = KVCapacity("paged", rows=16, block_size=16, blocks_total=128, reserve_blocks=1)
+
+
+def test_kv_capacity_counts_sequences_as_the_block_budget_admits_them():
+    # 700 positions: ceil(700 / 16) = 44 blocks + 1 of reserve = 45 a sequence; 128 // 45 = 2
+    assert SMALL_PAGED.blocks_for(700) == 45 and SMALL_PAGED.sequences(700) == 2
+    assert SMALL_PAGED.sequences(704) == 2 and SMALL_PAGED.blocks_for(705) == 46
+    # short sequences: 3 blocks each would fit 42, but the pod has 16 rows
+    assert SMALL_PAGED.sequences(32) == 16
+    # longer than the pool: an empty pod still takes one
+    assert SMALL_PAGED.sequences(100_000) == 1
+    # the slot layout set max_len aside per row: rows, whatever the length
+    assert KVCapacity("slots", rows=4).sequences(100_000) == 4
+    with pytest.raises(ValueError, match="block_size 0"):
+        KVCapacity("paged", rows=4, block_size=0, blocks_total=10)
+    with pytest.raises(ValueError, match="layout"):
+        KVCapacity("pages", rows=4)
+
+
+def test_kv_capacity_read_from_heartbeats_and_the_smallest_pod_kept():
+    paged = {"layout": "paged", "block_size": 16, "blocks_total": 256, "blocks_free": 64, "blocks_used": 192,
+             "reserve_blocks": 2}
+    big = pod_capacity(16, 3, {"pool": "p", "kv": paged})
+    assert big == KVCapacity("paged", rows=16, block_size=16, blocks_total=256, reserve_blocks=2, used=0.75)
+    older_kv = {k: v for k, v in paged.items() if k != "reserve_blocks"}  # a pod from before reserve_blocks
+    older = pod_capacity(16, 16, {"kv": {**older_kv, "blocks_total": 128, "blocks_free": 128}})
+    assert older is not None and older.reserve_blocks == 1 and older.used == 0.0
+    slots = pod_capacity(8, 6, {"pool": "p"})  # a slot pod publishes its rows only
+    assert slots == KVCapacity("slots", rows=8, used=0.25)
+    assert pod_capacity(0, 0, {}) is None  # no rows: says nothing
+    assert pod_capacity(8, 8, {"kv": {"layout": "paged", "block_size": "x"}}) is None
+    assert pod_capacity(8, 8, {"kv": {**paged, "blocks_total": 0}}) is None  # malformed: says nothing
+    got = pool_capacity([big, older, slots])
+    # the fewest rows (the slot pod's 8) and the smallest pool (128 blocks, its reserve)
+    assert (got.layout, got.rows, got.blocks_total, got.block_size, got.reserve_blocks, got.pods) == \
+        ("paged", 8, 128, 16, 1, 3)
+    assert got.used == pytest.approx((0.75 + 0.0 + 0.25) / 3)
+    assert pool_capacity([slots]).layout == "slots" and pool_capacity([]) is None
+
+
+def test_decode_batch_is_capped_by_what_the_kv_holds_at_the_mean_length():
+    slo = SLOConfig(itl_s=0.05)  # the ITL target allows all 8 of the profile's slots
+    # a running sequence holds prompt + output / 2 on average: 600 + 200 / 2 = 700 positions
+    b = decode_batch(PROFILE, slo, kv=SMALL_PAGED, prompt_tokens=600, output_tokens=200)
+    assert (b.itl, b.kv, b.positions, b.size, b.kv_bound) == (8, 2, 700, 2, True)
+    assert b.note() == "decode: KV holds 2 sequences of ~700 positions per pod, below the 8 the ITL target allows"
+    itl_only = decode_needed(20, 200, PROFILE, slo, 0.8)
+    assert itl_only == math.ceil(20 * 200 / (0.8 * 8 / 0.012))  # as before: 8
+    kv_bound = decode_needed(20, 200, PROFILE, slo, 0.8, kv=SMALL_PAGED, prompt_tokens=600)
+    assert kv_bound == math.ceil(20 * 200 / (0.8 * 2 / PROFILE.decode_itl(2))) and kv_bound > itl_only
+    # no capacity: exactly the ITL rule
+    assert decode_needed(20, 200, PROFILE, slo, 0.8, kv=None, prompt_tokens=600) == itl_only
+    assert decode_batch(PROFILE, slo, prompt_tokens=600, output_tokens=200) == DecodeBatch(itl=8)
+    # short sequences on a paged pod with more rows than the profile's slots: the batch stays at
+    # the profile's 8 (no step time is extrapolated past its slots), so nothing changes
+    short = decode_batch(PROFILE, slo, kv=SMALL_PAGED, prompt_tokens=16, output_tokens=32)
+    assert (short.kv, short.size, short.kv_bound, short.note()) == (16, 8, False, "")
+    assert decode_needed(20, 32, PROFILE, slo, 0.8, kv=SMALL_PAGED, prompt_tokens=16) == decode_needed(20, 32, PROFILE, slo, 0.8)
+    # a slot pod with fewer rows than the profile measured runs only its rows
+    assert decode_batch(PROFILE, slo, kv=KVCapacity("slots", rows=4), prompt_tokens=16, output_tokens=32).size == 4
+
+
+def test_planner_sizes_decode_by_the_kv_and_says_so():
+    cur = {"prefill": 1, "decode": 1}
+    plain = planner().step(obs(10, 20, isl=600, osl=200), cur)
+    bound = planner().step(obs(10, 20, isl=600, osl=200, kv=SMALL_PAGED), cur)
+    assert plain.decode_batch == DecodeBatch(itl=8) and not any(n.startswith("decode: KV") for n in plain.notes)
+    assert bound.decode_batch.size == 2 and bound.wanted_decode > plain.wanted_decode
+    assert bound.wanted_prefill == plain.wanted_prefill  # prefill does not read the KV
+    assert "decode: KV holds 2 sequences of ~700 positions per pod, below the 8 the ITL target allows" in bound.notes
+    # short requests: the same pool is no bound, and the decision is the ITL rule's
+    short = planner().step(obs(10, 20, isl=16, osl=32, kv=SMALL_PAGED), cur)
+    assert short.wanted_decode == planner().step(obs(10, 20, isl=16, osl=32), cur).wanted_decode
+    assert not short.decode_batch.kv_bound and short.notes == ()
+
+
+class _PagedPool:
+    """What `BlockBudget` reads of a paged engine: the pool's sizes and its free count (set by hand)."""
+
+    kv_layout, kv_block_size, kv_blocks_total, max_len, steps_per_dispatch = "paged", 16, 128, 2048, 20
+
+    def __init__(self) -> None:
+        self.free = self.kv_blocks_total
+
+    def kv_blocks_free(self) -> int:
+        return self.free
+
+
+@pytest.mark.parametrize("positions", [1, 16, 17, 100, 700, 764, 1500, 2048])
+def test_planner_counts_sequences_as_the_decode_pods_block_budget_admits_them(positions):
+    """The planner's rule (planner/kv.py) read from the paged pod's own heartbeat summary
+    (decode_svc/blocks.py) admits exactly as many sequences as `BlockBudget.fits` does on the
+    pod, one after another, each at `positions` (reserve: 20 steps = 2 blocks a row)."""
+    pool = _PagedPool()
+    budget = BlockBudget(pool, reserve_steps=20)  # type: ignore[arg-type]  # the attributes it reads
+    cap = pod_capacity(64, 64, {"kv": budget.summary()})
+    assert cap is not None and cap.reserve_blocks == 2
+    running = 0
+    while budget.fits(positions, running):
+        pool.free -= budget.blocks_for(positions)
+        running += 1
+    assert cap.sequences(positions) == running
