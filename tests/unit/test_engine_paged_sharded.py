@@ -2,12 +2,14 @@
 (each chip holds its heads' slice of every block, the block tables replicated) decodes the same
 greedy tokens as the slot layout at tp=1, one step per call and several; a prompt's KV crosses
 between a paged tp=2 engine and a slots tp=1 engine both ways; a finished row's blocks are shared
-by a later sequence (kv_reuse) with the same tokens as a whole insert; fp8 KV shards too.
+by a later sequence (kv_reuse) with the same tokens as a whole insert; fp8 KV shards too, and so
+does a prefill pod's device prefix cache (prefix_pool.py: the same pool, read through a hit).
 
-The built-in model (2 KV heads: one a chip) and GQA families built by transformers (8 query heads
-over 4 KV heads: llama; gpt_oss adds sinks, split per query head, and sliding windows). Blocks of
-4 positions, so decode crosses a block boundary every 4 steps and the step's table width changes
-as the 40-token prompt passes 64 positions (as tests/unit/test_engine_paged.py).
+The built-in model (trained; 4 query heads over 2 KV heads: one KV head a chip) and GQA families
+built by transformers (8 query heads over 4 KV heads: llama; gpt_oss adds sinks, split per query
+head, and sliding windows). Blocks of 4 positions, so decode crosses a block boundary every 4
+steps and the step's table width changes as the 40-token prompt passes 64 positions (as in
+tests/unit/test_engine_paged.py).
 
 XLA_FLAGS must be set before JAX starts, so the engines run in a child process (this file as a
 script, with two host CPU devices) that prints one JSON line; the tests assert on it here.
@@ -129,8 +131,8 @@ def child(spec: dict) -> dict:
     greedy = SamplingParams()
     res: dict = {"devices": len(jax.devices())}
     ids = prompts(3)
-    slots1 = load_engine("tiny", **KW)
-    paged2 = load_engine("tiny", tp=2, **PAGED, **KW)
+    slots1 = load_engine("builtin", **KW)
+    paged2 = load_engine("builtin", tp=2, **PAGED, **KW)
     res["want"] = decode(slots1, {s: slots1.prefill(p, greedy) for s, p in ids.items()})
     res["paged2"] = decode(paged2, {s: paged2.prefill(p, greedy) for s, p in ids.items()})
     res["paged2_multi"] = decode(paged2, {s: paged2.export_prefix(paged2.prefill(p, greedy)) for s, p in ids.items()},
@@ -148,9 +150,21 @@ def child(spec: dict) -> dict:
                                               for s, p in ids.items()})
     res["paged2_direct_to_slots1"] = decode(slots1, {s: paged2.prefill(p, greedy) for s, p in ids.items()})
     res["reuse2"] = reuse(paged2, 5)
+    # a prefill pod's device prefix cache at tp=2 (prefix_pool.py: its pool split by head too): a prompt
+    # over a hit decodes as the whole prompt's prefill at tp=1
+    from tandem_engine.prefix_pool import device_cache_for
+
+    cache = device_cache_for(paged2, 16, 1 << 20)
+    a = np.random.default_rng(9).integers(0, 256, 52).tolist()
+    whole = paged2.prefill(a[:40], greedy)
+    cache.insert(a[:40], lambda: (np.asarray(whole.k), np.asarray(whole.v)))
+    hit = cache.lookup(a)
+    res["device_cache"] = {"hit": hit.length, "pool_shard": list(cache.k[0].addressable_shards[0].data.shape),
+                           "got": decode(slots1, {0: paged2.prefill(a, greedy, cached=hit)}, steps=8),
+                           "want": decode(slots1, {0: slots1.prefill(a, greedy)}, steps=8)}
     # fp8 KV: the same pool dtype at tp=1 and tp=2 decodes alike
     for tp in (1, 2):
-        e = load_engine("tiny", tp=tp, kv_dtype="fp8", **PAGED, **KW)
+        e = load_engine("builtin", tp=tp, kv_dtype="fp8", **PAGED, **KW)
         res[f"fp8_tp{tp}"] = decode(e, {s: e.prefill(p, greedy) for s, p in ids.items()})
     for fam, path in spec.items():
         ids = prompts(len(fam))
@@ -217,6 +231,12 @@ def test_a_reused_prefix_decodes_as_a_whole_insert(results):
     assert r["got"] == r["want"]
     free, total = r["free"]
     assert free == total  # nothing leaked: cached blocks nobody holds count as free
+
+
+def test_the_device_prefix_cache_shards(results):
+    r = results["device_cache"]
+    assert r["hit"] == 32 and r["pool_shard"][0] == 1  # two 16-position blocks; one KV head a chip
+    assert r["got"] == r["want"]
 
 
 def test_fp8_kv_shards(results):
