@@ -25,7 +25,16 @@ gather path here (`paged_attention`: each row's blocks gathered through its tabl
 position and window). The choice between the two is made when the step is compiled, for the
 platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile holds only the kernel,
 a CPU compile only the gather), so an engine, and a TPU program compiled ahead of time on a CPU
-host, need no flag. No I/O, no host state in the functions.
+host, need no flag.
+
+Tensor parallelism (tp > 1, sharding.Layout.kv_pool): each layer buffer is split on its KV axis,
+so each chip holds its heads' slice of every block; the block tables (and the allocator's ids)
+are the same on every chip. Each layer's write of the new rows and its attention run per chip in
+a `shard_map` over its heads (`_layer_attention`, given the chip's head counts): the Pallas kernel
+is a Mosaic call, which XLA's partitioner cannot split (it refuses to compile it), and the gather
+path left to the partitioner all-gathers across chips. Query head h reads KV head h // groups on
+the same chip (sharding.py), so nothing crosses chips until the o projection's all-reduce.
+No I/O, no host state in the functions.
 """
 from __future__ import annotations
 
