@@ -303,7 +303,7 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
                          has_sinks=sinks is not None)
         args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat, table, write_pos, lengths,
                 jnp.zeros((), q.dtype) if sinks is None else sinks)
-        if tp > 1:  # per chip, on its heads: XLA's partitioner does not split a Mosaic call (nor, in place, the write)
+        if tp > 1:  # per chip, on its heads: XLA cannot partition a Mosaic call (see the module docstring)
             q_heads, kv_heads, pool, rep = P(None, None, AXIS, None), P(None, AXIS, None), P(AXIS, None, None, None), P()
             specs = (q_heads, kv_heads, kv_heads, pool, pool, rep, rep, rep, rep, rep if sinks is None else P(AXIS))
             out = (P(None, None, AXIS), pool, pool)  # attn [rows, 1, H * hd]: each chip its heads' columns
@@ -321,8 +321,9 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
     """One layer of `decode_forward_paged` on the heads `cfg` counts (all of them, or under tp one
     chip's: cfg's num_heads and num_kv_heads are then the chip's): the rows' new K/V k, v
     [rows, KV, hd] written at `flat` [rows] (block * B + offset) of every head's blocks of the
-    layer buffers [KV, num_blocks, B, hd], then q [rows, 1, H, hd] attends over them. Returns
-    (attn [rows, 1, H * hd], k_layer, v_layer)."""
+    layer buffers [KV, num_blocks, B, hd], then q [rows, 1, H, hd] attends over them. `sinks`:
+    the layer's [H] when `has_sinks`, else a placeholder (a shard_map argument must be an array).
+    Returns (attn [rows, 1, H * hd], k_layer, v_layer)."""
     kvh, blocks, bs, _ = k_layer.shape
     # each row's new K/V rows in a layer buffer seen as [KV * num_blocks * B, hd]: [rows * KV] (row-major)
     at = (jnp.arange(kvh)[None, :] * (blocks * bs) + flat[:, None]).reshape(-1)
