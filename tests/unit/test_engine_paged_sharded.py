@@ -142,13 +142,14 @@ def child(spec: dict) -> dict:
     res["pool_shard"] = list(pool.addressable_shards[0].data.shape)
     res["pool_spec"] = str(pool.sharding.spec)
     res["step"] = compiled_step(paged2)
-    # KV across engines: slots tp=1 -> paged tp=2 (a payload), paged tp=2 -> slots tp=1 (a payload, and a
-    # device Prefix on both chips handed straight to the one-device engine)
+    # KV across engines: slots tp=1 -> paged tp=2 and back, as a payload (host bytes) and as a device
+    # Prefix handed straight to the other engine (insert moves it onto its chips)
     res["slots1_to_paged2"] = decode(paged2, {s: slots1.export_prefix(slots1.prefill(p, greedy))
                                               for s, p in ids.items()})
     res["paged2_to_slots1"] = decode(slots1, {s: paged2.export_prefix(paged2.prefill(p, greedy))
                                               for s, p in ids.items()})
     res["paged2_direct_to_slots1"] = decode(slots1, {s: paged2.prefill(p, greedy) for s, p in ids.items()})
+    res["slots1_direct_to_paged2"] = decode(paged2, {s: slots1.prefill(p, greedy) for s, p in ids.items()})
     res["reuse2"] = reuse(paged2, 5)
     # a prefill pod's device prefix cache at tp=2 (prefix_pool.py: its pool split by head too): a prompt
     # over a hit decodes as the whole prompt's prefill at tp=1
@@ -223,6 +224,7 @@ def test_kv_crosses_between_paged_tp2_and_slots_tp1(results):
     assert results["slots1_to_paged2"] == want
     assert results["paged2_to_slots1"] == want
     assert results["paged2_direct_to_slots1"] == want
+    assert results["slots1_direct_to_paged2"] == want
 
 
 def test_a_reused_prefix_decodes_as_a_whole_insert(results):
