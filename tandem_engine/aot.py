@@ -90,6 +90,12 @@ class _AbstractEngine(Engine):
     def _place_kv(self, kv):
         return jax.ShapeDtypeStruct(tuple(kv.shape), self._jdtype, sharding=self.layout.kv_prefix())
 
+    def _table_array(self):
+        """The paged block tables as a replicated struct (compile-only chips take no transfer)."""
+        if self.layout is None:
+            return super()._table_array()
+        return jax.ShapeDtypeStruct(self._table.shape, self._table.dtype, sharding=self.layout.replicated())
+
 
 def abstract_params(info: ModelInfo, dtype: str, layout: Layout, quantize: str | None = None) -> dict:
     """The params pytree as ShapeDtypeStructs sharded as the engine places them (no weights);

@@ -147,13 +147,21 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
 
 
-@partial(jax.jit, donate_argnums=(0,))
+def _pin_pool(pool: tuple, layout: Layout | None) -> tuple:
+    """The paged pool's layer buffers kept split by KV head (tp > 1), so the donated buffers are reused."""
+    return pool if layout is None else tuple(constrain(layer, layout.kv_pool()) for layer in pool)
+
+
+@partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def insert_paged_core(state: DecodeState, k, v, ids, slot, true_length, first_token, step, temperature, top_k,
-                      top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits) -> DecodeState:
+                      top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits, *,
+                      layout: Layout | None = None) -> DecodeState:
     """`insert_core` on the paged pool: k, v [L, length, KV, hd] into blocks `ids` int32
     [ceil(length / block_size)] of each layer's buffer (paged.write_prompt_blocks; the slot's block
-    table row is the caller's: engine_decode uploads the host table)."""
+    table row is the caller's: engine_decode uploads the host table). With a `layout` k, v come
+    split by KV head (Layout.kv_prefix) and each chip writes its heads' rows of the blocks."""
     new_k, new_v = write_prompt_blocks(state.k, state.v, k, v, ids)
+    new_k, new_v = _pin_pool(new_k, layout), _pin_pool(new_v, layout)
     return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
 
@@ -261,7 +269,8 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
         table_blocks, max_len = paged
         logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
                                             state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
-                                            active=active)
+                                            active=active, mesh=None if layout is None else layout.mesh)
+        k, v = _pin_pool(k, layout), _pin_pool(v, layout)
     else:
         forward = decode_forward_blocked if isinstance(state.k, tuple) else decode_forward
         logits, k, v = forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,

@@ -95,10 +95,7 @@ class EngineBase:
         self.kv_layout = kv_layout
         self.kv_block_size = int(kv_block_size)
         self.max_blocks_per_seq = -(-self.max_len // self.kv_block_size)
-        if kv_layout == "paged":
-            if self.layout is not None:
-                raise ValueError("kv_layout='paged' runs on one device for now (no tp > 1 or mesh): "
-                                 "use kv_layout='slots' with tp")
+        if kv_layout == "paged":  # with tp > 1 the pool is split by KV head (sharding.Layout.kv_pool)
             total = self.slots * self.max_blocks_per_seq if kv_blocks is None else int(kv_blocks)
             if total < 1:
                 raise ValueError(f"kv_blocks must be >= 1 (got {kv_blocks})")

@@ -52,8 +52,8 @@ class DecodeSide(EngineBase):
         table = None
         if self.kv_layout == "paged":  # one pool of blocks, a buffer per layer (paged.py)
             k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
-                              self._kv_jdtype)
-            table = jnp.asarray(self._table)
+                              self._kv_jdtype, None if lay is None else lay.kv_pool())  # tp: each chip its heads
+            table = self._table_array()
         elif self.kv_blocks:  # one CPU device: a buffer per layer, slot group and block (model.blocked_cache)
             k, v = blocked_cache(c.num_layers, s, c.num_kv_heads, c.head_dim, self.max_len, self._jdtype)
         else:
@@ -153,6 +153,8 @@ class DecodeSide(EngineBase):
         v = np.zeros_like(k)
         part = payload.k.shape[1]
         k[:, :part], v[:, :part] = payload.k, payload.v
+        if self.layout is not None:  # onto the chips by head, as import_prefix places a whole payload
+            k, v = self._place_kv(k), self._place_kv(v)
         return self._insert(state, k, v, slot, n, int(payload.first_token), sampling, kw.get("first_token"),
                             kw.get("history"), kw.get("output_from"), kw.get("start_index", 0),
                             kw.get("stop_ids", ()), cached=cached)
@@ -220,8 +222,15 @@ class DecodeSide(EngineBase):
             self._occupy(slot)
             write = np.zeros(self.kv_blocks_for(length), np.int32)  # rows past true_length's blocks: null
             write[:need] = ids
-        state = state._replace(block_table=jnp.asarray(self._table))
-        return insert_paged_core(state, k, v, write, *args)
+        state = state._replace(block_table=self._table_array())
+        return insert_paged_core(state, k, v, write, *args, layout=self.layout)
+
+    def _table_array(self) -> jax.Array:
+        """The host block tables on the device (replicated over the chips under tp: every chip
+        reads every row's table)."""
+        if self.layout is None:
+            return jnp.asarray(self._table)
+        return jax.device_put(self._table, self.layout.replicated())
 
     def _release_row(self, slot: int, tokens: Sequence[int] | None = None) -> None:
         """The row's blocks back to the pool; with `tokens` (the ids whose KV the row's first
@@ -299,7 +308,7 @@ class DecodeSide(EngineBase):
                 self._held[slot] = need
                 changed = True
         if changed:
-            state = state._replace(block_table=jnp.asarray(self._table))
+            state = state._replace(block_table=self._table_array())
         return state, failed
 
     def kv_blocks_of(self, slot: int) -> int:
@@ -374,7 +383,7 @@ class DecodeSide(EngineBase):
         if self.kv_layout == "paged":
             tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
             new, tokens = generate_core(self.step_params, state, m if steps == 1 else None, cfg=self.cfg,
-                                        layout=None, rows=bucket, logprobs=bool(logprobs), steps=steps,
+                                        layout=self.layout, rows=bucket, logprobs=bool(logprobs), steps=steps,
                                         max_len=self.max_len, table_blocks=tb)
             self._pos[self._occupied] += steps
             return new, tokens
@@ -432,6 +441,6 @@ class DecodeSide(EngineBase):
         self._occupied[slot] = False
         if self.kv_layout == "paged":  # its blocks back to the pool; its table row to the null block
             self._release_row(int(slot), tokens)
-            state = state._replace(block_table=jnp.asarray(self._table))
+            state = state._replace(block_table=self._table_array())
         return state._replace(active=free_core(state.active, np.int32(slot)))
 

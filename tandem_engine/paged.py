@@ -25,7 +25,16 @@ gather path here (`paged_attention`: each row's blocks gathered through its tabl
 position and window). The choice between the two is made when the step is compiled, for the
 platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile holds only the kernel,
 a CPU compile only the gather), so an engine, and a TPU program compiled ahead of time on a CPU
-host, need no flag. No I/O, no host state in the functions.
+host, need no flag.
+
+Tensor parallelism (tp > 1, sharding.Layout.kv_pool): each layer buffer is split on its KV axis,
+so each chip holds its heads' slice of every block; the block tables (and the allocator's ids)
+are the same on every chip. Each layer's write of the new rows and its attention run per chip in
+a `shard_map` over its heads (`_layer_attention`, given the chip's head counts): the Pallas kernel
+is a Mosaic call, which XLA's partitioner cannot split (it refuses to compile it), and the gather
+path left to the partitioner all-gathers across chips. Query head h reads KV head h // groups on
+the same chip (sharding.py), so nothing crosses chips until the o projection's all-reduce.
+No I/O, no host state in the functions.
 """
 from __future__ import annotations
 
@@ -35,11 +44,14 @@ from functools import lru_cache, partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tandem_engine.arch import ModelConfig
 from tandem_engine.model import (NO_WINDOW, _attn_out, _ffn, _layer_params, _qkv, _scores, _sinks, embed,
                                  layer_consts, logits_from_hidden, rms_norm)
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
+from tandem_engine.sharding import AXIS
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +138,14 @@ def table_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype):
+def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype,
+               sharding: NamedSharding | None = None):
     """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, block_size, hd]
-    (block 0: the null block), one buffer per layer."""
+    (block 0: the null block), one buffer per layer. `sharding` (tp > 1: Layout.kv_pool, split on
+    the KV axis): each chip allocates only its heads' slice of every block."""
     shape = (kv_heads, blocks + 1, block_size, head_dim)
-    return (tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+    return (tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)))
 
 
 def write_prompt_blocks(k_pool: tuple, v_pool: tuple, k, v, ids):
@@ -244,7 +258,7 @@ def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
 
 def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
                          *, max_len: int, active: jax.Array | None = None, shared_table: bool = False,
-                         logits_at: jax.Array | None = None):
+                         logits_at: jax.Array | None = None, mesh: Mesh | None = None):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
     k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]; table int32 [rows, nb]
@@ -257,7 +271,11 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     the gather path (`paged_attention`) otherwise. params["layers"]: stacked or per-layer
     (`split_layers`); the layers run unrolled. `shared_table`: every row is a position of one
     sequence and reads table[0] (paged_attention's). `logits_at`: the one row whose logits are
-    wanted (then [vocab]). Returns (logits [rows, vocab], k_pool, v_pool)."""
+    wanted (then [vocab]). `mesh` (tensor parallelism: a "tp" axis over > 1 chips): the pool
+    MUST be split on its KV axis (sharding.Layout.kv_pool) and q/k/v by head, as the layout's
+    weights make them; each layer's write and attention then run per chip on its own heads
+    (`_layer_attention` in a shard_map), the tables replicated. Returns (logits [rows, vocab],
+    k_pool, v_pool)."""
     nb, bs = table.shape[1], k_pool[0].shape[2]
     write_pos = jnp.minimum(positions, max_len - 1)
     j = write_pos // bs
@@ -266,14 +284,12 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     if active is not None:
         ok = ok & active
     block = jnp.where(ok, block, NULL_BLOCK)
-    offset = write_pos % bs
-    kvh = k_pool[0].shape[0]
-    # each row's new K/V rows in a layer buffer seen as [KV * num_blocks * B, hd]: [rows * KV] (row-major)
-    at = (jnp.arange(kvh)[None, :] * (k_pool[0].shape[1] * bs) + (block * bs + offset)[:, None]).reshape(-1)
-    kernel = step_kernel(cfg, jnp.dtype(k_pool[0].dtype))
+    flat = block * bs + write_pos % bs  # [rows]: each row's target row of hd in a head's [num_blocks * B, hd]
     lengths = jnp.minimum(write_pos + 1, nb * bs).astype(jnp.int32)
     if active is not None:
         lengths = jnp.where(active, lengths, 0)
+    tp = 1 if mesh is None else int(mesh.shape[AXIS])
+    local = cfg if tp == 1 else cfg._replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp)
     consts = layer_consts(cfg)
     x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
     new_k, new_v = [], []
@@ -281,20 +297,46 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
         lp = _layer_params(params["layers"], i)
         lc = jax.tree.map(lambda c, i=i: c[i], consts)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
-        k_layer, v_layer = _write_rows(k_pool[i], k[:, 0], at), _write_rows(v_pool[i], v[:, 0], at)
-        gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=cfg.window(i),
-                         sinks=_sinks(lp, cfg), shared_table=shared_table)
-        if kernel is None:
-            attn = gather(q, k_layer, v_layer)
-        else:
-            def pallas(q, k_layer, v_layer, kernel=kernel):
-                out = kernel(q[:, 0], k_layer, v_layer, lengths, table)  # [rows, H, hd]
-                return out.reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
-
-            attn = jax.lax.platform_dependent(q, k_layer, v_layer, tpu=pallas, default=gather)
+        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # q [rows, 1, H, hd]; k, v [rows, 1, KV, hd]
+        sinks = _sinks(lp, cfg)
+        attend = partial(_layer_attention, cfg=local, window=cfg.window(i), shared_table=shared_table,
+                         has_sinks=sinks is not None)
+        args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat, table, write_pos, lengths,
+                jnp.zeros((), q.dtype) if sinks is None else sinks)
+        if tp > 1:  # per chip, on its heads: XLA cannot partition a Mosaic call (see the module docstring)
+            q_heads, kv_heads, pool, rep = P(None, None, AXIS, None), P(None, AXIS, None), P(AXIS, None, None, None), P()
+            specs = (q_heads, kv_heads, kv_heads, pool, pool, rep, rep, rep, rep, rep if sinks is None else P(AXIS))
+            out = (P(None, None, AXIS), pool, pool)  # attn [rows, 1, H * hd]: each chip its heads' columns
+            attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)
+        attn, k_layer, v_layer = attend(*args)
         new_k.append(k_layer)
         new_v.append(v_layer)
         x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
     hidden = x[:, 0] if logits_at is None else x[logits_at, 0]
     return logits_from_hidden(params, hidden, cfg), tuple(new_k), tuple(new_v)
+
+
+def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths, sinks, *, cfg: ModelConfig,
+                     window: int, shared_table: bool, has_sinks: bool):
+    """One layer of `decode_forward_paged` on the heads `cfg` counts (all of them, or under tp one
+    chip's: cfg's num_heads and num_kv_heads are then the chip's): the rows' new K/V k, v
+    [rows, KV, hd] written at `flat` [rows] (block * B + offset) of every head's blocks of the
+    layer buffers [KV, num_blocks, B, hd], then q [rows, 1, H, hd] attends over them. `sinks`:
+    the layer's [H] when `has_sinks`, else a placeholder (a shard_map argument must be an array).
+    Returns (attn [rows, 1, H * hd], k_layer, v_layer)."""
+    kvh, blocks, bs, _ = k_layer.shape
+    # each row's new K/V rows in a layer buffer seen as [KV * num_blocks * B, hd]: [rows * KV] (row-major)
+    at = (jnp.arange(kvh)[None, :] * (blocks * bs) + flat[:, None]).reshape(-1)
+    k_layer, v_layer = _write_rows(k_layer, k, at), _write_rows(v_layer, v, at)
+    gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=window,
+                     sinks=sinks if has_sinks else None, shared_table=shared_table)
+    kernel = step_kernel(cfg, jnp.dtype(k_layer.dtype))
+    if kernel is None:
+        return gather(q, k_layer, v_layer), k_layer, v_layer
+
+    def pallas(q, k_layer, v_layer):
+        out = kernel(q[:, 0], k_layer, v_layer, lengths, table)  # [rows, H, hd]
+        return out.reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
+
+    attn = jax.lax.platform_dependent(q, k_layer, v_layer, tpu=pallas, default=gather)
+    return attn, k_layer, v_layer

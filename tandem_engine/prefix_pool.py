@@ -66,9 +66,10 @@ class DevicePrefixCache(PrefixCache):
         self._alloc = CachingAllocator(max(1, self.blocks_total))
         self._index = BlockCache(self._alloc, self.block_size, salt)
         self.k = self.v = None
-        if self.enabled:
+        if self.enabled:  # tp > 1: split by KV head as the decode pool is (budget_bytes over all the chips)
             self.k, self.v = paged_pool(c.num_layers, c.num_kv_heads, self.blocks_total, self.block_size,
-                                        c.head_dim, engine._jdtype)
+                                        c.head_dim, engine._jdtype, None if engine.layout is None else
+                                        engine.layout.kv_pool())
 
     def __len__(self) -> int:
         return len(self._index)
@@ -162,7 +163,7 @@ class DevicePrefixCache(PrefixCache):
                 piece[:m] = padded[start:start + m]
                 self.k, self.v, packed = _chunk_core(
                     engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, padded, *rest,
-                    cfg=engine.cfg, max_len=engine.max_len)
+                    cfg=engine.cfg, max_len=engine.max_len, mesh=engine.mesh)
             k, v = _gather_rows(self.k, self.v, table)
             self._index.keep(list(padded[:n]), row)
         finally:
@@ -212,18 +213,19 @@ def _write_core(k_pool, v_pool, k, v, ids):
     return write_prompt_blocks(k_pool, v_pool, k, v, ids)
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_len"), donate_argnums=(5, 6))
+@partial(jax.jit, static_argnames=("cfg", "max_len", "mesh"), donate_argnums=(5, 6))
 def _chunk_core(params, piece, start, length, table, k_pool, v_pool, tokens, true_length, output_from, index,
-                temperature, top_k, top_p, seed, proc, masks=None, *, cfg, max_len):
+                temperature, top_k, top_p, seed, proc, masks=None, *, cfg, max_len, mesh=None):
     """One chunk of a prompt through the pool: `piece` [C] the tokens at positions start.., the
     first `length` real (the others write the null block); every row reads the prompt's block
-    table. Returns (k_pool, v_pool, packed first tokens from the chunk's last real row)."""
+    table (`mesh`: tp > 1, the pool split by KV head, each chip its heads: decode_forward_paged).
+    Returns (k_pool, v_pool, packed first tokens from the chunk's last real row)."""
     rows = piece.shape[0]
     positions = start + jnp.arange(rows, dtype=jnp.int32)
     tables = jnp.broadcast_to(table[None], (rows, table.shape[0]))
     logits, k_pool, v_pool = decode_forward_paged(params, piece, positions, k_pool, v_pool, tables, cfg,
                                                   max_len=max_len, active=jnp.arange(rows) < length,
-                                                  shared_table=True, logits_at=length - 1)
+                                                  shared_table=True, logits_at=length - 1, mesh=mesh)
     packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p,
                            seed, proc, masks)
     return k_pool, v_pool, packed

@@ -1,10 +1,11 @@
 """Tensor parallelism: where each weight and KV array lives on a `jax.sharding.Mesh`.
 
 One mesh axis, "tp" (Megatron-style). Attention is split by head: the q/k/v projections by output
-column, the o projection by input row, the KV cache on its kv-heads axis. The MLP is split by its
-hidden units: gate/up by column, down by row. Each chip then holds 1/tp of the heavy weights and of
-the KV cache, and a layer needs one all-reduce after attention and one after the MLP, which XLA
-inserts itself: the jitted cores only pin the shardings of what they return (the KV) and let jit
+column, the o projection by input row, the KV cache on its kv-heads axis (the paged pool too: each
+layer buffer on its leading kv-heads axis, every chip holding its heads' rows of every block). The
+MLP is split by its hidden units: gate/up by column, down by row. Each chip then holds 1/tp of the
+heavy weights and of the KV cache, and a layer needs one all-reduce after attention and one after
+the MLP, which XLA inserts itself: the jitted cores only pin the shardings of what they return (the KV) and let jit
 propagate the rest from the sharded inputs. Embeddings, norms and the LM head stay replicated, so
 logits and sampling are computed identically on every chip.
 
@@ -63,6 +64,7 @@ _EXPERT_EP_SCALES = {"we_gate_scale": P(None, AXIS), "we_up_scale": P(None, AXIS
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
 _KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
 _KV_PREFIXES = P(None, None, None, AXIS, None)  # [L, B, T, KV, hd]: a batched prefill's
+_KV_POOL = P(AXIS, None, None, None)  # one layer's paged pool buffer [KV, num_blocks, block_size, hd]
 
 
 class Layout(NamedTuple):
@@ -90,6 +92,11 @@ class Layout(NamedTuple):
 
     def kv_cache(self) -> NamedSharding:
         return self.named(_KV_CACHE)
+
+    def kv_pool(self) -> NamedSharding:
+        """One layer buffer of the paged pool (paged.py), split by KV head: each chip holds its
+        heads' slice of every block; block tables stay replicated."""
+        return self.named(_KV_POOL)
 
     def param_shardings(self, params: dict) -> dict:
         """A pytree of NamedShardings matching `params` (with or without lm_head)."""

@@ -42,6 +42,7 @@ from tandem_core.models import PRESETS
 from tandem_core.types import SamplingParams
 from tandem_engine import aot, engine_decode
 from tandem_engine.engine_prefill import Prefix
+from tandem_engine.sharding import make_layout
 from tandem_engine.weights import init_params
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS, ROWS, MAX_LEN = 2, 2, 128, 16, 32768, 8, 2048
@@ -121,3 +122,53 @@ def test_a_family_the_kernel_cannot_serve_compiles_the_gather_path(chip):
     compiled = lower_engine_call("generate_core", lambda: eng._generate(
         state, ROWS, logprobs=False, masks=None, steps=1, table_blocks=8), chip).compile()
     assert kernel_calls(compiled) == 0
+
+
+# tensor parallelism: 4 KV heads (8 query heads) over the 4 chips of a v5e 2x2, one KV head a chip
+TP = 4
+LLAMA_TP = dataclasses.replace(LLAMA_HD128, name="llama-hd128-kv4", num_heads=8, num_kv_heads=TP)
+TP_LAYER_BYTES = (BLOCKS + 1) * BLOCK * HEAD_DIM * 2  # one chip's slice of one layer's K buffer (one head)
+
+
+def sharded_paged_engine(info):
+    """A paged Engine at tp=TP over abstract bf16 weights split as the layout splits them, and its
+    init_state as structs: the pool's layer buffers on Layout.kv_pool (by KV head), the rest
+    replicated."""
+    layout = make_layout(info, TP, Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:TP]), ("tp",)))
+    params = aot.abstract_params(info, "bfloat16", layout)
+    eng = aot._AbstractEngine(info, params, slots=ROWS, max_len=MAX_LEN, prefill_buckets=(16,), dtype="bfloat16",
+                              kv_layout="paged", kv_block_size=BLOCK, kv_blocks=BLOCKS)
+    eng.layout, eng._one_cpu = layout, False  # (set after: the base class would device_put the structs)
+    shapes = jax.eval_shape(eng.init_state)
+
+    def place(path, s):
+        pool = getattr(path[0], "name", None) in ("k", "v")
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout.kv_pool() if pool else layout.replicated())
+
+    return eng, jax.tree_util.tree_map_with_path(place, shapes)
+
+
+def test_the_sharded_paged_step_runs_the_kernel_per_chip_on_its_heads_in_place():
+    """tp=4: each chip holds one KV head's slice of every block; the step (one and four per call)
+    runs the Mosaic kernel once per layer inside the sharded program (a shard_map per layer: a
+    Mosaic call is not split by XLA's partitioner), copies no pool and returns it aliased; the
+    insert writes each chip's heads of a prompt's blocks in place."""
+    eng, state = sharded_paged_engine(LLAMA_TP)
+    assert state.k[0].shape == (TP, BLOCKS + 1, BLOCK, HEAD_DIM)
+    assert state.k[0].sharding.spec == P("tp", None, None, None)
+    for steps in (1, 4):
+        compiled = lower_engine_call("generate_core", lambda: eng._generate(
+            state, ROWS, logprobs=False, masks=None, steps=steps, table_blocks=eng.max_blocks_per_seq),
+            state.positions.sharding).compile()
+        mem = compiled.memory_analysis()
+        print(f"paged step x{steps} on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B, aliased "
+              f"{mem.alias_size_in_bytes:,} B, one chip's layer K buffer {TP_LAYER_BYTES:,} B")
+        assert kernel_calls(compiled) == LAYERS  # per layer, in the per-chip program
+        assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32, mem  # no layer's pool copied or gathered
+        assert mem.alias_size_in_bytes >= 2 * LAYERS * TP_LAYER_BYTES, mem  # this chip's pool, in place
+    kv = jax.ShapeDtypeStruct((LAYERS, 16, TP, HEAD_DIM), jax.numpy.bfloat16, sharding=eng.layout.kv_prefix())
+    compiled = lower_engine_call("insert_paged_core", lambda: eng.insert(
+        Prefix(kv, kv, 13, 0), state, 0, SamplingParams()), state.positions.sharding).compile()
+    mem = compiled.memory_analysis()
+    print(f"paged insert on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
+    assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32 and mem.alias_size_in_bytes >= 2 * LAYERS * TP_LAYER_BYTES
