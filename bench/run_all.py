@@ -29,6 +29,7 @@ BENCHMARKS = [
     "paged_capacity.py --write",  # paged KV vs fixed slots on one KV budget: sequences held, tok/s, step time (issue 30)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)
     "kv_capacity.py",  # fixed slots vs paged KV at one KV budget: sequences held, tok/s, KV bytes moved (issue 30)
+    "decode_affinity.py",  # two paged decode pods: KV moved per conversation turn, decode routing on vs off (issue 30)
     "quantize_quality.py --kv --write",  # int8 weights and fp8 KV vs unquantized: greedy agreement, logit error, bytes (issue 30)
 ]
 

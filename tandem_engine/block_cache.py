@@ -117,6 +117,10 @@ class BlockCache:
         self.stats.hits += len(blocks) * self.block_size
         return PrefixMatch(len(blocks) * self.block_size, blocks)
 
+    def block_of(self, key: bytes) -> int | None:
+        """The block holding the KV of the prefix `key` ends, or None (neither pins nor touches)."""
+        return self._keys.get(key)
+
     def release(self, match: PrefixMatch) -> None:
         """Unpin a match not inserted (its pull failed, it was cancelled); twice is a no-op."""
         if not match.done:

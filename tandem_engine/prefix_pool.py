@@ -100,7 +100,7 @@ class DevicePrefixCache(PrefixCache):
         row: list[int] = []
         new: list[int] = []  # positions in `row` of blocks to write
         for i, key in enumerate(keys):
-            block = self._index._keys.get(key)
+            block = self._index.block_of(key)
             if block is not None:
                 self._alloc.share([block])
                 row.append(block)
