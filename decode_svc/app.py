@@ -96,7 +96,7 @@ async def serve(s: DecodeSettings) -> int:
     tasks += [asyncio.create_task(recover_loop(io, done)), asyncio.create_task(_watch_engine(engine_loop, pod.stop))]
     claim = asyncio.create_task(io.claims.claim_loop(pod.stop))
     await pod.ready()
-    log.info("decode ready worker_id=%s slots=%d model=%s kv=%s", worker_id, s.slots, engine.info.name,
+    log.info("decode ready worker_id=%s slots=%d model=%s tp=%d kv=%s", worker_id, s.slots, engine.info.name, engine.tp,
              "slots" if blocks is None else f"paged {blocks.total} blocks of {blocks.block_size} "
              f"(reserve {blocks.per_row} a row)")
     await pod.stop.wait()
