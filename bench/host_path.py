@@ -332,7 +332,7 @@ def report(doc: dict) -> str:
     for code, run in doc["runs"].items():
         m = run.get("c32", {})
         if "roles" not in m:
-            rows.append([code, "failed", m.get("reason", "")[:80], "", "", "", "", ""])
+            rows.append([code, m.get("status", "failed"), m.get("reason", "")[:80], "", "", "", "", ""])
             continue
         r = m["roles"]
         rows.append([code] + [fmt(r[x][k], 3) for x in ROLES for k in ("python_us_per_token", "native_us_per_token")]
@@ -346,7 +346,7 @@ def report(doc: dict) -> str:
     for code, run in doc["runs"].items():
         m = run.get("big", {})
         if "decode" not in m:
-            rows.append([code, "failed", m.get("reason", "")[:80], "", "", ""])
+            rows.append([code, m.get("status", "failed"), m.get("reason", "")[:80], "", "", ""])
             continue
         d = m["decode"]
         rows.append([code, fmt(d["rows_per_step"], 3), fmt(d["host_us_per_token"], 3), fmt(d["host_us_per_step"], 3),
