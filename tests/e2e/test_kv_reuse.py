@@ -12,7 +12,9 @@ client): conversations on two paged decode pods, with the prefill pod's prefix c
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import httpx
 import pytest
@@ -114,3 +116,38 @@ def test_conversations_move_only_new_kv_and_copy_no_hit(reuse_cluster, engine):
     pre = _prefill(c)["prefix_cache"]
     assert pre["on_device"] and pre["hits"] >= 2 * len(SYSTEM), pre
     assert pre["hit_copy_bytes"] == 0, pre
+
+
+def test_a_turn_steered_to_a_paused_decode_pod_is_taken_by_the_other(reuse_cluster, engine):
+    """The decode pod holding a conversation stops (SIGSTOP: alive in the registry for a few seconds
+    more, so the gateway still steers the next turn to it); the other pod takes the ready notice
+    after `affinity_wait_ms` and the turn's text is still the engine's own."""
+    c = reuse_cluster
+    prompt = [2] + [1100 + j for j in range(70)]
+    before = {w["id"]: w["extra"]["pulled"] for w in _workers(c) if w["role"] == "decode"}
+    want = reference(engine, prompt, 8)
+    got = client(c).completions.create(model=c.model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert got.choices[0].text == text(want)
+
+    def holder():
+        now = {w["id"]: w for w in _workers(c) if w["role"] == "decode"}
+        moved = [i for i, w in now.items() if w["extra"]["pulled"] > before.get(i, 0)]
+        return now[moved[0]] if moved else None
+
+    held = until(holder)
+    other = next(w for w in _workers(c) if w["role"] == "decode" and w["id"] != held["id"])
+    stolen = other["extra"]["stolen"]
+    hits = _routes(c, "prefix_hit")
+    prompt = prompt + want + [1300 + j for j in range(11)]
+    want = reference(engine, prompt, 8)
+    os.kill(held["pid"], signal.SIGSTOP)
+    try:
+        got = client(c).completions.create(model=c.model, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert got.choices[0].text == text(want)
+        assert _routes(c, "prefix_hit") == hits + 1  # steered to the paused pod, which still looked alive
+        until(lambda: next(w for w in _workers(c) if w["id"] == other["id"])["extra"]["stolen"] > stolen)
+    finally:
+        os.kill(held["pid"], signal.SIGCONT)
+    until(lambda: len([w for w in _workers(c) if w["role"] == "decode"]) == 2, timeout_s=30)
