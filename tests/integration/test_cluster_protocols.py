@@ -198,3 +198,35 @@ async def test_resume_cancel_and_the_token_readers_across_shards(rc):
     assert await conn.check_shards(r, KS) is None  # the deployment's count, recorded by ensure_groups
     with pytest.raises(conn.RedisConfigError, match="16"):
         await conn.check_shards(r, keys.KeySpace(8))
+
+
+async def test_steered_ready_notices_are_counted_stolen_and_forgotten_across_shards(rc):
+    """Cache-aware routing to decode pods on a Cluster: notices steered to a decode pod land in its
+    per-pod stream of each request's shard (with its set entry, same slot), count in the ready
+    backlog, and another pod takes them only once it has seen them unread for the wait; the dead
+    pod's emptied streams are then forgotten, shard by shard."""
+    from tandem_core.bus import steal
+
+    r = rc
+    reqs = [GenerationRequest(rid, [3, 4], 4, decode_pod="decode-gone") for rid in RIDS[:8]]
+    pipe = r.pipeline(transaction=False)
+    for q in reqs:
+        ready.add_ready(pipe, KS, POOL, ready.ReadyNotice(q, "127.0.0.1:1", "cap", 64, "p0", 7), 1000)
+    await pipe.execute()
+    shards = {KS.request_shard(q.request_id) for q in reqs}
+    assert len(shards) > 1
+    assert {p.owner for p in await ready.pod_ready_streams(r, KS, POOL)} == {"decode-gone"}
+    assert await ready.ready_backlog(r, KS, POOL) == len(reqs)
+    now = [0.0]
+    thief = steal.Stealer(r, KS, POOL, "decode-b", wait_s=1.0, clock=lambda: now[0])
+    first = await thief.take(100)
+    assert first.claimed == [] and first.due_s == 1.0 and len(first.watch) == len(shards)
+    now[0] = 1.0
+    got = (await thief.take(100)).claimed
+    assert sorted(ready.ReadyNotice.from_json(c.fields["notice"]).request.request_id for c in got) \
+        == sorted(q.request_id for q in reqs)
+    for c in got:
+        await groups.ack(r, c.stream, keys.DECODE_GROUP, c.entry_id)
+    for shard in sorted(shards):
+        assert await ready.forget_pod_ready(r, KS, POOL, "decode-gone", shard)
+    assert await ready.pod_ready_streams(r, KS, POOL) == []
