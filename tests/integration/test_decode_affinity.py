@@ -16,12 +16,7 @@ import time
 
 import pytest
 
-from decode_svc.blocks import BlockBudget
-from decode_svc.bridge import Bridge
-from decode_svc.io import DecodeIO
-from decode_svc.loop import EngineLoop
 from decode_svc.recover import reclaim_pending
-from decode_svc.requests import RequestTable
 from decode_svc.settings import DecodeSettings
 from prefill_svc.kv_store import KVStore
 from tandem_core import keys
@@ -29,7 +24,7 @@ from tandem_core.bus import groups, ready
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
-from tests.integration.test_decode_blocks import BUCKETS, KS, MAX_LEN, _kv_server, _tokens
+from tests.integration.test_decode_blocks import BUCKETS, KS, MAX_LEN, _kv_server, _Pod, _tokens
 
 ROWS = 4
 MAX_TOKENS = 6
@@ -43,35 +38,6 @@ def reference():
 def _paged():
     return load_engine("tiny", slots=ROWS, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
                        kv_block_size=8, kv_blocks=64)
-
-
-class _Pod:
-    """A decode pod's parts (as decode_svc/app.py wires them) under its own worker id."""
-
-    def __init__(self, s: DecodeSettings, r, engine, worker_id: str) -> None:
-        self.table = RequestTable(s.slots)
-        self.bridge = Bridge(s.slots, 64, asyncio.get_running_loop())
-        self.eloop = EngineLoop(engine, self.table, self.bridge, blocks=BlockBudget.of(engine))
-        self.io = DecodeIO(s, r, KS, self.table, self.eloop, self.bridge, worker_id)
-        self.stop, self.done = asyncio.Event(), asyncio.Event()
-        self.tasks: list[asyncio.Task] = []
-
-    async def __aenter__(self):
-        assert self.io.claims.affinity  # paged, kv_reuse: it reads its own ready stream
-        await self.io.claims.ensure_own_groups()
-        self.eloop.start()
-        self.tasks = [asyncio.create_task(self.io.claims.claim_loop(self.stop)),
-                      asyncio.create_task(self.io.publisher.publish_loop(self.done))]
-        return self
-
-    async def __aexit__(self, *exc):
-        self.stop.set()
-        await self.tasks[0]
-        self.eloop.stop()
-        self.done.set()
-        await self.tasks[1]
-        await self.io.puller.close()
-        assert self.eloop.error is None, self.eloop.error
 
 
 def _settings(redis_url: str, pool: str, wait_ms: int) -> DecodeSettings:
@@ -109,6 +75,7 @@ async def test_each_pod_reads_the_notices_steered_to_it(redis_url, redis_client,
         # the wait is long: no pod takes another's notice while that pod is there to read it
         async with _Pod(_settings(redis_url, pool, 30_000), r, _paged(), "dec-a") as a, \
                 _Pod(_settings(redis_url, pool, 30_000), r, _paged(), "dec-b") as b:
+            assert a.io.claims.affinity and b.io.claims.affinity  # paged, kv_reuse: they read their own streams
             rids = []
             for i in range(8):
                 rid, to = f"own-{i}", ("dec-a", "dec-b")[i % 2]

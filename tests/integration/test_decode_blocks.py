@@ -77,16 +77,17 @@ async def _tokens(r, rid: str) -> tuple[list[tuple[int, int]], bool]:
 class _Pod:
     """A decode pod's parts (as decode_svc/app.py wires them) around one engine."""
 
-    def __init__(self, s: DecodeSettings, r, engine) -> None:
+    def __init__(self, s: DecodeSettings, r, engine, worker_id: str = "decode-blocks") -> None:
         self.table = RequestTable(s.slots)
         self.bridge = Bridge(s.slots, 64, asyncio.get_running_loop())
         self.blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)
         self.eloop = EngineLoop(engine, self.table, self.bridge, blocks=self.blocks)
-        self.io = DecodeIO(s, r, KS, self.table, self.eloop, self.bridge, "decode-blocks")
+        self.io = DecodeIO(s, r, KS, self.table, self.eloop, self.bridge, worker_id)
         self.stop, self.done = asyncio.Event(), asyncio.Event()
         self.tasks: list[asyncio.Task] = []
 
     async def __aenter__(self):
+        await self.io.claims.ensure_own_groups()  # (its per-pod ready streams, as the app does at start)
         self.eloop.start()
         self.tasks = [asyncio.create_task(self.io.claims.claim_loop(self.stop)),
                       asyncio.create_task(self.io.publisher.publish_loop(self.done))]
