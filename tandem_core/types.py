@@ -163,6 +163,8 @@ class GenerationRequest:
         of a prefill pod's Python time)."""
         d = {f.name: getattr(self, f.name) for f in _REQUEST_FIELDS}
         d["sampling"] = self.sampling.to_dict()
+        if d["decode_pod"] is None:  # not steered: readable by pods that predate the field
+            del d["decode_pod"]
         return d
 
     def to_json(self) -> str:

@@ -18,6 +18,17 @@ def test_generation_request_round_trip():
     assert GenerationRequest.from_json(req.to_json()) == req
 
 
+def test_a_steering_hint_travels_only_when_set_and_unknown_fields_are_dropped():
+    """`decode_pod` (cache-aware routing to decode pods) is in a request's JSON only when the
+    gateway steered it, so unsteered requests stay readable by pods that predate the field; and a
+    field this version does not know (a newer gateway's) is dropped, not fatal."""
+    plain = GenerationRequest("r", [1, 2], 3)
+    assert "decode_pod" not in plain.to_dict()
+    steered = GenerationRequest("r", [1, 2], 3, decode_pod="decode-7")
+    assert GenerationRequest.from_json(steered.to_json()).decode_pod == "decode-7"
+    assert GenerationRequest.from_dict({**plain.to_dict(), "from_a_newer_gateway": 1}) == plain
+
+
 def test_ready_notice_round_trip():
     n = ReadyNotice(GenerationRequest("r2", [1], 2), "10.0.0.1:50061", "cap", 4096, "prefill-0", 9)
     assert ReadyNotice.from_json(n.to_json()) == n
