@@ -34,6 +34,26 @@ def build_engine(settings: PrefillSettings, slots: int = 1) -> ServingEngine:
     return load_engine(**settings.engine_kwargs(slots))
 
 
+def _warm_batches(engine: ServingEngine, max_tokens: int, stop: asyncio.Event) -> None:
+    """On a thread of its own after the pod is ready: compile every batched prefill shape the
+    prefill loop may group (prompts run alone, or in the groups already compiled, meanwhile), so
+    no request waits for a compilation. Stops early when the pod stops."""
+    shapes = engine.batch_shapes(max_tokens)
+    t0 = last = time.monotonic()
+    for i, (bucket, rows) in enumerate(shapes):
+        if stop.is_set():
+            return
+        try:
+            engine.warm_batch(bucket, rows)
+        except Exception:  # that shape stays uncompiled: its prompts run in smaller groups
+            log.exception("compiling the batched prefill of %d x %d tokens failed; it is not used", rows, bucket)
+        if time.monotonic() - last >= 10.0:
+            last = time.monotonic()
+            log.info("batched prefills: %d/%d shapes compiled, %.1fs", i + 1, len(shapes), last - t0)
+    log.info("batched prefills compiled in %.1fs (%d shapes: %s)", time.monotonic() - t0, len(shapes),
+             ", ".join(f"{rows}x{bucket}" for bucket, rows in shapes))
+
+
 async def serve(settings: PrefillSettings) -> int:
     worker_id = settings.worker_id or default_worker_id("prefill")
     engine = build_engine(settings)
@@ -73,9 +93,11 @@ async def serve(settings: PrefillSettings) -> int:
                                          "prefill_ema_s": round(worker.prefiller.prefill_ema_s, 6)})
 
     pod.beat(info, peers)
+    engine.defer_batch_compiles()  # batched prefills group only the row counts compiled below
     await pod.ready()
     log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
              engine.info.name, store.budget_bytes)
+    batches = asyncio.create_task(asyncio.to_thread(_warm_batches, engine, settings.prefill_batch_tokens, pod.stop))
     loop_task = asyncio.create_task(worker.run(pod.stop))
 
     def loop_ended(task: asyncio.Task) -> None:  # a loop that died must not leave a pod that claims nothing
@@ -88,6 +110,7 @@ async def serve(settings: PrefillSettings) -> int:
     await pod.stop.wait()
     await pod.drain()
     await loop_task
+    await batches
     await worker.drain(settings.drain_timeout_s)
     await pod.close(grace_s=2.0)
     log.info("prefill stopped worker_id=%s prefilled=%d", worker_id, worker.prefiller.prefilled)

@@ -143,22 +143,60 @@ class PrefillSide(EngineBase):
         if len(lengths) > 1:
             raise ValueError(f"a batched prefill runs prompts of one bucket; got buckets {sorted(lengths)}")
         out: list[Prefix] = []
+        bucket = prepared[0][0].shape[0] if prepared else 0
         while len(out) < len(prepared):
             group = prepared[len(out):]
-            group = group[:1 << (len(group).bit_length() - 1)]
+            group = group[:self._group_rows(bucket, len(group))]
             if len(group) == 1:  # the single prompt's own compiled prefill
                 (padded, n, rest), = group
                 k, v, packed = prefill_core(self.params, padded, *rest, None, cfg=self.cfg, layout=self.layout)
                 out.append(self._prefix(k, v, n, np.asarray(packed), [calls[len(out)].sampling]))
                 continue
-            cols = list(zip(*(rest for _, _, rest in group)))
-            args = [np.stack(col) for col in cols[:-1]] + [SlotLogits(*(np.stack(xs) for xs in zip(*cols[-1])))]
-            k, v, packed = prefill_batch_core(self.params, np.stack([p for p, _, _ in group]), *args,
-                                              cfg=self.cfg, layout=self.layout)
-            host = np.asarray(packed)  # one device -> host copy for the whole group
+            k, v, host = self._run_group(group)
             for i, (_, n, _) in enumerate(group):
                 out.append(self._prefix(k[:, i], v[:, i], n, host[i], [calls[len(out)].sampling]))
         return out
+
+    def _run_group(self, group: list) -> tuple[jax.Array, jax.Array, np.ndarray]:
+        """One batched forward pass over prepared prompts of one bucket: (k, v, packed on the host)."""
+        cols = list(zip(*(rest for _, _, rest in group)))
+        args = [np.stack(col) for col in cols[:-1]] + [SlotLogits(*(np.stack(xs) for xs in zip(*cols[-1])))]
+        k, v, packed = prefill_batch_core(self.params, np.stack([p for p, _, _ in group]), *args,
+                                          cfg=self.cfg, layout=self.layout)
+        return k, v, np.asarray(packed)  # one device -> host copy for the whole group
+
+    # ---- batched prefills compiled off the serving thread --------------------------------------
+    # None: `prefill_batch` groups prompts in any power of two and compiles a new row count on
+    # first use. A pod calls `defer_batch_compiles` before it serves: from then on it groups only
+    # the row counts `warm_batch` has compiled (each on another thread, while singles serve), so
+    # no request waits for a compilation.
+    _warm_rows: dict[int, set[int]] | None = None
+
+    def defer_batch_compiles(self) -> None:
+        self._warm_rows = {}
+
+    def batch_shapes(self, max_tokens: int) -> list[tuple[int, int]]:
+        """(bucket, rows) of every batched prefill a caller grouping at most `max_tokens` padded
+        tokens per call runs: rows 2, 4, 8, ... while rows * bucket <= max_tokens, short buckets first."""
+        return [(b, 1 << i) for b in self.buckets for i in range(1, max(1, max_tokens // b).bit_length())]
+
+    def warm_batch(self, bucket: int, rows: int) -> None:
+        """Compile (running it once, on zeros) the batched prefill of `rows` prompts of `bucket`;
+        `prefill_batch` groups that many from then on. Safe beside the thread that owns the engine:
+        it touches only the jitted core and the weights, and publishes the row count last."""
+        picks = [SamplingParams()]
+        group = [self._prepare([0] * bucket, picks, 0, None, ()) for _ in range(rows)]
+        jax.block_until_ready(self._run_group(group))
+        if self._warm_rows is not None:
+            self._warm_rows = {**self._warm_rows, bucket: self._warm_rows.get(bucket, set()) | {rows}}
+
+    def _group_rows(self, bucket: int, n: int) -> int:
+        """Prompts the next group takes: the largest power of two <= n (with deferred compiles,
+        the largest compiled one, else 1)."""
+        top = 1 << (n.bit_length() - 1)
+        if self._warm_rows is None:
+            return top
+        return max((r for r in self._warm_rows.get(bucket, ()) if r <= top), default=1)
 
     def _prepare(self, prompt_ids: Sequence[int], picks: Sequence[SamplingParams], start_index: int,
                  output_from: int | None, stop_ids: Sequence[int]) -> tuple[np.ndarray, int, tuple]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from typing import Callable
 
 import jax
 from jax.sharding import Mesh
@@ -13,9 +15,24 @@ from tandem_engine.engine import DEFAULT_BUCKETS, Engine
 from tandem_engine.engine_base import DEFAULT_KV_BLOCK_SIZE, DEFAULT_STEPS_PER_DISPATCH
 from tandem_engine.quantize import check_quantize
 from tandem_engine.sharding import make_layout
+from tandem_engine.shards import Progress
 from tandem_engine.weights import load_params
 
 __all__ = ["load_engine", "use_compile_cache"]
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 5.0
+
+
+def _progress_log(name: str) -> Callable[[Progress], None]:
+    """A progress callback that logs a line every PROGRESS_EVERY_S seconds of a long load."""
+    last = [0.0]
+
+    def report(p: Progress) -> None:
+        if p.seconds - last[0] >= PROGRESS_EVERY_S:
+            last[0] = p.seconds
+            log.info("loading weights of %s: %s", name, p.line())
+
+    return report
 
 
 def use_compile_cache(path: str) -> None:
@@ -56,8 +73,12 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     info = resolve_model(model)
     if tp == 0:  # all local devices (the chips of this TPU host)
         tp = len(jax.devices())
-    make_layout(info, tp, mesh, expert_parallel)  # fail fast on a bad tp
-    params = load_params(info, dtype)
+    layout = make_layout(info, tp, mesh, expert_parallel)  # fail fast on a bad tp
+    t0 = time.monotonic()
+    params = load_params(info, dtype, layout=layout, quantize=quantize, progress=_progress_log(info.name))
+    if info.path:
+        log.info("weights of %s loaded in %.1fs (%s, tp=%d%s)", info.name, time.monotonic() - t0, dtype,
+                 1 if layout is None else layout.tp, ", int8" if quantize else "")
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
                   dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
                   expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch, kv_layout=kv_layout,

@@ -107,7 +107,9 @@ class Layout(NamedTuple):
         return out
 
     def place_params(self, params: dict) -> dict:
-        return jax.device_put(params, self.param_shardings(params))
+        """`params` on this layout (leaves already placed so, as the loader leaves them, stay)."""
+        return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
+                            params, self.param_shardings(params))
 
 
 def make_layout(info: ModelInfo, tp: int = 1, mesh: Mesh | None = None,

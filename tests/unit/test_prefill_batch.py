@@ -99,3 +99,24 @@ def test_families_batch_like_one_at_a_time(family, tmp_path):
     build_family(family, tmp_path, seed=FAMILIES.index(family))
     e = load_engine(str(tmp_path), slots=2, max_len=128, prefill_buckets=(16, 64))
     assert_same(e, _calls(256, [40, 13 + 20, 64], seed=3))  # longer than the windows (8)
+
+
+def test_deferred_compiles_group_only_warm_row_counts():
+    """A pod defers batched compiles (`defer_batch_compiles`): `prefill_batch` then groups only the
+    row counts `warm_batch` compiled, so a request never waits for a compilation; the prefixes
+    stay what each prompt gives alone."""
+    from tandem_engine.cores import prefill_batch_core
+
+    engine = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16, 32))
+    assert engine.batch_shapes(64) == [(16, 2), (16, 4), (32, 2)]
+    engine.defer_batch_compiles()
+    calls = _calls(engine.info.vocab_size, [5, 9, 12])
+    engine.warmup_prefill()
+    compiled = prefill_batch_core._cache_size()
+    assert_same(engine, calls)  # nothing warm: three prompts alone
+    assert prefill_batch_core._cache_size() == compiled, "a request compiled a batched prefill"
+    engine.warm_batch(16, 2)
+    assert prefill_batch_core._cache_size() == compiled + 1
+    assert_same(engine, calls)  # 2 + 1: the compiled pair, then one alone
+    assert prefill_batch_core._cache_size() == compiled + 1
+    assert engine._group_rows(16, 3) == 2 and engine._group_rows(16, 1) == 1 and engine._group_rows(32, 4) == 1
