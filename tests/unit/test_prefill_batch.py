@@ -107,16 +107,17 @@ def test_deferred_compiles_group_only_warm_row_counts():
     stay what each prompt gives alone."""
     from tandem_engine.cores import prefill_batch_core
 
-    engine = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16, 32))
-    assert engine.batch_shapes(64) == [(16, 2), (16, 4), (32, 2)]
+    # buckets no other test uses: the compiled-shape counts below are this test's own
+    engine = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(24, 40))
+    assert engine.batch_shapes(96) == [(24, 2), (24, 4), (40, 2)]
     engine.defer_batch_compiles()
     calls = _calls(engine.info.vocab_size, [5, 9, 12])
     engine.warmup_prefill()
     compiled = prefill_batch_core._cache_size()
     assert_same(engine, calls)  # nothing warm: three prompts alone
     assert prefill_batch_core._cache_size() == compiled, "a request compiled a batched prefill"
-    engine.warm_batch(16, 2)
+    engine.warm_batch(24, 2)
     assert prefill_batch_core._cache_size() == compiled + 1
     assert_same(engine, calls)  # 2 + 1: the compiled pair, then one alone
     assert prefill_batch_core._cache_size() == compiled + 1
-    assert engine._group_rows(16, 3) == 2 and engine._group_rows(16, 1) == 1 and engine._group_rows(32, 4) == 1
+    assert engine._group_rows(24, 3) == 2 and engine._group_rows(24, 1) == 1 and engine._group_rows(40, 4) == 1
