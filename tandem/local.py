@@ -24,6 +24,7 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 from tandem.planner_follow import PlannerFollower
 from tandem.redis_proc import RedisProcess, free_port
@@ -57,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         "The gateway serves the OpenAI API on http://HOST:PORT/v1.",
     )
     p.add_argument("--model", default=os.environ.get("TANDEM_MODEL", "builtin"),
-                   help="preset name (builtin, tiny, small-100m) or a Hugging Face Llama directory")
+                   help="preset name (builtin, tiny, small-100m) or a Hugging Face checkpoint directory of a "
+                        "served family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE, "
+                        "gpt-oss: docs/models.md)")
     p.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)), help="gateway HTTP port")
     p.add_argument("--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free port)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
@@ -249,6 +252,19 @@ def _pin_map(spec: str) -> dict[str, set[int]]:
     return out
 
 
+def jax_platforms_env(dev: str = "/dev") -> dict[str, str]:
+    """JAX_PLATFORMS=cpu for the workers of a machine with no accelerator, unless the user set it:
+    with libtpu installed (make test installs it, for the TPU compile tests) JAX otherwise starts
+    the TPU plugin, which finds no TPU and prints initialisation errors into a healthy CPU
+    cluster's log. A machine with a TPU (/dev/accel*, /dev/vfio) or an NVIDIA GPU keeps JAX's own choice."""
+    if "JAX_PLATFORMS" in os.environ:
+        return {}
+    d = Path(dev)
+    if any(d.glob("accel*")) or any(d.glob("vfio/[0-9]*")) or any(d.glob("nvidia[0-9]*")):
+        return {}
+    return {"JAX_PLATFORMS": "cpu"}
+
+
 def _preexec_for(cpus: set[int] | None):
     """The child's pre-exec hook: die with the launcher, and run on `cpus` when pinned."""
     if not cpus:
@@ -300,7 +316,7 @@ class Cluster:
         return self.redis.url if self.redis is not None else self.a.redis_url
 
     def _engine_env(self, prefix: str, role: str) -> dict[str, str]:
-        return {f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
+        return {**jax_platforms_env(), f"{prefix}ENGINE__MODEL": self.a.model, f"{prefix}ENGINE__MAX_LEN": str(self.a.max_len),
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets),
                 f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads[role]),
                 f"{prefix}ENGINE__QUANTIZE": self.a.quantize,

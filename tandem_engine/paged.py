@@ -250,9 +250,11 @@ def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
     if gaps:
         reason = "the Pallas kernel lacks " + "; ".join(gaps)
         on_tpu = jax.default_backend() == "tpu"
-        (log.warning if on_tpu else log.info)("paged decode step: the gather path on every platform: %s", reason)
+        (log.warning if on_tpu else log.debug)("paged decode step: the gather path on every platform: %s", reason)
         return None
-    log.info("paged decode step: the Pallas kernel where compiled for a TPU, the gather path elsewhere")
+    # said where it matters (a TPU backend); a CPU pod (a prefill pod's device prefix cache) runs the gather path
+    (log.info if jax.default_backend() == "tpu" else log.debug)(
+        "paged decode step: the Pallas kernel where compiled for a TPU, the gather path elsewhere")
     return PagedAttention(cfg, "pallas", "TPU, and the family needs nothing the kernel lacks")
 
 

@@ -133,3 +133,23 @@ def test_the_services_exit_78_on_a_bad_setting(module, env, name):
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert "cannot start with this configuration" in done.stderr and name in done.stderr
     assert "Traceback" not in done.stderr  # one line that says what is wrong
+
+
+def test_cpu_workers_do_not_start_the_tpu_plugin(tmp_path, monkeypatch):
+    """With libtpu installed (make test installs it) and no accelerator, a worker's JAX would start
+    the TPU plugin and print its initialisation errors into a healthy CPU cluster's log: `tandem
+    local` gives its workers JAX_PLATFORMS=cpu there, and leaves a machine with a TPU or a GPU alone."""
+    import subprocess
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert local.jax_platforms_env(str(tmp_path)) == {"JAX_PLATFORMS": "cpu"}
+    (tmp_path / "accel0").touch()
+    assert local.jax_platforms_env(str(tmp_path)) == {}
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert local.jax_platforms_env(str(tmp_path / "none")) == {}
+    monkeypatch.delenv("JAX_PLATFORMS")
+    env = {**os.environ, **local.jax_platforms_env(str(tmp_path / "none"))}
+    run = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "cpu"
+    assert "TPU" not in run.stderr and "E0000" not in run.stderr, run.stderr[-2000:]
