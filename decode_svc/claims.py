@@ -29,7 +29,7 @@ from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults
-from tandem_core.bus import conn, groups, ready, reclaim, steal, token_stream
+from tandem_core.bus import conn, dead_letter, groups, ready, reclaim, steal, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -239,12 +239,11 @@ class Claims:
             req = notice.request if notice is not None else GenerationRequest.from_json(c.fields["req"])
         except Exception as e:  # noqa: BLE001 - no request can be read from it: it could never run
             self.table.unreserve()
-            # Left pending it would be reclaimed and fail again every stale_pending_s, for ever.
-            # The log line is its dead letter (its fields, cut to 2,000 characters); then ack it.
+            # Left pending it would be reclaimed and fail again every stale_pending_s, for ever;
+            # acked silently its client would wait out its timeout. Its request gets a clear error
+            # (the log line, with its fields, is the dead letter), then it is acked.
             self.dead_letters += 1
-            log.error("dead letter: %s entry %r cannot be read as a request (%s: %s); acking it. Its fields: %.2000r",
-                      c.stream, c.entry_id, type(e).__name__, e, c.fields)
-            await self.handback.ack(c.stream, group, c.entry_id)
+            await self._bury(dead_letter.read(c.stream, c.entry_id, c.fields, e), c, group)
             return
         key = self.table.claim(req.request_id, (c.stream, c.entry_id))
         if key is None:  # delivered again while still being worked on here
@@ -279,6 +278,18 @@ class Claims:
         self.table.advance(key, Stage.QUEUED)
         # Never full: the queue holds at least `slots` items and every item holds a seat.
         self.bridge.put_insert(LocalPrefill(req, (c.stream, group, c.entry_id), key))
+
+    async def _bury(self, dl: dead_letter.DeadLetter, c: groups.Claimed, group: str) -> None:
+        """A dead letter's request answered with its error, then its entry acked. A finish Redis
+        will not take within the retry's bound leaves the entry pending: taken up again later."""
+        try:
+            for rid in dl.token_streams:
+                await conn.retry_redis(lambda rid=rid: self.publisher.finish(rid, dl.index, FINISH_ERROR, dl.error),
+                                       "dead letter's finish", timeout_s=10.0, log=log)
+        except Exception as e:  # noqa: BLE001 - Redis still away: the entry stays pending
+            log.warning("could not answer the dead letter %s %r (%s); it stays pending", c.stream, c.entry_id, e)
+            return
+        await self.handback.ack(c.stream, group, c.entry_id)
 
     async def _pull_one(self, c: groups.Claimed, notice: ready.ReadyNotice, key: int, started: int) -> None:
         """One pulled request up to the engine, owned end to end (the task's only exit): queued for

@@ -381,6 +381,10 @@ async def test_an_unreadable_entry_is_acked_as_a_dead_letter(redis_url, redis_cl
         assert pod.io.claims.dead_letters == 1
         assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 0, "the unreadable entry was never acked"
         assert "dead letter" in caplog.text and "{not json" in caplog.text
+        # issue 42 (6): its request is answered with a clear error, not left to its client's timeout
+        ends = [f for _id, f in await r.xrange(KS.token_stream("garbled")) if b"f" in f]
+        assert ends and ends[-1][b"f"] == b"error" and b"cannot be read" in ends[-1].get(b"e", b""), \
+            f"the dead letter's request got no answer: its client waits out its timeout ({ends})"
         assert sum(pod.table.stages().values()) == 0 and pod.table.reserved == 0 if hasattr(pod.table, "reserved") \
             else sum(pod.table.stages().values()) == 0
         # and the pod goes on: a good short prompt after it runs to its end
