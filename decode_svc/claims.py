@@ -121,6 +121,8 @@ class Claims:
                 await asyncio.sleep(0.5)
                 continue
             self.table.unreserve(n - len(got))
+            if self.stealer is not None and self.stealer.unsure:
+                lost_reply = True  # a steal claim failed: its reply may be lost, look at once
             if not got:
                 # Wait with no tickets held: the recovery loop's reclaim of a dead pod's pending
                 # entries (decode_svc/recover.py) takes its room from the same tickets, and an idle
@@ -159,7 +161,11 @@ class Claims:
         got = 0
         taker = reclaim.Reclaimer(self.r, "", self.worker_id, stale_self_ms=0, limit=self.s.reclaim_batch,
                                   min_idle_ms=0)
-        for names, group in self._sources():
+        sources = self._sources()
+        unsure = set(self.stealer.unsure) if self.stealer is not None else set()
+        if unsure:  # other pods' streams whose steal claim failed (its reply may be lost too)
+            sources.append((sorted(unsure), groups.DECODE_GROUP))
+        for names, group in sources:
             taker.group = group
             for stream in names:
                 started = self.resync.started
@@ -171,6 +177,8 @@ class Claims:
                                 stream, c.entry_id)
                     await self.dispatch(c, group, started)
                 got += len(claimed)
+        if self.stealer is not None:
+            self.stealer.unsure -= unsure
         return got
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
@@ -224,6 +232,9 @@ class Claims:
             self._due_s, self._watch = None, []
             return []
         self._due_s, self._watch = taken.due_s, taken.watch
+        if taken.error is not None:  # what it claimed before the failure is started all the same
+            log.warning("looking at other decode pods' ready streams failed after %d entries were claimed: %s; "
+                        "starting those", len(taken.claimed), taken.error)
         for c in taken.claimed:
             log.info("took %s entry %r, steered to another decode pod and left unread %.0f ms or more", c.stream,
                      c.entry_id, self.s.affinity_wait_ms)

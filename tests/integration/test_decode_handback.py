@@ -421,3 +421,48 @@ async def test_a_delivery_whose_claim_reply_was_lost_is_taken_again_at_once(redi
             assert len(store) == 0, "the KV is still held: it was never pulled"
     finally:
         await server.stop(None)
+
+
+async def test_a_steal_pass_that_fails_after_claiming_starts_what_it_claimed(redis_url, redis_client, engine,
+                                                                              monkeypatch):
+    """Issue 42 (3): the steal pass claims other pods' unread steered entries stream by stream; a
+    read failing after the first stream's claim (injected at the second stream's look) dropped the
+    whole pass's result, so the entry claimed first sat pending to this live pod (outside
+    `retake_own`'s sources) until the stale reclaim, while its KV lease ran out. Both requests
+    must run to their end."""
+    from tandem_core.bus import steal
+
+    r, pool = redis_client, "handback-steal"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    reqs = []
+    for other in ("pod-away-1", "pod-away-2"):  # steered to two other pods that never read: two streams
+        req = GenerationRequest(f"steal-{other}", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True,
+                                decode_pod=other)
+        payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+        held = store.put(req.request_id, payload)
+        pipe = r.pipeline(transaction=False)
+        ready.add_ready(pipe, KS, pool, ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0",
+                                                           payload.first_token), 1000)
+        await pipe.execute()
+        reqs.append(req)
+    looks = {"n": 0}
+    real_unread = steal.Stealer._unread
+
+    async def unread(self, stream, count):  # the first look after a claim (the next stream's) fails, once
+        if self.stolen and not looks["n"]:
+            looks["n"] += 1
+            raise ConnectionError("injected: the steal pass's read of its second stream failed")
+        return await real_unread(self, stream, count)
+
+    monkeypatch.setattr(steal.Stealer, "_unread", unread)
+    try:
+        async with Pod(r, engine, redis_url, pool, affinity_wait_ms=1) as pod:
+            for req in reqs:
+                st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"])
+                assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), \
+                    f"{req.request_id} never ran: {st}, pod: {pod.table.stages()}"
+            assert looks["n"] == 1, "the injected failure never fired: the test proves nothing"
+    finally:
+        await server.stop(None)
