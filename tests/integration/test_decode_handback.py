@@ -466,3 +466,28 @@ async def test_a_steal_pass_that_fails_after_claiming_starts_what_it_claimed(red
             assert looks["n"] == 1, "the injected failure never fired: the test proves nothing"
     finally:
         await server.stop(None)
+
+
+async def test_the_engine_thread_waits_as_long_as_the_publisher_retries(redis_url, redis_client, engine):
+    """Issue 42 (6): through a Redis outage the publisher retries a step's write for about a minute
+    (`publish_retries`), but the engine thread gave up its blocked `put_output` after
+    `output_timeout_s` (30 s) and died: an outage between the two restarted the pod and spent an
+    attempt of every running request. The engine thread must wait while the publisher is still
+    retrying (here an outage of 4 s of retries against an output timeout of 3 s, a queue of one)."""
+    r, pool = redis_client, "handback-outage"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.publish@2-8:down")  # seven tries in a row: about 4 s of the publisher's backoff
+    try:
+        async with Pod(r, engine, redis_url, pool, publish_coalesce_steps=1, output_queue_size=1) as pod:
+            pod.eloop.output_timeout_s = 3.0  # (longer than one pause of the publisher's backoff, 1.5 s at most here)
+            pod.eloop.steps_per_dispatch = 1  # a call per step, a batch per call: the queue fills at once
+            req = await _publish_ready(r, engine, store, address, pool, "outage", max_tokens=40)
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] or pod.eloop.error, rounds=400)
+            assert pod.eloop.error is None, f"the engine thread died during an outage the publisher rode out: " \
+                                            f"{pod.eloop.error!r}"
+            assert faults.raised["decode.publish"] == 7, "the outage never happened: the test proves nothing"
+            assert st["finished"] and st["indices"] == list(range(1, 40)) and not st["resumed"], st
+    finally:
+        await server.stop(None)
