@@ -151,6 +151,22 @@ class EntryHandler:
         if not await self.fence.commit(c.stream, c.entry_id, writes):
             log.info("dead letter %s of %s was already acked or taken over", _eid(c.entry_id), c.stream)
 
+    async def give_up(self, c: groups.Claimed, deliveries: int) -> None:
+        """An entry delivered `deliveries` times and never answered (the pods that held it died or
+        failed on it: prefill_svc/takeover.py MAX_DELIVERIES): not tried again; its request ends
+        with a clear error, committed with the ack (as a dead letter's)."""
+        cause = RuntimeError(f"delivered {deliveries} times without an answer: the prefill pods that took it "
+                             "failed or died on it")
+        try:
+            req = GenerationRequest.from_json(c.fields["req"])
+        except Exception as e:  # noqa: BLE001 - unreadable too: a dead letter
+            await self._bury(c, dead_letter.read(c.stream, c.entry_id, c.fields, e))
+            return
+        log.error("giving up on admission entry %s of %s (request_id=%s): %s", _eid(c.entry_id), c.stream,
+                  req.request_id, cause)
+        await self._bury(c, dead_letter.DeadLetter(choice_ids(req.request_id, req.n), req.start_index,
+                                                   f"prefill failed: {cause}; giving up"))
+
     def _finish(self, req: GenerationRequest, reason: str, error: str | None = None) -> entry_fence.EntryWrites:
         """The request's end without a token, on every choice's stream, to commit with the ack."""
         writes = entry_fence.EntryWrites()

@@ -60,3 +60,30 @@ async def test_a_malformed_heartbeat_leaves_every_other_worker_listed(redis_clie
     workers = await registry.list_workers(r)
     assert [w["id"] for w in workers] == ["good-pod"], workers
     assert keys.worker_key("bad-pod") in caplog.text
+
+
+async def test_an_entry_delivered_too_often_is_given_up_with_a_clear_error(redis_url, redis_client, engine):
+    """Issue 42 (6): an admission entry that pod after pod took and never answered (each died or
+    failed on it: a prompt that kills a pod) was reclaimed and tried again every
+    `stale_pending_s`, for ever. Delivered MAX_DELIVERIES times, it is given up: its request gets
+    a clear error, its entry is acked, and it is not prefilled again."""
+    from prefill_svc.takeover import MAX_DELIVERIES
+    from tandem_core.bus import admission
+    from tandem_core.types import GenerationRequest
+
+    r, pool = redis_client, "dead-often"
+    s = PrefillSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64), pool=pool,
+                        claim_block_ms=50)
+    worker = PrefillWorker(s, engine, r, KS, KVStore(1 << 30, 60), "127.0.0.1:1", "prefill-survivor")
+    await groups.ensure_groups(r, KS, pool)
+    await admission.enqueue_request(r, KS, pool, GenerationRequest("poison", [5, 6, 7], 8), 1000)
+    stream = KS.admission_stream(pool, "normal", KS.request_shard("poison"))
+    (c,) = await groups.claim(r, [stream], keys.PREFILL_GROUP, "prefill-gone-0", 1, None)
+    for k in range(1, MAX_DELIVERIES):  # taken by pod after pod, each of which died on it
+        await r.xclaim(stream, keys.PREFILL_GROUP, f"prefill-gone-{k}", 0, [c.entry_id])
+    await worker.takeover.run(include_self=True)
+    assert (await r.xpending(stream, keys.PREFILL_GROUP))["pending"] == 0, "the entry is still pending: tried again"
+    ends = [f for _id, f in await r.xrange(KS.token_stream("poison"))]
+    assert [f.get(b"f") for f in ends] == [b"error"] and b"giving up" in ends[0][b"e"], \
+        f"not given up with a clear error (prefilled once more?): {ends}"
+    assert len(worker.store) == 0
