@@ -491,3 +491,28 @@ async def test_the_engine_thread_waits_as_long_as_the_publisher_retries(redis_ur
             assert st["finished"] and st["indices"] == list(range(1, 40)) and not st["resumed"], st
     finally:
         await server.stop(None)
+
+
+async def test_a_hand_back_owed_too_long_fails_its_request_clearly(redis_url, redis_client, engine):
+    """Issue 42 (6): a hand back that every recovery round fails to write (an error that repeats,
+    not only Redis down) was owed for ever: its client waited out its deadline. Owed past
+    `give_up_after_s`, the request is failed with a clear error (out of the running hash, its
+    finish written) and its entry acked."""
+    r, pool = redis_client, "handback-owed-forever"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.pull@1,decode.handback@1+")  # every hand back fails, for ever
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            pod.io.handback.give_up_after_s = 1.0
+            req = await _publish_ready(r, engine, store, address, pool, "owed-forever")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["finished"] and st["unacked"] == 0 and not pod.io.handback.owed)
+            assert faults.raised["decode.handback"] >= 2, "the hand back never failed: the test proves nothing"
+            ends = [f for _id, f in await r.xrange(KS.token_stream(req.request_id)) if b"f" in f]
+            assert ends and ends[-1][b"f"] == b"error" and b"giving up" in ends[-1][b"e"], \
+                f"the request got no clear error: {ends}, owed {pod.io.handback.owed_resumes}"
+            assert st["unacked"] == 0 and not st["owned"] and not st["resumed"] and not pod.io.handback.owed, st
+    finally:
+        await server.stop(None)
