@@ -516,3 +516,35 @@ async def test_a_hand_back_owed_too_long_fails_its_request_clearly(redis_url, re
             assert st["unacked"] == 0 and not st["owned"] and not st["resumed"] and not pod.io.handback.owed, st
     finally:
         await server.stop(None)
+
+
+async def test_a_dead_colocated_pods_admission_claims_are_recovered_once(redis_url, redis_client, engine):
+    """Issue 42 (2): colocated decode pods claim admission entries under the prefill group, and
+    no prefill pod is there to reclaim a dead one's. A pod killed between its claim and its
+    ownership write stranded the request (until its first-token timeout); one killed after left
+    the entry pending for ever (the backlog the gateway's 429 and the planner read). A live
+    colocated pod must recover both, each request resumed once, and ack both entries."""
+    from tandem_core.bus import admission
+
+    r, pool, dead = redis_client, "handback-colocated", "decode-colocated-dead"
+    await groups.ensure_groups(r, KS, pool)
+    stream = KS.admission_stream(pool, "normal", 0)
+    before = GenerationRequest("coloc-before-own", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    after = GenerationRequest("coloc-after-own", [256, 67, 68], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    for req in (before, after):
+        await admission.enqueue_request(r, KS, pool, req, 1000)
+    got = await groups.claim(r, [stream], keys.PREFILL_GROUP, dead, 2, None)  # the dead pod's claim
+    assert len(got) == 2
+    await r.hset(KS.running_key(dead, 0), after.request_id, after.to_json())  # it owned one, then died
+    async with Pod(r, engine, redis_url, pool, colocated=True, reclaim_min_idle_ms=1) as pod:
+        pod.io.peers.since = pod.io.peers.clock() - 3600  # (its heartbeats would have made peers judgeable)
+        states = {}
+        for req in (before, after):
+            states[req.request_id] = await _until(r, pod, pool, req.request_id, lambda st: st["finished"])
+        pending = (await r.xpending(stream, keys.PREFILL_GROUP))["pending"]
+        for req in (before, after):
+            st = states[req.request_id]
+            assert st["finished"] and st["indices"] == list(range(MAX_TOKENS)), f"{req.request_id} never ran: {st}"
+            assert len(st["resumed"]) <= 1, f"{req.request_id} resumed twice: {st['resumed']}"
+        assert pending == 0, "the dead pod's admission entries are still pending"
+        assert not await r.hexists(KS.running_key(dead, 0), after.request_id)
