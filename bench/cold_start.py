@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine_line, markdown_table, merge_summary, write_section  # noqa: E402
-from bench.loadgen import make_workload, pcts, run_load  # noqa: E402
-from bench.systems import TandemLocal  # noqa: E402
+from bench.common import machine_line, markdown_table, merge_summary, write_section
+from bench.loadgen import make_workload, pcts, run_load
+from bench.systems import TandemLocal
 
 
 def one_run(name: str, root: Path, cache: Path, n: int, concurrency: int, slots: int, log_dir: Path) -> dict:

@@ -89,19 +89,22 @@ async def serve(s: DecodeSettings) -> int:
     engine_loop.start()
     done = asyncio.Event()  # the drain is over: publishing, cancels and recovery stop only then
     pod.beat(_worker_info(s, io, worker_id, address, pod), io.peers, io.resync.kick)
-    tasks = [asyncio.create_task(io.publisher.publish_loop(done)), asyncio.create_task(io.cancel_loop(done))]
+    tasks = [pod.supervise(asyncio.create_task(io.publisher.publish_loop(done)), "the publish loop"),
+             pod.supervise(asyncio.create_task(io.cancel_loop(done)), "the cancel loop")]
     # A restart under the same id: first resume what the previous incarnation left behind.
     await recover_running(io, include_self=True)
     await reclaim_pending(io, include_self=True)
-    tasks += [asyncio.create_task(recover_loop(io, done)), asyncio.create_task(_watch_engine(engine_loop, pod.stop))]
-    claim = asyncio.create_task(io.claims.claim_loop(pod.stop))
+    tasks += [pod.supervise(asyncio.create_task(recover_loop(io, done)), "the recovery loop"),
+              pod.supervise(asyncio.create_task(_watch_engine(engine_loop, pod.stop)), "the engine watch")]
+    # A claim loop that died would leave a pod heartbeating with free slots that claims nothing.
+    claim = pod.supervise(asyncio.create_task(io.claims.claim_loop(pod.stop)), "the claim loop")
     await pod.ready()
     log.info("decode ready worker_id=%s slots=%d model=%s tp=%d kv=%s", worker_id, s.slots, engine.info.name, engine.tp,
              "slots" if blocks is None else f"paged {blocks.total} blocks of {blocks.block_size} "
              f"(reserve {blocks.per_row} a row)")
     await pod.stop.wait()
     await pod.drain()
-    await claim
+    await asyncio.gather(claim, return_exceptions=True)  # (a failure was said by `supervise`: drain on)
     await _drain(io, s.drain_timeout_s)
     engine_loop.stop()
     done.set()
@@ -110,7 +113,9 @@ async def serve(s: DecodeSettings) -> int:
     await pod.close(grace_s=1.0)
     log.info("decode stopped worker_id=%s steps=%d tokens=%d handed_back_for_blocks=%d", worker_id,
              engine_loop.stats.steps, engine_loop.stats.tokens, engine_loop.stats.handed_back_for_blocks)
-    return 1 if engine_loop.error else 0
+    if pod.failed:
+        log.error("decode pod exits after a failure: %s", "; ".join(pod.failed))
+    return 1 if engine_loop.error or pod.failed else 0
 
 
 def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, pod: WorkerPod):

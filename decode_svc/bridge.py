@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,9 @@ class Bridge:
         self._loop = loop
         self._freed = _Waker(loop)  # the claim loop, waiting for a free slot
         self._output = _Waker(loop)  # the publisher, waiting for tokens
+        # the publisher's last sign of life (a batch taken, a write retried), monotonic: the
+        # engine thread's blocked `put_output` gives up only when this is `timeout_s` old
+        self.publisher_seen = time.monotonic()
 
     # ------------------------------------------------------------ engine thread
     def wake_claims(self) -> None:
@@ -79,9 +83,18 @@ class Bridge:
         self._freed.wake()
 
     def put_output(self, batch: list | Preempted, timeout_s: float) -> None:
-        """One engine call's tokens; blocks while the publisher is behind (queue.Full after
-        `timeout_s`); wakes the publisher if it waits."""
-        self.outputs.put(batch, timeout=timeout_s)
+        """One engine call's tokens; blocks while the publisher is behind; wakes the publisher if
+        it waits. queue.Full only once the publisher has shown no sign of life (`publisher_alive`)
+        for `timeout_s`: a publisher retrying a write through a Redis outage (`publish_retries`,
+        about a minute) is behind, not dead, and an engine thread that gave up sooner stopped the
+        pod and spent an attempt of every running request (issue 42)."""
+        while True:
+            try:
+                self.outputs.put(batch, timeout=min(timeout_s, 1.0))
+                break
+            except queue.Full:
+                if time.monotonic() - self.publisher_seen >= timeout_s:
+                    raise
         self._output.wake()
 
     def get_insert(self, block_s: float):
@@ -94,6 +107,10 @@ class Bridge:
             return None
 
     # ------------------------------------------------------------ event loop
+    def publisher_alive(self) -> None:
+        """The publisher is at work (it took a batch, or retries one): see `put_output`."""
+        self.publisher_seen = time.monotonic()
+
     def put_insert(self, item) -> None:
         self.inserts.put_nowait(item)
 

@@ -29,7 +29,7 @@ from decode_svc.requests import RequestTable, Stage
 from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults
-from tandem_core.bus import conn, groups, ready, reclaim, steal, token_stream
+from tandem_core.bus import conn, dead_letter, groups, ready, reclaim, steal, token_stream
 from tandem_core.errors import KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
@@ -121,6 +121,8 @@ class Claims:
                 await asyncio.sleep(0.5)
                 continue
             self.table.unreserve(n - len(got))
+            if self.stealer is not None and self.stealer.unsure:
+                lost_reply = True  # a steal claim failed: its reply may be lost, look at once
             if not got:
                 # Wait with no tickets held: the recovery loop's reclaim of a dead pod's pending
                 # entries (decode_svc/recover.py) takes its room from the same tickets, and an idle
@@ -159,7 +161,11 @@ class Claims:
         got = 0
         taker = reclaim.Reclaimer(self.r, "", self.worker_id, stale_self_ms=0, limit=self.s.reclaim_batch,
                                   min_idle_ms=0)
-        for names, group in self._sources():
+        sources = self._sources()
+        unsure = set(self.stealer.unsure) if self.stealer is not None else set()
+        if unsure:  # other pods' streams whose steal claim failed (its reply may be lost too)
+            sources.append((sorted(unsure), groups.DECODE_GROUP))
+        for names, group in sources:
             taker.group = group
             for stream in names:
                 started = self.resync.started
@@ -171,6 +177,8 @@ class Claims:
                                 stream, c.entry_id)
                     await self.dispatch(c, group, started)
                 got += len(claimed)
+        if self.stealer is not None:
+            self.stealer.unsure -= unsure
         return got
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:
@@ -224,6 +232,9 @@ class Claims:
             self._due_s, self._watch = None, []
             return []
         self._due_s, self._watch = taken.due_s, taken.watch
+        if taken.error is not None:  # what it claimed before the failure is started all the same
+            log.warning("looking at other decode pods' ready streams failed after %d entries were claimed: %s; "
+                        "starting those", len(taken.claimed), taken.error)
         for c in taken.claimed:
             log.info("took %s entry %r, steered to another decode pod and left unread %.0f ms or more", c.stream,
                      c.entry_id, self.s.affinity_wait_ms)
@@ -239,12 +250,11 @@ class Claims:
             req = notice.request if notice is not None else GenerationRequest.from_json(c.fields["req"])
         except Exception as e:  # noqa: BLE001 - no request can be read from it: it could never run
             self.table.unreserve()
-            # Left pending it would be reclaimed and fail again every stale_pending_s, for ever.
-            # The log line is its dead letter (its fields, cut to 2,000 characters); then ack it.
+            # Left pending it would be reclaimed and fail again every stale_pending_s, for ever;
+            # acked silently its client would wait out its timeout. Its request gets a clear error
+            # (the log line, with its fields, is the dead letter), then it is acked.
             self.dead_letters += 1
-            log.error("dead letter: %s entry %r cannot be read as a request (%s: %s); acking it. Its fields: %.2000r",
-                      c.stream, c.entry_id, type(e).__name__, e, c.fields)
-            await self.handback.ack(c.stream, group, c.entry_id)
+            await self._bury(dead_letter.read(c.stream, c.entry_id, c.fields, e), c, group)
             return
         key = self.table.claim(req.request_id, (c.stream, c.entry_id))
         if key is None:  # delivered again while still being worked on here
@@ -279,6 +289,18 @@ class Claims:
         self.table.advance(key, Stage.QUEUED)
         # Never full: the queue holds at least `slots` items and every item holds a seat.
         self.bridge.put_insert(LocalPrefill(req, (c.stream, group, c.entry_id), key))
+
+    async def _bury(self, dl: dead_letter.DeadLetter, c: groups.Claimed, group: str) -> None:
+        """A dead letter's request answered with its error, then its entry acked. A finish Redis
+        will not take within the retry's bound leaves the entry pending: taken up again later."""
+        try:
+            for rid in dl.token_streams:
+                await conn.retry_redis(lambda rid=rid: self.publisher.finish(rid, dl.index, FINISH_ERROR, dl.error),
+                                       "dead letter's finish", timeout_s=10.0, log=log)
+        except Exception as e:  # noqa: BLE001 - Redis still away: the entry stays pending
+            log.warning("could not answer the dead letter %s %r (%s); it stays pending", c.stream, c.entry_id, e)
+            return
+        await self.handback.ack(c.stream, group, c.entry_id)
 
     async def _pull_one(self, c: groups.Claimed, notice: ready.ReadyNotice, key: int, started: int) -> None:
         """One pulled request up to the engine, owned end to end (the task's only exit): queued for

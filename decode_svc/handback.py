@@ -18,6 +18,7 @@ Owed work is bounded by what this pod held: nothing new is claimed while Redis i
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -32,12 +33,16 @@ from tandem_core.types import GenerationRequest
 log = logging.getLogger(__name__)
 
 Ack = tuple[str, str, bytes]  # (stream, group, entry id)
+# A hand back owed this long (every recovery round failed to write it: not only Redis down, an
+# error that repeats) is given up: its request is failed with a clear error instead (`settle`).
+OWED_GIVE_UP_S = 120.0
 
 
 class Handback:
     def __init__(self, r: aioredis.Redis, ks: KeySpace, worker_id: str, table: RequestTable, journal: Journal,
                  resume: Callable[..., Awaitable[str]], timeout_s: float = 10.0,
-                 preempt: Callable[..., Awaitable[str]] | None = None) -> None:
+                 preempt: Callable[..., Awaitable[str]] | None = None,
+                 fail: Callable[[GenerationRequest, str], Awaitable[None]] | None = None) -> None:
         self.r, self.ks, self.worker_id, self.table, self.journal = r, ks, worker_id, table, journal
         self._resume = resume  # DecodeIO.resume: (req, why, owner=) -> "resumed" | "finished" | "failed"
         self.timeout_s = timeout_s  # how long one attempt waits out Redis before the work is owed
@@ -47,6 +52,11 @@ class Handback:
         self.handed_back = 0  # requests given back (resumed, finished or failed clearly), ever
         # DecodeIO.preempt: (req, why, counted) -> outcome; a pod's own hand-back of a running request
         self._preempt_fn = preempt
+        # (req, error) -> its ownership dropped and an error finish written: where an owed hand
+        # back ends once it has been owed `give_up_after_s` (None: owed until written)
+        self._fail = fail
+        self.give_up_after_s = OWED_GIVE_UP_S
+        self._owed_since: dict[str, float] = {}
 
     async def _preempt(self, req: GenerationRequest, why: str, counted: bool) -> str:
         if self._preempt_fn is None:
@@ -65,8 +75,10 @@ class Handback:
             log.error("could not hand back request_id=%s (%s): %s: %s; owed, retried every recovery round",
                       rid, why, type(e).__name__, e)
             self.owed_resumes[rid] = (req, why)
+            self._owed_since.setdefault(rid, time.monotonic())
             return False
         self.owed_resumes.pop(rid, None)
+        self._owed_since.pop(rid, None)
         self.journal.add("disown", rid)  # a replay to a Redis that lost this must not own it again
         self.handed_back += 1
         log.warning("handed back request_id=%s: %s (%s)", rid, outcome, why)
@@ -86,6 +98,7 @@ class Handback:
             log.error("could not hand back request_id=%s (%s): %s: %s; owed, retried every recovery round",
                       rid, why, type(e).__name__, e)
             self.owed_resumes[rid] = (req, why)
+            self._owed_since.setdefault(rid, time.monotonic())
             return False
         self.journal.add("disown", rid)
         self.handed_back += 1
@@ -127,12 +140,33 @@ class Handback:
                 if rid in owned:
                     self.owed_resumes.setdefault(rid, (owned[rid], "its tokens could not be written to Redis"))
             self.unread.clear()
+        now = time.monotonic()
         for req, why in list(self.owed_resumes.values()):
+            since = self._owed_since.setdefault(req.request_id, now)
+            if self._fail is not None and now - since >= self.give_up_after_s:
+                await self._give_up(req, why, now - since)
+                continue
             await self.give_back(req, why, timeout_s=1.0)
         if not self.owed_resumes:
             for stream, group, entry_id in list(self.owed_acks.values()):
                 await self.ack(stream, group, entry_id, timeout_s=1.0)
         return len(self.owed_resumes) + len(self.owed_acks)
+
+    async def _give_up(self, req: GenerationRequest, why: str, owed_s: float) -> None:
+        """An owed hand back that every round failed to write: the request ends with a clear error
+        (its ownership dropped, its finish written); still owed if that cannot be written either."""
+        rid = req.request_id
+        msg = f"request could not be handed back for recovery for {owed_s:.0f} s ({why}); giving up"
+        assert self._fail is not None
+        try:
+            await conn.retry_redis(lambda: self._fail(req, msg), f"fail request_id={rid}", timeout_s=1.0, log=log)
+        except Exception as e:  # noqa: BLE001 - Redis will not take that either: still owed
+            log.warning("could not fail request_id=%s either (%s: %s); still owed", rid, type(e).__name__, e)
+            return
+        log.error("gave up handing back request_id=%s after %.0f s: failed with a clear error (%s)", rid, owed_s, why)
+        self.owed_resumes.pop(rid, None)
+        self._owed_since.pop(rid, None)
+        self.handed_back += 1
 
     @property
     def owed(self) -> int:

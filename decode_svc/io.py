@@ -26,7 +26,7 @@ from decode_svc.settings import DecodeSettings
 from tandem_core import lifecycle
 from tandem_core.bus import cancel, reclaim, recovery, token_stream
 from tandem_core.bus import KeySpace
-from tandem_core.types import GenerationRequest
+from tandem_core.types import FINISH_ERROR, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class DecodeIO:
         # This pod's recent writes, written again when Redis comes back without them (resync.py).
         self.journal = Journal(s.resync_window_s)
         # What this pod could not finish goes back for recovery, its ownership dropped (owed while Redis is down).
-        self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume, preempt=self.preempt)
+        self.handback = Handback(r, ks, worker_id, table, self.journal, self.resume, preempt=self.preempt,
+                                 fail=self._fail_owed)
         self.publisher = Publisher(s, r, self.owned, self.journal, table, bridge, self._drop_silently,
                                    lambda req: self.resume(req, "fenced off across a Redis change", owner=worker_id),
                                    self.handback, self._give_up, self._cancel)
@@ -78,6 +79,13 @@ class DecodeIO:
                 self.handback.unread |= missing
         for req in running.values():  # one short try each (Redis has failed for a while): owed past it
             await self.handback.give_back(req, why, timeout_s=1.0)
+
+    async def _fail_owed(self, req: GenerationRequest, error: str) -> None:
+        """An owed hand back given up (Handback.settle): out of this pod's running hash, then its
+        error finish (unfenced: the pod no longer owns it, and nothing else does)."""
+        await self.owned.disown(req.request_id)
+        self.journal.add("disown", req.request_id)
+        await self.publisher.finish(req.request_id, req.start_index, FINISH_ERROR, error)
 
     async def resume(self, req: GenerationRequest, why: str, owner: str | None = None) -> str:
         return await recovery.resume(

@@ -81,6 +81,7 @@ class Publisher:
         """Drain the engine's outputs; the engine wakes this loop after each step, and the wait's
         timeout only bounds how late `done` is seen."""
         while True:
+            self.bridge.publisher_alive()
             batch = self.bridge.take_outputs(self.s.publish_coalesce_steps)
             if not batch:
                 if done.is_set():
@@ -167,7 +168,7 @@ class Publisher:
         try:
             results = await retry(attempt, f"token publish ({len(batch)} entries)", transient=conn.REDIS_DOWN,
                                   attempts=self.s.publish_retries, backoff=PUBLISH_BACKOFF, log=log,
-                                  on_retry=lambda _e, _n: self._reconcile_if_new())
+                                  on_retry=lambda _e, _n: self._retrying())
         except Exception as e:  # noqa: BLE001 - given up: the caller hands these requests back
             log.error("token publish gave up (%s: %s) after up to %d tries; handing back its %d requests",
                       type(e).__name__, e, self.s.publish_retries, len({x.request_id for x in batch}))
@@ -177,6 +178,10 @@ class Publisher:
         self.journal.add("tokens", (items, acks))
         self.note_finished(items, results)
         return results
+
+    async def _retrying(self) -> None:
+        self.bridge.publisher_alive()  # behind, not dead: the engine thread keeps waiting (Bridge.put_output)
+        await self._reconcile_if_new()
 
     async def _abandon(self, batch: list, why: str) -> None:
         """A batch that could not be written: its requests stop here and go back for recovery

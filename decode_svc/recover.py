@@ -6,7 +6,12 @@ Two kinds of leftovers, both found from Redis alone:
    transaction, which also fences off the pod if it was only paused;
 2. entries of the ready/direct streams (and of every decode pod's per-pod ready stream)
    delivered to a dead consumer and never acked: this pod claims them (XCLAIM) for slots it has
-   free, as if it had read them itself. A dead pod's per-pod stream, once empty, is forgotten.
+   free, as if it had read them itself. A dead pod's per-pod stream, once empty, is forgotten;
+3. colocated (no prefill pods): admission entries a dead colocated pod claimed (under the prefill
+   group) and never acked: each request is resumed once, whichever of its two traces (the entry,
+   its field in the dead pod's running hash) is found first (`reclaim_admissions`), and the entry
+   acked: killed before its ownership write it ran nowhere, killed after it the entry stayed
+   pending for ever (counted in the backlog the gateway's 429 and the planner read).
 "Dead" means no registry entry (its heartbeat key expired), and counts only once this pod has
 itself talked to the same Redis for a heartbeat TTL (`io.peers`, tandem_core.lifecycle.PeerJudge):
 after a Redis outage or restart every entry can be gone at once. A pod restarted under the same id
@@ -18,7 +23,8 @@ import asyncio
 import logging
 
 from decode_svc.io import DecodeIO
-from tandem_core.bus import groups, ready, reclaim, registry
+from tandem_core.bus import admission, dead_letter, groups, ready, reclaim, registry
+from tandem_core.types import GenerationRequest, choice_ids
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,57 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
         got += len(claimed)
     if io.peers.trusted:
         await forget_dead_pod_streams(io, pods)
+    if s.colocated:
+        got += await reclaim_admissions(io, include_self)
     return got
+
+
+async def reclaim_admissions(io: DecodeIO, include_self: bool = False) -> int:
+    """Colocated pods claim admission entries under the prefill group, and no prefill pod is there
+    to reclaim a dead one's: this pod takes them (or, `include_self`, its previous incarnation's)
+    and resumes each request instead of running the entry as it is. The resume (recovery.resume,
+    owner: the dead pod) takes the request out of the dead pod's running hash and enqueues it again
+    in one step; its marker makes the running hash's recovery (`recover_running`) and this one
+    resume it once between them, in either order. Then the entry is acked. Returns how many."""
+    s, got = io.s, 0
+    taker = reclaim.Reclaimer(io.r, groups.PREFILL_GROUP, io.worker_id, int(s.stale_pending_s * 1000),
+                              limit=s.reclaim_batch, min_idle_ms=s.reclaim_min_idle_ms)
+    for shard in io.ks.all_shards():
+        for prio in admission.PRIORITIES:
+            stream = io.ks.admission_stream(s.pool, prio, shard)
+            claimed, _n = await taker.take(stream, lambda found: found, include_self, others=io.peers.trusted,
+                                           busy=io.table.busy_entries(stream))
+            for c in claimed:
+                owner = taker.owners.get(c.entry_id, io.worker_id)
+                if owner == io.worker_id and not include_self:  # a lost reply of this pod's own claim: run it
+                    if io.table.reserve(1):  # (a seat for it; none free: pending still, taken up again later)
+                        await io.claims.dispatch(c, groups.PREFILL_GROUP, None)
+                    continue
+                if await _resume_admission(io, c, owner):
+                    await io.handback.ack(c.stream, groups.PREFILL_GROUP, c.entry_id)
+                got += 1
+    return got
+
+
+async def _resume_admission(io: DecodeIO, c: groups.Claimed, owner: str) -> bool:
+    """One admission entry of a dead colocated pod: its request resumed once (see
+    `reclaim_admissions`); True when its entry may be acked."""
+    try:
+        req = GenerationRequest.from_json(c.fields["req"])
+    except Exception as e:  # noqa: BLE001 - a dead letter: answered and acked
+        await io.claims._bury(dead_letter.read(c.stream, c.entry_id, c.fields, e), c, groups.PREFILL_GROUP)
+        return False
+    why = f"colocated decode pod {owner} stopped before it finished"
+    ids = choice_ids(req.request_id, req.n)
+    if req.n > 1:  # each choice was owned (and is resumed from the running hash) on its own
+        held = await reclaim.running_requests(io.r, io.ks, owner)
+        if any(x in held for x in ids) or await io.r.exists(io.ks.resume_marker(ids[0], req.start_index)):
+            log.info("admission entry %s of %s: its choices are recovered from the running hash", c.entry_id, owner)
+            return True
+    outcome = await io.resume(req, why, owner=owner)
+    log.info("recovered request_id=%s from the admission entry %s of %s: %s", req.request_id, c.entry_id, owner,
+             outcome)
+    return True
 
 
 async def forget_dead_pod_streams(io: DecodeIO, pods: list[ready.PodStream]) -> None:

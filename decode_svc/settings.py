@@ -50,4 +50,4 @@ class DecodeSettings(WorkerSettings):
     kv_channels_max: PositiveInt = 64  # gRPC channels to prefill pods kept open (oldest closed past it)
     finished_ids_max: PositiveInt = 10000  # ids of requests finished here, kept for a replay's sake
     recovering_lock_ttl_s: PositiveInt = 30  # one pod at a time resumes a dead pod's requests, for at most this
-    resume_marker_ttl_s: PositiveInt = 120  # a resume from one index refuses another from it this long
+    resume_marker_ttl_s: PositiveInt = 120  # a resume from one index at one attempt refuses a duplicate this long

@@ -138,10 +138,28 @@ class ShardReader:
         self._task: asyncio.Task | None = None
         self._pokes: set[asyncio.Task] = set()
         self.reads = 0  # round trips made (a metric for benchmarks and tests)
+        self.restarts = 0  # times the reader task ended unexpectedly and was started again
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="token-mux")
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The reader must outlive every error (its loop catches them): if it ends anyway while
+        not stopping, say so and start it again, so no relay of its shard waits for a timeout."""
+        if self._stopping or task is not self._task:
+            return
+        err = None if task.cancelled() else task.exception()
+        log.error("token reader of %s ended unexpectedly (%r); starting it again", self.wake_stream, err,
+                  exc_info=err)
+        self.restarts += 1
+        self._task = None
+        asyncio.get_running_loop().call_later(0.5, self._restart)  # (not in a tight loop if it fails again)
+
+    def _restart(self) -> None:
+        if not self._stopping and self._task is None:
+            self.start()
 
     async def stop(self, timeout_s: float = 2.0) -> None:
         """End the reader: a poke ends its read (a blocking command cancelled mid-read can leave
@@ -233,7 +251,11 @@ class ShardReader:
                     log.debug("token read cursors %s; got %s", want,
                               [(n, len(e), e[0][0], e[-1][0]) for n, e in resp or [] if e])
                 failed = 0
-            wake_id = self._dispatch(resp, wake_id, want)
+            try:
+                wake_id = self._dispatch(resp, wake_id, want)
+            except Exception:  # a bug, not an entry (those fail their request): said, and read on
+                log.exception("handing out token stream entries failed; reading again")
+                await asyncio.sleep(0.5)
 
     def _dispatch(self, resp, wake_id, read_from: dict):
         by_stream: dict[str, list[Subscription]] = {}
@@ -247,7 +269,13 @@ class ShardReader:
             subs = by_stream.get(name)
             if not subs or not entries:
                 continue
-            events = [token_stream.token_event(eid, f) for eid, f in entries]
+            events = []
+            for eid, f in entries:
+                ev, bad = token_stream.read_event(eid, f, name)
+                events.append(ev)
+                if bad is not None:  # its request ends here (the relay fails it); nothing after it counts
+                    log.error("%s; failing request %s", bad, subs[0].request_id)
+                    break
             start = _id_key(read_from.get(name, "0-0"))
             for sub in subs:
                 after = _id_key(sub.last_id)

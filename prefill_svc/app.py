@@ -98,20 +98,16 @@ async def serve(settings: PrefillSettings) -> int:
     log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
              engine.info.name, store.budget_bytes)
     batches = asyncio.create_task(asyncio.to_thread(_warm_batches, engine, settings.prefill_batch_tokens, pod.stop))
-    loop_task = asyncio.create_task(worker.run(pod.stop))
-
-    def loop_ended(task: asyncio.Task) -> None:  # a loop that died must not leave a pod that claims nothing
-        if not task.cancelled() and task.exception() is not None:
-            log.error("prefill loop failed: %r; stopping (restarted, the pod takes back what it had claimed)",
-                      task.exception())
-            pod.stop.set()
-
-    loop_task.add_done_callback(loop_ended)
+    # a loop that died must not leave a pod that claims nothing: "prefill loop failed: ...; stopping"
+    # (restarted, the pod takes back what it had claimed)
+    loop_task = pod.supervise(asyncio.create_task(worker.run(pod.stop)), "prefill loop")
     await pod.stop.wait()
     await pod.drain()
-    await loop_task
+    await asyncio.gather(loop_task, return_exceptions=True)  # (a failure was said by `supervise`: drain on)
     await batches
     await worker.drain(settings.drain_timeout_s)
     await pod.close(grace_s=2.0)
     log.info("prefill stopped worker_id=%s prefilled=%d", worker_id, worker.prefiller.prefilled)
-    return 0
+    if pod.failed:
+        log.error("prefill pod exits after a failure: %s", "; ".join(pod.failed))
+    return 1 if pod.failed else 0

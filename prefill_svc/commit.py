@@ -19,7 +19,7 @@ from prefill_svc.kv_store import KVStore
 from prefill_svc.prefill import Prefiller
 from prefill_svc.settings import PrefillSettings
 from tandem_core import faults
-from tandem_core.bus import cancel, entry_fence, groups, recovery, token_stream
+from tandem_core.bus import cancel, dead_letter, entry_fence, groups, recovery, token_stream
 from tandem_core.bus.conn import REDIS_BACKOFF, REDIS_DOWN
 from tandem_core.errors import TandemError
 from tandem_core.bus import KeySpace
@@ -90,8 +90,13 @@ class EntryHandler:
     async def handle(self, c: groups.Claimed, reclaimed: bool = False, arrive=None) -> None:
         """Work out one admission entry's writes, then commit them with its ack, fenced.
         `arrive`: called once its prompt is queued for the engine (prefill_svc/prefill.py)."""
-        req = GenerationRequest.from_json(c.fields["req"])
-        writes, held = entry_fence.EntryWrites(), []
+        try:
+            req = GenerationRequest.from_json(c.fields["req"])
+        except Exception as e:  # noqa: BLE001 - no request reads from it: answered, acked (a dead letter)
+            await self._bury(c, dead_letter.read(c.stream, c.entry_id, c.fields, e))
+            return
+        writes = entry_fence.EntryWrites()
+        held: list[str] = []
         if not (req.deadline_ts and time.time() > req.deadline_ts + self.s.abandoned_after_s):  # else ack only
             writes, held = await self._work(req, reclaimed, arrive)
         try:
@@ -134,6 +139,33 @@ class EntryHandler:
         except Exception as e:
             log.exception("prefill crashed request_id=%s", rid)
             return self._finish(req, FINISH_ERROR, f"prefill failed: {type(e).__name__}: {e}"), []
+
+    async def _bury(self, c: groups.Claimed, dl: dead_letter.DeadLetter) -> None:
+        """An entry no request reads from: its request's error finish (every choice's stream that
+        can still be named) committed with its ack, fenced. Left pending it would be taken up
+        again, and fail again, every `stale_pending_s` for ever."""
+        writes = entry_fence.EntryWrites()
+        token_stream.add_finish(writes, self.ks, dl.token_streams, dl.index, FINISH_ERROR, self.prefiller.bounds,
+                                dl.error)
+        faults.hit("prefill.commit")
+        if not await self.fence.commit(c.stream, c.entry_id, writes):
+            log.info("dead letter %s of %s was already acked or taken over", _eid(c.entry_id), c.stream)
+
+    async def give_up(self, c: groups.Claimed, deliveries: int) -> None:
+        """An entry delivered `deliveries` times and never answered (the pods that held it died or
+        failed on it: prefill_svc/takeover.py MAX_DELIVERIES): not tried again; its request ends
+        with a clear error, committed with the ack (as a dead letter's)."""
+        cause = RuntimeError(f"delivered {deliveries} times without an answer: the prefill pods that took it "
+                             "failed or died on it")
+        try:
+            req = GenerationRequest.from_json(c.fields["req"])
+        except Exception as e:  # noqa: BLE001 - unreadable too: a dead letter
+            await self._bury(c, dead_letter.read(c.stream, c.entry_id, c.fields, e))
+            return
+        log.error("giving up on admission entry %s of %s (request_id=%s): %s", _eid(c.entry_id), c.stream,
+                  req.request_id, cause)
+        await self._bury(c, dead_letter.DeadLetter(choice_ids(req.request_id, req.n), req.start_index,
+                                                   f"prefill failed: {cause}; giving up"))
 
     def _finish(self, req: GenerationRequest, reason: str, error: str | None = None) -> entry_fence.EntryWrites:
         """The request's end without a token, on every choice's stream, to commit with the ack."""

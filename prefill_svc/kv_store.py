@@ -20,7 +20,8 @@ class Held:
     payload: KVPayload
     capability: str
     expires_at: float
-    pulls: int = 0
+    pulls: int = 0  # pulls started
+    pulling: int = 0  # pulls in flight: the lease does not end under one (`KVStore.expired`)
     created: float = field(default_factory=time.monotonic)
 
 
@@ -75,5 +76,8 @@ class KVStore:
         return True
 
     def expired(self, now: float | None = None) -> list[str]:
+        """KV whose lease has ended and that no pull is streaming: a pull begun near the lease's
+        end completes (the KV is then released), rather than decode after its request was failed.
+        A pull in flight is bounded by its puller's deadline (gRPC cancels it, `pulling` drops)."""
         now = time.monotonic() if now is None else now
-        return [rid for rid, h in self._items.items() if h.expires_at <= now]
+        return [rid for rid, h in self._items.items() if h.expires_at <= now and not h.pulling]

@@ -79,6 +79,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         loop = asyncio.get_running_loop()
         chunks = kvcodec.encode(payload, self._chunk_bytes)
         nxt = loop.run_in_executor(self._pool, _message, chunks, self._raw)
+        held.pulling += 1  # (its lease waits for it: KVStore.expired)
         try:
             while (got := await nxt) is not None:
                 nxt = loop.run_in_executor(self._pool, _message, chunks, self._raw)
@@ -86,6 +87,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 sent += got[1]
         finally:
             nxt.cancel()  # a pull cut short (cancelled, deadline) drops the chunk it prefetched
+            held.pulling -= 1
         # The last chunk was handed to the transport: the decode pod has everything.
         if self._store.release(request.request_id):
             self._on_release(request.request_id)

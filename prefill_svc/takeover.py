@@ -22,6 +22,11 @@ from tandem_core.bus import admission, groups, reclaim, registry
 from tandem_core.bus import KeySpace
 
 log = logging.getLogger(__name__)
+# An admission entry delivered this many times (its first read, then each reclaim) was never
+# answered by the pods that held it: each died or failed on it. It is not tried again (a prompt
+# that kills a pod would go round every pod for ever, each try `stale_pending_s` apart): its
+# request gets a clear error instead (`give_up`, prefill_svc/commit.py).
+MAX_DELIVERIES = 5
 
 
 class Takeover:
@@ -30,11 +35,13 @@ class Takeover:
 
     def __init__(self, settings: PrefillSettings, r: aioredis.Redis, ks: KeySpace, worker_id: str,
                  room: Callable[[], int], handle: Callable[[groups.Claimed], Awaitable[None]],
-                 peers: lifecycle.PeerJudge | None = None) -> None:
+                 peers: lifecycle.PeerJudge | None = None,
+                 give_up: Callable[[groups.Claimed, int], Awaitable[None]] | None = None) -> None:
         self.s, self.r, self.ks, self.worker_id = settings, r, ks, worker_id
         self.room, self.handle = room, handle  # budget room (prompts), and how a taken entry is handled
         # whether a missing heartbeat means a dead peer yet (None: always)
         self.peers = peers
+        self.give_up = give_up  # (entry, times delivered): its request's error, its ack (None: tried again)
         self.reclaimer = reclaim.Reclaimer(r, groups.PREFILL_GROUP, worker_id,
                                            stale_self_ms=int(settings.stale_pending_s * 1000),
                                            limit=settings.reclaim_batch, min_idle_ms=settings.reclaim_min_idle_ms)
@@ -66,8 +73,17 @@ class Takeover:
                                                 others=self._peers_trusted())
         # (own stale entries are re-claimed too: XCLAIM resets their idle time)
         for c in claimed:
+            deliveries = await self._deliveries(stream, c.entry_id)
+            if self.give_up is not None and deliveries >= MAX_DELIVERIES:
+                await self.give_up(c, deliveries)
+                continue
             log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
             await self.handle(c)
+
+    async def _deliveries(self, stream: str, entry_id: bytes) -> int:
+        """How many times the entry was delivered (its read, and every reclaim's XCLAIM)."""
+        rows = await self.r.xpending_range(stream, groups.PREFILL_GROUP, min=entry_id, max=entry_id, count=1)
+        return int(rows[0]["times_delivered"]) if rows else 0
 
     def _peers_trusted(self) -> bool:
         return self.peers is None or self.peers.trusted

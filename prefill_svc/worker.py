@@ -61,7 +61,8 @@ class PrefillWorker:
         self.handler = EntryHandler(settings, r, ks, self.prefiller, store, worker_id)
         # peers: whether a missing heartbeat means a dead peer yet (None: always; the app passes
         # the judge its heartbeat loop feeds, which waits a TTL after every Redis restart)
-        self.takeover = Takeover(settings, r, ks, worker_id, self.prefiller.room, self.handler.handle_until_done, peers)
+        self.takeover = Takeover(settings, r, ks, worker_id, self.prefiller.room, self.handler.handle_until_done, peers,
+                                 self.handler.give_up)
         self.bell = groups.Doorbell(r, settings.pool, [groups.PREFILL_GROUP])  # the wait, with several shards
 
     async def run(self, stop: asyncio.Event) -> None:

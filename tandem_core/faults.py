@@ -46,6 +46,7 @@ SITES: dict[str, str] = {
     "gateway.read": "gateway: a token reader's blocking XREAD of the token streams it relays",
     "prefill.claim": "prefill pod: one claim round's XREADGROUP of admission entries",
     "decode.step": "decode pod: the engine's generate call of one step (the engine thread)",
+    "recovery.resume": "any resume (a hand-back, a recovery round, a drain): the connection dies with its writes made",
 }
 
 

@@ -29,7 +29,7 @@ Keys (all prefixed `tandem:`; `<x>` is a value, `{...}` a hash tag):
 | `tandem:{T}:cancel:<request_id>` | string | gateway | prefill, decode | EXPIRE ttl |
 | `tandem:{T}:running:<worker_id>` | hash request id -> GenerationRequest JSON | decode (on taking a request) | decode recovery | at most `slots` fields in all |
 | `tandem:recovering:<worker_id>` | string lock | the pod recovering a dead one | same | EXPIRE 30 s (`recovering_lock_ttl_s`) |
-| `tandem:{T}:resume:<request_id>:<index>` | string | whoever resumes the request from `index` | same (SET NX) | EXPIRE 120 s (`resume_marker_ttl_s`) |
+| `tandem:{T}:resume:<request_id>:<index>` | string: the attempt resumed | whoever resumes the request from `index` (one script with the re-enqueue) | same | EXPIRE 120 s (`resume_marker_ttl_s`) |
 | `tandem:{T}:gwresume:<request_id>` | hash | gateway (resumable requests) | gateway resume endpoint | EXPIRE (gateway/resume.py) |
 | `tandem:meta:shards` | string: the deployment's shard count | the first service to start (SET NX) | every service at start | one |
 | `tandem:worker:<worker_id>` | hash | each worker's heartbeat | gateway /admin/cluster | EXPIRE 3 heartbeats |

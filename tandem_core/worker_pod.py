@@ -36,7 +36,30 @@ class WorkerPod:
         self._health = None
         self._hb_stop = asyncio.Event()
         self._hb: asyncio.Task | None = None
+        self.failed: list[str] = []  # supervised tasks that died (`supervise`): the pod exits non-zero
+        self._marking: set[asyncio.Task] = set()
         lifecycle.install_stop_signals(self.stop)
+
+    def supervise(self, task: asyncio.Task, what: str) -> asyncio.Task:
+        """Watch a long-lived task of the pod: if it dies of an error, the pod must not live on
+        beside it (heartbeating with free slots, claiming nothing). It is said loudly, health goes
+        NOT_SERVING at once, `stop` is set (the pod drains, hands back what it holds and exits
+        non-zero: `failed`), and its supervisor (Kubernetes, the local launcher) restarts it."""
+        def ended(t: asyncio.Task) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            err = t.exception()
+            self.failed.append(f"{what}: {type(err).__name__}: {err}")
+            log.error("%s failed: %r; stopping the pod (it drains, exits non-zero and is restarted)", what, err,
+                      exc_info=err)
+            self.stop.set()
+            if self._health is not None:
+                mark = asyncio.ensure_future(grpc_util.set_serving(self._health, self.services, False))
+                self._marking.add(mark)
+                mark.add_done_callback(self._marking.discard)
+
+        task.add_done_callback(ended)
+        return task
 
     def bind(self) -> str:
         """Listen (services may still be added until `start`); the address peers dial."""
@@ -54,8 +77,8 @@ class WorkerPod:
     def beat(self, info: Callable[[], registry.WorkerInfo], peers: lifecycle.PeerJudge,
              on_run_id: Callable[[str | None], None] | None = None) -> None:
         """Heartbeats from now until `close`; `peers` learns from each whether peers may be judged."""
-        self._hb = asyncio.create_task(lifecycle.heartbeat_loop(
-            self.r, info, self.s.heartbeat_interval_s, self._hb_stop, peers, on_run_id))
+        self._hb = self.supervise(asyncio.create_task(lifecycle.heartbeat_loop(
+            self.r, info, self.s.heartbeat_interval_s, self._hb_stop, peers, on_run_id)), "the heartbeat loop")
 
     async def ready(self) -> None:
         await grpc_util.set_serving(self._health, self.services, True)
@@ -68,6 +91,6 @@ class WorkerPod:
     async def close(self, grace_s: float) -> None:
         self._hb_stop.set()
         if self._hb is not None:
-            await self._hb
+            await asyncio.gather(self._hb, return_exceptions=True)  # (a failure was said by `supervise`)
         await self.server.stop(grace=grace_s)
         await self.r.aclose()

@@ -85,6 +85,7 @@ class Reclaimer:
                  min_idle_ms: int = 1000) -> None:
         self.r, self.group, self.me = r, group, me
         self.stale_self_ms, self.limit, self.min_idle_ms = stale_self_ms, limit, min_idle_ms
+        self.owners: dict[bytes, str] = {}  # the last `take`: each entry's consumer before this one took it
 
     async def take(self, stream: str, room: Callable[[int], int], include_self: bool = False, others: bool = True,
                    busy: set[bytes] | None = None) -> tuple[list[Claimed], int]:
@@ -97,6 +98,7 @@ class Reclaimer:
         `dead_consumer_entries`."""
         dead = await dead_consumer_entries(self.r, stream, self.group, self.me, include_self, self.limit,
                                            stale_self_ms=self.stale_self_ms, busy=busy, others=others)
+        self.owners = {eid: c for c, eid in dead}
         if not dead:
             return [], 0
         n = room(len(dead))

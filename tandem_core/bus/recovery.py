@@ -14,7 +14,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from tandem_core import keys
+from tandem_core import faults, keys
 from tandem_core.keys import KeySpace
 from tandem_core.bus import cancel, groups, token_stream
 from tandem_core.types import FINISH_ERROR, GenerationRequest
@@ -39,26 +39,39 @@ async def streamed_tokens(r: aioredis.Redis, ks: KeySpace, request_id: str) -> t
     return out, finished
 
 
+# A resume in one step (`resume`): KEYS[1] the resume marker of (request, index), KEYS[2] the
+# owner's running hash (KEYS[1] again when there is no owner), KEYS[3] the admission stream, all in
+# the request's slot; ARGV: request id, the resume's attempt, marker TTL, maxlen, the resumed
+# request's JSON, '1' when KEYS[2] is an owner's hash. The marker holds the attempt it resumed: two
+# paths noticing the same failure carry the same attempt and only the first enqueues (0: a
+# duplicate, the owner's field still taken out); a second failure of the resumed request, from the
+# same index before any new token, carries the next attempt and is resumed again. (A marker of an
+# older release holds '1': it still refuses a duplicate of a first resume.)
+_RESUME = """
+local done = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if ARGV[6] == '1' then redis.call('HDEL', KEYS[2], ARGV[1]) end
+if done >= tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'rid', ARGV[1], 'req', ARGV[5])
+return 1
+"""
+
+
 async def resume(r: aioredis.Redis, ks: KeySpace, pool: str, original: GenerationRequest, *, max_attempts: int,
                  maxlen: int, token_ttl_s: int, token_maxlen: int, why: str, owner: str | None = None,
                  marker_ttl_s: int = 120) -> str:
     """Re-enqueue `original` from the tokens streamed so far.
 
     `owner`: the decode worker whose running hash holds the request; its field is removed in the
-    same transaction as the re-enqueue, so the request is never owned twice nor by nobody.
-    Returns "finished" (nothing to do), "resumed", or "failed" (attempts exhausted: the request
-    gets a clear error instead of looping forever). `marker_ttl_s`: how long a resume from one
-    index refuses a second one from the same index.
+    same script as the re-enqueue (`_RESUME`), so the request is never owned twice nor by nobody,
+    and a retry after a lost reply finds the whole resume done or none of it.
+    Returns "finished" (nothing to do, or this failure was resumed already), "resumed", or
+    "failed" (attempts exhausted: the request gets a clear error instead of looping forever).
+    `marker_ttl_s`: how long a resume from one index, at one attempt, refuses a duplicate.
     """
     tokens, finished = await streamed_tokens(r, ks, original.request_id)
     shard = ks.request_shard(original.request_id)  # every key below shares its tag (one slot)
     if finished or await cancel.cancelled(r, ks, [original.request_id]):
-        if owner:
-            await r.hdel(ks.running_key(owner, shard), original.request_id)
-        return "finished"
-    # Idempotent: two paths can notice the same failure (the dead pod's running hash and its
-    # pending ready entry); only the first resumes from a given point.
-    if not await r.set(ks.resume_marker(original.request_id, len(tokens)), "1", nx=True, ex=marker_ttl_s):
         if owner:
             await r.hdel(ks.running_key(owner, shard), original.request_id)
         return "finished"
@@ -70,16 +83,20 @@ async def resume(r: aioredis.Redis, ks: KeySpace, pool: str, original: Generatio
     # steered to may be the one that failed)
     again = dataclasses.replace(original, prompt_ids=base + tokens, start_index=len(tokens), attempt=attempt,
                                 priority="high", decode_pod=None)
-    pipe = r.pipeline(transaction=True)
+    # One script: the marker, the owner's field out and the re-enqueue, whole or not at all, so a
+    # retry after a connection that died inside it finds all of it done or none of it.
+    marker, running = ks.resume_marker(original.request_id, len(tokens)), ""
     if owner:
-        pipe.hdel(ks.running_key(owner, ks.request_shard(original.request_id)), original.request_id)
-    pipe.xadd(ks.admission_stream(pool, again.priority, shard), {"rid": again.request_id, "req": again.to_json()},
-              maxlen=maxlen, approximate=True)
-    await pipe.execute()
-    if ks.shards > 1:  # after the transaction: the bell is in another slot
+        running = ks.running_key(owner, shard)
+    done = await r.eval(_RESUME, 3, marker, running or marker, ks.admission_stream(pool, again.priority, shard),
+                        original.request_id, attempt, marker_ttl_s, maxlen, again.to_json(), "1" if owner else "")
+    faults.hit("recovery.resume")  # (a test aid: the connection dies here, the script's writes made, its reply lost)
+    if ks.shards > 1:  # after the script: the bell is in another slot (rung again by a retry: harmless)
         bell = r.pipeline(transaction=False)
         groups.ring(bell, ks, pool, keys.PREFILL_GROUP)
         await bell.execute()
+    if not done:  # resumed from this index at this attempt already: two paths noticed one failure
+        return "finished"
     log.info("resumed request_id=%s from index %d (attempt %d): %s", original.request_id, len(tokens), attempt, why)
     return "resumed"
 

@@ -4,6 +4,7 @@ fails over: the pods' and gateways' signal to reconcile)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from tandem_core import keys, redis_client
+
+log = logging.getLogger(__name__)
 
 
 async def worker_alive(r: aioredis.Redis, worker_id: str) -> bool:
@@ -83,19 +86,36 @@ async def list_workers(r: aioredis.Redis) -> list[dict]:
         if not h:
             dead.append(wid)
             continue
-        h = {_s(k): _s(v) for k, v in h.items()}
-        out.append(
-            {
-                "role": h["role"], "id": h["id"], "pid": int(h["pid"]), "address": h["address"],
-                "slots": int(h["slots"]), "free_slots": int(h["free_slots"]),
-                "held_kv_bytes": int(h["held_kv_bytes"]), "draining": h.get("draining") == "1",
-                "heartbeat_age_s": round(now - float(h["ts"]), 3),
-                "extra": json.loads(h.get("extra") or "{}"),
-            }
-        )
+        try:  # one worker's malformed hash (a bug, another release) drops that worker, not the list
+            h = {_s(k): _s(v) for k, v in h.items()}
+            extra = json.loads(h.get("extra") or "{}")
+            out.append(
+                {
+                    "role": h["role"], "id": h["id"], "pid": int(h["pid"]), "address": h["address"],
+                    "slots": int(h["slots"]), "free_slots": int(h["free_slots"]),
+                    "held_kv_bytes": int(h["held_kv_bytes"]), "draining": h.get("draining") == "1",
+                    "heartbeat_age_s": round(now - float(h["ts"]), 3),
+                    "extra": extra if isinstance(extra, dict) else {},
+                }
+            )
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it
+            _log_bad_heartbeat(wid, e)
     if dead:
         await r.zrem(keys.WORKERS, *dead)
     return out
+
+
+_bad_logged: set[str] = set()  # workers whose malformed heartbeat was logged (once each; bounded below)
+
+
+def _log_bad_heartbeat(wid: str, e: Exception) -> None:
+    if wid in _bad_logged:
+        return
+    if len(_bad_logged) > 1024:
+        _bad_logged.clear()
+    _bad_logged.add(wid)
+    log.error("malformed heartbeat %s (%s: %s): the worker is left out of the registry until it writes a good one",
+              keys.worker_key(wid), type(e).__name__, e)
 
 
 def _s(x) -> str:

@@ -34,6 +34,7 @@ class Taken:
     claimed: list[groups.Claimed] = field(default_factory=list)
     due_s: float | None = None  # seconds until an entry seen unread may be taken; None: none waits
     watch: list[str] = field(default_factory=list)  # other pods' per-pod streams (to wait on)
+    error: Exception | None = None  # a later stream's look or claim failed: `claimed` is still this pod's
 
 
 class Stealer:
@@ -46,6 +47,9 @@ class Stealer:
         self.r, self.ks, self.pool, self.me, self.wait_s, self.clock = r, ks, pool, me, wait_s, clock
         self.seen: dict[str, dict[bytes, float]] = {}
         self.stolen = 0  # entries taken from other pods' streams
+        # streams whose steal claim failed: its XREADGROUP may have run with the reply lost, its
+        # entries pending to this live pod, which never saw them (the claimer's `retake_own` looks)
+        self.unsure: set[str] = set()
 
     async def take(self, count: int) -> Taken:
         """Claim up to `count` entries of other pods' per-pod ready streams that this pod has seen
@@ -61,6 +65,18 @@ class Stealer:
         busy = [s for s, n in zip(others, await pipe.execute()) if n]
         self.seen = {s: v for s, v in self.seen.items() if s in busy}
         now = self.clock()
+        try:
+            await self._take_from(busy, count, now, out)
+        except Exception as e:
+            if not out.claimed:
+                raise
+            # Entries claimed before the failure are this pod's in Redis: they go to the caller,
+            # which starts them. Dropped, they would wait out the stale reclaim pending to a live
+            # pod, while their KV lease runs (issue 42).
+            out.error = e
+        return out
+
+    async def _take_from(self, busy: list[str], count: int, now: float, out: Taken) -> None:
         for stream in busy:
             want = count - len(out.claimed)
             if want <= 0:
@@ -80,12 +96,15 @@ class Stealer:
                 due = max(0.0, t + self.wait_s - now)
                 out.due_s = due if out.due_s is None else min(out.due_s, due)
             if ripe:
-                got = groups.as_claimed(await redis_client.xreadgroup(self.r, DECODE_GROUP, self.me, stream, ripe))
+                try:
+                    got = groups.as_claimed(await redis_client.xreadgroup(self.r, DECODE_GROUP, self.me, stream, ripe))
+                except Exception:
+                    self.unsure.add(stream)
+                    raise
                 for c in got:
                     seen.pop(c.entry_id, None)
                 self.stolen += len(got)
                 out.claimed += got
-        return out
 
     async def _unread(self, stream: str, count: int) -> list[bytes]:
         """The ids of the stream's oldest `count` entries not yet delivered to any decode pod."""

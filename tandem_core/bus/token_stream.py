@@ -124,6 +124,20 @@ def token_event(entry_id: bytes, f: dict) -> TokenEvent:
                       logprobs=TokenLogprobs.decode(lp) if lp is not None else None, prompt_logprobs=f.get(b"p"))
 
 
+def read_event(entry_id: bytes, f: dict, key: str) -> tuple[TokenEvent, str | None]:
+    """`token_event`, or, for an entry that cannot be read as one (a field missing or not a
+    number, logprobs that do not decode), its request's end: an `error` finish without a token
+    whose message names the entry and its stream, and that message as the second item (None for
+    a good entry). Fields no reader knows are ignored, so a newer writer's entries still read.
+    One bad entry costs its request, never the reader (issue 42)."""
+    try:
+        return token_event(entry_id, f), None
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, its request ends here
+        why = (f"malformed token stream entry {_s(entry_id)} in {key} ({type(e).__name__}: {e}); "
+               "the request cannot go on: send it again")
+        return TokenEvent(index=0, token_id=-1, finish_reason="error", error=why, entry_id=entry_id), why
+
+
 # ---------------------------------------------------------------- fenced writes (decode pods)
 # Fenced token writes: a decode pod's tokens reach a request's token stream only while the pod
 # still owns the request (its field in the pod's running hash of the request's shard, see

@@ -49,6 +49,8 @@ PLAN = {
     "gateway.read": "gateway.read@3-4:down",
     "prefill.claim": "prefill.claim@4-5:down",
     "decode.step": "decode.step@6",
+    # the connection dies inside a hand back's resume (its writes made, the reply lost): the retry finds it done
+    "recovery.resume": "recovery.resume@1:down,decode.pull@2",
 }
 FAST = {"TANDEM_DECODE_RECOVER_INTERVAL_S": "0.3", "TANDEM_PREFILL_RECOVER_INTERVAL_S": "0.3"}
 EACH = os.environ.get("TANDEM_FAULT_SITES_EACH") == "1"

@@ -381,6 +381,10 @@ async def test_an_unreadable_entry_is_acked_as_a_dead_letter(redis_url, redis_cl
         assert pod.io.claims.dead_letters == 1
         assert (await r.xpending(stream, keys.DECODE_GROUP))["pending"] == 0, "the unreadable entry was never acked"
         assert "dead letter" in caplog.text and "{not json" in caplog.text
+        # issue 42 (6): its request is answered with a clear error, not left to its client's timeout
+        ends = [f for _id, f in await r.xrange(KS.token_stream("garbled")) if b"f" in f]
+        assert ends and ends[-1][b"f"] == b"error" and b"cannot be read" in ends[-1].get(b"e", b""), \
+            f"the dead letter's request got no answer: its client waits out its timeout ({ends})"
         assert sum(pod.table.stages().values()) == 0 and pod.table.reserved == 0 if hasattr(pod.table, "reserved") \
             else sum(pod.table.stages().values()) == 0
         # and the pod goes on: a good short prompt after it runs to its end
@@ -417,3 +421,130 @@ async def test_a_delivery_whose_claim_reply_was_lost_is_taken_again_at_once(redi
             assert len(store) == 0, "the KV is still held: it was never pulled"
     finally:
         await server.stop(None)
+
+
+async def test_a_steal_pass_that_fails_after_claiming_starts_what_it_claimed(redis_url, redis_client, engine,
+                                                                              monkeypatch):
+    """Issue 42 (3): the steal pass claims other pods' unread steered entries stream by stream; a
+    read failing after the first stream's claim (injected at the second stream's look) dropped the
+    whole pass's result, so the entry claimed first sat pending to this live pod (outside
+    `retake_own`'s sources) until the stale reclaim, while its KV lease ran out. Both requests
+    must run to their end."""
+    from tandem_core.bus import steal
+
+    r, pool = redis_client, "handback-steal"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    reqs = []
+    for other in ("pod-away-1", "pod-away-2"):  # steered to two other pods that never read: two streams
+        req = GenerationRequest(f"steal-{other}", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True,
+                                decode_pod=other)
+        payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+        held = store.put(req.request_id, payload)
+        pipe = r.pipeline(transaction=False)
+        ready.add_ready(pipe, KS, pool, ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0",
+                                                           payload.first_token), 1000)
+        await pipe.execute()
+        reqs.append(req)
+    looks = {"n": 0}
+    real_unread = steal.Stealer._unread
+
+    async def unread(self, stream, count):  # the first look after a claim (the next stream's) fails, once
+        if self.stolen and not looks["n"]:
+            looks["n"] += 1
+            raise ConnectionError("injected: the steal pass's read of its second stream failed")
+        return await real_unread(self, stream, count)
+
+    monkeypatch.setattr(steal.Stealer, "_unread", unread)
+    try:
+        async with Pod(r, engine, redis_url, pool, affinity_wait_ms=1) as pod:
+            for req in reqs:
+                st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"])
+                assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), \
+                    f"{req.request_id} never ran: {st}, pod: {pod.table.stages()}"
+            assert looks["n"] == 1, "the injected failure never fired: the test proves nothing"
+    finally:
+        await server.stop(None)
+
+
+async def test_the_engine_thread_waits_as_long_as_the_publisher_retries(redis_url, redis_client, engine):
+    """Issue 42 (6): through a Redis outage the publisher retries a step's write for about a minute
+    (`publish_retries`), but the engine thread gave up its blocked `put_output` after
+    `output_timeout_s` (30 s) and died: an outage between the two restarted the pod and spent an
+    attempt of every running request. The engine thread must wait while the publisher is still
+    retrying (here an outage of 4 s of retries against an output timeout of 3 s, a queue of one)."""
+    r, pool = redis_client, "handback-outage"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.publish@2-8:down")  # seven tries in a row: about 4 s of the publisher's backoff
+    try:
+        async with Pod(r, engine, redis_url, pool, publish_coalesce_steps=1, output_queue_size=1) as pod:
+            pod.eloop.output_timeout_s = 3.0  # (longer than one pause of the publisher's backoff, 1.5 s at most here)
+            pod.eloop.steps_per_dispatch = 1  # a call per step, a batch per call: the queue fills at once
+            req = await _publish_ready(r, engine, store, address, pool, "outage", max_tokens=40)
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"] or pod.eloop.error, rounds=400)
+            assert pod.eloop.error is None, f"the engine thread died during an outage the publisher rode out: " \
+                                            f"{pod.eloop.error!r}"
+            assert faults.raised["decode.publish"] == 7, "the outage never happened: the test proves nothing"
+            assert st["finished"] and st["indices"] == list(range(1, 40)) and not st["resumed"], st
+    finally:
+        await server.stop(None)
+
+
+async def test_a_hand_back_owed_too_long_fails_its_request_clearly(redis_url, redis_client, engine):
+    """Issue 42 (6): a hand back that every recovery round fails to write (an error that repeats,
+    not only Redis down) was owed for ever: its client waited out its deadline. Owed past
+    `give_up_after_s`, the request is failed with a clear error (out of the running hash, its
+    finish written) and its entry acked."""
+    r, pool = redis_client, "handback-owed-forever"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    faults.configure("decode.pull@1,decode.handback@1+")  # every hand back fails, for ever
+    try:
+        async with Pod(r, engine, redis_url, pool) as pod:
+            pod.io.handback.give_up_after_s = 1.0
+            req = await _publish_ready(r, engine, store, address, pool, "owed-forever")
+            st = await _until(r, pod, pool, req.request_id,
+                              lambda st: st["finished"] and st["unacked"] == 0 and not pod.io.handback.owed)
+            assert faults.raised["decode.handback"] >= 2, "the hand back never failed: the test proves nothing"
+            ends = [f for _id, f in await r.xrange(KS.token_stream(req.request_id)) if b"f" in f]
+            assert ends and ends[-1][b"f"] == b"error" and b"giving up" in ends[-1][b"e"], \
+                f"the request got no clear error: {ends}, owed {pod.io.handback.owed_resumes}"
+            assert st["unacked"] == 0 and not st["owned"] and not st["resumed"] and not pod.io.handback.owed, st
+    finally:
+        await server.stop(None)
+
+
+async def test_a_dead_colocated_pods_admission_claims_are_recovered_once(redis_url, redis_client, engine):
+    """Issue 42 (2): colocated decode pods claim admission entries under the prefill group, and
+    no prefill pod is there to reclaim a dead one's. A pod killed between its claim and its
+    ownership write stranded the request (until its first-token timeout); one killed after left
+    the entry pending for ever (the backlog the gateway's 429 and the planner read). A live
+    colocated pod must recover both, each request resumed once, and ack both entries."""
+    from tandem_core.bus import admission
+
+    r, pool, dead = redis_client, "handback-colocated", "decode-colocated-dead"
+    await groups.ensure_groups(r, KS, pool)
+    stream = KS.admission_stream(pool, "normal", 0)
+    before = GenerationRequest("coloc-before-own", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    after = GenerationRequest("coloc-after-own", [256, 67, 68], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    for req in (before, after):
+        await admission.enqueue_request(r, KS, pool, req, 1000)
+    got = await groups.claim(r, [stream], keys.PREFILL_GROUP, dead, 2, None)  # the dead pod's claim
+    assert len(got) == 2
+    await r.hset(KS.running_key(dead, 0), after.request_id, after.to_json())  # it owned one, then died
+    async with Pod(r, engine, redis_url, pool, colocated=True, reclaim_min_idle_ms=1) as pod:
+        pod.io.peers.since = pod.io.peers.clock() - 3600  # (its heartbeats would have made peers judgeable)
+        states = {}
+        for req in (before, after):
+            states[req.request_id] = await _until(r, pod, pool, req.request_id, lambda st: st["finished"])
+        pending = (await r.xpending(stream, keys.PREFILL_GROUP))["pending"]
+        for req in (before, after):
+            st = states[req.request_id]
+            assert st["finished"] and st["indices"] == list(range(MAX_TOKENS)), f"{req.request_id} never ran: {st}"
+            assert len(st["resumed"]) <= 1, f"{req.request_id} resumed twice: {st['resumed']}"
+        assert pending == 0, "the dead pod's admission entries are still pending"
+        assert not await r.hexists(KS.running_key(dead, 0), after.request_id)

@@ -1,6 +1,8 @@
 """KV transfer over real gRPC on loopback: chunked stream, checksums, capability tokens, release."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -173,3 +175,28 @@ async def test_pull_past_its_deadline_fails_and_keeps_kv(kv_server):
     got = await puller.pull(_notice("rd", addr, held.capability), timeout_s=30)  # the KV is still there
     await puller.close()
     assert got.k.shape == (2, 16384, 2, 16) and released == ["rd"]
+
+
+async def test_a_lease_does_not_end_under_a_pull_in_flight(kv_server):
+    """Issue 42 (4): a pull that started near the end of its KV's lease. `expired()` (the prefill
+    loop frees what it lists and fails its request: "KV was not pulled ... within its lease") must
+    not list KV a pull is still streaming, which would complete and decode after the client got
+    that error; once the pull is over (here cut short) the lease applies again."""
+    import time
+
+    store, addr, released = kv_server
+    held = store.put("r1", _payload(length=32768))  # 16 MiB: far more than gRPC's window, so the pull waits on us
+    held.expires_at = time.monotonic() + 0.2  # the lease nearly over
+    async with grpc.aio.insecure_channel(addr) as ch:
+        call = kv_pb2_grpc.KVTransferStub(ch).PullKV(kv_pb2.PullKVRequest(request_id="r1", capability=held.capability))
+        first = await call.read()  # the pull is under way: one chunk out, more to come
+        assert first is not grpc.aio.EOF
+        while time.monotonic() < held.expires_at + 0.1:
+            await asyncio.sleep(0.05)
+        assert store.expired() == [], "the lease ended under a pull in flight: its request would be failed"
+        call.cancel()  # the decode pod gave up on it (its deadline, a crash)
+    for _ in range(100):
+        if store.expired() == ["r1"]:
+            break
+        await asyncio.sleep(0.02)
+    assert store.expired() == ["r1"], "a pull that ended without the KV kept its lease from ending for ever"

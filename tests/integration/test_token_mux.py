@@ -167,3 +167,66 @@ async def test_the_fenced_write_sets_the_streams_ttl_every_16th_index_and_at_the
     assert 590 < await r.ttl(stream) <= 600
     await write(token_stream.EXPIRE_EVERY + 1, "length")
     assert 50 < await r.ttl(stream) <= 60
+
+
+async def test_a_malformed_entry_fails_its_request_and_the_reader_goes_on(redis_client, caplog):
+    """Issue 42 (5): one malformed entry (`i` not a number) written into a running request's token
+    stream, and one with a field this gateway does not know in another's: the first request fails
+    with a clear error naming the entry's key, the reader logs that key once and goes on, and
+    every other request (the one with the unknown field among them) finishes."""
+    from tandem_core.keys import KeySpace
+
+    r, ks = redis_client, KeySpace(1)  # one shard: one reader for every stream
+    mux = TokenMux(r, ks, block_ms=100)
+    mux.start()
+    try:
+        rids = ["bad-0", "odd-1", "ok-2", "ok-3"]
+        subs = {rid: mux.subscribe(rid) for rid in rids}
+        for rid in rids:
+            await _write(r, ks, rid, 0, 3)
+        first = {rid: await _drain(subs[rid], 3) for rid in rids}
+        assert all(len(v) == 3 for v in first.values())
+        await r.xadd(ks.token_stream("bad-0"), {"i": "three", "t": "5"})
+        await r.xadd(ks.token_stream("odd-1"), {"i": 3, "t": 103, "x-new-field": "from a newer pod"})
+        for rid in rids[1:]:
+            await _write(r, ks, rid, 4 if rid == "odd-1" else 3, 5 if rid == "odd-1" else 6, "length")
+        rest = {rid: await _drain(subs[rid], 6, timeout_s=5.0) for rid in rids[1:]}
+        for rid in rids[1:]:
+            assert [e.index for e in rest[rid]] == list(range(3, 9)), f"{rid} did not finish: {rest[rid]}"
+            assert rest[rid][-1].finish_reason == "length"
+        bad = await _drain(subs["bad-0"], 1, timeout_s=5.0)
+        assert bad and bad[-1].finish_reason == "error" and bad[-1].token_id == -1, bad
+        assert ks.token_stream("bad-0") in (bad[-1].error or "") and "malformed" in (bad[-1].error or "")
+        named = [rec for rec in caplog.records if ks.token_stream("bad-0") in rec.getMessage()]
+        assert len(named) == 1, [rec.getMessage() for rec in caplog.records]
+    finally:
+        await mux.stop()
+
+
+async def test_a_reader_task_that_ends_unexpectedly_is_started_again(redis_client):
+    """Issue 42 (5): the token reader is supervised. Ended by an error its loop does not catch
+    (here a subscription whose cursor is no stream id), it says so and is started again, and the
+    other subscriptions read on."""
+    from tandem_core.keys import KeySpace
+
+    r, ks = redis_client, KeySpace(1)
+    mux = TokenMux(r, ks, block_ms=100)
+    mux.start()
+    try:
+        sub = mux.subscribe("sup-0")
+        await _write(r, ks, "sup-0", 0, 2)
+        assert len(await _drain(sub, 2)) == 2
+        reader = mux.reader_of("sup-0")
+        other = mux.subscribe("sup-1")
+        broken = mux.subscribe("sup-1", after_id="not-an-id")  # its cursor compared with the other's: a ValueError
+        for _ in range(50):
+            if getattr(reader, "restarts", 0):  # (the supervisor counts them)
+                break
+            await asyncio.sleep(0.05)
+        mux.unsubscribe(broken)
+        mux.unsubscribe(other)
+        await _write(r, ks, "sup-0", 2, 2, "length")
+        assert [e.index for e in await _drain(sub, 2, timeout_s=5.0)] == [2, 3]
+        assert reader.restarts >= 1
+    finally:
+        await mux.stop()

@@ -72,3 +72,38 @@ async def test_ready_drain_and_close(redis_url):
 async def _draining(r, wid: str) -> dict | None:
     e = await _entry(r, wid)
     return e if e and e["draining"] else None
+
+
+async def test_a_supervised_task_that_dies_stops_the_pod_loudly(redis_url, caplog):
+    """Issue 42 (5): a long-lived loop of a pod (the decode pod's claim loop, the prefill loop)
+    that dies of an error must not leave the pod heartbeating and SERVING while it claims nothing:
+    health goes NOT_SERVING at once, `stop` is set (the pod drains and exits non-zero: `failed`)."""
+    import redis.asyncio as aioredis
+
+    s = WorkerSettings(redis=RedisConfig(url=redis_url), grpc=GrpcConfig(host="127.0.0.1", port=0),
+                       heartbeat_interval_s=0.1)
+    r = aioredis.Redis.from_url(redis_url)
+    pod = WorkerPod(s, r, [SERVICE])
+    address = pod.bind()
+    await pod.start()
+    await pod.ready()
+    go = asyncio.Event()
+
+    async def claim_loop() -> None:
+        await go.wait()
+        raise RuntimeError("a bug in the loop")
+
+    try:
+        task = pod.supervise(asyncio.create_task(claim_loop()), "the claim loop")
+        assert await _health(address) == health_pb2.HealthCheckResponse.SERVING
+        go.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await _until(lambda: _not_serving(address))
+        assert pod.stop.is_set() and pod.failed == ["the claim loop: RuntimeError: a bug in the loop"]
+        assert "the claim loop failed" in caplog.text
+    finally:
+        await pod.close(grace_s=0.1)
+
+
+async def _not_serving(address: str) -> bool:
+    return await _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
