@@ -49,6 +49,9 @@ PLAN = {
     "gateway.read": "gateway.read@3-4:down",
     "prefill.claim": "prefill.claim@4-5:down",
     "decode.step": "decode.step@6",
+    # an engine call other than the step fails: the engine thread dies, the pod stops and is restarted
+    "decode.insert": "decode.insert@5",
+    "decode.local_prefill": "decode.local_prefill@2",
     # the connection dies inside a hand back's resume (its writes made, the reply lost): the retry finds it done
     "recovery.resume": "recovery.resume@1:down,decode.pull@2",
 }
