@@ -277,6 +277,7 @@ class EngineLoop:
         if slot is None:  # a claim holds a seat (RequestTable), so a queued request always finds one
             raise RuntimeError(f"no free slot to insert {req.request_id}: the request table admitted more "
                                f"requests than its {self.table.slots} slots (a bug in decode_svc/requests.py)")
+        faults.hit("decode.insert")
         if isinstance(prefix, KVPayload):  # a pulled KV: straight from the host arrays into the slot
             state = self.engine.insert_payload(prefix, state, slot, req.sampling, **insert_args(req, first_token),
                                                cached=cached)
@@ -300,6 +301,7 @@ class EngineLoop:
                                                                           self.engine.prefix_chunk):
                 self._chunked.append(ChunkedPrefill(self.engine, self.prefix_cache, self.grammars.grammars, item))
                 return state  # streams are running: its chunks go between their steps
+            faults.hit("decode.local_prefill")
             done = prefill_here(self.engine, self.prefix_cache, self.grammars.grammars, item)
         except TandemError as e:
             self.table.drop(item.key)

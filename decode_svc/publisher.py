@@ -268,7 +268,13 @@ class Publisher:
                         sorted({it.request_id for it in refused if it.request_id not in self.finished_here})[:5])
 
     async def _streamed_indices(self, rid: str) -> set[int]:
-        return {int(f[b"i"]) for _id, f in await self.r.xrange(self.owned.ks.token_stream(rid))}
+        out = set()
+        for _id, f in await self.r.xrange(self.owned.ks.token_stream(rid)):
+            try:
+                out.add(int(f[b"i"]))
+            except (KeyError, ValueError):  # a malformed entry: not a token written (the gateway fails on it)
+                continue
+        return out
 
 
 def _journal_summary(kind: str, payload) -> object:

@@ -26,6 +26,8 @@ async def publish_loop(svc, interval_s: float, stop: asyncio.Event) -> None:
             await load_report.publish(svc.redis, gateway_id, os.getpid(), svc.metrics.load_counts(), ttl_s)
         except (RedisError, OSError) as e:
             log.debug("load report not written: %s", e)
+        except Exception:  # a bug: said, and the next report tried (a dead loop would report nothing, silently)
+            log.exception("load report failed")
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
         except asyncio.TimeoutError:

@@ -46,6 +46,8 @@ SITES: dict[str, str] = {
     "gateway.read": "gateway: a token reader's blocking XREAD of the token streams it relays",
     "prefill.claim": "prefill pod: one claim round's XREADGROUP of admission entries",
     "decode.step": "decode pod: the engine's generate call of one step (the engine thread)",
+    "decode.insert": "decode pod: the engine's insert of a pulled or locally prefilled request into a row (engine thread)",
+    "decode.local_prefill": "decode pod: the engine's prefill of a short prompt claimed from the direct stream (engine thread)",
     "recovery.resume": "any resume (a hand-back, a recovery round, a drain): the connection dies with its writes made",
 }
 

@@ -78,6 +78,17 @@ class GrpcConfig(BaseModel):
     tls_ca_file: str = ""
     tls_server_name: str = ""  # name to check in the peer's certificate (pods dial IPs)
 
+    @model_validator(mode="after")
+    def _tls_whole(self) -> "GrpcConfig":
+        """All three TLS files or none: a partial set would serve and dial in plaintext, silently."""
+        files = {"tls_cert_file": self.tls_cert_file, "tls_key_file": self.tls_key_file,
+                 "tls_ca_file": self.tls_ca_file}
+        missing = [k for k, v in files.items() if not v]
+        if missing and len(missing) < len(files):
+            raise ValueError(f"a partial TLS configuration: {', '.join(missing)} not set (set all three of "
+                             "tls_cert_file, tls_key_file, tls_ca_file for mutual TLS, or none for plaintext)")
+        return self
+
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert_file and self.tls_key_file and self.tls_ca_file)

@@ -27,8 +27,13 @@ async def streamed_tokens(r: aioredis.Redis, ks: KeySpace, request_id: str) -> t
     entries = await r.xrange(ks.token_stream(request_id))
     got: dict[int, int] = {}
     finished = False
-    for _id, f in entries:
-        i, t = int(f[b"i"]), int(f[b"t"])
+    for eid, f in entries:
+        try:
+            i, t = int(f[b"i"]), int(f[b"t"])
+        except (KeyError, ValueError) as e:  # a bad entry costs no reader (the gateway fails its request)
+            log.warning("skipping malformed token stream entry %r of %s (%s: %s)", eid,
+                        ks.token_stream(request_id), type(e).__name__, e)
+            continue
         if b"f" in f:
             finished = True
         if t >= 0 and i not in got:

@@ -49,6 +49,9 @@ PLAN = {
     "gateway.read": "gateway.read@3-4:down",
     "prefill.claim": "prefill.claim@4-5:down",
     "decode.step": "decode.step@6",
+    # an engine call other than the step fails: the engine thread dies, the pod stops and is restarted
+    "decode.insert": "decode.insert@5",
+    "decode.local_prefill": "decode.local_prefill@2",
     # the connection dies inside a hand back's resume (its writes made, the reply lost): the retry finds it done
     "recovery.resume": "recovery.resume@1:down,decode.pull@2",
 }
@@ -157,3 +160,68 @@ def test_a_fault_at_each_await_loses_nothing(site, expected):
     results, after, log = _run_with(plan, expected)
     verdict = _check(plan, results, after, log, expected)
     print(f"FAULT SITE {site} ({plan}): {verdict}")
+
+
+def test_bad_entries_under_load_cost_only_their_own_requests(expected):
+    """Issue 42: malformed and unknown-field entries written into every stream a gateway or pod
+    reads, while the 16 streams run: an admission, a direct and a ready entry no request reads
+    from (dead letters: each answered with a clear error on its request's stream, and acked), a
+    worker heartbeat with garbage in it (before, every reader of the registry failed: the
+    gateway's admission among them), and an entry whose `i` is not a number in the token stream
+    of one more running request (before, it ended the gateway's token reader and every stream
+    with it). That one request fails with an error naming its stream; every other request is
+    served, and afterwards nothing is left in the queues."""
+    import redis
+
+    from tandem_core import keys
+    from tests.e2e.fault_inject import redis_url
+
+    cl = start_local(slots=4, env=FAST)
+    ks = keys.KeySpace(1)
+    try:
+        r = redis.Redis.from_url(redis_url(cl.log))
+        r.xadd(ks.admission_stream("default", "high", 0), {"rid": "fuzz-adm", "req": "{not json", "x-new": "1"})
+        r.xadd(ks.direct_stream("default", 0), {"rid": "fuzz-direct", "req": '{"request_id": "fuzz-direct"}'})
+        r.xadd(ks.ready_stream("default", 0), {"rid": "fuzz-ready", "notice": "[1, 2"})
+        r.hset(keys.worker_key("fuzz-pod"), mapping={"role": "decode", "id": "fuzz-pod", "pid": "many", "extra": "{"})
+        r.expire(keys.worker_key("fuzz-pod"), 60)
+        r.zadd(keys.WORKERS, {"fuzz-pod": time.time()})
+
+        async def victim(c: httpx.AsyncClient) -> str | None:
+            body = {"model": "builtin", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+            async with c.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200, await resp.aread()
+                rid, struck = resp.headers["x-request-id"], False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return chunk["error"]["message"]
+                    if not struck:  # running: a bad entry into its token stream
+                        r.xadd(ks.token_stream(rid), {"i": "three", "t": "5", "x-new": "1"})
+                        struck = True
+            return None
+
+        async def load():
+            async with httpx.AsyncClient(base_url=cl.base_url, timeout=60) as c:
+                return await asyncio.gather(victim(c), *[_stream(c, i) for i in range(len(PROMPTS))])
+
+        error, *results = asyncio.run(load())
+        assert error and "malformed token stream entry" in error, f"the struck request did not fail clearly: {error}"
+        for i, (text, err) in enumerate(results):
+            assert err is None and text == expected[i], f"request {i} paid for another's bad entry: {err} {text!r}"
+        deadline = time.monotonic() + 30
+        while True:
+            after = _settled(cl.base_url)
+            if not (after["admission"] or after["ready"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert after["admission"] == 0 and after["ready"] == 0, f"a dead letter was left in its queue: {after}"
+        for rid in ("fuzz-adm", "fuzz-direct", "fuzz-ready"):
+            ends = [f for _id, f in r.xrange(ks.token_stream(rid)) if b"f" in f]
+            assert ends and ends[-1][b"f"] == b"error", f"the dead letter of {rid} got no answer: {ends}"
+        print("BAD ENTRIES: 16 served; the struck request failed with:", error)
+    finally:
+        stop_local(cl.proc)

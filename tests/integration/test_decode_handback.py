@@ -548,3 +548,46 @@ async def test_a_dead_colocated_pods_admission_claims_are_recovered_once(redis_u
             assert len(st["resumed"]) <= 1, f"{req.request_id} resumed twice: {st['resumed']}"
         assert pending == 0, "the dead pod's admission entries are still pending"
         assert not await r.hexists(KS.running_key(dead, 0), after.request_id)
+
+
+async def test_a_steal_claim_whose_reply_was_lost_is_taken_again_at_once(redis_url, redis_client, engine,
+                                                                          monkeypatch):
+    """Issue 42 (3): the steal pass's XREADGROUP runs in Redis but its reply is lost with the
+    connection (injected: the real command, then a ConnectionError). The entry is pending to this
+    live pod, which never saw it, and not in `retake_own`'s sources: it waited for the stale reclaim
+    (60 s) while its KV lease ran. The stream is now looked at again at once."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from tandem_core import redis_client as rc
+
+    r, pool = redis_client, "handback-steal-lost"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    req = GenerationRequest("steal-lost-reply", [256, 65, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True,
+                            decode_pod="pod-away-3")
+    payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+    held = store.put(req.request_id, payload)
+    pipe = r.pipeline(transaction=False)
+    ready.add_ready(pipe, KS, pool, ready.ReadyNotice(req, address, held.capability, payload.nbytes, "p0",
+                                                       payload.first_token), 1000)
+    await pipe.execute()
+    lost = {"n": 0}
+    real = rc.xreadgroup
+
+    async def xreadgroup(client, group, consumer, stream, count):
+        got = await real(client, group, consumer, stream, count)
+        if "pod-away-3" in stream and not lost["n"] and got:
+            lost["n"] += 1
+            raise RedisConnectionError("injected: the steal claim ran, its reply lost with the connection")
+        return got
+
+    monkeypatch.setattr(rc, "xreadgroup", xreadgroup)
+    try:
+        async with Pod(r, engine, redis_url, pool, affinity_wait_ms=1) as pod:
+            st = await _until(r, pod, pool, req.request_id, lambda st: st["finished"])
+            assert lost["n"] == 1, "the injected failure never fired: the test proves nothing"
+            assert st["finished"] and st["indices"] == list(range(1, MAX_TOKENS)), \
+                f"the stolen entry whose reply was lost never ran: {st}"
+    finally:
+        await server.stop(None)

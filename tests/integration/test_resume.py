@@ -71,3 +71,15 @@ async def test_the_same_failure_resumes_once_and_a_second_failure_resumes_again(
     assert [(q.start_index, q.attempt) for q in await _queued(r, ks, req.request_id)] == [(3, 1), (3, 2)]
     assert await _resume(r, ks, again) == "finished"
     assert len(await _queued(r, ks, req.request_id)) == 2
+
+
+async def test_a_malformed_token_entry_does_not_stop_a_resume(any_redis, any_keys):
+    """Issue 42 (5): every reader of a token stream goes past an entry it cannot read. The
+    resume's own read (`streamed_tokens`, also the prefill pod's lease and reclaim checks) raised
+    on it: the hand back failed every round, and a prefill pod's claim round (its lease check)
+    failed with it, the pod stopped and was restarted into the same entry."""
+    r, ks = any_redis, any_keys
+    req = await _setup(r, ks, "resume-garbled")
+    await r.xadd(ks.token_stream(req.request_id), {"i": "three", "t": "x"})
+    assert await recovery.streamed_tokens(r, ks, req.request_id) == ([11, 12, 13], False)
+    assert await _resume(r, ks, req) == "resumed"
