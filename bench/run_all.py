@@ -31,6 +31,8 @@ BENCHMARKS = [
     "kv_capacity.py",  # fixed slots vs paged KV at one KV budget: sequences held, tok/s, KV bytes moved (issue 30)
     "decode_affinity.py",  # two paged decode pods: KV moved per conversation turn, decode routing on vs off (issue 30)
     "quantize_quality.py --kv --write",  # int8 weights and fp8 KV vs unquantized: greedy agreement, logit error, bytes (issue 30)
+    "load.py",  # a checkpoint's load time against the cold read, peak RSS against its bytes, tp 1 and 2 (issue 41)
+    "cold_start.py",  # TTFT of a fresh cluster's first requests, cold and warm compile cache (issue 41)
 ]
 
 
