@@ -74,9 +74,9 @@ class TensorMeta(NamedTuple):
 class Tensors:
     """The tensors of a checkpoint directory (every safetensors file in it), read by block.
 
-    `block(name, lead, rows)` reads tensor[lead..., rows] (one contiguous range of bytes) with one
-    `pread`; the file descriptors stay open until `close`. Thread-safe: `pread` has no shared
-    offset, and the bookkeeping of what was read takes a lock."""
+    `block(name, lead, rows)` reads tensor[lead..., rows] (one contiguous range of bytes) with
+    `preadv`; the file descriptors stay open until `close`. Thread-safe: `preadv` has no shared
+    offset, and the bookkeeping of what was used takes a lock."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -101,7 +101,6 @@ class Tensors:
                 self.meta[name] = TensorMeta(file, 8 + n + int(m["data_offsets"][0]), np.dtype(ST_DTYPES[m["dtype"]]),
                                              tuple(int(s) for s in m["shape"]))
         self.used: set[str] = set()
-        self.bytes_read = 0
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
@@ -151,8 +150,6 @@ class Tensors:
             if n <= 0:
                 raise ModelNotFound(f"{m.file}: short read of tensor {name!r} (file truncated?)")
             done += n
-        with self._lock:
-            self.bytes_read += len(view)
         return out
 
     def left(self) -> list[str]:

@@ -117,12 +117,14 @@ def quantize_block(w: np.ndarray, in_axis: int) -> tuple[np.ndarray, np.ndarray]
 
 
 class _Loader:
+    """One load: every leaf of `sources` placed in turn, each shard's blocks read and converted
+    on a pool of `threads` threads; `handed` records each buffer given to a device."""
+
     def __init__(self, sources: list[LeafSource], dtype, layout: Layout | None, quantize: str | None,
-                 threads: int, stage_bytes: int | None, progress: Callable[[Progress], None] | None,
-                 device: jax.Device | None = None):
+                 threads: int, stage_bytes: int | None, progress: Callable[[Progress], None] | None):
         self.sources, self.dtype, self.layout = sources, np.dtype(dtype), layout
         self.quantize = quantize
-        self.device = device or jax.devices()[0]
+        self.device = jax.devices()[0]  # unsharded: the default device
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="tandem-load")
         platform = (layout.mesh.devices.flat[0] if layout is not None else self.device).platform
         # CPU devices take the shard buffers as they are: nothing extra to bound
