@@ -7,7 +7,8 @@ against the file (HF stores linear layers [out, in]; the model computes `x @ W` 
 and a `read(layer, lead, rows)` that returns one block of the weight *in file orientation*: the
 tensor of `layer` at the leading indices `lead` (an expert), rows `rows` of the next axis, every
 later axis whole. Each block is one contiguous byte range of one file (or a few, for FP8 and
-MXFP4 scales), read with `os.pread` into memory of its own: no memory map stays open, so the
+MXFP4 scales), read with `os.preadv` into memory of its own (direct I/O where the filesystem
+allows it, so a cold read costs no page-cache copy): no memory map stays open, so the
 page cache a load streams through is not counted as the process's memory, and nothing is ever
 read whole that is not wanted whole. Quantized checkpoints are dequantized block by block (FP8
 with block scales, as Qwen3's `*-FP8`; MXFP4, as gpt-oss), so no float32 copy of a whole tensor
@@ -17,6 +18,7 @@ shards.py turns these blocks into each device's shard. No JAX here: numpy and th
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -54,6 +56,7 @@ ST_DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
     "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+DIRECT_ALIGN = 4096  # direct I/O: offsets, lengths and buffers in multiples of the disk's block (512 or 4096)
 FP4_VALUES = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                         np.float32)
 
@@ -78,7 +81,7 @@ class Tensors:
     `preadv`; the file descriptors stay open until `close`. Thread-safe: `preadv` has no shared
     offset, and the bookkeeping of what was used takes a lock."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, direct: bool = True):
         self.path = path
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -101,7 +104,8 @@ class Tensors:
                 self.meta[name] = TensorMeta(file, 8 + n + int(m["data_offsets"][0]), np.dtype(ST_DTYPES[m["dtype"]]),
                                              tuple(int(s) for s in m["shape"]))
         self.used: set[str] = set()
-        self._fds: dict[Path, int] = {}
+        self.direct = direct
+        self._fds: dict[Path, tuple[int, bool]] = {}
         self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
@@ -114,12 +118,29 @@ class Tensors:
             self.used.add(name)
         return self.meta[name]
 
-    def _fd(self, file: Path) -> int:
+    def _fd(self, file: Path) -> tuple[int, bool]:
+        """(descriptor, direct?): the file opened for direct I/O where its filesystem allows it
+        (reads then go from the disk into our buffers with no page-cache copy: the copy was most
+        of a load's read CPU), else buffered."""
         with self._lock:
-            fd = self._fds.get(file)
-            if fd is None:
-                fd = self._fds[file] = os.open(file, os.O_RDONLY)
-            return fd
+            got = self._fds.get(file)
+            if got is None:
+                try:
+                    got = (os.open(file, os.O_RDONLY | os.O_DIRECT), True) if self.direct else None
+                except OSError:  # tmpfs, some FUSE mounts: no O_DIRECT
+                    got = None
+                got = got or (os.open(file, os.O_RDONLY), False)
+                self._fds[file] = got
+            return got
+
+    def _buffered(self, file: Path) -> int:
+        """Fall back to buffered reads for `file` (a direct read was refused)."""
+        with self._lock:
+            fd, direct = self._fds[file]
+            if direct:
+                os.close(fd)
+                self._fds[file] = (os.open(file, os.O_RDONLY), False)
+            return self._fds[file][0]
 
     def block(self, name: str, lead: tuple[int, ...] = (), rows: slice | None = None) -> np.ndarray:
         """tensor[*lead, rows] (rows: a step-1 slice of the axis after `lead`; None: all of it),
@@ -142,22 +163,48 @@ class Tensors:
             flat = flat * s + i
         flat = flat * (rest[0] if rest else 1) + r0
         start = m.offset + flat * row_bytes
+        nbytes = int(np.prod(out_shape, dtype=np.int64)) * item
+        fd, direct = self._fd(m.file)
+        if direct:
+            try:
+                return self._read_direct(fd, start, nbytes, m).view(m.dtype).reshape(out_shape)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                fd = self._buffered(m.file)  # this filesystem takes O_DIRECT opens but not the reads
         out = np.empty(out_shape, m.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        fd, done = self._fd(m.file), 0
+        self._read_into(fd, memoryview(out.reshape(-1).view(np.uint8)), start, name, m)
+        return out
+
+    def _read_direct(self, fd: int, start: int, nbytes: int, m: TensorMeta) -> np.ndarray:
+        """Bytes [start, start + nbytes) by direct I/O: the aligned range around them read into an
+        aligned buffer, the wanted bytes a view of it."""
+        a0 = start - start % DIRECT_ALIGN
+        a1 = -(-(start + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+        raw = np.empty(a1 - a0 + DIRECT_ALIGN, np.uint8)
+        buf = raw[(-raw.ctypes.data) % DIRECT_ALIGN:][:a1 - a0]
+        view, done, need = memoryview(buf), 0, start + nbytes - a0
+        while done < need:
+            n = os.preadv(fd, [view[done:]], a0 + done)
+            if n <= 0:
+                raise ModelNotFound(f"{m.file}: short read (file truncated?)")
+            done += n
+        return buf[start - a0:start - a0 + nbytes]
+
+    def _read_into(self, fd: int, view: memoryview, start: int, name: str, m: TensorMeta) -> None:
+        done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], start + done)
             if n <= 0:
                 raise ModelNotFound(f"{m.file}: short read of tensor {name!r} (file truncated?)")
             done += n
-        return out
 
     def left(self) -> list[str]:
         return [n for n in self.meta if n not in self.used and not n.endswith("rotary_emb.inv_freq")]
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
 

@@ -155,3 +155,30 @@ def test_quantize_block_matches_quantize_int8():
 
 if __name__ == "__main__":
     print(json.dumps(child(sys.argv[1])))
+
+
+def test_direct_reads_equal_buffered_reads(tmp_path):
+    """Blocks read by direct I/O (aligned reads around unaligned tensors, the file's last bytes
+    too) are the bytes a buffered read gives, and safetensors' own reader gives."""
+    from safetensors.numpy import load_file
+
+    from tandem_engine import init_params, save_hf_checkpoint
+    from tandem_engine.checkpoint import Tensors
+
+    path = save_hf_checkpoint(init_params(INFO), INFO, tmp_path / "ckpt")
+    want = load_file(str(path / "model.safetensors"))
+    direct, buffered = Tensors(path, direct=True), Tensors(path, direct=False)
+    try:
+        if not direct._fd(path / "model.safetensors")[1]:
+            pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: the buffered reads serve")
+        last = max(direct.meta, key=lambda n: direct.meta[n].offset)
+        for name, arr in want.items():
+            np.testing.assert_array_equal(direct.block(name), arr)
+            np.testing.assert_array_equal(buffered.block(name), arr)
+            if arr.ndim == 2:
+                np.testing.assert_array_equal(direct.block(name, (), slice(3, 7)), arr[3:7])
+            if arr.ndim == 2 and name == last:
+                np.testing.assert_array_equal(direct.block(name, (), slice(arr.shape[0] - 1, None)), arr[-1:])
+    finally:
+        direct.close()
+        buffered.close()
