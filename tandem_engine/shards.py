@@ -307,9 +307,10 @@ def place_checkpoint(sources: list[LeafSource], dtype, *, layout: Layout | None 
                      progress: Callable[[Progress], None] | None = None) -> tuple[dict, LoadStats]:
     """The params pytree of `sources`, each leaf placed with `layout`'s sharding (one device:
     the first of `jax.devices()`), in `dtype` (int8 + scales for quantize="int8"), and what the
-    load did. `threads`: readers (0: twice the CPU count, so reads overlap the transposes, at
-    least 4, at most 32)."""
-    threads = threads or max(4, min(32, 2 * (os.cpu_count() or 2)))
+    load did. `threads`: readers (0: four per CPU, at least 8, at most 64: direct reads block on
+    the disk, and enough of them in flight keep it busy while the others transpose; 8 on 2 cores
+    loaded 0.34-0.56 s against 0.36-0.78 with 4, alternated)."""
+    threads = threads or max(8, min(64, 4 * (os.cpu_count() or 2)))
     loader = _Loader(sources, dtype, layout, quantize, threads, stage_bytes, progress)
     t0 = time.monotonic()
     params = loader.run()
