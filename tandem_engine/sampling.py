@@ -1,6 +1,19 @@
-"""Token sampling, vectorised over slots so one compiled step serves a mixed batch.
+"""Token sampling, vectorised over slots so one compiled step serves a mixed batch, with no sort
+of the vocabulary.
 
 Every slot carries its own temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off) and seed.
+A row draws from softmax(logits / temperature), cut as it asks:
+  - no cut (top_k 0, top_p 1): exactly that distribution over the whole vocabulary, by Gumbel-max
+    (`jax.random.categorical` over the row's scaled logits; no sort, no top-k);
+  - top-k and/or top-p: from the row's MAX_TOP_K best tokens (`lax.top_k`, a selection, not a
+    sort), top-k first, then the top-p nucleus of what top-k kept (`filter_candidates`). Within
+    the bound this is exactly the sort-based sampler's distribution. Past it:
+      * top_k > MAX_TOP_K is clamped to MAX_TOP_K (`sampling_arrays`; on the device too): the row
+        samples from its MAX_TOP_K best tokens, renormalised;
+      * top-p without top-k whose nucleus needs more than MAX_TOP_K tokens keeps the MAX_TOP_K
+        best: the draw is renormalised over them; the tokens missed are the nucleus's tail, each
+        less likely than every one kept.
+    Sampling at any temperature with top_k = 1 is greedy.
 The randomness of token index n of a request is `fold_in(key(seed), n)`, so a seeded request draws
 the same tokens whichever pod, slot or batch it runs in (the prefill pod draws index 0, the decode
 pod indices 1, 2, ...; a resumed request continues at its start_index, so with its seed it draws
@@ -25,6 +38,13 @@ from tandem_core.types import SamplingParams
 _seed_counter = itertools.count(int.from_bytes(os.urandom(6), "little"))
 
 
+# The most candidates a filtered row keeps (the module docstring says what happens past it).
+# 256: the largest power of two for which the TPU compiler's `lax.top_k` over a 128k vocabulary
+# stays a selection that reads the logits once (libtpu 0.0.42, v5e, 64 rows: ~33 MB accessed for
+# k <= 320; k = 512 and 1,024 compile to a sort, 300-630 MB).
+MAX_TOP_K = 256
+
+
 def seed_words(seed: int | None) -> tuple[int, int]:
     """A request seed (any int, or None) as two uint32 words."""
     if seed is None:
@@ -34,7 +54,8 @@ def seed_words(seed: int | None) -> tuple[int, int]:
 
 
 def sampling_arrays(params: SamplingParams) -> dict[str, np.ndarray]:
-    """Host scalars for one request: temperature, top_k, top_p, seed [2] (uint32 words)."""
+    """Host scalars for one request: temperature, top_k, top_p, seed [2] (uint32 words).
+    A top_k above MAX_TOP_K is clamped to it (the row samples from its MAX_TOP_K best tokens)."""
     if params.temperature < 0 or params.top_k < 0 or not 0.0 < params.top_p <= 1.0:
         raise InvalidRequest(
             f"bad sampling params {params}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1",
@@ -42,7 +63,7 @@ def sampling_arrays(params: SamplingParams) -> dict[str, np.ndarray]:
         )
     return {
         "temperature": np.float32(params.temperature),
-        "top_k": np.int32(params.top_k),
+        "top_k": np.int32(min(params.top_k, MAX_TOP_K)),
         "top_p": np.float32(params.top_p),
         "seed": np.asarray(seed_words(params.seed), np.uint32),
     }
@@ -58,24 +79,49 @@ def token_keys(seeds: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(one)(seeds, index.astype(jnp.uint32))
 
 
-def filter_sorted(logits, temperature, top_k, top_p):
-    """(order, filtered): the vocabulary ranked best first [slots, vocab], and the scaled logits in
-    that order with everything outside top-k and the top-p nucleus at -inf.
+def candidates(scaled: jax.Array, shards: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(values, ids) [rows, C], C = min(MAX_TOP_K, vocab): each row's C largest logits best first
+    and their token ids (int32; equal values: the lower id first, as `lax.top_k` ranks them).
 
-    Sort-based: rank every token once, keep ranks < top_k, then keep the smallest prefix of the
-    ranking whose probability mass reaches top_p (the top token always survives).
-    """
-    vocab = logits.shape[-1]
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [slots, vocab], best first
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    keep = rank < k
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    `shards` > 1 (the vocabulary split over that many chips, sharding.py): each shard's own
+    top C, then one top C over the shards' candidates, so only rows x shards x C values cross
+    chips, never the logits. The result is the same as with shards == 1: every one of the row's
+    C best sits in its shard's C best, and the merge ranks equal values by shard, then by rank
+    within the shard, i.e. by id."""
+    rows, vocab = scaled.shape
+    c = min(MAX_TOP_K, vocab)
+    if shards <= 1 or vocab % shards:
+        return jax.lax.top_k(scaled, c)
+    local = vocab // shards
+    per = min(c, local)
+    v, i = jax.lax.top_k(scaled.reshape(rows, shards, local), per)  # per shard, on its own chip
+    i = i + (jnp.arange(shards, dtype=jnp.int32) * local)[None, :, None]
+    v, at = jax.lax.top_k(v.reshape(rows, shards * per), c)
+    return v, jnp.take_along_axis(i.reshape(rows, shards * per), at, axis=-1)
+
+
+def filter_candidates(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      shards: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(ids, filtered) [rows, C]: `candidates` of the scaled logits, with the candidates outside
+    top-k and the top-p nucleus at -inf.
+
+    top-k keeps ranks < min(top_k, C) (top_k == 0: all C). top-p then keeps the smallest prefix
+    of those whose mass reaches top_p (the best token always survives), the mass of a token
+    being its probability after top-k: renormalised over the top k when top_k > 0 (top-k first,
+    then top-p, as vLLM and HF order them), over the whole vocabulary when top_k == 0 (so a
+    nucleus of at most C tokens is exactly the sort-based one). A nucleus that needs more than
+    C tokens is cut at C."""
+    values, ids = candidates(scaled, shards)
+    c = values.shape[-1]
+    rank = jnp.arange(c)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, c), c)[:, None]
+    in_k = rank < k
+    over_k = jax.nn.logsumexp(jnp.where(in_k, values, -jnp.inf), axis=-1)
+    norm = jnp.where(top_k > 0, over_k, jax.nn.logsumexp(scaled, axis=-1))
+    probs = jnp.where(in_k, jnp.exp(values - norm[:, None]), 0.0)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative mass
-    keep = keep & ((mass_before < top_p[:, None]) | (rank == 0))
-    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0))
+    return ids, jnp.where(keep, values, -jnp.inf)
 
 
 def greedy_tokens(logits) -> jax.Array:
@@ -91,22 +137,35 @@ def greedy_tokens(logits) -> jax.Array:
     return jnp.minimum(at, vocab - 1)  # an all-NaN row has no maximum: the last id, not out of range
 
 
-def sample(logits, temperature, top_k, top_p, keys):
+def sample(logits, temperature, top_k, top_p, keys, shards: int = 1):
     """Tokens int32 [slots]. logits [slots, vocab]; temperature, top_p float32 [slots]; top_k int32
     [slots]; keys typed PRNG keys [slots], or a function returning them (called only inside the
     branch that samples, so an all-greedy step derives no keys). temperature == 0 -> argmax
-    (top_k/top_p ignored).
+    (top_k/top_p ignored). `shards`: how many chips the vocabulary axis of `logits` is split over
+    (`candidates`); the tokens do not depend on it.
 
-    An all-greedy batch skips the sort entirely (`lax.cond`): the sort over the vocabulary is most
-    of a small model's decode step. Sampled slots draw in ranked order, then map back through the
-    ranking, so no second sort is needed; the draw depends only on the slot's own logits and key.
+    An all-greedy batch skips sampling entirely (`lax.cond`), and within a sampled batch the
+    full-vocabulary draw and the candidates' top-k each run only when some row needs them. A
+    row's draw depends only on its own logits, parameters and key, whatever else is in the batch.
     """
     greedy = greedy_tokens(logits)
 
     def sampled(_):
-        order, filtered = filter_sorted(logits, temperature, top_k, top_p)
-        pick = jax.vmap(jax.random.categorical)(keys() if callable(keys) else keys, filtered)
-        drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
+        row_keys = keys() if callable(keys) else keys
+        scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+        on = temperature > 0
+        cut = on & ((top_k > 0) | (top_p < 1.0))
+
+        def whole(_):  # Gumbel-max over the whole vocabulary
+            return jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
+
+        def within(_):  # over the kept candidates
+            ids, filtered = filter_candidates(scaled, top_k, top_p, shards)
+            pick = jax.vmap(jax.random.categorical)(row_keys, filtered)
+            return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+
+        plain = jax.lax.cond(jnp.any(on & ~cut), whole, lambda _: greedy, None)
+        filtered = jax.lax.cond(jnp.any(cut), within, lambda _: greedy, None)
+        return jnp.where(cut, filtered, jnp.where(on, plain, greedy))
 
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
