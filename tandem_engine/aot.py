@@ -117,9 +117,10 @@ def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len
     layout = make_layout(info, tp, Mesh(np.asarray(devices[:tp]), (AXIS,)), **ep)
     params = abstract_params(info, dtype, layout, quantize)
     # tp=1 and no mesh here: the base class keeps `params` as given (no device_put of structs);
-    # the layout over the TPU chips is set right after.
+    # the layout over the TPU chips is set right after. What depends on the platform (the experts'
+    # grouped matmuls) follows the chips compiled for, not this host's CPU.
     eng = _AbstractEngine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
-                          dtype=dtype, tp=1)
+                          dtype=dtype, tp=1, platform=devices[0].platform)
     eng.layout = layout
     return eng
 
