@@ -203,7 +203,8 @@ def _lower_call(module, name: str, call: Callable[[], Any], replicated):
         raise RuntimeError(f"the engine did not call {module.__name__}.{name}; tandem_engine/aot.py "
                            f"needs to follow the engine's change")
     args, kwargs = calls[0]
-    statics = {k: v for k, v in kwargs.items() if k in ("cfg", "layout", "rows", "logprobs")}
+    statics = {k: v for k, v in kwargs.items() if k in ("cfg", "layout", "rows", "logprobs", "steps", "max_len",
+                                                               "table_blocks")}
     dynamic = {k: v for k, v in kwargs.items() if k not in statics}
     args, dynamic = _abstract_args((args, dynamic), replicated)
     return real.lower(*args, **dynamic, **statics)
