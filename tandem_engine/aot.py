@@ -117,9 +117,10 @@ def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len
     layout = make_layout(info, tp, Mesh(np.asarray(devices[:tp]), (AXIS,)), **ep)
     params = abstract_params(info, dtype, layout, quantize)
     # tp=1 and no mesh here: the base class keeps `params` as given (no device_put of structs);
-    # the layout over the TPU chips is set right after.
+    # the layout over the TPU chips is set right after. What depends on the platform (the experts'
+    # grouped matmuls) follows the chips compiled for, not this host's CPU.
     eng = _AbstractEngine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
-                          dtype=dtype, tp=1)
+                          dtype=dtype, tp=1, platform=devices[0].platform)
     eng.layout = layout
     return eng
 
@@ -202,7 +203,8 @@ def _lower_call(module, name: str, call: Callable[[], Any], replicated):
         raise RuntimeError(f"the engine did not call {module.__name__}.{name}; tandem_engine/aot.py "
                            f"needs to follow the engine's change")
     args, kwargs = calls[0]
-    statics = {k: v for k, v in kwargs.items() if k in ("cfg", "layout", "rows", "logprobs")}
+    statics = {k: v for k, v in kwargs.items() if k in ("cfg", "layout", "rows", "logprobs", "steps", "max_len",
+                                                               "table_blocks")}
     dynamic = {k: v for k, v in kwargs.items() if k not in statics}
     args, dynamic = _abstract_args((args, dynamic), replicated)
     return real.lower(*args, **dynamic, **statics)

@@ -45,7 +45,7 @@ class EngineBase:
                  expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                  kv_layout: str = "slots", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  kv_blocks: int | None = None, quantize: str | None = None, kv_reuse: bool = True,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, platform: str | None = None):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -56,9 +56,13 @@ class EngineBase:
         self.info = info
         self.cfg = config_from_info(info)
         self.layout = make_layout(info, tp, mesh, expert_parallel)  # None: one device, unsharded
-        if self.cfg.moe:  # grouped matmuls where the platform has them (TPU, GPU); dense on a CPU
+        # the platform the steps compile for: `platform` when given (aot.py compiles for TPU chips
+        # from a CPU host), else that of the layout's devices or of JAX's default device
+        if platform is None:
             devices = self.layout.mesh.devices.flat if self.layout is not None else jax.devices()[:1]
             platform = next(iter(devices)).platform
+        self.platform = platform
+        if self.cfg.moe:  # grouped matmuls where the platform has them (TPU, GPU); dense on a CPU
             self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
         # int8 weights (quantize.py): the layer matrices quantized here, before they are placed,
         # so each chip receives its shard of the int8 arrays and of their scales
@@ -73,7 +77,7 @@ class EngineBase:
         # `steps`); a decode pod runs this many when nothing needs a single step (decode_svc/loop.py)
         self.steps_per_dispatch = int(steps_per_dispatch)
         self.max_len = int(max_len)
-        self._one_cpu = jax.devices()[0].platform == "cpu"
+        self._one_cpu = platform == "cpu"
         self.buckets = tuple(sorted({int(b) for b in prefill_buckets if 0 < b <= max_len})) or (
             self.max_len,
         )

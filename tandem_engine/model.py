@@ -583,6 +583,25 @@ def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelCo
     return out.reshape(slots, 1, cfg.num_heads * hd), end - first
 
 
+def _write_rows(cache: jax.Array, layer, slot_idx: jax.Array, write_pos: jax.Array, new: jax.Array) -> jax.Array:
+    """cache [L, slots, KV, max_len, hd] with new [rows, KV, hd] written at [layer, slot_idx[r], h,
+    write_pos[r]] for each row r and KV head h: one scatter of rows * KV windows of [hd] (every
+    index but head_dim's inserted), so the TPU compiler keeps the cache in its own head-major layout
+    and updates the donated buffer in place. `cache.at[layer, slot_idx, :, write_pos].set(new)`
+    (windows of [KV, hd]) made XLA's TPU layout assignment lay the cache out position-major inside
+    the step (KV and hd minor, so each window is one tile) and copy the whole cache in and out of
+    that layout: a second copy of the KV in the step's temporaries wherever a chip holds more than
+    one KV head (tests/unit/test_decode_kv_tpu.py)."""
+    rows, kvh, hd = new.shape
+    heads = jnp.arange(kvh, dtype=jnp.int32)
+    idx = jnp.stack(jnp.broadcast_arrays(jnp.full((rows, kvh), layer, jnp.int32), slot_idx.astype(jnp.int32)[:, None],
+                                         heads[None, :], write_pos.astype(jnp.int32)[:, None]), axis=-1)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3),
+                                           scatter_dims_to_operand_dims=(0, 1, 2, 3))
+    return jax.lax.scatter(cache, idx.reshape(rows * kvh, 4), new.astype(cache.dtype).reshape(rows * kvh, hd), dims,
+                           indices_are_sorted=True, unique_indices=True)
+
+
 def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: ModelConfig,
                    active: jax.Array | None = None):
     """One step for the first `rows` slots (rows = len(tokens) <= the cache's slots).
@@ -610,10 +629,11 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
         i = lc.index
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
         q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [slots, 1, KV, hd]
-        # the whole cache rides in the carry so XLA updates it in place (the state is donated)
+        # the whole cache rides in the carry so XLA updates it in place (the state is donated;
+        # _write_rows keeps its layout, so in place holds on a TPU too)
         # head-major cache: [layer, slot, kv head, position, hd]; k[:, 0] is [slots, KV, hd]
-        kc = kc.at[i, slot_idx, :, write_pos].set(k[:, 0].astype(kc.dtype))
-        vc = vc.at[i, slot_idx, :, write_pos].set(v[:, 0].astype(vc.dtype))
+        kc = _write_rows(kc, i, slot_idx, write_pos, k[:, 0])
+        vc = _write_rows(vc, i, slot_idx, write_pos, v[:, 0])
         first = None
         if cfg.windows:
             first = window_first_chunk(write_pos, lc.window, max_len, active=active)

@@ -14,6 +14,7 @@ Skips only when libtpu is not importable (`make test` installs the tpu extra, wh
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,28 @@ def test_fit_answers_for_the_families(family, ep, tmp_path):
     assert r["decode_pod"]["fits"] and r["prefill_pod"]["fits"]
     assert r["decode_pod"]["steps"][0]["num_layers"] == 4
     assert r["decode"]["step_s"] > 0
+
+
+def test_a_mixture_of_experts_compiles_its_grouped_matmuls_for_the_tpu_not_the_hosts_path(devices, tmp_path):
+    """The experts' implementation follows the platform compiled for: a qwen3_moe model built for a
+    v5e 2x2 at tp 2 with expert parallelism runs `ragged_dot` (grouped matmuls over the routed
+    tokens), not the CPU's every-expert path, although this host's JAX device is a CPU. (Before:
+    the engine asked `jax.devices()[0]`, this host's CPU, and compiled "dense" for the TPU.)"""
+    from tandem_engine import engine_decode
+    from tandem.fit import load_info
+
+    cfg = json.loads((REPO / "tools/fit_configs/qwen3-30b-a3b/config.json").read_text())
+    cfg.update(num_hidden_layers=4, hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
+               num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=128, vocab_size=1024, max_position_embeddings=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    info = load_info(str(tmp_path / "config.json"))
+    assert jax.devices()[0].platform == "cpu"  # the host this compiles on
+    comp = aot.Compiler(info, devices, tp=2, slots=SLOTS, max_len=256, prefill_buckets=(BUCKET,), dtype=DTYPE,
+                        expert_parallel=True)
+    eng = comp.engine
+    assert eng.cfg.moe_impl == "ragged"
+    lowered = aot._lower_call(engine_decode, "generate_core", lambda: eng.generate(aot.abstract_state(eng), SLOTS),
+                              eng.layout.replicated())
+    assert "ragged_dot" in lowered.as_text()  # the grouped matmuls are in the TPU program
+    lowered.compile()
