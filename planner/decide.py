@@ -200,7 +200,7 @@ class Planner:
         self.corrections.observe(obs, self.profile, current["decode"])
         fc, fr = self.predictor.forecast(), self.remote.forecast()
         lead = self.profile.cold_start_s / obs.interval_s  # intervals a pod started now takes to serve
-        if lead > 0:  # size for the load when a pod started now can serve, when that is higher
+        if lead > 0 and self.remote is not None:  # size for the load when a pod started now serves, when higher
             fc = max(fc, self.predictor.forecast(1 + lead), key=lambda f: f.planned_rate)
             fr = max(fr, self.remote.forecast(1 + lead), key=lambda f: f.planned_rate)
         load_p = fr.planned_rate + obs.prefill_backlog / obs.interval_s
