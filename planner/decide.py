@@ -19,6 +19,11 @@ output_tokens / that), with the ready backlog counted like prefill's.
 
 Both use the profile scaled by what the pods measurably do (planner/correct.py).
 
+Lead time. A pod asked for now serves only after its cold start (the profile's `cold_start_s`:
+weights loaded, steps compiled), so each role is sized for the larger of the next interval's
+forecast and the forecast `1 + cold_start_s / interval` intervals ahead: on a rising load the
+scale-up is asked for that far ahead; on a falling one the nearer forecast keeps what runs.
+
 A target no replica count can meet (one prompt's prefill alone longer than the TTFT target, one
 step alone longer than the ITL target) is infeasible: the planner says which and holds.
 """
@@ -194,6 +199,10 @@ class Planner:
             return self.hold(obs.t, current, "warming up: no finished request seen yet")
         self.corrections.observe(obs, self.profile, current["decode"])
         fc, fr = self.predictor.forecast(), self.remote.forecast()
+        lead = self.profile.cold_start_s / obs.interval_s  # intervals a pod started now takes to serve
+        if lead > 0 and self.remote is not None:  # size for the load when a pod started now serves, when higher
+            fc = max(fc, self.predictor.forecast(1 + lead), key=lambda f: f.planned_rate)
+            fr = max(fr, self.remote.forecast(1 + lead), key=lambda f: f.planned_rate)
         load_p = fr.planned_rate + obs.prefill_backlog / obs.interval_s
         load_d = fc.planned_rate + obs.decode_backlog / obs.interval_s
         u, c = self.cfg.max_utilization, self.corrections

@@ -61,10 +61,12 @@ class LoadPredictor:
     def ready(self) -> bool:
         return self.level is not None and self.prompt_tokens is not None and self.output_tokens is not None
 
-    def forecast(self) -> Forecast:
+    def forecast(self, horizon: float = 1.0) -> Forecast:
+        """The load `horizon` intervals ahead (1: the next interval): Holt's level plus `horizon`
+        trends, with the same margin."""
         if not self.ready:
             raise ValueError("no forecast before one interval with finished requests was observed")
-        rate = max(0.0, self.level + self.trend)
+        rate = max(0.0, self.level + self.trend * max(1.0, float(horizon)))
         if len(self.errors) >= 2:
             mean = sum(self.errors) / len(self.errors)
             sd = math.sqrt(sum((e - mean) ** 2 for e in self.errors) / (len(self.errors) - 1))

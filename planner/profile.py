@@ -6,7 +6,7 @@ script runs on the pool's node, see docs/planner.md); the planner and the simula
     {"format": "tandem-capacity-profile/v1", "model": "builtin", "machine": "...", "created": "...",
      "prefill": {"points": [{"tokens": 16, "seconds": 0.004}, ...]},
      "decode": {"slots": 8, "points": [{"batch": 1, "itl_s": 0.004}, ...]},
-     "handoff_s": 0.01}
+     "handoff_s": 0.01, "cold_start_s": 95.0}
 
 - prefill.points: seconds one pod spends on one prompt of `tokens` tokens (it prefills one prompt
   per call), at several lengths; between two points the time is interpolated linearly, past the
@@ -14,6 +14,10 @@ script runs on the pool's node, see docs/planner.md); the planner and the simula
 - decode.points: the step time (= the gap between a request's tokens) with `batch` requests
   decoding at once, up to `slots`; interpolated linearly, never extrapolated past `slots`.
 - handoff_s: ready-notice claim + KV pull + insert, once per request (part of its first gap).
+- cold_start_s (optional, 0 when absent): from a pod's start to its first served request, the
+  weights' load plus the compiles with a warm compilation cache (`tandem fit` projects it from
+  the checkpoint's bytes and a read rate; docs/deploy-gke.md). The planner sizes a scale-up for
+  the load this far ahead (planner/decide.py), since a pod asked for now serves only after it.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class Profile:
     slots: int
     handoff_s: float = 0.0
     source: str = ""
+    cold_start_s: float = 0.0  # a new pod's load + compile before it serves (the scale-up lead time)
 
     def prefill_seconds(self, tokens: float) -> float:
         """One pod's busy time for one prompt of `tokens` tokens."""
@@ -117,8 +122,12 @@ def parse_profile(doc: object, source: str = "") -> Profile:
     handoff = doc.get("handoff_s", 0.0)
     if not isinstance(handoff, (int, float)) or isinstance(handoff, bool) or not math.isfinite(handoff) or handoff < 0:
         raise ProfileError(f"handoff_s: want seconds >= 0, got {handoff!r}")
+    cold = doc.get("cold_start_s", 0.0)
+    if not isinstance(cold, (int, float)) or isinstance(cold, bool) or not math.isfinite(cold) or cold < 0:
+        raise ProfileError(f"cold_start_s: want seconds >= 0 (a new pod's load + compile), got {cold!r}")
     return Profile(model=str(doc.get("model", "")), prefill_points=_points(pre.get("points"), "prefill.points", "tokens", "seconds"),
-                   decode_points=dpoints, slots=slots, handoff_s=float(handoff), source=source)
+                   decode_points=dpoints, slots=slots, handoff_s=float(handoff), source=source,
+                   cold_start_s=float(cold))
 
 
 def load_profile(path: str | Path = "") -> Profile:

@@ -55,6 +55,15 @@ CHIPS: dict[str, Chip] = {
 # the token publishing alone is 14 us of it, bench/RESULTS.md's token plane). The budget below is
 # set against the middle of that range.
 MEASURED_HOST_US_PER_TOKEN = 170.0
+
+# Read rates for a cold start's load (bytes per second into the host, one single-host slice reading
+# the whole checkpoint once). ASSUMED, not measured here and not looked up per machine type: the
+# chart's three documented weight sources at round figures. Hyperdisk ML volumes provision up to
+# 1,200,000 MiB/s (cloud.google.com/compute/docs/disks/hd-types/hyperdisk-ml), but what one VM
+# reads is capped by its machine type's limit, which was not looked up; Cloud Storage FUSE with
+# parallel downloads (cloud.google.com/storage/docs/gcsfuse-performance) depends on the NIC and the
+# file sizes. Replace with `bench/load.py`'s raw read rate on the node before relying on a figure.
+READ_RATES: dict[str, float] = {"local SSD": 2.0e9, "Hyperdisk ML": 1.5e9, "GCS FUSE": 1.0e9}
 DECODE_CHUNK = 256  # tandem_engine.model.DECODE_CHUNK: KV positions per attention-loop trip
 
 
@@ -163,6 +172,7 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
         "prefill_pod": {"peak": prefill_peak, "fits": prefill_peak <= usable, "steps": [asdict(p) for p in prefills]},
         "compile_s": time.perf_counter() - t0,
     }
+    report["cold_start"] = cold_start(base["params"], dtype, report["compile_s"])
     if cost:
         report["decode"] = decode_projection(decode, info, eng, chip, slots=slots, position=position,
                                              weights=weights, kv=kv, tp=tp, sampling=sampling)
@@ -179,6 +189,17 @@ def fit(model: str, *, tpu: str, topology: str | None = None, tp: int | None = N
         report["prefill"] = {"bucket": eng.buckets[-1], "flops": p.total_flops, "bytes": p.total_bytes,
                              "step_s": secs, "tokens_per_s_per_chip": eng.buckets[-1] / secs / tp}
     return report
+
+
+def cold_start(params: int, dtype: str, compile_s: float, rates: dict[str, float] = READ_RATES) -> dict:
+    """A pod's cold start: the checkpoint's bytes (every parameter in `dtype`; a checkpoint stored
+    narrower, gpt-oss's MXFP4 experts, reads fewer) read once at each of `rates`, plus
+    `compile_s` (measured here with a cold compilation cache on this machine: an upper bound for a
+    pod whose cache is warm)."""
+    item = 2 if dtype == "bfloat16" else 4
+    nbytes = params * item
+    return {"checkpoint_bytes": nbytes, "load_s": {k: nbytes / r for k, r in rates.items()},
+            "read_rates": dict(rates), "compile_s": compile_s}
 
 
 def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int, weights: int, kv: int,
@@ -258,6 +279,10 @@ def projected_profile(r: dict, small: dict | None) -> dict:
         "prefill": {"points": prefill},
         "decode": {"slots": r["slots"], "points": points},
         "handoff_s": 0.0,
+        # the planner's scale-up lead time: the load from Hyperdisk ML plus the compile as measured
+        # by tandem fit (cold cache: a pod with a warm compilation cache starts sooner)
+        **({"cold_start_s": round(r["cold_start"]["load_s"]["Hyperdisk ML"] + r["cold_start"]["compile_s"], 1)}
+           if r.get("cold_start") else {}),
         "engine": {"model_name": r["model"], "params": r["params"], "dtype": r["dtype"], "tp": r["tp"],
                    "max_len": r["max_len"], "prefill_buckets": r["prefill_buckets"], "backend": f"tpu {r['tpu']}"},
         "note": ("projected from the TPU compiler's cost analysis on a roofline (HBM bandwidth, peak bf16 "
@@ -318,6 +343,11 @@ def format_report(r: dict) -> str:
             f"waits (measured today: {d['host_measured_us_per_token']:.0f} us per token, the decode pod's "
             f"Python threads at 32 streams) -> {'keeps up' if d['host_keeps_up'] else 'THE HOST IS THE BOTTLENECK'}",
         ]
+    cs = r.get("cold_start")
+    if cs:
+        loads = ", ".join(f"{k} {v:.0f} s ({cs['read_rates'][k] / 1e9:.1f} GB/s, assumed)" for k, v in cs["load_s"].items())
+        lines.append(f"  cold start: load {cs['checkpoint_bytes'] / 1e9:.1f} GB at {loads}; plus the compile "
+                     f"({cs['compile_s']:.0f} s here, cold cache)")
     pf = r.get("prefill")
     if pf:
         lines.append(f"  prefill of {pf['bucket']} tokens: {pf['flops'] / 1e12:.2f} TFLOP per chip -> "

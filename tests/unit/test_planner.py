@@ -2,6 +2,7 @@
 holds, the Lease protocol and what would be sent to the Kubernetes API (planner/)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -30,7 +31,7 @@ def planner(**kw) -> Planner:
     bounds = {"prefill": RoleBounds(max_replicas=kw.pop("max_p", 16)), "decode": RoleBounds(max_replicas=kw.pop("max_d", 16))}
     cfg = PlanConfig(slo=SLOConfig(ttft_s=kw.pop("ttft", 1.0), itl_s=kw.pop("itl", 0.05)), bounds=bounds,
                      scale_up_cooldown_s=kw.pop("up", 0.0), scale_down_cooldown_s=kw.pop("down", 0.0))
-    return Planner(PROFILE, cfg, predictor=LoadPredictor(margin_sigmas=kw.pop("sigmas", 0.0)))
+    return Planner(kw.pop("profile", PROFILE), cfg, predictor=LoadPredictor(margin_sigmas=kw.pop("sigmas", 0.0)))
 
 
 def obs(t: float, rate: float, isl: float = 200, osl: float = 100, interval: float = 10.0, **kw) -> Observation:
@@ -294,3 +295,42 @@ def test_planner_counts_sequences_as_the_decode_pods_block_budget_admits_them(po
         pool.free -= budget.blocks_for(positions)
         running += 1
     assert cap.sequences(positions) == running
+
+
+def test_a_scale_up_is_planned_a_cold_start_ahead():
+    """The profile's cold start (a new pod's load + compile) is the scale-up's lead time: on a rising
+    load the planner sizes for the load a pod started now will meet when it serves (60 s = six 10 s
+    intervals of the trend ahead), so it asks for more pods sooner than without it; on a flat load
+    and on a falling one the lead changes nothing."""
+    slow = dataclasses.replace(PROFILE, cold_start_s=60.0)
+    assert parse_profile({**_doc(), "cold_start_s": 60}).cold_start_s == 60.0
+    assert parse_profile(_doc()).cold_start_s == 0.0
+    with pytest.raises(ValueError, match="cold_start_s"):
+        parse_profile({**_doc(), "cold_start_s": -1})
+
+    def run(profile, rates):
+        p, cur, out = planner(profile=profile), {"prefill": 1, "decode": 1}, []
+        for i, r in enumerate(rates):
+            d = p.step(obs(10 * (i + 1), r), cur)
+            out.append((d.wanted_prefill, d.wanted_decode))
+        return out
+
+    rising = [10, 20, 30, 40, 50]
+    now, ahead = run(PROFILE, rising)[-1], run(slow, rising)[-1]
+    # Holt's trend on a straight line is its slope (+10 req/s an interval): six intervals further out
+    assert ahead[0] > now[0] and ahead[1] > now[1], (now, ahead)
+    # the far forecast sized it: one pod interval at 1 + 6 intervals of trend, against the near one's
+    near = LoadPredictor(margin_sigmas=0.0)
+    for r in rising:
+        near.observe(r, 200, 100)
+    far_rate = near.forecast(7).planned_rate
+    assert far_rate > near.forecast().planned_rate
+    assert ahead[1] == decode_needed(far_rate, 100, PROFILE, SLOConfig(itl_s=0.05), 0.8)
+    for flat_or_falling in ([30] * 5, [50, 40, 30, 20, 10]):
+        assert run(slow, flat_or_falling) == run(PROFILE, flat_or_falling)
+
+
+def _doc() -> dict:
+    return {"format": "tandem-capacity-profile/v1", "model": "test",
+            "prefill": {"points": [{"tokens": 16, "seconds": 0.01}]},
+            "decode": {"slots": 8, "points": [{"batch": 1, "itl_s": 0.005}]}}

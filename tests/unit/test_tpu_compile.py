@@ -135,6 +135,12 @@ def test_fit_counts_every_layer_and_projects_a_profile(devices):
     assert r["decode"]["host_budget_us_per_token"] == pytest.approx(r["decode"]["step_s"] / SLOTS * 1e6)
     profile = parse_profile(projected_profile(r, None), "projected")
     assert profile.slots == SLOTS and profile.decode_itl(SLOTS) == pytest.approx(r["decode"]["step_s"], rel=1e-3)
+    # the cold start: the checkpoint's bf16 bytes at each stated read rate, plus the compile; the
+    # profile carries load (Hyperdisk ML) + compile as the planner's scale-up lead time
+    cs = r["cold_start"]
+    assert cs["checkpoint_bytes"] == 2 * r["params"] and cs["compile_s"] > 0
+    assert cs["load_s"]["local SSD"] == pytest.approx(cs["checkpoint_bytes"] / cs["read_rates"]["local SSD"])
+    assert profile.cold_start_s == pytest.approx(cs["load_s"]["Hyperdisk ML"] + cs["compile_s"], abs=0.1)
 
 
 def test_fit_refuses_without_compiling_when_weights_alone_do_not_fit():
