@@ -54,11 +54,13 @@ K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 # Redis settings the chart owns: one value for every service (externalRedis.url / redis, the
 # password Secret, redis.cluster, redis.shards), so the services cannot disagree.
 REDIS_OWNED = {"redis.url", "redis.password", "redis.cluster", "redis.shards"}
+# A worker's mTLS files and the name it checks: from grpcTLS (the Secret mounted at its mountPath).
+TLS_OWNED = {"grpc.tls_cert_file", "grpc.tls_key_file", "grpc.tls_ca_file", "grpc.tls_server_name"}
 SERVICES = {
     # component: (settings class, env prefix, settings the chart owns instead of values.yaml)
     "gateway": (GatewaySettings, "TANDEM_GATEWAY_", REDIS_OWNED | {"api_keys", "admin_key"}),
-    "prefill": (PrefillSettings, "TANDEM_PREFILL_", REDIS_OWNED | {"grpc.advertise_host", "worker_id"}),
-    "decode": (DecodeSettings, "TANDEM_DECODE_", REDIS_OWNED | {"grpc.advertise_host", "worker_id"}),
+    "prefill": (PrefillSettings, "TANDEM_PREFILL_", REDIS_OWNED | TLS_OWNED | {"grpc.advertise_host", "worker_id"}),
+    "decode": (DecodeSettings, "TANDEM_DECODE_", REDIS_OWNED | TLS_OWNED | {"grpc.advertise_host", "worker_id"}),
     "planner": (PlannerSettings, "TANDEM_PLANNER_", REDIS_OWNED | {"profile_path", "prefill.deployment",
                                                                    "decode.deployment", "kubernetes.namespace",
                                                                    "kubernetes.lease_name"}),
@@ -71,6 +73,9 @@ DEFAULT_OVERRIDES = {
     # the compilationCache emptyDir (the root filesystem is read-only)
     ("prefill", "engine.compile_cache_dir"): "/var/cache/jax",
     ("decode", "engine.compile_cache_dir"): "/var/cache/jax",
+    # the plaintext health port of the probes (grpcTLS is on by default; 0 in the code = none)
+    ("prefill", "grpc.health_port"): 50071,
+    ("decode", "grpc.health_port"): 50072,
 }
 # Environment a Tandem container may carry besides its settings.
 RUNTIME_ENV = {"HOME", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR"}
@@ -88,6 +93,8 @@ PROFILES = {
     "planner": ["ci/planner-values.yaml"],
     # ... and KEDA following the planner instead.
     "planner-keda": ["ci/planner-values.yaml", "ci/planner-keda-values.yaml"],
+    # The internal gRPC certificates from cert-manager instead of a chart-made CA.
+    "cert-manager": ["ci/cert-manager-values.yaml"],
 }
 
 # Structural schemas for the CRDs kubernetes-validate cannot know.
@@ -147,6 +154,20 @@ CRD_SCHEMAS = {
     # Gateway API and Inference Extension objects: the published CRDs' own schemas (tests/unit/crds).
     **{(api, kind): {"allOf": [published_schema(api, kind), _crd({"type": "object"})]}
        for api, kind in (("gateway.networking.k8s.io/v1", "HTTPRoute"), ("inference.networking.k8s.io/v1", "InferencePool"))},
+    ("cert-manager.io/v1", "Issuer"): _crd({
+        "type": "object", "minProperties": 1, "maxProperties": 1,
+        "properties": {"selfSigned": {"type": "object"},
+                       "ca": {"type": "object", "required": ["secretName"], "properties": {"secretName": _NAME}}}}),
+    ("cert-manager.io/v1", "Certificate"): _crd({
+        "type": "object", "required": ["secretName", "issuerRef"],
+        "properties": {"secretName": _NAME, "isCA": {"type": "boolean"}, "commonName": _NAME,
+                       "duration": {"type": "string", "pattern": "^[0-9]+h$"},
+                       "dnsNames": {"type": "array", "items": _NAME},
+                       "usages": {"type": "array", "items": {"enum": [
+                           "server auth", "client auth", "digital signature", "key encipherment"]}},
+                       "privateKey": {"type": "object"},
+                       "issuerRef": {"type": "object", "required": ["name", "kind"],
+                                     "properties": {"name": _NAME, "kind": {"enum": ["Issuer", "ClusterIssuer"]}}}}}),
     ("networking.gke.io/v1", "HealthCheckPolicy"): _crd({
         "type": "object", "required": ["default", "targetRef"],
         "properties": {"targetRef": {"type": "object", "required": ["group", "kind", "name"]}}}),
@@ -502,13 +523,24 @@ def test_probe_ports_exist_and_grpc_probes_are_native(profile):
                 if handler != "exec":
                     assert _port_of(c, probe[handler]["port"]), (w["metadata"]["name"], kind, probe)
                 port = _port_of(c, probe[handler]["port"]) if handler != "exec" else None
-                if port and port.get("name") == "grpc":
+                if port and port.get("name") in ("grpc", "grpc-health"):
                     assert handler == "grpc", f"{w['metadata']['name']} {kind}: gRPC port probed with {handler}"
+    tls = r.values["grpcTLS"]["enabled"]
     for component in ("prefill", "decode"):
         c = r.component(component)["spec"]["template"]["spec"]["containers"][0]
-        port = r.values[component]["settings"]["grpc"]["port"]
+        grpc = r.values[component]["settings"]["grpc"]
+        env = r.container_env(component)
+        prefix = SERVICES[component][1]
+        # The port the probes use answers plaintext grpc.health.v1 by construction: with mTLS on
+        # the gRPC port, the pod's plaintext health port (tandem_core/worker_pod.py serves it
+        # whenever GRPC__HEALTH_PORT is set; tests/integration/test_security.py), never the TLS one.
+        if tls:
+            assert grpc["health_port"] and grpc["health_port"] != grpc["port"]
+            assert int(env[prefix + "GRPC__HEALTH_PORT"]["value"]) == grpc["health_port"]
+            assert _port_of(c, grpc["health_port"])["name"] == "grpc-health"
+        want = grpc["health_port"] or grpc["port"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[kind]["grpc"]["port"] == port
+            assert c[kind]["grpc"]["port"] == want, (component, kind)
     gw = r.component("gateway")["spec"]["template"]["spec"]["containers"][0]
     assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert gw["livenessProbe"]["httpGet"]["path"] == "/healthz"

@@ -141,8 +141,16 @@ or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would 
 {{- if and $v.gateway.autoscaling.enabled (lt (int $v.gateway.autoscaling.maxReplicas) (int $v.gateway.autoscaling.minReplicas)) }}
 {{- fail "tandem: gateway.autoscaling.maxReplicas must be >= minReplicas" }}
 {{- end }}
-{{- if and $v.grpcTLS.enabled (not $v.grpcTLS.secretName) }}
-{{- fail "tandem: grpcTLS.enabled=true needs grpcTLS.secretName (a Secret with tls.crt, tls.key, ca.crt)" }}
+{{- if $v.grpcTLS.enabled }}
+{{- range $component := list "prefill" "decode" }}
+{{- $g := (index $v $component).settings.grpc }}
+{{- if eq (int $g.health_port) 0 }}
+{{- fail (printf "tandem: grpcTLS.enabled needs %s.settings.grpc.health_port (a plaintext port for the grpc: probes, which speak no TLS)" $component) }}
+{{- end }}
+{{- if eq (int $g.health_port) (int $g.port) }}
+{{- fail (printf "tandem: %s.settings.grpc.health_port must differ from its grpc.port" $component) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- include "tandem.validate.planner" . }}
 {{- end }}
