@@ -43,7 +43,7 @@ All settings come from environment variables (nested blocks use "__"):
   TANDEM_GATEWAY_FIRST_TOKEN_TIMEOUT_S first-token deadline (120)
   TANDEM_GATEWAY_ADMISSION_MAX_BACKLOG above this backlog: 429 + Retry-After (8192)
   TANDEM_GATEWAY_API_KEYS              JSON list of accepted bearer keys (empty: no auth)
-  TANDEM_GATEWAY_ADMIN_KEY             bearer key for /admin/* (empty: open)
+  TANDEM_GATEWAY_ADMIN_KEY             bearer key for /admin/* (empty: open without API keys, 403 with them)
   TANDEM_GATEWAY_SHUTDOWN_GRACE_S      time open streams get on SIGTERM (30)
   TANDEM_GATEWAY_RESUME_GRACE_S        "resumable" requests: time a dropped client has to resume (30)
   TANDEM_GATEWAY_MAX_CONCURRENT_REQUESTS_PER_KEY  per API key and replica (0: no limit)

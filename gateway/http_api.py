@@ -335,7 +335,7 @@ async def metrics(svc: Service) -> Response:
     return PlainTextResponse(svc.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/admin/cluster", responses=openapi.errors(401, 503))
+@router.get("/admin/cluster", responses=openapi.errors(401, 403, 503))
 async def cluster(svc: Service, authorization: Auth = None) -> dict:
     svc.auth.check_admin_key(authorization)
     return await svc.report.cluster()

@@ -152,11 +152,19 @@ def test_resume_unknown_and_bad_ids(client):
     _err(client.get("/v1/requests/cmpl-nope/stream?from=-3"), 400, "from")
 
 
-def test_admin_needs_an_api_key_when_keys_are_set_but_no_admin_key(redis_url):
+def test_admin_is_refused_when_api_keys_are_set_but_no_admin_key(redis_url):
+    """An API key is a client's: it never opens /admin/*. With keys but no admin key the admin
+    routes are off for everyone, with a 403 that says which setting opens them."""
     s = GatewaySettings(redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", api_keys=["k1"])
     with TestClient(create_app(s)) as c:
-        _err(c.get("/admin/cluster"), 401, None, "API key")
-        view = c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}).json()
+        for headers in ({}, {"Authorization": "Bearer k1"}, {"Authorization": "Bearer nope"}):
+            _err(c.get("/admin/cluster", headers=headers), 403, None, "set admin_key")
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200  # the key still works
+    s = GatewaySettings(redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", api_keys=["k1"],
+                        admin_key="adm")
+    with TestClient(create_app(s)) as c:
+        _err(c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}), 401, None, "admin key")
+        view = c.get("/admin/cluster", headers={"Authorization": "Bearer adm"}).json()
         assert view["model"]["name"] == "tiny" and {"waiting", "running", "kv_cache_usage"} <= set(view["load"])
 
 
