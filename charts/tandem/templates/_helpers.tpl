@@ -343,3 +343,6 @@ auto and the cluster serves cert-manager.io/v1 (Argo CD passes the cluster's API
 {{- define "tandem.worker.probePort" -}}
 {{- $g := .settings.grpc }}{{ ternary $g.health_port $g.port (gt (int $g.health_port) 0) }}
 {{- end }}
+
+{{/* Where the bundled Redis reads its password (a file of its Secret, mounted read-only). */}}
+{{- define "tandem.redis.authFile" -}}/etc/redis-auth/password{{- end }}
