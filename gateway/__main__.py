@@ -30,6 +30,7 @@ All settings come from environment variables (nested blocks use "__"):
   TANDEM_GATEWAY_REDIS__URL            Redis URL (redis://127.0.0.1:6379/0; rediss:// for TLS)
   TANDEM_GATEWAY_HOST / _PORT          HTTP bind address (127.0.0.1:8000)
   TANDEM_GATEWAY_GRPC_HOST / _GRPC_PORT gRPC bind address (host defaults to HOST; port 50051)
+  TANDEM_GATEWAY_METRICS_PORT          /metrics on a port of its own (0: on the HTTP port)
   TANDEM_GATEWAY_MODEL                 preset name or Hugging Face directory (builtin)
   TANDEM_GATEWAY_SERVED_MODEL_NAME     name clients send (default: the model's name)
   TANDEM_GATEWAY_POOL                  worker pool to enqueue to (default)
