@@ -75,6 +75,8 @@ DEFAULT_OVERRIDES = {
     ("decode", "engine.compile_cache_dir"): "/var/cache/jax",
     # the plaintext health port of the probes (grpcTLS is on by default; 0 in the code = none)
     ("prefill", "grpc.health_port"): 50071,
+    # /metrics on its own port, kept inside the cluster by the NetworkPolicy (0 in the code: on `port`)
+    ("gateway", "metrics_port"): 9400,
     ("decode", "grpc.health_port"): 50072,
 }
 # Environment a Tandem container may carry besides its settings.
@@ -653,13 +655,24 @@ def test_network_policy_allows_what_the_services_need_and_nothing_else(profile):
     gw_port = r.values["gateway"]["settings"]["port"]
     gw_ports = {p["containerPort"] for p in r.component("gateway")["spec"]["template"]["spec"]["containers"][0]["ports"]}
     gw_rules = pol["gateway"]["spec"]["ingress"]
-    assert {p["port"] for p in gw_rules[0]["ports"]} == gw_ports
+    # /metrics on its own port: the API's peers (load balancers, client pods) reach the HTTP and
+    # gRPC ports only; the metrics port only metricsFrom and the endpoint picker.
+    metrics_port = r.values["gateway"]["settings"]["metrics_port"]
+    assert metrics_port and metrics_port in gw_ports
+    assert {p["port"] for p in gw_rules[0]["ports"]} == gw_ports - {metrics_port}
+    assert all(rule["ports"] == [{"port": metrics_port, "protocol": "TCP"}] for rule in gw_rules[1:])
     assert not _peers_allow(pol["gateway"], labels["prefill"], gw_port)
     assert len(gw_rules) == 1 + bool(netpol["metricsFrom"]) + ("epp" in running)
+    if netpol["metricsFrom"]:
+        assert gw_rules[1]["from"] == netpol["metricsFrom"]
     if "epp" in running:
-        # The endpoint picker scrapes the gateways' /metrics (HTTP port only); the proxy calls it.
-        assert _peers_allow(pol["gateway"], labels["epp"], gw_port)
+        # The endpoint picker scrapes the gateways' /metrics (the metrics port only, told by its
+        # --model-server-metrics-port); the proxy calls it.
+        assert _peers_allow(pol["gateway"], labels["epp"], metrics_port)
+        assert not _peers_allow(pol["gateway"], labels["epp"], gw_port)
         assert not _peers_allow(pol["gateway"], labels["epp"], r.values["gateway"]["settings"]["grpc_port"])
+        epp_args = r.component("epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--model-server-metrics-port={metrics_port}" in epp_args
         epp_rules = pol["epp"]["spec"]["ingress"]
         assert epp_rules[0]["from"][1:] == netpol["gatewayFrom"] and {p["port"] for p in epp_rules[0]["ports"]} == {9002, 9003}
         assert [(rule["from"], [p["port"] for p in rule["ports"]]) for rule in epp_rules[1:]] == (
@@ -782,3 +795,28 @@ if __name__ == "__main__":
         print("wrote", CHART / "values.schema.json")
     else:
         sys.exit("usage: python tests/unit/test_chart.py --write-schema")
+
+
+def test_metrics_are_on_their_own_port_and_kept_inside():
+    """gateway.settings.metrics_port: the scrape annotations, the Service, the ServiceMonitor and
+    PodMonitoring name it; the NetworkPolicy admits metricsFrom to it and to nothing else, and the
+    API's peers not to it; with 0, everything points at the HTTP port as before."""
+    scraper = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    on = {"networkPolicy": {"metricsFrom": scraper}, "planner": {"enabled": True},
+          "metrics": {"serviceMonitor": {"enabled": True}, "podMonitoring": {"enabled": True}}}
+    for metrics_port, want_name in ((9400, "metrics"), (0, "http")):
+        vals = _deep_merge(on, {"gateway": {"settings": {"metrics_port": metrics_port}}})
+        r = Rendered(vals)
+        port = metrics_port or r.values["gateway"]["settings"]["port"]
+        gw = r.component("gateway")
+        assert gw["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+        assert r.container_env("gateway")["TANDEM_GATEWAY_METRICS_PORT"]["value"] == str(metrics_port)
+        svc_ports = {p["name"]: p["port"] for p in r.get("Service", f"{RELEASE}-tandem-gateway")["spec"]["ports"]}
+        assert svc_ports.get("metrics") == (metrics_port or None)
+        for kind in ("ServiceMonitor", "PodMonitoring"):
+            assert r.get(kind, f"{RELEASE}-tandem-gateway")["spec"]["endpoints"][0]["port"] == want_name
+            assert r.get(kind, f"{RELEASE}-tandem-planner")["spec"]["endpoints"][0]["port"] == "http"
+        rules = r.get("NetworkPolicy", f"{RELEASE}-tandem-gateway")["spec"]["ingress"]
+        assert rules[1] == {"from": scraper, "ports": [{"port": port, "protocol": "TCP"}]}
+        api_ports = {p["port"] for p in rules[0]["ports"]}
+        assert (metrics_port in api_ports) is False and r.values["gateway"]["settings"]["port"] in api_ports

@@ -135,6 +135,7 @@ BAD_VALUES = [
      "grpcTLS.enabled needs decode.settings.grpc.health_port"),
     ("grpc-tls-health-port-is-the-tls-port", {"prefill": {"settings": {"grpc": {"health_port": 50061}}}},
      "prefill.settings.grpc.health_port must differ"),
+    ("metrics-port-clash", {"gateway": {"settings": {"metrics_port": 8000}}}, "metrics_port must differ"),
     ("grpc-tls-cert-manager", {"grpcTLS": {"certManager": {"enabled": "yes"}}}, "/grpcTLS/certManager/enabled"),
     # values.schema.json: Helm names the offending path.
     ("settings-typo", {"prefill": {"settings": {"kv_budget": 1}}}, "/prefill/settings"),

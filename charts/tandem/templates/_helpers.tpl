@@ -346,3 +346,8 @@ auto and the cluster serves cert-manager.io/v1 (Argo CD passes the cluster's API
 
 {{/* Where the bundled Redis reads its password (a file of its Secret, mounted read-only). */}}
 {{- define "tandem.redis.authFile" -}}/etc/redis-auth/password{{- end }}
+
+{{/* The port the gateway serves /metrics on: settings.metrics_port, or its HTTP port when 0. */}}
+{{- define "tandem.gateway.metricsPort" -}}
+{{- $s := .Values.gateway.settings }}{{ ternary $s.metrics_port $s.port (gt (int $s.metrics_port) 0) }}
+{{- end }}

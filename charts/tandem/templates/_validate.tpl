@@ -123,6 +123,9 @@ or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would 
 {{- if eq (int $g.port) (int $g.grpc_port) }}
 {{- fail "tandem: gateway.settings.port and gateway.settings.grpc_port must differ" }}
 {{- end }}
+{{- if and (gt (int $g.metrics_port) 0) (has (int $g.metrics_port) (list (int $g.port) (int $g.grpc_port))) }}
+{{- fail "tandem: gateway.settings.metrics_port must differ from its port and grpc_port (or be 0: /metrics on the HTTP port)" }}
+{{- end }}
 
 {{/* Scaling and lifecycle per pool. */}}
 {{- range $component := list "prefill" "decode" }}
