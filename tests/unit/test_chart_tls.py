@@ -13,13 +13,15 @@ import socket
 
 import grpc
 import pytest
+import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem_core import grpc_util
 from tandem_core.settings import GrpcConfig
-from tests.unit.test_chart import RELEASE, SERVICES, rendered
+from tests.unit.kube_api import KubeAPI
+from tests.unit.test_chart import NAMESPACE, RELEASE, SERVICES, render, rendered, seeded
 
 
 def _free_port() -> int:
@@ -73,3 +75,25 @@ async def test_the_chart_made_certificate_serves_mutual_tls(tmp_path):
     finally:
         await server.stop(None)
         await health_srv.stop(None)
+
+
+def _tls_secret(files: dict[str, str]) -> dict:
+    docs = [d for f, t in files.items() if f.endswith(".yaml") for d in yaml.safe_load_all(t) if isinstance(d, dict)]
+    return next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{RELEASE}-tandem-grpc-tls")
+
+
+def test_the_chart_made_ca_is_kept_across_upgrades():
+    """`helm upgrade` (lookup sees the cluster: tests/unit/kube_api.py) renders the Secret the
+    install made, unchanged; an offline render cannot see it and makes another (documented)."""
+    values = seeded({})
+    with KubeAPI() as api:
+        installed = api.render(values, name=RELEASE, namespace=NAMESPACE, upgrade=False)
+        first = _tls_secret(installed)
+        api.apply(installed)
+        for _ in range(2):
+            assert _tls_secret(api.render(values, name=RELEASE, namespace=NAMESPACE, upgrade=True))["data"] == first["data"]
+        # A Secret without the three keys (someone emptied it) is made again, whole.
+        api.secrets[(NAMESPACE, first["metadata"]["name"])] = {**first, "data": {"ca.crt": first["data"]["ca.crt"]}}
+        remade = _tls_secret(api.render(values, name=RELEASE, namespace=NAMESPACE, upgrade=True))["data"]
+        assert set(remade) == {"ca.crt", "tls.crt", "tls.key"} and remade["ca.crt"] != first["data"]["ca.crt"]
+    assert _tls_secret(render({}))["data"] != first["data"]
