@@ -20,12 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import grpc_api, load_publisher, openapi
 from gateway.http_api import error_body, router
+from gateway.metrics import CONTENT_TYPE
 from gateway.responses import ResponsesBody
 from gateway.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from gateway.service import GatewayService, retry_after_header
 from gateway.settings import GatewaySettings
 from gateway.tokens import TokenMux
-from tandem_core import grpc_util
+from tandem_core import grpc_util, metrics_http
 from tandem_core.bus import conn, groups
 from tandem_core.errors import TandemError
 from tandem_core.redis_client import RedisConfigError
@@ -70,6 +71,7 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None,
         # (a reader per shard) make its very first commands at once (seen with redis-py 8.1)
         svc.mux.start()
         server, health = await _start_grpc(settings, svc)
+        metrics_server = await _start_metrics(settings, svc)
         watch_stop = asyncio.Event()
         watch = asyncio.create_task(svc.readmit.watch(watch_stop))
         report = asyncio.create_task(load_publisher.publish_loop(svc, load_publisher.INTERVAL_S, watch_stop))
@@ -82,6 +84,8 @@ def create_app(settings: GatewaySettings, service: GatewayService | None = None,
             watch.cancel()
             await asyncio.gather(watch, report, return_exceptions=True)
             await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], False)
+            if metrics_server is not None:
+                metrics_server.close()
             await server.stop(settings.shutdown_grace_s)
             await svc.streaming.drain()
             await svc.mux.stop()
@@ -105,6 +109,21 @@ async def _start_grpc(settings: GatewaySettings, svc: GatewayService):
     await server.start()
     await grpc_util.set_serving(health, [grpc_api.SERVICE_NAME], True)
     return server, health
+
+
+async def _start_metrics(settings: GatewaySettings, svc: GatewayService):
+    """/metrics on `metrics_port` when set (tandem_core/metrics_http.py); the port it got in
+    `svc.metrics_port`."""
+    if not settings.metrics_port:
+        return None
+
+    async def render() -> bytes:
+        await svc.report.refresh_load()
+        return svc.metrics.render()
+
+    server = await metrics_http.start(settings.host, settings.metrics_port, render, CONTENT_TYPE)
+    svc.metrics_port = server.sockets[0].getsockname()[1]
+    return server
 
 
 def _error(status: int, message: str, etype: str, param: str | None = None, headers=None) -> JSONResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from tandem_core.errors import Unauthenticated
+from tandem_core.errors import PermissionDenied, Unauthenticated
 
 ANONYMOUS = "anonymous"  # the one limiter key when no api_keys are configured
 
@@ -22,10 +22,15 @@ class Auth:
         return authorization.partition(" ")[2].strip()
 
     def check_admin_key(self, authorization: str | None) -> None:
-        """The admin key when one is set; else an API key when those are set (never open to
-        anonymous callers of a gateway that requires keys); else open."""
+        """The admin key when one is set. With API keys but no admin key, /admin/* is refused to
+        everyone (403): an API key is a client's, not an operator's, so it never opens the admin
+        routes. With neither, open (a development gateway)."""
         if not self.settings.admin_key:
-            self.check_api_key(authorization)
+            if self.settings.api_keys:
+                raise PermissionDenied("the admin routes are off: API keys are set but no admin key; set "
+                                       "admin_key (TANDEM_GATEWAY_ADMIN_KEY; the chart: gateway.auth.adminKey or "
+                                       "the admin-key of gateway.auth.existingSecret) and send it as "
+                                       "'Authorization: Bearer <admin key>'")
         elif not bearer_ok(authorization, [self.settings.admin_key]):
             raise Unauthenticated("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
 

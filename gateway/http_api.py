@@ -331,11 +331,15 @@ async def readyz(svc: Service) -> JSONResponse:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(svc: Service) -> Response:
+    if svc.settings.metrics_port:  # served on its own port only, so a NetworkPolicy can keep it in
+        return JSONResponse({"error": {"message": f"/metrics is served on port {svc.settings.metrics_port} "
+                                                  "(metrics_port), not on the API port", "type": "not_found_error",
+                                       "param": None, "code": "not_found_error"}}, status_code=404)
     await svc.report.refresh_load()
     return PlainTextResponse(svc.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/admin/cluster", responses=openapi.errors(401, 503))
+@router.get("/admin/cluster", responses=openapi.errors(401, 403, 503))
 async def cluster(svc: Service, authorization: Auth = None) -> dict:
     svc.auth.check_admin_key(authorization)
     return await svc.report.cluster()

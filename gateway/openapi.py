@@ -36,6 +36,7 @@ class ErrorResponse(BaseModel):
 _WHEN = {
     400: "Invalid request: bad JSON, unknown field, wrong type, value out of range; `param` names the field",
     401: "Missing or invalid API key",
+    403: "Not allowed as the gateway is configured (the admin routes with API keys but no admin key)",
     404: "Model (or request id) not served here",
     413: "Request body larger than max_body_bytes",
     415: "Content-Type is not application/json",

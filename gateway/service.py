@@ -61,6 +61,7 @@ class GatewayService:
                                                 settings.reasoning_parser, settings.tool_call_parser)
         self.token_text = TokenText(self.tokenizer)  # logprobs' token strings
         self.grpc_port: int | None = None  # the bound port, once serving
+        self.metrics_port: int | None = None  # /metrics' own port, once serving (settings.metrics_port)
         # new requests wait for an unreachable Redis (a restart, a failover) instead of failing
         self.hold = RedisHold(settings.redis_hold_s, settings.redis_hold_max, settings.retry_after_s, REDIS_DOWN)
         self.metrics.waiting_for_redis.set_function(lambda: self.hold.holding)

@@ -41,6 +41,9 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     # Added with the gateway service:
     grpc_host: str = ""  # gRPC bind host; empty = same as `host`
+    # /metrics on a port of its own (bound on `host`): the HTTP API port then answers /metrics with
+    # 404, so a NetworkPolicy can keep the metrics inside the cluster. 0 = /metrics on `port`.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     grpc_max_message_bytes: PositiveInt = 4 * 1024 * 1024
     relay_block_ms: int = Field(default=1000, ge=1, le=1000)  # the token reader's XREAD BLOCK per round trip
     max_open_streams: PositiveInt = 16384  # relays open at once on this replica; past it: 429 (10,000 streams measured: bench/token_plane.py)

@@ -51,6 +51,15 @@ class Unauthenticated(TandemError):
     error_type = "authentication_error"
 
 
+class PermissionDenied(TandemError):
+    """The caller may not use this at all as the gateway is configured (e.g. /admin/* while API
+    keys are set and no admin key is): the message says which setting opens it."""
+
+    grpc_code = "PERMISSION_DENIED"
+    http_status = 403
+    error_type = "permission_error"
+
+
 class AdmissionRejected(TandemError):
     """The cluster is over its admission bound: retry later (Retry-After)."""
 

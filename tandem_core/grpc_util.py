@@ -32,14 +32,30 @@ def make_server(max_message_bytes: int) -> grpc.aio.Server:
     return grpc.aio.server(options=opts)
 
 
-def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+def add_health(server: grpc.aio.Server, service_names: list[str],
+               also: grpc.aio.Server | None = None) -> health.aio.HealthServicer:
     """grpc.health.v1 for Kubernetes' native `grpc:` probes. As grpcio builds it, the server as a
     whole ("") answers SERVING and each named service NOT_FOUND until `set_serving` says otherwise:
     call `set_serving(..., False)` before the server starts to stay NOT_SERVING until ready (the
-    worker pods do, tandem_core/worker_pod.py)."""
+    worker pods do, tandem_core/worker_pod.py). `also`: a second server (the plaintext health
+    port, `health_server`) answering from the same servicer, so both always say the same."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if also is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, also)
     return servicer
+
+
+def health_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server for grpc.health.v1 only, on its own port (`GrpcConfig.health_port`):
+    Kubernetes' native `grpc:` probes speak no TLS, so with mutual TLS on the main port they are
+    pointed here. It serves nothing but health (add it with `add_health(..., also=)`): no data
+    and no other service is reachable without a certificate. Returns the server and its port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC health port {host}:{port}")
+    return server, bound
 
 
 async def set_serving(h: health.aio.HealthServicer, names: list[str], serving: bool) -> None:

@@ -77,6 +77,9 @@ class GrpcConfig(BaseModel):
     tls_key_file: str = ""
     tls_ca_file: str = ""
     tls_server_name: str = ""  # name to check in the peer's certificate (pods dial IPs)
+    # A plaintext port serving grpc.health.v1 only (nothing else), for Kubernetes' `grpc:` probes,
+    # which speak no TLS: with mTLS on `port` the probes point here. 0 = none (health only on `port`).
+    health_port: int = Field(default=0, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _tls_whole(self) -> "GrpcConfig":
@@ -87,6 +90,9 @@ class GrpcConfig(BaseModel):
         if missing and len(missing) < len(files):
             raise ValueError(f"a partial TLS configuration: {', '.join(missing)} not set (set all three of "
                              "tls_cert_file, tls_key_file, tls_ca_file for mutual TLS, or none for plaintext)")
+        if self.health_port and self.health_port == self.port:
+            raise ValueError(f"health_port {self.health_port} is the gRPC port itself: give the plaintext "
+                             "health port a port of its own (or 0 for none)")
         return self
 
     @property

@@ -1,8 +1,9 @@
 """The skeleton every worker pod (prefill, decode) runs in, in this order:
 
 1. `WorkerPod(...)`: the gRPC server and the stop signals (SIGTERM/SIGINT set `stop`).
-2. `bind()`: the address other pods dial (`advertise_host:port`); the pod adds its services to
-   `server`; `start()` serves.
+2. `bind()`: the address other pods dial (`advertise_host:port`), and with `grpc.health_port` a
+   plaintext server answering grpc.health.v1 only (the probes' port when `port` requires mTLS);
+   the pod adds its services to `server`; `start()` serves.
 3. `beat(info)`: heartbeats into the registry (`tandem_core.lifecycle.heartbeat_loop`), each
    carrying `draining`.
 4. `ready()`: gRPC health SERVING, only once the engine is compiled and the pod may take work.
@@ -34,6 +35,8 @@ class WorkerPod:
         self.draining = False
         self.address = ""
         self._health = None
+        self.health_server = None  # the plaintext health-only server (`grpc.health_port`), if any
+        self.health_port = 0
         self._hb_stop = asyncio.Event()
         self._hb: asyncio.Task | None = None
         self.failed: list[str] = []  # supervised tasks that died (`supervise`): the pod exits non-zero
@@ -65,7 +68,9 @@ class WorkerPod:
         """Listen (services may still be added until `start`); the address peers dial."""
         g = self.s.grpc
         port = grpc_util.bind(self.server, g.host, g.port, g)
-        self._health = grpc_util.add_health(self.server, self.services)
+        if g.health_port:  # probes speak no TLS: health (only) in plaintext on a port of its own
+            self.health_server, self.health_port = grpc_util.health_server(g.host, g.health_port)
+        self._health = grpc_util.add_health(self.server, self.services, also=self.health_server)
         self.address = f"{g.advertise_host}:{port}"
         return self.address
 
@@ -73,6 +78,8 @@ class WorkerPod:
         """Serve: health answers NOT_SERVING (the server and each service) until `ready`."""
         await grpc_util.set_serving(self._health, self.services, False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     def beat(self, info: Callable[[], registry.WorkerInfo], peers: lifecycle.PeerJudge,
              on_run_id: Callable[[str | None], None] | None = None) -> None:
@@ -93,4 +100,6 @@ class WorkerPod:
         if self._hb is not None:
             await asyncio.gather(self._hb, return_exceptions=True)  # (a failure was said by `supervise`)
         await self.server.stop(grace=grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await self.r.aclose()

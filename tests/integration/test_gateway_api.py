@@ -3,8 +3,10 @@ enqueued), the admin key and the metric names. Chat templates, per-key limits an
 which need no Redis, are in tests/unit/test_gateway_limits.py."""
 from __future__ import annotations
 
+import socket
 import uuid
 
+import httpx
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -152,12 +154,41 @@ def test_resume_unknown_and_bad_ids(client):
     _err(client.get("/v1/requests/cmpl-nope/stream?from=-3"), 400, "from")
 
 
-def test_admin_needs_an_api_key_when_keys_are_set_but_no_admin_key(redis_url):
+def test_admin_is_refused_when_api_keys_are_set_but_no_admin_key(redis_url):
+    """An API key is a client's: it never opens /admin/*. With keys but no admin key the admin
+    routes are off for everyone, with a 403 that says which setting opens them."""
     s = GatewaySettings(redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", api_keys=["k1"])
     with TestClient(create_app(s)) as c:
-        _err(c.get("/admin/cluster"), 401, None, "API key")
-        view = c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}).json()
+        for headers in ({}, {"Authorization": "Bearer k1"}, {"Authorization": "Bearer nope"}):
+            _err(c.get("/admin/cluster", headers=headers), 403, None, "set admin_key")
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200  # the key still works
+    s = GatewaySettings(redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", api_keys=["k1"],
+                        admin_key="adm")
+    with TestClient(create_app(s)) as c:
+        _err(c.get("/admin/cluster", headers={"Authorization": "Bearer k1"}), 401, None, "admin key")
+        view = c.get("/admin/cluster", headers={"Authorization": "Bearer adm"}).json()
         assert view["model"]["name"] == "tiny" and {"waiting", "running", "kv_cache_usage"} <= set(view["load"])
+
+
+def test_metrics_on_their_own_port(redis_url):
+    """metrics_port: /metrics there (real HTTP on loopback, the same text), and the API port
+    answers /metrics with 404 naming the port; other paths and a garbage request on the metrics
+    port get their answer and leave it serving."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = GatewaySettings(redis=RedisConfig(url=redis_url), grpc_port=0, pool=POOL, model="tiny", metrics_port=port)
+    with TestClient(create_app(s)) as c:
+        _err(c.get("/metrics"), 404, None, f"port {port}", "metrics_port")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # not HTTP at all
+            raw.sendall(b"\x00garbage\r\n\r\n")
+            assert raw.recv(100).startswith(b"HTTP/1.1 404")
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 404
+        assert httpx.post(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 405
+        got = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+        for name in ("vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{", "tandem_ttft_seconds"):
+            assert name in got.text, name
 
 
 def test_metrics_names(client):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
+
+import grpc
 
 import numpy as np
 import pytest
@@ -12,15 +15,18 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_svc.puller import KVPuller
+from prefill_svc.app import KV_SERVICE
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
 from tandem.redis_proc import RedisProcess
 from tandem_core import grpc_util
 from tandem_core.bus import conn, groups
 from tandem_core.errors import KVTransferFailed
-from tandem_core.settings import GrpcConfig, RedisConfig
+from tandem_core.settings import GrpcConfig, RedisConfig, WorkerSettings
+from tandem_core.worker_pod import WorkerPod
 from tandem_core.bus.ready import ReadyNotice
 from tandem_core.types import GenerationRequest, KVPayload
 from tandem_proto import kv_pb2_grpc
@@ -114,3 +120,66 @@ async def test_redis_password_required_and_used():
         await in_url.aclose()
     finally:
         proc.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _health(address: str, service: str, cfg: GrpcConfig | None = None) -> int:
+    async with grpc_util.channel(address, cfg) as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return reply.status
+
+
+async def test_mtls_port_with_a_plaintext_health_port(pki):
+    """A worker pod with mutual TLS and `grpc.health_port` (how the chart runs it): the TLS port
+    refuses plaintext, the health port answers grpc.health.v1 in plaintext (NOT_SERVING until
+    ready, SERVING, NOT_SERVING once draining) and nothing else, and the KV pull works over mTLS."""
+    server_cfg = pki["server"].model_copy(update={"host": "127.0.0.1", "health_port": _free_port()})
+    s = WorkerSettings(grpc=server_cfg)
+    r = aioredis.Redis(host="127.0.0.1", port=1)  # never used: no heartbeats in this test
+    pod = WorkerPod(s, r, [KV_SERVICE])
+    store = KVStore(1 << 24, 60)
+    kv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(store, 4096, lambda _r: None), pod.server)
+    address = pod.bind()
+    await pod.start()
+    health_address = f"127.0.0.1:{pod.health_port}"
+    p = KVPayload(np.ones((2, 8, 2, 4), np.float32), np.zeros((2, 8, 2, 4), np.float32), 7, 3)
+    try:
+        assert pod.health_port == server_cfg.health_port
+        for name in ("", KV_SERVICE):  # plaintext, before ready: NOT_SERVING
+            assert await _health(health_address, name) == health_pb2.HealthCheckResponse.NOT_SERVING
+        await pod.ready()
+        for name in ("", KV_SERVICE):
+            assert await _health(health_address, name) == health_pb2.HealthCheckResponse.SERVING
+        assert await _health(address, KV_SERVICE, pki["client"]) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as plain:  # the TLS port: no plaintext, not even health
+            await _health(address, KV_SERVICE)
+        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+        store.put("a", p)
+        store.put("b", p)
+
+        def notice(rid, at):
+            return ReadyNotice(GenerationRequest(rid, [1], 2), at, store.get(rid).capability, 0, "p", 3)
+
+        good = KVPuller(8 << 20, tls=pki["client"])
+        got = await good.pull(notice("a", address), timeout_s=10)
+        assert np.array_equal(got.k, p.k) and np.array_equal(got.v, p.v)
+        await good.close()
+        plain_puller = KVPuller(8 << 20, tls=None)  # the health port serves health only: no KV there
+        with pytest.raises(KVTransferFailed):
+            await plain_puller.pull(notice("b", health_address), timeout_s=3)
+        await plain_puller.close()
+        assert store.get("b") is not None
+        await pod.drain()
+        assert await _health(health_address, KV_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await pod.close(0)
+
+
+def test_health_port_must_differ_from_the_grpc_port():
+    with pytest.raises(ValueError, match="health_port"):
+        GrpcConfig(port=50061, health_port=50061)

@@ -54,11 +54,13 @@ K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 # Redis settings the chart owns: one value for every service (externalRedis.url / redis, the
 # password Secret, redis.cluster, redis.shards), so the services cannot disagree.
 REDIS_OWNED = {"redis.url", "redis.password", "redis.cluster", "redis.shards"}
+# A worker's mTLS files and the name it checks: from grpcTLS (the Secret mounted at its mountPath).
+TLS_OWNED = {"grpc.tls_cert_file", "grpc.tls_key_file", "grpc.tls_ca_file", "grpc.tls_server_name"}
 SERVICES = {
     # component: (settings class, env prefix, settings the chart owns instead of values.yaml)
     "gateway": (GatewaySettings, "TANDEM_GATEWAY_", REDIS_OWNED | {"api_keys", "admin_key"}),
-    "prefill": (PrefillSettings, "TANDEM_PREFILL_", REDIS_OWNED | {"grpc.advertise_host", "worker_id"}),
-    "decode": (DecodeSettings, "TANDEM_DECODE_", REDIS_OWNED | {"grpc.advertise_host", "worker_id"}),
+    "prefill": (PrefillSettings, "TANDEM_PREFILL_", REDIS_OWNED | TLS_OWNED | {"grpc.advertise_host", "worker_id"}),
+    "decode": (DecodeSettings, "TANDEM_DECODE_", REDIS_OWNED | TLS_OWNED | {"grpc.advertise_host", "worker_id"}),
     "planner": (PlannerSettings, "TANDEM_PLANNER_", REDIS_OWNED | {"profile_path", "prefill.deployment",
                                                                    "decode.deployment", "kubernetes.namespace",
                                                                    "kubernetes.lease_name"}),
@@ -71,6 +73,11 @@ DEFAULT_OVERRIDES = {
     # the compilationCache emptyDir (the root filesystem is read-only)
     ("prefill", "engine.compile_cache_dir"): "/var/cache/jax",
     ("decode", "engine.compile_cache_dir"): "/var/cache/jax",
+    # the plaintext health port of the probes (grpcTLS is on by default; 0 in the code = none)
+    ("prefill", "grpc.health_port"): 50071,
+    # /metrics on its own port, kept inside the cluster by the NetworkPolicy (0 in the code: on `port`)
+    ("gateway", "metrics_port"): 9400,
+    ("decode", "grpc.health_port"): 50072,
 }
 # Environment a Tandem container may carry besides its settings.
 RUNTIME_ENV = {"HOME", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR"}
@@ -88,6 +95,8 @@ PROFILES = {
     "planner": ["ci/planner-values.yaml"],
     # ... and KEDA following the planner instead.
     "planner-keda": ["ci/planner-values.yaml", "ci/planner-keda-values.yaml"],
+    # The internal gRPC certificates from cert-manager instead of a chart-made CA.
+    "cert-manager": ["ci/cert-manager-values.yaml"],
 }
 
 # Structural schemas for the CRDs kubernetes-validate cannot know.
@@ -147,6 +156,20 @@ CRD_SCHEMAS = {
     # Gateway API and Inference Extension objects: the published CRDs' own schemas (tests/unit/crds).
     **{(api, kind): {"allOf": [published_schema(api, kind), _crd({"type": "object"})]}
        for api, kind in (("gateway.networking.k8s.io/v1", "HTTPRoute"), ("inference.networking.k8s.io/v1", "InferencePool"))},
+    ("cert-manager.io/v1", "Issuer"): _crd({
+        "type": "object", "minProperties": 1, "maxProperties": 1,
+        "properties": {"selfSigned": {"type": "object"},
+                       "ca": {"type": "object", "required": ["secretName"], "properties": {"secretName": _NAME}}}}),
+    ("cert-manager.io/v1", "Certificate"): _crd({
+        "type": "object", "required": ["secretName", "issuerRef"],
+        "properties": {"secretName": _NAME, "isCA": {"type": "boolean"}, "commonName": _NAME,
+                       "duration": {"type": "string", "pattern": "^[0-9]+h$"},
+                       "dnsNames": {"type": "array", "items": _NAME},
+                       "usages": {"type": "array", "items": {"enum": [
+                           "server auth", "client auth", "digital signature", "key encipherment"]}},
+                       "privateKey": {"type": "object"},
+                       "issuerRef": {"type": "object", "required": ["name", "kind"],
+                                     "properties": {"name": _NAME, "kind": {"enum": ["Issuer", "ClusterIssuer"]}}}}}),
     ("networking.gke.io/v1", "HealthCheckPolicy"): _crd({
         "type": "object", "required": ["default", "targetRef"],
         "properties": {"targetRef": {"type": "object", "required": ["group", "kind", "name"]}}}),
@@ -502,13 +525,24 @@ def test_probe_ports_exist_and_grpc_probes_are_native(profile):
                 if handler != "exec":
                     assert _port_of(c, probe[handler]["port"]), (w["metadata"]["name"], kind, probe)
                 port = _port_of(c, probe[handler]["port"]) if handler != "exec" else None
-                if port and port.get("name") == "grpc":
+                if port and port.get("name") in ("grpc", "grpc-health"):
                     assert handler == "grpc", f"{w['metadata']['name']} {kind}: gRPC port probed with {handler}"
+    tls = r.values["grpcTLS"]["enabled"]
     for component in ("prefill", "decode"):
         c = r.component(component)["spec"]["template"]["spec"]["containers"][0]
-        port = r.values[component]["settings"]["grpc"]["port"]
+        grpc = r.values[component]["settings"]["grpc"]
+        env = r.container_env(component)
+        prefix = SERVICES[component][1]
+        # The port the probes use answers plaintext grpc.health.v1 by construction: with mTLS on
+        # the gRPC port, the pod's plaintext health port (tandem_core/worker_pod.py serves it
+        # whenever GRPC__HEALTH_PORT is set; tests/integration/test_security.py), never the TLS one.
+        if tls:
+            assert grpc["health_port"] and grpc["health_port"] != grpc["port"]
+            assert int(env[prefix + "GRPC__HEALTH_PORT"]["value"]) == grpc["health_port"]
+            assert _port_of(c, grpc["health_port"])["name"] == "grpc-health"
+        want = grpc["health_port"] or grpc["port"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[kind]["grpc"]["port"] == port
+            assert c[kind]["grpc"]["port"] == want, (component, kind)
     gw = r.component("gateway")["spec"]["template"]["spec"]["containers"][0]
     assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert gw["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -621,13 +655,24 @@ def test_network_policy_allows_what_the_services_need_and_nothing_else(profile):
     gw_port = r.values["gateway"]["settings"]["port"]
     gw_ports = {p["containerPort"] for p in r.component("gateway")["spec"]["template"]["spec"]["containers"][0]["ports"]}
     gw_rules = pol["gateway"]["spec"]["ingress"]
-    assert {p["port"] for p in gw_rules[0]["ports"]} == gw_ports
+    # /metrics on its own port: the API's peers (load balancers, client pods) reach the HTTP and
+    # gRPC ports only; the metrics port only metricsFrom and the endpoint picker.
+    metrics_port = r.values["gateway"]["settings"]["metrics_port"]
+    assert metrics_port and metrics_port in gw_ports
+    assert {p["port"] for p in gw_rules[0]["ports"]} == gw_ports - {metrics_port}
+    assert all(rule["ports"] == [{"port": metrics_port, "protocol": "TCP"}] for rule in gw_rules[1:])
     assert not _peers_allow(pol["gateway"], labels["prefill"], gw_port)
     assert len(gw_rules) == 1 + bool(netpol["metricsFrom"]) + ("epp" in running)
+    if netpol["metricsFrom"]:
+        assert gw_rules[1]["from"] == netpol["metricsFrom"]
     if "epp" in running:
-        # The endpoint picker scrapes the gateways' /metrics (HTTP port only); the proxy calls it.
-        assert _peers_allow(pol["gateway"], labels["epp"], gw_port)
+        # The endpoint picker scrapes the gateways' /metrics (the metrics port only, told by its
+        # --model-server-metrics-port); the proxy calls it.
+        assert _peers_allow(pol["gateway"], labels["epp"], metrics_port)
+        assert not _peers_allow(pol["gateway"], labels["epp"], gw_port)
         assert not _peers_allow(pol["gateway"], labels["epp"], r.values["gateway"]["settings"]["grpc_port"])
+        epp_args = r.component("epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--model-server-metrics-port={metrics_port}" in epp_args
         epp_rules = pol["epp"]["spec"]["ingress"]
         assert epp_rules[0]["from"][1:] == netpol["gatewayFrom"] and {p["port"] for p in epp_rules[0]["ports"]} == {9002, 9003}
         assert [(rule["from"], [p["port"] for p in rule["ports"]]) for rule in epp_rules[1:]] == (
@@ -684,7 +729,8 @@ def test_bundled_redis_persists_and_uses_a_password():
     sts = r.get("StatefulSet", f"{RELEASE}-tandem-redis")
     args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
     opt = dict(zip(args[::2], args[1::2]))
-    assert opt["--appendonly"] == "yes" and opt["--dir"] == "/data" and opt["--requirepass"] == "$(REDIS_PASSWORD)"
+    assert opt["--appendonly"] == "yes" and opt["--dir"] == "/data"
+    assert "--requirepass" not in args  # from a file (test_chart_redis_auth.py), never a command line
     assert opt["--maxmemory-policy"] == "noeviction"
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"]
@@ -749,3 +795,28 @@ if __name__ == "__main__":
         print("wrote", CHART / "values.schema.json")
     else:
         sys.exit("usage: python tests/unit/test_chart.py --write-schema")
+
+
+def test_metrics_are_on_their_own_port_and_kept_inside():
+    """gateway.settings.metrics_port: the scrape annotations, the Service, the ServiceMonitor and
+    PodMonitoring name it; the NetworkPolicy admits metricsFrom to it and to nothing else, and the
+    API's peers not to it; with 0, everything points at the HTTP port as before."""
+    scraper = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    on = {"networkPolicy": {"metricsFrom": scraper}, "planner": {"enabled": True},
+          "metrics": {"serviceMonitor": {"enabled": True}, "podMonitoring": {"enabled": True}}}
+    for metrics_port, want_name in ((9400, "metrics"), (0, "http")):
+        vals = _deep_merge(on, {"gateway": {"settings": {"metrics_port": metrics_port}}})
+        r = Rendered(vals)
+        port = metrics_port or r.values["gateway"]["settings"]["port"]
+        gw = r.component("gateway")
+        assert gw["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+        assert r.container_env("gateway")["TANDEM_GATEWAY_METRICS_PORT"]["value"] == str(metrics_port)
+        svc_ports = {p["name"]: p["port"] for p in r.get("Service", f"{RELEASE}-tandem-gateway")["spec"]["ports"]}
+        assert svc_ports.get("metrics") == (metrics_port or None)
+        for kind in ("ServiceMonitor", "PodMonitoring"):
+            assert r.get(kind, f"{RELEASE}-tandem-gateway")["spec"]["endpoints"][0]["port"] == want_name
+            assert r.get(kind, f"{RELEASE}-tandem-planner")["spec"]["endpoints"][0]["port"] == "http"
+        rules = r.get("NetworkPolicy", f"{RELEASE}-tandem-gateway")["spec"]["ingress"]
+        assert rules[1] == {"from": scraper, "ports": [{"port": port, "protocol": "TCP"}]}
+        api_ports = {p["port"] for p in rules[0]["ports"]}
+        assert (metrics_port in api_ports) is False and r.values["gateway"]["settings"]["port"] in api_ports

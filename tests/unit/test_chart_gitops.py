@@ -44,6 +44,8 @@ GITOPS = {
     "decode": {"tpu": {"enabled": True, "accelerator": "tpu-v6e-slice", "topology": "2x2", "chips": 4}},
     "planner": {"enabled": True},
     "inferencePool": {"enabled": True},
+    # The internal gRPC mTLS certificate too (or cert-manager: test_cert_manager_renders_are_identical).
+    "grpcTLS": {"secretName": "tandem-internal-grpc-tls"},
 }
 
 
@@ -83,6 +85,9 @@ def test_gitops_install_with_existing_secrets_and_digests():
     # The chart makes no Secret of its own: the pods read the team's.
     assert r.kind("Secret") == []
     assert _secret_refs(r) == {"tandem-api-keys", "tandem-redis-auth"}
+    tls_volumes = {v["secret"]["secretName"] for w in r.workloads() for v in w["spec"]["template"]["spec"]["volumes"]
+                   if v["name"] == "grpc-tls"}
+    assert tls_volumes == {"tandem-internal-grpc-tls"}
     gw = r.container_env("gateway")
     assert gw["TANDEM_GATEWAY_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-keys", "key": "api-keys"}
 
@@ -146,12 +151,39 @@ def test_rendering_twice_gives_identical_secrets(values):
 
     first, second = template(), template()
     s1, s2 = _secrets(first), _secrets(second)
-    assert set(s1) == {f"{RELEASE}-tandem-gateway-auth", f"{RELEASE}-tandem-redis"}
+    tls = f"{RELEASE}-tandem-grpc-tls"
+    assert set(s1) == {f"{RELEASE}-tandem-gateway-auth", f"{RELEASE}-tandem-redis", tls}
+    # The one exception, as documented (values.yaml grpcTLS): the chart-made gRPC CA is random and
+    # kept across `helm upgrade` by `lookup`, which an offline render cannot do; GitOps installs
+    # take it from cert-manager or a Secret of their own (test_cert_manager_renders_are_identical).
+    assert s1.pop(tls) != s2.pop(tls)
     assert s1 == s2
     assert _pod_annotations(first) == _pod_annotations(second)
     # An upgrade (is_upgrade) renders them the same too.
     upgrade = helm.Chart.load(CHART).render(seeded(values), name=RELEASE, namespace=NAMESPACE, is_upgrade=True)
-    assert _secrets(upgrade) == s1
+    up = _secrets(upgrade)
+    up.pop(tls)
+    assert up == s1
+
+
+def test_cert_manager_renders_are_identical():
+    """mTLS on as a GitOps install has it: the certificates from cert-manager (auto-detected where
+    the cluster serves cert-manager.io/v1; Argo CD passes the cluster's API versions). Two offline
+    renders are byte-identical, every file, and no Secret holds a chart-made key."""
+    values = {"grpcTLS": {"certManager": {"enabled": True}}}
+
+    def template() -> dict[str, str]:
+        return helm.Chart.load(CHART).render(seeded(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+    first = template()
+    assert first == template()
+    r = Rendered(values)
+    assert f"{RELEASE}-tandem-grpc-tls" not in {s["metadata"]["name"] for s in r.kind("Secret")}
+    cert = next(d for d in r.docs if d["kind"] == "Certificate" and not d["spec"].get("isCA"))
+    assert cert["spec"]["secretName"] == f"{RELEASE}-tandem-grpc-tls"
+    assert set(cert["spec"]["usages"]) >= {"server auth", "client auth"}
+    server_name = r.container_env("prefill")["TANDEM_PREFILL_GRPC__TLS_SERVER_NAME"]["value"]
+    assert cert["spec"]["dnsNames"] == [server_name]
 
 
 def test_derived_secrets_are_strong_distinct_and_follow_the_seed():

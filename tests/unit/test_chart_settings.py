@@ -38,8 +38,10 @@ def test_env_is_exactly_the_settings_class(profile, component, monkeypatch):
     assert set(env) - tandem_vars <= RUNTIME_ENV | extra_env
 
     # Every field is set, except the optional secrets the chart leaves at their default when the
-    # feature is off (no Redis password; gateway auth disabled).
+    # feature is off (no Redis password; gateway auth disabled; grpcTLS off).
     optional = {"redis.password"} | ({"api_keys", "admin_key"} if component == "gateway" else set())
+    if component in WORKERS and not r.values["grpcTLS"]["enabled"]:
+        optional |= {"grpc.tls_cert_file", "grpc.tls_key_file", "grpc.tls_ca_file", "grpc.tls_server_name"}
     missing = {by_env_name for by_env_name, path in by_env.items() if by_env_name not in env and path not in optional}
     assert not missing, f"{component}: settings not set by the chart: {sorted(missing)}"
     required = {env_name(prefix, p) for p, info in fields.items() if info.is_required()}
@@ -129,7 +131,12 @@ BAD_VALUES = [
     ("model", {"decode": {"settings": {"engine": {"model": "/models/x"}}}}, "must name the same model"),
     ("quantize", {"decode": {"settings": {"engine": {"quantize": "int8"}}}}, "engine.quantize must match"),
     ("liveness", {"prefill": {"probes": {"liveness": {"periodSeconds": 5, "failureThreshold": 2}}}}, "liveness window"),
-    ("grpc-tls", {"grpcTLS": {"enabled": True}}, "grpcTLS.secretName"),
+    ("grpc-tls-no-health-port", {"decode": {"settings": {"grpc": {"health_port": 0}}}},
+     "grpcTLS.enabled needs decode.settings.grpc.health_port"),
+    ("grpc-tls-health-port-is-the-tls-port", {"prefill": {"settings": {"grpc": {"health_port": 50061}}}},
+     "prefill.settings.grpc.health_port must differ"),
+    ("metrics-port-clash", {"gateway": {"settings": {"metrics_port": 8000}}}, "metrics_port must differ"),
+    ("grpc-tls-cert-manager", {"grpcTLS": {"certManager": {"enabled": "yes"}}}, "/grpcTLS/certManager/enabled"),
     # values.schema.json: Helm names the offending path.
     ("settings-typo", {"prefill": {"settings": {"kv_budget": 1}}}, "/prefill/settings"),
     ("bad-dtype", {"prefill": {"settings": {"engine": {"dtype": "fp8"}}}}, "/prefill/settings/engine/dtype"),

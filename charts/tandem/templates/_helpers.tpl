@@ -226,7 +226,7 @@ seed nobody can compute it. 64 hex characters. args: dict "root" $ "purpose" "re
 {{- if .Values.grpcTLS.enabled }}
 - name: grpc-tls
   secret:
-    secretName: {{ .Values.grpcTLS.secretName }}
+    secretName: {{ include "tandem.grpcTLS.secret" . }}
     defaultMode: 0440
 {{- end }}
 {{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
@@ -299,4 +299,55 @@ persistentVolumeClaim:
 emptyDir:
   sizeLimit: {{ $cache.sizeLimit }}
 {{- end }}
+{{- end }}
+
+{{/* ---- Internal gRPC mTLS (grpcTLS) ---- */}}
+
+{{/* The Secret with tls.crt, tls.key, ca.crt: grpcTLS.secretName, or the one the chart (or
+cert-manager, for the chart) makes. */}}
+{{- define "tandem.grpcTLS.secret" -}}
+{{- .Values.grpcTLS.secretName | default (printf "%s-grpc-tls" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* The DNS name in the certificate, which every peer checks (settings.grpc.tls_server_name). */}}
+{{- define "tandem.grpcTLS.serverName" -}}
+{{- .Values.grpcTLS.serverName | default (printf "%s-grpc" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* "true" when the chart asks cert-manager for the certificate: certManager.enabled true, or
+auto and the cluster serves cert-manager.io/v1 (Argo CD passes the cluster's API versions). */}}
+{{- define "tandem.grpcTLS.certManager" -}}
+{{- $t := .Values.grpcTLS }}
+{{- if and $t.enabled (not $t.secretName) }}
+{{- $cm := toString $t.certManager.enabled }}
+{{- if eq $cm "auto" }}{{ .Capabilities.APIVersions.Has "cert-manager.io/v1" }}{{ else }}{{ eq $cm "true" }}{{ end }}
+{{- else }}false{{ end }}
+{{- end }}
+
+{{/* A worker's TLS settings (env), from grpcTLS. args: dict "root" $ "prefix" "TANDEM_PREFILL_" */}}
+{{- define "tandem.grpcTLS.env" -}}
+{{- $t := .root.Values.grpcTLS }}
+{{- if $t.enabled }}
+- name: {{ .prefix }}GRPC__TLS_CERT_FILE
+  value: {{ printf "%s/tls.crt" $t.mountPath | quote }}
+- name: {{ .prefix }}GRPC__TLS_KEY_FILE
+  value: {{ printf "%s/tls.key" $t.mountPath | quote }}
+- name: {{ .prefix }}GRPC__TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $t.mountPath | quote }}
+- name: {{ .prefix }}GRPC__TLS_SERVER_NAME
+  value: {{ include "tandem.grpcTLS.serverName" .root | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The port a worker's probes use: the plaintext health port when set, else the gRPC port. */}}
+{{- define "tandem.worker.probePort" -}}
+{{- $g := .settings.grpc }}{{ ternary $g.health_port $g.port (gt (int $g.health_port) 0) }}
+{{- end }}
+
+{{/* Where the bundled Redis reads its password (a file of its Secret, mounted read-only). */}}
+{{- define "tandem.redis.authFile" -}}/etc/redis-auth/password{{- end }}
+
+{{/* The port the gateway serves /metrics on: settings.metrics_port, or its HTTP port when 0. */}}
+{{- define "tandem.gateway.metricsPort" -}}
+{{- $s := .Values.gateway.settings }}{{ ternary $s.metrics_port $s.port (gt (int $s.metrics_port) 0) }}
 {{- end }}

@@ -123,6 +123,9 @@ or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would 
 {{- if eq (int $g.port) (int $g.grpc_port) }}
 {{- fail "tandem: gateway.settings.port and gateway.settings.grpc_port must differ" }}
 {{- end }}
+{{- if and (gt (int $g.metrics_port) 0) (has (int $g.metrics_port) (list (int $g.port) (int $g.grpc_port))) }}
+{{- fail "tandem: gateway.settings.metrics_port must differ from its port and grpc_port (or be 0: /metrics on the HTTP port)" }}
+{{- end }}
 
 {{/* Scaling and lifecycle per pool. */}}
 {{- range $component := list "prefill" "decode" }}
@@ -141,8 +144,16 @@ or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would 
 {{- if and $v.gateway.autoscaling.enabled (lt (int $v.gateway.autoscaling.maxReplicas) (int $v.gateway.autoscaling.minReplicas)) }}
 {{- fail "tandem: gateway.autoscaling.maxReplicas must be >= minReplicas" }}
 {{- end }}
-{{- if and $v.grpcTLS.enabled (not $v.grpcTLS.secretName) }}
-{{- fail "tandem: grpcTLS.enabled=true needs grpcTLS.secretName (a Secret with tls.crt, tls.key, ca.crt)" }}
+{{- if $v.grpcTLS.enabled }}
+{{- range $component := list "prefill" "decode" }}
+{{- $g := (index $v $component).settings.grpc }}
+{{- if eq (int $g.health_port) 0 }}
+{{- fail (printf "tandem: grpcTLS.enabled needs %s.settings.grpc.health_port (a plaintext port for the grpc: probes, which speak no TLS)" $component) }}
+{{- end }}
+{{- if eq (int $g.health_port) (int $g.port) }}
+{{- fail (printf "tandem: %s.settings.grpc.health_port must differ from its grpc.port" $component) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- include "tandem.validate.planner" . }}
 {{- end }}

@@ -123,6 +123,11 @@ spec:
             - name: grpc
               containerPort: {{ $s.grpc.port }}
               protocol: TCP
+            {{- if gt (int $s.grpc.health_port) 0 }}
+            - name: grpc-health
+              containerPort: {{ $s.grpc.health_port }}
+              protocol: TCP
+            {{- end }}
           envFrom:
             - configMapRef:
                 name: {{ include "tandem.componentName" . }}
@@ -134,6 +139,7 @@ spec:
             - name: {{ $prefix }}GRPC__ADVERTISE_HOST
               valueFrom:
                 fieldRef: {fieldPath: status.podIP}
+            {{- with include "tandem.grpcTLS.env" (dict "root" $root "prefix" $prefix) }}{{ . | nindent 12 }}{{ end }}
             {{- if $passwordSecret }}
             - name: {{ $prefix }}REDIS__PASSWORD
               valueFrom:
@@ -164,16 +170,18 @@ spec:
             {{- $_ := set $res "limits" $lim }}
             {{- end }}
             {{- toYaml $res | nindent 12 }}
-          # Health is grpc.health.v1 on settings.grpc.port; NOT_SERVING until the engine has
-          # compiled, so startup allows startup.periodSeconds*failureThreshold for compilation.
+          # Health is grpc.health.v1 on the plaintext settings.grpc.health_port (settings.grpc.port
+          # when that is 0: then without grpcTLS); NOT_SERVING until the engine has compiled, so
+          # startup allows startup.periodSeconds*failureThreshold for compilation.
+          {{- $probePort := include "tandem.worker.probePort" $c }}
           startupProbe:
-            grpc: {port: {{ $s.grpc.port }}}
+            grpc: {port: {{ $probePort }}}
             {{- toYaml $c.probes.startup | nindent 12 }}
           readinessProbe:
-            grpc: {port: {{ $s.grpc.port }}}
+            grpc: {port: {{ $probePort }}}
             {{- toYaml $c.probes.readiness | nindent 12 }}
           livenessProbe:
-            grpc: {port: {{ $s.grpc.port }}}
+            grpc: {port: {{ $probePort }}}
             {{- toYaml $c.probes.liveness | nindent 12 }}
           lifecycle:
             # A short pause before SIGTERM; the drain itself (settings.drain_timeout_s) starts on
