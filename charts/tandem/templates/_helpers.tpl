@@ -251,14 +251,8 @@ args: dict "root" $ "name" "..." "key" "..." "new" "<base64>"
 {{- index $memo $id }}
 {{- end }}
 
-{{/* Secrets every Tandem pod mounts: internal gRPC mTLS material and the external Redis CA. */}}
+{{/* Secrets the Tandem pods that reach Redis mount: the external Redis CA. */}}
 {{- define "tandem.commonVolumes" -}}
-{{- if .Values.grpcTLS.enabled }}
-- name: grpc-tls
-  secret:
-    secretName: {{ include "tandem.grpcTLS.secret" . }}
-    defaultMode: 0440
-{{- end }}
 {{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
 - name: redis-ca
   secret:
@@ -268,11 +262,6 @@ args: dict "root" $ "name" "..." "key" "..." "new" "<base64>"
 {{- end }}
 
 {{- define "tandem.commonVolumeMounts" -}}
-{{- if .Values.grpcTLS.enabled }}
-- name: grpc-tls
-  mountPath: {{ .Values.grpcTLS.mountPath }}
-  readOnly: true
-{{- end }}
 {{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
 - name: redis-ca
   mountPath: {{ include "tandem.redis.caDir" . }}
@@ -380,4 +369,23 @@ auto and the cluster serves cert-manager.io/v1 (Argo CD passes the cluster's API
 {{/* The port the gateway serves /metrics on: settings.metrics_port, or its HTTP port when 0. */}}
 {{- define "tandem.gateway.metricsPort" -}}
 {{- $s := .Values.gateway.settings }}{{ ternary $s.metrics_port $s.port (gt (int $s.metrics_port) 0) }}
+{{- end }}
+
+{{/* The internal gRPC mTLS material: mounted into the worker pods only (the KV transfer's two
+ends); the gateway, which faces clients, and the planner speak no internal gRPC and hold no key. */}}
+{{- define "tandem.grpcTLS.volumes" -}}
+{{- if .Values.grpcTLS.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ include "tandem.grpcTLS.secret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "tandem.grpcTLS.volumeMounts" -}}
+{{- if .Values.grpcTLS.enabled }}
+- name: grpc-tls
+  mountPath: {{ .Values.grpcTLS.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end }}
