@@ -754,8 +754,9 @@ def test_external_redis_uses_tls_with_the_mounted_ca():
         mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-ca")
         assert ca_path == f"{mount['mountPath']}/ca.crt"
         assert env[prefix + "REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "memorystore-auth", "key": "password"}
-        # Internal gRPC mTLS material is mounted everywhere.
-        assert any(m["name"] == "grpc-tls" and m["readOnly"] for m in c["volumeMounts"])
+        # Internal gRPC mTLS material: mounted into the workers (the KV transfer's ends) only; the
+        # gateway, which faces clients, holds no key that could pull KV.
+        assert any(m["name"] == "grpc-tls" and m["readOnly"] for m in c["volumeMounts"]) == (component in ("prefill", "decode"))
 
 
 def test_gateway_api_keys_come_from_a_secret():

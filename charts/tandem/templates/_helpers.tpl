@@ -221,14 +221,38 @@ seed nobody can compute it. 64 hex characters. args: dict "root" $ "purpose" "re
 {{- printf "tandem/v1/%s/%s/%s/%s" $r.Values.secretSeed $r.Release.Namespace $r.Release.Name .purpose | sha256sum }}
 {{- end }}
 
-{{/* Secrets every Tandem pod mounts: internal gRPC mTLS material and the external Redis CA. */}}
-{{- define "tandem.commonVolumes" -}}
-{{- if .Values.grpcTLS.enabled }}
-- name: grpc-tls
-  secret:
-    secretName: {{ include "tandem.grpcTLS.secret" . }}
-    defaultMode: 0440
+{{/*
+"true" when this render sees the cluster: `helm install`/`helm upgrade` (and Flux's helm-controller,
+which runs them), where `lookup` lists the release namespace's Secrets (Helm's own release storage
+needs that right anyway). `helm template`, Argo CD and post-renderers see nothing: "".
+*/}}
+{{- define "tandem.clusterSeen" -}}
+{{- if (lookup "v1" "Secret" .Release.Namespace "") }}true{{ end }}
 {{- end }}
+
+{{/*
+A secret made once and kept: the base64 value under `key` of this chart's Secret `name` when the
+cluster has it (every upgrade after the install), else `new` (base64 of a fresh random value).
+Used only when nothing else gives the secret and the cluster is seen (tandem.clusterSeen).
+args: dict "root" $ "name" "..." "key" "..." "new" "<base64>"
+*/}}
+{{- define "tandem.keptSecret" -}}
+{{- /* One value per render: the Secret and every checksum/secrets that includes it see the same
+(a template included twice would otherwise draw two random values). */}}
+{{- if not (hasKey .root.Values "tandemKeptSecrets") }}{{ $_ := set .root.Values "tandemKeptSecrets" dict }}{{ end }}
+{{- $memo := .root.Values.tandemKeptSecrets }}
+{{- $id := printf "%s/%s" .name .key }}
+{{- if not (hasKey $memo $id) }}
+{{- $old := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- $was := "" }}
+{{- if and $old $old.data }}{{ $was = index $old.data .key | default "" }}{{ end }}
+{{- $_ := set $memo $id ($was | default .new) }}
+{{- end }}
+{{- index $memo $id }}
+{{- end }}
+
+{{/* Secrets the Tandem pods that reach Redis mount: the external Redis CA. */}}
+{{- define "tandem.commonVolumes" -}}
 {{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
 - name: redis-ca
   secret:
@@ -238,11 +262,6 @@ seed nobody can compute it. 64 hex characters. args: dict "root" $ "purpose" "re
 {{- end }}
 
 {{- define "tandem.commonVolumeMounts" -}}
-{{- if .Values.grpcTLS.enabled }}
-- name: grpc-tls
-  mountPath: {{ .Values.grpcTLS.mountPath }}
-  readOnly: true
-{{- end }}
 {{- if and (not .Values.redis.enabled) .Values.externalRedis.tls.caSecret }}
 - name: redis-ca
   mountPath: {{ include "tandem.redis.caDir" . }}
@@ -350,4 +369,23 @@ auto and the cluster serves cert-manager.io/v1 (Argo CD passes the cluster's API
 {{/* The port the gateway serves /metrics on: settings.metrics_port, or its HTTP port when 0. */}}
 {{- define "tandem.gateway.metricsPort" -}}
 {{- $s := .Values.gateway.settings }}{{ ternary $s.metrics_port $s.port (gt (int $s.metrics_port) 0) }}
+{{- end }}
+
+{{/* The internal gRPC mTLS material: mounted into the worker pods only (the KV transfer's two
+ends); the gateway, which faces clients, and the planner speak no internal gRPC and hold no key. */}}
+{{- define "tandem.grpcTLS.volumes" -}}
+{{- if .Values.grpcTLS.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ include "tandem.grpcTLS.secret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "tandem.grpcTLS.volumeMounts" -}}
+{{- if .Values.grpcTLS.enabled }}
+- name: grpc-tls
+  mountPath: {{ .Values.grpcTLS.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end }}

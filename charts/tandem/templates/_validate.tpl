@@ -47,19 +47,20 @@ Included once, from templates/validate.yaml.
 {{- end }}
 {{- end }}
 
-{{/* Secrets: each one comes from a Secret you manage, a value, or secretSeed; never from `lookup`
-or randomness, which `helm template` (Argo CD, Flux's post-renderers, CI) would redo on every render. */}}
+{{/* Secrets: each one comes from a Secret you manage, a value, or secretSeed; with none of them,
+`helm install` generates it once and `helm upgrade` keeps it (lookup: tandem.keptSecret). An offline
+render (`helm template`, Argo CD, post-renderers, CI) cannot keep a random value, so it fails instead. */}}
 {{- $seed := toString (default "" $v.secretSeed) }}
 {{- if and $seed (lt (len $seed) 32) }}
 {{- fail (printf "tandem: secretSeed is %d characters; the chart derives the API key and the Redis password from it, so give at least 32 random ones (--set secretSeed=$(openssl rand -hex 32)), or leave it empty and use existingSecrets" (len $seed)) }}
 {{- end }}
-{{- if not $seed }}
+{{- if and (not $seed) (not (include "tandem.clusterSeen" .)) }}
 {{- $auth := $v.gateway.auth }}
 {{- if and $auth.enabled (not $auth.existingSecret) (not $auth.apiKeys) }}
-{{- fail "tandem: the gateway needs API keys and none are given. For GitOps, point gateway.auth.existingSecret at a Secret you manage (key api-keys: a JSON list, [\"key1\"]); or set gateway.auth.apiKeys; or set secretSeed (--set secretSeed=$(openssl rand -hex 32)) and the chart derives a key from it, the same on every render (helm template, Argo CD, Flux). gateway.auth.enabled=false turns auth off." }}
+{{- fail "tandem: the gateway needs API keys and none are given. For GitOps, point gateway.auth.existingSecret at a Secret you manage (key api-keys: a JSON list, [\"key1\"]); or set gateway.auth.apiKeys; or set secretSeed (--set secretSeed=$(openssl rand -hex 32)) and the chart derives a key from it, the same on every render (helm template, Argo CD, Flux); or install with helm install, which generates a key once and keeps it across upgrades. gateway.auth.enabled=false turns auth off." }}
 {{- end }}
 {{- if and $v.redis.enabled (not $v.redis.auth.existingSecret) (not $v.redis.auth.password) }}
-{{- fail "tandem: the bundled Redis needs a password and none is given. For GitOps, point redis.auth.existingSecret at a Secret you manage (key redis-password, or redis.auth.existingSecretPasswordKey); or set redis.auth.password; or set secretSeed (--set secretSeed=$(openssl rand -hex 32)) and the chart derives one from it, the same on every render." }}
+{{- fail "tandem: the bundled Redis needs a password and none is given. For GitOps, point redis.auth.existingSecret at a Secret you manage (key redis-password, or redis.auth.existingSecretPasswordKey); or set redis.auth.password; or set secretSeed (--set secretSeed=$(openssl rand -hex 32)) and the chart derives one from it, the same on every render; or install with helm install, which generates one once and keeps it across upgrades." }}
 {{- end }}
 {{- end }}
 

@@ -201,6 +201,7 @@ spec:
               readOnly: true
             {{- end }}
             {{- with include "tandem.commonVolumeMounts" $root }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "tandem.grpcTLS.volumeMounts" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with $c.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -216,6 +217,7 @@ spec:
           {{- toYaml $root.Values.model.volume | nindent 10 }}
         {{- end }}
         {{- with include "tandem.commonVolumes" $root }}{{ . | nindent 8 }}{{ end }}
+        {{- with include "tandem.grpcTLS.volumes" $root }}{{ . | nindent 8 }}{{ end }}
         {{- with $c.extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
