@@ -61,6 +61,8 @@ _SCALE_SPECS = {
 }
 _EXPERT_TP_SCALES = {"we_gate_scale": P(None, None, AXIS), "we_up_scale": P(None, None, AXIS), "we_down_scale": P()}
 _EXPERT_EP_SCALES = {"we_gate_scale": P(None, AXIS), "we_up_scale": P(None, AXIS), "we_down_scale": P(None, AXIS)}
+_EMBED = P(AXIS, None)  # [V, d]: vocabulary parallel
+_LM_HEAD = P(None, AXIS)  # [d, V]
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
 _KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
 _KV_PREFIXES = P(None, None, None, AXIS, None)  # [L, B, T, KV, hd]: a batched prefill's
@@ -99,12 +101,21 @@ class Layout(NamedTuple):
         return self.named(_KV_POOL)
 
     def param_shardings(self, params: dict) -> dict:
-        """A pytree of NamedShardings matching `params` (with or without lm_head)."""
+        """A pytree of NamedShardings matching `params` (with or without lm_head): the embedding
+        and head split on the vocabulary when tp divides it (`vocab_split`)."""
         out = {name: self.replicated() for name in params if name != "layers"}
+        if self.vocab_split(int(params["embed"].shape[0])):
+            out["embed"] = self.named(_EMBED)
+            if "lm_head" in params:
+                out["lm_head"] = self.named(_LM_HEAD)
         specs = {**_LAYER_SPECS, **_SCALE_SPECS,
                  **(_EXPERT_EP | _EXPERT_EP_SCALES if self.expert_parallel else _EXPERT_TP | _EXPERT_TP_SCALES)}
         out["layers"] = {name: self.named(specs[name]) for name in params["layers"]}
         return out
+
+    def vocab_split(self, vocab: int) -> bool:
+        """Whether the embedding and LM head are split on the vocabulary (tp divides it)."""
+        return self.tp > 1 and vocab % self.tp == 0
 
     def place_params(self, params: dict) -> dict:
         return jax.device_put(params, self.param_shardings(params))
