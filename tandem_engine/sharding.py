@@ -6,8 +6,20 @@ layer buffer on its leading kv-heads axis, every chip holding its heads' rows of
 MLP is split by its hidden units: gate/up by column, down by row. Each chip then holds 1/tp of the
 heavy weights and of the KV cache, and a layer needs one all-reduce after attention and one after
 the MLP, which XLA inserts itself: the jitted cores only pin the shardings of what they return (the KV) and let jit
-propagate the rest from the sharded inputs. Embeddings, norms and the LM head stay replicated, so
-logits and sampling are computed identically on every chip.
+propagate the rest from the sharded inputs. Norms stay replicated.
+
+The embedding [V, d] and the LM head [d, V] (a tied model's head is embed.T) are split on the
+vocabulary (vocabulary parallelism), each chip holding V / tp rows / columns: a lookup is a masked
+local gather and one all-reduce of the [rows, d] activations, and the logits come out split on V.
+XLA partitions what reads them (seen in the TPU compile of Llama-3.1-8B's decode step at tp 4 on
+v5e 2x2, whose only all-gathers are the sampler's: its candidates [64, 4 x 256] and a [4, 64]
+value and id per shard): greedy is a local max and an all-reduce of [rows]; the sampler's
+`lax.top_k` a per-shard top-k and one all-gather of the candidates, never of the logits.
+Logprobs (log_softmax, the top MAX_TOP_LOGPROBS), penalties, logit_bias and grammar masks are
+reductions, elementwise ops and scatters on the split logits, left to XLA's partitioning (correct
+by construction; their collectives not inspected). A vocabulary that tp does not divide (the
+built-in byte models' 258 at tp 4) keeps the embedding and head replicated, as before, rather than
+refuse a layout that works.
 
 Query heads are grouped per KV head in HF order (query head h reads KV head h // groups), so cutting
 both the H*hd columns of wq and the KV*hd columns of wk/wv into tp contiguous blocks keeps every
