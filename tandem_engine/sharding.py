@@ -6,8 +6,20 @@ layer buffer on its leading kv-heads axis, every chip holding its heads' rows of
 MLP is split by its hidden units: gate/up by column, down by row. Each chip then holds 1/tp of the
 heavy weights and of the KV cache, and a layer needs one all-reduce after attention and one after
 the MLP, which XLA inserts itself: the jitted cores only pin the shardings of what they return (the KV) and let jit
-propagate the rest from the sharded inputs. Embeddings, norms and the LM head stay replicated, so
-logits and sampling are computed identically on every chip.
+propagate the rest from the sharded inputs. Norms stay replicated.
+
+The embedding [V, d] and the LM head [d, V] (a tied model's head is embed.T) are split on the
+vocabulary (vocabulary parallelism), each chip holding V / tp rows / columns: a lookup is a masked
+local gather and one all-reduce of the [rows, d] activations, and the logits come out split on V.
+XLA partitions what reads them (seen in the TPU compile of Llama-3.1-8B's decode step at tp 4 on
+v5e 2x2, whose only all-gathers are the sampler's: its candidates [64, 4 x 256] and a [4, 64]
+value and id per shard): greedy is a local max and an all-reduce of [rows]; the sampler's
+`lax.top_k` a per-shard top-k and one all-gather of the candidates, never of the logits.
+Logprobs (log_softmax, the top MAX_TOP_LOGPROBS), penalties, logit_bias and grammar masks are
+reductions, elementwise ops and scatters on the split logits, left to XLA's partitioning (correct
+by construction; their collectives not inspected). A vocabulary that tp does not divide (the
+built-in byte models' 258 at tp 4) keeps the embedding and head replicated, as before, rather than
+refuse a layout that works.
 
 Query heads are grouped per KV head in HF order (query head h reads KV head h // groups), so cutting
 both the H*hd columns of wq and the KV*hd columns of wk/wv into tp contiguous blocks keeps every
@@ -61,6 +73,8 @@ _SCALE_SPECS = {
 }
 _EXPERT_TP_SCALES = {"we_gate_scale": P(None, None, AXIS), "we_up_scale": P(None, None, AXIS), "we_down_scale": P()}
 _EXPERT_EP_SCALES = {"we_gate_scale": P(None, AXIS), "we_up_scale": P(None, AXIS), "we_down_scale": P(None, AXIS)}
+_EMBED = P(AXIS, None)  # [V, d]: vocabulary parallel
+_LM_HEAD = P(None, AXIS)  # [d, V]
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
 _KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
 _KV_PREFIXES = P(None, None, None, AXIS, None)  # [L, B, T, KV, hd]: a batched prefill's
@@ -99,12 +113,21 @@ class Layout(NamedTuple):
         return self.named(_KV_POOL)
 
     def param_shardings(self, params: dict) -> dict:
-        """A pytree of NamedShardings matching `params` (with or without lm_head)."""
+        """A pytree of NamedShardings matching `params` (with or without lm_head): the embedding
+        and head split on the vocabulary when tp divides it (`vocab_split`)."""
         out = {name: self.replicated() for name in params if name != "layers"}
+        if self.vocab_split(int(params["embed"].shape[0])):
+            out["embed"] = self.named(_EMBED)
+            if "lm_head" in params:
+                out["lm_head"] = self.named(_LM_HEAD)
         specs = {**_LAYER_SPECS, **_SCALE_SPECS,
                  **(_EXPERT_EP | _EXPERT_EP_SCALES if self.expert_parallel else _EXPERT_TP | _EXPERT_TP_SCALES)}
         out["layers"] = {name: self.named(specs[name]) for name in params["layers"]}
         return out
+
+    def vocab_split(self, vocab: int) -> bool:
+        """Whether the embedding and LM head are split on the vocabulary (tp divides it)."""
+        return self.tp > 1 and vocab % self.tp == 0
 
     def place_params(self, params: dict) -> dict:
         """`params` on this layout (leaves already placed so, as the loader leaves them, stay)."""

@@ -25,9 +25,10 @@ from tandem_core.types import SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams()
 STEPS = 16
-# 4 KV heads (8 query heads) so that tp 1, 2 and 4 all divide them
+# 4 KV heads (8 query heads) so that tp 1, 2 and 4 all divide them, and a vocabulary of 260 (the
+# bytes, BOS, EOS and two unused ids) that they divide too, so the embedding and head split
 KV4 = dataclasses.replace(PRESETS["tiny"], name="tiny-kv4", num_heads=8, num_kv_heads=4,
-                          head_dim=8, seed=3)
+                          head_dim=8, seed=3, vocab_size=260)
 KW = dict(slots=3, max_len=64, prefill_buckets=(32,))  # one bucket: one prefill compile per engine
 
 
@@ -36,13 +37,18 @@ def prompts() -> dict[int, list[int]]:
     return {slot: rng.integers(0, 256, size=n).tolist() for slot, n in ((0, 5), (1, 20), (2, 31))}
 
 
-def decode(engine, prefixes: dict, steps: int = STEPS, per_call: int = 1) -> dict[str, list[int]]:
+SAMPLED = {0: SamplingParams(temperature=1.0, seed=5), 1: SamplingParams(temperature=0.8, top_p=0.9, seed=6),
+           2: SamplingParams(temperature=1.2, top_k=20, seed=7)}  # plain, top-p, top-k
+
+
+def decode(engine, prefixes: dict, steps: int = STEPS, per_call: int = 1,
+           params: dict | None = None) -> dict[str, list[int]]:
     """Insert each slot's prefix, run `steps` greedy steps for the batch (`per_call` of them in
     each generate call: multi-step decode); tokens per slot."""
     state = engine.init_state()
     out = {}
     for slot, prefix in prefixes.items():
-        state = engine.insert(prefix, state, slot, GREEDY)
+        state = engine.insert(prefix, state, slot, GREEDY if params is None else params[slot])
         out[str(slot)] = [prefix.first_token]
     for _ in range(steps // per_call):
         state, tokens = engine.generate(state, steps=per_call)
@@ -73,6 +79,13 @@ def child(workdir: str) -> dict:
         res[f"greedy_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
         wq = e.params["layers"]["wq"]
         res[f"wq_shard_tp{tp}"] = list(wq.addressable_shards[0].data.shape)
+        for name in ("embed", "lm_head"):
+            if name in e.params:
+                res[f"{name}_shards_tp{tp}"] = [list(s.data.shape) for s in e.params[name].addressable_shards]
+    # seeded sampling: the same tokens at every tp (the sampler's top-k runs on the vocabulary's shards)
+    for tp, e in engines.items():
+        res[f"sampled_tp{tp}"] = decode(e, {s: e.prefill(ids, SAMPLED[s]) for s, ids in prompts().items()},
+                                        params=SAMPLED)
     # multi-step decode (4 steps per call) at tp=4: the same tokens, the cache kept sharded by head
     e = engines[4]
     res["multi_tp4"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()}, per_call=4)
@@ -123,12 +136,18 @@ def tokens(run: dict) -> dict:
     return {k: v for k, v in run.items() if not k.startswith("_")}
 
 
-def test_weights_and_kv_are_split_by_head(results):
+def test_weights_and_kv_are_split_by_head_and_vocabulary(results):
     assert results["devices"] == 4 and results["tp2_devices"] == [2, 3]
     d, h = KV4.hidden_size, KV4.num_heads * KV4.head_dim
     assert results["wq_shard_tp1"] == [KV4.num_layers, d, h]
     assert results["wq_shard_tp2"] == [KV4.num_layers, d, h // 2]
     assert results["wq_shard_tp4"] == [KV4.num_layers, d, h // 4]
+    v = KV4.vocab_size
+    assert results["embed_shards_tp1"] == [[v, d]]
+    assert results["embed_shards_tp2"] == [[v // 2, d]] * 2  # vocabulary parallel: 1/tp on each chip
+    assert results["embed_shards_tp4"] == [[v // 4, d]] * 4
+    if "lm_head_shards_tp1" in results:
+        assert results["lm_head_shards_tp4"] == [[d, v // 4]] * 4
     assert results["greedy_tp1"]["_kv_spec"] == "None"
     assert results["greedy_tp4"]["_kv_spec"] == "P(None, None, 'tp')"
 
@@ -138,6 +157,13 @@ def test_greedy_tokens_equal_across_tp(results):
     assert len(want) == 3 and all(len(t) == STEPS + 1 for t in want.values())
     assert tokens(results["greedy_tp2"]) == want
     assert tokens(results["greedy_tp4"]) == want
+
+
+def test_seeded_sampling_equal_across_tp(results):
+    want = tokens(results["sampled_tp1"])
+    assert want != tokens(results["greedy_tp1"])
+    assert tokens(results["sampled_tp2"]) == want
+    assert tokens(results["sampled_tp4"]) == want
 
 
 def test_multi_step_decode_shards(results):

@@ -52,9 +52,12 @@ def _nbytes(s) -> int:
 
 def expected_per_chip(info, tp: int) -> tuple[int, int]:
     """Weights and KV bytes one chip holds at `tp`, from the model's shapes alone: every per-layer
-    matrix and the KV cache split tp ways, norms, embeddings and the LM head whole (sharding.py)."""
+    matrix and the KV cache split tp ways, norms whole, embeddings and the LM head split tp ways
+    when tp divides the vocabulary (sharding.py)."""
     shapes = jax.eval_shape(lambda: init_params(info, DTYPE))
-    whole = sum(_nbytes(s) for name, s in shapes.items() if name != "layers")
+    split_vocab = info.vocab_size % tp == 0
+    whole = sum(_nbytes(s) // (tp if split_vocab and name in ("embed", "lm_head") else 1)
+                for name, s in shapes.items() if name != "layers")
     layers = shapes["layers"]
     split = sum(_nbytes(s) for s in layers.values() if len(s.shape) == 3)
     norms = sum(_nbytes(s) for s in layers.values() if len(s.shape) == 2)
