@@ -142,11 +142,11 @@ class _Loader:
             one = SingleDeviceSharding(self.device)
             return {s.path: one for s in self.sources} | {
                 (*s.path[:-1], s.path[-1] + SCALE): one for s in self.sources if self._quantized(s)}
-        skeleton: dict = {"layers": {}}
+        skeleton: dict = {"layers": {}}  # the params' shapes: param_shardings reads the vocabulary from them
         for s in self.sources:
             names = [s.path[-1]] + ([s.path[-1] + SCALE] if self._quantized(s) else [])
             for n in names:
-                (skeleton["layers"] if s.path[0] == "layers" else skeleton)[n] = None
+                (skeleton["layers"] if s.path[0] == "layers" else skeleton)[n] = jax.ShapeDtypeStruct(s.shape, self.dtype)
         tree = self.layout.param_shardings(skeleton)
         out = {}
         for k, v in tree.items():
