@@ -329,7 +329,7 @@ def format_report(r: dict) -> str:
             f"{d['flops'] / 1e9:.1f} GFLOP, {d['bytes'] / GiB:.2f} GiB accessed per chip "
             f"(layers {d['layer_bytes'] * 1.0 / 2**20:.0f} MiB each; outside them "
             f"{d['outside_layers_bytes'] / 2**20:.0f} MiB) -> {d['step_s'] * 1e3:.2f} ms ({d['bound']}-bound)",
-            *([f"  of which the sampler's sort (temperature > 0 in the batch): {d['sampling_bytes'] / GiB:.2f} GiB"]
+            *([f"  of which the sampler (temperature > 0 in the batch): {d['sampling_bytes'] / GiB:.2f} GiB"]
               if d.get("sampling_bytes") else []),
             *(["  the compiler's bytes less the sampler's fall below the floor: the layer loop's bytes could not "
                "be told apart (the 2-layer compile counted no more bytes than the 1-layer one), so the floor stands in"]
