@@ -23,9 +23,11 @@ from dataclasses import dataclass
 KEY_PATTERNS: tuple[str, ...] = ("tandem:*",)
 
 # Every connection: redis-py's PING (health checks), CLIENT SETNAME (the services name their
-# connections), INFO (the start-up probe of tandem_core/redis_client.py, the heartbeat's
-# server run_id), GET/SET (the shard-count check, tandem_core/bus/conn.py).
-_CONNECTION = ("ping", "info", "client|setname", "get", "set")
+# connections), SELECT (a URL naming a database other than 0), INFO (the start-up probe of
+# tandem_core/redis_client.py, the heartbeat's server run_id), GET/SET (the shard-count check,
+# tandem_core/bus/conn.py). Not CLIENT SETINFO, which redis-py sends too and whose refusal it
+# ignores: Redis before 7.2 has no such subcommand, and 7.0 refuses a rule naming it.
+_CONNECTION = ("ping", "info", "client|setname", "select", "get", "set")
 
 # The Lua scripts' own commands (admission enqueue/forget, the fenced commit, the owned
 # publish, own-and-ack, resume, preempt, forget-pod-ready), checked against the caller's user.
