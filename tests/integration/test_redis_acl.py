@@ -3,7 +3,7 @@ users are made from that data with ACL SETUSER, each role connects as its user t
 `conn.connect` (username and password from RedisConfig), and drives the code paths the other
 integration tests exercise: one request goes gateway -> prefill -> decode -> gateway with the
 real enqueue script, consumer-group claims, the fenced commit, own-and-ack and the owned publish
-scripts, heartbeats, a dead consumer's reclaim, and the planner's ticks. No NOPERM. A command
+scripts, a resume (its script), heartbeats, a dead consumer's reclaim, and the planner's ticks. No NOPERM. A command
 or key outside a role's list is refused (NOPERM)."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from gateway.tokens import TokenMux
 from planner.service import PlannerService
 from tandem.redis_proc import RedisProcess
 from tandem_core import keys, load_report
-from tandem_core.bus import KeySpace, acl, admission, cancel, conn, entry_fence, groups, ready, reclaim, registry, \
-    token_stream
+from tandem_core.bus import KeySpace, acl, admission, cancel, conn, entry_fence, groups, ready, reclaim, recovery, \
+    registry, token_stream
 from tandem_core.settings import RedisConfig
 from tandem_core.types import GenerationRequest
 from tests.integration.test_planner import PROFILE, settings
@@ -104,6 +104,11 @@ async def test_each_role_runs_its_paths_as_its_own_user(acl_redis, tmp_path):
         assert set(await reclaim.running_requests(dc, ks, "acl-d0")) == {req.request_id}
         items = [token_stream.TokenEntry(req.request_id, 1, 12), token_stream.TokenEntry(req.request_id, 2, 13, "stop")]
         assert await pub.write(items, cancels=True) == [1, 1]
+        # a recovery: a request owned by this pod, resumed (the resume script re-enqueues it)
+        req2 = GenerationRequest("acl-r2", [1, 2], 4)
+        await pub.own(req2)
+        assert await recovery.resume(dc, ks, POOL, req2, max_attempts=3, maxlen=MAXLEN, token_ttl_s=TTL,
+                                     token_maxlen=MAXLEN, why="acl test", owner="acl-d0") == "resumed"
         assert await reclaim.lock_recovery(dc, "acl-d9", "acl-d0", 30)
         await reclaim.unlock_recovery(dc, "acl-d9")
         await pub.disown(req.request_id)
