@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: tandem {local,prefill,decode,gateway,planner,fit} [--help]
+USAGE = """usage: tandem {local,prefill,decode,gateway,planner,fit,redis-acl} [--help]
 
   local     start a local cluster: embedded (or external) Redis, prefill and decode workers, gateway
   prefill   run one prefill worker (settings from TANDEM_PREFILL_* environment variables)
@@ -12,6 +12,7 @@ USAGE = """usage: tandem {local,prefill,decode,gateway,planner,fit} [--help]
   gateway   run the HTTP/gRPC gateway (settings from TANDEM_GATEWAY_* environment variables)
   planner   size prefill and decode pods to TTFT/ITL targets (settings from TANDEM_PLANNER_*)
   fit       compile the serving steps for a TPU slice (no TPU needed) and report HBM per chip and speed
+  redis-acl print each role's Redis ACL user (ACL SETUSER lines, or ACL file lines) for a managed Redis
 
 `tandem COMMAND --help` explains each one."""
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         from planner.__main__ import main as run
     elif cmd == "fit":
         from tandem.fit import main as run
+    elif cmd == "redis-acl":
+        from tandem.redis_acl import main as run
     else:
         print(f"tandem: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -72,7 +72,7 @@ def connect(cfg: RedisConfig, client_name: str | None = None) -> aioredis.Redis 
     waits for a free one, up to `socket_timeout_s`, then raises ConnectionError. `client_name`
     names every connection (CLIENT SETNAME), so CLIENT LIST tells the services apart.
     """
-    common = dict(password=cfg.password, socket_timeout=cfg.socket_timeout_s,
+    common = dict(username=cfg.username, password=cfg.password, socket_timeout=cfg.socket_timeout_s,
                   socket_connect_timeout=cfg.connect_timeout_s, health_check_interval=30,
                   max_connections=cfg.max_connections, client_name=client_name)
     if cfg.cluster and cfg.sentinel.hosts:
@@ -236,7 +236,7 @@ class _FailoverConnection(SentinelManagedConnection):
 
 def _sentinel_kwargs(cfg: RedisConfig) -> dict:
     return dict(socket_timeout=cfg.socket_timeout_s, socket_connect_timeout=cfg.connect_timeout_s,
-                password=cfg.password if cfg.sentinel.auth else None)
+                password=cfg.password if cfg.sentinel.auth else None)  # a sentinel's own (default) user
 
 
 def _probe_timeout(cfg: RedisConfig) -> float:
@@ -248,7 +248,7 @@ def _check_server(cfg: RedisConfig) -> None:
     sentinel), MOVED replies (a cluster node used as a plain Redis) or "cluster support disabled"
     (the reverse): say why now. One INFO; a Redis that is down or refuses INFO passes."""
     t = _probe_timeout(cfg)
-    r = redis.Redis.from_url(cfg.url, password=cfg.password, socket_timeout=t, socket_connect_timeout=t)
+    r = redis.Redis.from_url(cfg.url, username=cfg.username, password=cfg.password, socket_timeout=t, socket_connect_timeout=t)
     try:
         info = r.info()  # the default sections: server (redis_mode) and cluster (cluster_enabled)
     except (RedisError, OSError):

@@ -17,14 +17,14 @@ class SentinelConfig(BaseModel):
     after a failover, so a promoted replica takes over without a restart of any service.
 
     `hosts` empty (the default) = no Sentinel: `RedisConfig.url` names the one Redis. Set, the
-    url is not used; `RedisConfig.password` authenticates to the primary (and, with `auth`, to the
+    url is not used; `RedisConfig.username`/`password` authenticate to the primary (and, with `auth`, to the
     sentinels too, which is how Bitnami's chart sets them up). From the environment a list is JSON:
     TANDEM_GATEWAY_REDIS__SENTINEL__HOSTS='["10.0.0.5:26379","10.0.0.6:26379"]'.
     """
 
     hosts: list[str] = []  # "host:port" of each sentinel
     master_name: str = Field(default="tandem", min_length=1)  # `sentinel monitor <name> ...`
-    auth: bool = False  # the sentinels require a password: the same as Redis's (redis.password)
+    auth: bool = False  # the sentinels require a password: the same as Redis's (redis.username/password)
 
     @field_validator("hosts")
     @classmethod
@@ -44,6 +44,10 @@ class RedisConfig(BaseModel):
     `sentinel.hosts` set, the primary is found (and found again after a failover) through Sentinel."""
 
     url: str = "redis://127.0.0.1:6379/0"
+    # A Redis ACL user (Redis 6+; `AUTH username password`): each role's own, with only the
+    # commands and keys it needs (tandem_core/bus/acl.py; `tandem redis-acl` prints them). None =
+    # the default user (a plain `requirepass`, or a user named in the URL: redis://user:pw@host).
+    username: str | None = None
     password: str | None = None
     socket_timeout_s: PositiveFloat = 10.0
     connect_timeout_s: PositiveFloat = 5.0

@@ -53,7 +53,7 @@ K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 
 # Redis settings the chart owns: one value for every service (externalRedis.url / redis, the
 # password Secret, redis.cluster, redis.shards), so the services cannot disagree.
-REDIS_OWNED = {"redis.url", "redis.password", "redis.cluster", "redis.shards"}
+REDIS_OWNED = {"redis.url", "redis.username", "redis.password", "redis.cluster", "redis.shards"}
 # A worker's mTLS files and the name it checks: from grpcTLS (the Secret mounted at its mountPath).
 TLS_OWNED = {"grpc.tls_cert_file", "grpc.tls_key_file", "grpc.tls_ca_file", "grpc.tls_server_name"}
 SERVICES = {
@@ -738,7 +738,8 @@ def test_bundled_redis_persists_and_uses_a_password():
     assert len(secret["data"]["redis-password"]) > 20
     for component in components("default"):
         ref = r.container_env(component)[SERVICES[component][1] + "REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret["metadata"]["name"], "key": "redis-password"}
+        # each role its own Redis user and password (redis.acl, test_chart_redis_auth.py)
+        assert ref == {"name": secret["metadata"]["name"], "key": f"redis-password-{component}"}
 
 
 def test_external_redis_uses_tls_with_the_mounted_ca():

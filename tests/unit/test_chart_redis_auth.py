@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from tandem.redis_proc import redis_binary
+from tandem_core.bus import acl
 from tests.unit.test_chart import RELEASE, Rendered
 
 PASSWORD = 'p w"\\x$(id)-tail'
@@ -42,14 +43,18 @@ def test_bundled_redis_reads_its_password_from_a_file(tmp_path):
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == os.path.dirname(AUTH_FILE))
     vol = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     assert mount["readOnly"] and vol["secret"]["defaultMode"] == 0o400
-    (item,) = vol["secret"]["items"]
     secret = r.get("Secret", vol["secret"]["secretName"])
-    (tmp_path / "password").write_bytes(base64.b64decode(secret["data"][item["key"]]))
-    assert (tmp_path / "password").read_text() == PASSWORD
+    auth = tmp_path / "auth"
+    auth.mkdir()
+    for item in vol["secret"]["items"]:  # the password, and with redis.acl (the default) each role's
+        (auth / item["path"]).write_bytes(base64.b64decode(secret["data"][item["key"]]))
+    assert (auth / "password").read_text() == PASSWORD
+    roles = {item["path"]: (auth / item["path"]).read_text() for item in vol["secret"]["items"] if item["path"] != "password"}
+    assert sorted(roles) == sorted(acl.ROLES) and len(set(roles.values()) | {PASSWORD}) == 5  # each its own
     (tmp_path / "data").mkdir()
 
     def here(words: list[str]) -> list[str]:
-        return [w.replace(AUTH_FILE, str(tmp_path / "password")) for w in words]
+        return [w.replace(os.path.dirname(AUTH_FILE), str(auth)) for w in words]
 
     args = [str(tmp_path / "data") if a == "/data" else a for a in c["args"]]
     bin_dir = str(Path(redis_binary()).parent)
@@ -67,6 +72,18 @@ def test_bundled_redis_reads_its_password_from_a_file(tmp_path):
                     pytest.fail(f"redis exited: {proc.stdout.read().decode()}")
                 time.sleep(0.05)
         assert client.ping()
+        # the ACL users (redis.acl.enabled, the default): each role connects as tandem-<role> with
+        # its own password, may run its commands on tandem:* keys, and nothing else
+        for role, pw in roles.items():
+            as_role = redis.Redis(host="127.0.0.1", port=port, username=f"tandem-{role}", password=pw, socket_timeout=5)
+            assert as_role.ping() and as_role.xlen("tandem:acl-check") == 0
+            for refused in (("FLUSHALL",), ("XLEN", "other:key"), ("CONFIG", "GET", "maxmemory")):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    as_role.execute_command(*refused)
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(host="127.0.0.1", port=port, username=f"tandem-{role}", password=PASSWORD,
+                            socket_timeout=5).ping()
+            as_role.close()
         for pw in (None, "wrong"):
             with pytest.raises(redis.AuthenticationError):
                 redis.Redis(host="127.0.0.1", port=port, password=pw, socket_timeout=5).ping()
@@ -84,3 +101,33 @@ def test_bundled_redis_reads_its_password_from_a_file(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_charts_acl_file_is_the_roles_data():
+    """files/redis-acl.txt is `tandem redis-acl --access-string` of tandem_core/bus/acl.py: the
+    chart's users and the code's calls cannot drift apart (regenerate it after changing acl.py:
+    `python -m tandem.cli redis-acl --access-string > charts/tandem/files/redis-acl.txt`)."""
+    chart = (Path(__file__).parents[2] / "charts/tandem/files/redis-acl.txt").read_text().splitlines()
+    assert chart == [f"{r.username} {' '.join(r.rules())}" for r in acl.ROLES.values()]
+
+
+def test_acl_off_gives_every_role_the_shared_password():
+    r = Rendered({"redis": {"auth": {"password": PASSWORD}, "acl": {"enabled": False}}})
+    spec = r.get("StatefulSet", f"{RELEASE}-tandem-redis")["spec"]["template"]["spec"]
+    assert "user tandem-" not in spec["containers"][0]["command"][2]
+    gw = r.get("Deployment", f"{RELEASE}-tandem-gateway")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in gw["env"]}
+    assert "TANDEM_GATEWAY_REDIS__USERNAME" not in env
+    assert env["TANDEM_GATEWAY_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+
+
+def test_each_role_gets_its_user_and_only_its_own_password():
+    r = Rendered({"redis": {"auth": {"password": PASSWORD}}, "planner": {"enabled": True}})
+    for role in acl.ROLES:
+        c = r.get("Deployment", f"{RELEASE}-tandem-{role}")["spec"]["template"]["spec"]["containers"][0]
+        prefix = f"TANDEM_{role.upper()}_REDIS__"
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env[prefix + "USERNAME"]["value"] == f"tandem-{role}"
+        assert env[prefix + "PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == f"redis-password-{role}"
+        keys = [e["valueFrom"]["secretKeyRef"]["key"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+        assert "redis-password" not in keys, f"{role} holds the default user's password"

@@ -39,7 +39,7 @@ def test_env_is_exactly_the_settings_class(profile, component, monkeypatch):
 
     # Every field is set, except the optional secrets the chart leaves at their default when the
     # feature is off (no Redis password; gateway auth disabled; grpcTLS off).
-    optional = {"redis.password"} | ({"api_keys", "admin_key"} if component == "gateway" else set())
+    optional = {"redis.password", "redis.username"} | ({"api_keys", "admin_key"} if component == "gateway" else set())
     if component in WORKERS and not r.values["grpcTLS"]["enabled"]:
         optional |= {"grpc.tls_cert_file", "grpc.tls_key_file", "grpc.tls_ca_file", "grpc.tls_server_name"}
     missing = {by_env_name for by_env_name, path in by_env.items() if by_env_name not in env and path not in optional}

@@ -389,3 +389,28 @@ ends); the gateway, which faces clients, and the planner speak no internal gRPC 
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* "true" when the bundled Redis has one ACL user per role (redis.acl.enabled): each role
+connects as tandem-<role> with its own password (tandem_core/bus/acl.py, files/redis-acl.txt). */}}
+{{- define "tandem.redis.aclOn" -}}
+{{- if and .Values.redis.enabled .Values.redis.acl.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The roles of files/redis-acl.txt, in its order (each line: tandem-<role> <rules>). */}}
+{{- define "tandem.redis.aclRoles" -}}
+{{- range splitList "\n" (.Files.Get "files/redis-acl.txt" | trim) }}{{ trimPrefix "tandem-" (first (splitList " " .)) }} {{ end }}
+{{- end }}
+
+{{/* The Secret key of a role's Redis password: its own with the ACL users, else the shared one.
+args: dict "root" $ "role" "gateway" */}}
+{{- define "tandem.redis.rolePasswordKey" -}}
+{{- if include "tandem.redis.aclOn" .root }}{{ printf "%s-%s" .root.Values.redis.auth.existingSecretPasswordKey .role }}{{ else }}{{ include "tandem.redis.passwordKey" .root }}{{ end }}
+{{- end }}
+
+{{/* A role's Redis user name, as an env entry, with the ACL users. args: dict "root" $ "role" "gateway" "prefix" "TANDEM_GATEWAY_" */}}
+{{- define "tandem.redis.usernameEnv" -}}
+{{- if include "tandem.redis.aclOn" .root }}
+- name: {{ .prefix }}REDIS__USERNAME
+  value: {{ printf "tandem-%s" .role | quote }}
+{{- end }}
+{{- end }}

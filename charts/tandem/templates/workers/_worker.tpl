@@ -145,8 +145,9 @@ spec:
               valueFrom:
                 secretKeyRef:
                   name: {{ $passwordSecret }}
-                  key: {{ include "tandem.redis.passwordKey" $root }}
+                  key: {{ include "tandem.redis.rolePasswordKey" (dict "root" $root "role" $component) }}
             {{- end }}
+            {{- include "tandem.redis.usernameEnv" (dict "root" $root "role" $component "prefix" $prefix) | nindent 12 }}
             # Runtime (not Tandem settings).
             - name: HOME
               value: /tmp
