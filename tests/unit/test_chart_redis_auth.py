@@ -131,3 +131,17 @@ def test_each_role_gets_its_user_and_only_its_own_password():
         assert env[prefix + "PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == f"redis-password-{role}"
         keys = [e["valueFrom"]["secretKeyRef"]["key"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
         assert "redis-password" not in keys, f"{role} holds the default user's password"
+
+
+@pytest.mark.parametrize("enabled", [None, True])
+def test_an_existing_secret_keeps_the_shared_password_unless_acl_is_asked_for(enabled):
+    """An install that manages its own Redis Secret has no role keys in it: by default (acl.enabled
+    null) its pods keep the shared password, so an upgrade does not stop them; acl.enabled=true
+    asks for the role keys."""
+    values = {"redis": {"auth": {"existingSecret": "my-redis"}, "acl": {"enabled": enabled}}}
+    gw = Rendered(values).get("Deployment", f"{RELEASE}-tandem-gateway")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in gw["env"]}
+    key = env["TANDEM_GATEWAY_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert key["name"] == "my-redis"
+    assert key["key"] == ("redis-password-gateway" if enabled else "redis-password")
+    assert ("TANDEM_GATEWAY_REDIS__USERNAME" in env) is bool(enabled)

@@ -390,10 +390,14 @@ ends); the gateway, which faces clients, and the planner speak no internal gRPC 
 {{- end }}
 {{- end }}
 
-{{/* "true" when the bundled Redis has one ACL user per role (redis.acl.enabled): each role
+{{/* "true" when the bundled Redis has one ACL user per role (redis.acl.enabled; null, the default:
+on unless redis.auth.existingSecret is given, whose Secret an upgrade would otherwise need the four
+role keys in): each role
 connects as tandem-<role> with its own password (tandem_core/bus/acl.py, files/redis-acl.txt). */}}
 {{- define "tandem.redis.aclOn" -}}
-{{- if and .Values.redis.enabled .Values.redis.acl.enabled }}true{{ end }}
+{{- $acl := .Values.redis.acl.enabled -}}
+{{- if kindIs "invalid" $acl }}{{ $acl = not .Values.redis.auth.existingSecret }}{{ end -}}
+{{- if and .Values.redis.enabled $acl }}true{{ end }}
 {{- end }}
 
 {{/* The roles of files/redis-acl.txt, in its order (each line: tandem-<role> <rules>). */}}
