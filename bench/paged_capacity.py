@@ -80,14 +80,12 @@ def payload_for(table: dict, context: int):
 def warm(engine, table: dict, steps: int) -> None:
     """Compile every insert length and every step variant the loop can run."""
     from tandem_core.types import SamplingParams
-    from tandem_engine.paged import table_buckets
 
     state = engine.init_state()
     for p in table.values():
         state = engine.insert_payload(p, state, 0, SamplingParams())
         state = engine.free(state, 0)
-    widths = (table_buckets(engine.max_blocks_per_seq, engine.kv_block_size) if engine.kv_layout == "paged"
-              else (None,))
+    widths = sorted({width for _, width, *_ in engine.warm_steps(False, False)}, key=lambda w: w or 0)
     for rows in engine.batch_buckets:
         for width in widths:
             state, tokens = engine._generate(state, rows, logprobs=False, masks=None, steps=steps,

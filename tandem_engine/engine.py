@@ -47,7 +47,6 @@ from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
 from tandem_engine.api import PrefillCall
 from tandem_engine.engine_prefill import PrefillSide, Prefix
-from tandem_engine.paged import table_buckets
 from tandem_engine.prefix_cache import Hit
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
@@ -78,28 +77,25 @@ class Engine(PrefillSide, DecodeSide):
 
     def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[tuple[int, int | None, int, bool, bool]]:
         """The decode step variants `warmup` compiles, in its order: (rows, table width, steps,
-        logprobs, masked) for every batch bucket, every table width (paged: paged.table_buckets,
-        the widths a step picks from; None on the slot layout), one step and `steps_per_dispatch`
-        of them, with `logprobs` their logprobs variants too, with `masks` the grammar-masked step."""
+        logprobs, masked) for every batch bucket (the table width: paged, the one width every step
+        has, each row's whole table, since the step reads only the blocks in use (paged.paged_attention);
+        None on the slot layout), one step and `steps_per_dispatch` of them, with `logprobs` their
+        logprobs variants too, with `masks` the grammar-masked step."""
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
-        widths: tuple[int | None, ...] = (None,)
-        if self.kv_layout == "paged":  # every table width compiles its own step
-            widths = table_buckets(self.max_blocks_per_seq, self.kv_block_size)
+        width = self.max_blocks_per_seq if self.kv_layout == "paged" else None
         out: list[tuple[int, int | None, int, bool, bool]] = []
         for rows in self.batch_buckets:
-            for width in widths:
-                for steps in multi:  # multi-step decode: its own compiled variants
-                    out += [(rows, width, steps, lp, False) for lp in ((False, True) if logprobs else (False,))]
-                if masks:
-                    out.append((rows, width, 1, False, True))
+            for steps in multi:  # multi-step decode: its own compiled variants
+                out += [(rows, width, steps, lp, False) for lp in ((False, True) if logprobs else (False,))]
+            if masks:
+                out.append((rows, width, 1, False, True))
         return out
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False,
                progress: Callable[[int, int, float], None] | None = None) -> int:
         """Compile every bucket's insert and every decode step variant (`warm_steps`: each batch
         bucket's, one step and `steps_per_dispatch` of them, with `logprobs` their logprobs variants
-        too: it doubles the step compiles; with `masks` the grammar-masked step too; paged: for
-        every table width), and with `prefill` every bucket's prefill (one choice), so no request
+        too: it doubles the step compiles; with `masks` the grammar-masked step too), and with `prefill` every bucket's prefill (one choice), so no request
         pays for a compilation (decode pods call this before they report ready). `prefix`: the
         prefill over a cached prefix too (`warmup_prefix`). `progress(done, total, seconds)` after
         each step variant (the caller logs it). Returns the step variants compiled."""

@@ -23,7 +23,7 @@ from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
 from tandem_engine.model import _grouped, block_starts, blocked_cache, kv_slot_groups
-from tandem_engine.paged import paged_pool, table_buckets
+from tandem_engine.paged import paged_pool
 from tandem_engine.sampling import sampling_arrays
 
 
@@ -402,8 +402,8 @@ class DecodeSide(EngineBase):
         return new, tokens
 
     def _table_width(self, steps: int) -> int:
-        """The paged step's table width (a compiled bucket, paged.table_buckets) covering every
-        active row's blocks; RuntimeError when an active row lacks the blocks its next `steps`
+        """The paged step's table width: every row's whole table, one compiled width (the step reads
+        only the blocks its rows use, paged.paged_attention); RuntimeError when an active row lacks the blocks its next `steps`
         positions fall in (the caller must `reserve` first: a step never writes another
         sequence's block, but that row's tokens would be wrong)."""
         occupied = np.flatnonzero(self._occupied)
@@ -411,8 +411,7 @@ class DecodeSide(EngineBase):
         if short:
             raise RuntimeError(f"slots {short} have no KV blocks for their next {steps} positions: call "
                                f"reserve(state, {steps}) before generate and free the slots it returns")
-        widest = int(self._held[occupied].max()) if occupied.size else 1
-        return next(b for b in table_buckets(self.max_blocks_per_seq, self.kv_block_size) if b >= widest)
+        return self.max_blocks_per_seq
 
     def _step_groups(self, state: DecodeState, bucket: int) -> int | None:
         """On a blocked cache with slot groups, how many leading groups a step of `bucket` rows

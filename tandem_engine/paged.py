@@ -39,6 +39,7 @@ No I/O, no host state in the functions.
 from __future__ import annotations
 
 import logging
+import math
 from functools import lru_cache, partial
 
 import jax
@@ -48,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tandem_engine.arch import ModelConfig
+from tandem_engine.cpu_kernels import paged_attention_kernel
 from tandem_engine.model import (NO_WINDOW, _attn_out, _ffn, _layer_params, _qkv, _scores, _sinks, embed,
                                  layer_consts, logits_from_hidden, rms_norm)
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
@@ -57,9 +59,6 @@ log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
 _NEG = -1e30  # a masked score: finite, so a row with nothing to attend to yields no NaN
-# Fewest positions a decode step reads per row: the step's table width (blocks read per row) is a
-# compiled bucket, a power of two of blocks from this many positions up to max_len.
-MIN_READ = 64
 
 
 class BlockAllocator:
@@ -113,31 +112,6 @@ class BlockAllocator:
         return sum(1 for b in ids if self.refcount[b] == 1)
 
 
-def table_buckets(max_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The compiled widths of a step's block table (blocks read per row): from ceil(MIN_READ /
-    block_size) blocks up, the powers of two (4, 8, 16, 32, ...), and max_blocks itself. A step
-    reads every row's blocks up to the width covering the longest row, so on the gather path its
-    cost follows the width, and a row just past a power of two reads up to twice its blocks.
-    Measured on the built-in model, 16 rows, 4 steps per call, CPU (2 shared cores; medians): 7.5,
-    10.1, 14.7, 23.6, 42.1 ms at 4, 8, 16, 32, 64 blocks of 16; the halfway widths this once also
-    compiled (6, 12, 24, 48) ran 9.0, 12.7, 20.0, 30.9 ms, so when the longest row is in one of
-    their ranges (65-96, 129-192, 257-384, 513-768 positions) the step costs 12-36% more. Each
-    width is a compiled variant of every batch bucket's step (one and `steps_per_dispatch` steps,
-    with and without logprobs, grammar-masked: 5 each), all compiled before a decode pod is ready
-    (Engine.warm_steps): with the halfway widths a 16-row pod at max_len 1024 compiled 180 steps
-    (452 s on 2 busy CPU cores, over `tandem local`'s 180 s ready timeout), with powers of two 100
-    (174 s, same machine, less busy). vLLM's TPU runner went further: one table width, its paged
-    kernel reading only each row's own pages (the Pallas kernel here also takes each row's length
-    and skips the blocks past it, so on a TPU the width should cost little: not measured)."""
-    low = max(1, -(-MIN_READ // block_size))
-    out, b = {max_blocks}, 1
-    while b < max_blocks:
-        if b >= low:
-            out.add(b)
-        b <<= 1
-    return tuple(sorted(out))
-
-
 def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype,
                sharding: NamedSharding | None = None):
     """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, block_size, hd]
@@ -170,25 +144,35 @@ READ_CHUNK = 128  # positions per piece of a step's attention (gathered, then re
 
 
 def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, window: int = 0,
-                    sinks: jax.Array | None = None, shared_table: bool = False):
+                    sinks: jax.Array | None = None, shared_table: bool = False,
+                    lengths: jax.Array | None = None):
     """Decode attention of one layer through block tables (the gather path).
 
     q [rows, 1, H, hd]; k_layer, v_layer [KV, num_blocks, B, hd] (one layer of the pool); table
     int32 [rows, nb]: row r's positions [j * B, (j + 1) * B) sit in block table[r, j]; positions
-    [rows]: row r attends to its positions <= positions[r] (and > positions[r] - window). The
-    table's columns are read in pieces of READ_CHUNK positions: each piece's blocks gathered
-    ([KV, rows, piece, hd], one contiguous B * hd row per block), scored and folded into an
-    online softmax in float32 (soft-capped by `_scores`; started from the sink logit where the
-    family has one). In pieces because one gather of every row's whole table outgrew the CPU's
-    caches: on the built-in model at 32 rows, 384 positions a row cost 13 ms a step where the
-    slot layout's blocks (read in place) cost 6. `shared_table`: every row reads table[0] (the
-    rows are positions of one sequence: a chunk of a prompt, prefix_pool.py), gathered once for
-    all of them. Returns [rows, 1, H * hd] in q's dtype."""
+    [rows]: row r attends to its positions <= positions[r] (and > positions[r] - window).
+    `lengths` [rows] (optional): positions[r] + 1 for a row in use, 0 for a free row; it bounds
+    what is read (below). The table's columns are read in pieces of READ_CHUNK positions by a
+    `fori_loop` whose bounds are traced: from the first piece any used row's window reaches to
+    the piece holding the longest used row's last position, so a step reads the blocks in use and
+    not the table's width (one compiled width serves every length: the step no longer compiles a
+    variant per table width). Each piece's blocks are gathered ([KV, rows, piece, hd], one
+    contiguous B * hd row per block), scored and folded into an online softmax in float32
+    (soft-capped by `_scores`; started from the sink logit where the family has one). In pieces
+    because one gather of every row's whole table outgrew the CPU's caches: on the built-in model
+    at 32 rows, 384 positions a row cost 13 ms a step where the slot layout's blocks (read in
+    place) cost 6. `shared_table`: every row reads table[0] (the rows are positions of one
+    sequence: a chunk of a prompt, prefix_pool.py), gathered once for all of them. Returns
+    [rows, 1, H * hd] in q's dtype."""
     rows = q.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
     groups = cfg.num_heads // kvh
     nb, bs = table.shape[1], k_layer.shape[2]
-    per = max(1, READ_CHUNK // bs)  # blocks per piece
+    per = max(1, min(nb, READ_CHUNK // bs))  # blocks per piece
+    pieces = -(-nb // per)
+    n = per * bs
+    if pieces * per > nb:  # the last piece's missing columns read the null block (masked: past every row)
+        table = jnp.pad(table, ((0, 0), (0, pieces * per - nb)))
     # q as [KV, rows, groups, hd] (small), so both dots batch over (KV, rows) in the gathered
     # arrays' order and XLA transposes neither of them
     qg = jnp.transpose(q.reshape(rows, kvh, groups, hd), (1, 0, 2, 3))
@@ -201,28 +185,38 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
         denom = jnp.ones(shape, jnp.float32)
     acc = jnp.zeros((*shape, hd), jnp.float32)
     win = window or NO_WINDOW
-    for first in range(0, nb, per):
-        cols = table[:1 if shared_table else rows, first:first + per]
-        n = cols.shape[1] * bs
-        flat = cols.reshape(-1)
-        kg = jnp.take(k_rows, flat, axis=1).reshape(kvh, -1, n, hd)  # [KV, rows (1: shared), n, hd]
-        vg = jnp.take(v_rows, flat, axis=1).reshape(kvh, -1, n, hd)
+    used = jnp.ones_like(positions, jnp.bool_) if lengths is None else lengths > 0
+    last = jnp.max(jnp.where(used, positions, 0))
+    hi = jnp.minimum(last // n + 1, pieces)
+    lo = jnp.int32(0)
+    if window:  # a sliding-window layer: nothing before the earliest position any used row's window reaches
+        reach = jnp.min(jnp.where(used, positions - (window - 1), last))
+        lo = jnp.clip(reach // n, 0, hi - 1)
+    src = table[:1] if shared_table else table
+    spec_s = "krgd,ksd->krgs" if shared_table else "krgd,krsd->krgs"
+    spec_o = "krgs,ksd->krgd" if shared_table else "krgs,krsd->krgd"
+
+    def piece(i, carry):
+        m, denom, acc = carry
+        flat = jax.lax.dynamic_slice_in_dim(src, i * per, per, axis=1).reshape(-1)
+        kg = jnp.take(k_rows, flat, axis=1, mode="clip").reshape(kvh, -1, n, hd)  # [KV, rows (1: shared), n, hd]
+        vg = jnp.take(v_rows, flat, axis=1, mode="clip").reshape(kvh, -1, n, hd)
         if shared_table:
             kg, vg = kg[:, 0], vg[:, 0]
         if kg.dtype != q.dtype:  # a pool of another element type (kv_dtype fp8): read in q's
             kg, vg = kg.astype(q.dtype), vg.astype(q.dtype)
-        s = _scores(jnp.einsum("krgd,ksd->krgs" if shared_table else "krgd,krsd->krgs", qg, kg,
-                               preferred_element_type=jnp.float32), cfg)
-        at = first * bs + jnp.arange(n)
+        s = _scores(jnp.einsum(spec_s, qg, kg, preferred_element_type=jnp.float32), cfg)
+        at = i * n + jnp.arange(n)
         ok = (at[None, :] <= positions[:, None]) & (positions[:, None] - at[None, :] < win)
         s = jnp.where(ok[None, :, None, :], s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         denom = alpha * denom + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("krgs,ksd->krgd" if shared_table else "krgs,krsd->krgd",
-                                                  p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
-        m = m_new
+        acc = alpha[..., None] * acc + jnp.einsum(spec_o, p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
+        return m_new, denom, acc
+
+    m, denom, acc = jax.lax.fori_loop(lo, hi, piece, (m, denom, acc))
     out = jnp.transpose(acc / denom[..., None], (1, 0, 2, 3))  # [rows, KV, groups, hd]
     return out.astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd)
 
@@ -238,6 +232,20 @@ def _write_rows(layer, new, at):
     hd = layer.shape[-1]
     flat = layer.reshape(-1, hd).at[at].set(new.reshape(-1, hd).astype(layer.dtype))
     return flat.reshape(layer.shape)
+
+
+def cpu_step_kernel(q_dtype, pool_dtype):
+    """Tandem's CPU kernel for the step's attention (cpu_kernels: the blocks read in place, no
+    gather), or None where it is not built (no compiler, TANDEM_CPU_KERNELS=0: logged once) or
+    cannot read these dtypes (float32 or bfloat16 only: an fp8 pool keeps the gather)."""
+    ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+    if jnp.dtype(q_dtype) not in ok or jnp.dtype(pool_dtype) not in ok:
+        return None
+    if jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16) and jnp.dtype(pool_dtype) != jnp.dtype(jnp.bfloat16):
+        return None
+    if jax.default_backend() != "cpu":  # a TPU host compiles for its chips (and ships no compiler)
+        return None
+    return paged_attention_kernel()
 
 
 @lru_cache(maxsize=None)
@@ -331,14 +339,26 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
     at = (jnp.arange(kvh)[None, :] * (blocks * bs) + flat[:, None]).reshape(-1)
     k_layer, v_layer = _write_rows(k_layer, k, at), _write_rows(v_layer, v, at)
     gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=window,
-                     sinks=sinks if has_sinks else None, shared_table=shared_table)
+                     sinks=sinks if has_sinks else None, shared_table=shared_table,
+                     lengths=None if shared_table else lengths)
+    cpu = gather
+    native = None if shared_table else cpu_step_kernel(jnp.dtype(q.dtype), jnp.dtype(k_layer.dtype))
+    if native is not None:  # a CPU compile reads the blocks in place (cpu_kernels), no gather
+
+        def cpu(q, k_layer, v_layer):
+            out = native(q[:, 0], k_layer, v_layer, table, write_pos, lengths, sinks if has_sinks else None,
+                         scale=cfg.query_scale or 1.0 / math.sqrt(cfg.head_dim), softcap=cfg.attn_softcap or 0.0,
+                         window=window)
+            return out.astype(q.dtype).reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
+
     kernel = step_kernel(cfg, jnp.dtype(k_layer.dtype))
     if kernel is None:
-        return gather(q, k_layer, v_layer), k_layer, v_layer
+        attn = jax.lax.platform_dependent(q, k_layer, v_layer, cpu=cpu, default=gather)
+        return attn, k_layer, v_layer
 
     def pallas(q, k_layer, v_layer):
         out = kernel(q[:, 0], k_layer, v_layer, lengths, table)  # [rows, H, hd]
         return out.reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
 
-    attn = jax.lax.platform_dependent(q, k_layer, v_layer, tpu=pallas, default=gather)
+    attn = jax.lax.platform_dependent(q, k_layer, v_layer, tpu=pallas, cpu=cpu, default=gather)
     return attn, k_layer, v_layer

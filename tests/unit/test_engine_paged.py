@@ -4,8 +4,8 @@ reserve grants the oldest rows first and names the rest, free gives the blocks b
 blocks carry no old KV into a new sequence).
 
 Blocks of 4 positions here, so prompts of 13 and 40 tokens span 4 and 10 blocks, decode crosses
-a block boundary every 4 steps, and the step's table width (paged.table_buckets: 16 and 32
-blocks at max_len 128) changes as the longest row passes 64 positions.
+a block boundary every 4 steps; the step's table is every row's whole table (one compiled width),
+read up to the longest row's blocks.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from tandem_core.errors import AdmissionRejected, OutOfKVBlocks
 from tandem_core.types import SamplingParams
 from tandem_engine import load_engine
-from tandem_engine.paged import NULL_BLOCK, BlockAllocator, table_buckets
+from tandem_engine.paged import NULL_BLOCK, BlockAllocator
 
 GREEDY = SamplingParams()
 BLOCK = 4
@@ -179,7 +179,7 @@ def test_bad_options_are_refused():
         load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_blocks=8)
 
 
-def test_allocator_refcounts_and_table_buckets():
+def test_allocator_refcounts():
     pool = BlockAllocator(4)
     ids = pool.alloc(3)
     assert ids == [1, 2, 3] and NULL_BLOCK not in ids and pool.free_count() == 1
@@ -192,8 +192,6 @@ def test_allocator_refcounts_and_table_buckets():
     assert pool.free_count() == 4
     with pytest.raises(ValueError, match="released twice"):
         pool.release([1])
-    assert table_buckets(32, 4) == (16, 32) and table_buckets(64, 16) == (4, 8, 16, 32, 64)
-    assert table_buckets(3, 16) == (3,) and table_buckets(100, 16) == (4, 8, 16, 32, 64, 100)
 
 
 def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
@@ -205,26 +203,25 @@ def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
 
 def test_warmup_compiles_every_step_variant_a_decode_then_runs():
     """What a paged decode pod warms (no prefill; logprobs and grammar-masked variants too) is every
-    step it runs later: a row growing through every table width (paged.table_buckets, the widths
-    the step picks from), one step and steps_per_dispatch of them, with logprobs and masked,
-    compiles no new step (generate_core's compiled variants stay as many)."""
+    step it runs later: a row growing from 4 blocks to 10 of the table's 16 (one table width: the
+    step reads the blocks in use through a loop with traced bounds, paged.paged_attention), one step
+    and steps_per_dispatch of them, with logprobs and masked, compiles no new step (generate_core's
+    compiled variants stay as many), and the pod compiles one width per variant, not one per width."""
     from tandem_engine.cores import generate_core
 
     engine = load_engine("tiny", slots=2, max_len=256, prefill_buckets=(64,), kv_layout="paged", kv_block_size=16,
                          steps_per_dispatch=2)
-    widths = table_buckets(engine.max_blocks_per_seq, engine.kv_block_size)
-    assert widths == (4, 8, 16)
-    assert {w for _, w, *_ in engine.warm_steps(True, True)} == set(widths)
+    assert {w for _, w, *_ in engine.warm_steps(True, True)} == {engine.max_blocks_per_seq} == {16}
     done = []
     n = engine.warmup(prefill=False, logprobs=True, masks=True, progress=lambda *a: done.append(a))
-    assert n == len(engine.batch_buckets) * len(widths) * 5 == len(done) and done[-1][:2] == (n, n)
+    assert n == len(engine.batch_buckets) * 5 == len(done) and done[-1][:2] == (n, n)
     compiled = generate_core._cache_size()
     state = engine.init_state()
     prompt = list(range(3, 60))  # 57 positions: 4 blocks, the narrowest width
     state = engine.insert(engine.prefill(prompt, GREEDY), state, 0, GREEDY)
     ones = np.full((1, (engine.info.vocab_size + 31) // 32), -1, np.int32)  # a mask allowing every token
     pos = len(prompt)
-    while pos < 160:  # past 64 positions (width 8) and 128 (width 16)
+    while pos < 160:  # past 64 and 128 positions: more pieces of the step's read loop
         for kw in ({"steps": 2}, {"steps": 2, "logprobs": True}, {}, {"logprobs": True}, {"masks": ones}):
             state, short = engine.reserve(state, kw.get("steps", 1))
             assert short == []

@@ -344,7 +344,7 @@ def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monke
             params, tokens, positions, k_pool, v_pool, jnp.asarray(table), active=active)
 
     want_logits, want_k, want_v = step()
-    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, tpu, default: tpu(*args))
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, tpu, **_: tpu(*args))
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got_logits, got_k, got_v = step()
     # layer 0's new K/V come before any attention: the same bits; layer 1's follow layer 0's output
