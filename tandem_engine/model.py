@@ -24,16 +24,15 @@ quantize.linear / expert_in / expert_out / ragged, which read either form.
 Layers differ only in data the scan carries beside their weights (`LayerConsts`: each layer's
 RoPE frequencies and window), so one scanned body serves Gemma 3's local and global layers alike.
 
-Three forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
+The forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
 same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
-cached prefix's KV), `decode_forward` (one token per slot against the slot cache) and
-`reference_forward` (plain full recompute, no cache, a Python loop over layers) which tests use
-beside transformers as ground truth for the other two.
+cached prefix's KV) and `decode_forward` (one token per slot against the slot cache;
+`decode_forward_blocked` over the CPU-blocked cache, paged.py's over the paged pool). The plain
+full recompute tests use beside transformers as ground truth is reference.py.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -44,7 +43,7 @@ from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
 __all__ = ["ModelConfig", "config_from_info", "decode_forward", "decode_forward_blocked", "prefill_batch_forward",
            "prefill_forward", "prefill_logits_all",
-           "prefill_suffix_forward", "reference_forward", "reference_greedy", "split_layers", "blocked_cache",
+           "prefill_suffix_forward", "split_layers", "blocked_cache",
            "kv_slot_groups"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
@@ -899,60 +898,3 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
         out_k.append(tuple(group_k) if grouped else group_k[0])
         out_v.append(tuple(group_v) if grouped else group_v[0])
     return logits_from_hidden(params, x[:, 0], cfg), tuple(out_k), tuple(out_v)
-
-
-# ---------------------------------------------------------------------------------------------
-# reference: the plainest possible full recompute
-
-
-def reference_forward(params: dict, tokens, cfg: ModelConfig) -> jax.Array:
-    """Logits [T, vocab] for every position of `tokens` [T]: no cache, no scan, no grouping
-    (K/V heads are repeated as HF does). Ground truth for tests; not used when serving."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    t = tokens.shape[0]
-    positions = jnp.arange(t)
-    x = embed(params, tokens, cfg)  # [T, d]
-    groups = cfg.num_heads // cfg.num_kv_heads
-    consts = layer_consts(cfg)
-    for i in range(cfg.num_layers):
-        lp = jax.tree.map(lambda w: w[i], params["layers"])
-        lc = jax.tree.map(lambda c: c[i], consts)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions, lc, cfg)  # [T, heads, hd]
-        k = jnp.repeat(k, groups, axis=1)
-        v = jnp.repeat(v, groups, axis=1)
-        scores = _scores(jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)), cfg)
-        allowed = _window_mask(positions[:, None], positions[None, :], lc.window)
-        scores = jnp.where(allowed[None], scores, -jnp.inf)
-        if cfg.sinks:
-            sink = jnp.broadcast_to(lp["sinks"].astype(jnp.float32)[:, None, None], (cfg.num_heads, t, 1))
-            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        else:
-            probs = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(x.dtype)
-        x = _ffn(_attn_out(x, attn.reshape(t, -1), lp, cfg), lp, cfg)
-    return logits_from_hidden(params, x, cfg)
-
-
-@partial(jax.jit, static_argnames=("cfg",))
-def _reference_logits_at(params, tokens, index, cfg: ModelConfig):
-    return reference_forward(params, tokens, cfg)[index]
-
-
-def reference_greedy(params: dict, cfg: ModelConfig, prompt_ids, num_tokens: int,
-                     pad_to: int = 128) -> list[int]:
-    """Greedy tokens by full recompute of the growing sequence (the single-process reference run).
-
-    The sequence is zero-padded to `pad_to` (one compile; the causal mask keeps padding out of the
-    real positions), so len(prompt_ids) + num_tokens must be <= pad_to.
-    """
-    ids = [int(t) for t in prompt_ids]
-    if len(ids) + num_tokens > pad_to:
-        raise ValueError(f"prompt {len(ids)} + {num_tokens} tokens exceeds pad_to {pad_to}")
-    out = []
-    for _ in range(num_tokens):
-        padded = jnp.zeros((pad_to,), jnp.int32).at[: len(ids)].set(jnp.asarray(ids, jnp.int32))
-        logits = _reference_logits_at(params, padded, len(ids) - 1, cfg=cfg)
-        out.append(int(jnp.argmax(logits)))
-        ids.append(out[-1])
-    return out

@@ -23,7 +23,8 @@ from pydantic import ValidationError
 
 from tandem_core.types import SamplingParams
 from tandem_engine import config_from_info, load_engine, reference_forward
-from tandem_engine.model import prefill_logits_all, reference_greedy
+from tandem_engine.model import prefill_logits_all
+from tandem_engine.reference import reference_greedy
 from tandem_engine.quantize import QUANTIZED, dequantize, quantize_int8, quantize_params, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
