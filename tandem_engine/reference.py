@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from tandem_engine.arch import ModelConfig
-from tandem_engine.model import (_attn_out, _ffn, _qkv, _scores, _window_mask, embed, layer_consts, logits_from_hidden,
-                                 rms_norm)
+from tandem_engine.model import _scores, _window_mask, decoder_layer, embed, layer_loop, logits_from_hidden
 
 __all__ = ["reference_forward", "reference_greedy"]
 
@@ -23,24 +22,23 @@ def reference_forward(params: dict, tokens, cfg: ModelConfig) -> jax.Array:
     positions = jnp.arange(t)
     x = embed(params, tokens, cfg)  # [T, d]
     groups = cfg.num_heads // cfg.num_kv_heads
-    consts = layer_consts(cfg)
-    for i in range(cfg.num_layers):
-        lp = jax.tree.map(lambda w: w[i], params["layers"])
-        lc = jax.tree.map(lambda c: c[i], consts)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions, lc, cfg)  # [T, heads, hd]
-        k = jnp.repeat(k, groups, axis=1)
-        v = jnp.repeat(v, groups, axis=1)
-        scores = _scores(jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)), cfg)
-        allowed = _window_mask(positions[:, None], positions[None, :], lc.window)
-        scores = jnp.where(allowed[None], scores, -jnp.inf)
-        if cfg.sinks:
-            sink = jnp.broadcast_to(lp["sinks"].astype(jnp.float32)[:, None, None], (cfg.num_heads, t, 1))
-            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        else:
-            probs = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(x.dtype)
-        x = _ffn(_attn_out(x, attn.reshape(t, -1), lp, cfg), lp, cfg)
+    for _, lp, lc in layer_loop(params, cfg):
+
+        def attention(q, k, v, sinks, lc=lc):  # [T, heads, hd]: K/V heads repeated, every score kept
+            k = jnp.repeat(k, groups, axis=1)
+            v = jnp.repeat(v, groups, axis=1)
+            scores = _scores(jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)), cfg)
+            allowed = _window_mask(positions[:, None], positions[None, :], lc.window)
+            scores = jnp.where(allowed[None], scores, -jnp.inf)
+            if sinks is not None:
+                sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (cfg.num_heads, t, 1))
+                probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+            else:
+                probs = jax.nn.softmax(scores, axis=-1)
+            attn = jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(x.dtype)
+            return attn.reshape(t, -1), None
+
+        x, _ = decoder_layer(x, lp, lc, positions, cfg, attention)
     return logits_from_hidden(params, x, cfg)
 
 
