@@ -254,7 +254,7 @@ def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
     # said where it matters (a TPU backend); a CPU pod (a prefill pod's device prefix cache) runs the gather path
     (log.info if jax.default_backend() == "tpu" else log.debug)(
         "paged decode step: the Pallas kernel where compiled for a TPU, the gather path elsewhere")
-    return PagedAttention(cfg, "pallas", "TPU, and the family needs nothing the kernel lacks")
+    return PagedAttention(cfg)
 
 
 def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
