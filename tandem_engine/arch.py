@@ -56,6 +56,9 @@ class ModelConfig(NamedTuple):
     swiglu_limit: float = 7.0
     # how the experts run (not the architecture: the engine picks it for the platform it runs on)
     moe_impl: str = "ragged"  # ragged: grouped matmuls (ragged_dot) | dense: every expert, weighted
+    # trace the layer loop unrolled: aot.py's cost-accounting compiles of a 1- and 2-layer model (the
+    # compiler counts a scanned body once, whatever its trip count); serving keeps the scan
+    unroll_layers: bool = False
 
     @property
     def moe(self) -> bool:

@@ -382,6 +382,11 @@ def _ffn(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     return x + h
 
 
+def _unroll(cfg: ModelConfig) -> int | bool:
+    """The layer scan's unroll: 1 (a loop) when serving, True (every layer) where aot.py counts costs."""
+    return True if cfg.unroll_layers else 1
+
+
 def _sinks(lp: dict, cfg: ModelConfig):
     return lp["sinks"] if cfg.sinks else None
 
@@ -473,7 +478,7 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
 
         return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked), unroll=_unroll(cfg))
     return x, ks, vs
 
 
@@ -521,7 +526,8 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
 
         return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked, k_buf, v_buf))
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked, k_buf, v_buf),
+                                unroll=_unroll(cfg))
     last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), ks, vs
 
@@ -679,7 +685,8 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
         x, (kc, vc) = decoder_layer(x, lp, lc, positions[:, None], cfg, attention)
         return (x, kc, vc), None
 
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)))
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)),
+                                            unroll=_unroll(cfg))
     return logits_from_hidden(params, x[:, 0], cfg), k_cache, v_cache
 
 
