@@ -6,8 +6,9 @@ A family's output format is data here, not branches through the gateway:
   `--tool-call-parser hermes|mistral|openai`) to its parser class;
 - `detect` picks the names: the gateway settings `reasoning_parser` / `tool_call_parser` when
   they are not "auto", else the markers the chat template writes (`<|channel|>`: harmony;
-  `[TOOL_CALLS]`: Mistral; `<tool_call>`: Hermes; `<think>`: think tags), else config.json's
-  `model_type` (`FAMILY_DEFAULTS`), else Hermes without reasoning (the default template's format);
+  `[TOOL_CALLS]`: Mistral; `<tool_call>`: Hermes; `<think>`: think tags), else the parsers of
+  config.json's `model_type`'s family (the family table, tandem_core/families.py), else Hermes
+  without reasoning (the default template's format);
 - `ChatFormat` holds the choice for the service; per request it gives the `OutputSpec` the
   stream's formatter reads (stored with a resumable stream, so a resume parses alike), whether
   the output must be decoded with special tokens kept (Mistral's and gpt-oss's markers are
@@ -33,6 +34,7 @@ from gateway.reasoning import ThinkTags, opened_in
 from gateway.toolparse import MistralCalls, ToolCallStream
 from gateway.tools import CallSyntax
 from tandem_core.errors import TandemError
+from tandem_core.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +51,6 @@ STOP_MARKERS = {"openai_gptoss": ("<|return|>", "<|call|>")}
 TEMPLATE_MARKERS = (("<|channel|>", "openai", "openai_gptoss"), ("[TOOL_CALLS]", "mistral", None),
                     ("<tool_call>", "hermes", None))
 THINK_MARKER = "<think>"
-# config.json model_type -> (tool parser, reasoning parser) when the template says nothing.
-FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
-    "qwen2": ("hermes", None), "qwen2_moe": ("hermes", None), "qwen3": ("hermes", "qwen3"),
-    "qwen3_moe": ("hermes", "qwen3"), "mistral": ("mistral", None), "mixtral": ("mistral", None),
-    "gpt_oss": ("openai", "openai_gptoss"),
-}
 AUTO, NONE = "auto", "none"
 
 
@@ -142,7 +138,8 @@ def model_type(path: str | None) -> str:
 
 def detect(template: str | None, family: str, reasoning: str = AUTO, tool_parser: str = AUTO) -> tuple[str, str]:
     """(tool parser, reasoning parser or "") from the settings, the template's markers, the family."""
-    fam_tools, fam_reasoning = FAMILY_DEFAULTS.get(family, ("hermes", None))
+    fam = family_of(family)
+    fam_tools, fam_reasoning = (fam.tool_parser, fam.reasoning_parser) if fam else ("hermes", None)
     if template:
         pick = next(((t, r) for m, t, r in TEMPLATE_MARKERS if m in template), None)
         auto_tools = pick[0] if pick else fam_tools

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem_core.errors import ModelNotFound
+from tandem_core.families import MODEL_TYPES
 
 BYTE_VOCAB = 256  # byte-level tokenizer: ids 0..255 are bytes
 BYTE_BOS = 256
@@ -108,15 +109,6 @@ def resolve_model(name_or_path: str) -> ModelInfo:
         raise ModelNotFound(f"{cfg_file}: cannot be read as a model config ({e})") from None
 
 
-# model_type (config.json) -> the family the engine serves it as (tandem_engine/arch.py maps each
-# to what it changes; tests/unit/test_engine_families.py builds one checkpoint of each)
-SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "mixtral": "mixtral",
-    "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
-}
-
-
 def text_config(cfg: dict) -> dict:
     """The language model's part of a config.json: a multimodal checkpoint (Gemma 3's
     `Gemma3ForConditionalGeneration`) nests it under `text_config`."""
@@ -136,10 +128,10 @@ def text_config(cfg: dict) -> dict:
 def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     model_type = cfg.get("model_type", "llama" if "Llama" in arch else None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in MODEL_TYPES:  # the family table (tandem_core/families.py)
         raise ModelNotFound(
             f"{path}: model_type {model_type!r} ({arch}) is not a family this engine serves; "
-            f"served: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+            f"served: {', '.join(sorted(MODEL_TYPES))}"
         )
     raw = cfg
     cfg = text_config(cfg)
@@ -166,7 +158,7 @@ def _from_hf_config(path: Path, cfg: dict) -> ModelInfo:
         eos_token_ids=eos_ids,
         path=str(path.resolve()),
         tokenizer=tok,
-        extra={"rope_scaling": _rope(cfg)[1], "hf_config": cfg, "family": SUPPORTED_MODEL_TYPES[model_type]},
+        extra={"rope_scaling": _rope(cfg)[1], "hf_config": cfg, "family": MODEL_TYPES[str(model_type)]},
     )
 
 

@@ -9,7 +9,8 @@ N chips by attention head and MLP unit, or whole experts (sharding.py). It impor
 from tandem_engine.engine import DEFAULT_BUCKETS, DecodeState, Engine, PrefillCall, Prefix
 from tandem_engine.loading import load_engine
 from tandem_engine.logits import PACKED_WIDTH, unpack_logprobs, unpack_tokens
-from tandem_engine.model import ModelConfig, config_from_info, reference_forward, reference_greedy
+from tandem_engine.model import ModelConfig, config_from_info
+from tandem_engine.reference import reference_forward, reference_greedy
 from tandem_engine.sharding import Layout, make_layout
 from tandem_engine.weights import init_params, load_params, save_hf_checkpoint
 

@@ -4,17 +4,18 @@ With `libtpu` installed (the `tpu` extra), JAX describes a TPU topology ("v5e:2x
 compile-only devices, and `jit(f).lower(<ShapeDtypeStructs with NamedShardings over them>)
 .compile()` runs the real TPU compiler on this machine: no TPU, no weights. This module builds an
 Engine over abstract weights (`jax.eval_shape` of `init_params`, placed with the engine's own
-`Layout`), lets the Engine's public methods (`prefill`, `insert`, `generate`) build their real
-arguments, and lowers the jitted core each one calls instead of running it. So what compiles here
-is what a pod runs: the same cores, buckets, shapes and shardings, and a change in any of them
-flows through.
+`Layout`), asks it for the call each serving step makes (`prefill_call`, `prefill_batch_call`,
+`insert_call`, `generate_call`: the jitted core and the arguments its own host code builds, a
+`cores.CoreCall`) and lowers that core with those arguments as shapes with shardings (`lower`)
+instead of running it. So what compiles here is what a pod runs: the same cores, buckets, shapes
+and shardings, and a change in any of them flows through.
 
 Per compiled step it keeps the compiler's memory analysis (per chip: arguments, outputs, aliased
 donations, temporaries) and cost analysis (flops, bytes accessed). The compiler's cost of a `lax.scan` over
 the layers is the body's once, whatever the trip count (measured: the built-in model's 4-layer
 prefill counts the flops of its 1-layer compile, and a 2-layer compile counts them once too), so
 `Compiler.count_layers` takes the cost from a 1-layer and a 2-layer compile of the same step
-traced with every `lax.scan` unrolled (`_unrolled_scans`): one layer costs c2 - c1, the rest
+traced with its layer loop unrolled (`ModelConfig.unroll_layers`): one layer costs c2 - c1, the rest
 2 c1 - c2, and the whole step (2 c1 - c2) + L (c2 - c1). (The full model's scanned compile is no
 substitute for c1: what it does to the whole [L, ...] KV cache outside the body scales with L.) The decode attention's `while_loop` over KV chunks has a
 trip count only known at run time: its body (one chunk of 256 positions) is counted once per
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -36,8 +35,8 @@ from jax.sharding import Mesh
 
 from tandem_core.models import ModelInfo
 from tandem_core.types import SamplingParams
-from tandem_engine import engine_decode, engine_prefill
 from tandem_engine.api import PrefillCall
+from tandem_engine.cores import CoreCall
 from tandem_engine.engine import Engine, Prefix
 from tandem_engine.quantize import quantize_params
 from tandem_engine.sharding import AXIS, Layout, make_layout
@@ -106,11 +105,13 @@ def abstract_params(info: ModelInfo, dtype: str, layout: Layout, quantize: str |
 
 
 def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
-                 prefill_buckets, dtype: str, expert_parallel: bool = False, quantize: str | None = None) -> Engine:
+                 prefill_buckets, dtype: str, expert_parallel: bool = False, quantize: str | None = None,
+                 unroll_layers: bool = False) -> Engine:
     """An Engine for `tp` of `devices` (the first tp) with abstract weights; raises ValueError
     for what a real Engine refuses (tp not dividing the heads, max_len past the model's).
     `expert_parallel`: a mixture of experts splits whole experts across the chips (the layout's
-    option where the engine has it)."""
+    option where the engine has it). `unroll_layers`: its steps trace the layer loop unrolled
+    (the cost-accounting compiles)."""
     if tp > len(devices):
         raise ValueError(f"tp={tp} needs {tp} chips; the topology has {len(devices)}")
     ep = {"expert_parallel": True} if expert_parallel else {}
@@ -122,6 +123,8 @@ def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len
     eng = _AbstractEngine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
                           dtype=dtype, tp=1, platform=devices[0].platform)
     eng.layout = layout
+    if unroll_layers:
+        eng.cfg = eng.cfg._replace(unroll_layers=True)
     return eng
 
 
@@ -144,45 +147,6 @@ def abstract_state(eng: Engine):
 # lowering what the engine calls
 
 
-@contextmanager
-def _unrolled_scans():
-    """While active, every `jax.lax.scan` traced is fully unrolled (the layer loop of a 1- or
-    2-layer model: a few copies of the body), so the compiler counts each layer. Only for the
-    small cost-accounting compiles; the compile whose memory is reported keeps the engine's loop."""
-    real = jax.lax.scan
-
-    def scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kwargs):
-        return real(f, init, xs, length=length, reverse=reverse, unroll=True, **kwargs)
-
-    jax.lax.scan = scan
-    try:
-        yield
-    finally:
-        jax.lax.scan = real
-
-
-class _Captured(Exception):
-    pass
-
-
-@contextmanager
-def _capture(module, name: str):
-    """While active, `module.name` (a jitted core the engine calls) records its arguments and
-    stops the call; the engine's host code before it runs for real."""
-    real = getattr(module, name)
-    calls: list = []
-
-    def record(*args, **kwargs):
-        calls.append((args, kwargs))
-        raise _Captured
-
-    setattr(module, name, record)
-    try:
-        yield real, calls
-    finally:
-        setattr(module, name, real)
-
-
 def _abstract_args(args, replicated):
     """numpy / scalar leaves -> replicated ShapeDtypeStructs; structs stay as they are."""
     def one(x):
@@ -193,21 +157,11 @@ def _abstract_args(args, replicated):
     return jax.tree.map(one, args)
 
 
-def _lower_call(module, name: str, call: Callable[[], Any], replicated):
-    with _capture(module, name) as (real, calls):
-        try:
-            call()
-        except _Captured:
-            pass
-    if not calls:
-        raise RuntimeError(f"the engine did not call {module.__name__}.{name}; tandem_engine/aot.py "
-                           f"needs to follow the engine's change")
-    args, kwargs = calls[0]
-    statics = {k: v for k, v in kwargs.items() if k in ("cfg", "layout", "rows", "logprobs", "steps", "max_len",
-                                                               "table_blocks")}
-    dynamic = {k: v for k, v in kwargs.items() if k not in statics}
-    args, dynamic = _abstract_args((args, dynamic), replicated)
-    return real.lower(*args, **dynamic, **statics)
+def lower(call: CoreCall, replicated):
+    """`call`'s jitted core lowered with its own arguments as shapes: the structs (abstract weights,
+    state, KV) as they are, sharded as the engine places them; host arrays and scalars as
+    replicated structs."""
+    return call.core.lower(*_abstract_args(call.args, replicated), **call.static)
 
 
 @dataclass
@@ -289,7 +243,7 @@ class Compiler:
             return self.engine
         if layers not in self._small:
             small = _first_layers(self.info, layers)
-            self._small[layers] = build_engine(small, self.devices, **self.kw)
+            self._small[layers] = build_engine(small, self.devices, **self.kw, unroll_layers=True)
         return self._small[layers]
 
     def _one(self, kind: str, arg: int, layers: int | None, **opts) -> Step:
@@ -297,25 +251,19 @@ class Compiler:
         rep = eng.layout.replicated()
         t0 = time.perf_counter()
         if kind == "prefill":
-            lowered = _lower_call(engine_prefill, "prefill_core",
-                                  lambda: eng.prefill([0] * arg, SamplingParams()), rep)
+            call = eng.prefill_call([0] * arg, SamplingParams())
         elif kind == "prefill_batch":  # `rows` prompts of bucket `arg` in one pass (a prefill pod's batch)
-            calls = [PrefillCall([0] * arg, SamplingParams())] * int(opts.get("rows", 2))
-            lowered = _lower_call(engine_prefill, "prefill_batch_core", lambda: eng.prefill_batch(calls), rep)
+            call = eng.prefill_batch_call([PrefillCall([0] * arg, SamplingParams())] * int(opts.get("rows", 2)))
         elif kind == "insert":
             c = eng.cfg
             kv = jax.ShapeDtypeStruct((c.num_layers, arg, c.num_kv_heads, c.head_dim), eng._jdtype,
                                       sharding=eng.layout.kv_prefix())
-            state = abstract_state(eng)
-            lowered = _lower_call(engine_decode, "insert_core",
-                                  lambda: eng.insert(Prefix(kv, kv, 1, 0), state, 0, SamplingParams()), rep)
+            call = eng.insert_call(Prefix(kv, kv, 1, 0), abstract_state(eng), 0, SamplingParams())
         elif kind == "generate":
-            state = abstract_state(eng)
-            lowered = _lower_call(engine_decode, "generate_core",
-                                  lambda: eng.generate(state, arg, logprobs=opts.get("logprobs", False)), rep)
+            call = eng.generate_call(abstract_state(eng), arg, logprobs=opts.get("logprobs", False))
         else:
             raise ValueError(kind)
-        return _step(f"{kind}[{arg}]", lowered, t0)
+        return _step(f"{kind}[{arg}]", lower(call, rep), t0)
 
     def step(self, kind: str, arg: int, *, layers: bool = True, **opts) -> Step:
         full = self._one(kind, arg, None, **opts)
@@ -325,8 +273,7 @@ class Compiler:
 
     def count_layers(self, full: Step, kind: str, arg: int, **opts) -> Step:
         """Correct `full` (this engine's compile of `kind`) for the layer loop, in place."""
-        with _unrolled_scans():
-            one, two = self._one(kind, arg, 1, **opts), self._one(kind, arg, 2, **opts)
+        one, two = self._one(kind, arg, 1, **opts), self._one(kind, arg, 2, **opts)  # layers unrolled
         if two.flops <= one.flops:
             raise RuntimeError(f"{full.name}: an unrolled 2-layer compile counted no more flops than a 1-layer "
                                f"one ({two.flops:.3g} <= {one.flops:.3g}): the layer loop was not unrolled, so "

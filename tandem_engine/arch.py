@@ -3,29 +3,15 @@
 What the families the engine serves change is data, not a model per family: `ModelConfig` holds it
 (hashable: a static jit argument, so engines with the same architecture share compiled code), the
 model functions (model.py) read it and never ask which family they run. A family is a row of
-`FAMILY_TRAITS` (what its config.json does not say but its modelling code does) plus what the
-generic reader `config_from_info` takes from config.json itself; its weight names are in weights.py.
-
-| family    | what it changes                                                                     |
-|-----------|-------------------------------------------------------------------------------------|
-| llama     | the baseline: RMSNorm, RoPE (default, linear, llama3), GQA, SwiGLU                   |
-| mistral   | a sliding window on every layer (`sliding_window`)                                   |
-| qwen2     | q/k/v biases; windows on the layers `layer_types` names                              |
-| qwen3     | per-head q/k RMSNorm                                                                 |
-| gemma2    | (1 + w) RMSNorm in float32, embeddings scaled by sqrt(d), GELU-tanh, norms after     |
-|           | attention and MLP, attention and final logit soft-capping, query_pre_attn_scalar,     |
-|           | alternating windows                                                                  |
-| gemma3    | gemma2's, q/k norms, no soft-capping, 5 local : 1 global with a RoPE per layer type  |
-| mixtral   | experts: softmax over all, top-k, renormalised                                       |
-| qwen3_moe | q/k norms; experts with `norm_topk_prob`                                             |
-| gpt_oss   | q/k/v/o biases, attention sinks, YaRN RoPE, alternating windows; experts: top-k of   |
-|           | biased router logits then softmax, biased experts, clamped SwiGLU (alpha, limit)     |
+the family table (tandem_core/families.py: its `traits`, what its config.json does not say but its
+modelling code does) plus what the generic reader `config_from_info` takes from config.json itself.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from tandem_core.errors import ModelNotFound
+from tandem_core.families import FAMILIES
 from tandem_core.models import ModelInfo, rope_for
 
 
@@ -70,6 +56,9 @@ class ModelConfig(NamedTuple):
     swiglu_limit: float = 7.0
     # how the experts run (not the architecture: the engine picks it for the platform it runs on)
     moe_impl: str = "ragged"  # ragged: grouped matmuls (ragged_dot) | dense: every expert, weighted
+    # trace the layer loop unrolled: aot.py's cost-accounting compiles of a 1- and 2-layer model (the
+    # compiler counts a scanned body once, whatever its trip count); serving keeps the scan
+    unroll_layers: bool = False
 
     @property
     def moe(self) -> bool:
@@ -78,22 +67,6 @@ class ModelConfig(NamedTuple):
     def window(self, layer: int) -> int:
         return int(self.windows[layer]) if self.windows else 0
 
-
-# What each family's modelling code does that its config.json does not say. Everything else comes
-# from the config itself (`config_from_info`).
-FAMILY_TRAITS: dict[str, dict] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": dict(qkv_bias=True),
-    "qwen3": dict(qk_norm=True),
-    "gemma2": dict(norm_offset=1.0, norm_f32_weight=True, sandwich_norms=True, embed_scale="sqrt_d"),
-    "gemma3": dict(qk_norm=True, norm_offset=1.0, norm_f32_weight=True, sandwich_norms=True,
-                   embed_scale="sqrt_d"),
-    "mixtral": dict(router="softmax_topk", norm_topk_prob=True),
-    "qwen3_moe": dict(qk_norm=True, router="softmax_topk"),
-    "gpt_oss": dict(sinks=True, norm_f32_weight=True, router="topk_softmax", router_bias=True,
-                    expert_bias=True, expert_act="swiglu_clamped"),
-}
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
          "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -160,7 +133,7 @@ def config_from_info(info: ModelInfo) -> ModelConfig:
     if not hf:
         return ModelConfig(**base)
     family = extra.get("family", "llama")
-    traits = dict(FAMILY_TRAITS[family])
+    traits = dict(FAMILIES[family].traits)
     if traits.get("embed_scale") == "sqrt_d":
         traits["embed_scale"] = float(info.hidden_size) ** 0.5
     act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"

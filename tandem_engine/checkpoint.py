@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from tandem_core.errors import ModelNotFound
+from tandem_core.families import FAMILIES
 from tandem_core.models import ModelInfo
 
 QUANT_METHODS = ("fp8", "mxfp4")  # dequantized at load; anything else is refused at start
@@ -43,13 +44,6 @@ ATTN = {
 }
 QKV_BIAS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
 DENSE = {"w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
-# experts stored one module per expert: (router, gate, up, down) under the layer
-PER_EXPERT = {
-    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.w1.weight",
-                "block_sparse_moe.experts.{j}.w3.weight", "block_sparse_moe.experts.{j}.w2.weight"),
-    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight",
-                  "mlp.experts.{j}.down_proj.weight"),
-}
 # safetensors dtype names -> numpy (ml_dtypes for the ones numpy lacks)
 ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -421,27 +415,29 @@ def leaf_sources(info: ModelInfo, cfg, shapes: dict[str, tuple[int, ...]], r: Re
             _layered(r, [pre(i) + name for i in range(L)], _swap(per) if transposed else per))
     if cfg.moe:
         e, (_, dd, f) = cfg.num_experts, shapes["we_gate"]
-        if family == "gpt_oss":  # experts fused in one tensor, gate and up interleaved on the last axis
-            gu = _layered(r, [pre(i) + "mlp.experts.gate_up_proj" for i in range(L)], (e, dd, 2 * f))
-            gub = _layered(r, [pre(i) + "mlp.experts.gate_up_proj_bias" for i in range(L)], (e, 2 * f))
-            add(("layers", "router"), (L, dd, e), True, True,
-                _layered(r, [pre(i) + "mlp.router.weight" for i in range(L)], (e, dd)))
+        names = FAMILIES[family].experts
+        if names is None:
+            raise ModelNotFound(f"{r.path}: the {family} family has no experts, but its config.json names some")
+        add(("layers", "router"), (L, dd, e), True, True,
+            _layered(r, [pre(i) + names.router for i in range(L)], (e, dd)))
+        if names.fused:  # all experts in one tensor, gate and up interleaved on the last axis
+            gu = _layered(r, [pre(i) + names.gate for i in range(L)], (e, dd, 2 * f))
+            gub = _layered(r, [pre(i) + names.gate + "_bias" for i in range(L)], (e, 2 * f))
+            router_bias = names.router[: -len("weight")] + "bias"
             add(("layers", "router_bias"), (L, e), True, False,
-                _layered(r, [pre(i) + "mlp.router.bias" for i in range(L)], (e,)))
+                _layered(r, [pre(i) + router_bias for i in range(L)], (e,)))
             add(("layers", "we_gate"), (L, e, dd, f), True, False, (_interleaved(gu[0], 0), gu[1] // 2))
             add(("layers", "we_up"), (L, e, dd, f), True, False, (_interleaved(gu[0], 1), gu[1] // 2))
             add(("layers", "we_down"), (L, e, f, dd), True, False,
-                _layered(r, [pre(i) + "mlp.experts.down_proj" for i in range(L)], (e, f, dd)))
+                _layered(r, [pre(i) + names.down for i in range(L)], (e, f, dd)))
             add(("layers", "be_gate"), (L, e, f), True, False, (_interleaved(gub[0], 0), gub[1] // 2))
             add(("layers", "be_up"), (L, e, f), True, False, (_interleaved(gub[0], 1), gub[1] // 2))
             add(("layers", "be_down"), (L, e, dd), True, False,
-                _layered(r, [pre(i) + "mlp.experts.down_proj_bias" for i in range(L)], (e, dd)))
-        else:
-            router, gate, up, down = PER_EXPERT[family]
-            add(("layers", "router"), (L, dd, e), True, True, _layered(r, [pre(i) + router for i in range(L)], (e, dd)))
-            add(("layers", "we_gate"), (L, e, dd, f), True, True, _per_expert(r, gate, pre, L, e, (e, f, dd)))
-            add(("layers", "we_up"), (L, e, dd, f), True, True, _per_expert(r, up, pre, L, e, (e, f, dd)))
-            add(("layers", "we_down"), (L, e, f, dd), True, True, _per_expert(r, down, pre, L, e, (e, dd, f)))
+                _layered(r, [pre(i) + names.down + "_bias" for i in range(L)], (e, dd)))
+        else:  # one module per expert
+            add(("layers", "we_gate"), (L, e, dd, f), True, True, _per_expert(r, names.gate, pre, L, e, (e, f, dd)))
+            add(("layers", "we_up"), (L, e, dd, f), True, True, _per_expert(r, names.up, pre, L, e, (e, f, dd)))
+            add(("layers", "we_down"), (L, e, f, dd), True, True, _per_expert(r, names.down, pre, L, e, (e, dd, f)))
     left = [n for n in r.t.left() if not n.endswith(("weight_scale_inv", "_scales"))
             and not n.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                                   "model.multi_modal_projector."))]

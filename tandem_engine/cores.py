@@ -14,7 +14,7 @@ No I/O, no host state here.
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,19 @@ from tandem_engine.model import (ModelConfig, decode_forward, decode_forward_blo
 from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
+
+
+class CoreCall(NamedTuple):
+    """One call of a jitted core with the arguments the Engine's host code built for it: the
+    Engine runs it (`call()`); aot.py lowers `core` with the same arguments as shapes, for chips
+    that are not here."""
+
+    core: Any  # a jitted function of this module
+    args: tuple  # its positional (traced) arguments
+    static: dict  # its static keyword arguments
+
+    def __call__(self):
+        return self.core(*self.args, **self.static)
 
 
 class DecodeState(NamedTuple):

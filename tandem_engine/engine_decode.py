@@ -16,7 +16,7 @@ import numpy as np
 from tandem_core.errors import OutOfKVBlocks, PromptTooLong
 from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
-from tandem_engine.cores import (DecodeState, free_core, generate_core, insert_blocks_core, insert_core,
+from tandem_engine.cores import (CoreCall, DecodeState, free_core, generate_core, insert_blocks_core, insert_core,
                                 insert_paged_core, pack_insert)
 from tandem_engine.block_cache import PrefixMatch
 from tandem_engine.engine_base import EngineBase
@@ -91,13 +91,30 @@ class DecodeSide(EngineBase):
         repetition sees all of it, presence/frequency count history[output_from:] (the output so
         far; default none) plus the first token. None: nothing seen but the first token."""
         self._check_slot(slot)
+        k, v = self._prefix_kv(prefix, state)
+        return self._insert(state, k, v, slot, prefix.true_length, prefix.first_token, sampling, first_token,
+                            history, output_from, start_index, stop_ids)
+
+    def insert_call(self, prefix: Prefix, state: DecodeState, slot: int, sampling: SamplingParams) -> CoreCall:
+        """The one jitted call `insert(prefix, state, slot, sampling)` makes, with its arguments
+        (aot.py lowers it). Paged: the row takes its blocks here, as `insert` does (run the call, or
+        free the slot). The CPU-blocked insert is several calls: ValueError."""
+        self._check_slot(slot)
+        k, v = self._prefix_kv(prefix, state)
+        length = k.shape[1]
+        args = self._insert_args(length, slot, prefix.true_length, prefix.first_token, sampling, None, None, None,
+                                 0, ())
+        if isinstance(state.k, tuple) and self.kv_layout != "paged":
+            raise ValueError("a blocked cache's insert is one call per slot group's blocks: no one CoreCall")
+        return self._insert_call(state, k, v, int(slot), length, int(prefix.true_length), args)
+
+    def _prefix_kv(self, prefix: Prefix, state: DecodeState):
         k, v = prefix.k, prefix.v
         if self.layout is not None:  # a prefix from an engine on other chips moves here first
             k, v = self._place_kv(k), self._place_kv(v)
         elif isinstance(k, jax.Array) and len(k.devices()) > 1:  # a sharded prefix handed to an unsharded engine
             k, v = jax.device_put(k, state.positions.sharding), jax.device_put(v, state.positions.sharding)
-        return self._insert(state, k, v, slot, prefix.true_length, prefix.first_token, sampling, first_token,
-                            history, output_from, start_index, stop_ids)
+        return k, v
 
     def insert_payload(self, payload: KVPayload, state: DecodeState, slot: int, sampling: SamplingParams, *,
                        first_token: int | None = None, history: Sequence[int] | None = None,
@@ -165,6 +182,25 @@ class DecodeSide(EngineBase):
                 cached: PrefixMatch | None = None) -> DecodeState:
         """k, v [L, length, KV, hd] (device arrays, or host arrays on one device) into `slot`."""
         length = k.shape[1]
+        args = self._insert_args(length, slot, true_length, prefix_first, sampling, first_token, history,
+                                 output_from, start_index, stop_ids)
+        if isinstance(state.k, tuple) and self.kv_layout != "paged":  # blocked: only the blocks the rows fall in
+            self._occupy(int(slot))
+            return self._insert_blocks(state, k, v, int(slot), length,
+                                       lambda local: pack_insert(slot, local, *args[1:]))
+        return self._insert_call(state, k, v, int(slot), length, int(true_length), args, cached)()
+
+    def _insert_call(self, state: DecodeState, k, v, slot: int, length: int, true_length: int, args: tuple,
+                     cached: PrefixMatch | None = None) -> CoreCall:
+        if self.kv_layout == "paged":
+            return self._insert_paged(state, k, v, slot, length, true_length, args, cached)
+        self._occupy(slot)
+        return CoreCall(insert_core, (state, k, v, *args), dict(layout=self.layout))
+
+    def _insert_args(self, length: int, slot: int, true_length: int, prefix_first: int, sampling: SamplingParams,
+                     first_token: int | None, history: Sequence[int] | None, output_from: int | None,
+                     start_index: int, stop_ids: Sequence[int]) -> tuple:
+        """insert_core's arguments after (state, k, v), checked: a prefix of `length` positions."""
         if length > self.max_len:
             raise PromptTooLong(f"prefix has {length} positions; this engine's max_len is {self.max_len}")
         first = int(prefix_first if first_token is None else first_token)
@@ -174,19 +210,9 @@ class DecodeSide(EngineBase):
         proc = slot_logits(sampling, self.info.vocab_size, stop_ids)
         hist_ids, hist_len, out_from = history_arrays(history, output_from, true_length, length,
                                                       self.info.vocab_size)
-        if self.kv_layout == "paged":
-            return self._insert_paged(state, k, v, int(slot), length, int(true_length), (
-                np.int32(slot), np.int32(true_length), np.int32(first), np.int32(int(start_index) + 1),
+        return (np.int32(slot), np.int32(true_length), np.int32(first), np.int32(int(start_index) + 1),
                 s["temperature"], s["top_k"], s["top_p"], s["seed"], hist_ids, np.int32(hist_len),
-                np.int32(out_from), proc), cached)
-        self._occupy(int(slot))
-        if isinstance(state.k, tuple):  # a blocked cache: only the blocks the prefix's rows fall in
-            return self._insert_blocks(state, k, v, int(slot), length, lambda local: pack_insert(
-                slot, local, true_length, first, int(start_index) + 1, s["temperature"], s["top_k"], s["top_p"],
-                s["seed"], hist_ids, hist_len, out_from, proc))
-        return insert_core(state, k, v, np.int32(slot), np.int32(true_length), np.int32(first),
-                           np.int32(int(start_index) + 1), s["temperature"], s["top_k"], s["top_p"], s["seed"],
-                           hist_ids, np.int32(hist_len), np.int32(out_from), proc, layout=self.layout)
+                np.int32(out_from), proc)
 
     def _occupy(self, slot: int) -> None:
         self._occupied[slot] = True
@@ -194,10 +220,11 @@ class DecodeSide(EngineBase):
         self._order[slot] = self._inserted
 
     def _insert_paged(self, state: DecodeState, k, v, slot: int, length: int, true_length: int,
-                      args: tuple, cached: PrefixMatch | None = None) -> DecodeState:
+                      args: tuple, cached: PrefixMatch | None = None) -> CoreCall:
         """Take the prompt's blocks (OutOfKVBlocks before anything changes when too few are
         free; a row still holding blocks gives them back first), write rows [0, length) into
-        them (the padding past the last one goes to the null block) and upload the table.
+        them (the padding past the last one goes to the null block) and upload the table: the call
+        that writes them.
         `cached`: the row's first blocks are the match's (its pins pass to the row) and k, v's
         rows are the positions after them."""
         with self._blocks_lock:
@@ -223,7 +250,7 @@ class DecodeSide(EngineBase):
             write = np.zeros(self.kv_blocks_for(length), np.int32)  # rows past true_length's blocks: null
             write[:need] = ids
         state = state._replace(block_table=self._table_array())
-        return insert_paged_core(state, k, v, write, *args, layout=self.layout)
+        return CoreCall(insert_paged_core, (state, k, v, write, *args), dict(layout=self.layout))
 
     def _table_array(self) -> jax.Array:
         """The host block tables on the device (replicated over the chips under tp: every chip
@@ -374,32 +401,39 @@ class DecodeSide(EngineBase):
     def _generate(self, state: DecodeState, rows: int | None, *, logprobs: bool, masks: np.ndarray | None,
                   steps: int, table_blocks: int | None = None) -> tuple[DecodeState, jax.Array]:
         """`generate`; `table_blocks` (paged, warmup) forces the step's table width."""
+        call = self.generate_call(state, rows, logprobs=logprobs, masks=masks, steps=steps, table_blocks=table_blocks)
+        new, tokens = call()
+        if self.kv_layout == "paged":
+            self._pos[self._occupied] += int(steps)
+            return new, tokens
+        run = call.args[1]
+        if run is not state:  # a blocked cache's groups past the step's rows stayed out of the call
+            groups = len(run.k[0])
+            new = new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
+                               v=tuple(n + o[groups:] for n, o in zip(new.v, state.v)))
+        return new, tokens
+
+    def generate_call(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
+                      masks: np.ndarray | None = None, steps: int = 1, table_blocks: int | None = None) -> CoreCall:
+        """The one jitted call `generate` makes, with its arguments (aot.py lowers it for chips that
+        are not here); `table_blocks` (paged) forces the step's table width."""
         bucket = self.rows_for(rows)
         steps = int(steps)
         if steps < 1 or (steps > 1 and masks is not None):
             raise ValueError(f"steps must be >= 1, and 1 with grammar masks (got {steps}"
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
+        static = dict(cfg=self.cfg, layout=self.layout, rows=bucket, logprobs=bool(logprobs))
         if self.kv_layout == "paged":
             tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
-            new, tokens = generate_core(self.step_params, state, m if steps == 1 else None, cfg=self.cfg,
-                                        layout=self.layout, rows=bucket, logprobs=bool(logprobs), steps=steps,
-                                        max_len=self.max_len, table_blocks=tb)
-            self._pos[self._occupied] += steps
-            return new, tokens
+            return CoreCall(generate_core, (self.step_params, state, m if steps == 1 else None),
+                            dict(static, steps=steps, max_len=self.max_len, table_blocks=tb))
         groups = self._step_groups(state, bucket)
         run = state if groups is None else state._replace(  # the groups past the step's rows stay out
             k=tuple(layer[:groups] for layer in state.k), v=tuple(layer[:groups] for layer in state.v))
         if steps == 1:
-            new, tokens = generate_core(self.step_params, run, m, cfg=self.cfg, layout=self.layout, rows=bucket,
-                                        logprobs=bool(logprobs))
-        else:
-            new, tokens = generate_core(self.step_params, run, None, cfg=self.cfg, layout=self.layout, rows=bucket,
-                                        logprobs=bool(logprobs), steps=steps, max_len=self.max_len)
-        if groups is not None:
-            new = new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
-                               v=tuple(n + o[groups:] for n, o in zip(new.v, state.v)))
-        return new, tokens
+            return CoreCall(generate_core, (self.step_params, run, m), static)
+        return CoreCall(generate_core, (self.step_params, run, None), dict(static, steps=steps, max_len=self.max_len))
 
     def _table_width(self, steps: int) -> int:
         """The paged step's table width: every row's whole table, one compiled width (the step reads

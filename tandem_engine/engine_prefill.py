@@ -16,7 +16,7 @@ import numpy as np
 from tandem_core.errors import InvalidRequest
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
 from tandem_engine.api import PrefillCall
-from tandem_engine.cores import (logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
+from tandem_engine.cores import (CoreCall, logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
                                  prompt_logprobs_core)
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.logits import (SlotLogits, check_output_from, mask_rows, slot_logits, stack,
@@ -106,8 +106,21 @@ class PrefillSide(EngineBase):
         if cached is not None and int(cached.length) > 0:
             k, v, packed = self._prefill_over(padded, n, cached, rest)
         else:
-            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
+            k, v, packed = self._prefill_call(padded, rest)()
         return self._prefix(k, v, n, np.asarray(packed), picks)  # the one device -> host copy
+
+    def prefill_call(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
+                     choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
+                     output_from: int | None = None, stop_ids: Sequence[int] = (),
+                     masks: np.ndarray | None = None) -> CoreCall:
+        """The one jitted call `prefill` makes for a prompt with no cached prefix, with its
+        arguments (aot.py lowers it for chips that are not here)."""
+        _, padded, _, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
+                                                  stop_ids, masks)
+        return self._prefill_call(padded, rest)
+
+    def _prefill_call(self, padded: np.ndarray, rest: tuple) -> CoreCall:
+        return CoreCall(prefill_core, (self.params, padded, *rest), dict(cfg=self.cfg, layout=self.layout))
 
     def _prefill_over_pool(self, prompt_ids, sampling, choices, start_index, output_from, stop_ids, masks,
                            hit) -> Prefix:
@@ -125,7 +138,7 @@ class PrefillSide(EngineBase):
             cache.release(hit)
             raise
         if out is None:  # no blocks for the rest: whole, as a miss
-            k, v, packed = prefill_core(self.params, padded, *rest, cfg=self.cfg, layout=self.layout)
+            k, v, packed = self._prefill_call(padded, rest)()
         else:
             k, v, packed = out
         return self._prefix(k, v, n, np.asarray(packed), picks)
@@ -149,7 +162,7 @@ class PrefillSide(EngineBase):
             group = group[:self._group_rows(bucket, len(group))]
             if len(group) == 1:  # the single prompt's own compiled prefill
                 (padded, n, rest), = group
-                k, v, packed = prefill_core(self.params, padded, *rest, None, cfg=self.cfg, layout=self.layout)
+                k, v, packed = self._prefill_call(padded, (*rest, None))()
                 out.append(self._prefix(k, v, n, np.asarray(packed), [calls[len(out)].sampling]))
                 continue
             k, v, host = self._run_group(group)
@@ -157,12 +170,23 @@ class PrefillSide(EngineBase):
                 out.append(self._prefix(k[:, i], v[:, i], n, host[i], [calls[len(out)].sampling]))
         return out
 
-    def _run_group(self, group: list) -> tuple[jax.Array, jax.Array, np.ndarray]:
-        """One batched forward pass over prepared prompts of one bucket: (k, v, packed on the host)."""
+    def prefill_batch_call(self, calls: Sequence[PrefillCall]) -> CoreCall:
+        """The one batched forward pass `prefill_batch` makes for `calls` (prompts of one bucket,
+        a power of two of them), with its arguments (aot.py lowers it)."""
+        group = [self._prepare(c.prompt_ids, [c.sampling], c.start_index, c.output_from, c.stop_ids) for c in calls]
+        if len({p.shape[0] for p, _, _ in group}) != 1 or len(group) & (len(group) - 1):
+            raise ValueError("one batched pass runs a power of two of prompts of one bucket")
+        return self._group_call(group)
+
+    def _group_call(self, group: list) -> CoreCall:
         cols = list(zip(*(rest for _, _, rest in group)))
         args = [np.stack(col) for col in cols[:-1]] + [SlotLogits(*(np.stack(xs) for xs in zip(*cols[-1])))]
-        k, v, packed = prefill_batch_core(self.params, np.stack([p for p, _, _ in group]), *args,
-                                          cfg=self.cfg, layout=self.layout)
+        return CoreCall(prefill_batch_core, (self.params, np.stack([p for p, _, _ in group]), *args),
+                        dict(cfg=self.cfg, layout=self.layout))
+
+    def _run_group(self, group: list) -> tuple[jax.Array, jax.Array, np.ndarray]:
+        """One batched forward pass over prepared prompts of one bucket: (k, v, packed on the host)."""
+        k, v, packed = self._group_call(group)()
         return k, v, np.asarray(packed)  # one device -> host copy for the whole group
 
     # ---- batched prefills compiled off the serving thread --------------------------------------

@@ -23,17 +23,19 @@ quantize.linear / expert_in / expert_out / ragged, which read either form.
 
 Layers differ only in data the scan carries beside their weights (`LayerConsts`: each layer's
 RoPE frequencies and window), so one scanned body serves Gemma 3's local and global layers alike.
+That body is written once, `decoder_layer`: every forward below (and paged.py's, and
+reference.py's) runs it and hands it the attention its KV layout needs (where the new K/V are
+written and how they are read), so a family's math lives in one place.
 
-Three forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
+The forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
 same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
-cached prefix's KV), `decode_forward` (one token per slot against the slot cache) and
-`reference_forward` (plain full recompute, no cache, a Python loop over layers) which tests use
-beside transformers as ground truth for the other two.
+cached prefix's KV) and `decode_forward` (one token per slot against the slot cache;
+`decode_forward_blocked` over the CPU-blocked cache, paged.py's over the paged pool). The plain
+full recompute tests use beside transformers as ground truth is reference.py.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -44,7 +46,7 @@ from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
 __all__ = ["ModelConfig", "config_from_info", "decode_forward", "decode_forward_blocked", "prefill_batch_forward",
            "prefill_forward", "prefill_logits_all",
-           "prefill_suffix_forward", "reference_forward", "reference_greedy", "split_layers", "blocked_cache",
+           "prefill_suffix_forward", "split_layers", "blocked_cache",
            "kv_slot_groups"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
@@ -380,6 +382,11 @@ def _ffn(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     return x + h
 
 
+def _unroll(cfg: ModelConfig) -> int | bool:
+    """The layer scan's unroll: 1 (a loop) when serving, True (every layer) where aot.py counts costs."""
+    return True if cfg.unroll_layers else 1
+
+
 def _sinks(lp: dict, cfg: ModelConfig):
     return lp["sinks"] if cfg.sinks else None
 
@@ -388,6 +395,37 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.A
     """Causal and inside the window: k <= q and q - k < window ([..., T, S] from [..., T, 1] and
     [..., 1, S])."""
     return (k_pos <= q_pos) & (q_pos - k_pos < window)
+
+
+# ---------------------------------------------------------------------------------------------
+# the decoder layer: one body for every forward
+
+
+def decoder_layer(x: jax.Array, lp: dict, lc: LayerConsts, positions: jax.Array, cfg: ModelConfig, attention,
+                  tables=None):
+    """One decoder layer of every family, written once: the prefill forwards, the decode steps over
+    each KV layout (slots, CPU blocks, the paged pool) and the reference all run this body.
+
+    x [..., T, d]: the residual stream; lp, lc: the layer's weights and constants; positions: the
+    rows' positions (as `rope` takes them); `tables`: the layer's `rope_tables` when the caller
+    computed them once for all layers. `attention(q, k, v, sinks)` is the caller's part, what its
+    KV layout does: q [..., T, H, hd], k, v [..., T, KV, hd] (rotated), sinks [H] or None ->
+    (out [..., T, H * hd], kv): it writes the new K/V where the layout keeps them and attends
+    over them; `kv` (what it wrote, or anything the caller wants back) is returned beside the
+    layer's output. Returns (x after the layer, kv)."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
+    q, k, v = _qkv(h, lp, positions, lc, cfg, tables)
+    attn, kv = attention(q, k, v, _sinks(lp, cfg))
+    return _ffn(_attn_out(x, attn, lp, cfg), lp, cfg), kv
+
+
+def layer_loop(params: dict, cfg: ModelConfig):
+    """(i, layer i's weights, layer i's constants) for each layer: the forwards whose layers run
+    as a Python loop (each layer's KV its own buffers). params["layers"]: stacked or per-layer
+    (`split_layers`)."""
+    consts = layer_consts(cfg)
+    for i in range(cfg.num_layers):
+        yield i, _layer_params(params["layers"], i), jax.tree.map(lambda c, i=i: c[i], consts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,12 +472,13 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
     def layer(x, xs):
         lp, lc, tables = xs
         mask = _window_mask(positions[:, None], positions[None, :], lc.window)[None]  # [1, T, T]
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[None], lc, cfg, shared if tables is None else tables)
-        x = _attn_out(x, _causal_attention(q, k, v, mask, cfg, _sinks(lp, cfg)), lp, cfg)
-        return _ffn(x, lp, cfg), (k, v)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked))
+        def attention(q, k, v, sinks):  # the prompt's own K/V, returned for the cache
+            return _causal_attention(q, k, v, mask, cfg, sinks), (k, v)
+
+        return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
+
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked), unroll=_unroll(cfg))
     return x, ks, vs
 
 
@@ -479,14 +518,16 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
     def layer(x, xs):
         lp, lc, tables, kc, vc = xs  # kc, vc [S, KV, hd]
         mask = _window_mask(positions[:, None], jnp.arange(s)[None, :], lc.window)[None]  # [1, T, S]
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[None], lc, cfg, shared if tables is None else tables)
-        kc = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
-        vc = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
-        x = _attn_out(x, _grouped_attention(q, kc[None], vc[None], mask, cfg, _sinks(lp, cfg)), lp, cfg)
-        return _ffn(x, lp, cfg), (kc, vc)
 
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked, k_buf, v_buf))
+        def attention(q, k, v, sinks):  # the chunk's K/V into the buffer, then over all of it
+            kc2 = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
+            vc2 = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
+            return _grouped_attention(q, kc2[None], vc2[None], mask, cfg, sinks), (kc2, vc2)
+
+        return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
+
+    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked, k_buf, v_buf),
+                                unroll=_unroll(cfg))
     last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), ks, vs
 
@@ -627,22 +668,25 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
         x, kc, vc = carry
         lp, lc = xs
         i = lc.index
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [slots, 1, KV, hd]
-        # the whole cache rides in the carry so XLA updates it in place (the state is donated;
-        # _write_rows keeps its layout, so in place holds on a TPU too)
-        # head-major cache: [layer, slot, kv head, position, hd]; k[:, 0] is [slots, KV, hd]
-        kc = _write_rows(kc, i, slot_idx, write_pos, k[:, 0])
-        vc = _write_rows(vc, i, slot_idx, write_pos, v[:, 0])
-        first = None
-        if cfg.windows:
-            first = window_first_chunk(write_pos, lc.window, max_len, active=active)
-        attn, _ = chunked_decode_attention(q, kc, vc, i, write_pos, cfg, num_chunks=num_chunks,
-                                           window=lc.window, first_chunk=first, sinks=_sinks(lp, cfg))
-        x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
+
+        def attention(q, k, v, sinks):  # k, v [slots, 1, KV, hd]
+            # the whole cache rides in the carry so XLA updates it in place (the state is donated;
+            # _write_rows keeps its layout, so in place holds on a TPU too)
+            # head-major cache: [layer, slot, kv head, position, hd]; k[:, 0] is [slots, KV, hd]
+            kc2 = _write_rows(kc, i, slot_idx, write_pos, k[:, 0])
+            vc2 = _write_rows(vc, i, slot_idx, write_pos, v[:, 0])
+            first = None
+            if cfg.windows:
+                first = window_first_chunk(write_pos, lc.window, max_len, active=active)
+            attn, _ = chunked_decode_attention(q, kc2, vc2, i, write_pos, cfg, num_chunks=num_chunks,
+                                               window=lc.window, first_chunk=first, sinks=sinks)
+            return attn, (kc2, vc2)
+
+        x, (kc, vc) = decoder_layer(x, lp, lc, positions[:, None], cfg, attention)
         return (x, kc, vc), None
 
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)))
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)),
+                                            unroll=_unroll(cfg))
     return logits_from_hidden(params, x[:, 0], cfg), k_cache, v_cache
 
 
@@ -865,94 +909,36 @@ def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, 
         if first < rows:
             spans.append((first, min(first + n, rows)))
         first += n
-    consts = layer_consts(cfg)
     x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
     out_k, out_v = [], []
-    for i in range(cfg.num_layers):
-        lp = _layer_params(params["layers"], i)
-        lc = jax.tree.map(lambda c, i=i: c[i], consts)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # k, v [rows, 1, KV, hd]
+    for i, lp, lc in layer_loop(params, cfg):
         window = cfg.window(i)
-        group_k, group_v = list(k_blocks[i]), list(v_blocks[i])
-        for g, (a, b) in enumerate(spans):
-            pos = write_pos[a:b]
-            slot_idx = jnp.arange(b - a)
-            kbs, vbs = [], []
-            for start, kb, vb in zip(starts, group_k[g], group_v[g]):
-                size = kb.shape[-1]
-                local = pos - start
-                local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
-                kbs.append(kb.at[slot_idx, :, :, local].set(k[a:b, 0].astype(kb.dtype), mode="drop"))
-                vbs.append(vb.at[slot_idx, :, local].set(v[a:b, 0].astype(vb.dtype), mode="drop"))
-            group_k[g], group_v[g] = tuple(kbs), tuple(vbs)
-        reach = None
-        if window:
-            lo = jnp.maximum(write_pos - window + 1, 0)
-            reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
-        used = range(len(spans))  # the blocks of the groups this step reads, block by block
-        k_used = [tuple(group_k[g][j] for g in used) for j in range(len(sizes))]
-        v_used = [tuple(group_v[g][j] for g in used) for j in range(len(sizes))]
-        attn, _ = blocked_decode_attention(q, k_used, v_used, write_pos, cfg, longest, window=window, reach=reach,
-                                           sinks=_sinks(lp, cfg))
-        x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
+
+        def attention(q, k, v, sinks, i=i, window=window):  # k, v [rows, 1, KV, hd]
+            group_k, group_v = list(k_blocks[i]), list(v_blocks[i])
+            for g, (a, b) in enumerate(spans):
+                pos = write_pos[a:b]
+                slot_idx = jnp.arange(b - a)
+                kbs, vbs = [], []
+                for start, kb, vb in zip(starts, group_k[g], group_v[g]):
+                    size = kb.shape[-1]
+                    local = pos - start
+                    local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
+                    kbs.append(kb.at[slot_idx, :, :, local].set(k[a:b, 0].astype(kb.dtype), mode="drop"))
+                    vbs.append(vb.at[slot_idx, :, local].set(v[a:b, 0].astype(vb.dtype), mode="drop"))
+                group_k[g], group_v[g] = tuple(kbs), tuple(vbs)
+            reach = None
+            if window:
+                lo = jnp.maximum(write_pos - window + 1, 0)
+                reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
+            used = range(len(spans))  # the blocks of the groups this step reads, block by block
+            k_used = [tuple(group_k[g][j] for g in used) for j in range(len(sizes))]
+            v_used = [tuple(group_v[g][j] for g in used) for j in range(len(sizes))]
+            attn, _ = blocked_decode_attention(q, k_used, v_used, write_pos, cfg, longest, window=window,
+                                               reach=reach, sinks=sinks)
+            return attn, (group_k, group_v)
+
+        x, (group_k, group_v) = decoder_layer(x, lp, lc, positions[:, None], cfg, attention)
         out_k.append(tuple(group_k) if grouped else group_k[0])
         out_v.append(tuple(group_v) if grouped else group_v[0])
     return logits_from_hidden(params, x[:, 0], cfg), tuple(out_k), tuple(out_v)
-
-
-# ---------------------------------------------------------------------------------------------
-# reference: the plainest possible full recompute
-
-
-def reference_forward(params: dict, tokens, cfg: ModelConfig) -> jax.Array:
-    """Logits [T, vocab] for every position of `tokens` [T]: no cache, no scan, no grouping
-    (K/V heads are repeated as HF does). Ground truth for tests; not used when serving."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    t = tokens.shape[0]
-    positions = jnp.arange(t)
-    x = embed(params, tokens, cfg)  # [T, d]
-    groups = cfg.num_heads // cfg.num_kv_heads
-    consts = layer_consts(cfg)
-    for i in range(cfg.num_layers):
-        lp = jax.tree.map(lambda w: w[i], params["layers"])
-        lc = jax.tree.map(lambda c: c[i], consts)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions, lc, cfg)  # [T, heads, hd]
-        k = jnp.repeat(k, groups, axis=1)
-        v = jnp.repeat(v, groups, axis=1)
-        scores = _scores(jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)), cfg)
-        allowed = _window_mask(positions[:, None], positions[None, :], lc.window)
-        scores = jnp.where(allowed[None], scores, -jnp.inf)
-        if cfg.sinks:
-            sink = jnp.broadcast_to(lp["sinks"].astype(jnp.float32)[:, None, None], (cfg.num_heads, t, 1))
-            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        else:
-            probs = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("hts,shd->thd", probs, v.astype(jnp.float32)).astype(x.dtype)
-        x = _ffn(_attn_out(x, attn.reshape(t, -1), lp, cfg), lp, cfg)
-    return logits_from_hidden(params, x, cfg)
-
-
-@partial(jax.jit, static_argnames=("cfg",))
-def _reference_logits_at(params, tokens, index, cfg: ModelConfig):
-    return reference_forward(params, tokens, cfg)[index]
-
-
-def reference_greedy(params: dict, cfg: ModelConfig, prompt_ids, num_tokens: int,
-                     pad_to: int = 128) -> list[int]:
-    """Greedy tokens by full recompute of the growing sequence (the single-process reference run).
-
-    The sequence is zero-padded to `pad_to` (one compile; the causal mask keeps padding out of the
-    real positions), so len(prompt_ids) + num_tokens must be <= pad_to.
-    """
-    ids = [int(t) for t in prompt_ids]
-    if len(ids) + num_tokens > pad_to:
-        raise ValueError(f"prompt {len(ids)} + {num_tokens} tokens exceeds pad_to {pad_to}")
-    out = []
-    for _ in range(num_tokens):
-        padded = jnp.zeros((pad_to,), jnp.int32).at[: len(ids)].set(jnp.asarray(ids, jnp.int32))
-        logits = _reference_logits_at(params, padded, len(ids) - 1, cfg=cfg)
-        out.append(int(jnp.argmax(logits)))
-        ids.append(out[-1])
-    return out

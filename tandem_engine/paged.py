@@ -50,8 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from tandem_engine.arch import ModelConfig
 from tandem_engine.cpu_kernels import paged_attention_kernel
-from tandem_engine.model import (NO_WINDOW, _attn_out, _ffn, _layer_params, _qkv, _scores, _sinks, embed,
-                                 layer_consts, logits_from_hidden, rms_norm)
+from tandem_engine.model import NO_WINDOW, _scores, decoder_layer, embed, layer_loop, logits_from_hidden
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
 from tandem_engine.sharding import AXIS
 
@@ -263,7 +262,7 @@ def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
     # said where it matters (a TPU backend); a CPU pod (a prefill pod's device prefix cache) runs the gather path
     (log.info if jax.default_backend() == "tpu" else log.debug)(
         "paged decode step: the Pallas kernel where compiled for a TPU, the gather path elsewhere")
-    return PagedAttention(cfg, "pallas", "TPU, and the family needs nothing the kernel lacks")
+    return PagedAttention(cfg)
 
 
 def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
@@ -300,28 +299,27 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
         lengths = jnp.where(active, lengths, 0)
     tp = 1 if mesh is None else int(mesh.shape[AXIS])
     local = cfg if tp == 1 else cfg._replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp)
-    consts = layer_consts(cfg)
     x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
     new_k, new_v = [], []
-    for i in range(cfg.num_layers):
-        lp = _layer_params(params["layers"], i)
-        lc = jax.tree.map(lambda c, i=i: c[i], consts)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg)
-        q, k, v = _qkv(h, lp, positions[:, None], lc, cfg)  # q [rows, 1, H, hd]; k, v [rows, 1, KV, hd]
-        sinks = _sinks(lp, cfg)
-        attend = partial(_layer_attention, cfg=local, window=cfg.window(i), shared_table=shared_table,
-                         has_sinks=sinks is not None)
-        args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat, table, write_pos, lengths,
-                jnp.zeros((), q.dtype) if sinks is None else sinks)
-        if tp > 1:  # per chip, on its heads: XLA cannot partition a Mosaic call (see the module docstring)
-            q_heads, kv_heads, pool, rep = P(None, None, AXIS, None), P(None, AXIS, None), P(AXIS, None, None, None), P()
-            specs = (q_heads, kv_heads, kv_heads, pool, pool, rep, rep, rep, rep, rep if sinks is None else P(AXIS))
-            out = (P(None, None, AXIS), pool, pool)  # attn [rows, 1, H * hd]: each chip its heads' columns
-            attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)
-        attn, k_layer, v_layer = attend(*args)
+    for i, lp, lc in layer_loop(params, cfg):
+
+        def attention(q, k, v, sinks, i=i):  # q [rows, 1, H, hd]; k, v [rows, 1, KV, hd]
+            attend = partial(_layer_attention, cfg=local, window=cfg.window(i), shared_table=shared_table,
+                             has_sinks=sinks is not None)
+            args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat, table, write_pos, lengths,
+                    jnp.zeros((), q.dtype) if sinks is None else sinks)
+            if tp > 1:  # per chip, on its heads: XLA cannot partition a Mosaic call (see the module docstring)
+                q_heads, kv_heads, pool, rep = (P(None, None, AXIS, None), P(None, AXIS, None),
+                                                P(AXIS, None, None, None), P())
+                specs = (q_heads, kv_heads, kv_heads, pool, pool, rep, rep, rep, rep, rep if sinks is None else P(AXIS))
+                out = (P(None, None, AXIS), pool, pool)  # attn [rows, 1, H * hd]: each chip its heads' columns
+                attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)
+            attn, k_layer, v_layer = attend(*args)
+            return attn, (k_layer, v_layer)
+
+        x, (k_layer, v_layer) = decoder_layer(x, lp, lc, positions[:, None], cfg, attention)
         new_k.append(k_layer)
         new_v.append(v_layer)
-        x = _ffn(_attn_out(x, attn, lp, cfg), lp, cfg)
     hidden = x[:, 0] if logits_at is None else x[logits_at, 0]
     return logits_from_hidden(params, hidden, cfg), tuple(new_k), tuple(new_v)
 

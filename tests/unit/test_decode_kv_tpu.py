@@ -25,7 +25,7 @@ if _why:
     pytest.skip(_why, allow_module_level=True)
 
 from tandem_core.models import PRESETS
-from tandem_engine import aot, engine_decode
+from tandem_engine import aot
 
 SLOTS, MAX_LEN = 16, 2048
 LLAMA_KV8 = dataclasses.replace(PRESETS["tiny"], name="llama-kv8", hidden_size=1024, intermediate_size=2048,
@@ -48,8 +48,7 @@ def test_the_slot_decode_step_keeps_one_copy_of_the_kv(devices, tp):
     kv = aot.shard_bytes((state.k, state.v))
     assert kv == 2 * 4 * SLOTS * 8 * MAX_LEN * 128 * 2 // tp
     for steps in (1, 4):
-        lowered = aot._lower_call(engine_decode, "generate_core", lambda: eng._generate(
-            state, SLOTS, logprobs=False, masks=None, steps=steps), eng.layout.replicated())
+        lowered = aot.lower(eng.generate_call(state, SLOTS, steps=steps), eng.layout.replicated())
         mem = lowered.compile().memory_analysis()
         print(f"slot decode x{steps} on v5e tp={tp}: temp {mem.temp_size_in_bytes:,} B against KV {kv:,} B "
               f"({mem.temp_size_in_bytes / kv:.3f})")

@@ -19,10 +19,11 @@ torch = pytest.importorskip("torch")  # the test-reference extra; present in the
 transformers = pytest.importorskip("transformers")
 
 from tandem_core.errors import ModelNotFound
-from tandem_core.models import SUPPORTED_MODEL_TYPES, resolve_model
+from tandem_core.families import FAMILIES as SERVED
+from tandem_core.families import MODEL_TYPES
+from tandem_core.models import resolve_model
 from tandem_core.types import SamplingParams
 from tandem_engine import config_from_info, load_engine, reference_forward
-from tandem_engine.arch import FAMILY_TRAITS
 from tandem_engine.prefix_cache import cache_for
 from tandem_engine.prefix_cache import prefill as cached_prefill
 from tests.families import FAMILIES, WINDOW, build_family, hf_greedy
@@ -66,7 +67,7 @@ def family(request, tmp_path_factory):
 
 
 def test_every_family_has_traits_and_a_checkpoint():
-    assert set(SUPPORTED_MODEL_TYPES.values()) == set(FAMILY_TRAITS) == set(FAMILIES)
+    assert set(MODEL_TYPES.values()) == set(SERVED) == set(FAMILIES)
 
 
 def test_logits_match_at_every_position(family):

@@ -106,17 +106,9 @@ def compiled_step(engine) -> dict:
     """The engine's own one-step paged generate call (at the widest table), compiled for these CPU
     devices: its all-gathers, the bytes it aliases (donated, returned in place), and one chip's
     share of the pool."""
-    from tandem_engine import aot, engine_decode
-
     state = engine.init_state()
-    with aot._capture(engine_decode, "generate_core") as (real, calls):
-        try:
-            engine._generate(state, engine.slots, logprobs=False, masks=None, steps=1,
-                             table_blocks=engine.max_blocks_per_seq)
-        except aot._Captured:
-            pass
-    args, kwargs = calls[0]
-    compiled = real.lower(*args, **kwargs).compile()
+    call = engine.generate_call(state, engine.slots, table_blocks=engine.max_blocks_per_seq)
+    compiled = call.core.lower(*call.args, **call.static).compile()
     pool = sum(layer.addressable_shards[0].data.nbytes for layer in (*state.k, *state.v))
     # the KV's all-gathers: of arrays of 3 or more axes (the pool [KV, blocks, block, hd], a layer's
     # [rows, heads, ...]); the vocabulary's, split across chips, gather [rows, candidates] in the sampler

@@ -1,16 +1,17 @@
-"""Decode attention over a paged KV pool (tandem_engine/paged_attention.py).
+"""Decode attention over a paged KV pool: the engine's gather path (paged.paged_attention) and the
+Pallas TPU kernel (tandem_engine/paged_attention.py).
 
 - The gather path (what a CPU runs) equals the engine's dense attention (model.py's
   `_grouped_attention`, the prefill's math) over the same KV written contiguously: random pools
   whose unused blocks hold large garbage, block tables shuffled across the pool (and sharing a
   prefix block between rows), lengths crossing block boundaries, GQA, sliding windows, soft-capping
-  with a query scale, attention sinks; a free row (length 0) gives zeros.
-- The selection: the Pallas kernel on a TPU only for families and dtypes it can serve, the gather
-  path otherwise, logged; forcing the kernel where it cannot serve raises.
+  with a query scale, attention sinks.
+- What the kernel lacks (`kernel_gaps`): the paged step takes the kernel on a TPU only for
+  families and dtypes it can serve (`paged.step_kernel`), the gather path otherwise.
 - The Pallas TPU kernel we would ship, run on this CPU in Pallas's TPU interpret mode (it simulates
-  the kernel's DMAs, semaphores and scalar prefetch) through the selector, equals the gather path;
-  and the engine's paged decode step with the kernel in it (its TPU branch, interpreted) equals
-  the same step on the gather path.
+  the kernel's DMAs, semaphores and scalar prefetch), equals the gather path, a free row (length
+  0) giving zeros; and the engine's paged decode step with the kernel in it (its TPU branch,
+  interpreted) equals the same step on the gather path.
 - The TPU path compiles ahead of time for a v5e slice at Llama-3-8B's attention shapes (libtpu's
   compile-only devices, as tests/unit/test_tpu_compile.py): one chip, and tp 2 where each chip runs
   the kernel over its own heads. Those tests skip only where libtpu is not importable (`make test`
@@ -28,9 +29,9 @@ import pytest
 
 from tandem_engine.aot import libtpu_missing
 from tandem_engine.arch import ModelConfig
+from tandem_engine import paged
 from tandem_engine.model import _grouped_attention, _window_mask
-from tandem_engine.paged_attention import (PagedAttention, gather_attention, pages_per_compute_block,
-                                           select_paged_attention)
+from tandem_engine.paged_attention import PagedAttention, kernel_gaps, pages_per_compute_block
 
 
 def config(heads=8, kv_heads=2, head_dim=16, *, windows=(), softcap=0.0, query_scale=0.0, sinks=False, layers=2):
@@ -80,6 +81,16 @@ def dense_attention(q, dense_k, dense_v, lengths, cfg, *, window=0, sinks=None):
     return np.asarray(out).reshape(q.shape)
 
 
+def gather(q, k, v, lengths, tables, cfg, *, window=0, sinks=None):
+    """The engine's gather path (paged.paged_attention) in the kernel's terms: q [rows, H, hd],
+    lengths (each row's query at length - 1). Returns [rows, H, hd]."""
+    q = jnp.asarray(q)
+    out = paged.paged_attention(q[:, None], jnp.asarray(k), jnp.asarray(v), jnp.asarray(tables),
+                                jnp.asarray(lengths) - 1, cfg, window=window,
+                                sinks=None if sinks is None else jnp.asarray(sinks))
+    return out.reshape(q.shape)
+
+
 LENGTHS = [1, 4, 5, 9, 24, 13]  # one position, a block exactly, one past, crossing two, the table full
 
 
@@ -91,46 +102,30 @@ LENGTHS = [1, 4, 5, 9, 24, 13]  # one position, a block exactly, one past, cross
     ("sinks", config(sinks=True), 0, True),
     ("sinks_and_window", config(sinks=True, windows=(3, 0)), 3, True),
 ])
-@pytest.mark.parametrize("chunk_blocks", [1, 4, 8])
-def test_gather_equals_dense_attention_over_the_same_kv(name, cfg, window, sinks, chunk_blocks):
-    args, (dk, dv) = paged_case(cfg, LENGTHS, seed=len(name))
+@pytest.mark.parametrize("block_size", [4, 64])  # 4: the whole table in one piece; 64: a piece per block
+def test_gather_equals_dense_attention_over_the_same_kv(name, cfg, window, sinks, block_size):
+    args, (dk, dv) = paged_case(cfg, LENGTHS, seed=len(name), block_size=block_size)
     sink = np.random.default_rng(7).normal(size=(cfg.num_heads,)).astype(np.float32) * 2 if sinks else None
-    attn = PagedAttention(cfg, "gather", "test", chunk_blocks=chunk_blocks)
-    got = np.asarray(jax.jit(lambda *a: attn(*a, window=window or None, sinks=sink))(*args))
+    got = np.asarray(jax.jit(lambda *a: gather(*a, cfg, window=window, sinks=sink))(*args))
     want = dense_attention(args[0], dk, dv, args[3], cfg, window=window, sinks=sink)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_gather_reads_a_block_shared_between_rows_and_a_traced_window():
-    """Rows share their first block (a cached prefix: one pool block in every table), and the
-    window arrives as a traced per-layer value (a layer scan's carry) with 0 meaning global."""
+def test_gather_reads_a_block_shared_between_rows():
+    """Rows share their first block (a cached prefix: one pool block in every table), on a
+    windowed layer and a global one."""
     cfg = config(windows=(7, 0))
     args, (dk, dv) = paged_case(cfg, LENGTHS, share_first_block=True, seed=3)
-    attn = PagedAttention(cfg, "gather", "test")
-    run = jax.jit(lambda w, *a: attn(*a, window=w))
     for window in (7, 0):
-        got = np.asarray(run(jnp.int32(window), *args))
+        got = np.asarray(jax.jit(lambda *a, w=window: gather(*a, cfg, window=w))(*args))
         np.testing.assert_allclose(got, dense_attention(args[0], dk, dv, args[3], cfg, window=window),
                                    rtol=2e-5, atol=2e-5)
-
-
-def test_a_free_row_gives_zeros_and_table_entries_past_the_pool_are_clamped():
-    cfg = config()
-    (q, k, v, lengths, tables), (dk, dv) = paged_case(cfg, [0, 6, 0, 3])
-    tables = tables.copy()
-    tables[1, 2:] = 10_000  # past the row's length and past the pool: never read, must not fault
-    tables[0] = -5
-    # the chosen attention is a static argument of a jitted core, as `cfg` is
-    core = jax.jit(lambda attn, *a: attn(*a), static_argnums=0)
-    got = np.asarray(core(select_paged_attention(cfg, dtype=jnp.float32, platform="cpu"), q, k, v, lengths, tables))
-    assert not got[[0, 2]].any()
-    np.testing.assert_allclose(got[[1, 3]], dense_attention(q, dk, dv, lengths, cfg)[[1, 3]], rtol=2e-5, atol=2e-5)
 
 
 def test_shapes_that_disagree_with_the_model_are_refused():
     cfg = config()
     (q, k, v, lengths, tables), _ = paged_case(cfg, [3, 5])
-    attn = PagedAttention(cfg, "gather", "test")
+    attn = PagedAttention(cfg)
     with pytest.raises(ValueError, match="KV heads"):
         attn(q, k[:1], v[:1], lengths, tables)
     with pytest.raises(ValueError, match="lengths"):
@@ -138,7 +133,7 @@ def test_shapes_that_disagree_with_the_model_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------
-# selection
+# what the kernel serves
 
 
 LLAMA = config(32, 8, 128, layers=4)
@@ -146,26 +141,20 @@ GEMMA2 = config(8, 4, 128, windows=(4096, 0) * 2, softcap=50.0, query_scale=256 
 GPT_OSS = config(64, 8, 64, windows=(128, 0) * 2, sinks=True, layers=4)
 
 
-def test_selection_per_platform_and_family(caplog):
-    caplog.set_level(logging.INFO, logger="tandem_engine.paged_attention")
-    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu").impl == "pallas"
-    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="cpu").impl == "gather"
-    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", impl="gather").impl == "gather"
-    # the default platform is JAX's own (the CPU here)
-    assert select_paged_attention(LLAMA, dtype=jnp.bfloat16).impl == "gather"
-    caplog.clear()
+def test_the_step_takes_the_kernel_only_for_what_it_serves(caplog):
+    caplog.set_level(logging.DEBUG, logger="tandem_engine.paged")
+    assert kernel_gaps(LLAMA, jnp.bfloat16) == []
+    assert paged.step_kernel(LLAMA, jnp.dtype(jnp.bfloat16)) == PagedAttention(LLAMA)
     for cfg, dtype, needs in [(GEMMA2, jnp.bfloat16, ["sliding windows on 2 of 4 layers"]),
                               (GPT_OSS, jnp.bfloat16, ["sliding windows", "attention sinks", "head_dim 64"]),
                               (config(8, 2, 64), jnp.bfloat16, ["head_dim 64"]),  # the built-in model's shape
                               (LLAMA, jnp.float32, ["float32 pool"])]:
-        attn = select_paged_attention(cfg, dtype=dtype, platform="tpu")
-        assert attn.impl == "gather" and all(n in attn.reason for n in needs), attn.reason
-        # said, not silent: a warning naming what the kernel lacks
-        assert any(r.levelno == logging.WARNING and needs[0] in r.getMessage() for r in caplog.records)
-        with pytest.raises(ValueError, match="cannot serve this model: it lacks"):
-            select_paged_attention(cfg, dtype=dtype, platform="tpu", impl="pallas")
-    with pytest.raises(ValueError, match="only on a TPU"):
-        select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="cpu", impl="pallas")
+        gaps = "; ".join(kernel_gaps(cfg, dtype))
+        assert all(n in gaps for n in needs), gaps
+        caplog.clear()
+        assert paged.step_kernel(cfg, jnp.dtype(dtype)) is None
+        # said, not silent: what the kernel lacks is logged (a warning where JAX's backend is a TPU)
+        assert any(needs[0] in r.getMessage() for r in caplog.records)
 
 
 def test_pages_per_compute_block_divides_the_table():
@@ -192,16 +181,16 @@ def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg):
                                                seed=len(name))
     # a bf16 pool (what the kernel reads); q in float32, so the kernel's output is float32 too
     q, k, v = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-    kernel = select_paged_attention(cfg, dtype=jnp.bfloat16, platform="tpu")
-    assert kernel.impl == "pallas"
+    assert not kernel_gaps(cfg, jnp.bfloat16)
+    kernel = PagedAttention(cfg)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got = np.asarray(kernel(q, k, v, lengths, tables))
     # the gather path over the same bf16 values held in float32 (the kernel keeps its
     # probabilities in float32 where the gather path casts them to the pool's dtype)
-    want = np.asarray(gather_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(lengths),
-                                       jnp.asarray(tables), cfg))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert not got[4].any()
+    want = np.asarray(gather(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, tables, cfg))
+    live = lengths > 0
+    np.testing.assert_allclose(got[live], want[live], rtol=1e-4, atol=1e-4)
+    assert not got[4].any()  # a free row: zeros
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,11 +206,11 @@ needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtp
 ])
 def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows, block_size, megacore):
     """Llama-3-8B's attention (32 heads, 8 KV heads, head_dim 128) over a bf16 pool with 256 pages
-    a sequence, through the selector, compiled by the TPU compiler for a v5e slice (and one v6e
+    a sequence, compiled by the TPU compiler for a v5e slice (and one v6e
     and one v5p configuration, the latter with the kernel's megacore split over KV heads): the
     Mosaic kernel is in the compiled program (not an XLA fallback) and, at tp 2, each chip holds
     half the pool (its KV heads). (Megacore compiles for a v6e too, which has one core a chip:
-    a compile cannot tell whether that mode would hang, so the selector leaves it off.)"""
+    a compile cannot tell whether that mode would hang, so the engine leaves it off.)"""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -229,8 +218,8 @@ def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows
 
     devices = aot.topology_devices(tpu, topology)
     mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
-    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh, megacore_mode=megacore)
-    assert attn.impl == "pallas" and attn.megacore_mode == megacore
+    assert not kernel_gaps(LLAMA, jnp.bfloat16)
+    attn = PagedAttention(LLAMA, mesh=mesh, megacore_mode=megacore)
     pages_per_seq, num_blocks = 256, 4096
     spec = {"q": P(None, "tp", None), "pool": P("tp", None, None, None), "rep": P()}
 
@@ -259,7 +248,7 @@ def test_the_kernel_really_refuses_a_head_dim_of_64():
 
     mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
     cfg = config(8, 2, 64)
-    forced = PagedAttention(cfg, "pallas", "forced for this test")
+    forced = PagedAttention(cfg)  # forced: kernel_gaps names the head_dim
     rep = NamedSharding(mesh, P())
     pool = jax.ShapeDtypeStruct((2, 64, 16, 64), jnp.bfloat16, sharding=rep)
     args = (jax.ShapeDtypeStruct((4, 8, 64), jnp.bfloat16, sharding=rep), pool, pool,
@@ -282,7 +271,7 @@ def test_on_tpu_the_pool_must_be_one_buffer_per_layer():
     from tandem_engine import aot
 
     mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
-    attn = select_paged_attention(LLAMA, dtype=jnp.bfloat16, platform="tpu", mesh=mesh)
+    attn = PagedAttention(LLAMA, mesh=mesh)
     rep = NamedSharding(mesh, P())
     layers, kv_layer = 4, (8, 2048, 16, 128)
     layer_bytes = int(np.prod(kv_layer)) * 2

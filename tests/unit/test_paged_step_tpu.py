@@ -5,7 +5,7 @@ over each layer's pool buffer in place.
 What is compiled is what a decode pod on a TPU runs: an Engine with kv_layout="paged" over
 abstract bf16 weights of a small Llama-shaped model (head_dim 128, GQA 4:2, so the kernel can
 serve it), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
-call (engine_decode -> cores.generate_core with table_blocks set), one step per call and four
+call (its generate_call: cores.generate_core with table_blocks set), one step per call and four
 (the multi-step scan). Held:
 - the Mosaic kernel is in the compiled program, once per layer (paged.decode_forward_paged picks
   it for the platform it is compiled for; a CPU compile of the same step holds the gather path);
@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from tandem_core.models import PRESETS
 from tandem_core.types import SamplingParams
-from tandem_engine import aot, engine_decode
+from tandem_engine import aot
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import init_params
@@ -72,19 +72,6 @@ def paged_engine(info, chip):
     return eng, jax.tree.map(place, jax.eval_shape(eng.init_state))
 
 
-def lower_engine_call(name: str, call, chip):
-    """The jitted core `engine_decode.<name>` lowered with the arguments the engine's own host code
-    built for it (the call stops there; its host arrays as structs on the chip)."""
-    with aot._capture(engine_decode, name) as (real, calls):
-        try:
-            call()
-        except aot._Captured:
-            pass
-    assert calls, f"the engine did not call engine_decode.{name}"
-    args, kwargs = calls[0]
-    return real.lower(*aot._abstract_args(args, chip), **kwargs)
-
-
 def kernel_calls(compiled) -> int:
     return compiled.as_text().count('custom_call_target="tpu_custom_call"')
 
@@ -95,8 +82,7 @@ def test_the_paged_step_runs_the_kernel_on_each_layer_buffer_in_place(chip, step
     assert isinstance(state.k, tuple) and len(state.k) == LAYERS
     assert state.k[0].shape == (KV_HEADS, BLOCKS + 1, BLOCK, HEAD_DIM)
     widest = eng.max_blocks_per_seq  # every row reads its whole table (128 blocks, 2048 positions)
-    compiled = lower_engine_call("generate_core", lambda: eng._generate(
-        state, ROWS, logprobs=False, masks=None, steps=steps, table_blocks=widest), chip).compile()
+    compiled = aot.lower(eng.generate_call(state, ROWS, steps=steps, table_blocks=widest), chip).compile()
     mem = compiled.memory_analysis()
     print(f"paged step x{steps} on v5e: temp {mem.temp_size_in_bytes:,} B, aliased {mem.alias_size_in_bytes:,} B, "
           f"one layer's K buffer {LAYER_BYTES:,} B")
@@ -108,8 +94,7 @@ def test_the_paged_step_runs_the_kernel_on_each_layer_buffer_in_place(chip, step
 def test_the_insert_writes_a_prompt_into_the_layer_buffers_in_place(chip):
     eng, state = paged_engine(LLAMA_HD128, chip)
     kv = jax.ShapeDtypeStruct((LAYERS, 16, KV_HEADS, HEAD_DIM), jax.numpy.bfloat16, sharding=chip)
-    compiled = lower_engine_call("insert_paged_core", lambda: eng.insert(
-        Prefix(kv, kv, 13, 0), state, 0, SamplingParams()), chip).compile()
+    compiled = aot.lower(eng.insert_call(Prefix(kv, kv, 13, 0), state, 0, SamplingParams()), chip).compile()
     mem = compiled.memory_analysis()
     print(f"paged insert on v5e: temp {mem.temp_size_in_bytes:,} B")
     assert mem.temp_size_in_bytes < LAYER_BYTES // 32 and mem.alias_size_in_bytes >= POOL_BYTES, mem
@@ -119,8 +104,7 @@ def test_a_family_the_kernel_cannot_serve_compiles_the_gather_path(chip):
     """head_dim 16 (the "tiny" preset): the kernel's lowering refuses it (paged_attention.kernel_gaps),
     so the TPU compile of the same step holds no Mosaic call."""
     eng, state = paged_engine(dataclasses.replace(PRESETS["tiny"], max_position_embeddings=4096), chip)
-    compiled = lower_engine_call("generate_core", lambda: eng._generate(
-        state, ROWS, logprobs=False, masks=None, steps=1, table_blocks=8), chip).compile()
+    compiled = aot.lower(eng.generate_call(state, ROWS, table_blocks=8), chip).compile()
     assert kernel_calls(compiled) == 0
 
 
@@ -157,9 +141,8 @@ def test_the_sharded_paged_step_runs_the_kernel_per_chip_on_its_heads_in_place()
     assert state.k[0].shape == (TP, BLOCKS + 1, BLOCK, HEAD_DIM)
     assert state.k[0].sharding.spec == P("tp", None, None, None)
     for steps in (1, 4):
-        compiled = lower_engine_call("generate_core", lambda: eng._generate(
-            state, ROWS, logprobs=False, masks=None, steps=steps, table_blocks=eng.max_blocks_per_seq),
-            state.positions.sharding).compile()
+        compiled = aot.lower(eng.generate_call(state, ROWS, steps=steps, table_blocks=eng.max_blocks_per_seq),
+                             state.positions.sharding).compile()
         mem = compiled.memory_analysis()
         print(f"paged step x{steps} on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B, aliased "
               f"{mem.alias_size_in_bytes:,} B, one chip's layer K buffer {TP_LAYER_BYTES:,} B")
@@ -167,8 +150,8 @@ def test_the_sharded_paged_step_runs_the_kernel_per_chip_on_its_heads_in_place()
         assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32, mem  # no layer's pool copied or gathered
         assert mem.alias_size_in_bytes >= 2 * LAYERS * TP_LAYER_BYTES, mem  # this chip's pool, in place
     kv = jax.ShapeDtypeStruct((LAYERS, 16, TP, HEAD_DIM), jax.numpy.bfloat16, sharding=eng.layout.kv_prefix())
-    compiled = lower_engine_call("insert_paged_core", lambda: eng.insert(
-        Prefix(kv, kv, 13, 0), state, 0, SamplingParams()), state.positions.sharding).compile()
+    compiled = aot.lower(eng.insert_call(Prefix(kv, kv, 13, 0), state, 0, SamplingParams()),
+                         state.positions.sharding).compile()
     mem = compiled.memory_analysis()
     print(f"paged insert on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
     assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32 and mem.alias_size_in_bytes >= 2 * LAYERS * TP_LAYER_BYTES

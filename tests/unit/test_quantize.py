@@ -23,7 +23,8 @@ from pydantic import ValidationError
 
 from tandem_core.types import SamplingParams
 from tandem_engine import config_from_info, load_engine, reference_forward
-from tandem_engine.model import prefill_logits_all, reference_greedy
+from tandem_engine.model import prefill_logits_all
+from tandem_engine.reference import reference_greedy
 from tandem_engine.quantize import QUANTIZED, dequantize, quantize_int8, quantize_params, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,7 +317,7 @@ def test_tpu_steps_take_int8_weights_and_make_no_dequantized_copy():
     if libtpu_missing():
         pytest.skip(libtpu_missing())
     from tandem_core.models import resolve_model
-    from tandem_engine import aot, engine_decode
+    from tandem_engine import aot
     from tandem_engine.weights import init_params
 
     info = resolve_model("builtin")
@@ -334,8 +335,7 @@ def test_tpu_steps_take_int8_weights_and_make_no_dequantized_copy():
         assert abs((f_step.argument_bytes - q_step.argument_bytes) - saved) <= 4096, (f_step, q_step, saved)
 
     eng = aot.build_engine(info, devices, quantize="int8", **kw)
-    lowered = aot._lower_call(engine_decode, "generate_core", lambda: eng.generate(aot.abstract_state(eng), 8),
-                              eng.layout.replicated())
+    lowered = aot.lower(eng.generate_call(aot.abstract_state(eng), 8), eng.layout.replicated())
     hlo = lowered.compile().as_text()
     for n in QUANTIZED:
         if n in shapes:

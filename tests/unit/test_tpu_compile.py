@@ -174,7 +174,6 @@ def test_a_mixture_of_experts_compiles_its_grouped_matmuls_for_the_tpu_not_the_h
     v5e 2x2 at tp 2 with expert parallelism runs `ragged_dot` (grouped matmuls over the routed
     tokens), not the CPU's every-expert path, although this host's JAX device is a CPU. (Before:
     the engine asked `jax.devices()[0]`, this host's CPU, and compiled "dense" for the TPU.)"""
-    from tandem_engine import engine_decode
     from tandem.fit import load_info
 
     cfg = json.loads((REPO / "tools/fit_configs/qwen3-30b-a3b/config.json").read_text())
@@ -188,7 +187,6 @@ def test_a_mixture_of_experts_compiles_its_grouped_matmuls_for_the_tpu_not_the_h
                         expert_parallel=True)
     eng = comp.engine
     assert eng.cfg.moe_impl == "ragged"
-    lowered = aot._lower_call(engine_decode, "generate_core", lambda: eng.generate(aot.abstract_state(eng), SLOTS),
-                              eng.layout.replicated())
+    lowered = aot.lower(eng.generate_call(aot.abstract_state(eng), SLOTS), eng.layout.replicated())
     assert "ragged_dot" in lowered.as_text()  # the grouped matmuls are in the TPU program
     lowered.compile()
