@@ -1,7 +1,10 @@
 # Tandem developer entry points. `make serve` and `make test` are the README's quick start.
 #   make serve    installs only what serving needs (the [local] extra), then runs `tandem local`
 #   make test     adds the test tools ([dev], [test-reference]: pytest, the real clients, torch);
-#                 runs make check first
+#                 runs make check first, then every test: unit (fast and slow), integration, e2e
+#   make test-unit  the fast unit tier (minutes): tests/unit without the `slow` ones, for iterating
+#   make test-slow  the slow unit tier alone: compile-heavy engine tests (families against
+#                 transformers, tp 2 and 4 in child processes, TPU compiles); make test runs it too
 #   make check    ruff (lint), mypy (the seams), lint-imports (the layering contracts): pyproject.toml
 #   make install  everything a developer uses (what make test installs, plus [bench])
 #   make images REGISTRY=...   builds (and pushes) the three images in docker/
@@ -23,7 +26,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install serve check test test-unit bench proto images clean
+.PHONY: install serve check test test-unit test-slow bench proto images clean
 
 $(CREATED):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -62,11 +65,18 @@ check: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Every tier. JAX's persistent compilation cache (tests/conftest.py, TANDEM_TEST_COMPILE_CACHE) is
+# kept across runs, so a second run compiles little.
 test: check
 	$(BIN)/python -m pytest -q -ra tests
 
+# The tiers of tests/unit (pyproject.toml's `slow` marker): the fast one for a person iterating,
+# the slow one for the compile-heavy cases. Neither runs tests/integration or tests/e2e.
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q -ra tests/unit
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests/unit
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m slow tests/unit
 
 bench: $(STAMP)
 	$(PIP) -q -e '.[bench]'

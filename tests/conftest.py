@@ -14,6 +14,54 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+
+CACHE_MAX_BYTES = 2 << 30  # a cache folder grown past this (old code's entries) is emptied at the start
+
+
+def _use_compile_cache() -> None:
+    """JAX's persistent compilation cache for the test session, on by default.
+
+    `_free_compiled_code` below drops every compiled executable after each module, and most engine
+    modules build the same few shapes (the `tiny` and `builtin` presets at a handful of sizes), so
+    without a cache the suite compiled the same steps again module after module; the subprocess
+    tests (tp 2 and 4 on host devices) and the clusters of tests/e2e compiled theirs in every child.
+    With it, a module, a child process or a later run loads what was compiled before: the same
+    executable, so the same numbers (the cache key is the lowered program, the compile options, the
+    device and the jax version). Set through the environment so that children inherit it.
+
+    TANDEM_TEST_COMPILE_CACHE: the folder (default: $XDG_CACHE_HOME or ~/.cache, then
+    tandem/jax-tests; kept across runs, so a second run of a module compiles almost nothing);
+    "" turns the cache off (a cold run, e.g. to time the compiles themselves)."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem", "jax-tests")
+    path = os.environ.get("TANDEM_TEST_COMPILE_CACHE", default)
+    if not path:
+        return
+    settings = {"JAX_COMPILATION_CACHE_DIR": path,
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # every compile: most take under a second
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    try:
+        os.makedirs(path, exist_ok=True)
+        entries = list(os.scandir(path))
+        if sum(e.stat().st_size for e in entries if e.is_file()) > CACHE_MAX_BYTES:
+            for e in entries:  # jax's own bound rescans the folder on every write; start afresh instead
+                if e.is_file():
+                    os.unlink(e.path)
+    except OSError:  # a read-only home: compile every time
+        return
+    for key, value in settings.items():
+        os.environ.setdefault(key, value)
+    if "jax" in sys.modules:  # a plugin imported it first: its config already read the environment
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                          int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+_use_compile_cache()
+
 from tandem.redis_cluster import RedisClusterProcess
 from tandem.redis_proc import RedisProcess, docker_reachable
 

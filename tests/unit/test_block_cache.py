@@ -43,6 +43,7 @@ def run(engine, state, slot: int, steps: int, payload: KVPayload, cached=None):
     return state, out
 
 
+@pytest.mark.slow  # make test-unit leaves it out: two turns of the built-in model and their references
 def test_a_second_turn_shares_the_first_turns_blocks_and_decodes_the_same_tokens(engine):
     rng = np.random.default_rng(0)
     turn1 = rng.integers(0, 256, 13).tolist()

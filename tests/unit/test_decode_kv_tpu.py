@@ -27,6 +27,8 @@ if _why:
 from tandem_core.models import PRESETS
 from tandem_engine import aot
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): decode steps compiled for TPU slices (libtpu, no chip)
+
 SLOTS, MAX_LEN = 16, 2048
 LLAMA_KV8 = dataclasses.replace(PRESETS["tiny"], name="llama-kv8", hidden_size=1024, intermediate_size=2048,
                                 num_layers=4, num_heads=16, num_kv_heads=8, head_dim=128,

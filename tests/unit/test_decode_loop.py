@@ -294,6 +294,7 @@ def _drive(eng, items, pipelined=True, expect_constrained=True) -> dict[str, lis
     return got
 
 
+@pytest.mark.slow  # make test-unit leaves it out: ten grammar-constrained generations of the built-in model
 def test_builtin_model_under_a_json_schema_is_valid_ten_times_out_of_ten(builtin):
     """Temperature 1, max_tokens 64: half through a pulled KV (prefill masked as the prefill pod
     does), half prefilled by the loop itself; next to an unconstrained slot that keeps its tokens."""

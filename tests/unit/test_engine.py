@@ -61,6 +61,7 @@ def test_batch_buckets(engine):
     assert [engine.rows_for(n) for n in (None, 0, 1, 2, 3, 4, 9)] == [4, 2, 2, 2, 4, 4, 4]
 
 
+@pytest.mark.slow  # make test-unit leaves it out: compiles the step of every batch bucket twice
 def test_decode_step_updates_the_cache_in_place(engine):
     """No batch bucket's compiled step, with or without logprobs, copies the whole KV cache or
     the penalty history (the donated state is written in place); a one-row write did, which is
@@ -142,6 +143,7 @@ def test_slot_reuse_after_free(engine):
     assert got == reference_greedy(engine.params, engine.cfg, ids, 7, pad_to=MAX_LEN)
 
 
+@pytest.mark.slow  # make test-unit leaves it out: compiles a second engine
 def test_export_import_into_other_engine(engine):
     ids = prompt(20, seed=4)
     payload = engine.export_prefix(engine.prefill(ids, GREEDY))

@@ -28,6 +28,8 @@ from tandem_engine.prefix_cache import cache_for
 from tandem_engine.prefix_cache import prefill as cached_prefill
 from tests.families import FAMILIES, WINDOW, build_family, hf_greedy
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): every family's engine and its transformers model, 9 times
+
 GREEDY = SamplingParams()
 NEW_TOKENS = 20
 REL_TOL = 1e-4

@@ -26,6 +26,8 @@ tokenizers = pytest.importorskip("tokenizers")
 from tandem_core.types import SamplingParams
 from tandem_engine import config_from_info, load_engine, reference_forward
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): transformers models and an engine for each shape
+
 NEW_TOKENS = 32
 REL_TOL = 1e-4
 SHAPES = {

@@ -22,6 +22,8 @@ import pytest
 
 from tandem_core.models import PRESETS
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): child processes with host devices load and compile sharded engines
+
 ROOT = Path(__file__).resolve().parents[2]
 # 4 KV heads so that tp 1, 2 and 4 all divide them; untied, so the LM head is a leaf of its own
 INFO = dataclasses.replace(PRESETS["tiny"], name="tiny-kv4", num_heads=8, num_kv_heads=4, head_dim=8, seed=5,

@@ -64,6 +64,7 @@ def family_dirs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # make test-unit leaves it out: two engines for each of 9 families
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral",
                                     "qwen3_moe", "gpt_oss"])
 def test_greedy_tokens_match_the_slot_layout(family, family_dirs):
@@ -201,6 +202,7 @@ def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
     assert engine.kv_blocks_free() == engine.kv_blocks_total == 2 * 8
 
 
+@pytest.mark.slow  # make test-unit leaves it out: compiles every step variant of a paged pod
 def test_warmup_compiles_every_step_variant_a_decode_then_runs():
     """What a paged decode pod warms (no prefill; logprobs and grammar-masked variants too) is every
     step it runs later: a row growing from 4 blocks to 10 of the table's 16 (one table width: the

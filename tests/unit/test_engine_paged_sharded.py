@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): a child process with 4 host devices compiles paged engines at tp 1, 2 and 4
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
 STEPS = 24

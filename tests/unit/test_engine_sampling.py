@@ -136,6 +136,7 @@ def draw_from(logits, temperature, top_k, top_p, seed, start, n):
                   full(top_k, jnp.int32), full(top_p, jnp.float32), keys)
 
 
+@pytest.mark.slow  # make test-unit leaves it out: 200,000 draws over 1,000 tokens, five times
 @pytest.mark.parametrize("temperature,top_k,top_p", [
     (1.0, 0, 1.0),  # plain: Gumbel-max over the whole vocabulary
     (0.7, 40, 1.0),  # top-k

@@ -22,6 +22,8 @@ import pytest
 from tandem_core.models import PRESETS
 from tandem_core.types import SamplingParams
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): a child process with 4 host devices compiles engines at tp 1, 2 and 4
+
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams()
 STEPS = 16

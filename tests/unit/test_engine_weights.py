@@ -66,6 +66,7 @@ def test_load_rejects_missing_tensor(tmp_path):
         load_engine(str(tmp_path), **KW)
 
 
+@pytest.mark.slow  # make test-unit leaves it out: compiles two bfloat16 engines
 def test_bfloat16_engine(tmp_path):
     engine = load_engine("tiny", dtype="bfloat16", **KW)
     assert engine.params["embed"].dtype == jax.numpy.bfloat16

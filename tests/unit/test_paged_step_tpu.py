@@ -45,6 +45,8 @@ from tandem_engine.engine_prefill import Prefix
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import init_params
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): paged steps compiled for a TPU chip (libtpu, no chip)
+
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS, ROWS, MAX_LEN = 2, 2, 128, 16, 32768, 8, 2048
 # one layer's K buffer: [KV, BLOCKS + 1 (the null block), BLOCK, HEAD_DIM] bf16 (268 MB)
 LAYER_BYTES = KV_HEADS * (BLOCKS + 1) * BLOCK * HEAD_DIM * 2

@@ -27,6 +27,8 @@ from tandem_engine.model import prefill_logits_all
 from tandem_engine.reference import reference_greedy
 from tandem_engine.quantize import QUANTIZED, dequantize, quantize_int8, quantize_params, weight_bytes
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): an int8 engine and its float twin for each of 10 families
+
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams()
 # int8 vs float logits, as a fraction of the position's logit range (max - min over the vocab).

@@ -34,6 +34,8 @@ from tandem_engine.weights import init_params
 from planner.profile import parse_profile
 from tandem.fit import fit, projected_profile
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): whole-model compiles for TPU slices (libtpu, no chip)
+
 SLOTS, MAX_LEN, BUCKET, DTYPE = 8, 512, 64, "bfloat16"
 SLACK = 64 * 1024
 REPO = Path(__file__).resolve().parents[2]

@@ -27,6 +27,8 @@ from tandem.fit import CHIPS
 from tandem_core.models import resolve_model
 from tandem_engine import aot
 
+pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): sampling compiled for a TPU chip (libtpu, no chip)
+
 REPO = Path(__file__).resolve().parents[2]
 ROWS, TP = 64, 4
 
