@@ -46,7 +46,7 @@ def missing_engine_reason() -> str | None:
         client.ping()
     except Exception as e:  # noqa: BLE001  (any failure to reach the engine is the reason reported)
         return (f"no Docker engine reachable ({type(e).__name__}: {str(e)[:120]}); as root, .ci/run installs "
-                "docker.io and starts `dockerd --storage-driver vfs`")
+                "docker.io and starts dockerd (overlay2, or vfs)")
     try:
         missing = []
         for image in IMAGES.values():
