@@ -7,7 +7,7 @@
 #                 transformers, tp 2 and 4 in child processes, TPU compiles); make test runs it too
 #   make check    ruff (lint), mypy (the seams), lint-imports (the layering contracts): pyproject.toml
 #   make install  everything a developer uses (what make test installs, plus [bench])
-#   make images REGISTRY=...   builds (and pushes) the three images in docker/
+#   make images   builds the three images in docker/ here (REGISTRY=...: and pushes them)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -26,7 +26,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install serve check test test-unit test-slow bench proto images clean
+.PHONY: install serve check test test-unit test-slow bench proto base-image images clean
 
 $(CREATED):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -87,39 +87,62 @@ proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. tandem_proto/*.proto
 
 # ---- Images -----------------------------------------------------------------------------------
+# make base-image   debootstraps Debian bookworm (minbase + python3.11, venv, CA certificates) and
+#                   `docker import`s it as $(BASE_IMAGE) (docker/base-image.sh; root; its ID is
+#                   written to build/base/base-image.id). Nothing is pulled from a registry.
+# make images       builds docker/{gateway,worker-cpu,worker-tpu}.Dockerfile on it, here, as
+#                   tandem-<name>:$(TAG), and tandem-redis:$(TAG) (Debian's redis-server, for the
+#                   container tests and compose.yaml); IMAGES_ONLY="gateway worker-cpu" builds fewer.
 # make images REGISTRY=us-docker.pkg.dev/my-project/tandem [TAG=0.1.0] [PUSH=0] [PLATFORM=linux/amd64]
-# Builds docker/{gateway,worker-cpu,worker-tpu}.Dockerfile as $(REGISTRY)/tandem-<name>:$(TAG),
-# pushes them (PUSH=0: build only) and writes $(IMAGE_VALUES): chart values with each image's
-# repository, tag and pushed digest, for `helm install ... -f $(IMAGE_VALUES)`. Needs a Docker
-# engine with BuildKit (docker/*.Dockerfile.dockerignore) and `docker login` to the registry.
+#                   builds the three as $(REGISTRY)/tandem-<name>:$(TAG), pushes them (PUSH=0: build
+#                   only) and writes $(IMAGE_VALUES): chart values with each image's repository, tag
+#                   and pushed digest, for `helm install ... -f $(IMAGE_VALUES)`; needs `docker login`.
+# PYTHON_IMAGE=python:3.11-slim-bookworm builds on that instead of the base image (a registry
+# must answer). BuildKit reads docker/*.Dockerfile.dockerignore: Docker >= 23 with buildx, or
+# Debian's Docker 20.10 client with DOCKER_BUILDKIT=1 (chosen below when the first `docker` on
+# PATH has no buildx and /usr/bin/docker exists).
 REGISTRY ?=
 TAG ?= $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*$$/\1/p' charts/tandem/Chart.yaml)
-PUSH ?= 1
-DOCKER ?= docker
+PUSH ?= $(if $(REGISTRY),1,0)
+ifeq ($(origin DOCKER),undefined)
+DOCKER := $(shell if docker buildx version >/dev/null 2>&1; then echo docker; elif [ -x /usr/bin/docker ]; then echo /usr/bin/docker; else echo docker; fi)
+endif
 PLATFORM ?= linux/amd64
+BASE_IMAGE ?= tandem-base:bookworm
+PYTHON_IMAGE ?= $(BASE_IMAGE)
 IMAGE_VALUES ?= build/images-values.yaml
 # <Dockerfile name>:<key under the chart's `images:`>
 IMAGES := gateway:gateway worker-cpu:workerCpu worker-tpu:workerTpu
+IMAGES_ONLY ?=
+BUILT := $(if $(IMAGES_ONLY),$(filter $(addsuffix :%,$(IMAGES_ONLY)),$(IMAGES)),$(IMAGES))
 
 image_name = $(word 1,$(subst :, ,$(1)))
 image_key = $(word 2,$(subst :, ,$(1)))
-image_ref = $(REGISTRY)/tandem-$(call image_name,$(1))
+image_ref = $(if $(REGISTRY),$(REGISTRY)/,)tandem-$(call image_name,$(1))
+# The CA bundle pip trusts in the images' build stages (a BuildKit secret, never stored in a layer):
+# the host's by default, so a TLS-inspecting proxy the host trusts is trusted; CA_BUNDLE= for none.
+CA_BUNDLE ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+comma := ,
+docker_build = DOCKER_BUILDKIT=1 $(DOCKER) build --platform $(PLATFORM) --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)$(if $(CA_BUNDLE), --secret id=ca-bundle$(comma)src=$(CA_BUNDLE))
 
 define build_image
-$(DOCKER) build --platform $(PLATFORM) -f docker/$(call image_name,$(1)).Dockerfile -t $(call image_ref,$(1)):$(TAG) .
+$(docker_build) -f docker/$(call image_name,$(1)).Dockerfile -t $(call image_ref,$(1)):$(TAG) .
 $(if $(filter 1,$(PUSH)),$(DOCKER) push $(call image_ref,$(1)):$(TAG))
-printf '  %s:\n    repository: %s\n    tag: "%s"\n    digest: "%s"\n' $(call image_key,$(1)) $(call image_ref,$(1)) $(TAG) "$$($(DOCKER) image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' $(call image_ref,$(1)):$(TAG) | sed -n 's|^$(call image_ref,$(1))@||p' | head -n 1)" >> $(IMAGE_VALUES)
+$(if $(REGISTRY),printf '  %s:\n    repository: %s\n    tag: "%s"\n    digest: "%s"\n' $(call image_key,$(1)) $(call image_ref,$(1)) $(TAG) "$$($(DOCKER) image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' $(call image_ref,$(1)):$(TAG) | sed -n 's|^$(call image_ref,$(1))@||p' | head -n 1)" >> $(IMAGE_VALUES))
 
 endef
 
-images:
-	$(if $(REGISTRY),,$(error make images needs REGISTRY=<registry>/<path>, e.g. REGISTRY=us-docker.pkg.dev/my-project/tandem (Artifact Registry) or REGISTRY=ghcr.io/my-org; the chart's ghcr.io/tandem-serve defaults are not published))
+base-image:
+	BASE_IMAGE=$(BASE_IMAGE) DOCKER=$(DOCKER) docker/base-image.sh
+
+images: $(if $(filter $(BASE_IMAGE),$(PYTHON_IMAGE)),base-image)
 	$(if $(TAG),,$(error make images: no TAG given and none found as appVersion in charts/tandem/Chart.yaml))
-	@echo "make images: building $(foreach i,$(IMAGES),$(call image_ref,$(i)):$(TAG))$(if $(filter 1,$(PUSH)), and pushing them,; PUSH=0: not pushing) for $(PLATFORM)"
-	mkdir -p $(dir $(IMAGE_VALUES))
-	printf '# Written by make images: the chart values for these images (helm install -f %s).\nimages:\n' $(IMAGE_VALUES) > $(IMAGE_VALUES)
-	$(foreach i,$(IMAGES),$(call build_image,$(i)))
-	@echo "make images: wrote $(IMAGE_VALUES); install with: helm install tandem charts/tandem -f $(IMAGE_VALUES) ..."
+	@echo "make images: building $(foreach i,$(BUILT),$(call image_ref,$(i)):$(TAG))$(if $(REGISTRY),, tandem-redis:$(TAG)) on $(PYTHON_IMAGE)$(if $(filter 1,$(PUSH)), and pushing them,$(if $(REGISTRY),; PUSH=0: not pushing,; no REGISTRY: local images, not pushed)) for $(PLATFORM)"
+	$(if $(REGISTRY),mkdir -p $(dir $(IMAGE_VALUES)))
+	$(if $(REGISTRY),printf '# Written by make images: the chart values for these images (helm install -f %s).\nimages:\n' $(IMAGE_VALUES) > $(IMAGE_VALUES))
+	$(foreach i,$(BUILT),$(call build_image,$(i)))
+	$(if $(REGISTRY),,$(docker_build) -f docker/redis.Dockerfile -t tandem-redis:$(TAG) .)
+	$(if $(REGISTRY),@echo "make images: wrote $(IMAGE_VALUES); install with: helm install tandem charts/tandem -f $(IMAGE_VALUES) ...",@$(DOCKER) image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E '^tandem-[a-z-]+:$(TAG) ' || true)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

