@@ -27,6 +27,7 @@ BENCHMARKS = [
     "prefix.py",  # multi-turn chats: Tandem prefix cache on/off vs vLLM with prefix caching (issue 14)
     "token_plane.py",  # the token plane alone, 10,000 streams, key placement, Redis cost per token (issue 15)
     "paged_capacity.py --write",  # paged KV vs fixed slots on one KV budget: sequences held, tok/s, step time (issue 30)
+    "paged_step.py --write",  # the paged decode step on Tandem's CPU kernel and on the gather path vs the slot step (issue 43)
     "host_path.py",  # each role's host CPU per token (Python threads apart from native), the 256-slot projection (issue 29)
     "kv_capacity.py",  # fixed slots vs paged KV at one KV budget: sequences held, tok/s, KV bytes moved (issue 30)
     "decode_affinity.py",  # two paged decode pods: KV moved per conversation turn, decode routing on vs off (issue 30)

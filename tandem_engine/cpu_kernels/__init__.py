@@ -10,7 +10,9 @@ The source ships with the package and is compiled on first use with the machine'
 `TANDEM_KERNEL_CACHE` (default: ~/.cache/tandem/kernels, else the temp directory). The library's
 name carries a hash of the source, the flags, jaxlib's version and the CPU's feature flags
 (`-march=native`), so a cache on a volume shared by other machines or versions never loads a
-library built for another. Processes starting together (`tandem local`) may both compile; each
+library built for another. `TANDEM_KERNEL_MARCH=x86-64-v3` (or -v2, -v4) builds for a named level
+instead, the same library on every machine (the CPU worker image ships one built so, in its
+`TANDEM_KERNEL_CACHE`), used only where the CPU has that level's features. Processes starting together (`tandem local`) may both compile; each
 writes its own file and renames it into place. `TANDEM_CPU_KERNELS=0` turns the kernels off.
 Where no compiler is found or the build fails, `paged_attention_kernel()` returns None, once
 logged as a warning with the reason, and the engine keeps the XLA path (slower, same results).
@@ -41,7 +43,21 @@ SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET = "tandem_paged_attention"
 # -fopenmp-simd: the dot products' reductions vectorize (no OpenMP runtime, no threads); -ffast-math:
 # expf vectorizes too (glibc's vector math; the source keeps every value finite, as it then must)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-ffast-math", "-fopenmp-simd")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffast-math", "-fopenmp-simd")
+# TANDEM_KERNEL_MARCH: a named x86-64 level instead of this machine's own (-march=native), for a
+# library built once and shipped (docker/worker-cpu.Dockerfile: x86-64-v3); such a library is used
+# only on a CPU with the features the level needs (else: the gather path, logged).
+LEVEL_FEATURES = {"x86-64-v2": ("sse4_2", "popcnt", "ssse3"),
+                  "x86-64-v3": ("avx2", "fma", "bmi2", "movbe", "f16c"),
+                  "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")}
+
+
+def _march() -> str:
+    return os.environ.get("TANDEM_KERNEL_MARCH") or "native"
+
+
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, f"-march={_march()}")
 BUILD_TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
@@ -84,7 +100,9 @@ def library_path() -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_flags().encode()):
+    march = _march()  # a named level builds the same library on any machine: the CPU is not in the key
+    for part in (SOURCE.read_bytes(), " ".join(_flags()).encode(), jaxlib.__version__.encode(),
+                 (_cpu_flags() if march == "native" else march).encode()):
         key.update(part)
     return _cache_dir() / f"tandem_cpu_kernels-{key.hexdigest()[:16]}.so"
 
@@ -93,6 +111,11 @@ def build() -> Path:
     """Compile the kernels (if not already built) and return the library's path; RuntimeError
     with the compiler's message when that fails."""
     out = library_path()
+    march = _march()
+    missing = [f for f in LEVEL_FEATURES.get(march, ()) if f not in _cpu_flags().split()]
+    if missing:
+        raise RuntimeError(f"the kernels are built for {march} (TANDEM_KERNEL_MARCH) and this CPU lacks "
+                           f"{', '.join(missing)}")
     if out.exists():
         return out
     cxx = _compiler()
@@ -101,11 +124,12 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: readable by every user (an image's runtime uid too)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

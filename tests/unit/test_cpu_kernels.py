@@ -103,3 +103,17 @@ def test_a_missing_compiler_is_a_warning_and_no_kernel(monkeypatch, tmp_path, ca
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
     assert cpu_kernels.paged_attention_kernel() is None
+
+
+def test_a_library_built_for_a_named_level_is_not_used_on_a_cpu_without_its_features(monkeypatch, tmp_path):
+    """The CPU worker image ships the kernel built for x86-64-v3 (TANDEM_KERNEL_MARCH): on a CPU
+    without AVX2 it must not be loaded (it would stop the process with an illegal instruction)."""
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("TANDEM_KERNEL_MARCH", "x86-64-v3")
+    named = cpu_kernels.library_path()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "fpu sse sse2")
+    assert cpu_kernels.library_path() == named  # the CPU is not part of a named level's key
+    with pytest.raises(RuntimeError, match="built for x86-64-v3.*lacks avx2"):
+        cpu_kernels.build()
+    monkeypatch.delenv("TANDEM_KERNEL_MARCH")
+    assert cpu_kernels.library_path() != named  # native: this CPU's flags are in the key
