@@ -7,11 +7,10 @@ tandem_engine/cpu_kernels); `"paged"` with TANDEM_CPU_KERNELS=0 (the gather path
 paged.paged_attention). Each runs in its own process, one after the other, `--rounds` times
 alternating, and measures bench/paged_capacity.py's `step_time`: every row of the batch inserted at
 the same context, then 20 reserve-and-step calls, process CPU time per step (less sensitive than
-wall time to other work on a shared machine). A fresh paged engine compiled `generate_core` once
-more in its first measured context even after step_time's two settling steps (seen with
-jax_log_compiles, ~110 ms a step over 20 steps; not explained: the engine's own warm-up path does
-not show it, tests/unit/test_engine_paged.py -k warmup), so every context is run once before
-the measured pass. Reported
+wall time to other work on a shared machine). Every context runs once before the measured pass (settling). The
+first version of this benchmark, without that pass, measured ~100 ms steps at context 256: the
+paged step compiled again when a reserve rebuilt the block table mid-decode (an uncommitted array
+beside a committed state: another jit cache key), which engine_decode._table_array now avoids. Reported
 per batch and context: the best of the rounds, and paged / slots. Timings are reported, never
 asserted.
 """
@@ -48,7 +47,7 @@ def measure(layout: str) -> dict[str, float]:
         if layout == "paged":
             kw.update(kv_block_size=16, kv_blocks=batch * 1024 // 16)
         engine = load_engine("builtin", slots=batch, max_len=1024, cpu_threads=1, **kw)
-        for ctx in CONTEXTS:  # a first pass: a fresh paged engine compiled its step once more in it (below)
+        for ctx in CONTEXTS:  # a first pass: settles every context's inserts and steps
             step_time(engine, batch, ctx, 3)
         for ctx in CONTEXTS:
             out[f"{batch}/{ctx}"] = step_time(engine, batch, ctx, 20) * 1e3

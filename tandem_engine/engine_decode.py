@@ -254,9 +254,12 @@ class DecodeSide(EngineBase):
 
     def _table_array(self) -> jax.Array:
         """The host block tables on the device (replicated over the chips under tp: every chip
-        reads every row's table)."""
+        reads every row's table). Committed to the device, as the step's outputs are: an
+        uncommitted table beside a committed state is another jit cache key, and the step compiled
+        again the first time a reserve rebuilt the table mid-decode (a row crossing a block boundary;
+        seen in bench/paged_step.py before the warm-up path was taken)."""
         if self.layout is None:
-            return jnp.asarray(self._table)
+            return jax.device_put(self._table, jax.devices()[0])
         return jax.device_put(self._table, self.layout.replicated())
 
     def _release_row(self, slot: int, tokens: Sequence[int] | None = None) -> None:

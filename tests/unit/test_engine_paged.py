@@ -231,3 +231,31 @@ def test_warmup_compiles_every_step_variant_a_decode_then_runs():
             pos += kw.get("steps", 1)
         assert generate_core._cache_size() == compiled, f"a step at position {pos} compiled after warm-up"
     np.asarray(tokens)
+
+
+def test_a_reserve_that_rebuilds_the_block_table_compiles_no_new_step():
+    """A row crossing a block boundary mid-decode gets a new block, so `reserve` rebuilds the
+    device table: it must be the same kind of array as the step's own outputs (committed), or the
+    step compiles again in the middle of serving (seen: a second and a third compile of the same
+    step, 2 s each on 2 cores, at the first boundary crossed). The built-in model: its weights are
+    read from a checkpoint onto the device (committed), so the step's outputs are committed too."""
+    from tandem_engine.cores import generate_core
+
+    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16,), kv_layout="paged", kv_block_size=4)
+    state = engine.init_state()
+    for slot in (0, 1):  # 8 positions each: 2 full blocks
+        state = engine.insert(engine.prefill(list(range(3 + slot, 11 + slot)), GREEDY), state, slot, GREEDY)
+
+    def step(state):
+        state, short = engine.reserve(state, 1)
+        assert short == []
+        state, tokens = engine.generate(state)
+        np.asarray(tokens)
+        return state
+
+    before = generate_core._cache_size()
+    for _ in range(12):  # positions 8-19: blocks 3, 4 and 5 taken at 8, 12 and 16, the table rebuilt there
+        state = step(state)
+    # one variant for every step: the state the first step gets (inserts' outputs and a rebuilt
+    # table), the steps' own outputs, and a rebuilt table beside them are one cache key
+    assert generate_core._cache_size() - before <= 1
