@@ -59,7 +59,7 @@ class DecodeSide(EngineBase):
         else:
             k = jnp.zeros(cache, self._jdtype, device=kv_dev)
             v = jnp.zeros(cache, self._jdtype, device=kv_dev)
-        return DecodeState(
+        state = DecodeState(
             k=k,
             v=v,
             positions=jnp.zeros((s,), jnp.int32, device=dev),
@@ -74,6 +74,12 @@ class DecodeSide(EngineBase):
             processing=init_slot_logits(s, c.vocab_size, dev),
             block_table=table,
         )
+        if lay is None:  # committed to the device, as every core's outputs are (weights read from a
+            # checkpoint are committed): an uncommitted state is another jit cache key for every core
+            # it goes through, so a pod compiled inserts, frees and steps again while serving
+            # (bench/paged_capacity.py's slot loop: 6 compiles after its warm-up, 8 s of CPU)
+            state = jax.device_put(state, jax.devices()[0])
+        return state
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.slots:

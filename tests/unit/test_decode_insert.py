@@ -129,3 +129,32 @@ def test_a_step_over_the_first_group_passes_only_its_blocks_and_computes_the_sam
     got_state, got = engine.generate(state, 3, steps=steps)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert_same(got_state, want_state)
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_serving_after_warmup_compiles_nothing(layout, caplog):
+    """A decode pod warms up, then serves from a fresh state: payloads inserted, steps, rows freed
+    and filled again, and no core compiles. With the weights read from a checkpoint (the built-in
+    model: committed to the device) every core's outputs are committed, so a state `init_state`
+    left uncommitted was another jit cache key: the slot layout compiled its step and its free again
+    while serving (bench/paged_capacity.py: 6 compiles, 8 s of CPU after its warm-up)."""
+    extra = {"kv_layout": "paged", "kv_block_size": 16} if layout == "paged" else {}
+    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16,), steps_per_dispatch=1, **extra)
+    engine.warmup(prefill=False, logprobs=False)
+    c = engine.cfg
+    kv = np.zeros((c.num_layers, 16, c.num_kv_heads, c.head_dim), np.float32)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        state = engine.init_state()
+        for _ in range(2):
+            for slot in (0, 1):
+                state = engine.insert_payload(KVPayload(k=kv, v=kv, true_length=12, first_token=1), state, slot,
+                                              SamplingParams())
+            for _ in range(3):
+                state, short = engine.reserve(state, 1)
+                state, tokens = engine.generate(state)
+                np.asarray(tokens)
+            for slot in (0, 1):
+                state = engine.free(state, slot)
+    compiled = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(")
+                and "_core" in r.getMessage()[:40]]
+    assert compiled == []
