@@ -41,9 +41,14 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
 TARGET = "tandem_paged_attention"
-# -fopenmp-simd: the dot products' reductions vectorize (no OpenMP runtime, no threads); -ffast-math:
-# expf vectorizes too (glibc's vector math; the source keeps every value finite, as it then must)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffast-math", "-fopenmp-simd")
+# Compiled, then linked in a second command. -fopenmp-simd: the dot products' reductions vectorize
+# (no OpenMP runtime, no threads); -ffast-math: expf vectorizes too (glibc's vector math; the source
+# keeps every value finite, as it then must). Never -ffast-math at link time: GCC then links
+# crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for the whole
+# process when the library loads (every thread's numpy and XLA arithmetic after it; hypothesis's
+# float strategies refused to run in the gateway's fuzz tests because of it).
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffast-math", "-fopenmp-simd")
+LINK_FLAGS = ("-shared",)
 # TANDEM_KERNEL_MARCH: a named x86-64 level instead of this machine's own (-march=native), for a
 # library built once and shipped (docker/worker-cpu.Dockerfile: x86-64-v3); such a library is used
 # only on a CPU with the features the level needs (else: the gather path, logged).
@@ -101,7 +106,7 @@ def library_path() -> Path:
 
     key = hashlib.sha256()
     march = _march()  # a named level builds the same library on any machine: the CPU is not in the key
-    for part in (SOURCE.read_bytes(), " ".join(_flags()).encode(), jaxlib.__version__.encode(),
+    for part in (SOURCE.read_bytes(), " ".join((*_flags(), *LINK_FLAGS)).encode(), jaxlib.__version__.encode(),
                  (_cpu_flags() if march == "native" else march).encode()):
         key.update(part)
     return _cache_dir() / f"tandem_cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -124,16 +129,20 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    obj = tmp[:-len(".so")] + ".o"
+    steps = ([cxx, *_flags(), f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE), "-o", obj],
+             [cxx, *LINK_FLAGS, obj, "-o", tmp])  # linked without -ffast-math: no crtfastmath.o
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)  # mkstemp made it 0600: readable by every user (an image's runtime uid too)
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     log.info("built Tandem's CPU kernels: %s", out)
     return out
 

@@ -117,3 +117,19 @@ def test_a_library_built_for_a_named_level_is_not_used_on_a_cpu_without_its_feat
         cpu_kernels.build()
     monkeypatch.delenv("TANDEM_KERNEL_MARCH")
     assert cpu_kernels.library_path() != named  # native: this CPU's flags are in the key
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_state_alone():
+    """Built with -ffast-math, a library linked with it too carries crtfastmath.o, which turns on
+    flush-to-zero and denormals-are-zero for the whole process when it loads: subnormal float32
+    values then read as zero everywhere (numpy, XLA, hypothesis refused to run). Run in a child
+    process so that this process's state is not the one checked."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from tandem_engine import cpu_kernels; "
+            "assert cpu_kernels.paged_attention_kernel() is not None; "
+            "x = np.array([1e-39], np.float32); print(float((x * np.float32(2))[0]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    got = float(out.stdout.strip().splitlines()[-1])
+    assert 1.9e-39 < got < 2.1e-39  # plain Python floats: a numpy float32 here would be flushed too
