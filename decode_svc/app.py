@@ -129,7 +129,7 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
             extra={"pool": s.pool, "prefix_cache": io.engine_loop.prefix_cache.summary(), "steps": stats.steps,
                    "calls": stats.calls, "single_calls": stats.single_calls, "tokens": stats.tokens, "cancelled": stats.cancelled + io.claims.cancelled,
                    "cancel_lag_tokens": stats.cancel_lag_tokens, "handed_back": io.handback.handed_back,
-                   "owed": io.handback.owed, "pulled": io.claims.pulled,
+                   "owed": io.handback.owed, "pulled": io.claims.pulled, "superseded": io.claims.superseded,
                    "pulled_kv_bytes": io.claims.pulled_kv_bytes, "local_prefills": stats.local_prefills,
                    "colocated": s.colocated, "requests": table.stages(),
                    # gateways steer conversations only to pods that say they read their own ready stream

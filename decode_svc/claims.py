@@ -30,7 +30,7 @@ from decode_svc.resync import Journal, Resync
 from decode_svc.settings import DecodeSettings
 from tandem_core import faults
 from tandem_core.bus import conn, dead_letter, groups, ready, reclaim, steal, token_stream
-from tandem_core.errors import KVTransferFailed, TandemError
+from tandem_core.errors import KVSuperseded, KVTransferFailed, TandemError
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, GenerationRequest
 
@@ -59,6 +59,7 @@ class Claims:
         self.reuse = blocks.engine if blocks is not None and blocks.engine.kv_reuse else None
         self.reused_tokens = 0  # prompt positions whose KV was not pulled: this pod held them
         self.dead_letters = 0  # entries acked unread: no request could be read from them
+        self.superseded = 0  # ready notices acked unpulled: a later prefill of their request replaced the KV
         # Cache-aware routing to decode pods: this pod's own per-pod ready streams come first (when it
         # holds a block cache to steer to), and other pods' entries left unread are taken (steal.py)
         self.affinity = bool(s.ready_affinity and self.reuse is not None and not s.colocated)
@@ -311,6 +312,11 @@ class Claims:
         try:
             if await self._pull_and_queue(notice, key, started, entry):
                 return  # its entry acked with its ownership (`_own`)
+        except KVSuperseded as e:  # a stale notice: the later prefill's notice carries the request on
+            self.table.drop(key)
+            self.superseded += 1
+            log.warning("ready notice of request_id=%s (attempt %d, from index %d) is superseded: %s; acked with no "
+                        "resume", req.request_id, req.attempt, req.start_index, e.message)
         except Exception as e:
             self.table.drop(key)
             if isinstance(e, KVTransferFailed):  # the prefill pod is gone (or its KV is)

@@ -1,7 +1,8 @@
 """KV pull client: fetch one prefill result from the prefill pod named in its ready notice.
 
 One gRPC channel per prefill address, reused. Every pull has a deadline; any failure (pod gone,
-wrong capability, checksum mismatch, deadline) becomes `KVTransferFailed` with the reason.
+wrong capability, checksum mismatch, deadline) becomes `KVTransferFailed` with the reason; a
+capability refused because a later prefill of the same request replaced the KV, `KVSuperseded`.
 
 A pull runs on a worker thread over a blocking channel, not on the event loop: reading the stream
 and decoding its chunks (checksums, copies into the payload's arrays) was the largest share of the
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from tandem_core import grpc_util, kvcodec
-from tandem_core.errors import KVTransferFailed
+from tandem_core.errors import KVSuperseded, KVTransferFailed
 from tandem_core.settings import GrpcConfig
 from tandem_core.bus.ready import ReadyNotice
 from tandem_core.types import KVPayload
@@ -25,6 +26,7 @@ from tandem_proto import kv_pb2, kv_pb2_grpc
 
 _SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 PULL_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['PullKV'].name}"
+WRONG_CAPABILITY = "wrong capability for request"  # how prefill_svc/service.py starts that refusal
 
 
 class KVPuller:
@@ -98,7 +100,10 @@ class KVPuller:
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
-            raise KVTransferFailed(
+            # a decode pod presents the capability its notice carries: refused, the KV held under
+            # the id is another prefill's (prefill_svc/service.py), and this notice is stale
+            superseded = code == grpc.StatusCode.PERMISSION_DENIED and (details or "").startswith(WRONG_CAPABILITY)
+            raise (KVSuperseded if superseded else KVTransferFailed)(
                 f"KV pull of request {rid} from {notice.address} failed: {getattr(code, 'name', code)}: {details}"
             ) from e
         except KVTransferFailed as e:

@@ -54,7 +54,10 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         if held is None:
             return None, (grpc.StatusCode.NOT_FOUND, f"no KV held for request {request_id} (released or lease ended)")
         if not hmac.compare_digest(held.capability.encode(), capability.encode()):
-            return None, (grpc.StatusCode.PERMISSION_DENIED, f"wrong capability for request {request_id}")
+            # (a decode pod presenting a notice's own capability gets this only when a later prefill
+            # of the same request replaced the KV: decode_svc/puller.py reads it as superseded)
+            return None, (grpc.StatusCode.PERMISSION_DENIED,
+                          f"wrong capability for request {request_id} (the KV held under it is another prefill's)")
         return held, None
 
     async def PullKV(self, request, context):

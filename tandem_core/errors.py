@@ -95,6 +95,14 @@ class KVTransferFailed(TandemError):
     error_type = "kv_transfer_error"
 
 
+class KVSuperseded(KVTransferFailed):
+    """The prefill pod holds KV under the request's id, but for another capability: a later
+    prefill of the same request (it was resumed, or its admission entry prefilled again) replaced
+    the KV this ready notice names. The notice is stale; the later prefill's own notice carries
+    the request on, so this one is acked with no resume (a resume would run it twice and spend
+    one of its attempts)."""
+
+
 class ServiceUnavailable(TandemError):
     """Redis or the workers cannot take the request now (an outage, a predicted first token past
     the deadline): retry after `retry_after_s`."""

@@ -108,3 +108,57 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
     one = engine.export_prefix(engine.prefill([256, 65, 66], SamplingParams())).nbytes
     assert io.claims.pulled == N
     assert io.claims.pulled_kv_bytes == N * one, f"{io.claims.pulled_kv_bytes} KV bytes counted for {N} pulls of {one}"
+
+
+async def test_a_superseded_ready_notice_is_acked_without_a_resume(redis_url, redis_client, engine):
+    """Two ready notices for one request: the first one's KV was replaced by a later prefill of the
+    same request (a resume, or its admission entry prefilled again), so the prefill pod refuses
+    its capability. That notice is stale: acked with no resume (a resume would enqueue the request
+    a second time and spend one of its attempts: CI saw a request fail with "request failed 3
+    times (... wrong capability ...)"); the later notice serves the request, each token once."""
+    r = redis_client
+    pool = "superseded"
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    req = GenerationRequest("req-stale", [256, 70, 71], MAX_TOKENS, SamplingParams(), ignore_eos=True)
+    payload = engine.export_prefix(engine.prefill(req.prompt_ids, req.sampling))
+    stale = store.put(req.request_id, payload).capability
+    later = store.put(req.request_id, payload).capability  # replaces the first (prefill_svc/kv_store.py)
+    for cap in (stale, later):
+        notice = ready.ReadyNotice(req, address, cap, payload.nbytes, "p0", payload.first_token)
+        pipe = r.pipeline(transaction=False)
+        ready.add_ready(pipe, KS, pool, notice, 1000)
+        groups.ring(pipe, KS, pool, keys.DECODE_GROUP)
+        await pipe.execute()
+
+    s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
+                       pool=pool, slots=SLOTS, claim_block_ms=50)
+    table = RequestTable(SLOTS)
+    bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
+    eloop = EngineLoop(engine, table, bridge)
+    io = DecodeIO(s, r, KS, table, eloop, bridge, "decode-stale")
+    stop, done = asyncio.Event(), asyncio.Event()
+    eloop.start()
+    tasks = [asyncio.create_task(io.claims.claim_loop(stop)), asyncio.create_task(io.publisher.publish_loop(done))]
+    try:
+        for _ in range(400):
+            last = await r.xrevrange(KS.token_stream(req.request_id), count=1)
+            if last and b"f" in last[0][1] and io.claims.superseded:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await tasks[0]
+        eloop.stop()
+        done.set()
+        await tasks[1]
+        await io.puller.close()
+        await server.stop(None)
+    assert io.claims.superseded == 1 and io.claims.pulled == 1
+    admitted = [await r.xlen(KS.admission_stream(pool, prio, 0)) for prio in keys.PRIORITIES]
+    assert admitted == [0, 0], f"a stale notice was resumed: admission streams hold {admitted}"
+    entries = await r.xrange(KS.token_stream(req.request_id))
+    assert [int(f[b"i"]) for _id, f in entries] == list(range(1, MAX_TOKENS))
+    assert (await r.xpending(KS.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"] == 0
+    assert store.held_bytes == 0
