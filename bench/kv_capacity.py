@@ -6,7 +6,7 @@ real HTTP client (bench/loadgen.py).
                                 [--configs slots,paged] [--tandem-args ARGS] [--ready-timeout SECONDS]
 
 Two configurations, back to back in one run, with the SAME KV memory budget (S x M positions):
-  * slots  `tandem local --slots S --max-len M`: today's layout, M positions reserved per slot;
+  * slots  `tandem local --slots S --max-len M --kv-layout slots`: M positions reserved per slot;
   * paged  `--slots R --max-len M --kv-layout paged --kv-blocks S*ceil(M/B) --kv-block-size B`
            (R = --paged-rows, default 4 S: rows are cheap, blocks are the memory). `--tandem-args`
            replaces the flags after --max-len (a --slots among them wins over R). When this checkout's `tandem local --help` does not list every flag
@@ -248,7 +248,7 @@ def after_config(args: list[str], rows: int, max_len: int) -> Config:
 
 
 def configs(a) -> list[Config]:
-    slots = Config("slots", [], a.slots, a.slots * a.max_len)
+    slots = Config("slots", ["--kv-layout", "slots"], a.slots, a.slots * a.max_len)  # (paged is the default)
     blocks = paged_blocks(a.slots, a.max_len, a.block_size)
     args = shlex.split(a.tandem_args) if a.tandem_args else [
         "--kv-layout", "paged", "--kv-blocks", str(blocks), "--kv-block-size", str(a.block_size)]

@@ -56,9 +56,8 @@ async def _compiled_engine(s: DecodeSettings):
     steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True,
                                     s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0),  # chunked prefill too
                                     progress)
-    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants%s)",
-             time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
-             ", each batch bucket's for every block-table width" if s.engine.kv_layout == "paged" else "")
+    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %s)",
+             time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps, s.engine.kv_layout)
     return engine, cache
 
 

@@ -135,12 +135,13 @@ class EngineConfig(BaseModel):
     # host's per-call cost is paid once per this many tokens, and tokens reach clients in bursts
     # of it (decode_svc/loop.py). 1 turns it off. Default by bench/engine_thread.py.
     steps_per_dispatch: PositiveInt = 4
-    # Where a decode pod keeps its KV. "slots": `slots` rows of `max_len` positions each, whatever a
-    # request uses. "paged": a pool of `kv_blocks` blocks of `kv_block_size` positions, taken as a
-    # sequence grows; `slots` then counts sequence rows, which can be far more than the memory holds
-    # at max_len each: a decode pod claims work while it has the blocks for the prompt plus a reserve
-    # (docs/scaling.md, decode capacity). kv_blocks 0: the slot layout's memory (slots x max_len).
-    kv_layout: str = Field(default="slots", pattern="^(slots|paged)$")
+    # Where a decode pod keeps its KV. "paged" (the default): a pool of `kv_blocks` blocks of
+    # `kv_block_size` positions, taken as a sequence grows; `slots` counts sequence rows, which can be
+    # far more than the memory holds at max_len each: a decode pod claims work while it has the
+    # blocks for the prompt plus a reserve (docs/scaling.md, decode capacity). kv_blocks 0: the slot
+    # layout's memory (slots x max_len). "slots": `slots` rows of `max_len` positions each, whatever
+    # a request uses (the older layout, kept until it retires: issue 43).
+    kv_layout: str = Field(default="paged", pattern="^(slots|paged)$")
     kv_block_size: PositiveInt = 16  # positions per KV block (paged)
     kv_blocks: int = Field(default=0, ge=0)  # blocks in the pool (paged); 0 = slots x max_len / kv_block_size
     # paged: keep finished sequences' full blocks in the pool (evicted first when blocks run

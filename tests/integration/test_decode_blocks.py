@@ -192,4 +192,4 @@ def test_the_slot_layout_has_no_block_budget(reference):
     """On the slot layout a pod claims by rows alone and never reserves (decode_svc/blocks.py)."""
     assert reference.kv_layout == "slots"
     assert BlockBudget.of(reference) is None
-    assert EngineConfig(max_len=MAX_LEN).kv_kwargs() == {}  # its engine is built exactly as before
+    assert EngineConfig(max_len=MAX_LEN, kv_layout="slots").kv_kwargs() == {}  # its engine is built exactly as before

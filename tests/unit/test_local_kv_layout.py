@@ -1,4 +1,4 @@
-"""`tandem local --kv-layout paged [--kv-blocks N] [--kv-block-size B]`: the decode workers' engine
+"""`tandem local [--kv-layout paged|slots] [--kv-blocks N] [--kv-block-size B]`: the decode workers' engine
 settings carry the layout (the prefill workers keep no decode KV), the settings class reads them
 back and refuses a pool that cannot hold one sequence, and the sizing flags without the layout are
 refused with what to add."""
@@ -46,7 +46,8 @@ def test_paged_flags_reach_the_decode_workers_settings(monkeypatch):
 
 def test_fp8_kv_needs_the_paged_layout(monkeypatch):
     with pytest.raises(SystemExit):
-        decode_env(["--kv-dtype", "fp8"])
+        decode_env(["--kv-layout", "slots", "--kv-dtype", "fp8"])
+    monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_LAYOUT", "slots")
     monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_DTYPE", "fp8")
     with pytest.raises(ValueError, match="paged KV layout"):
         DecodeSettings()
@@ -58,11 +59,16 @@ def test_prefill_workers_get_no_decode_kv_layout(monkeypatch):
     assert worker_env(["--kv-layout", "paged", "--kv-blocks", "64"], "prefill") == {}
 
 
-def test_the_default_is_the_slot_layout_and_builds_the_engine_as_before():
-    assert decode_env([])["TANDEM_DECODE_ENGINE__KV_LAYOUT"] == "slots"
+def test_the_default_is_the_paged_layout_and_slots_builds_the_engine_as_before():
+    """Paged KV is the decode workers' default (issue 43: one pool); the slot layout is still
+    there when asked for, its engine built as before."""
+    assert decode_env([])["TANDEM_DECODE_ENGINE__KV_LAYOUT"] == "paged"
+    assert DecodeSettings().engine.kv_layout == "paged"
     kw = EngineConfig().load_kwargs(8, 64)
-    assert not {"kv_layout", "kv_blocks", "kv_block_size"} & set(kw)
-    assert EngineConfig(kv_layout="paged").load_kwargs(8, 64)["kv_blocks"] is None  # 0: the slot layout's memory
+    assert kw["kv_layout"] == "paged" and kw["kv_blocks"] is None  # 0: the slot layout's memory
+    assert decode_env(["--kv-layout", "slots"])["TANDEM_DECODE_ENGINE__KV_LAYOUT"] == "slots"
+    slots = EngineConfig(kv_layout="slots").load_kwargs(8, 64)
+    assert not {"kv_layout", "kv_blocks", "kv_block_size"} & set(slots)
 
 
 def test_a_pool_smaller_than_one_sequence_is_refused_with_the_size_to_give():
@@ -73,7 +79,8 @@ def test_a_pool_smaller_than_one_sequence_is_refused_with_the_size_to_give():
 
 
 @pytest.mark.parametrize("argv", [["--kv-blocks", "16"], ["--kv-block-size", "32"]])
-def test_sizing_flags_without_the_paged_layout_are_refused(argv, capsys):
+def test_sizing_flags_with_the_slot_layout_are_refused(argv, capsys):
+    local._parse(argv)  # the default layout is paged: they size its pool
     with pytest.raises(SystemExit):
-        local._parse(argv)
-    assert "--kv-layout paged" in capsys.readouterr().err
+        local._parse(["--kv-layout", "slots", *argv])
+    assert "drop --kv-layout slots" in capsys.readouterr().err
