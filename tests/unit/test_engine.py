@@ -68,8 +68,6 @@ def test_decode_step_updates_the_cache_in_place(engine):
     why there is no bucket of 1."""
     import re
 
-    import jax
-
     from tandem_engine.cores import generate_core
 
     state = engine.init_state()
