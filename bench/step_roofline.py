@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path and not os.environ.get("STEP_ROOFLINE_WORKER"):
     sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_info, machine_line, markdown_table, merge_summary, write_section
-from bench.engine import decode_roofline_s, decode_weight_bytes, kv_bytes, layer_matmul_params
+from bench.engine import decode_roofline_s, decode_weight_bytes, layer_matmul_params
 
 SECTION = "step_roofline"
 BATCHES = (8, 32)
@@ -95,8 +95,6 @@ def worker(args) -> int:
                 cpu = min(cpu, (time.process_time() - c0) / args.steps)
             out[f"{batch}/{pos}"] = best
             out[f"{batch}/{pos}/cpu"] = cpu
-            if not args.no_parts:
-                out[f"{batch}/{pos}/attn"] = attention_alone(eng, batch, pos, args.steps, args.reps)
     print(json.dumps(out))
     return 0
 
@@ -116,43 +114,6 @@ def measure_read_bandwidth(nbytes: int, reps: int = 5) -> float:
         total(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
-
-
-def attention_alone(eng, batch: int, pos: int, steps: int, reps: int) -> float | None:
-    """Seconds of the step's decode attention alone (`model.blocked_decode_attention` of every
-    layer, the engine's own block and slot-group layout, `batch` rows at `pos`), best of `reps`
-    rounds of `steps` calls; None where the engine keeps no blocked cache."""
-    import jax
-    import jax.numpy as jnp
-
-    from tandem_engine import model
-
-    if not getattr(eng, "kv_blocks", None) or not hasattr(model, "kv_slot_groups"):
-        return None  # no blocked cache (or a baseline tree from before slot groups)
-    c = eng.cfg
-    k, v = model.blocked_cache(c.num_layers, SLOTS, c.num_kv_heads, c.head_dim, eng.max_len, jnp.float32)
-    groups = model.kv_slot_groups(SLOTS)
-    used = [g for g in range(len(groups)) if sum(groups[:g]) < batch]  # the groups a step of `batch` rows reads
-    # each layer its own blocks ([layer][block][group]), as in the step: no layer reads another's from cache
-    k_used = [[tuple(k[i][g][j] for g in used) for j in range(len(k[i][0]))] for i in range(c.num_layers)]
-    v_used = [[tuple(v[i][g][j] for g in used) for j in range(len(v[i][0]))] for i in range(c.num_layers)]
-    q = jnp.ones((batch, 1, c.num_heads, c.head_dim), jnp.float32) * 0.01
-    at = jnp.full((batch,), pos, jnp.int32)
-
-    @jax.jit
-    def layers(q, kb, vb, at):
-        outs = [model.blocked_decode_attention(q, kb[i], vb[i], at, c, jnp.max(at))[0] for i in range(c.num_layers)]
-        return sum(outs)
-
-    jax.block_until_ready(layers(q, k_used, v_used, at))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = layers(q, k_used, v_used, at)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / steps)
-    return best
 
 
 def run_worker(tree: Path, extra: list[str]) -> dict:
@@ -176,17 +137,8 @@ def export_tree(ref: str, dest: Path) -> Path:
 # report
 
 
-def kv_rows_read(max_len: int, pos: int) -> int:
-    """Cache rows per slot and layer the blocked step reads at `pos`: every block that starts at or
-    before it (model.kv_block_sizes), against the pos + 1 rows the roofline counts."""
-    from tandem_engine.model import block_starts, kv_block_sizes
-
-    sizes = kv_block_sizes(max_len)
-    return sum(n for start, n in zip(block_starts(sizes), sizes) if start <= pos)
-
-
 def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: dict | None,
-             batches=BATCHES, max_len: int = 0) -> list[list]:
+             batches=BATCHES) -> list[list]:
     rows = []
     for batch in batches:
         for pos in positions:
@@ -195,10 +147,6 @@ def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: 
             roof = decode_roofline_s(info, batch, pos + 1, limits["bandwidth"])
             floor = step_flops(info, batch, pos) / limits["matmul_flops"]
             row = [batch, pos, step * 1e3, cpu * 1e3, roof * 1e3, step / roof, floor * 1e3]
-            attn = results.get(key + "/attn")
-            if attn is not None and all(f"{b}/{p}/attn" in results for b in batches for p in positions):
-                read = kv_bytes(info, batch, kv_rows_read(max_len, pos))
-                row += [read / 1e6, attn * 1e3, read / attn / 1e9]
             if baseline is not None:
                 old, old_cpu = baseline[key], baseline[key + "/cpu"]
                 row += [old * 1e3, old_cpu * 1e3, old / roof, old / step, old_cpu / cpu]
@@ -206,11 +154,9 @@ def rows_for(info, results: dict, limits: dict, positions: list[int], baseline: 
     return rows
 
 
-def report(info, rows, limits, command, plan, baseline_ref, threads, max_len, parts=False) -> str:
+def report(info, rows, limits, command, plan, baseline_ref, threads, max_len) -> str:
     head = ["batch", "position", "step ms", "CPU ms / step", "mem roofline ms", "step / roofline",
             "compute floor ms"]
-    if parts:
-        head += ["KV read MB (whole blocks)", "attention alone ms", "attention GB/s"]
     if baseline_ref:
         head += [f"{baseline_ref} step ms", f"{baseline_ref} CPU ms", f"{baseline_ref} / roofline",
                  "speedup, wall", "speedup, CPU"]
@@ -232,12 +178,7 @@ def report(info, rows, limits, command, plan, baseline_ref, threads, max_len, pa
         f"steps dispatched back to back" + (f", {plan['rounds']} alternating old/new rounds" if baseline_ref else "")
         + ". CPU ms / step: the process's CPU time over the same steps (every XLA thread; less "
         "sensitive than wall time to other processes on a shared machine). The machine may be "
-        "shared: absolute ms move with its load; the old/new ratio comes from runs interleaved in time."
-        + (" Attention alone: `model.blocked_decode_attention` of every layer over the engine's own "
-           "blocks and slot groups at the cell's rows and position, nothing else (no projections, no "
-           "cache write, no sampling), timed like the step; KV read: the whole blocks it reads (every "
-           "block starting at or before the position, K and V, all layers), the bytes its GB/s divides."
-           if parts else ""),
+        "shared: absolute ms move with its load; the old/new ratio comes from runs interleaved in time.",
     ])
 
 
@@ -254,7 +195,6 @@ def main(argv=None) -> int:
                    help="positions to measure (default 64,256,512 and the context's last); "
                         "a subset does not write RESULTS.md")
     p.add_argument("--rounds", type=int, default=0, help="alternating old/new rounds (default 3, --quick 1)")
-    p.add_argument("--no-parts", action="store_true", help="skip the attention-alone columns")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--limits", action="store_true", help=argparse.SUPPRESS)
@@ -277,8 +217,6 @@ def main(argv=None) -> int:
     common = ["--model", args.model, "--threads", str(args.threads), "--max-len", str(max_len)]
     work = common + ["--positions", ",".join(map(str, positions)), "--steps", str(plan["steps"]),
                      "--reps", str(plan["reps"]), "--batches", ",".join(map(str, args.batches))]
-    if args.no_parts:
-        work.append("--no-parts")
     limits = run_worker(ROOT, common + ["--limits"])
     limits["machine"] = machine_info()
     print(f"bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s "
@@ -298,10 +236,9 @@ def main(argv=None) -> int:
                         acc[k] = min(acc.get(k, float("inf")), v)
                 print(f"  round {r + 1} {name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items()
                                                               if v is not None and not k.endswith("/cpu")), flush=True)
-    rows = rows_for(info, new, limits, positions, old, args.batches, max_len)
+    rows = rows_for(info, new, limits, positions, old, args.batches)
     command = "python bench/step_roofline.py" + " ".join([""] + (argv if argv is not None else sys.argv[1:]))
-    parts = all(f"{b}/{p}/attn" in new for b in args.batches for p in positions)
-    text = report(info, rows, limits, command, plan, args.baseline, args.threads, max_len, parts=parts)
+    text = report(info, rows, limits, command, plan, args.baseline, args.threads, max_len)
     print("\n" + text)
     keys = {}
     for row in rows:

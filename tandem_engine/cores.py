@@ -18,12 +18,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
-from tandem_engine.model import (ModelConfig, decode_forward, decode_forward_blocked, prefill_batch_forward,
-                                 prefill_forward, prefill_logits_all, prefill_suffix_forward, write_blocks)
+from tandem_engine.model import (ModelConfig, decode_forward, prefill_batch_forward, prefill_forward,
+                                 prefill_logits_all, prefill_suffix_forward)
 from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
@@ -45,9 +44,8 @@ class CoreCall(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
-    # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major); on a single CPU device
-    # (engine.kv_blocks) blocks instead: k[layer][slot group][block] [group slots, KV, head_dim, rows]
-    # (transposed), v[layer][slot group][block] [group slots, KV, rows, head_dim] (model.blocked_cache)
+    # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major), on every device; the
+    # paged pool instead in the paged layout (block_table below)
     k: jax.Array | tuple
     v: jax.Array | tuple
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits
@@ -146,16 +144,12 @@ def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, 
     # whatever a previous occupant left further on.
     start = (0, slot, 0, 0, 0)
     cache = _kv(layout, True)
-    blocked = isinstance(state.k, tuple)
 
     def rows(x):
         return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
 
-    if blocked:
-        new_k, new_v = write_blocks(state.k, state.v, k, v, slot)
-    else:
-        new_k = constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache)
-        new_v = constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache)
+    new_k = constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache)
+    new_v = constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache)
     return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
 
@@ -177,51 +171,6 @@ def insert_paged_core(state: DecodeState, k, v, ids, slot, true_length, first_to
     new_k, new_v = _pin_pool(new_k, layout), _pin_pool(new_v, layout)
     return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
-
-
-INSERT_INTS = 9  # the scalars leading `insert_blocks_core`'s ints (see `pack_insert`)
-INSERT_FLOATS = 6
-
-
-def pack_insert(slot, local, true_length, first_token, step, temperature, top_k, top_p, seed, hist_ids,
-                hist_len, output_from, proc: SlotLogits) -> tuple[np.ndarray, np.ndarray]:
-    """An insert's host arguments as two arrays (int32, float32): one transfer each into the call
-    instead of ~20 (each numpy argument of a jitted call is its own host -> device transfer)."""
-    ints = np.concatenate([
-        np.array([slot, local, true_length, first_token, step, top_k, hist_len, output_from, proc.min_tokens],
-                 np.int32),
-        np.asarray(seed, np.uint32).view(np.int32), np.asarray(hist_ids, np.int32),
-        np.asarray(proc.bias_ids, np.int32).reshape(-1), np.asarray(proc.stop_ids, np.int32).reshape(-1)])
-    floats = np.concatenate([
-        np.array([temperature, top_p, proc.repetition, proc.presence, proc.frequency, proc.penalized], np.float32),
-        np.asarray(proc.bias, np.float32).reshape(-1)])
-    return ints, floats
-
-
-@partial(jax.jit, donate_argnums=(0, 1, 2))
-def insert_blocks_core(state: DecodeState, k_blocks, v_blocks, k, v, ints, floats) -> tuple[DecodeState, tuple, tuple]:
-    """`insert_core` on a blocked cache (engine.kv_blocks), passing only what the insert writes:
-    `state` without its cache (k = v = ()), and k_blocks, v_blocks [layer][block] the blocks of
-    the slot's group that rows [0, length) fall in. The other blocks are not arguments at all, so
-    the call flattens and donates ~25 buffers instead of the whole cache's too (145 at 32 slots,
-    max_len 1024), and the request's scalars and rows come packed in `ints` and `floats`
-    (`pack_insert`). Returns (state without its cache, the new k blocks, the new v blocks)."""
-    t = k.shape[1]
-    nb, ns = state.processing.bias_ids.shape[1], state.processing.stop_ids.shape[1]
-    slot, local, true_length, first_token, step, top_k, hist_len, output_from, min_tokens = (
-        ints[i] for i in range(INSERT_INTS))
-    at = INSERT_INTS
-    seed = jax.lax.bitcast_convert_type(ints[at:at + 2], jnp.uint32)
-    hist_ids = ints[at + 2:at + 2 + t]
-    bias_ids = ints[at + 2 + t:at + 2 + t + nb]
-    stop_ids = ints[at + 2 + t + nb:at + 2 + t + nb + ns]
-    temperature, top_p, repetition, presence, frequency, penalized = (floats[i] for i in range(INSERT_FLOATS))
-    proc = SlotLogits(repetition, presence, frequency, bias_ids, floats[INSERT_FLOATS:INSERT_FLOATS + nb],
-                      stop_ids, min_tokens, penalized != 0)
-    new_k, new_v = write_blocks(k_blocks, v_blocks, k, v, local)
-    small = _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
-                         hist_ids, hist_len, output_from, proc)
-    return small, new_k, new_v
 
 
 def _insert_slot(state: DecodeState, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
@@ -285,9 +234,10 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
                                             active=active, mesh=None if layout is None else layout.mesh)
         k, v = _pin_pool(k, layout), _pin_pool(v, layout)
     else:
-        forward = decode_forward_blocked if isinstance(state.k, tuple) else decode_forward
-        logits, k, v = forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
-                               active=active)
+        logits, k, v = decode_forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
+                                      active=active)
+        cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
+        k, v = constrain(k, cache), constrain(v, cache)
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)
@@ -295,9 +245,6 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
         return token_keys(state.seeds[:rows], step)
 
     tokens = sample(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows], keys)
-    cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
-    if not isinstance(k, tuple):
-        k, v = constrain(k, cache), constrain(v, cache)
     if freeze_at:  # a slot at the last cache row keeps its position and input: the next step rewrites that row alike
         advance = (active & (state.positions[:rows] < freeze_at - 1)).astype(jnp.int32)
         inputs = jnp.where(active & (advance == 0), state.tokens[:rows], tokens)

@@ -110,11 +110,9 @@ class Engine(PrefillSide, DecodeSide):
             else:
                 kv = jnp.zeros((c.num_layers, b, c.num_kv_heads, c.head_dim), self._jdtype)
                 prefix = Prefix(kv, kv, 1, 0)
-            for slot in self.warm_insert_slots():  # a blocked cache compiles an insert per slot group
-                state = self.insert(prefix, state, slot, SamplingParams())
+            state = self.insert(prefix, state, 0, SamplingParams())
         if self.kv_layout == "paged":  # the steps run with every row free (no blocks held)
-            for slot in self.warm_insert_slots():
-                state = self.free(state, slot)
+            state = self.free(state, 0)
         variants = self.warm_steps(logprobs, masks)
         ones = np.full((max(self.batch_buckets), (self.info.vocab_size + 31) // 32), -1, np.int32)
         for i, (rows, width, steps, lp, masked) in enumerate(variants):
@@ -123,7 +121,6 @@ class Engine(PrefillSide, DecodeSide):
             if progress is not None:
                 jax.block_until_ready(tokens)
                 progress(i + 1, len(variants), time.monotonic() - t0)
-        for slot in self.warm_insert_slots():
-            state = self.free(state, slot)
+        state = self.free(state, 0)
         jax.block_until_ready((state, tokens))
         return len(variants)

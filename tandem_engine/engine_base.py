@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tandem_core.errors import InvalidRequest, PromptTooLong
 from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
-from tandem_engine.model import config_from_info, kv_block_sizes, split_layers
+from tandem_engine.model import config_from_info, split_layers
 from tandem_engine.block_cache import BlockCache, CachingAllocator
 from tandem_engine.quantize import check_quantize, is_quantized, quantize_params
 from tandem_engine.sharding import make_layout
@@ -145,31 +145,14 @@ class EngineBase:
             return self._alloc.free_count() + self._alloc.cached_only
         return int((~self._occupied).sum()) * self.max_blocks_per_seq
 
-    # False: keep the one cache array (and the scanned, chunked step) on a CPU too, as on chips.
-    # The two compute the same step up to float rounding (the blocked one runs its layers
-    # unrolled and its scores from transposed K); in bfloat16 that rounding can change a greedy
-    # token within a few steps, so bit-for-bit comparisons with chips set this.
-    blocked_cache: bool = True
-
-    @property
-    def kv_blocks(self) -> tuple[int, ...] | None:
-        """Rows of each decode cache block when the cache is kept in blocks (one CPU device and no
-        layout: XLA CPU copies any slice of a buffer before a dot, so the chunked attention over
-        one [L, slots, KV, max_len, hd] array copied every chunk it read;
-        model.decode_forward_blocked reads each block in place). None: one array (chips)."""
-        if self.layout is None and self._one_cpu and self.blocked_cache and self.kv_layout == "slots":
-            return kv_block_sizes(self.max_len)
-        return None
-
     @property
     def step_params(self) -> dict:
-        """The params a decode step reads: `params` itself, or on a blocked cache (`kv_blocks`)
-        the same params with the layer weights also held one layer apiece
-        (model.split_layers: XLA CPU copies a stacked weight's layer slice before every dot).
-        That copy of the layer weights is made once, on first use, and kept: on one CPU
-        device the layer weights sit in memory twice (prefill scans the stacked ones)."""
-        paged_cpu = self.kv_layout == "paged" and self.layout is None and self._one_cpu
-        if not (self.kv_blocks or paged_cpu):
+        """The params a decode step reads: `params` itself, or for the paged step on one CPU
+        device (its layers run unrolled) the same params with the layer weights also held one
+        layer apiece (model.split_layers: XLA CPU copies a stacked weight's layer slice before
+        every dot). That copy of the layer weights is made once, on first use, and kept: there
+        the layer weights sit in memory twice (prefill scans the stacked ones)."""
+        if not (self.kv_layout == "paged" and self.layout is None and self._one_cpu):
             return self.params
         if self._step_params is None:
             self._step_params = split_layers(self.params)

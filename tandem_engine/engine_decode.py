@@ -16,13 +16,11 @@ import numpy as np
 from tandem_core.errors import OutOfKVBlocks, PromptTooLong
 from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
-from tandem_engine.cores import (CoreCall, DecodeState, free_core, generate_core, insert_blocks_core, insert_core,
-                                insert_paged_core, pack_insert)
+from tandem_engine.cores import CoreCall, DecodeState, free_core, generate_core, insert_core, insert_paged_core
 from tandem_engine.block_cache import PrefixMatch
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
-from tandem_engine.model import _grouped, block_starts, blocked_cache, kv_slot_groups
 from tandem_engine.paged import paged_pool
 from tandem_engine.sampling import sampling_arrays
 
@@ -54,8 +52,6 @@ class DecodeSide(EngineBase):
             k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
                               self._kv_jdtype, None if lay is None else lay.kv_pool())  # tp: each chip its heads
             table = self._table_array()
-        elif self.kv_blocks:  # one CPU device: a buffer per layer, slot group and block (model.blocked_cache)
-            k, v = blocked_cache(c.num_layers, s, c.num_kv_heads, c.head_dim, self.max_len, self._jdtype)
         else:
             k = jnp.zeros(cache, self._jdtype, device=kv_dev)
             v = jnp.zeros(cache, self._jdtype, device=kv_dev)
@@ -104,14 +100,12 @@ class DecodeSide(EngineBase):
     def insert_call(self, prefix: Prefix, state: DecodeState, slot: int, sampling: SamplingParams) -> CoreCall:
         """The one jitted call `insert(prefix, state, slot, sampling)` makes, with its arguments
         (aot.py lowers it). Paged: the row takes its blocks here, as `insert` does (run the call, or
-        free the slot). The CPU-blocked insert is several calls: ValueError."""
+        free the slot)."""
         self._check_slot(slot)
         k, v = self._prefix_kv(prefix, state)
         length = k.shape[1]
         args = self._insert_args(length, slot, prefix.true_length, prefix.first_token, sampling, None, None, None,
                                  0, ())
-        if isinstance(state.k, tuple) and self.kv_layout != "paged":
-            raise ValueError("a blocked cache's insert is one call per slot group's blocks: no one CoreCall")
         return self._insert_call(state, k, v, int(slot), length, int(prefix.true_length), args)
 
     def _prefix_kv(self, prefix: Prefix, state: DecodeState):
@@ -190,10 +184,6 @@ class DecodeSide(EngineBase):
         length = k.shape[1]
         args = self._insert_args(length, slot, true_length, prefix_first, sampling, first_token, history,
                                  output_from, start_index, stop_ids)
-        if isinstance(state.k, tuple) and self.kv_layout != "paged":  # blocked: only the blocks the rows fall in
-            self._occupy(int(slot))
-            return self._insert_blocks(state, k, v, int(slot), length,
-                                       lambda local: pack_insert(slot, local, *args[1:]))
         return self._insert_call(state, k, v, int(slot), length, int(true_length), args, cached)()
 
     def _insert_call(self, state: DecodeState, k, v, slot: int, length: int, true_length: int, args: tuple,
@@ -354,41 +344,6 @@ class DecodeSide(EngineBase):
             return int(self._held[slot])
         return self.max_blocks_per_seq if self._occupied[slot] else 0
 
-    def _insert_blocks(self, state: DecodeState, k, v, slot: int, length: int, packed) -> DecodeState:
-        """`insert_blocks_core` over the slot's group's first blocks (those rows [0, length) fall
-        in), put back into the cache's nesting ([layer][group][block], or [layer][block])."""
-        grouped = _grouped(state.k)
-        group, local = 0, slot
-        if grouped:
-            for n in kv_slot_groups(self.slots):
-                if local < n:
-                    break
-                group, local = group + 1, local - n
-        layer0 = state.k[0][group] if grouped else state.k[0]
-        blocks = sum(1 for start in block_starts(tuple(b.shape[-1] for b in layer0)) if start < length)
-
-        def take(cache):
-            return tuple((layer[group] if grouped else layer)[:blocks] for layer in cache)
-
-        def put(cache, written):
-            if not grouped:
-                return tuple(new + old[blocks:] for old, new in zip(cache, written))
-            return tuple(old[:group] + (new + old[group][blocks:],) + old[group + 1:]
-                         for old, new in zip(cache, written))
-
-        k_blocks, v_blocks = take(state.k), take(state.v)
-        small, new_k, new_v = insert_blocks_core(state._replace(k=(), v=()), k_blocks, v_blocks, k, v,
-                                                 *packed(local))
-        return small._replace(k=put(state.k, new_k), v=put(state.v, new_v))
-
-    def warm_insert_slots(self) -> tuple[int, ...]:
-        """One slot of each compiled insert variant (a blocked cache's slot groups have their own):
-        the slots engine.warmup inserts into, so no request pays for an insert's compilation."""
-        if not self.kv_blocks:  # (the paged layout too: one insert core)
-            return (0,)
-        groups = kv_slot_groups(self.slots)
-        return tuple(block_starts(groups))
-
     def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
                  masks: np.ndarray | None = None, steps: int = 1) -> tuple[DecodeState, jax.Array]:
         """One decode step (donates `state`). `rows`: every active slot is below it (None: all
@@ -414,12 +369,6 @@ class DecodeSide(EngineBase):
         new, tokens = call()
         if self.kv_layout == "paged":
             self._pos[self._occupied] += int(steps)
-            return new, tokens
-        run = call.args[1]
-        if run is not state:  # a blocked cache's groups past the step's rows stayed out of the call
-            groups = len(run.k[0])
-            new = new._replace(k=tuple(n + o[groups:] for n, o in zip(new.k, state.k)),
-                               v=tuple(n + o[groups:] for n, o in zip(new.v, state.v)))
         return new, tokens
 
     def generate_call(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
@@ -437,12 +386,9 @@ class DecodeSide(EngineBase):
             tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
             return CoreCall(generate_core, (self.step_params, state, m if steps == 1 else None),
                             dict(static, steps=steps, max_len=self.max_len, table_blocks=tb))
-        groups = self._step_groups(state, bucket)
-        run = state if groups is None else state._replace(  # the groups past the step's rows stay out
-            k=tuple(layer[:groups] for layer in state.k), v=tuple(layer[:groups] for layer in state.v))
         if steps == 1:
-            return CoreCall(generate_core, (self.step_params, run, m), static)
-        return CoreCall(generate_core, (self.step_params, run, None), dict(static, steps=steps, max_len=self.max_len))
+            return CoreCall(generate_core, (self.step_params, state, m), static)
+        return CoreCall(generate_core, (self.step_params, state, None), dict(static, steps=steps, max_len=self.max_len))
 
     def _table_width(self, steps: int) -> int:
         """The paged step's table width: every row's whole table, one compiled width (the step reads
@@ -455,18 +401,6 @@ class DecodeSide(EngineBase):
             raise RuntimeError(f"slots {short} have no KV blocks for their next {steps} positions: call "
                                f"reserve(state, {steps}) before generate and free the slots it returns")
         return self.max_blocks_per_seq
-
-    def _step_groups(self, state: DecodeState, bucket: int) -> int | None:
-        """On a blocked cache with slot groups, how many leading groups a step of `bucket` rows
-        reads and writes, when fewer than all (None otherwise). A step never touches a group
-        past its rows (model.decode_forward_blocked), so those blocks stay out of the call: at 32
-        slots a step of <= 8 rows passes 64 of the 128 cache buffers (each passed buffer is
-        flattened, checked and donated on the host, every call)."""
-        if not isinstance(state.k, tuple) or not _grouped(state.k):
-            return None
-        groups = len(state.k[0])
-        need = sum(1 for start in block_starts(tuple(g[0].shape[0] for g in state.k[0])) if start < bucket)
-        return need if need < groups else None
 
     def free(self, state: DecodeState, slot: int, tokens: Sequence[int] | None = None) -> DecodeState:
         """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the

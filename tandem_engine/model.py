@@ -29,8 +29,8 @@ written and how they are read), so a family's math lives in one place.
 
 The forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
 same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
-cached prefix's KV) and `decode_forward` (one token per slot against the slot cache;
-`decode_forward_blocked` over the CPU-blocked cache, paged.py's over the paged pool). The plain
+cached prefix's KV) and `decode_forward` (one token per slot against the slot cache, on every
+device; paged.py's `decode_forward_paged` over the paged pool). The plain
 full recompute tests use beside transformers as ground truth is reference.py.
 """
 from __future__ import annotations
@@ -44,10 +44,8 @@ import jax.numpy as jnp
 from tandem_engine.arch import ModelConfig, config_from_info
 from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
-__all__ = ["ModelConfig", "config_from_info", "decode_forward", "decode_forward_blocked", "prefill_batch_forward",
-           "prefill_forward", "prefill_logits_all",
-           "prefill_suffix_forward", "split_layers", "blocked_cache",
-           "kv_slot_groups"]
+__all__ = ["ModelConfig", "config_from_info", "decode_forward", "prefill_batch_forward", "prefill_forward",
+           "prefill_logits_all", "prefill_suffix_forward", "split_layers"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
 
@@ -691,174 +689,7 @@ def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: Model
 
 
 # ---------------------------------------------------------------------------------------------
-# decode on a CPU: the cache in blocks, each its own buffer
-
-
-KV_BLOCK_MIN = 128  # rows of a cache block (at least): the step reads whole blocks up to the longest slot
-KV_BLOCKS_MAX = 8  # blocks per layer (at most): each block is one more buffer the step passes
-
-
-def kv_block_sizes(max_len: int) -> tuple[int, ...]:
-    """Rows of each block of a blocked decode cache (`decode_forward_blocked`): blocks of
-    max(KV_BLOCK_MIN, ceil(max_len / KV_BLOCKS_MAX)) rows, the last one shorter where max_len
-    is not a multiple."""
-    size = max(KV_BLOCK_MIN, -(-max_len // KV_BLOCKS_MAX))
-    return tuple(min(size, max_len - start) for start in range(0, max_len, size))
-
-
-def block_starts(sizes) -> tuple[int, ...]:
-    out, at = [], 0
-    for size in sizes:
-        out.append(at)
-        at += size
-    return tuple(out)
-
-
-KV_SLOT_GROUP = 8  # slots of a blocked cache's first slot group: a step of <= 8 rows reads it in place
-
-
-def kv_slot_groups(slots: int) -> tuple[int, ...]:
-    """Slots of each slot group of a blocked decode cache: the first KV_SLOT_GROUP slots, then
-    the rest (one group when slots <= KV_SLOT_GROUP).
-
-    Why groups: XLA CPU copies a buffer's [:rows] slice before a dot, so a step of 8 rows over
-    32-slot blocks copied 8 slots of every block it read (1.4 of the 3.4 ms step at 8 rows,
-    position 1,023, built-in model, one XLA thread: a jax.profiler trace of the step). A step
-    of up to KV_SLOT_GROUP rows reads group 0 whole, in place; a larger one reads the groups
-    its rows cover: a dot pair per group and block, one softmax chain per block (at 32 rows
-    that costs 4% of the step at position 64 and 10% at 1,023 against one group of 32, in CPU
-    time, A/B in one process; at 8 rows the groups save 14% at 1,023)."""
-    if slots <= KV_SLOT_GROUP:
-        return (slots,)
-    return (KV_SLOT_GROUP, slots - KV_SLOT_GROUP)
-
-
-def blocked_cache(num_layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int, dtype):
-    """An all-zero blocked decode cache (`decode_forward_blocked`): (k, v), each
-    [layer][slot group][block]: K [group slots, KV, hd, block rows] (transposed), V [group
-    slots, KV, block rows, hd], groups `kv_slot_groups(slots)`, blocks `kv_block_sizes(max_len)`."""
-    sizes, groups = kv_block_sizes(max_len), kv_slot_groups(slots)
-    k = tuple(tuple(tuple(jnp.zeros((g, kv_heads, head_dim, n), dtype) for n in sizes) for g in groups)
-              for _ in range(num_layers))
-    v = tuple(tuple(tuple(jnp.zeros((g, kv_heads, n, head_dim), dtype) for n in sizes) for g in groups)
-              for _ in range(num_layers))
-    return k, v
-
-
-def _grouped(blocks) -> bool:
-    """Whether a blocked cache is [layer][group][block] (else [layer][block]: one group)."""
-    return not hasattr(blocks[0][0], "shape")
-
-
-def write_blocks(k_blocks, v_blocks, k, v, slot):
-    """Rows [0, T) of one slot from a prefix's k, v [L, T, KV, hd] into the blocks (T <= the
-    cache's rows; blocks past T are left as they are: masked until decode overwrites them).
-    The blocks are [layer][group][block] (`blocked_cache`) or [layer][block] (one group), and
-    come back in the same nesting. `slot` may be traced: every group's block is written in
-    place at the slot's row within the group, with the rows it already holds where the slot
-    is in another group."""
-    grouped = _grouped(k_blocks)
-    if not grouped:
-        k_blocks, v_blocks = tuple((g,) for g in k_blocks), tuple((g,) for g in v_blocks)
-    t = k.shape[1]
-    out_k, out_v = [], []
-    for i, (kgs, vgs) in enumerate(zip(k_blocks, v_blocks)):
-        group_k, group_v, first = [], [], 0
-        for kbs, vbs in zip(kgs, vgs):
-            n = kbs[0].shape[0]
-            local = jnp.clip(slot - first, 0, n - 1)
-            mine = (slot >= first) & (slot < first + n)
-            row_k, row_v = [], []
-            for start, kb, vb in zip(block_starts(tuple(b.shape[-1] for b in kbs)), kbs, vbs):
-                end = min(start + kb.shape[-1], t)
-                if end > start:  # K blocks are [slots, KV, hd, rows] (transposed), V [slots, KV, rows, hd]
-                    part_k = jnp.transpose(k[i, start:end], (1, 2, 0))[None].astype(kb.dtype)
-                    part_v = jnp.swapaxes(v[i, start:end], 0, 1)[None].astype(vb.dtype)
-                    at = (local, 0, 0, 0)
-                    if len(kgs) > 1:  # another group's slot: rewrite what this row holds
-                        part_k = jnp.where(mine, part_k, jax.lax.dynamic_slice(kb, at, part_k.shape))
-                        part_v = jnp.where(mine, part_v, jax.lax.dynamic_slice(vb, at, part_v.shape))
-                    kb = jax.lax.dynamic_update_slice(kb, part_k, at)
-                    vb = jax.lax.dynamic_update_slice(vb, part_v, at)
-                row_k.append(kb)
-                row_v.append(vb)
-            group_k.append(tuple(row_k))
-            group_v.append(tuple(row_v))
-            first += n
-        out_k.append(tuple(group_k) if grouped else group_k[0])
-        out_v.append(tuple(group_v) if grouped else group_v[0])
-    return tuple(out_k), tuple(out_v)
-
-
-def blocked_decode_attention(q, k_blocks, v_blocks, positions, cfg: ModelConfig, longest, *,
-                             window: int = 0, reach=None, sinks: jax.Array | None = None):
-    """Decode attention of one layer over its cache blocks, each a buffer of its own.
-
-    q [rows, 1, H, hd]; k_blocks [slots, KV, hd, size] (K transposed: the scores are a plain
-    [groups, hd] x [hd, size] product per slot and head), v_blocks [slots, KV, size, hd]; only
-    the first rows slots are read. A block may also be a tuple of slot groups' buffers (the
-    slots in order): each group's rows get their own two dots, the softmax runs once over all
-    rows (one chain of small ops per block, not one per group). A block runs (`lax.cond`) only when some active slot reaches
-    it: start <= longest, and for a windowed layer end > reach (the earliest row any window
-    reaches). Online softmax in float32 across blocks, started from the sink logit where the
-    family has one. Masked scores are finite: a slot with nothing in a block gets no NaN.
-
-    Why blocks on a CPU: XLA CPU hands a dot only whole buffers, so the chunked loop's
-    dynamic_slice of one [L, slots, KV, max_len, hd] cache copied every chunk it read (and the
-    layer scan every layer's weights) before each dot; a block is read in place.
-    Returns (out [rows, 1, H*hd] in q's dtype, the number of blocks run).
-    """
-    rows = q.shape[0]
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    groups = cfg.num_heads // kvh
-    qg = q.reshape(rows, kvh, groups, hd)
-    win = window or NO_WINDOW
-    shape = (rows, kvh, groups)
-    if sinks is None:
-        carry = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32))
-    else:  # the sink is one more logit with no value: it only adds exp(sink - m) to the sum
-        carry = (jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), shape),
-                 jnp.ones(shape, jnp.float32))
-    carry = (*carry, jnp.zeros((*shape, hd), jnp.float32))
-    k_blocks = [b if isinstance(b, tuple) else (b,) for b in k_blocks]
-    v_blocks = [b if isinstance(b, tuple) else (b,) for b in v_blocks]
-    spans, first = [], 0  # each group's rows [a, b) of q
-    for buf in k_blocks[0]:
-        if first < rows:
-            spans.append((first, min(first + buf.shape[0], rows)))
-        first += buf.shape[0]
-    q_parts = [qg if (a, b) == (0, rows) else qg[a:b] for a, b in spans]
-
-    def dots(spec, lhs_parts, bufs):
-        """One dot per group (a group's buffer cut to its rows in use), rows concatenated."""
-        outs = [jnp.einsum(spec, x, buf if buf.shape[0] == b - a else buf[:b - a], preferred_element_type=jnp.float32)
-                for x, buf, (a, b) in zip(lhs_parts, bufs, spans)]
-        return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-
-    sizes = tuple(b[0].shape[-1] for b in k_blocks)
-    ran = jnp.int32(0)
-    for start, kb, vb in zip(block_starts(sizes), k_blocks, v_blocks):
-        size = kb[0].shape[-1]
-
-        def block(c, start=start, kb=kb, vb=vb, size=size):
-            m, denom, acc = c
-            s = _scores(dots("bkgd,bkds->bkgs", q_parts, kb), cfg)
-            ok = _window_mask(positions[:, None], (start + jnp.arange(size))[None, :], win)
-            s = jnp.where(ok[:, None, None, :], s, _NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            alpha = jnp.exp(m - m_new)
-            p_parts = [(p if (a, b) == (0, rows) else p[a:b]).astype(vb[0].dtype) for a, b in spans]
-            pv = dots("bkgs,bksd->bkgd", p_parts, vb)
-            return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
-
-        needed = start <= longest
-        if window and reach is not None:
-            needed = needed & (start + size > reach)
-        carry = jax.lax.cond(needed, block, lambda c: c, carry)
-        ran = ran + needed.astype(jnp.int32)
-    _, denom, acc = carry
-    return (acc / denom[..., None]).astype(q.dtype).reshape(rows, 1, cfg.num_heads * hd), ran
+# the layer weights one layer apiece (the unrolled paged step on a CPU)
 
 
 def split_layers(params: dict) -> dict:
@@ -866,9 +697,10 @@ def split_layers(params: dict) -> dict:
     "layers" becomes a tuple of per-layer dicts, each array its own buffer (a copy: the stacked
     arrays stay where other code holds them); every other entry is shared, not copied.
 
-    What `decode_forward_blocked` reads fastest: XLA CPU hands a dot only whole buffers, so
-    layer i's slice of a stacked weight is copied before each of its dots, every step (seen in
-    the compiled step: 28 weight copies, ~0.9 ms of a 2 ms step at 8 rows, built-in model)."""
+    What a step whose layers run unrolled reads fastest on a CPU (paged.decode_forward_paged):
+    XLA CPU hands a dot only whole buffers, so layer i's slice of a stacked weight is copied
+    before each of its dots, every step (seen in the compiled step: 28 weight copies, ~0.9 ms of
+    a 2 ms step at 8 rows, built-in model)."""
     layers = params["layers"]
     if not isinstance(layers, dict):
         return params
@@ -882,63 +714,3 @@ def _layer_params(layers, i: int) -> dict:
     if isinstance(layers, dict):
         return {name: w[i] for name, w in layers.items()}
     return layers[i]
-
-
-def decode_forward_blocked(params: dict, tokens, positions, k_blocks, v_blocks, cfg: ModelConfig,
-                           active: jax.Array | None = None):
-    """`decode_forward` over a blocked cache (what a single-CPU engine keeps): k_blocks[layer]
-    [group][block] [group slots, KV, hd, size] (K transposed), v_blocks[layer][group][block]
-    [group slots, KV, size, hd] (`blocked_cache`): the slot groups cover the slots in order
-    (`kv_slot_groups`), the blocks of one group max_len rows in order; [layer][block] (one
-    group of all slots) works too and comes back so. The layers run unrolled (each has its own
-    blocks); a group is read only for the rows it holds. params["layers"] is stacked ([L, ...] arrays, as everywhere) or, faster here, a tuple
-    of per-layer dicts (`split_layers`). Same inputs and outputs otherwise: (logits [rows,
-    vocab], k_blocks, v_blocks), the new K/V written at `positions` (clamped to max_len - 1)."""
-    grouped = _grouped(k_blocks)
-    if not grouped:
-        k_blocks, v_blocks = tuple((g,) for g in k_blocks), tuple((g,) for g in v_blocks)
-    rows = tokens.shape[0]
-    sizes = tuple(b.shape[-1] for b in k_blocks[0][0])
-    starts, max_len = block_starts(sizes), sum(sizes)
-    write_pos = jnp.minimum(positions, max_len - 1)
-    in_use = write_pos if active is None else jnp.where(active, write_pos, 0)
-    longest = jnp.max(in_use)  # a freed slot keeps its old position: it must not add blocks
-    spans, first = [], 0  # each group's rows [a, b) of the step
-    for g in k_blocks[0]:
-        n = g[0].shape[0]
-        if first < rows:
-            spans.append((first, min(first + n, rows)))
-        first += n
-    x = embed(params, tokens, cfg)[:, None, :]  # [rows, 1, d]
-    out_k, out_v = [], []
-    for i, lp, lc in layer_loop(params, cfg):
-        window = cfg.window(i)
-
-        def attention(q, k, v, sinks, i=i, window=window):  # k, v [rows, 1, KV, hd]
-            group_k, group_v = list(k_blocks[i]), list(v_blocks[i])
-            for g, (a, b) in enumerate(spans):
-                pos = write_pos[a:b]
-                slot_idx = jnp.arange(b - a)
-                kbs, vbs = [], []
-                for start, kb, vb in zip(starts, group_k[g], group_v[g]):
-                    size = kb.shape[-1]
-                    local = pos - start
-                    local = jnp.where((local >= 0) & (local < size), local, size)  # size: out of range, dropped
-                    kbs.append(kb.at[slot_idx, :, :, local].set(k[a:b, 0].astype(kb.dtype), mode="drop"))
-                    vbs.append(vb.at[slot_idx, :, local].set(v[a:b, 0].astype(vb.dtype), mode="drop"))
-                group_k[g], group_v[g] = tuple(kbs), tuple(vbs)
-            reach = None
-            if window:
-                lo = jnp.maximum(write_pos - window + 1, 0)
-                reach = jnp.min(lo if active is None else jnp.where(active, lo, max_len))
-            used = range(len(spans))  # the blocks of the groups this step reads, block by block
-            k_used = [tuple(group_k[g][j] for g in used) for j in range(len(sizes))]
-            v_used = [tuple(group_v[g][j] for g in used) for j in range(len(sizes))]
-            attn, _ = blocked_decode_attention(q, k_used, v_used, write_pos, cfg, longest, window=window,
-                                               reach=reach, sinks=sinks)
-            return attn, (group_k, group_v)
-
-        x, (group_k, group_v) = decoder_layer(x, lp, lc, positions[:, None], cfg, attention)
-        out_k.append(tuple(group_k) if grouped else group_k[0])
-        out_v.append(tuple(group_v) if grouped else group_v[0])
-    return logits_from_hidden(params, x[:, 0], cfg), tuple(out_k), tuple(out_v)

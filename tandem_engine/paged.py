@@ -9,8 +9,8 @@ buffers: a pool stacked over the layers and sliced per layer (`k_pool[i]`) made 
 layer's whole pool for each kernel call, every layer of every step (compiled for v5e: 448 MiB of
 temporaries against 0.25 MiB; tests/unit/test_paged_attention.py). As tpu-inference and vLLM's
 JAX runner hold theirs (a list of per-layer KV arrays, donated through the step). The step
-donates all 2 * num_layers buffers (the blocked slot cache passes up to 128), and each layer's
-write of the new token and its attention read that layer's buffer in place.
+donates all 2 * num_layers buffers, and each layer's write of the new token and its attention
+read that layer's buffer in place.
 
 Block 0 is the null block: never allocated, what a table entry holds where a row has no block.
 A row writing a position it has no block for (a free row of the step's batch, or a slot the

@@ -120,18 +120,3 @@ def test_step_roofline_positions_and_flops_by_hand():
     # projections 2 * (1152 + 8 * 100) * batch 3, attention 4 * 2 layers * 2 heads * 4 hd * 10 rows * 3
     assert sr.step_flops(TOY, 3, 9) == 2.0 * (1152 + 800) * 3 + 4.0 * 2 * 2 * 4 * 10 * 3
     assert "step_roofline.py" in run_all.BENCHMARKS
-
-
-def test_step_roofline_kv_read_counts_whole_blocks():
-    """The attention-alone columns divide the bytes of the whole blocks the step reads (every
-    block starting at or before the position), not the position + 1 rows the roofline counts."""
-    from bench import step_roofline as sr
-    from tandem_engine.model import kv_block_sizes
-
-    assert kv_block_sizes(1024) == (128,) * 8
-    assert [sr.kv_rows_read(1024, p) for p in (0, 64, 127, 128, 256, 1023)] == [128, 128, 128, 256, 384, 1024]
-    results = {"8/256": 2e-3, "8/256/cpu": 2e-3, "8/256/attn": 1e-3}
-    limits = {"bandwidth": 40e9, "matmul_flops": 100e9}
-    (row,) = sr.rows_for(TOY, results, limits, [256], None, batches=(8,), max_len=1024)
-    read = 2 * TOY.num_layers * 8 * 384 * TOY.num_kv_heads * TOY.head_dim * 4
-    assert row[7:] == [read / 1e6, 1.0, read / 1e-3 / 1e9]

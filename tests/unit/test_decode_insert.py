@@ -1,10 +1,7 @@
-"""An insert on a blocked decode cache (one CPU device) passes only the blocks the prefix's rows
-fall in, in the slot's group, and the request's scalars packed in two arrays
-(cores.insert_blocks_core); a pulled payload goes straight from the host into that call
-(engine.insert_payload). Both must leave exactly the state the whole-state insert
-(cores.insert_core over every block) leaves: every block, every per-slot array, bit for bit,
-whatever the slot's group, the prefix's length (one block or several) and the request's sampling
-and processing params."""
+"""An insert, and a pulled payload that goes straight from the host into the insert call
+(engine.insert_payload), leave exactly the state `cores.insert_core` called directly leaves:
+the cache, every per-slot array, bit for bit, whatever the slot, the prefix's length and the
+request's sampling and processing params. A decode pod after warm-up compiles nothing."""
 from __future__ import annotations
 
 import jax
@@ -16,10 +13,9 @@ from tandem_core.types import KVPayload, SamplingParams
 from tandem_engine import load_engine
 from tandem_engine.cores import insert_core
 from tandem_engine.logits import history_arrays, slot_logits
-from tandem_engine.model import kv_slot_groups
 from tandem_engine.sampling import sampling_arrays
 
-SLOTS, MAX_LEN = 16, 300  # slot groups of 8 and 8; blocks of 128, 128 and 44 rows
+SLOTS, MAX_LEN = 16, 300
 
 PARAMS = [
     SamplingParams(seed=99),  # greedy (a seed: None draws a new one per insert)
@@ -30,9 +26,7 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16, 200))
-    assert eng.kv_blocks and kv_slot_groups(SLOTS) == (8, 8)
-    return eng
+    return load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16, 200))
 
 
 def filled_state(engine, seed: int):
@@ -46,7 +40,7 @@ def filled_state(engine, seed: int):
 
 
 def reference(engine, state, prefix, slot, sampling, history, start_index, stop_ids):
-    """The whole-state insert (every block of every group through one call)."""
+    """`insert_core` called directly with the request's arguments."""
     length = prefix.k.shape[1]
     s = sampling_arrays(sampling)
     hist_ids, hist_len, out_from = history_arrays(history, None, prefix.true_length, length, engine.info.vocab_size)
@@ -64,10 +58,10 @@ def assert_same(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"leaf {i} differs")
 
 
-@pytest.mark.parametrize("slot", [0, 5, 8, 15])  # first group, second group
-@pytest.mark.parametrize("prompt_len", [12, 150])  # one block, two blocks
+@pytest.mark.parametrize("slot", [0, 15])
+@pytest.mark.parametrize("prompt_len", [12, 150])  # two prefill buckets
 @pytest.mark.parametrize("params", range(len(PARAMS)))
-def test_sliced_insert_leaves_the_whole_state_insert_state(engine, slot, prompt_len, params):
+def test_insert_and_payload_insert_leave_the_core_insert_state(engine, slot, prompt_len, params):
     sampling = PARAMS[params]
     prompt = [(i * 13 + 5) % engine.info.vocab_size for i in range(prompt_len)]
     prefix = engine.prefill(prompt, SamplingParams())
@@ -102,33 +96,6 @@ def test_a_bad_payload_is_refused_with_what_is_wrong(engine):
     bad = KVPayload(prefix.k, prefix.v, prefix.k.shape[1] + 1, prefix.first_token)
     with pytest.raises(InvalidRequest, match="lengths disagree"):
         engine.insert_payload(bad, engine.init_state(), 0, SamplingParams())
-
-
-def test_warmup_inserts_into_every_slot_group(engine):
-    assert engine.warm_insert_slots() == (0, 8)
-
-
-@pytest.mark.parametrize("steps", [1, 3])
-def test_a_step_over_the_first_group_passes_only_its_blocks_and_computes_the_same(engine, steps):
-    """A step of <= 8 rows at 16 slots leaves the second group's blocks out of the call
-    (engine._step_groups); tokens and the whole state after it are those of the call over every block."""
-    from tandem_engine.cores import generate_core
-
-    state = engine.init_state()
-    for slot in range(3):
-        prompt = [(slot * 31 + i * 7 + 2) % engine.info.vocab_size for i in range(10 + 4 * slot)]
-        state = engine.insert(engine.prefill(prompt, SamplingParams()), state, slot, PARAMS[slot % 2],
-                              history=prompt)
-    state = engine.insert(engine.prefill([5, 6, 7], SamplingParams()), state, 12, PARAMS[0])  # second group
-    state = engine.free(state, 12)  # (rows 0-2 only: the step below runs bucket 4)
-    assert engine._step_groups(state, engine.rows_for(3)) == 1
-    copy = jax.tree.map(lambda a: a.copy(), state)
-    kw = {} if steps == 1 else {"steps": steps, "max_len": engine.max_len}
-    want_state, want = generate_core(engine.step_params, copy, None, cfg=engine.cfg, layout=None,
-                                     rows=engine.rows_for(3), **kw)
-    got_state, got = engine.generate(state, 3, steps=steps)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert_same(got_state, want_state)
 
 
 @pytest.mark.parametrize("layout", ["slots", "paged"])

@@ -68,12 +68,10 @@ def test_decode_step_updates_the_cache_in_place(engine):
     why there is no bucket of 1."""
     import re
 
-    import jax
-
     from tandem_engine.cores import generate_core
 
     state = engine.init_state()
-    kv = {tuple(a.shape) for a in jax.tree.leaves((state.k, state.v))}  # one array, or blocks on a CPU
+    kv = {tuple(a.shape) for a in (state.k, state.v)}  # one [L, slots, KV, max_len, hd] array each
     big = {f"f32\\[{','.join(map(str, shape))}\\]" for shape in kv}
     big.add(f"s32\\[{','.join(map(str, state.history.shape))}\\]")
     for rows in engine.batch_buckets:

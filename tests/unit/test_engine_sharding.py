@@ -110,7 +110,6 @@ def child(workdir: str) -> dict:
     # bfloat16 weights and KV, sharded
     for tp in (1, 2):
         e = load_engine(str(ckpt), tp=tp, dtype="bfloat16", **KW)
-        e.blocked_cache = False  # tp 1 runs the chips' step: bfloat16 rounds the same way
         res[f"bf16_tp{tp}"] = decode(e, {s: e.prefill(ids, GREEDY) for s, ids in prompts().items()})
         payload = e.export_prefix(e.prefill(prompts()[0], GREEDY))
         res[f"bf16_tp{tp}_dtypes"] = [str(e.params["layers"]["wq"].dtype), str(payload.k.dtype)]
