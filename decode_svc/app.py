@@ -39,8 +39,8 @@ def build_engine(s: DecodeSettings) -> ServingEngine:
 
 async def _compiled_engine(s: DecodeSettings):
     """The engine with every decode shape compiled, not on a request's clock (and every prefill
-    when this pod prefills all its prompts; direct short prompts compile their bucket on first
-    use): readiness waits for it. JAX's persistent compilation cache makes restarts quick."""
+    when this pod prefills all its prompts; with direct prefill the smallest bucket's, where the
+    gateway's short prompts fall): readiness waits for it. JAX's persistent compilation cache makes restarts quick."""
     engine = build_engine(s)
     t0 = time.monotonic()
     c = s.prefix_cache
@@ -53,9 +53,10 @@ async def _compiled_engine(s: DecodeSettings):
             log.info("warm-up: %d/%d decode step variants compiled, %.1fs", done, total, seconds)
 
     # plain, logprobs and masked steps; colocated: every prefill bucket and the prefill over a cached prefix
+    # (a disaggregated pod with direct_prefill: the smallest bucket's prefill, the gateway's direct prompts)
     steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True,
                                     s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0),  # chunked prefill too
-                                    progress)
+                                    progress, s.direct_prefill)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %s)",
              time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps, s.engine.kv_layout)
     return engine, cache

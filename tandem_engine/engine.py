@@ -92,13 +92,16 @@ class Engine(PrefillSide, DecodeSide):
         return out
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False,
-               progress: Callable[[int, int, float], None] | None = None) -> int:
+               progress: Callable[[int, int, float], None] | None = None, direct: bool = False) -> int:
         """Compile every bucket's insert and every decode step variant (`warm_steps`: each batch
         bucket's, one step and `steps_per_dispatch` of them, with `logprobs` their logprobs variants
         too: it doubles the step compiles; with `masks` the grammar-masked step too), and with `prefill` every bucket's prefill (one choice), so no request
         pays for a compilation (decode pods call this before they report ready). `prefix`: the
         prefill over a cached prefix too (`warmup_prefix`). `progress(done, total, seconds)` after
-        each step variant (the caller logs it). Returns the step variants compiled."""
+        each step variant (the caller logs it). `direct` (without `prefill`): the smallest bucket's
+        prefill too and the insert of its KV, for the short prompts a gateway routes straight to a
+        decode pod (a prefill's KV is committed to the device, a pulled payload's is not: two cache
+        keys of one insert). Returns the step variants compiled."""
         t0 = time.monotonic()
         if prefix:
             self.warmup_prefix()
@@ -111,6 +114,8 @@ class Engine(PrefillSide, DecodeSide):
                 kv = jnp.zeros((c.num_layers, b, c.num_kv_heads, c.head_dim), self._jdtype)
                 prefix = Prefix(kv, kv, 1, 0)
             state = self.insert(prefix, state, 0, SamplingParams())
+            if direct and not prefill and b == self.buckets[0]:
+                state = self.insert(self.prefill([0] * b, SamplingParams()), state, 0, SamplingParams())
         if self.kv_layout == "paged":  # the steps run with every row free (no blocks held)
             state = self.free(state, 0)
         variants = self.warm_steps(logprobs, masks)
