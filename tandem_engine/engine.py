@@ -109,11 +109,11 @@ class Engine(PrefillSide, DecodeSide):
         c = self.cfg
         for b in self.buckets:
             if prefill:
-                prefix = self.prefill([0] * b, SamplingParams())
+                kv_of = self.prefill([0] * b, SamplingParams())
             else:
                 kv = jnp.zeros((c.num_layers, b, c.num_kv_heads, c.head_dim), self._jdtype)
-                prefix = Prefix(kv, kv, 1, 0)
-            state = self.insert(prefix, state, 0, SamplingParams())
+                kv_of = Prefix(kv, kv, 1, 0)
+            state = self.insert(kv_of, state, 0, SamplingParams())
             if direct and not prefill and b == self.buckets[0]:
                 state = self.insert(self.prefill([0] * b, SamplingParams()), state, 0, SamplingParams())
         if self.kv_layout == "paged":  # the steps run with every row free (no blocks held)
