@@ -4,6 +4,7 @@ It counts the KV bytes it pulled (`pulled_kv_bytes`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -53,6 +54,31 @@ async def _publish_backlog(r, engine, store, address, pool):
         await pipe.execute()
 
 
+@contextlib.asynccontextmanager
+async def _claiming_pod(redis_url, r, engine, pool: str, worker_id: str, server):
+    """A decode pod's claim loop, publisher and engine loop over `engine`, running until the block
+    ends; then stopped, with the KV `server` too."""
+    s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
+                       pool=pool, slots=SLOTS, claim_block_ms=50)
+    table = RequestTable(SLOTS)
+    bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
+    eloop = EngineLoop(engine, table, bridge)
+    io = DecodeIO(s, r, KS, table, eloop, bridge, worker_id)
+    stop, done = asyncio.Event(), asyncio.Event()
+    eloop.start()
+    tasks = [asyncio.create_task(io.claims.claim_loop(stop)), asyncio.create_task(io.publisher.publish_loop(done))]
+    try:
+        yield io
+    finally:
+        stop.set()
+        await tasks[0]
+        eloop.stop()
+        done.set()
+        await tasks[1]
+        await io.puller.close()
+        await server.stop(None)
+
+
 async def _claimed_unacked(r, pool) -> int:
     """Ready entries delivered to the pod and not yet acked (acked = inserted into a slot)."""
     return (await r.xpending(KS.ready_stream(pool, 0), keys.DECODE_GROUP))["pending"]
@@ -66,17 +92,9 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
     server, address = await _kv_server(store)
     await _publish_backlog(r, engine, store, address, pool)
 
-    s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
-                       pool=pool, slots=SLOTS, claim_block_ms=50)
-    table = RequestTable(SLOTS)
-    bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
-    eloop = EngineLoop(engine, table, bridge)
-    io = DecodeIO(s, r, KS, table, eloop, bridge, "decode-test")
-    stop, done = asyncio.Event(), asyncio.Event()
-    eloop.start()
-    tasks = [asyncio.create_task(io.claims.claim_loop(stop)), asyncio.create_task(io.publisher.publish_loop(done))]
     peak_redis = peak_table = 0
-    try:
+    async with _claiming_pod(redis_url, r, engine, pool, "decode-test", server) as io:
+        table = io.table
         for _ in range(400):
             peak_table = max(peak_table, table.used + table.pending)
             peak_redis = max(peak_redis, await _claimed_unacked(r, pool))
@@ -88,14 +106,6 @@ async def test_decode_claims_at_most_free_slots(redis_url, redis_client, engine)
                 break
             await asyncio.sleep(0.02)
         assert finished == N, f"only {finished}/{N} requests finished"
-    finally:
-        stop.set()
-        await tasks[0]
-        eloop.stop()
-        done.set()
-        await tasks[1]
-        await io.puller.close()
-        await server.stop(None)
     # The pod's own accounting (running + on their way to a slot) and what Redis saw delivered.
     assert 1 <= peak_table <= SLOTS
     assert peak_redis <= SLOTS, f"decode claimed {peak_redis} ready entries with {SLOTS} slots"
@@ -132,29 +142,12 @@ async def test_a_superseded_ready_notice_is_acked_without_a_resume(redis_url, re
         groups.ring(pipe, KS, pool, keys.DECODE_GROUP)
         await pipe.execute()
 
-    s = DecodeSettings(redis=RedisConfig(url=redis_url), engine=EngineConfig(model="tiny", max_len=64),
-                       pool=pool, slots=SLOTS, claim_block_ms=50)
-    table = RequestTable(SLOTS)
-    bridge = Bridge(SLOTS, 64, asyncio.get_running_loop())
-    eloop = EngineLoop(engine, table, bridge)
-    io = DecodeIO(s, r, KS, table, eloop, bridge, "decode-stale")
-    stop, done = asyncio.Event(), asyncio.Event()
-    eloop.start()
-    tasks = [asyncio.create_task(io.claims.claim_loop(stop)), asyncio.create_task(io.publisher.publish_loop(done))]
-    try:
+    async with _claiming_pod(redis_url, r, engine, pool, "decode-stale", server) as io:
         for _ in range(400):
             last = await r.xrevrange(KS.token_stream(req.request_id), count=1)
             if last and b"f" in last[0][1] and io.claims.superseded:
                 break
             await asyncio.sleep(0.02)
-    finally:
-        stop.set()
-        await tasks[0]
-        eloop.stop()
-        done.set()
-        await tasks[1]
-        await io.puller.close()
-        await server.stop(None)
     assert io.claims.superseded == 1 and io.claims.pulled == 1
     admitted = [await r.xlen(KS.admission_stream(pool, prio, 0)) for prio in keys.PRIORITIES]
     assert admitted == [0, 0], f"a stale notice was resumed: admission streams hold {admitted}"
