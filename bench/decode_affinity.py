@@ -4,7 +4,7 @@ same cluster with steering off, back to back in one run.
 
     python bench/decode_affinity.py [--quick] [--no-write] [--conversations C] [--turns T]
 
-Both sides: `tandem local --prefill 1 --decode 2 --kv-layout paged --slots R --max-len M` (the
+Both sides: `tandem local --prefill 1 --decode 2 --slots R --max-len M` (the
 built-in model), block reuse on (the default); "off" sets TANDEM_GATEWAY_DECODE_ROUTING=false on
 the gateway, so any decode pod claims any ready notice (the shared stream), as before this change.
 C conversations (bench/kv_capacity.py's `conversation`: a system prompt, then per turn a synthetic
@@ -89,7 +89,7 @@ async def rounds(url: str, model: str, a, per_token: int, vocab: int) -> dict:
 
 
 def run_side(name: str, env: dict[str, str], a, per_token: int, vocab: int) -> dict:
-    args = ["--decode", "2", "--kv-layout", "paged"]
+    args = ["--decode", "2"]
     server = _Tandem(name, a.model, colocated=False, slots=a.slots, max_len=a.max_len, pin="", env=env,
                      log_path=a.out / f"{name}.log", extra_args=args, ready_timeout=a.ready_timeout)
     t0 = time.monotonic()
@@ -108,7 +108,7 @@ def run_side(name: str, env: dict[str, str], a, per_token: int, vocab: int) -> d
 def report(doc: dict) -> str:
     a = doc["plan"]
     lines = [f"Command: `{doc['command']}`. {doc['machine']}. Code {doc['code']}.", "",
-             f"`tandem local --prefill 1 --decode 2 --kv-layout paged --slots {a['slots']} --max-len {a['max_len']}`, "
+             f"`tandem local --prefill 1 --decode 2 --slots {a['slots']} --max-len {a['max_len']}`, "
              f"the built-in model; {a['conversations']} conversations x {a['turns']} turns, each round one turn of every "
              f"conversation at once, {a['turn_output']} output tokens a turn. \"off\": the same cluster with "
              "TANDEM_GATEWAY_DECODE_ROUTING=false (any decode pod claims any ready notice). Turns after the first:", ""]

@@ -6,8 +6,10 @@ real HTTP client (bench/loadgen.py).
                                 [--configs slots,paged] [--tandem-args ARGS] [--ready-timeout SECONDS]
 
 Two configurations, back to back in one run, with the SAME KV memory budget (S x M positions):
-  * slots  `tandem local --slots S --max-len M --kv-layout slots`: M positions reserved per slot;
-  * paged  `--slots R --max-len M --kv-layout paged --kv-blocks S*ceil(M/B) --kv-block-size B`
+  * slots  `tandem local --slots S --max-len M`: a pool of S x M positions for S rows, so every row
+           can reach M at once (the capacity of the slot layout issue 43 deleted, which set M
+           positions aside per slot);
+  * paged  `--slots R --max-len M --kv-blocks S*ceil(M/B) --kv-block-size B`
            (R = --paged-rows, default 4 S: rows are cheap, blocks are the memory). `--tandem-args`
            replaces the flags after --max-len (a --slots among them wins over R). When this checkout's `tandem local --help` does not list every flag
            the paged side needs, the paged side is NOT run and the section says so (no numbers).
@@ -240,18 +242,17 @@ def flag_value(args: list[str], name: str) -> str | None:
 
 def after_config(args: list[str], rows: int, max_len: int) -> Config:
     """The paged side as its flags say: rows from a --slots among them (else `rows`), KV positions
-    from --kv-blocks x --kv-block-size under --kv-layout paged (else rows x max_len)."""
+    from --kv-blocks x --kv-block-size (else rows x max_len)."""
     rows = int(flag_value(args, "--slots") or rows)
     blocks, block = flag_value(args, "--kv-blocks"), flag_value(args, "--kv-block-size")
-    paged = flag_value(args, "--kv-layout") == "paged" and blocks is not None
-    return Config("paged", args, rows, int(blocks) * int(block or 16) if paged else rows * max_len)
+    return Config("paged", args, rows, int(blocks) * int(block or 16) if blocks is not None else rows * max_len)
 
 
 def configs(a) -> list[Config]:
-    slots = Config("slots", ["--kv-layout", "slots"], a.slots, a.slots * a.max_len)  # (paged is the default)
+    slots = Config("slots", ["--kv-block-size", str(a.block_size)], a.slots, a.slots * a.max_len)
     blocks = paged_blocks(a.slots, a.max_len, a.block_size)
     args = shlex.split(a.tandem_args) if a.tandem_args else [
-        "--kv-layout", "paged", "--kv-blocks", str(blocks), "--kv-block-size", str(a.block_size)]
+        "--kv-blocks", str(blocks), "--kv-block-size", str(a.block_size)]
     paged = after_config(args, a.paged_rows, a.max_len)
     out = []
     for c in (slots, paged):
@@ -639,10 +640,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-pods", type=int, default=1, help="prefill pods on both sides (one decode pod)")
     p.add_argument("--configs", default="slots,paged")
     p.add_argument("--ready-timeout", type=float, default=600.0,
-                   help="`tandem local --ready-timeout`: seconds each cluster may take to warm up (a paged decode "
-                        "pod compiles a step per table width: minutes on a 2-core CPU without the compilation cache)")
+                   help="`tandem local --ready-timeout`: seconds each cluster may take to warm up")
     p.add_argument("--tandem-args", default="", metavar="ARGS",
-                   help="the paged side's `tandem local` flags (default: --slots 4S --kv-layout paged "
+                   help="the paged side's `tandem local` flags (default: --slots 4S "
                         "--kv-blocks S*ceil(M/B) --kv-block-size B)")
     p.add_argument("--no-write", action="store_true", help="print only: leave RESULTS.md and summary.json alone")
     p.add_argument("--out", type=Path, default=OUT, help="where kv_capacity.json and the clusters' logs go")

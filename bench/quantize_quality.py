@@ -128,8 +128,8 @@ def kv_quality(model: str, dtype: str, prompts: list[list[int]], tokens: int, kw
     decode steps teacher-forced on the dtype-KV engine's tokens; plus KV bytes per position."""
     from tandem_engine import load_engine
 
-    base = load_engine(model, dtype=dtype, kv_layout="paged", **kw)
-    fp8 = load_engine(model, dtype=dtype, kv_layout="paged", kv_dtype="fp8", **kw)
+    base = load_engine(model, dtype=dtype, **kw)
+    fp8 = load_engine(model, dtype=dtype, kv_dtype="fp8", **kw)
     a_tok, b_tok = greedy(base, prompts, tokens), greedy(fp8, prompts, tokens)
     a_log = [decode_logits(base, p, t) for p, t in zip(prompts, a_tok)]
     b_log = [decode_logits(fp8, p, t) for p, t in zip(prompts, a_tok)]

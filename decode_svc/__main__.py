@@ -13,10 +13,9 @@ All settings come from environment variables (prefix TANDEM_DECODE_, nested with
   TANDEM_DECODE_REDIS__URL        redis://host:port/0 (rediss:// for TLS)
   TANDEM_DECODE_ENGINE__MODEL     preset name (builtin, tiny, small-100m) or HF Llama directory
   TANDEM_DECODE_ENGINE__MAX_LEN   positions per sequence (must match prefill)
-  TANDEM_DECODE_SLOTS             decode batch size (sequence rows with paged KV)
-  TANDEM_DECODE_ENGINE__KV_LAYOUT slots (max_len positions per slot) or paged (a pool of KV blocks:
-                                  claims only while the blocks for the prompt plus a reserve are free)
-  TANDEM_DECODE_ENGINE__KV_BLOCKS blocks in the paged pool (0: slots x max_len positions)
+  TANDEM_DECODE_SLOTS             decode batch size (sequence rows over the KV pool)
+  TANDEM_DECODE_ENGINE__KV_BLOCKS blocks in the KV pool (0: slots x max_len positions); the pod
+                                  claims only while the blocks for the prompt plus a reserve are free
   TANDEM_DECODE_GRPC__PORT        grpc.health.v1 port (0 = free port)
   TANDEM_DECODE_PULL_TIMEOUT_S    deadline of one KV pull
 See decode_svc/settings.py for every field."""

@@ -57,8 +57,9 @@ async def _compiled_engine(s: DecodeSettings):
     steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True,
                                     s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0),  # chunked prefill too
                                     progress, s.direct_prefill)
-    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %s)",
-             time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps, s.engine.kv_layout)
+    log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %d blocks "
+             "of %d)", time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
+             engine.kv_blocks_total, engine.kv_block_size)
     return engine, cache
 
 
@@ -76,7 +77,7 @@ async def serve(s: DecodeSettings) -> int:
     await groups.ensure_groups(r, ks, s.pool)
     table = RequestTable(s.slots)
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
-    blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # paged KV: capacity in blocks too
+    blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # capacity in KV blocks too
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
                              mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache,
                              prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks)
@@ -100,8 +101,7 @@ async def serve(s: DecodeSettings) -> int:
     claim = pod.supervise(asyncio.create_task(io.claims.claim_loop(pod.stop)), "the claim loop")
     await pod.ready()
     log.info("decode ready worker_id=%s slots=%d model=%s tp=%d kv=%s", worker_id, s.slots, engine.info.name, engine.tp,
-             "slots" if blocks is None else f"paged {blocks.total} blocks of {blocks.block_size} "
-             f"(reserve {blocks.per_row} a row)")
+             f"{blocks.total} blocks of {blocks.block_size} (reserve {blocks.per_row} a row)")
     await pod.stop.wait()
     await pod.drain()
     await asyncio.gather(claim, return_exceptions=True)  # (a failure was said by `supervise`: drain on)
@@ -138,10 +138,8 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
         )
 
     def kv_info() -> dict:
-        """Paged KV: the pool's blocks (free_slots stays rows); the slot layout reports none."""
+        """The KV pool's blocks (free_slots stays rows)."""
         blocks = io.engine_loop.blocks
-        if blocks is None:
-            return {}
         reuse = io.engine_loop.engine.kv_reuse_summary()
         if reuse is not None:
             reuse["reused_tokens"] = io.claims.reused_tokens

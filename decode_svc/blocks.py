@@ -1,9 +1,7 @@
 """A decode pod's KV capacity in blocks: the JetStream rule "pull only when a slot is free" said in
-memory, for an engine whose KV is paged (`engine.kv_layout == "paged"`).
+memory.
 
-On the slot layout a free row is all a request needs: its `max_len` positions were set aside when
-the engine was built. On a paged engine a row holds only the blocks its sequence has written so
-far, and the pool (`engine.kv_blocks_total`) is shared by every row, so capacity is two numbers:
+A row holds only the blocks its sequence has written so far, and the pool (`engine.kv_blocks_total`) is shared by every row, so capacity is two numbers:
 free rows (the request table's seats) and free blocks. The rules, in one place:
 
 - **Claim** (decode_svc/claims.py, the event loop): a ready notice or prompt is claimed only while
@@ -24,8 +22,7 @@ free rows (the request table's seats) and free blocks. The rules, in one place:
   re-prefill elsewhere), and a larger one only makes hand-backs rarer.
 
 Reads of the engine's free count from the event loop race the engine thread: a count one call old
-at worst, which the held queue absorbs. None of this exists on the slot layout (`of` returns None):
-its pod behaves exactly as before.
+at worst, which the held queue absorbs.
 """
 from __future__ import annotations
 
@@ -46,11 +43,8 @@ class BlockBudget:
         self._recent: deque[int] = deque(maxlen=recent)  # prompt blocks of the latest claims
 
     @classmethod
-    def of(cls, engine: ServingEngine, reserve_steps: int | None = None) -> BlockBudget | None:
-        """The budget of a paged engine (None on the slot layout). `reserve_steps` None: the
-        engine's steps_per_dispatch."""
-        if getattr(engine, "kv_layout", "slots") != "paged":
-            return None
+    def of(cls, engine: ServingEngine, reserve_steps: int | None = None) -> BlockBudget:
+        """The engine's budget. `reserve_steps` None: the engine's steps_per_dispatch."""
         return cls(engine, engine.steps_per_dispatch if reserve_steps is None else reserve_steps)
 
     def blocks_for(self, length: int) -> int:

@@ -46,7 +46,9 @@ class Claims:
         self.resume = resume  # (req, why) -> outcome: prefill again elsewhere from what was streamed
         self.engine_failed = engine_failed  # () -> bool: the engine thread died, stop claiming
         self.handback = handback  # what a failed pull ends with: resumed elsewhere, its entry acked
-        self.blocks = blocks  # paged KV: claims stop at the block budget too (decode_svc/blocks.py); None: slots
+        # claims stop at the KV block budget too (decode_svc/blocks.py); None: an IO with no engine
+        # loop (the Redis side alone), which claims by rows only
+        self.blocks = blocks
         self.puller = KVPuller(s.grpc.max_message_bytes, max_channels=s.kv_channels_max, tls=s.grpc)
         self.rotation = PriorityRotation(owned.ks, s.pool, s.priority_high_weight)
         # the wait when the sources span shards of a Redis Cluster: colocated, both groups' rings
@@ -54,7 +56,7 @@ class Claims:
         self.pulls: set[asyncio.Task] = set()
         self.pulled = 0
         self.pulled_kv_bytes = 0  # KV bytes of every pull (a whole one padded to the prefill bucket): what moved
-        # paged KV with reuse (tandem_engine/block_cache.py): a pull asks only for the positions
+        # KV reuse (tandem_engine/block_cache.py): a pull asks only for the positions
         # after the prompt's leading blocks this pod's pool keeps
         self.reuse = blocks.engine if blocks is not None and blocks.engine.kv_reuse else None
         self.reused_tokens = 0  # prompt positions whose KV was not pulled: this pod held them
@@ -141,8 +143,7 @@ class Claims:
                     log.exception("dispatch failed for %s %s", c.stream, c.entry_id)
 
     def _tickets(self) -> int:
-        """Tickets for one claim: a free row each, and on a paged pod no more than the free KV
-        blocks cover (decode_svc/blocks.py: the prompt plus the reserve of every row)."""
+        """Tickets for one claim: a free row each, and no more than the free KV blocks cover (decode_svc/blocks.py: the prompt plus the reserve of every row)."""
         n = self.table.reserve(self.table.slots)
         if n and self.blocks is not None:
             rows, promised, tickets = self.table.blocks_ahead()  # (tickets: ours included)

@@ -20,7 +20,7 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
    blocks: back-pressure instead of unbounded memory.
 Every step's batch is delivered (or the thread stops): no step's tokens are skipped silently.
 
-Paged KV (decode_svc/blocks.py; None of it on the slot layout): a request goes into a row only when
+The KV pool (decode_svc/blocks.py): a request goes into a row only when
 the blocks for its prompt plus the reserve are free, else it waits in the held queue (oldest first);
 before each call `_make_room` gets every row the blocks the call writes, handing the newest request
 back (a `Preempted` on the outputs queue, behind its tokens) while some row cannot get them.
@@ -71,9 +71,10 @@ class EngineLoop:
                  prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
                  blocks: BlockBudget | None = None) -> None:
         self.engine = engine
-        # paged KV (decode_svc/blocks.py): a request goes into a row only when its blocks are free,
-        # and rows that cannot grow hand the newest request back; None: the slot layout, as before
-        self.blocks = blocks
+        # the KV pool (decode_svc/blocks.py): a request goes into a row only when its blocks are
+        # free, and rows that cannot grow hand the newest request back; None: the engine's own
+        # budget, its reserve the engine's steps_per_dispatch
+        self.blocks = BlockBudget.of(engine) if blocks is None else blocks
         # multi-step decode: this many steps per dispatched call when nothing needs a shorter one
         # (`_steps_for`); None: the engine's own setting (engine.steps_per_dispatch, EngineConfig)
         self.steps_per_dispatch = max(1, int(engine.steps_per_dispatch if steps_per_dispatch is None else steps_per_dispatch))
@@ -152,15 +153,14 @@ class EngineLoop:
     def _dispatch(self, state, masks):
         """Dispatch one call over the slots in use (returns before the device is done): one step, or
         `steps_per_dispatch` of them (`_steps_for`); the variant with logprobs only when a slot asks for
-        them, the masked one only when a slot has a grammar. On paged KV every row first gets the
-        blocks the call writes (`_make_room`); None instead of a call when no row is left."""
+        them, the masked one only when a slot has a grammar. Every row first gets the blocks the call
+        writes (`_make_room`); None instead of a call when no row is left."""
         steps = self._steps_for() if masks is None and self.steps_per_dispatch > 1 else 1
-        if self.blocks is not None:
-            state = self._make_room(state, steps)
-            if not self.table.used:
-                return None, state
-            if masks is not None:
-                masks = masks[: self.table.rows()]
+        state = self._make_room(state, steps)
+        if not self.table.used:
+            return None, state
+        if masks is not None:
+            masks = masks[: self.table.rows()]
         snapshot = self.table.snapshot()
         view = self._views.of(snapshot)
         want = view.logprobs
@@ -177,7 +177,7 @@ class EngineLoop:
         return (toks, snapshot, want, steps), state
 
     def _make_room(self, state, steps: int):
-        """Paged KV: blocks for the positions the next call writes, for every running row
+        """Blocks for the positions the next call writes, for every running row
         (`engine.reserve`). While some row cannot get them, the NEWEST request (the one that went
         into its row last) is freed here, silently, and handed back: resumed elsewhere from the
         tokens it has streamed (`Preempted`, after every token of it already queued; its tokens of
@@ -197,9 +197,8 @@ class EngineLoop:
         if gone:
             alone = not self.table.used  # even one row did not fit: a resume counts as an attempt then
             self.stats.handed_back_for_blocks += len(gone)
-            free = self.blocks.free() if self.blocks is not None else 0
             log.warning("KV blocks ran out (%d free of %d): handing back the newest %d of %d running requests: %s",
-                        free, self.blocks.total if self.blocks is not None else 0, len(gone),
+                        self.blocks.free(), self.blocks.total, len(gone),
                         len(gone) + self.table.used, [a.req.request_id for a in gone])
             self.bridge.put_output(Preempted([a.req for a in gone], "KV blocks ran out on its decode pod "
                                              "(the newest request is handed back)", counted=alone),
@@ -207,14 +206,14 @@ class EngineLoop:
         return state
 
     def _held_ready(self) -> bool:
-        """A held request can go into a row now (paged: its blocks are free too)."""
+        """A held request can go into a row now (a free row, and its blocks free too)."""
         return bool(self._held) and self.table.free > 0 and self._fits(self._held[0].prefix, self._held[0].cached)
 
     def _fits(self, prefix, cached=None) -> bool:
-        """Whether `prefix` goes into a row now (paged: its blocks, less those its match of the
-        block cache holds pinned already, are free with the reserve)."""
+        """Whether `prefix` goes into a row now (its blocks, less those its match of the block
+        cache holds pinned already, are free with the reserve)."""
         have = 0 if cached is None else len(cached.blocks)
-        return self.blocks is None or self.blocks.fits(prefix.true_length, self.table.used, have)
+        return self.blocks.fits(prefix.true_length, self.table.used, have)
 
     def _steps_for(self) -> int:
         """`steps_per_dispatch`, or 1 while work waits for its turn on this thread (a pulled KV or a
@@ -253,7 +252,7 @@ class EngineLoop:
                 state = self._local_prefill(item, state)
                 continue
             held = HeldChoice(item.payload, item.req, item.payload.first_token, item.key, item.cached)
-            if not self._fits(item.payload, item.cached):  # paged: its blocks went to growing rows since the claim
+            if not self._fits(item.payload, item.cached):  # its blocks went to growing rows since the claim
                 self._held.append(held)
                 break
             try:
@@ -333,10 +332,9 @@ class EngineLoop:
         self.stats.local_prefills += 1
         self._held.extend(HeldChoice(done.prefix, c, first, self.table.queue_choice(c.request_id))
                           for c, first in done.going)
-        if self.blocks is not None:  # each choice's own copy of the prompt's blocks
-            need = self.blocks.blocks_for(done.prefix.true_length)
-            for held in list(self._held)[-len(done.going):] if done.going else []:
-                self.table.promise(held.key, need)
+        need = self.blocks.blocks_for(done.prefix.true_length)  # each choice's own copy of the prompt's blocks
+        for held in list(self._held)[-len(done.going):] if done.going else []:
+            self.table.promise(held.key, need)
         self.table.drop(item.key)  # after its choices took their seats: claims never see a gap
         self._emit(done.emitted)
         return self._apply_held(state)

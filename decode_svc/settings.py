@@ -26,12 +26,12 @@ class DecodeSettings(WorkerSettings):
     # engine's prefix_chunk), at most this many tokens between two decode steps; shorter ones run whole;
     # 0 = whole prompts always
     prefill_chunk_tokens: NonNegativeInt = 2048
-    # Paged KV (engine.kv_layout "paged"): positions of growth kept free for every running row when a
+    # The KV pool: positions of growth kept free for every running row when a
     # request is claimed or goes into a row, in blocks (decode_svc/blocks.py); 0 = engine.steps_per_dispatch,
     # one more dispatched call of every row. Larger: fewer hand-backs when blocks run out, fewer rows admitted.
     kv_reserve_steps: NonNegativeInt = 0
     stale_pending_s: PositiveFloat = 60.0  # an own delivery idle this long was lost (Redis restart): redo it
-    # Cache-aware routing to decode pods (gateway/decode_route.py, paged KV with kv_reuse): read this
+    # Cache-aware routing to decode pods (gateway/decode_route.py, with engine.kv_reuse): read this
     # pod's own per-pod ready stream before the shared one and say so in the heartbeat, so gateways
     # steer conversations here. Off: the shared stream only (steering skips this pod).
     ready_affinity: bool = True

@@ -64,7 +64,6 @@ MEASURED_HOST_US_PER_TOKEN = 170.0
 # parallel downloads (cloud.google.com/storage/docs/gcsfuse-performance) depends on the NIC and the
 # file sizes. Replace with `bench/load.py`'s raw read rate on the node before relying on a figure.
 READ_RATES: dict[str, float] = {"local SSD": 2.0e9, "Hyperdisk ML": 1.5e9, "GCS FUSE": 1.0e9}
-DECODE_CHUNK = 256  # tandem_engine.model.DECODE_CHUNK: KV positions per attention-loop trip
 
 
 def chips_in(topology: str) -> int:
@@ -202,24 +201,49 @@ def cold_start(params: int, dtype: str, compile_s: float, rates: dict[str, float
             "read_rates": dict(rates), "compile_s": compile_s}
 
 
+def attention_reads(eng, *, slots: int, position: int, tp: int) -> dict:
+    """What one decode step's attention does that the cost compiles do not count, per chip: every
+    row at `position` reads the blocks holding positions [0, position] (a windowed layer only the
+    blocks its window reaches), K and V, each layer, and scores and weighs them (two dots per
+    position and head). The cost compiles (aot.Compiler.count_layers) run over a pool of one
+    block per row, and count: nothing of the Pallas kernel's reads (the compiler does not see into
+    a Mosaic call); on the gather path, one piece of paged.READ_CHUNK positions a layer (a loop
+    body is counted once), which is taken off here."""
+    from tandem_engine.paged import READ_CHUNK, step_kernel
+
+    c = eng.cfg
+    bs = eng.kv_block_size
+    kernel = step_kernel(c, eng._kv_jdtype) is not None
+    counted = 0 if kernel else READ_CHUNK
+    item = 2 if eng.kv_dtype == "bfloat16" else 1 if eng.kv_dtype == "fp8" else 4
+    kv_local, h_local = c.num_kv_heads // tp, c.num_heads // tp
+    pos = min(int(position), eng.max_len - 1)
+    read = extra = 0
+    for i in range(c.num_layers):
+        w = c.window(i)
+        first = max(0, pos - w + 1) // bs * bs if w else 0  # the first block the window reaches
+        n = -(-(pos + 1) // bs) * bs - first  # whole blocks
+        if not kernel:  # whole pieces of READ_CHUNK positions
+            n = -(-n // READ_CHUNK) * READ_CHUNK
+        read += n
+        extra += max(0, n - counted)
+    per_position = 2 * slots * kv_local * c.head_dim * item  # K and V of one position, every row
+    return {"path": "pallas kernel" if kernel else "gather", "positions_read": read,
+            "bytes": extra * per_position, "flops": extra * 2 * 2 * slots * h_local * c.head_dim,
+            "kv_bytes_read": read * per_position}
+
+
 def decode_projection(step, info, eng, chip: Chip, *, slots: int, position: int, weights: int, kv: int,
                       tp: int, sampling=None) -> dict:
-    """One decode step at `slots` rows with every slot at `position`: the compiler's flops and
-    bytes (layers counted L times; the attention loop's body is one KV chunk per layer, so the
-    other chunks a step at `position` reads are added: their KV bytes and attention flops), then
-    `roofline`."""
-    c = eng.cfg
-    chunks = max(1, math.ceil(min(position, eng.max_len) / min(DECODE_CHUNK, eng.max_len)))
-    chunk = min(DECODE_CHUNK, eng.max_len)
-    item = 2 if eng.dtype == "bfloat16" else 4
-    kv_local, h_local = c.num_kv_heads // tp, c.num_heads // tp
-    chunk_bytes = 2 * slots * kv_local * chunk * c.head_dim * item  # k and v, one layer
-    chunk_flops = 2 * 2 * slots * h_local * chunk * c.head_dim
-    extra = (chunks - 1) * c.num_layers
-    kv_used = kv * min(1.0, chunks * chunk / eng.max_len)
+    """One decode step at `slots` rows with every row at `position`: the compiler's flops and
+    bytes (layers counted L times, over a pool of one block per row) plus the attention's reads of
+    the KV at `position` (`attention_reads`), then `roofline`. `kv`: the pool a chip holds (not
+    read whole: the floor counts the KV in use)."""
+    att = attention_reads(eng, slots=slots, position=position, tp=tp)
     raw = {
-        "position": position, "flops": step.total_flops + extra * chunk_flops,
-        "bytes": step.total_bytes + extra * chunk_bytes, "floor_bytes": weights + kv_used,
+        "position": position, "attention": att["path"],
+        "flops": step.total_flops + att["flops"], "bytes": step.total_bytes + att["bytes"],
+        "floor_bytes": weights + min(kv, att["kv_bytes_read"]),
         "layer_flops": step.layer_flops, "layer_bytes": step.layer_bytes,
         "outside_layers_flops": step.flops, "outside_layers_bytes": step.bytes_accessed,
         "sampling_flops": None if sampling is None else sampling.flops,

@@ -83,19 +83,16 @@ def _parser() -> argparse.ArgumentParser:
                    "thread suits a laptop whose cores the workers share (idle pool threads spin against the other "
                    "workers; one for prefill too: every core for it gained nothing in a quiet burst run). A "
                    "--colocated worker takes decode's count")
-    p.add_argument("--kv-layout", choices=("slots", "paged"), default="paged",
-                   help="decode KV: 'paged' (default) keeps a pool of blocks taken as sequences grow, and --slots counts "
-                   "sequence rows (a decode worker claims work while it has the blocks for the prompt plus a reserve); "
-                   "'slots' keeps --max-len positions per slot")
     p.add_argument("--kv-blocks", type=int, default=0, metavar="N",
-                   help="blocks in each decode worker's KV pool (0: the slot layout's memory, "
-                   "slots x max-len positions)")
-    p.add_argument("--kv-block-size", type=int, default=16, metavar="B", help="positions per KV block (paged)")
+                   help="blocks in each decode worker's KV pool, taken as sequences grow (--slots counts sequence "
+                   "rows; a decode worker claims work while it has the blocks for the prompt plus a reserve); 0: "
+                   "slots x max-len positions")
+    p.add_argument("--kv-block-size", type=int, default=16, metavar="B", help="positions per KV block")
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
-                   help="paged: the decode KV's element type; fp8 (float8_e4m3fn) holds twice bfloat16's "
+                   help="the decode KV's element type; fp8 (float8_e4m3fn) holds twice bfloat16's "
                    "positions in the same memory (its error: bench/quantize_quality.py --kv)")
     p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
-                   help="paged: do not keep finished sequences' blocks for later ones that start with the same "
+                   help="do not keep finished sequences' blocks for later ones that start with the same "
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
@@ -107,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     _planner_flags(p.add_argument_group("planner"))
     p.add_argument("--log-level", default="INFO", help="log level of the launcher and every service")
     p.add_argument("--ready-timeout", type=float, default=180.0,
-                   help="seconds to wait for the cluster (a paged decode worker at 16 rows warms in ~25 s on 2 quiet "
+                   help="seconds to wait for the cluster (a decode worker at 16 rows warms in ~25 s on 2 quiet "
                         "CPU cores with an empty compilation cache)")
     return p
 
@@ -159,13 +156,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.planner and (a.colocated or a.redis_sentinel or a.redis_cluster):
         p.error("--planner sizes separate prefill and decode workers, following the planner through a plain "
                 "Redis URL (the embedded one or --redis-url): not with --colocated, --redis-sentinel or --redis-cluster")
-    if a.kv_layout == "slots" and a.kv_dtype != "auto":
-        p.error(f"--kv-dtype {a.kv_dtype} needs the paged KV layout: drop --kv-layout slots (the slot layout keeps the "
-                "KV in the compute dtype)")
-    if a.kv_layout == "slots" and (a.kv_blocks or a.kv_block_size != 16):
-        p.error("--kv-blocks and --kv-block-size size a paged KV pool: drop --kv-layout slots (or them)")
     if a.kv_blocks < 0 or a.kv_block_size < 1:
-        p.error("--kv-blocks must be >= 0 (0: the slot layout's memory) and --kv-block-size >= 1")
+        p.error("--kv-blocks must be >= 0 (0: slots x max-len positions) and --kv-block-size >= 1")
     if a.planner and not 1 <= max(a.prefill, a.decode) <= a.planner_max:
         p.error(f"--planner: --prefill and --decode must be between 1 and --planner-max ({a.planner_max})")
 
@@ -372,8 +364,8 @@ class Cluster:
             f"{pre}COLOCATED": "true" if self.a.colocated else "false", **self._kv_env(pre)}))
 
     def _kv_env(self, prefix: str) -> dict[str, str]:
-        """The decode workers' KV layout (a prefill worker keeps no decode KV: none of it there)."""
-        return {f"{prefix}ENGINE__KV_LAYOUT": self.a.kv_layout, f"{prefix}ENGINE__KV_BLOCKS": str(self.a.kv_blocks),
+        """The decode workers' KV pool (a prefill worker keeps no decode KV: none of it there)."""
+        return {f"{prefix}ENGINE__KV_BLOCKS": str(self.a.kv_blocks),
                 f"{prefix}ENGINE__KV_BLOCK_SIZE": str(self.a.kv_block_size),
                 f"{prefix}ENGINE__KV_REUSE": "true" if self.a.kv_reuse else "false",
                 f"{prefix}ENGINE__KV_DTYPE": self.a.kv_dtype}
@@ -440,10 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s%s: context %d positions, %s; %d decode slots per decode worker (--slots); "
              "prefill buckets %s", a.model, f" ({a.quantize} weights)" if a.quantize else "", a.max_len, why,
              a.slots, buckets_for(a.max_len))
-    if a.kv_layout == "paged":
-        log.info("decode KV paged: %d blocks of %d positions per decode worker (--kv-blocks, --kv-block-size; "
-                 "--slots %d sequence rows); finished sequences' blocks %s", a.kv_blocks or -(-a.slots * a.max_len // a.kv_block_size),
-                 a.kv_block_size, a.slots, "kept for reuse" if a.kv_reuse else "not kept (--no-kv-reuse)")
+    log.info("decode KV: %d blocks of %d positions per decode worker (--kv-blocks, --kv-block-size; --slots %d "
+             "sequence rows); finished sequences' blocks %s", a.kv_blocks or -(-a.slots * a.max_len // a.kv_block_size),
+             a.kv_block_size, a.slots, "kept for reuse" if a.kv_reuse else "not kept (--no-kv-reuse)")
     cluster = Cluster(a)
     stopping = {"flag": False}
 

@@ -135,39 +135,33 @@ class EngineConfig(BaseModel):
     # host's per-call cost is paid once per this many tokens, and tokens reach clients in bursts
     # of it (decode_svc/loop.py). 1 turns it off. Default by bench/engine_thread.py.
     steps_per_dispatch: PositiveInt = 4
-    # Where a decode pod keeps its KV. "paged" (the default): a pool of `kv_blocks` blocks of
-    # `kv_block_size` positions, taken as a sequence grows; `slots` counts sequence rows, which can be
-    # far more than the memory holds at max_len each: a decode pod claims work while it has the
-    # blocks for the prompt plus a reserve (docs/scaling.md, decode capacity). kv_blocks 0: the slot
-    # layout's memory (slots x max_len). "slots": `slots` rows of `max_len` positions each, whatever
-    # a request uses (the older layout, kept until it retires: issue 43).
-    kv_layout: str = Field(default="paged", pattern="^(slots|paged)$")
-    kv_block_size: PositiveInt = 16  # positions per KV block (paged)
-    kv_blocks: int = Field(default=0, ge=0)  # blocks in the pool (paged); 0 = slots x max_len / kv_block_size
-    # paged: keep finished sequences' full blocks in the pool (evicted first when blocks run
+    # Where a decode pod keeps its KV: a pool of `kv_blocks` blocks of `kv_block_size` positions,
+    # taken as a sequence grows; `slots` counts sequence rows, which can be far more than the memory
+    # holds at max_len each: a decode pod claims work while it has the blocks for the prompt plus a
+    # reserve (docs/scaling.md, decode capacity). kv_blocks 0: every row can reach max_len at once
+    # (slots x max_len positions).
+    kv_block_size: PositiveInt = 16  # positions per KV block
+    kv_blocks: int = Field(default=0, ge=0)  # blocks in the pool; 0 = slots x max_len / kv_block_size
+    # keep finished sequences' full blocks in the pool (evicted first when blocks run
     # short) and share them with later sequences that start with the same tokens: a decode pod
     # then pulls only the KV it does not hold (a conversation's new turn). tandem_engine/block_cache.py
     kv_reuse: bool = True
-    # paged: the decode KV's element type; "fp8" (float8_e4m3fn) holds twice bfloat16's positions
+    # the decode KV's element type; "fp8" (float8_e4m3fn) holds twice bfloat16's positions
     # in the same memory (error against the dtype: bench/quantize_quality.py --kv); "auto": `dtype`
     kv_dtype: str = Field(default="auto", pattern="^(auto|fp8)$")
 
     @model_validator(mode="after")
-    def _paged_fits_one(self) -> "EngineConfig":
-        if self.kv_dtype != "auto" and self.kv_layout != "paged":
-            raise ValueError(f"kv_dtype {self.kv_dtype} is served by the paged KV layout: set kv_layout: paged too")
-        if self.kv_layout == "paged" and self.kv_blocks and self.kv_blocks * self.kv_block_size < self.max_len:
+    def _pool_fits_one(self) -> "EngineConfig":
+        if self.kv_blocks and self.kv_blocks * self.kv_block_size < self.max_len:
             need = -(-self.max_len // self.kv_block_size)
             raise ValueError(f"kv_blocks {self.kv_blocks} x kv_block_size {self.kv_block_size} = "
                              f"{self.kv_blocks * self.kv_block_size} positions cannot hold one sequence of max_len "
-                             f"{self.max_len}: set kv_blocks >= {need} (or 0 for the slot layout's memory), or lower max_len")
+                             f"{self.max_len}: set kv_blocks >= {need} (or 0: slots x max_len positions), or lower max_len")
         return self
 
     def kv_kwargs(self) -> dict:
-        """The paged KV options of `load_engine` (none for the slot layout: its engine is built as before)."""
-        if self.kv_layout == "slots":
-            return {}
-        return {"kv_layout": self.kv_layout, "kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None,
+        """The KV pool options of `load_engine`."""
+        return {"kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None,
                 "kv_reuse": self.kv_reuse, "kv_dtype": None if self.kv_dtype == "auto" else self.kv_dtype}
 
     def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:

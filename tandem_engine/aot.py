@@ -17,9 +17,12 @@ prefill counts the flops of its 1-layer compile, and a 2-layer compile counts th
 `Compiler.count_layers` takes the cost from a 1-layer and a 2-layer compile of the same step
 traced with its layer loop unrolled (`ModelConfig.unroll_layers`): one layer costs c2 - c1, the rest
 2 c1 - c2, and the whole step (2 c1 - c2) + L (c2 - c1). (The full model's scanned compile is no
-substitute for c1: what it does to the whole [L, ...] KV cache outside the body scales with L.) The decode attention's `while_loop` over KV chunks has a
-trip count only known at run time: its body (one chunk of 256 positions) is counted once per
-layer; tandem/fit.py adds the other chunks a step at a given context reads.
+substitute for c1: what it does outside the body scales with L.) The decode step's attention reads
+a context only known at run time: on a TPU the Pallas kernel, which the compiler's cost analysis
+does not count, or the gather path's loop over pieces of the pool, whose body it counts once per
+layer. So the cost compiles run over a pool of one block per row (the compiler counts a write into
+a pool buffer as bytes of the whole buffer), and tandem/fit.py adds the KV a step at a given
+context reads and the attention's flops over it.
 
 No I/O beyond the compiler, no settings; tandem/fit.py turns these numbers into a sizing report.
 """
@@ -106,12 +109,13 @@ def abstract_params(info: ModelInfo, dtype: str, layout: Layout, quantize: str |
 
 def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len: int,
                  prefill_buckets, dtype: str, expert_parallel: bool = False, quantize: str | None = None,
-                 unroll_layers: bool = False) -> Engine:
+                 unroll_layers: bool = False, kv_blocks: int | None = None) -> Engine:
     """An Engine for `tp` of `devices` (the first tp) with abstract weights; raises ValueError
     for what a real Engine refuses (tp not dividing the heads, max_len past the model's).
     `expert_parallel`: a mixture of experts splits whole experts across the chips (the layout's
     option where the engine has it). `unroll_layers`: its steps trace the layer loop unrolled
-    (the cost-accounting compiles)."""
+    (the cost-accounting compiles). `kv_blocks`: the KV pool's size (default: every row can reach
+    max_len)."""
     if tp > len(devices):
         raise ValueError(f"tp={tp} needs {tp} chips; the topology has {len(devices)}")
     ep = {"expert_parallel": True} if expert_parallel else {}
@@ -121,7 +125,7 @@ def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len
     # the layout over the TPU chips is set right after. What depends on the platform (the experts'
     # grouped matmuls) follows the chips compiled for, not this host's CPU.
     eng = _AbstractEngine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
-                          dtype=dtype, tp=1, platform=devices[0].platform)
+                          dtype=dtype, tp=1, platform=devices[0].platform, kv_blocks=kv_blocks)
     eng.layout = layout
     if unroll_layers:
         eng.cfg = eng.cfg._replace(unroll_layers=True)
@@ -130,15 +134,13 @@ def build_engine(info: ModelInfo, devices: list, *, tp: int, slots: int, max_len
 
 def abstract_state(eng: Engine):
     """The engine's own `init_state`, as shapes, with the shardings it allocates them with: the
-    KV cache arrays (k, v) on `layout.kv_cache()`, everything else replicated."""
+    KV pool's layer buffers (k, v) on `layout.kv_pool()`, everything else replicated."""
     shapes = jax.eval_shape(eng.init_state)
-    kv, rep = eng.layout.kv_cache(), eng.layout.replicated()
-    kv_shape = tuple(shapes.k.shape)
+    pool, rep = eng.layout.kv_pool(), eng.layout.replicated()
 
     def place(path, s):
         name = getattr(path[0], "name", None) if path else None
-        sharding = kv if name in ("k", "v") and tuple(s.shape) == kv_shape else rep
-        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=pool if name in ("k", "v") else rep)
 
     return jax.tree_util.tree_map_with_path(place, shapes)
 
@@ -243,7 +245,11 @@ class Compiler:
             return self.engine
         if layers not in self._small:
             small = _first_layers(self.info, layers)
-            self._small[layers] = build_engine(small, self.devices, **self.kw, unroll_layers=True)
+            # a pool of one block per row: the compiler counts a write into a pool buffer as bytes of
+            # the whole buffer, so the cost compiles hold the least pool a step can run over, and
+            # tandem/fit.py adds the KV a step at a given context reads (`attention_reads`)
+            self._small[layers] = build_engine(small, self.devices, **self.kw, unroll_layers=True,
+                                               kv_blocks=self.kw["slots"])
         return self._small[layers]
 
     def _one(self, kind: str, arg: int, layers: int | None, **opts) -> Step:

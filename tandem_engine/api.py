@@ -53,15 +53,12 @@ class ServingEngine(Protocol):
     dtype: str  # "float32" | "bfloat16": the KV's bytes per element
     prefix_chunk: int  # tokens per piece of a prefill over a cached prefix, and of a chunked prefill
     steps_per_dispatch: int  # multi-step decode: steps a decode pod runs per generate call when it can
-    # KV capacity in blocks, in both layouts: "slots" (each slot owns max_len rows: it counts as
-    # kv_blocks_for(max_len) blocks, used or not) or "paged" (a pool of kv_blocks_total blocks of
-    # kv_block_size positions shared by `slots` sequence rows). A decode pod takes a prompt when
-    # kv_blocks_free() >= kv_blocks_for(its length) plus its reserve, and calls reserve() before
-    # each generate.
-    kv_layout: str
+    # KV capacity in blocks: a pool of kv_blocks_total blocks of kv_block_size positions shared by
+    # `slots` sequence rows. A decode pod takes a prompt when kv_blocks_free() >=
+    # kv_blocks_for(its length) plus its reserve, and calls reserve() before each generate.
     kv_block_size: int
     kv_blocks_total: int
-    # paged: finished rows' full blocks are kept and shared by later sequences with the same
+    # finished rows' full blocks are kept and shared by later sequences with the same
     # leading tokens (tandem_engine/block_cache.py); a decode pod pulls only the rest
     kv_reuse: bool
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
-from tandem_engine.model import (ModelConfig, decode_forward, prefill_batch_forward, prefill_forward,
-                                 prefill_logits_all, prefill_suffix_forward)
+from tandem_engine.model import (ModelConfig, prefill_batch_forward, prefill_forward, prefill_logits_all,
+                                 prefill_suffix_forward)
 from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
@@ -44,10 +44,10 @@ class CoreCall(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
-    # [num_layers, slots, num_kv_heads, max_len, head_dim] (head-major), on every device; the
-    # paged pool instead in the paged layout (block_table below)
-    k: jax.Array | tuple
-    v: jax.Array | tuple
+    # the KV pool (paged.py): tuples of L layer buffers each [KV, num_blocks, block_size, hd], one
+    # buffer per layer (what the TPU kernel reads in place); under tp each chip holds its heads
+    k: tuple
+    v: tuple
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits
     tokens: jax.Array  # int32 [slots]: each slot's next input token
     active: jax.Array  # bool [slots]
@@ -58,17 +58,13 @@ class DecodeState(NamedTuple):
     seeds: jax.Array  # uint32 [slots, 2]
     history: jax.Array  # int32 [slots, vocab]: penalty state (logits.py: 2 x output count | prompt)
     processing: SlotLogits  # per-slot penalties, bias, stop ids, min_tokens
-    # paged KV (engine kv_layout="paged"): k, v are the block pool, a tuple of L layer buffers each
-    # [KV, num_blocks, block_size, hd] (paged.py: one buffer per layer, what the TPU kernel reads in
-    # place), and this int32 [slots, max_blocks_per_seq] each row's blocks in order (0: the null
-    # block); None in the slot layout
-    block_table: jax.Array | None = None
+    # int32 [slots, max_blocks_per_seq]: each row's blocks in order (0: the null block)
+    block_table: jax.Array
 
 
-def _kv(layout: Layout | None, cache: bool):
-    if layout is None:
-        return None
-    return layout.kv_cache() if cache else layout.kv_prefix()
+def _kv(layout: Layout | None):
+    """A prefill's KV sharding (split by KV head under tp)."""
+    return None if layout is None else layout.kv_prefix()
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"))
@@ -80,7 +76,7 @@ def prefill_core(params, tokens, true_length, output_from, index, temperature, t
     logits, k, v = prefill_forward(params, tokens, true_length, cfg)
     packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
                            proc, masks)
-    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), packed
+    return constrain(k, _kv(layout)), constrain(v, _kv(layout)), packed
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"))
@@ -108,7 +104,7 @@ def prefill_cached_core(params, suffix, start, suffix_length, k_buf, v_buf, toke
     logits, k, v = prefill_suffix_forward(params, suffix, start, suffix_length, k_buf, v_buf, cfg)
     packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
                            proc, masks)
-    return constrain(k, _kv(layout, False)), constrain(v, _kv(layout, False)), packed
+    return constrain(k, _kv(layout)), constrain(v, _kv(layout)), packed
 
 
 def _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed, proc, masks):
@@ -135,25 +131,6 @@ def prompt_logprobs_core(params, tokens, *, cfg: ModelConfig):
     return pack(lp, jnp.roll(tokens, -1))
 
 
-@partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
-def insert_core(state: DecodeState, k, v, slot, true_length, first_token, step, temperature, top_k,
-                top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits, *,
-                layout: Layout | None) -> DecodeState:
-    # k, v [L, length, KV, hd] -> rows [0, length) of `slot` in the head-major cache [L, slots, KV,
-    # max_len, hd]; rows past true_length are masked until decode overwrites them, and so is
-    # whatever a previous occupant left further on.
-    start = (0, slot, 0, 0, 0)
-    cache = _kv(layout, True)
-
-    def rows(x):
-        return jnp.swapaxes(x, 1, 2)[:, None].astype(state.k.dtype)  # [L, 1, KV, length, hd]
-
-    new_k = constrain(jax.lax.dynamic_update_slice(state.k, rows(k), start), cache)
-    new_v = constrain(jax.lax.dynamic_update_slice(state.v, rows(v), start), cache)
-    return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
-                        hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
-
-
 def _pin_pool(pool: tuple, layout: Layout | None) -> tuple:
     """The paged pool's layer buffers kept split by KV head (tp > 1), so the donated buffers are reused."""
     return pool if layout is None else tuple(constrain(layer, layout.kv_pool()) for layer in pool)
@@ -163,7 +140,7 @@ def _pin_pool(pool: tuple, layout: Layout | None) -> tuple:
 def insert_paged_core(state: DecodeState, k, v, ids, slot, true_length, first_token, step, temperature, top_k,
                       top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits, *,
                       layout: Layout | None = None) -> DecodeState:
-    """`insert_core` on the paged pool: k, v [L, length, KV, hd] into blocks `ids` int32
+    """A prefix into a row: k, v [L, length, KV, hd] into blocks `ids` int32
     [ceil(length / block_size)] of each layer's buffer (paged.write_prompt_blocks; the slot's block
     table row is the caller's: engine_decode uploads the host table). With a `layout` k, v come
     split by KV head (Layout.kv_prefix) and each chip writes its heads' rows of the blocks."""
@@ -204,40 +181,30 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     # steps > 1 (multi-step decode, no masks): that many steps in one call (a scan over the same
     # step), tokens [steps, rows(, PACKED_WIDTH)]; a slot whose position reaches `max_len` - 1 (the
     # last cache row) stays there (it rewrites that row with the same input, so nothing past max_len is written).
-    # table_blocks > 0 (paged KV): the step reads each row's first table_blocks blocks through
-    # state.block_table (paged.decode_forward_paged: the Pallas kernel per layer buffer when compiled
-    # for a TPU and the family allows it, else the gather; max_len is then needed for every step count).
-    paged = (table_blocks, max_len) if table_blocks else None
-    if paged and max_len < 1:
-        raise ValueError("a paged step needs the cache's max_len")
+    # The step reads each row's first table_blocks blocks through state.block_table
+    # (paged.decode_forward_paged: the Pallas kernel per layer buffer when compiled for a TPU and the
+    # family allows it, else the CPU kernel or the gather).
+    if table_blocks < 1 or max_len < 1:
+        raise ValueError(f"a decode step needs its table width and the rows' max_len (got {table_blocks}, {max_len})")
     if steps == 1:
-        return _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, paged)
-    if masks is not None or max_len < 1:
-        raise ValueError("a multi-step call takes no masks (each step's mask needs the previous token) "
-                         "and needs the cache's max_len")
+        return _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, table_blocks, max_len)
+    if masks is not None:
+        raise ValueError("a multi-step call takes no masks (each step's mask needs the previous token)")
 
     def body(st, _):
-        return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len, paged)
+        return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len, table_blocks, max_len)
 
     return jax.lax.scan(body, state, None, length=steps)
 
 
 def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: Layout | None, rows: int,
-                 logprobs: bool, freeze_at: int, paged: tuple[int, int] | None = None):
+                 logprobs: bool, freeze_at: int, table_blocks: int, max_len: int):
     active = state.active[:rows]
     step = state.step[:rows]
-    if paged is not None:
-        assert state.block_table is not None
-        table_blocks, max_len = paged
-        logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
-                                            state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
-                                            active=active, mesh=None if layout is None else layout.mesh)
-        k, v = _pin_pool(k, layout), _pin_pool(v, layout)
-    else:
-        logits, k, v = decode_forward(params, state.tokens[:rows], state.positions[:rows], state.k, state.v, cfg,
-                                      active=active)
-        cache = _kv(layout, True)  # the KV keeps its sharding, so the donated buffers are reused
-        k, v = constrain(k, cache), constrain(v, cache)
+    logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
+                                        state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
+                                        active=active, mesh=None if layout is None else layout.mesh)
+    k, v = _pin_pool(k, layout), _pin_pool(v, layout)  # kept split by head: the donated buffers are reused
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)

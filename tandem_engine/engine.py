@@ -75,15 +75,15 @@ class Engine(PrefillSide, DecodeSide):
         for b in self.buckets:
             self.prefill([0] * b, SamplingParams())
 
-    def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[tuple[int, int | None, int, bool, bool]]:
+    def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[tuple[int, int, int, bool, bool]]:
         """The decode step variants `warmup` compiles, in its order: (rows, table width, steps,
-        logprobs, masked) for every batch bucket (the table width: paged, the one width every step
-        has, each row's whole table, since the step reads only the blocks in use (paged.paged_attention);
-        None on the slot layout), one step and `steps_per_dispatch` of them, with `logprobs` their
+        logprobs, masked) for every batch bucket (the table width: the one width every step has,
+        each row's whole table, since the step reads only the blocks in use:
+        paged.paged_attention), one step and `steps_per_dispatch` of them, with `logprobs` their
         logprobs variants too, with `masks` the grammar-masked step."""
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
-        width = self.max_blocks_per_seq if self.kv_layout == "paged" else None
-        out: list[tuple[int, int | None, int, bool, bool]] = []
+        width = self.max_blocks_per_seq
+        out: list[tuple[int, int, int, bool, bool]] = []
         for rows in self.batch_buckets:
             for steps in multi:  # multi-step decode: its own compiled variants
                 out += [(rows, width, steps, lp, False) for lp in ((False, True) if logprobs else (False,))]
@@ -116,8 +116,7 @@ class Engine(PrefillSide, DecodeSide):
             state = self.insert(kv_of, state, 0, SamplingParams())
             if direct and not prefill and b == self.buckets[0]:
                 state = self.insert(self.prefill([0] * b, SamplingParams()), state, 0, SamplingParams())
-        if self.kv_layout == "paged":  # the steps run with every row free (no blocks held)
-            state = self.free(state, 0)
+        state = self.free(state, 0)  # the steps run with every row free (no blocks held)
         variants = self.warm_steps(logprobs, masks)
         ones = np.full((max(self.batch_buckets), (self.info.vocab_size + 31) // 32), -1, np.int32)
         for i, (rows, width, steps, lp, masked) in enumerate(variants):

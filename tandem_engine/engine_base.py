@@ -26,13 +26,12 @@ from tandem_engine.weights import resolve_dtype
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_STEPS_PER_DISPATCH = 4  # bench/engine_thread.py --steps-per-dispatch; EngineConfig mirrors it
-# Positions per KV block (paged layout; the unit services count KV capacity in for both layouts).
+# Positions per KV block (the unit services count KV capacity in).
 # 16: a sequence wastes at most 15 positions in its last block (< 5% of a chat turn of a few
 # hundred), and it is vLLM's default and a page size the TPU paged-attention kernel takes in
 # bfloat16 (a multiple of its 16-row sublane tile); larger blocks waste more, smaller ones make
 # longer tables (more gather indices per step).
 DEFAULT_KV_BLOCK_SIZE = 16
-KV_LAYOUTS = ("slots", "paged")
 
 
 class EngineBase:
@@ -43,7 +42,7 @@ class EngineBase:
                  prefill_buckets: Sequence[int] = DEFAULT_BUCKETS, dtype: str = "float32",
                  tp: int = 1, mesh: Mesh | None = None, prefix_chunk: int = 64,
                  expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
-                 kv_layout: str = "slots", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  kv_blocks: int | None = None, quantize: str | None = None, kv_reuse: bool = True,
                  kv_dtype: str | None = None, platform: str | None = None):
         if slots < 1 or max_len < 1:
@@ -90,69 +89,58 @@ class EngineBase:
         # copies of the whole cache (seen in the compiled HLO: 12 ms a step instead of 2 at 32 slots).
         self.batch_buckets = tuple(sorted({1 << i for i in range(1, self.slots.bit_length()) if 1 << i < self.slots}
                                           | {self.slots}))
-        # KV layout: "slots" (every slot owns max_len rows) or "paged" (a pool of kv_block_size
-        # blocks shared by `slots` sequence rows; paged.py). Both count capacity in blocks.
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS} (got {kv_layout!r})")
+        # The KV: one pool of kv_block_size-position blocks shared by `slots` sequence rows, each
+        # row reading its blocks through its block table (paged.py); with tp > 1 the pool is split
+        # by KV head (sharding.Layout.kv_pool). `kv_blocks` sizes the pool (default: every row can
+        # reach max_len at once).
         if kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1 (got {kv_block_size})")
-        self.kv_layout = kv_layout
         self.kv_block_size = int(kv_block_size)
         self.max_blocks_per_seq = -(-self.max_len // self.kv_block_size)
-        if kv_layout == "paged":  # with tp > 1 the pool is split by KV head (sharding.Layout.kv_pool)
-            total = self.slots * self.max_blocks_per_seq if kv_blocks is None else int(kv_blocks)
-            if total < 1:
-                raise ValueError(f"kv_blocks must be >= 1 (got {kv_blocks})")
-            self.kv_blocks_total = total
-        else:
-            if kv_blocks is not None:
-                raise ValueError("kv_blocks sizes the paged pool: pass it with kv_layout='paged'")
-            self.kv_blocks_total = self.slots * self.max_blocks_per_seq
-        # the decode pool's element type: the compute dtype, or "fp8" (float8_e4m3fn, paged only:
-        # half of bfloat16's bytes, a quarter of float32's; K and V cast to it when written and back
-        # when read; its error against the dtype: bench/quantize_quality.py --kv)
-        self.kv_dtype, self._kv_jdtype = _kv_dtype(kv_dtype, dtype, self._jdtype, kv_layout)
-        # paged: keep finished rows' full blocks for later sequences with the same leading tokens
+        total = self.slots * self.max_blocks_per_seq if kv_blocks is None else int(kv_blocks)
+        if total < 1:
+            raise ValueError(f"kv_blocks must be >= 1 (got {kv_blocks})")
+        self.kv_blocks_total = total
+        # the pool's element type: the compute dtype, or "fp8" (float8_e4m3fn: half of bfloat16's
+        # bytes, a quarter of float32's; K and V cast to it when written and back when read; its
+        # error against the dtype: bench/quantize_quality.py --kv)
+        self.kv_dtype, self._kv_jdtype = _kv_dtype(kv_dtype, dtype, self._jdtype)
+        # keep finished rows' full blocks for later sequences with the same leading tokens
         # (block_cache.py: a decode pod pulls only the rows it does not hold)
-        self.kv_reuse = bool(kv_reuse) and kv_layout == "paged"
+        self.kv_reuse = bool(kv_reuse)
         self._blocks_lock = threading.RLock()  # the block host state: engine thread and event loop
         self._reset_kv_host()
 
     def _reset_kv_host(self) -> None:
         """The host's view of the KV (what init_state starts from): which slots hold a sequence,
-        and in the paged layout the block allocator, each row's block table and blocks held,
-        each row's next position (what generate advances) and insertion order (reserve serves
-        the oldest first)."""
+        the block allocator, each row's block table and blocks held, each row's next position
+        (what generate advances) and insertion order (reserve serves the oldest first)."""
         self._occupied = np.zeros(self.slots, bool)
         self._order = np.zeros(self.slots, np.int64)
         self._inserted = 0
-        self._reuse: BlockCache | None = None
-        if self.kv_layout == "paged":
-            self._alloc = CachingAllocator(self.kv_blocks_total)
-            self._reuse = BlockCache(self._alloc, self.kv_block_size) if self.kv_reuse else None
-            self._table = np.zeros((self.slots, self.max_blocks_per_seq), np.int32)
-            self._held = np.zeros(self.slots, np.int64)  # blocks in each row's table
-            self._pos = np.zeros(self.slots, np.int64)  # each row's next write position
+        self._alloc = CachingAllocator(self.kv_blocks_total)
+        self._reuse: BlockCache | None = BlockCache(self._alloc, self.kv_block_size) if self.kv_reuse else None
+        self._table = np.zeros((self.slots, self.max_blocks_per_seq), np.int32)
+        self._held = np.zeros(self.slots, np.int64)  # blocks in each row's table
+        self._pos = np.zeros(self.slots, np.int64)  # each row's next write position
 
     def kv_blocks_for(self, length: int) -> int:
         """Blocks `length` positions of KV take: ceil(length / kv_block_size)."""
         return -(-int(length) // self.kv_block_size)
 
     def kv_blocks_free(self) -> int:
-        """Blocks free now: the pool's free list (paged), or the blocks of the free slots
-        (slots: each slot holds ceil(max_len / kv_block_size) of them, used or not)."""
-        if self.kv_layout == "paged":  # cached blocks no row holds are free for the taking
-            return self._alloc.free_count() + self._alloc.cached_only
-        return int((~self._occupied).sum()) * self.max_blocks_per_seq
+        """Blocks free now: the pool's free list and the cached blocks no row holds (free for
+        the taking)."""
+        return self._alloc.free_count() + self._alloc.cached_only
 
     @property
     def step_params(self) -> dict:
-        """The params a decode step reads: `params` itself, or for the paged step on one CPU
-        device (its layers run unrolled) the same params with the layer weights also held one
+        """The params a decode step reads: `params` itself, or on one CPU device (the step's
+        layers run unrolled) the same params with the layer weights also held one
         layer apiece (model.split_layers: XLA CPU copies a stacked weight's layer slice before
         every dot). That copy of the layer weights is made once, on first use, and kept: there
         the layer weights sit in memory twice (prefill scans the stacked ones)."""
-        if not (self.kv_layout == "paged" and self.layout is None and self._one_cpu):
+        if not (self.layout is None and self._one_cpu):
             return self.params
         if self._step_params is None:
             self._step_params = split_layers(self.params)
@@ -218,13 +206,10 @@ class EngineBase:
 KV_DTYPES = ("auto", "fp8")
 
 
-def _kv_dtype(kv_dtype: str | None, dtype: str, jdtype, kv_layout: str):
-    """(name, element type) of the decode KV: `dtype`'s for None / "auto"; "fp8" needs the paged
-    layout (the slot layout's caches stay in the compute dtype)."""
+def _kv_dtype(kv_dtype: str | None, dtype: str, jdtype):
+    """(name, element type) of the KV pool: `dtype`'s for None / "auto"."""
     if kv_dtype in (None, "", "auto"):
         return dtype, jdtype
     if kv_dtype != "fp8":
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (got {kv_dtype!r})")
-    if kv_layout != "paged":
-        raise ValueError("kv_dtype='fp8' is served by the paged KV layout: pass kv_layout='paged' too")
     return "fp8", jnp.float8_e4m3fn

@@ -1,5 +1,6 @@
-"""The Engine's decode side: a `DecodeState` of `slots` slots, a `Prefix` inserted into a free
-slot, one step for every slot in use, and the slot freed when its request finishes.
+"""The Engine's decode side: a `DecodeState` of `slots` sequence rows over one pool of KV blocks,
+a `Prefix` inserted into a free row, one step for every row in use, and the row freed (its blocks
+back to the pool) when its request finishes.
 
 What a decode pod runs on its engine thread. Steps 3-5 of the request's life in engine.py's
 docstring; the states passed in are donated (the KV cache is updated in place).
@@ -16,7 +17,7 @@ import numpy as np
 from tandem_core.errors import OutOfKVBlocks, PromptTooLong
 from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
-from tandem_engine.cores import CoreCall, DecodeState, free_core, generate_core, insert_core, insert_paged_core
+from tandem_engine.cores import CoreCall, DecodeState, free_core, generate_core, insert_paged_core
 from tandem_engine.block_cache import PrefixMatch
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
@@ -28,33 +29,27 @@ from tandem_engine.sampling import sampling_arrays
 class DecodeSide(EngineBase):
     """Slots: init_state, insert, reserve, generate, free (see engine.Engine for the calling rules).
 
-    KV layouts (`kv_layout`): "slots", every slot owns max_len rows of KV; "paged", `slots` is
-    the number of sequence rows and their KV sits in `kv_blocks_total` blocks of `kv_block_size`
-    positions shared by all rows (paged.py). The paged calling rules: insert takes
+    The KV: `slots` is the number of sequence rows, and their KV sits in `kv_blocks_total` blocks
+    of `kv_block_size` positions shared by all rows (paged.py). The calling rules: insert takes
     `kv_blocks_for(true_length)` free blocks (OutOfKVBlocks when fewer are free: the state is
-    then untouched); before each generate, `reserve(state, steps)` gives every active row the
-    blocks its next `steps` positions fall in (generate raises for an active row without them);
-    free returns a row's blocks. The slot layout answers the same calls (reserve: nothing to do),
-    so a service calls them without asking which layout it runs. The block accounting is the
-    engine's host state, for one DecodeState at a time: init_state starts it afresh (every block
-    free), so a state made before is not to be used after."""
+    then untouched); `reserve(state, steps)` gives every active row the blocks its next `steps`
+    positions fall in, oldest first, and says which rows could not get theirs (a service calls it
+    before each generate and hands those rows back); generate reserves what a caller did not
+    (RuntimeError when the pool is short: the caller must free rows first); free returns a row's
+    blocks. The block accounting is the engine's host state, for one DecodeState at a time:
+    init_state starts it afresh (every block free), so a state made before is not to be used
+    after."""
 
     def init_state(self) -> DecodeState:
-        """An all-free DecodeState; the KV cache is allocated here, once (and in the paged
-        layout every block goes back to the free list)."""
+        """An all-free DecodeState; the KV pool is allocated here, once, and every block goes
+        back to the free list."""
         c, s, lay = self.cfg, self.slots, self.layout
-        cache = (c.num_layers, s, c.num_kv_heads, self.max_len, c.head_dim)  # head-major
-        kv_dev = None if lay is None else lay.kv_cache()  # each chip allocates only its heads
         dev = None if lay is None else lay.replicated()
         self._reset_kv_host()
-        table = None
-        if self.kv_layout == "paged":  # one pool of blocks, a buffer per layer (paged.py)
-            k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
-                              self._kv_jdtype, None if lay is None else lay.kv_pool())  # tp: each chip its heads
-            table = self._table_array()
-        else:
-            k = jnp.zeros(cache, self._jdtype, device=kv_dev)
-            v = jnp.zeros(cache, self._jdtype, device=kv_dev)
+        # one pool of blocks, a buffer per layer (paged.py); tp: each chip allocates only its heads
+        k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
+                          self._kv_jdtype, None if lay is None else lay.kv_pool())
+        table = self._table_array()
         state = DecodeState(
             k=k,
             v=v,
@@ -99,8 +94,8 @@ class DecodeSide(EngineBase):
 
     def insert_call(self, prefix: Prefix, state: DecodeState, slot: int, sampling: SamplingParams) -> CoreCall:
         """The one jitted call `insert(prefix, state, slot, sampling)` makes, with its arguments
-        (aot.py lowers it). Paged: the row takes its blocks here, as `insert` does (run the call, or
-        free the slot)."""
+        (aot.py lowers it). The row takes its blocks here, as `insert` does (run the call, or free
+        the slot)."""
         self._check_slot(slot)
         k, v = self._prefix_kv(prefix, state)
         length = k.shape[1]
@@ -125,7 +120,7 @@ class DecodeSide(EngineBase):
         (its argument transfer; no separate device_put, no jnp.asarray conversion of each: ~80 us
         of host CPU per payload saved); with a layout, import_prefix places them on the chips.
 
-        `cached` (paged, `match_prefix`): the blocks of the prompt's first `cached.length`
+        `cached` (`match_prefix`): the blocks of the prompt's first `cached.length`
         positions, already in the pool; the payload then holds the rest (`payload.start ==
         cached.length`), and the row shares those blocks (no copy). A payload that starts at 0
         anyway (a prefill pod that sent it whole) goes in whole and the match is released.
@@ -157,9 +152,9 @@ class DecodeSide(EngineBase):
             if cached is not None:
                 self.release_prefix(cached)
             return self.insert_payload(payload, state, slot, sampling, **kw)
-        if self.kv_layout != "paged" or cached is None or cached.length != start:
+        if cached is None or cached.length != start:
             raise ValueError(f"a KV payload from position {start} needs the match of its first {start} positions "
-                             f"(got {None if cached is None else cached.length}, layout {self.kv_layout})")
+                             f"(got {None if cached is None else cached.length})")
         self._check_slot(slot)
         self.check_payload(payload)
         n = int(payload.true_length)
@@ -188,10 +183,7 @@ class DecodeSide(EngineBase):
 
     def _insert_call(self, state: DecodeState, k, v, slot: int, length: int, true_length: int, args: tuple,
                      cached: PrefixMatch | None = None) -> CoreCall:
-        if self.kv_layout == "paged":
-            return self._insert_paged(state, k, v, slot, length, true_length, args, cached)
-        self._occupy(slot)
-        return CoreCall(insert_core, (state, k, v, *args), dict(layout=self.layout))
+        return self._insert_paged(state, k, v, slot, length, true_length, args, cached)
 
     def _insert_args(self, length: int, slot: int, true_length: int, prefix_first: int, sampling: SamplingParams,
                      first_token: int | None, history: Sequence[int] | None, output_from: int | None,
@@ -279,7 +271,7 @@ class DecodeSide(EngineBase):
 
     def match_prefix(self, ids: Sequence[int]) -> PrefixMatch | None:
         """The blocks of `ids`' longest run of leading full blocks this pool keeps from finished
-        rows (paged with kv_reuse; None otherwise or on a miss), pinned until
+        rows (with kv_reuse; None otherwise or on a miss), pinned until
         `insert_payload(..., cached=match)` or `release_prefix(match)`. At least the last token
         of `ids` is left out. Callable from another thread than the engine's."""
         if self._reuse is None:
@@ -309,15 +301,11 @@ class DecodeSide(EngineBase):
         return last // self.kv_block_size + 1
 
     def reserve(self, state: DecodeState, steps: int) -> tuple[DecodeState, list[int]]:
-        """Give every active row the blocks its next `steps` steps write (paged layout), oldest
-        insert first. Returns (the state, the slots that could not get theirs): once one row
+        """Give every active row the blocks its next `steps` steps write, oldest insert first. Returns (the state, the slots that could not get theirs): once one row
         finds too few free blocks, it and every later-inserted row still short go in that list,
         newest last, and none of them gets a partial grant, so handing back the newest frees
         blocks for the older. The caller frees some of them and calls reserve again before
-        generate. Does not donate `state` (only its block table changes). Slot layout: every
-        slot owns its rows already; (state, [])."""
-        if self.kv_layout != "paged":
-            return state, []
+        generate. Does not donate `state` (only its block table changes)."""
         failed: list[int] = []
         changed = False
         with self._blocks_lock:
@@ -338,11 +326,9 @@ class DecodeSide(EngineBase):
         return state, failed
 
     def kv_blocks_of(self, slot: int) -> int:
-        """Blocks row `slot` holds now (paged), or a slot's whole share (slots; 0 when free)."""
+        """Blocks row `slot` holds now (0 when free)."""
         self._check_slot(slot)
-        if self.kv_layout == "paged":
-            return int(self._held[slot])
-        return self.max_blocks_per_seq if self._occupied[slot] else 0
+        return int(self._held[slot])
 
     def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
                  masks: np.ndarray | None = None, steps: int = 1) -> tuple[DecodeState, jax.Array]:
@@ -364,59 +350,66 @@ class DecodeSide(EngineBase):
 
     def _generate(self, state: DecodeState, rows: int | None, *, logprobs: bool, masks: np.ndarray | None,
                   steps: int, table_blocks: int | None = None) -> tuple[DecodeState, jax.Array]:
-        """`generate`; `table_blocks` (paged, warmup) forces the step's table width."""
+        """`generate`; `table_blocks` (warmup) forces the step's table width. Rows a caller did not
+        `reserve` for get their blocks here (RuntimeError when the pool cannot give them)."""
+        if table_blocks is None:
+            if self._short_rows(steps):
+                state, failed = self.reserve(state, steps)
+                if failed:
+                    raise RuntimeError(f"slots {failed} have no KV blocks for their next {steps} positions and the "
+                                       f"pool has too few free: free some slots (reserve(state, {steps}) says which) "
+                                       f"and call generate again")
+            table_blocks = self.max_blocks_per_seq  # checked just now
         call = self.generate_call(state, rows, logprobs=logprobs, masks=masks, steps=steps, table_blocks=table_blocks)
         new, tokens = call()
-        if self.kv_layout == "paged":
-            self._pos[self._occupied] += int(steps)
+        self._pos[self._occupied] += int(steps)
         return new, tokens
+
+    def _short_rows(self, steps: int) -> list[int]:
+        """The active rows without the blocks their next `steps` positions fall in."""
+        last = np.minimum(self._pos + max(int(steps), 1) - 1, self.max_len - 1)  # as _blocks_needed, every row
+        return np.flatnonzero(self._occupied & (last // self.kv_block_size + 1 > self._held)).tolist()
 
     def generate_call(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
                       masks: np.ndarray | None = None, steps: int = 1, table_blocks: int | None = None) -> CoreCall:
         """The one jitted call `generate` makes, with its arguments (aot.py lowers it for chips that
-        are not here); `table_blocks` (paged) forces the step's table width."""
+        are not here); `table_blocks` forces the step's table width."""
         bucket = self.rows_for(rows)
         steps = int(steps)
         if steps < 1 or (steps > 1 and masks is not None):
             raise ValueError(f"steps must be >= 1, and 1 with grammar masks (got {steps}"
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
-        static = dict(cfg=self.cfg, layout=self.layout, rows=bucket, logprobs=bool(logprobs))
-        if self.kv_layout == "paged":
-            tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
-            return CoreCall(generate_core, (self.step_params, state, m if steps == 1 else None),
-                            dict(static, steps=steps, max_len=self.max_len, table_blocks=tb))
-        if steps == 1:
-            return CoreCall(generate_core, (self.step_params, state, m), static)
-        return CoreCall(generate_core, (self.step_params, state, None), dict(static, steps=steps, max_len=self.max_len))
+        tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
+        return CoreCall(generate_core, (self.step_params, state, m if steps == 1 else None),
+                        dict(cfg=self.cfg, layout=self.layout, rows=bucket, logprobs=bool(logprobs), steps=steps,
+                             max_len=self.max_len, table_blocks=tb))
 
     def _table_width(self, steps: int) -> int:
-        """The paged step's table width: every row's whole table, one compiled width (the step reads
-        only the blocks its rows use, paged.paged_attention); RuntimeError when an active row lacks the blocks its next `steps`
-        positions fall in (the caller must `reserve` first: a step never writes another
+        """The step's table width: every row's whole table, one compiled width (the step reads
+        only the blocks its rows use, paged.paged_attention); RuntimeError when an active row lacks
+        the blocks its next `steps` positions fall in (`reserve` first: a step never writes another
         sequence's block, but that row's tokens would be wrong)."""
-        occupied = np.flatnonzero(self._occupied)
-        short = [int(s) for s in occupied if self._blocks_needed(int(s), steps) > self._held[s]]
+        short = self._short_rows(steps)
         if short:
             raise RuntimeError(f"slots {short} have no KV blocks for their next {steps} positions: call "
                                f"reserve(state, {steps}) before generate and free the slots it returns")
         return self.max_blocks_per_seq
 
     def free(self, state: DecodeState, slot: int, tokens: Sequence[int] | None = None) -> DecodeState:
-        """Mark `slot` inactive (donates `state`); its KV is left to be overwritten. Only the
-        `active` array goes through the call (the cache and the rest of the state are not passed).
-        Paged: the row's blocks go back to the pool (and its table row to the null block, so the
-        free row's writes in later steps land there). Freeing a free slot does nothing more.
+        """Mark `slot` inactive (donates `state`); its blocks go back to the pool (and its table row
+        to the null block, so the free row's writes in later steps land there). Only the `active`
+        array goes through the call (the pool and the rest of the state are not passed). Freeing a
+        free slot does nothing more.
 
-        `tokens` (paged with kv_reuse): the ids whose KV the row's positions [0, len(tokens))
+        `tokens` (with kv_reuse): the ids whose KV the row's positions [0, len(tokens))
         hold (the prompt, then every token fed to a step: the output but its last token); its
         full blocks stay in the pool's block cache for a later sequence that starts with them
         (`match_prefix`). Only pass tokens whose KV was written: positions a step wrote past a
         finish hold other tokens' KV."""
         self._check_slot(slot)
         self._occupied[slot] = False
-        if self.kv_layout == "paged":  # its blocks back to the pool; its table row to the null block
-            self._release_row(int(slot), tokens)
-            state = state._replace(block_table=self._table_array())
+        self._release_row(int(slot), tokens)
+        state = state._replace(block_table=self._table_array())
         return state._replace(active=free_core(state.active, np.int32(slot)))
 

@@ -54,7 +54,7 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS, dtype: str = "float32",
                 tp: int = 1, mesh: Mesh | None = None, compile_cache_dir: str = "",
                 cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False,
-                steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, kv_layout: str = "slots",
+                steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_blocks: int | None = None,
                 quantize: str | None = None, kv_reuse: bool = True, kv_dtype: str | None = None) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
@@ -64,9 +64,10 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     num_kv_heads and intermediate_size must be divisible by tp (ValueError otherwise, checked
     before any weight is read). `expert_parallel`: a mixture of experts splits whole experts
     across the tp devices (the expert count must be divisible by tp) instead of each expert's
-    hidden units. `kv_layout`, `kv_block_size`, `kv_blocks`: the KV layout (engine_decode.DecodeSide:
-    "slots" or "paged"; `kv_reuse`: paged, finished rows' blocks shared by later sequences, block_cache.py). `quantize="int8"`: the layer matrices held as int8 with per-output-channel
-    scales (tandem_engine/quantize.py); the KV stays in `dtype` unless `kv_dtype="fp8"` (paged)."""
+    hidden units. `kv_block_size`, `kv_blocks`: the KV pool's blocks (engine_decode.DecodeSide;
+    `kv_reuse`: finished rows' blocks shared by later sequences, block_cache.py). `quantize="int8"`:
+    the layer matrices held as int8 with per-output-channel scales (tandem_engine/quantize.py); the
+    KV stays in `dtype` unless `kv_dtype="fp8"`."""
     check_quantize(quantize)  # fail fast on an unknown mode, before any weight is read
     use_compile_cache(compile_cache_dir)
     limit_cpu_threads(cpu_threads)  # before anything starts a backend
@@ -81,6 +82,6 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                  1 if layout is None else layout.tp, ", int8" if quantize else "")
     return Engine(info, params, slots=slots, max_len=max_len, prefill_buckets=prefill_buckets,
                   dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
-                  expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch, kv_layout=kv_layout,
+                  expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch,
                   kv_block_size=kv_block_size, kv_blocks=kv_blocks, quantize=quantize, kv_reuse=kv_reuse,
                   kv_dtype=kv_dtype)

@@ -29,9 +29,8 @@ written and how they are read), so a family's math lives in one place.
 
 The forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
 same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
-cached prefix's KV) and `decode_forward` (one token per slot against the slot cache, on every
-device; paged.py's `decode_forward_paged` over the paged pool). The plain
-full recompute tests use beside transformers as ground truth is reference.py.
+cached prefix's KV); the decode step over the KV pool is paged.py's `decode_forward_paged`. The
+plain full recompute tests use beside transformers as ground truth is reference.py.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ import jax.numpy as jnp
 from tandem_engine.arch import ModelConfig, config_from_info
 from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
-__all__ = ["ModelConfig", "config_from_info", "decode_forward", "prefill_batch_forward", "prefill_forward",
+__all__ = ["ModelConfig", "config_from_info", "prefill_batch_forward", "prefill_forward",
            "prefill_logits_all", "prefill_suffix_forward", "split_layers"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
@@ -401,13 +400,13 @@ def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.A
 
 def decoder_layer(x: jax.Array, lp: dict, lc: LayerConsts, positions: jax.Array, cfg: ModelConfig, attention,
                   tables=None):
-    """One decoder layer of every family, written once: the prefill forwards, the decode steps over
-    each KV layout (slots, CPU blocks, the paged pool) and the reference all run this body.
+    """One decoder layer of every family, written once: the prefill forwards, the decode step over
+    the KV pool and the reference all run this body.
 
     x [..., T, d]: the residual stream; lp, lc: the layer's weights and constants; positions: the
     rows' positions (as `rope` takes them); `tables`: the layer's `rope_tables` when the caller
     computed them once for all layers. `attention(q, k, v, sinks)` is the caller's part, what its
-    KV layout does: q [..., T, H, hd], k, v [..., T, KV, hd] (rotated), sinks [H] or None ->
+    KV does: q [..., T, H, hd], k, v [..., T, KV, hd] (rotated), sinks [H] or None ->
     (out [..., T, H * hd], kv): it writes the new K/V where the layout keeps them and attends
     over them; `kv` (what it wrote, or anything the caller wants back) is returned beside the
     layer's output. Returns (x after the layer, kv)."""
@@ -528,164 +527,6 @@ def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, tr
                                 unroll=_unroll(cfg))
     last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
     return logits_from_hidden(params, last, cfg), ks, vs
-
-
-# ---------------------------------------------------------------------------------------------
-# decode: one token per slot
-
-
-DECODE_CHUNK = 256  # cache positions per step of the decode attention loop
-_NEG = -1e30  # a masked score: finite, so a chunk with nothing to attend to yields no NaN
-
-
-def decode_chunks(positions: jax.Array, max_len: int, chunk: int = DECODE_CHUNK,
-                  active: jax.Array | None = None) -> jax.Array:
-    """How many chunks of the cache a decode step visits: ceil((max(positions) + 1) / chunk) over
-    the active slots (all slots when `active` is None), at least 1 and at most
-    ceil(max_len / chunk). An int32 scalar computed on the device (no host round trip)."""
-    chunk = min(chunk, max_len)
-    if active is not None:  # a freed slot keeps its old position; it must not lengthen the loop
-        positions = jnp.where(active, positions, 0)
-    longest = jnp.minimum(jnp.max(positions), max_len - 1) + 1
-    return jnp.maximum((longest + chunk - 1) // chunk, 1).astype(jnp.int32)
-
-
-def window_first_chunk(positions: jax.Array, window: jax.Array, max_len: int, chunk: int = DECODE_CHUNK,
-                       active: jax.Array | None = None) -> jax.Array:
-    """The first chunk a windowed layer's decode step must read: the one holding the earliest
-    position any active slot's window reaches (0 for a global layer)."""
-    chunk = min(chunk, max_len)
-    lo = jnp.maximum(positions - window + 1, 0)
-    if active is not None:
-        lo = jnp.where(active, lo, max_len)
-    return (jnp.min(lo) // chunk).astype(jnp.int32)
-
-
-def chunked_decode_attention(q, k_cache, v_cache, layer, positions, cfg: ModelConfig,
-                             chunk: int = DECODE_CHUNK, num_chunks: jax.Array | None = None, *,
-                             window: jax.Array | None = None, first_chunk: jax.Array | None = None,
-                             sinks: jax.Array | None = None):
-    """Flash-decoding over the cache of one layer, reading only the chunks in use.
-
-    q [rows, 1, H, hd]; k_cache, v_cache [num_layers, slots >= rows, KV, max_len, hd] (head-major;
-    only the first rows slots are read); layer: which layer; positions [rows]: slot s attends to
-    cache rows <= positions[s] (and > positions[s] - window). The loop visits chunks
-    [first_chunk, num_chunks) (defaults: 0 and `decode_chunks(positions, max_len, chunk)`) of
-    `chunk` rows (a dynamic_slice each, so shapes stay static) with an online softmax in float32:
-    a running max, sum and weighted values, started from the sink logit where the family has one.
-    A windowed layer starts at its window's first chunk, so its cost follows the window, not the
-    position. Masked scores are finite: a slot with nothing to attend to in a chunk (or a free
-    slot) gets garbage, never NaN.
-    Query heads are grouped per KV head as in `_grouped_attention` (no repeat of K/V).
-    Returns (out [slots, 1, H*hd] in q's dtype, the number of chunks visited).
-    """
-    slots, max_len = q.shape[0], k_cache.shape[3]
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    groups = cfg.num_heads // kvh
-    chunk = min(chunk, max_len)
-    n = decode_chunks(positions, max_len, chunk) if num_chunks is None else num_chunks
-    first = jnp.int32(0) if first_chunk is None else jnp.minimum(first_chunk, n - 1)
-    win = NO_WINDOW if window is None else window
-    qg = q.reshape(slots, kvh, groups, hd)
-
-    def body(carry):
-        c, m, denom, acc = carry  # online softmax: running max, running sum of exp, weighted values
-        # the last chunk may be clamped back to end at max_len: rows an earlier chunk already
-        # covered (< c * chunk) are masked out, so none counts twice
-        start = jnp.minimum(c * chunk, max_len - chunk)
-        k = jax.lax.dynamic_slice(k_cache, (layer, 0, 0, start, 0), (1, slots, kvh, chunk, hd))[0]
-        v = jax.lax.dynamic_slice(v_cache, (layer, 0, 0, start, 0), (1, slots, kvh, chunk, hd))[0]
-        rows = start + jnp.arange(chunk)
-        ok = (rows[None, :] >= c * chunk) & _window_mask(positions[:, None], rows[None, :], win)
-        # The barriers keep XLA CPU from fusing the softmax into the two batched matmuls: fused,
-        # they lose the matmul kernel (measured: 6.8 -> 5.1 ms for 4 layers at 32 slots).
-        s = _scores(jax.lax.optimization_barrier(
-            jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32)), cfg)
-        s = jnp.where(ok[:, None, None, :], s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        denom = alpha * denom + jnp.sum(p, axis=-1)
-        pv = jax.lax.optimization_barrier(jnp.einsum(
-            "bkgs,bksd->bkgd", jax.lax.optimization_barrier(p.astype(v.dtype)), v, preferred_element_type=jnp.float32))
-        return c + 1, m_new, denom, alpha[..., None] * acc + pv
-
-    shape = (slots, kvh, groups)
-    if sinks is None:
-        m0, l0 = jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32)
-    else:  # the sink is one more logit with no value: it only adds exp(sink - m) to the sum
-        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups), shape)
-        l0 = jnp.ones(shape, jnp.float32)
-    init = (first, m0, l0, jnp.zeros((*shape, hd), jnp.float32))
-    end, _, denom, acc = jax.lax.while_loop(lambda carry: carry[0] < n, body, init)
-    out = (acc / denom[..., None]).astype(q.dtype)
-    return out.reshape(slots, 1, cfg.num_heads * hd), end - first
-
-
-def _write_rows(cache: jax.Array, layer, slot_idx: jax.Array, write_pos: jax.Array, new: jax.Array) -> jax.Array:
-    """cache [L, slots, KV, max_len, hd] with new [rows, KV, hd] written at [layer, slot_idx[r], h,
-    write_pos[r]] for each row r and KV head h: one scatter of rows * KV windows of [hd] (every
-    index but head_dim's inserted), so the TPU compiler keeps the cache in its own head-major layout
-    and updates the donated buffer in place. `cache.at[layer, slot_idx, :, write_pos].set(new)`
-    (windows of [KV, hd]) made XLA's TPU layout assignment lay the cache out position-major inside
-    the step (KV and hd minor, so each window is one tile) and copy the whole cache in and out of
-    that layout: a second copy of the KV in the step's temporaries wherever a chip holds more than
-    one KV head (tests/unit/test_decode_kv_tpu.py)."""
-    rows, kvh, hd = new.shape
-    heads = jnp.arange(kvh, dtype=jnp.int32)
-    idx = jnp.stack(jnp.broadcast_arrays(jnp.full((rows, kvh), layer, jnp.int32), slot_idx.astype(jnp.int32)[:, None],
-                                         heads[None, :], write_pos.astype(jnp.int32)[:, None]), axis=-1)
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3),
-                                           scatter_dims_to_operand_dims=(0, 1, 2, 3))
-    return jax.lax.scatter(cache, idx.reshape(rows * kvh, 4), new.astype(cache.dtype).reshape(rows * kvh, hd), dims,
-                           indices_are_sorted=True, unique_indices=True)
-
-
-def decode_forward(params: dict, tokens, positions, k_cache, v_cache, cfg: ModelConfig,
-                   active: jax.Array | None = None):
-    """One step for the first `rows` slots (rows = len(tokens) <= the cache's slots).
-
-    tokens, positions [rows] int32: each slot's input token and the position it sits at. k_cache,
-    v_cache [num_layers, slots, KV, max_len, hd] (head-major: each head's rows are contiguous, so
-    attention is a plain batched matmul); only slots [0, rows) are read or written. The new K/V are
-    written at `positions` (clamped to max_len - 1: staying below max_len is the caller's job) and
-    each slot attends to cache positions <= its own position (within its layer's window).
-    Attention reads the cache in chunks up to the longest slot's position only
-    (`chunked_decode_attention`), and from the window's first chunk on a windowed layer, so a
-    step's cost follows the tokens in use, not max_len; `active` [slots] bool (optional) leaves
-    free slots out of that length (their logits are then garbage).
-    Returns (logits [slots, vocab], k_cache, v_cache).
-    """
-    slots, max_len = tokens.shape[0], k_cache.shape[3]
-    write_pos = jnp.minimum(positions, max_len - 1)
-    slot_idx = jnp.arange(slots)
-    num_chunks = decode_chunks(write_pos, max_len, active=active)  # once for all layers
-    x = embed(params, tokens, cfg)[:, None, :]  # [slots, 1, d]
-
-    def layer(carry, xs):
-        x, kc, vc = carry
-        lp, lc = xs
-        i = lc.index
-
-        def attention(q, k, v, sinks):  # k, v [slots, 1, KV, hd]
-            # the whole cache rides in the carry so XLA updates it in place (the state is donated;
-            # _write_rows keeps its layout, so in place holds on a TPU too)
-            # head-major cache: [layer, slot, kv head, position, hd]; k[:, 0] is [slots, KV, hd]
-            kc2 = _write_rows(kc, i, slot_idx, write_pos, k[:, 0])
-            vc2 = _write_rows(vc, i, slot_idx, write_pos, v[:, 0])
-            first = None
-            if cfg.windows:
-                first = window_first_chunk(write_pos, lc.window, max_len, active=active)
-            attn, _ = chunked_decode_attention(q, kc2, vc2, i, write_pos, cfg, num_chunks=num_chunks,
-                                               window=lc.window, first_chunk=first, sinks=sinks)
-            return attn, (kc2, vc2)
-
-        x, (kc, vc) = decoder_layer(x, lp, lc, positions[:, None], cfg, attention)
-        return (x, kc, vc), None
-
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer, (x, k_cache, v_cache), (params["layers"], layer_consts(cfg)),
-                                            unroll=_unroll(cfg))
-    return logits_from_hidden(params, x[:, 0], cfg), k_cache, v_cache
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,7 +76,6 @@ _EXPERT_EP_SCALES = {"we_gate_scale": P(None, AXIS), "we_up_scale": P(None, AXIS
 _EMBED = P(AXIS, None)  # [V, d]: vocabulary parallel
 _LM_HEAD = P(None, AXIS)  # [d, V]
 _KV_PREFIX = P(None, None, AXIS, None)  # [L, T, KV, hd]
-_KV_CACHE = P(None, None, AXIS, None, None)  # [L, slots, KV, max_len, hd]
 _KV_PREFIXES = P(None, None, None, AXIS, None)  # [L, B, T, KV, hd]: a batched prefill's
 _KV_POOL = P(AXIS, None, None, None)  # one layer's paged pool buffer [KV, num_blocks, block_size, hd]
 
@@ -103,9 +102,6 @@ class Layout(NamedTuple):
 
     def kv_prefixes(self) -> NamedSharding:
         return self.named(_KV_PREFIXES)
-
-    def kv_cache(self) -> NamedSharding:
-        return self.named(_KV_CACHE)
 
     def kv_pool(self) -> NamedSharding:
         """One layer buffer of the paged pool (paged.py), split by KV head: each chip holds its

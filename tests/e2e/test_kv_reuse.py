@@ -34,7 +34,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def reuse_cluster():
-    c = start_local(slots=2, decode=2, extra=["--kv-layout", "paged"], timeout_s=900,
+    c = start_local(slots=2, decode=2, timeout_s=900,
                     env={"TANDEM_PREFILL_PREFIX_CACHE__ON_DEVICE": "true"})
     try:
         yield c

@@ -37,7 +37,7 @@ def test_paged_decode_pod_hands_the_newest_back_and_every_stream_is_exact():
     # (a paged decode pod's warm-up compiled for minutes on 2 shared cores: the persistent compile
     # cache makes later starts quick)
     cl = start_local("tiny", slots=4, max_len=MAX_LEN, timeout_s=900,
-                     extra=["--kv-layout", "paged", "--kv-blocks", "16", "--ready-timeout", "880"])
+                     extra=["--kv-blocks", "16", "--ready-timeout", "880"])
     try:
         async def run() -> list[str]:
             async with httpx.AsyncClient(base_url=cl.base_url, timeout=180) as c:

@@ -36,7 +36,7 @@ def reference():
 
 
 def _paged():
-    return load_engine("tiny", slots=ROWS, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
+    return load_engine("tiny", slots=ROWS, max_len=MAX_LEN, prefill_buckets=BUCKETS,
                        kv_block_size=8, kv_blocks=64)
 
 

@@ -38,13 +38,13 @@ BUCKETS = (16, 32, 64)
 
 
 def _paged(blocks: int):
-    return load_engine("tiny", slots=ROWS, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
+    return load_engine("tiny", slots=ROWS, max_len=MAX_LEN, prefill_buckets=BUCKETS,
                        kv_block_size=BLOCK, kv_blocks=blocks)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """The prefill pod's engine, and the single-slot reference run (slot layout)."""
+    """The prefill pod's engine, and the single-slot reference run."""
     return load_engine("tiny", slots=1, max_len=MAX_LEN, prefill_buckets=BUCKETS)
 
 
@@ -186,10 +186,3 @@ async def test_a_pool_that_runs_out_hands_the_newest_back_and_no_token_is_lost(r
         got, _ = await _tokens(r, rid)
         assert [i for i, _t in got] == list(range(max_tokens)), f"{rid}: indices {[i for i, _t in got]}"
         assert [t for _i, t in got] == want[rid], f"{rid}: tokens differ from the unconstrained run"
-
-
-def test_the_slot_layout_has_no_block_budget(reference):
-    """On the slot layout a pod claims by rows alone and never reserves (decode_svc/blocks.py)."""
-    assert reference.kv_layout == "slots"
-    assert BlockBudget.of(reference) is None
-    assert EngineConfig(max_len=MAX_LEN, kv_layout="slots").kv_kwargs() == {}  # its engine is built exactly as before

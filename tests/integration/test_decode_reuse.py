@@ -35,7 +35,7 @@ def prefill_engine():
 
 
 def _decode_engine():
-    return load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
+    return load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS,
                        kv_block_size=BLOCK, kv_blocks=48)
 
 
@@ -139,7 +139,7 @@ async def test_a_request_whose_match_holds_part_of_a_small_pool_still_goes_in(re
     blocks) matches them, so it holds 4 pinned and needs 9 more of the 12 free: it fits. Counted
     at its whole 13 blocks against the 12 free it would wait in the held queue for ever (its own
     pins are what is missing)."""
-    engine = load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, kv_layout="paged",
+    engine = load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS,
                          kv_block_size=BLOCK, kv_blocks=16)
     r, pool = redis_client, "reuse-small"
     await groups.ensure_groups(r, KS, pool)

@@ -119,11 +119,11 @@ def test_missing_flags_reads_the_help_text():
 
 
 def test_the_paged_side_reads_its_rows_and_kv_from_its_flags():
-    c = kc.after_config(["--kv-layout", "paged", "--kv-blocks", "256", "--kv-block-size", "16"], 16, 1024)
+    c = kc.after_config(["--kv-blocks", "256", "--kv-block-size", "16"], 16, 1024)
     assert (c.rows, c.kv_positions) == (16, 4096)
-    c = kc.after_config(["--slots", "12", "--kv-layout=paged", "--kv-blocks=100", "--kv-block-size=32"], 16, 1024)
+    c = kc.after_config(["--slots", "12", "--kv-blocks=100", "--kv-block-size=32"], 16, 1024)
     assert (c.rows, c.kv_positions) == (12, 3200)
-    c = kc.after_config(["--slots", "6"], 16, 256)  # not paged: slots x max_len
+    c = kc.after_config(["--slots", "6"], 16, 256)  # no --kv-blocks: slots x max_len
     assert (c.rows, c.kv_positions) == (6, 1536)
 
 

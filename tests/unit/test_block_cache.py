@@ -21,7 +21,7 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def engine():
     return load_engine("builtin", slots=4, max_len=128, prefill_buckets=(16, 64), prefix_chunk=16,
-                       kv_layout="paged", kv_block_size=BLOCK, kv_blocks=40)
+                       kv_block_size=BLOCK, kv_blocks=40)
 
 
 def part(payload: KVPayload, start: int) -> KVPayload:

@@ -1,6 +1,6 @@
 """An insert, and a pulled payload that goes straight from the host into the insert call
-(engine.insert_payload), leave exactly the state `cores.insert_core` called directly leaves:
-the cache, every per-slot array, bit for bit, whatever the slot, the prefix's length and the
+(engine.insert_payload), leave exactly the state `cores.insert_paged_core` called directly leaves:
+the pool, the block table, every per-slot array, bit for bit, whatever the slot, the prefix's length and the
 request's sampling and processing params. A decode pod after warm-up compiles nothing."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tandem_core.errors import InvalidRequest
 from tandem_core.types import KVPayload, SamplingParams
 from tandem_engine import load_engine
-from tandem_engine.cores import insert_core
+from tandem_engine.cores import insert_paged_core
 from tandem_engine.logits import history_arrays, slot_logits
 from tandem_engine.sampling import sampling_arrays
 
@@ -40,11 +40,19 @@ def filled_state(engine, seed: int):
 
 
 def reference(engine, state, prefix, slot, sampling, history, start_index, stop_ids):
-    """`insert_core` called directly with the request's arguments."""
+    """`insert_paged_core` called directly with the request's arguments, into the blocks a fresh
+    pool hands out first (1, 2, ...: `filled_state` started the engine's host state afresh), the
+    slot's table row holding them and every other row empty."""
     length = prefix.k.shape[1]
     s = sampling_arrays(sampling)
     hist_ids, hist_len, out_from = history_arrays(history, None, prefix.true_length, length, engine.info.vocab_size)
-    return insert_core(state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.true_length),
+    need = engine.kv_blocks_for(prefix.true_length)
+    table = np.zeros((engine.slots, engine.max_blocks_per_seq), np.int32)
+    table[slot, :need] = np.arange(1, need + 1)
+    write = np.zeros(engine.kv_blocks_for(length), np.int32)
+    write[:need] = np.arange(1, need + 1)
+    state = state._replace(block_table=jax.device_put(table, jax.devices()[0]))
+    return insert_paged_core(state, prefix.k, prefix.v, write, np.int32(slot), np.int32(prefix.true_length),
                        np.int32(prefix.first_token), np.int32(start_index + 1), s["temperature"], s["top_k"],
                        s["top_p"], s["seed"], hist_ids, np.int32(hist_len), np.int32(out_from),
                        slot_logits(sampling, engine.info.vocab_size, stop_ids), layout=None)
@@ -98,15 +106,13 @@ def test_a_bad_payload_is_refused_with_what_is_wrong(engine):
         engine.insert_payload(bad, engine.init_state(), 0, SamplingParams())
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_serving_after_warmup_compiles_nothing(layout, caplog):
+def test_serving_after_warmup_compiles_nothing(caplog):
     """A decode pod warms up, then serves from a fresh state: payloads inserted, steps, rows freed
     and filled again, and no core compiles. With the weights read from a checkpoint (the built-in
     model: committed to the device) every core's outputs are committed, so a state `init_state`
-    left uncommitted was another jit cache key: the slot layout compiled its step and its free again
-    while serving (bench/paged_capacity.py: 6 compiles, 8 s of CPU after its warm-up)."""
-    extra = {"kv_layout": "paged", "kv_block_size": 16} if layout == "paged" else {}
-    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16,), steps_per_dispatch=1, **extra)
+    left uncommitted was another jit cache key: a pod compiled its step and its free again while
+    serving (bench/paged_capacity.py: 6 compiles, 8 s of CPU after its warm-up)."""
+    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16,), steps_per_dispatch=1, kv_block_size=16)
     engine.warmup(prefill=False, logprobs=False)
     c = engine.cfg
     kv = np.zeros((c.num_layers, 16, c.num_kv_heads, c.head_dim), np.float32)
@@ -127,15 +133,14 @@ def test_serving_after_warmup_compiles_nothing(layout, caplog):
     assert compiled == []
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_a_direct_prompt_after_a_decode_pods_warmup_compiles_nothing(layout, caplog):
+def test_a_direct_prompt_after_a_decode_pods_warmup_compiles_nothing(caplog):
     """A disaggregated decode pod prefills the short prompts a gateway routes straight to it
     (direct_prefill, the smallest bucket). Its warm-up (`direct=True`) compiles that prefill and
     the insert of its KV, which is committed to the device where a pulled payload's is not (another
     jit cache key): before, the first direct prompts of a fresh cluster compiled both while
     serving (bench/cold_start.py: TTFT p50 ~0.2-0.5 s on a warm cache)."""
-    extra = {"kv_layout": "paged", "kv_block_size": 16} if layout == "paged" else {}
-    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16, 32), steps_per_dispatch=1, **extra)
+    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16, 32), steps_per_dispatch=1,
+                         kv_block_size=16)
     engine.warmup(prefill=False, logprobs=False, direct=True)
     with jax.log_compiles(True), caplog.at_level("WARNING"):
         state = engine.init_state()

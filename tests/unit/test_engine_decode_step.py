@@ -20,7 +20,7 @@ SLOTS, MAX_LEN = 8, 256
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16,), kv_layout="paged")
+    return load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16,))
 
 
 def slice_copies(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:

@@ -1,5 +1,5 @@
-"""Paged KV (`kv_layout="paged"`): greedy tokens equal to the slot layout's for every served family,
-and the block accounting a decode pod relies on (insert takes blocks or raises OutOfKVBlocks,
+"""The KV pool: greedy tokens equal to the reference forward's for every served family, and the
+block accounting a decode pod relies on (insert takes blocks or raises OutOfKVBlocks,
 reserve grants the oldest rows first and names the rest, free gives the blocks back, recycled
 blocks carry no old KV into a new sequence).
 
@@ -14,7 +14,7 @@ import pytest
 
 from tandem_core.errors import AdmissionRejected, OutOfKVBlocks
 from tandem_core.types import SamplingParams
-from tandem_engine import load_engine
+from tandem_engine import load_engine, reference_greedy
 from tandem_engine.paged import NULL_BLOCK, BlockAllocator
 
 GREEDY = SamplingParams()
@@ -22,15 +22,20 @@ BLOCK = 4
 MAX_LEN = 128
 
 
-def engines(path: str, **kw):
-    common = dict(slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), prefix_chunk=16, **kw)
-    return (load_engine(path, **common),
-            load_engine(path, kv_layout="paged", kv_block_size=BLOCK, **common))
+def engine_of(path: str, **kw):
+    return load_engine(path, slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), prefix_chunk=16,
+                       kv_block_size=BLOCK, **kw)
+
+
+def alone(engine, prompts: dict[int, list[int]], steps: int) -> dict[int, list[int]]:
+    """Each prompt's greedy tokens by the reference forward (a full recompute per token, no KV)."""
+    return {slot: reference_greedy(engine.params, engine.cfg, ids, steps + 1, pad_to=MAX_LEN)
+            for slot, ids in prompts.items()}
 
 
 def decode(engine, prompts: dict[int, list[int]], steps: int, per_call: int = 1, payload: bool = False):
     """Greedy tokens per slot: each prompt prefilled and inserted, then `steps` calls of
-    `per_call` steps (reserve first: a no-op on the slot layout)."""
+    `per_call` steps (reserve first)."""
     state = engine.init_state()
     out = {}
     for slot, ids in prompts.items():
@@ -67,14 +72,14 @@ def family_dirs(tmp_path_factory):
 @pytest.mark.slow  # make test-unit leaves it out: two engines for each of 9 families
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral",
                                     "qwen3_moe", "gpt_oss"])
-def test_greedy_tokens_match_the_slot_layout(family, family_dirs):
-    """Every family (sliding windows of 8 < the prompts, softcaps, sinks, MoE): the same greedy
-    tokens in both layouts, one step per call and 3 per call, through insert and insert_payload;
-    the 40-token prompt decodes past 64 positions (the table width changes)."""
-    slots, paged = engines(family_dirs[family])
+def test_greedy_tokens_match_the_reference(family, family_dirs):
+    """Every family (sliding windows of 8 < the prompts, softcaps, sinks, MoE): the reference
+    forward's greedy tokens, one step per call and 3 per call, through insert and insert_payload;
+    the 40-token prompt decodes past 64 positions (more read pieces)."""
+    paged = engine_of(family_dirs[family])
     rng = np.random.default_rng(len(family))
     prompts = {0: rng.integers(0, 256, 13).tolist(), 2: rng.integers(0, 256, 40).tolist()}
-    want, _ = decode(slots, prompts, 30)
+    want = alone(paged, prompts, 30)
     got, state = decode(paged, prompts, 30)
     assert got == want
     got3, _ = decode(paged, prompts, 10, per_call=3, payload=True)  # multi-step: the same tokens as one-step
@@ -84,7 +89,7 @@ def test_greedy_tokens_match_the_slot_layout(family, family_dirs):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return engines("tiny")
+    return engine_of("tiny")
 
 
 def test_freed_rows_recycle_blocks_without_old_kv(tiny):
@@ -92,11 +97,11 @@ def test_freed_rows_recycle_blocks_without_old_kv(tiny):
     blocks, recycled) decodes as it would alone while the freed row, still inside the step's
     batch, keeps stepping (its writes go to the null block), and the row beside it is
     undisturbed."""
-    slots, paged = tiny
+    paged = tiny
     rng = np.random.default_rng(1)
     a, b, c = (rng.integers(0, 200, n).tolist() for n in (30, 9, 21))
-    alone_b, _ = decode(slots, {1: b}, 24)
-    alone_c, _ = decode(slots, {0: c}, 12)
+    alone_b, _ = decode(paged, {1: b}, 24)
+    alone_c, _ = decode(paged, {0: c}, 12)
     state = paged.init_state()
     total = paged.kv_blocks_total
     for slot, ids in ((0, a), (1, b)):
@@ -130,8 +135,7 @@ def test_a_pool_too_small_raises_and_reserve_names_the_newest():
     """Insert raises OutOfKVBlocks (retryable, state untouched) when the prompt's blocks are not
     free; reserve grants the oldest rows first and returns the rest; after the caller frees
     those, reserve succeeds and the oldest row's tokens are what they would have been."""
-    slots, _ = engines("tiny")
-    paged = load_engine("tiny", slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), kv_layout="paged",
+    paged = load_engine("tiny", slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64),
                         kv_block_size=BLOCK, kv_blocks=9)
     assert paged.kv_blocks_total == 9 and paged.kv_blocks_free() == 9
     rng = np.random.default_rng(2)
@@ -144,10 +148,11 @@ def test_a_pool_too_small_raises_and_reserve_names_the_newest():
         paged.insert(paged.prefill(a, GREEDY), state, 2, GREEDY)
     assert isinstance(err.value, AdmissionRejected) and err.value.retryable
     assert paged.kv_blocks_free() == 2  # nothing taken; the state was not donated
-    with pytest.raises(RuntimeError, match="reserve"):
-        paged.generate(state)  # a needs block 5 for position 16, not reserved
     state, short = paged.reserve(state, 8)  # a: 16 + 8 -> 6 blocks (+2), b: 12 + 8 -> 5 (+2): only a fits
     assert short == [1] and paged.kv_blocks_of(0) == 6 and paged.kv_blocks_of(1) == 3
+    with pytest.raises(RuntimeError, match="free some slots"):  # generate cannot reserve b's either
+        paged.generate(state, steps=8)
+    assert paged.kv_blocks_of(1) == 3  # nothing granted; the state was not donated
     state = paged.free(state, 1)  # the pod hands the newest back
     state, short = paged.reserve(state, 8)
     assert short == []
@@ -155,29 +160,14 @@ def test_a_pool_too_small_raises_and_reserve_names_the_newest():
     for _ in range(2):
         state, tokens = paged.generate(state, steps=4)
         out += np.asarray(tokens)[:, 0].tolist()
-    want, _ = decode(slots, {0: a}, 8)
-    assert out == want[0]
-
-
-def test_the_slot_layout_answers_the_same_calls(tiny):
-    slots, _ = tiny
-    per = -(-MAX_LEN // slots.kv_block_size)
-    assert slots.kv_layout == "slots" and slots.kv_blocks_total == 4 * per
-    state = slots.init_state()
-    assert slots.kv_blocks_free() == 4 * per
-    state = slots.insert(slots.prefill([1, 2, 3], GREEDY), state, 2, GREEDY)
-    assert slots.kv_blocks_free() == 3 * per and slots.kv_blocks_for(17) == -(-17 // slots.kv_block_size)
-    state, short = slots.reserve(state, 4)
-    assert short == []
-    state = slots.free(state, 2)
-    assert slots.kv_blocks_free() == 4 * per
+    assert out == alone(paged, {0: a}, 8)[0]
 
 
 def test_bad_options_are_refused():
-    with pytest.raises(ValueError, match="kv_layout"):
-        load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_layout="pages")
+    with pytest.raises(ValueError, match="kv_block_size"):
+        load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_block_size=0)
     with pytest.raises(ValueError, match="kv_blocks"):
-        load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_blocks=8)
+        load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_blocks=0)
 
 
 def test_allocator_refcounts():
@@ -196,7 +186,7 @@ def test_allocator_refcounts():
 
 
 def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
-    engine = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_layout="paged", kv_block_size=8,
+    engine = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_block_size=8,
                          steps_per_dispatch=2)
     engine.warmup(prefill=False, logprobs=False)
     assert engine.kv_blocks_free() == engine.kv_blocks_total == 2 * 8
@@ -211,7 +201,7 @@ def test_warmup_compiles_every_step_variant_a_decode_then_runs():
     compiled variants stay as many), and the pod compiles one width per variant, not one per width."""
     from tandem_engine.cores import generate_core
 
-    engine = load_engine("tiny", slots=2, max_len=256, prefill_buckets=(64,), kv_layout="paged", kv_block_size=16,
+    engine = load_engine("tiny", slots=2, max_len=256, prefill_buckets=(64,), kv_block_size=16,
                          steps_per_dispatch=2)
     assert {w for _, w, *_ in engine.warm_steps(True, True)} == {engine.max_blocks_per_seq} == {16}
     done = []
@@ -241,7 +231,7 @@ def test_a_reserve_that_rebuilds_the_block_table_compiles_no_new_step():
     read from a checkpoint onto the device (committed), so the step's outputs are committed too."""
     from tandem_engine.cores import generate_core
 
-    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16,), kv_layout="paged", kv_block_size=4)
+    engine = load_engine("builtin", slots=2, max_len=64, prefill_buckets=(16,), kv_block_size=4)
     state = engine.init_state()
     for slot in (0, 1):  # 8 positions each: 2 full blocks
         state = engine.insert(engine.prefill(list(range(3 + slot, 11 + slot)), GREEDY), state, slot, GREEDY)

@@ -1,7 +1,7 @@
-"""Paged KV under tensor parallelism (`Engine(kv_layout="paged", tp=2)`): the pool split by KV head
+"""Paged KV under tensor parallelism (`Engine(tp=2)`): the pool split by KV head
 (each chip holds its heads' slice of every block, the block tables replicated) decodes the same
-greedy tokens as the slot layout at tp=1, one step per call and several; a prompt's KV crosses
-between a paged tp=2 engine and a slots tp=1 engine both ways; a finished row's blocks are shared
+greedy tokens as a tp=1 engine, one step per call and several; a prompt's KV crosses
+between a tp=2 engine (blocks of 4) and a tp=1 engine (blocks of 16) both ways; a finished row's blocks are shared
 by a later sequence (kv_reuse) with the same tokens as a whole insert; fp8 KV shards too, and so
 does a prefill pod's device prefix cache (prefix_pool.py: the same pool, read through a hit).
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
 STEPS = 24
 KW = dict(slots=4, max_len=128, prefill_buckets=(16, 64), prefix_chunk=16)
-PAGED = dict(kv_layout="paged", kv_block_size=BLOCK)
+PAGED = dict(kv_block_size=BLOCK)
 FAMILIES = ("llama", "gpt_oss")
 
 

@@ -31,7 +31,7 @@ def _decode(engine, prompts, steps):
 
 @pytest.mark.slow  # make test-unit leaves it out: the built-in model in two KV dtypes
 def test_fp8_kv_is_stored_in_fp8_and_decodes_the_builtin_models_greedy_tokens():
-    kw = dict(slots=4, max_len=256, prefill_buckets=(64, 256), kv_layout="paged", kv_block_size=16)
+    kw = dict(slots=4, max_len=256, prefill_buckets=(64, 256), kv_block_size=16)
     ref = load_engine("builtin", **kw)
     fp8 = load_engine("builtin", kv_dtype="fp8", **kw)
     rng = np.random.default_rng(0)
@@ -47,4 +47,4 @@ def test_the_slot_layout_refuses_fp8_kv():
     with pytest.raises(ValueError, match="paged KV layout"):
         load_engine("tiny", slots=2, max_len=64, kv_dtype="fp8")
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
-        load_engine("tiny", slots=2, max_len=64, kv_layout="paged", kv_dtype="int4")
+        load_engine("tiny", slots=2, max_len=64, kv_dtype="int4")

@@ -2,7 +2,7 @@
 devices, as tests/unit/test_tpu_compile.py; no TPU here), runs the Pallas paged-attention kernel
 over each layer's pool buffer in place.
 
-What is compiled is what a decode pod on a TPU runs: an Engine with kv_layout="paged" over
+What is compiled is what a decode pod on a TPU runs: an Engine with  over
 abstract bf16 weights of a small Llama-shaped model (head_dim 128, GQA 4:2, so the kernel can
 serve it), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
 call (its generate_call: cores.generate_core with table_blocks set), one step per call and four
@@ -69,7 +69,7 @@ def paged_engine(info, chip):
 
     params = jax.tree.map(place, jax.eval_shape(lambda: init_params(info, "bfloat16")))
     eng = aot._AbstractEngine(info, params, slots=ROWS, max_len=MAX_LEN, prefill_buckets=(16,), dtype="bfloat16",
-                              kv_layout="paged", kv_block_size=BLOCK, kv_blocks=BLOCKS)
+                              kv_block_size=BLOCK, kv_blocks=BLOCKS)
     eng._one_cpu = False  # as on a TPU host: the step reads the stacked params (no CPU split_layers copy)
     return eng, jax.tree.map(place, jax.eval_shape(eng.init_state))
 
@@ -123,7 +123,7 @@ def sharded_paged_engine(info):
     layout = make_layout(info, TP, Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:TP]), ("tp",)))
     params = aot.abstract_params(info, "bfloat16", layout)
     eng = aot._AbstractEngine(info, params, slots=ROWS, max_len=MAX_LEN, prefill_buckets=(16,), dtype="bfloat16",
-                              kv_layout="paged", kv_block_size=BLOCK, kv_blocks=BLOCKS)
+                              kv_block_size=BLOCK, kv_blocks=BLOCKS)
     eng.layout, eng._one_cpu = layout, False  # (set after: the base class would device_put the structs)
     shapes = jax.eval_shape(eng.init_state)
 
