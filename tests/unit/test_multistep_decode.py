@@ -45,8 +45,10 @@ def _filled(engine):
     return state
 
 
-def _slot_kv(state, slot: int) -> list[np.ndarray]:
-    return [np.array(x)[:, slot] for x in (state.k, state.v)]  # [L, slots, KV, max_len, hd]
+def _slot_kv(engine, state, slot: int) -> list[np.ndarray]:
+    """The row's KV, k and v: its blocks of every layer buffer, [L, KV, blocks, B, hd]."""
+    ids = np.asarray(state.block_table)[slot, :engine.kv_blocks_of(slot)]
+    return [np.stack([np.asarray(layer)[:, ids] for layer in pool]) for pool in (state.k, state.v)]
 
 
 def test_k_steps_in_one_call_equal_k_one_step_calls(engine):
@@ -57,7 +59,7 @@ def test_k_steps_in_one_call_equal_k_one_step_calls(engine):
         state, toks = engine.generate(state, 3)
         one.append(np.asarray(toks)[:3])
         if n + 1 == MAX_LEN - len(PROMPTS[2]):  # slot 2 just wrote row MAX_LEN - 1 (its last valid step)
-            kv_at_end = _slot_kv(state, 2)
+            kv_at_end = _slot_kv(engine, state, 2)
     one = np.stack(one)
 
     multi, state = [], _filled(engine)
@@ -74,7 +76,7 @@ def test_k_steps_in_one_call_equal_k_one_step_calls(engine):
     assert pos.tolist()[:3] == [len(PROMPTS[0]) + steps, len(PROMPTS[1]) + steps, MAX_LEN - 1]
     # the slot at the end rewrote its last row with the same input: its cache is what it was after
     # its last valid step (one-step calls past it write a clamped garbage row there)
-    for got, want in zip(_slot_kv(state, 2), kv_at_end):
+    for got, want in zip(_slot_kv(engine, state, 2), kv_at_end):
         np.testing.assert_array_equal(got, want)
 
 
