@@ -5,7 +5,8 @@
 The built-in model (or --model), a 32-slot engine with the model's context as max_len (what
 `tandem local` gives a decode pod), XLA's CPU pool at `--threads` (default: `tandem local`'s
 --cpu-threads default, 1). For batch 8 and 32 (the row buckets a pod steps at 8 and 32 streams)
-and every slot at position 64, 256, 512 and the last position of the context: ms per step (steps
+and every row inserted at position 64, 256, 512 and the last position of the context (the steps
+timed advance it by a few dozen positions at most): ms per step (steps
 dispatched back to back, one sync), the memory roofline (weights + KV in use / bandwidth, with
 the bandwidth measured in this run with the same thread count), their ratio, and a compute floor
 (the step's matmul FLOPs / the float32 FLOP/s measured with that thread count) so a reader sees
@@ -65,7 +66,6 @@ def worker(args) -> int:
     eng = load_engine(args.model, slots=SLOTS, max_len=args.max_len, cpu_threads=args.threads,
                       prefill_buckets=(64,))
     import jax
-    import jax.numpy as jnp
 
     if args.limits:
         from bench.engine import measure_bandwidth, measure_matmul
@@ -74,21 +74,31 @@ def worker(args) -> int:
         print(json.dumps({"bandwidth": max(bw.values()), **bw, "matmul_flops": measure_matmul(1024),
                           "read_bandwidth": measure_read_bandwidth(128 << 20)}))
         return 0
-    state = eng.init_state()
+    import numpy as np
+
+    from tandem_core.types import KVPayload, SamplingParams
+
+    c = eng.cfg
     out = {}
     for batch in args.batches:
         for pos in args.positions:
-            at = jnp.full((SLOTS,), pos, jnp.int32)
-            state = state._replace(positions=at, active=jnp.arange(SLOTS) < batch)
+            # `batch` rows inserted at `pos` positions (zero KV: what is timed is the step), so each
+            # row holds the blocks of its context; the steps then advance them by reps x steps
+            # positions at most (a row at the last position stays there)
+            state = eng.init_state()
+            kv = np.zeros((c.num_layers, pos, c.num_kv_heads, c.head_dim), np.float32)
+            for row in range(batch):
+                state = eng.insert_payload(KVPayload(k=kv, v=kv, true_length=pos, first_token=1), state, row,
+                                           SamplingParams())
             for _ in range(2):  # compile and warm
+                state, _short = eng.reserve(state, 1)
                 state, toks = eng.generate(state, batch)
             jax.block_until_ready(toks)
             best = cpu = float("inf")
             for _ in range(args.reps):
-                state = state._replace(positions=jnp.full((SLOTS,), pos, jnp.int32))
-                jax.block_until_ready(state.positions)
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
+                    state, _short = eng.reserve(state, 1)
                     state, toks = eng.generate(state, batch)
                 jax.block_until_ready(toks)
                 best = min(best, (time.perf_counter() - t0) / args.steps)
