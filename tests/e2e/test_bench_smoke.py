@@ -64,8 +64,8 @@ def test_kv_capacity_bench_counts_the_kv_bytes_moved(tmp_path):
     assert 1 <= r["capacity"]["decoding_client_view"]["max"] <= 2
     turns = r["multi_turn"]["turns"]
     assert len(turns) == 2 and r["multi_turn"]["errors"] == 0
-    for t in turns:  # the slot layout pulls the whole (bucket-padded) prompt every turn
-        assert t["pulled_bytes"] >= t["prompt_tokens"] * per_token, t
+    for t in turns:  # at least the KV of the turn's new tokens (the pool keeps the rest: kv_reuse)
+        assert t["pulled_bytes"] >= t["new_tokens"] * per_token > 0, t
     px = r["prefix"]
     assert px["errors"] == 0 and px["hit_tokens"] == 64  # the second request hits the 4 system blocks
     assert px["hit_copy_bytes"] == 0  # the prefill pod's cache is on the device: a hit reads its blocks in place

@@ -63,21 +63,22 @@ def test_batch_buckets(engine):
 
 @pytest.mark.slow  # make test-unit leaves it out: compiles the step of every batch bucket twice
 def test_decode_step_updates_the_cache_in_place(engine):
-    """No batch bucket's compiled step, with or without logprobs, copies the whole KV cache or
-    the penalty history (the donated state is written in place); a one-row write did, which is
-    why there is no bucket of 1."""
+    """No batch bucket's compiled step, with or without logprobs, copies a KV pool buffer or the
+    penalty history (the donated state is written in place); a one-row write into the slot
+    layout's cache did, which is why there is no bucket of 1."""
     import re
 
     from tandem_engine.cores import generate_core
 
     state = engine.init_state()
-    kv = {tuple(a.shape) for a in (state.k, state.v)}  # one [L, slots, KV, max_len, hd] array each
+    kv = {tuple(a.shape) for a in (*state.k, *state.v)}  # the pool: one [KV, blocks, B, hd] buffer a layer
     big = {f"f32\\[{','.join(map(str, shape))}\\]" for shape in kv}
     big.add(f"s32\\[{','.join(map(str, state.history.shape))}\\]")
     for rows in engine.batch_buckets:
         for logprobs in (False, True):
-            hlo = generate_core.lower(engine.params, state, cfg=engine.cfg, layout=None, rows=rows,
-                                      logprobs=logprobs).compile().as_text()
+            hlo = generate_core.lower(engine.step_params, state, cfg=engine.cfg, layout=None, rows=rows,
+                                      logprobs=logprobs, max_len=engine.max_len,
+                                      table_blocks=engine.max_blocks_per_seq).compile().as_text()
             copies = [ln for ln in hlo.splitlines() for shape in big
                       if re.search(rf"= {shape}\{{[^}}]*\}} copy\(", ln)]
             assert not copies, f"rows={rows} logprobs={logprobs}: {copies[:2]}"

@@ -210,14 +210,14 @@ def test_the_step_reads_each_chips_heads_in_place(results):
     assert step["alias_bytes"] >= step["chip_pool_bytes"]
 
 
-def test_greedy_tokens_equal_the_slot_layout_at_tp1(results):
+def test_greedy_tokens_at_tp2_equal_tp1s(results):
     want = results["want"]
     assert len(want) == 2 and all(len(t) == STEPS + 1 for t in want.values())
     assert results["paged2"] == want
     assert results["paged2_multi"] == want  # 3 steps per call, inserted as payloads
 
 
-def test_kv_crosses_between_paged_tp2_and_slots_tp1(results):
+def test_kv_crosses_between_tp2_and_tp1(results):
     want = results["want"]
     assert results["slots1_to_paged2"] == want
     assert results["paged2_to_slots1"] == want
@@ -244,7 +244,7 @@ def test_fp8_kv_shards(results):
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_gqa_families_equal_the_slot_layout_at_tp1(results, fam):
+def test_gqa_families_at_tp2_equal_tp1s(results, fam):
     if f"{fam}/want" not in results:
         pytest.skip("torch / transformers are not installed (tests/families.py builds the checkpoints)")
     want = results[f"{fam}/want"]

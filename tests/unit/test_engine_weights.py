@@ -71,7 +71,7 @@ def test_bfloat16_engine(tmp_path):
     engine = load_engine("tiny", dtype="bfloat16", **KW)
     assert engine.params["embed"].dtype == jax.numpy.bfloat16
     state = engine.init_state()
-    assert state.k.dtype == state.v.dtype == jax.numpy.bfloat16
+    assert state.k[0].dtype == state.v[0].dtype == jax.numpy.bfloat16
     tokens = greedy_tokens(engine, IDS, steps=4)
     assert all(0 <= t < engine.info.vocab_size for t in tokens)
     payload = engine.export_prefix(engine.prefill(IDS, SamplingParams()))

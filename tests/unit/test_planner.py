@@ -272,7 +272,7 @@ def test_planner_sizes_decode_by_the_kv_and_says_so():
 class _PagedPool:
     """What `BlockBudget` reads of a paged engine: the pool's sizes and its free count (set by hand)."""
 
-    kv_layout, kv_block_size, kv_blocks_total, max_len, steps_per_dispatch = "paged", 16, 128, 2048, 20
+    kv_block_size, kv_blocks_total, max_len, steps_per_dispatch = 16, 128, 2048, 20
 
     def __init__(self) -> None:
         self.free = self.kv_blocks_total
