@@ -199,12 +199,18 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
 
 def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: Layout | None, rows: int,
                  logprobs: bool, freeze_at: int, table_blocks: int, max_len: int):
-    active = state.active[:rows]
-    step = state.step[:rows]
     logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
                                         state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
-                                        active=active, mesh=None if layout is None else layout.mesh)
+                                        active=state.active[:rows], mesh=None if layout is None else layout.mesh)
     k, v = _pin_pool(k, layout), _pin_pool(v, layout)  # kept split by head: the donated buffers are reused
+    return _advance(state._replace(k=k, v=v), logits, masks, rows, logprobs, freeze_at)
+
+
+def _advance(state: DecodeState, logits, masks, rows: int, logprobs: bool, freeze_at: int):
+    """A step's rows [0, rows) after the forward: each active row's logits processed and sampled,
+    its token recorded and its position advanced. Returns (state, tokens or packed)."""
+    active = state.active[:rows]
+    step = state.step[:rows]
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
     if masks is not None:
         processed = apply_mask(processed, masks)
@@ -219,11 +225,74 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
         advance = active.astype(jnp.int32)  # free slots stay put (their tokens are garbage)
         inputs = tokens
     new = state._replace(
-        k=k, v=v, tokens=state.tokens.at[:rows].set(inputs),
+        tokens=state.tokens.at[:rows].set(inputs),
         positions=state.positions.at[:rows].add(advance), step=state.step.at[:rows].add(advance),
         history=record(state.history, tokens, advance),
     )
     return new, (pack(logprobs_of(processed), tokens) if logprobs else tokens)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs", "max_len", "table_blocks"),
+         donate_argnums=(1,))
+def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot, final, *, cfg: ModelConfig,
+                layout: Layout | None, rows: int, max_len: int, table_blocks: int, logprobs: bool = False):
+    """One call over a ragged batch: the decode rows [0, rows) one token each, as `generate_core`'s
+    one step, and beside them `chunk` int32 [C], C tokens of the prompt seated in row `slot`
+    (`begin_core`) at positions chunk_start + [0, C), the first `chunk_len` real (the rest pad:
+    written to the null block, never read). Every query reads the pool through its own row's block
+    table (a chunk token through its prompt's), and each layer writes every query's K/V before
+    any query attends (paged.decode_forward_paged), so a chunk token sees the chunk's earlier
+    tokens and the prompt's earlier chunks: causal attention over the prompt, in the step's own
+    attention. Only the decode rows' and the chunk's last real token's logits are computed (the LM
+    head over rows + 1 hidden rows). `final` (the chunk ends the prompt): the prompt's first token
+    is sampled from that last token's logits with the row's own sampling and processing params,
+    and the row becomes active with it (its next step produces the token after). Returns (state,
+    the decode rows' tokens (packed with `logprobs`), the first token packed [PACKED_WIDTH],
+    meaningful only when `final`)."""
+    c, tb = chunk.shape[0], table_blocks
+    at = chunk_start + jnp.arange(c, dtype=jnp.int32)
+    tokens = jnp.concatenate([state.tokens[:rows], chunk.astype(jnp.int32)])
+    positions = jnp.concatenate([state.positions[:rows], at])
+    table = jnp.concatenate([state.block_table[:rows, :tb], jnp.broadcast_to(state.block_table[slot, :tb], (c, tb))])
+    active = jnp.concatenate([state.active[:rows], jnp.arange(c) < chunk_len])
+    want = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32), (rows + chunk_len - 1)[None].astype(jnp.int32)])
+    logits, k, v = decode_forward_paged(params, tokens, positions, state.k, state.v, table, cfg, max_len=max_len,
+                                        active=active, logits_at=want, mesh=None if layout is None else layout.mesh)
+    k, v = _pin_pool(k, layout), _pin_pool(v, layout)
+    new, out = _advance(state._replace(k=k, v=v), logits[:rows], None, rows, logprobs, 0)
+    first, new = _first_token_of(new, logits[rows:], slot, final)
+    return new, out, first
+
+
+def _first_token_of(state: DecodeState, logits, slot, final):
+    """The first token of the prompt in row `slot` from its last token's logits [1, vocab], with
+    the row's params (as a prefill's `_first_tokens` samples it: token index state.step[slot]);
+    with `final` the row takes it and becomes active. Returns (packed [PACKED_WIDTH], state)."""
+    idx = state.step[slot][None]
+    p = SlotLogits(*(a[slot][None] for a in state.processing))
+    processed = apply(logits, state.history[slot][None], p, idx)
+    one = sample(processed, state.temperature[slot][None], state.top_k[slot][None], state.top_p[slot][None],
+                 lambda: token_keys(state.seeds[slot][None], idx))
+    tok = one[0]
+    new = state._replace(
+        tokens=state.tokens.at[slot].set(jnp.where(final, tok, state.tokens[slot])),
+        active=state.active.at[slot].set(final | state.active[slot]),
+        step=state.step.at[slot].add(final.astype(jnp.int32)),
+        history=state.history.at[slot, tok].add(jnp.where(final, 2, 0)),
+    )
+    return pack(logprobs_of(processed), one)[0], new
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def begin_core(state: DecodeState, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
+               hist_ids, hist_len, output_from, proc: SlotLogits) -> DecodeState:
+    """Seat a prompt of `true_length` tokens in row `slot` for `ragged_core` to prefill: its
+    per-row params (`insert`'s, with no first token yet: `first_token` out of the vocabulary, so
+    none is counted) and its position past the prompt; the row stays inactive until the chunk that
+    ends the prompt samples its first token (token index `step` - 1)."""
+    new = _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed, hist_ids,
+                       hist_len, output_from, proc)
+    return new._replace(active=new.active.at[slot].set(False), step=new.step.at[slot].add(-1))
 
 
 @partial(jax.jit, donate_argnums=(0,))

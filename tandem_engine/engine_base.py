@@ -116,6 +116,7 @@ class EngineBase:
         the block allocator, each row's block table and blocks held, each row's next position
         (what generate advances) and insertion order (reserve serves the oldest first)."""
         self._occupied = np.zeros(self.slots, bool)
+        self._pending: dict = {}  # slot -> engine_decode.PendingPrompt: prompts seated, not yet prefilled
         self._order = np.zeros(self.slots, np.int64)
         self._inserted = 0
         self._alloc = CachingAllocator(self.kv_blocks_total)

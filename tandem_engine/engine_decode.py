@@ -8,6 +8,7 @@ No I/O, no tokenizer, no settings here.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import jax
@@ -17,13 +18,34 @@ import numpy as np
 from tandem_core.errors import OutOfKVBlocks, PromptTooLong
 from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
-from tandem_engine.cores import CoreCall, DecodeState, free_core, generate_core, insert_paged_core
+from tandem_engine.cores import (CoreCall, DecodeState, begin_core, free_core, generate_core, insert_paged_core,
+                                 ragged_core)
 from tandem_engine.block_cache import PrefixMatch
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
 from tandem_engine.paged import paged_pool
 from tandem_engine.sampling import sampling_arrays
+
+
+@dataclass
+class PendingPrompt:
+    """A prompt seated in a row by `begin_prompt`, prefilled a chunk a call by `generate_ragged`."""
+
+    slot: int
+    ids: list[int]
+    done: int = 0  # prompt tokens whose KV is written
+
+
+@dataclass
+class RaggedOut:
+    """What `generate_ragged` returns beside the state: the decode rows' tokens (as `generate`'s,
+    on the device), and when the call ended a prompt, its row and first token packed
+    [PACKED_WIDTH] (logits.unpack_tokens / unpack_logprobs read it)."""
+
+    tokens: jax.Array
+    slot: int | None = None  # the row whose prompt this call ended
+    first: jax.Array | None = None
 
 
 class DecodeSide(EngineBase):
@@ -201,6 +223,74 @@ class DecodeSide(EngineBase):
         return (np.int32(slot), np.int32(true_length), np.int32(first), np.int32(int(start_index) + 1),
                 s["temperature"], s["top_k"], s["top_p"], s["seed"], hist_ids, np.int32(hist_len),
                 np.int32(out_from), proc)
+
+    def begin_prompt(self, state: DecodeState, slot: int, ids: Sequence[int], sampling: SamplingParams, *,
+                     output_from: int | None = None, start_index: int = 0,
+                     stop_ids: Sequence[int] = ()) -> DecodeState:
+        """Seat prompt `ids` in free row `slot` (donates `state`) to be prefilled by
+        `generate_ragged`, a chunk of `prefix_chunk` tokens a call beside the decode rows (vLLM's
+        chunked prefill, in the step's own attention: cores.ragged_core). Takes the prompt's blocks
+        now (OutOfKVBlocks, state untouched, when they are not free). The row stays out of the
+        decode batch until the call that ends its prompt samples its first token (token index
+        `start_index`, as `prefill` would with the same params: the penalty state sees the prompt,
+        `output_from` on counted). One prompt at a time per row; prompts go in the order begun."""
+        self._check_slot(slot)
+        n = len(ids)
+        if not 0 < n < self.max_len:
+            raise PromptTooLong(f"prompt has {n} tokens; this engine's rows hold max_len {self.max_len} positions "
+                                f"(a prompt needs at least one free)")
+        if slot in self._pending or self._occupied[slot]:
+            raise ValueError(f"slot {slot} holds a sequence already")
+        args = list(self._insert_args(self.max_len, slot, n, 0, sampling, None, list(ids), output_from, start_index,
+                                      stop_ids))
+        args[2] = np.int32(self.info.vocab_size)  # no first token yet: nothing counted for it
+        with self._blocks_lock:
+            need = self.kv_blocks_for(n)
+            if need > self.kv_blocks_free():
+                raise OutOfKVBlocks(f"this decode engine has {self.kv_blocks_free()} free KV blocks of "
+                                    f"{self.kv_block_size} positions; a prompt of {n} positions needs {need}",
+                                    retry_after_s=1.0)
+            self._release_row(slot)
+            got = self._alloc_blocks(need)
+            assert got is not None
+            self._table[slot, :need] = got
+            self._held[slot] = need
+            self._pos[slot] = n
+        self._pending[slot] = PendingPrompt(slot, list(ids))
+        state = state._replace(block_table=self._table_array())
+        return begin_core(state, *args)
+
+    def generate_ragged(self, state: DecodeState, rows: int | None = None, *,
+                        logprobs: bool = False) -> tuple[DecodeState, RaggedOut]:
+        """One call (donates `state`): a step of the decode rows, as `generate(state, rows)`, and
+        the next chunk of the oldest prompt `begin_prompt` seated, in one ragged batch. No prompt
+        pending: `generate`'s step. The row whose prompt this chunk ends joins the decode rows
+        (keep it below `rows` from the next call on)."""
+        if not self._pending:
+            state, tokens = self.generate(state, rows, logprobs=logprobs)
+            return state, RaggedOut(tokens)
+        if self._short_rows(1):
+            state, failed = self.reserve(state, 1)
+            if failed:
+                raise RuntimeError(f"slots {failed} have no KV blocks for their next position and the pool has too "
+                                   f"few free: free some slots and call generate_ragged again")
+        p = next(iter(self._pending.values()))
+        c = self.prefix_chunk
+        n = min(c, len(p.ids) - p.done)
+        chunk = np.zeros(c, np.int32)
+        chunk[:n] = p.ids[p.done:p.done + n]
+        final = p.done + n == len(p.ids)
+        new, tokens, first = ragged_core(self.step_params, state, chunk, np.int32(p.done), np.int32(n),
+                                         np.int32(p.slot), np.bool_(final), cfg=self.cfg, layout=self.layout,
+                                         rows=self.rows_for(rows), max_len=self.max_len,
+                                         table_blocks=self.max_blocks_per_seq, logprobs=bool(logprobs))
+        self._pos[self._occupied] += 1
+        p.done += n
+        if not final:
+            return new, RaggedOut(tokens)
+        del self._pending[p.slot]
+        self._occupy(p.slot)
+        return new, RaggedOut(tokens, p.slot, first)
 
     def _occupy(self, slot: int) -> None:
         self._occupied[slot] = True
@@ -409,6 +499,8 @@ class DecodeSide(EngineBase):
         finish hold other tokens' KV."""
         self._check_slot(slot)
         self._occupied[slot] = False
+        if self._pending.pop(int(slot), None) is not None:
+            tokens = None  # a prompt not finished: its blocks hold a part of it
         self._release_row(int(slot), tokens)
         state = state._replace(block_table=self._table_array())
         return state._replace(active=free_core(state.active, np.int32(slot)))
