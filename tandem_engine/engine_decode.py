@@ -316,6 +316,7 @@ class DecodeSide(EngineBase):
                     f"{true_length} positions needs {need}: free a sequence (or hand this request to another pod) "
                     f"and retry", retry_after_s=1.0)
             self._release_row(slot)
+            self._pending.pop(slot, None)  # (a prompt seated there by begin_prompt gives way)
             ids = self._alloc_blocks(need)
             assert ids is not None
             held = len(shared) + need
