@@ -29,6 +29,11 @@ from tandem_engine.pallas_decode import decode_attention, pages_per_compute_bloc
 from tests.unit.test_paged_attention import config, gather, paged_case
 
 
+# a kernel whose copies and waits disagree deadlocks in the interpreter (as it would on a chip)
+# where the suite's signal timeout cannot reach it: the thread method ends the run instead
+deadlock_guard = pytest.mark.timeout(120, method="thread")
+
+
 def interpreted(q, k, v, lengths, tables, sinks, cfg, *, window, pages):
     from jax.experimental.pallas import tpu as pltpu
 
@@ -60,6 +65,7 @@ CASES = [  # name, cfg, window, sinks, pool dtype, pool blocks per compute block
 ]
 
 
+@deadlock_guard
 @pytest.mark.parametrize("name, cfg, window, sinks, dtype, pages", CASES, ids=[c[0] for c in CASES])
 def test_the_kernel_interpreted_equals_the_gather_path(name, cfg, window, sinks, dtype, pages):
     (q, k, v, lengths, tables), _ = paged_case(cfg, LENGTHS, block_size=8, blocks_per_seq=6, num_blocks=48,
@@ -76,6 +82,7 @@ def test_the_kernel_interpreted_equals_the_gather_path(name, cfg, window, sinks,
     assert not np.asarray(got)[~live].any()  # a free row: zeros
 
 
+@deadlock_guard
 def test_blocks_a_row_does_not_attend_to_are_never_copied():
     """Every table entry a row's window has passed, or its length has not reached, points far
     outside the pool: a copy of one would raise in the interpreter. The result is still the gather
@@ -164,11 +171,13 @@ def test_a_head_dim_of_64_pool_is_copied_for_the_kernel_and_128_is_read_in_place
     reads its operands row-major, so the compiled call copies each pool (K and V) first: a copy
     of the layer's pool per call, every layer of every step (the engine's paged step compiled so
     shows 1.9 GB of temporaries for a 0.5 GB pool). At head_dim 128 the pool is row-major already
-    and is read in place. Should a layout change (the pool stored [KV, blocks, B * 64 / 128, 128],
+    and is read in place (bfloat16 and float32). Should a layout change (the pool stored [KV, blocks, B * 64 / 128, 128],
     or a compiler that lays it out row-major) lift this, this fails and kernel_gaps can serve
     head_dim 64."""
     shape = dict(kv_heads=8, num_blocks=2048, block_size=16)
     hd64 = _compile("v5e", "2x2", 64, 8, 64, window=128, sinks=True, num_blocks=2048)
     hd128 = _compile("v5e", "2x2", 32, 8, 128, num_blocks=2048)
+    hd128_f32 = _compile("v5e", "2x2", 32, 8, 128, dtype=jnp.float32, num_blocks=2048)
     assert pool_copies(hd64, hd=64, **shape) == 2, hd64.as_text()
     assert pool_copies(hd128, hd=128, **shape) == 0, hd128.as_text()
+    assert pool_copies(hd128_f32, hd=128, **shape) == 0, hd128_f32.as_text()
