@@ -80,13 +80,16 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     `interpret`: passed to pallas_call (None: compiled for the TPU, or the interpret mode a
     `pltpu.force_tpu_interpret_mode` context sets). Returns [rows, H, hd] in q's dtype."""
     rows, heads, hd = q.shape
-    kvh, num_blocks, bs, hd_k = k.shape
-    if k.shape != v.shape or hd_k != hd or heads % kvh:
+    kvh, num_blocks, block_rows, lanes = k.shape
+    fold = lanes // hd if lanes != hd and lanes == 128 and 128 % hd == 0 else 1
+    if k.shape != v.shape or lanes != hd * fold or heads % kvh:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: need [rows, H, hd] and two "
-                         f"[KV, num_blocks, B, hd] with H a multiple of KV")
+                         f"[KV, num_blocks, B, hd] (or, hd dividing 128, [KV, num_blocks, B * hd / 128, 128]) "
+                         f"with H a multiple of KV")
     if lengths.shape != (rows,) or tables.ndim != 2 or tables.shape[0] != rows:
         raise ValueError(f"lengths {lengths.shape} must be [rows] and tables {tables.shape} [rows, nb] "
                          f"for rows={rows}")
+    bs = block_rows * fold  # positions a pool block holds
     groups = heads // kvh
     nb = tables.shape[1]
     pages = pages or pages_per_compute_block(nb, bs)
@@ -95,17 +98,20 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     if nbp > nb:  # the last compute block's missing columns: never copied (past every length)
         tables = jnp.pad(tables, ((0, 0), (0, nbp - nb)))
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, nb * bs)  # never past the table
-    qg = q.reshape(rows, kvh, groups, hd)
+    q4 = q.reshape(rows, kvh, groups, hd)
+    # q once per lane group c of a folded row, in lanes [c * hd, (c + 1) * hd), zeros elsewhere
+    qf = jnp.stack([jnp.pad(q4, ((0, 0),) * 3 + ((c * hd, lanes - (c + 1) * hd),)) for c in range(fold)], axis=2)
     has_sinks = sinks is not None
 
-    block = pl.BlockSpec((None, kvh, groups, hd), lambda r, *_: (r, 0, 0, 0))
-    in_specs = [block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    args = [qg, k, v]
+    q_block = pl.BlockSpec((None, kvh, fold, groups, lanes), lambda r, *_: (r, 0, 0, 0, 0))
+    o_block = pl.BlockSpec((None, kvh, groups, lanes), lambda r, *_: (r, 0, 0, 0))
+    in_specs = [q_block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    args = [qf, k, v]
     if has_sinks:
         in_specs.append(pl.BlockSpec((kvh, groups, 128), lambda r, *_: (0, 0, 0)))
         s = jnp.asarray(sinks, jnp.float32).reshape(kvh, groups, 1)
         args.append(jnp.broadcast_to(s, (kvh, groups, 128)))
-    kernel = functools.partial(_kernel, kvh=kvh, pages=pages, nbp=nbp, bs=bs, scale=float(scale),
+    kernel = functools.partial(_kernel, kvh=kvh, pages=pages, nbp=nbp, bs=bs, hd=hd, fold=fold, scale=float(scale),
                                softcap=float(softcap or 0.0), window=int(window or 0), has_sinks=has_sinks)
     out = pl.pallas_call(
         kernel,
@@ -113,23 +119,26 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
             num_scalar_prefetch=2,  # lengths, tables (flat)
             grid=(rows,),
             in_specs=in_specs,
-            out_specs=block,
+            out_specs=o_block,
             scratch_shapes=[
-                pltpu.VMEM((2, pages, bs, hd), k.dtype),  # K, double-buffered
-                pltpu.VMEM((2, pages, bs, hd), v.dtype),  # V
+                pltpu.VMEM((2, pages, block_rows, lanes), k.dtype),  # K, double-buffered
+                pltpu.VMEM((2, pages, block_rows, lanes), v.dtype),  # V
                 pltpu.SemaphoreType.DMA((2,)),  # one a buffer, K and V copies both
                 pltpu.SMEM((2,), jnp.int32),  # [buffer of the next unit, whether it was started]
             ]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        # folded: each lane group holds its positions' share of the output, summed here (in float32)
+        out_shape=jax.ShapeDtypeStruct((rows, kvh, groups, lanes), q.dtype if fold == 1 else jnp.float32),
         interpret=interpret if interpret is not None else False,
         name="tandem_paged_decode",
     )(lengths, tables.reshape(-1), *args)
+    if fold > 1:
+        out = out.reshape(rows, kvh, groups, fold, hd).sum(axis=3).astype(q.dtype)
     return out.reshape(rows, heads, hd)
 
 
 def _kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *rest, kvh: int, pages: int, nbp: int, bs: int,
-            scale: float, softcap: float, window: int, has_sinks: bool):
+            hd: int, fold: int, scale: float, softcap: float, window: int, has_sinks: bool):
     if has_sinks:
         sinks_ref, o_ref, k_buf, v_buf, sems, state = rest
     else:
@@ -137,8 +146,14 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *rest, kvh: int, pages
         o_ref, k_buf, v_buf, sems, state = rest
     r = pl.program_id(0)
     rows = pl.num_programs(0)
-    bk = pages * bs
-    groups, hd = q_ref.shape[1], q_ref.shape[2]
+    bk = pages * bs  # positions a compute block holds
+    groups, lanes = q_ref.shape[2], q_ref.shape[3]
+    n = bk // fold  # rows of a compute block's K and V buffers (lanes wide)
+
+    def lane_group(shape):
+        """Which of a folded row's positions each lane holds: lane // hd (0 unfolded)."""
+        lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        return sum(((lane >= c * hd).astype(jnp.int32) for c in range(1, fold)), jnp.zeros(shape, jnp.int32))
 
     def span(length):
         """The compute blocks [lo, hi) and the positions [first, length) a row of `length` reads."""
@@ -196,14 +211,14 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *rest, kvh: int, pages
             start(r, 0, lo, state[0], length)
 
         def head_loop(h, slot):
-            q = q_ref[h]  # [groups, hd]
+            qs = [q_ref[h, c] for c in range(fold)]  # [groups, lanes] each: q in lane group c
             if has_sinks:
                 m0 = jnp.max(sinks_ref[h], axis=1, keepdims=True)  # [groups, 1] (128 equal lanes)
                 total0 = jnp.ones((groups, 1), jnp.float32)
             else:
                 m0 = jnp.full((groups, 1), _NEG, jnp.float32)
                 total0 = jnp.zeros((groups, 1), jnp.float32)
-            acc0 = jnp.zeros((groups, hd), jnp.float32)
+            acc0 = jnp.zeros((groups, lanes), jnp.float32)
 
             def block_loop(i, carry):
                 m, total, acc, slot = carry
@@ -221,24 +236,33 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *rest, kvh: int, pages
                     start(n_row, n_head, n_i, 1 - slot, n_len)
 
                 wait(r, h, i, slot, length)
-                kb = k_buf[slot].reshape(bk, hd)
-                vb = v_buf[slot].reshape(bk, hd)
-                if kb.dtype != q.dtype:
-                    kb, vb = kb.astype(q.dtype), vb.astype(q.dtype)
-                s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-                if softcap:
-                    s = jnp.tanh(s / softcap) * softcap
-                pos = i * bk + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-                ok = (pos < length) & (pos >= first)
-                s = jnp.where(ok, s, _NEG)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-                p = jnp.exp(s - m_new)
+                kb = k_buf[slot].reshape(n, lanes)  # row t: positions i * bk + t * fold + c, c < fold
+                vb = v_buf[slot].reshape(n, lanes)
+                if kb.dtype != qs[0].dtype:
+                    kb, vb = kb.astype(qs[0].dtype), vb.astype(qs[0].dtype)
+                scores = []
+                for c, q in enumerate(qs):  # the positions in lane group c of each row
+                    sc = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    sc = sc * scale
+                    if softcap:
+                        sc = jnp.tanh(sc / softcap) * softcap
+                    pos = i * bk + lax.broadcasted_iota(jnp.int32, sc.shape, 1) * fold + c
+                    scores.append(jnp.where((pos < length) & (pos >= first), sc, _NEG))
+                m_new = m
+                for sc in scores:
+                    m_new = jnp.maximum(m_new, jnp.max(sc, axis=1, keepdims=True))
                 alpha = jnp.exp(m - m_new)
-                total = alpha * total + jnp.sum(p, axis=1, keepdims=True)
-                vpos = i * bk + lax.broadcasted_iota(jnp.int32, vb.shape, 0)
+                probs = [jnp.exp(sc - m_new) for sc in scores]
+                total = alpha * total + sum(jnp.sum(p, axis=1, keepdims=True) for p in probs)
+                vpos = i * bk + lax.broadcasted_iota(jnp.int32, vb.shape, 0) * fold + lane_group(vb.shape)
                 vb = jnp.where((vpos < length) & (vpos >= first), vb, jnp.zeros((), vb.dtype))  # unread: maybe NaN
-                pv = lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+                pv = None
+                for c, p in enumerate(probs):
+                    part = lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+                    if fold > 1:  # lane group c holds what positions c of the rows contribute
+                        part = jnp.where(lane_group(part.shape) == c, part, 0.0)
+                    pv = part if pv is None else pv + part
                 acc = alpha * acc + pv
                 return m_new, total, acc, 1 - slot
 

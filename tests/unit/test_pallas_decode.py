@@ -11,9 +11,12 @@
   outside the pool, where a copy would raise.
 - It compiles for v5e and v6e chips (libtpu's compile-only devices): Mosaic takes head_dim 64, 128
   and 256 with windows and sinks, and float32 pools.
-- Why head_dim 64 still takes the gather path on a TPU (paged_attention.kernel_gaps): the TPU
-  compiler lays a [KV, blocks, B, 64] pool out with its block axis minor, so the compiled call
-  copies the pool into the row-major layout the kernel reads; a head_dim of 128 is read in place.
+- A head_dim dividing 128 (64, 32) is read from a lane-folded pool [KV, blocks, B * hd / 128, 128]
+  (interpreted: equal to the gather path; compiled: the pool read in place).
+- Why head_dim 64 still takes the gather path on a TPU (paged_attention.kernel_gaps): the engine's
+  pool is [KV, blocks, B, 64], which the TPU compiler lays out with its block axis minor, so the
+  compiled call copies the pool into the row-major layout the kernel reads; a head_dim of 128 is
+  read in place.
 """
 from __future__ import annotations
 
@@ -82,6 +85,36 @@ def test_the_kernel_interpreted_equals_the_gather_path(name, cfg, window, sinks,
     assert not np.asarray(got)[~live].any()  # a free row: zeros
 
 
+FOLDED = [  # name, cfg, window, sinks, pool dtype
+    ("folded_hd64_window_sinks", config(8, 2, 64, windows=(11,), sinks=True), 11, True, np.float32),
+    ("folded_hd64_gqa1_softcap", config(4, 4, 64, softcap=5.0, query_scale=0.2), 0, False, np.float32),
+    ("folded_hd32_window_gqa2", config(4, 2, 32, windows=(13,)), 13, False, np.float32),
+    ("folded_bf16_hd64_window_sinks", config(8, 1, 64, windows=(11,), sinks=True), 11, True, jnp.bfloat16),
+]
+
+
+@deadlock_guard
+@pytest.mark.parametrize("name, cfg, window, sinks, dtype", FOLDED, ids=[c[0] for c in FOLDED])
+def test_a_lane_folded_pool_equals_the_gather_path(name, cfg, window, sinks, dtype):
+    """A head_dim dividing 128 read from a pool stored lane-folded: [KV, blocks, B * hd / 128, 128],
+    the row-major bytes of [KV, blocks, B, hd] (row t of a block holds its positions
+    t * 128 / hd + c in lanes [c * hd, (c + 1) * hd)). The same result as the gather path over
+    the unfolded pool. (Broken on purpose, a lane group's share not masked out of the other
+    groups' lanes, or its positions numbered t + c instead of t * fold + c, it fails.)"""
+    (q, k, v, lengths, tables), _ = paged_case(cfg, LENGTHS, block_size=8, blocks_per_seq=6, num_blocks=48,
+                                               seed=len(name))
+    sink = np.random.default_rng(5).normal(size=(cfg.num_heads,)).astype(np.float32) * 2 if sinks else None
+    q, k, v = jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    folded = (cfg.num_kv_heads, 48, 8 * cfg.head_dim // 128, 128)
+    got = interpreted(q, k.reshape(folded), v.reshape(folded), lengths, tables, sink, cfg, window=window, pages=2)
+    want = np.asarray(gather(q, k, v, lengths, tables, cfg, window=window, sinks=sink))
+    live = lengths > 0
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live],
+                               rtol=tol, atol=tol)
+    assert not np.asarray(got)[~live].any()
+
+
 @deadlock_guard
 def test_blocks_a_row_does_not_attend_to_are_never_copied():
     """Every table entry a row's window has passed, or its length has not reached, points far
@@ -118,7 +151,7 @@ needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtp
 
 
 def _compile(tpu, topology, heads, kv_heads, hd, *, dtype=jnp.bfloat16, window=0, sinks=False, softcap=0.0,
-             rows=8, block_size=16, blocks_per_seq=64, num_blocks=2048):
+             rows=8, block_size=16, blocks_per_seq=64, num_blocks=2048, folded=False):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -130,7 +163,8 @@ def _compile(tpu, topology, heads, kv_heads, hd, *, dtype=jnp.bfloat16, window=0
     def s(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
 
-    pool = s((kv_heads, num_blocks, block_size, hd), dtype)
+    pool = s((kv_heads, num_blocks, block_size * hd // 128, 128) if folded else (kv_heads, num_blocks, block_size, hd),
+             dtype)
     args = [s((rows, heads, hd), dtype), pool, pool, s((rows,), jnp.int32), s((rows, blocks_per_seq), jnp.int32)]
     if sinks:
         args.append(s((heads,), jnp.float32))
@@ -165,19 +199,36 @@ def test_mosaic_compiles_the_kernel_with_windows_and_sinks(tpu, heads, kv_heads,
 
 
 @needs_libtpu
+@pytest.mark.parametrize("tpu, heads, kv_heads, hd, dtype", [
+    ("v5e", 64, 8, 64, jnp.bfloat16), ("v6e", 64, 8, 64, jnp.bfloat16), ("v5e", 8, 2, 64, jnp.float32),
+    ("v5e", 8, 2, 32, jnp.bfloat16),
+])
+def test_a_lane_folded_pool_compiles_and_is_read_in_place(tpu, heads, kv_heads, hd, dtype):
+    """A head_dim of 64 (or 32) from a lane-folded pool [KV, blocks, 16 * hd / 128, 128]: Mosaic
+    takes it (window, sinks, soft cap), the TPU compiler lays the pool out row-major and the call
+    reads it in place (no copy)."""
+    compiled = _compile(tpu, "2x2", heads, kv_heads, hd, dtype=dtype, window=128, sinks=True, softcap=30.0,
+                        folded=True)
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
+    assert compiled.input_formats[0][1].layout.major_to_minor == (0, 1, 2, 3)
+    assert pool_copies(compiled, kv_heads, 2048, 16 * hd // 128, 128) == 0, compiled.as_text()
+
+
+@needs_libtpu
 def test_a_head_dim_of_64_pool_is_copied_for_the_kernel_and_128_is_read_in_place():
     """Why kernel_gaps keeps head_dim 64 on the gather path: the TPU compiler lays a bfloat16
     [KV, blocks, 16, 64] array out with its block axis minor (no lane padding), a Pallas kernel
     reads its operands row-major, so the compiled call copies each pool (K and V) first: a copy
     of the layer's pool per call, every layer of every step (the engine's paged step compiled so
     shows 1.9 GB of temporaries for a 0.5 GB pool). At head_dim 128 the pool is row-major already
-    and is read in place (bfloat16 and float32). Should a layout change (the pool stored [KV, blocks, B * 64 / 128, 128],
-    or a compiler that lays it out row-major) lift this, this fails and kernel_gaps can serve
-    head_dim 64."""
+    and is read in place (bfloat16 and float32), and so is a lane-folded head_dim-64 pool (the
+    test above): the engine's pool stored folded would let kernel_gaps serve head_dim 64. Should
+    the compiler lay the unfolded pool out row-major, this fails."""
     shape = dict(kv_heads=8, num_blocks=2048, block_size=16)
     hd64 = _compile("v5e", "2x2", 64, 8, 64, window=128, sinks=True, num_blocks=2048)
     hd128 = _compile("v5e", "2x2", 32, 8, 128, num_blocks=2048)
     hd128_f32 = _compile("v5e", "2x2", 32, 8, 128, dtype=jnp.float32, num_blocks=2048)
+    assert hd64.input_formats[0][1].layout.major_to_minor == (0, 2, 3, 1)  # blocks minor
     assert pool_copies(hd64, hd=64, **shape) == 2, hd64.as_text()
     assert pool_copies(hd128, hd=128, **shape) == 0, hd128.as_text()
     assert pool_copies(hd128_f32, hd=128, **shape) == 0, hd128_f32.as_text()
