@@ -40,9 +40,13 @@ so which families take the gather path on a TPU (logged as a warning):
   and a Pallas kernel reads its operands row-major: each call would copy the layer's whole pool
   (the engine's step compiled for v5e with the kernel forced on a head_dim of 64: 1.9 GB of
   temporaries for a 0.5 GB pool, against 3 MB at 128; test_pallas_decode.py holds the copy).
-  Serving it needs the pool stored in 128-lane rows (e.g. [KV, blocks, B * hd / 128, 128], two
-  positions a row, as tpu-inference's head_dim-64 kernel stores its cache) and the kernel reading
-  that fold: a change of the pool's layout for every reader and writer, not done here;
+  The kernel also reads the same bytes lane-folded, [KV, blocks, B * hd / 128, 128] (two
+  positions a row at 64), which the TPU lays out row-major and the compiled call reads in place
+  (tested: interpreted and compiled). Serving head_dim 64 needs the engine's pool stored so:
+  paged_pool's shape, its writers (_write_rows, write_prompt_blocks: a position's K/V is then half
+  a row) and readers (the gather path, the CPU kernel, the KV transfer: a reshape, free on a CPU),
+  a change of the pool's layout not done here; then drop this gap (PagedAttention takes either
+  form already);
 - a pool of another dtype than bfloat16 or float32 (fp8: its TPU layout and casts unchecked).
 Everything else runs the kernel where compiled for a TPU: llama, qwen2 (with or without windows),
 qwen3, mistral, gemma2, gemma3 (head_dim 256), mixtral and qwen3_moe at head_dims of 128 or 256,
@@ -77,9 +81,11 @@ def kernel_gaps(cfg: ModelConfig, dtype) -> list[str]:
     run the kernel."""
     gaps = []
     if cfg.head_dim % 128:
+        fold = ("; the kernel reads the pool lane-folded, [KV, blocks, B * hd / 128, 128], which the engine "
+                "does not store yet") if 128 % cfg.head_dim == 0 else ""
         gaps.append(f"head_dim {cfg.head_dim} (a pool [KV, blocks, B, {cfg.head_dim}] is laid out on a TPU with "
                     f"its block axis minor, not row-major as a Pallas kernel reads it: each call would copy the "
-                    f"layer's whole pool)")
+                    f"layer's whole pool{fold})")
     if jnp.dtype(dtype).name not in POOL_DTYPES:
         gaps.append(f"a {jnp.dtype(dtype).name} pool (the kernel reads bfloat16 or float32)")
     return gaps
@@ -96,7 +102,8 @@ class PagedAttention:
 
     def __call__(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                  block_tables: jax.Array, *, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
-        """q [rows, H, hd]; k_pages, v_pages [KV, num_blocks, block_size, hd]; lengths int32 [rows];
+        """q [rows, H, hd]; k_pages, v_pages [KV, num_blocks, block_size, hd] (or lane-folded: see
+        pallas_decode); lengths int32 [rows];
         block_tables int32 [rows, blocks_per_seq]; `window` the layer's (0: none); `sinks` [H]
         float32 where the family has them. Returns [rows, H, hd] in q's dtype (zeros for a row of
         length 0)."""
@@ -130,8 +137,9 @@ def _check_shapes(cfg: ModelConfig, q, k_pages, v_pages, lengths, block_tables) 
     if k_pages.shape != v_pages.shape or k_pages.ndim != 4:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be "
                          f"[num_kv_heads, num_blocks, block_size, head_dim]")
+    folded = hd < 128 and 128 % hd == 0 and k_pages.shape[3] == 128  # pallas_decode's lane-folded pool
     if (heads, hd) != (cfg.num_heads, cfg.head_dim) or k_pages.shape[0] != cfg.num_kv_heads \
-            or k_pages.shape[3] != hd:
+            or (k_pages.shape[3] != hd and not folded):
         raise ValueError(f"q {q.shape} / pool {k_pages.shape} disagree with the model: {cfg.num_heads} heads, "
                          f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}")
     if lengths.shape != (rows,) or block_tables.ndim != 2 or block_tables.shape[0] != rows:

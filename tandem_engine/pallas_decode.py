@@ -1,14 +1,19 @@
 """Tandem's Pallas TPU decode attention over the paged pool: one query token per row, GQA, sliding
-windows, attention sinks, soft-capping, head_dim 64, 128 or 256, bfloat16 or float32 pools.
+windows, attention sinks, soft-capping, head_dim 128 or 256 (and 64 or 32 from a lane-folded pool),
+bfloat16 or float32 pools.
 
 The shapes (one layer of the pool, as paged.py holds it):
 
     q          [rows, H, hd]             H = groups * KV: query head h reads KV head h // groups
-    k, v       [KV, num_blocks, B, hd]   row r's positions [j*B, (j+1)*B) sit in block tables[r, j]
+    k, v       [KV, num_blocks, B, hd]   row r's positions [j*B, (j+1)*B) sit in block tables[r, j];
+               or, hd dividing 128, lane-folded [KV, num_blocks, B * hd / 128, 128]: the same
+               bytes (row-major), row t of a block holding its positions t * f + c, f = 128 / hd,
+               in lanes [c * hd, (c + 1) * hd)
     lengths    int32 [rows]              positions row r attends to (its query is at length - 1,
                                          its K/V already written); 0: a free row (zeros out)
-    tables     int32 [rows, nb]          entries past a row's length may hold anything in
-                                         [0, num_blocks) (the caller clamps)
+    tables     int32 [rows, nb]          the entries a row reads (those holding a position it
+                                         attends to) must be in [0, num_blocks); the others may
+                                         hold anything (never copied)
     sinks      float32 [H] or None       one more logit per head, with no value (gpt-oss)
 
 `decode_attention(q, k, v, lengths, tables, sinks, scale=, softcap=, window=)` returns
@@ -35,20 +40,32 @@ breaks the chain and the next used row starts its own). The pipeline's state (wh
 the next unit, whether it was started) lives in SMEM scratch across grid steps, which is why the
 rows run in order.
 
-Layouts Mosaic takes. q is passed as [rows, KV, groups, hd] and the output comes back so, blocked
-(None, KV, groups, hd): the block's last two dimensions are the array's own, whatever groups and
-hd are (the stock kernel blocks q by [groups, hd] slices of H and its running max and sum like q,
-which a head_dim of 64 breaks). The running max and sum are loop carries of shape [groups, 1] and
-the accumulator [groups, hd] in float32; nothing is stored to a ref at a lane offset. A pool
-block (B, hd) is a DMA of one contiguous B * hd run; B should be a multiple of 16 for bfloat16
-(8 for float32), the engine's default is 16. The sinks come in as [KV, groups, 128] (broadcast
-over lanes), read whole.
+Layouts Mosaic takes. q is passed as [rows, KV, f, groups, lanes] (f = 1 and lanes = hd unless
+folded) and the output comes back as [rows, KV, groups, lanes], blocked whole per row: a block's
+last two dimensions are the array's own, whatever groups and hd are (the stock kernel blocks q by
+[groups, hd] slices of H and its running max and sum like q, which a head_dim of 64 breaks). The
+running max and sum are loop carries of shape [groups, 1] and the accumulator [groups, lanes] in
+float32; nothing is stored to a ref at a lane offset. A pool block is a DMA of one contiguous
+B * hd run; B should be a multiple of 16 for bfloat16 (8 for float32), the engine's default is 16.
+The sinks come in as [KV, groups, 128] (broadcast over lanes), read whole.
+
+Why a lane fold. The TPU compiler lays an array whose minor dimension is under 128 out with
+another axis minor (no lanes padded): a [KV, blocks, B, 64] pool gets its block axis minor, and
+a Pallas kernel reads its operands row-major, so XLA copies the whole pool before each call
+(test_pallas_decode.py shows it). The same bytes as [KV, blocks, B * hd / 128, 128] are laid out
+row-major and read in place. Folded, a compute block's K is [bk / f, 128]: q goes in once per lane
+group c (q in lanes [c * hd, (c + 1) * hd), zeros elsewhere), so the f dots give the scores of the
+positions t * f + c, all f folded into one running max and sum; each P.V dot is kept only in its
+own lane group, and the f groups of the output are summed outside the kernel (in float32). The
+MXU then does f times the multiply-adds of the unfolded head (the rest against zeros); decode is
+bound by reading K and V, not by the MXU, so that should cost little (unmeasured).
+(tpu-inference's head_dim-64 kernel folds K and V of one position into one 128-lane row instead.)
 
 Nothing here ran on a TPU. tests/unit/test_pallas_decode.py runs the kernel in Pallas's TPU
 interpret mode on the CPU (which simulates the DMAs and semaphores, and fills scratch with NaN)
 against the gather path, and compiles it for v5e and v6e chips with libtpu's compile-only
-devices (Mosaic accepts it: head_dim 64, 128 and 256, windows, sinks, bfloat16 and float32). Its
-speed on a TPU, and COMPUTE_BLOCK_TOKENS, are unmeasured guesses.
+devices (Mosaic accepts it: head_dim 64, 128 and 256 unfolded, 64 and 32 folded, windows, sinks,
+bfloat16 and float32). Its speed on a TPU, and COMPUTE_BLOCK_TOKENS, are unmeasured guesses.
 """
 from __future__ import annotations
 

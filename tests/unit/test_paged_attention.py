@@ -168,6 +168,7 @@ def test_the_step_takes_the_kernel_only_for_what_it_serves(caplog):
     ("groups4", config(8, 2, 128), 0),
     ("groups8_softcap_scale", config(16, 2, 128, softcap=5.0, query_scale=0.05), 0),
     ("window_sinks", config(8, 2, 128, windows=(20, 0), sinks=True), 20),
+    ("folded_hd64_window_sinks", config(8, 2, 64, windows=(20, 0), sinks=True), 20),  # a lane-folded pool
 ])
 def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg, window):
     from jax.experimental.pallas import tpu as pltpu
@@ -179,10 +180,14 @@ def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg, window):
     # a bf16 pool; q in float32 (the kernel reads K and V in q's dtype), so its output is float32 too
     q, k, v = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
     sinks = np.linspace(-2, 2, cfg.num_heads).astype(np.float32) if cfg.sinks else None
-    assert not kernel_gaps(cfg, jnp.bfloat16)
+    pool = (k, v)
+    if cfg.head_dim < 128:  # pallas_decode's lane-folded form (kernel_gaps: the engine's pool is not)
+        pool = tuple(x.reshape(cfg.num_kv_heads, 32, 16 * cfg.head_dim // 128, 128) for x in pool)
+    else:
+        assert not kernel_gaps(cfg, jnp.bfloat16)
     kernel = PagedAttention(cfg)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-        got = np.asarray(kernel(q, k, v, lengths, tables, window=window, sinks=sinks))
+        got = np.asarray(kernel(q, *pool, lengths, tables, window=window, sinks=sinks))
     # the gather path over the same bf16 values held in float32
     want = np.asarray(gather(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths,
                              np.clip(tables, 0, 31), cfg, window=window, sinks=sinks))
