@@ -4,7 +4,8 @@ devices, as tests/unit/test_tpu_compile.py; no TPU here), runs Tandem's Pallas d
 
 What is compiled is what a decode pod on a TPU runs: an Engine with kv_layout="paged" over
 abstract bf16 weights of a small Llama-shaped model (head_dim 128, GQA 4:2, so the kernel can
-serve it; and a gpt-oss-like one: a sliding window on one layer of two, sinks, experts), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
+serve it; and a gpt-oss-like one: a sliding window on one layer of two, sinks, experts; both also at
+tp=4), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
 call (its generate_call: cores.generate_core with table_blocks set), one step per call and four
 (the multi-step scan). Held:
 - the Mosaic kernel is in the compiled program, once per layer (paged.decode_forward_paged picks
@@ -179,3 +180,15 @@ def test_the_sharded_paged_step_runs_the_kernel_per_chip_on_its_heads_in_place()
     mem = compiled.memory_analysis()
     print(f"paged insert on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
     assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32 and mem.alias_size_in_bytes >= 2 * LAYERS * TP_LAYER_BYTES
+
+
+def test_the_sharded_step_of_a_windowed_family_with_sinks_runs_the_kernel_per_chip():
+    """gpt-oss-like (a window on layer 0, sinks) at tp=4, one KV head a chip: each chip's kernel
+    gets its heads' sinks, and no pool is copied."""
+    eng, state = sharded_paged_engine(dataclasses.replace(GPT_OSS_HD128, num_heads=8, num_kv_heads=TP))
+    compiled = aot.lower(eng.generate_call(state, ROWS, table_blocks=eng.max_blocks_per_seq),
+                         state.positions.sharding).compile()
+    mem = compiled.memory_analysis()
+    print(f"gpt-oss-like paged step on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
+    assert kernel_calls(compiled) == LAYERS
+    assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32, mem
