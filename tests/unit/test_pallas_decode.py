@@ -52,13 +52,18 @@ def interpreted(q, k, v, lengths, tables, sinks, cfg, *, window, pages):
             raise
 
 
+def _name(case) -> str:
+    return (case.values if hasattr(case, "marks") else case)[0]
+
+
 # lengths: one position, a block exactly, one past, mid-table, a free row, the table full, two
 # past a compute block of two pool blocks
 LENGTHS = [1, 8, 9, 27, 0, 48, 18]
 CASES = [  # name, cfg, window, sinks, pool dtype, pool blocks per compute block
     ("gqa4_hd64", config(8, 2, 64), 0, False, np.float32, 2),
     ("window_hd64", config(8, 2, 64, windows=(11,)), 11, False, np.float32, 2),
-    ("window_one_block_a_step", config(8, 2, 64, windows=(11,)), 11, False, np.float32, 1),
+    pytest.param("window_one_block_a_step", config(8, 2, 64, windows=(11,)), 11, False, np.float32, 1,
+                 marks=pytest.mark.slow),
     ("sinks_hd64", config(8, 2, 64, sinks=True), 0, True, np.float32, 2),
     ("window_sinks_gqa2", config(4, 2, 64, windows=(20,), sinks=True), 20, True, np.float32, 3),
     ("softcap_scale_mha_hd128", config(4, 4, 128, softcap=5.0, query_scale=0.05), 0, False, np.float32, 2),
@@ -69,7 +74,7 @@ CASES = [  # name, cfg, window, sinks, pool dtype, pool blocks per compute block
 
 
 @deadlock_guard
-@pytest.mark.parametrize("name, cfg, window, sinks, dtype, pages", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, cfg, window, sinks, dtype, pages", CASES, ids=[_name(c) for c in CASES])
 def test_the_kernel_interpreted_equals_the_gather_path(name, cfg, window, sinks, dtype, pages):
     (q, k, v, lengths, tables), _ = paged_case(cfg, LENGTHS, block_size=8, blocks_per_seq=6, num_blocks=48,
                                                seed=len(name))
@@ -88,13 +93,15 @@ def test_the_kernel_interpreted_equals_the_gather_path(name, cfg, window, sinks,
 FOLDED = [  # name, cfg, window, sinks, pool dtype
     ("folded_hd64_window_sinks", config(8, 2, 64, windows=(11,), sinks=True), 11, True, np.float32),
     ("folded_hd64_gqa1_softcap", config(4, 4, 64, softcap=5.0, query_scale=0.2), 0, False, np.float32),
-    ("folded_hd32_window_gqa2", config(4, 2, 32, windows=(13,)), 13, False, np.float32),
-    ("folded_bf16_hd64_window_sinks", config(8, 1, 64, windows=(11,), sinks=True), 11, True, jnp.bfloat16),
+    pytest.param("folded_hd32_window_gqa2", config(4, 2, 32, windows=(13,)), 13, False, np.float32,
+                 marks=pytest.mark.slow),
+    pytest.param("folded_bf16_hd64_window_sinks", config(8, 1, 64, windows=(11,), sinks=True), 11, True,
+                 jnp.bfloat16, marks=pytest.mark.slow),
 ]
 
 
 @deadlock_guard
-@pytest.mark.parametrize("name, cfg, window, sinks, dtype", FOLDED, ids=[c[0] for c in FOLDED])
+@pytest.mark.parametrize("name, cfg, window, sinks, dtype", FOLDED, ids=[_name(c) for c in FOLDED])
 def test_a_lane_folded_pool_equals_the_gather_path(name, cfg, window, sinks, dtype):
     """A head_dim dividing 128 read from a pool stored lane-folded: [KV, blocks, B * hd / 128, 128],
     the row-major bytes of [KV, blocks, B, hd] (row t of a block holds its positions
@@ -185,11 +192,11 @@ def pool_copies(compiled, kv_heads, num_blocks, block_size, hd) -> int:
 @needs_libtpu
 @pytest.mark.parametrize("tpu, heads, kv_heads, hd, dtype", [
     ("v5e", 64, 8, 64, jnp.bfloat16),  # gpt-oss 20b's attention: GQA 8, head_dim 64
-    ("v6e", 64, 8, 64, jnp.bfloat16),
-    ("v5e", 8, 2, 64, jnp.float32),
+    pytest.param("v6e", 64, 8, 64, jnp.bfloat16, marks=pytest.mark.slow),  # slow: the fast tier keeps one a kind
+    pytest.param("v5e", 8, 2, 64, jnp.float32, marks=pytest.mark.slow),
     ("v5e", 32, 8, 128, jnp.bfloat16),  # Llama 3 8B's
     ("v5e", 8, 4, 256, jnp.bfloat16),  # Gemma 2's head_dim
-    ("v6e", 16, 16, 128, jnp.float32),  # MHA, float32
+    pytest.param("v6e", 16, 16, 128, jnp.float32, marks=pytest.mark.slow),  # MHA, float32
 ])
 def test_mosaic_compiles_the_kernel_with_windows_and_sinks(tpu, heads, kv_heads, hd, dtype):
     """The TPU compiler takes the kernel (a Mosaic call in the compiled program, not an XLA
@@ -200,8 +207,9 @@ def test_mosaic_compiles_the_kernel_with_windows_and_sinks(tpu, heads, kv_heads,
 
 @needs_libtpu
 @pytest.mark.parametrize("tpu, heads, kv_heads, hd, dtype", [
-    ("v5e", 64, 8, 64, jnp.bfloat16), ("v6e", 64, 8, 64, jnp.bfloat16), ("v5e", 8, 2, 64, jnp.float32),
-    ("v5e", 8, 2, 32, jnp.bfloat16),
+    ("v5e", 64, 8, 64, jnp.bfloat16), pytest.param("v6e", 64, 8, 64, jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("v5e", 8, 2, 64, jnp.float32, marks=pytest.mark.slow),
+    pytest.param("v5e", 8, 2, 32, jnp.bfloat16, marks=pytest.mark.slow),
 ])
 def test_a_lane_folded_pool_compiles_and_is_read_in_place(tpu, heads, kv_heads, hd, dtype):
     """A head_dim of 64 (or 32) from a lane-folded pool [KV, blocks, 16 * hd / 128, 128]: Mosaic
