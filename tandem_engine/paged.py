@@ -2,12 +2,12 @@
 shared pool, each sequence row reading its blocks through a block table.
 
 The pool is one buffer per layer, for k and for v: two tuples of num_layers arrays, each
-[num_kv_heads, num_blocks, block_size, head_dim], the layout the TPU Pallas paged-attention
-kernel reads (jax.experimental.pallas.ops.tpu.paged_attention: k_pages [num_kv_heads,
-total_pages, page_size, head_dim]). One buffer per layer because a Mosaic call reads only whole
-buffers: a pool stacked over the layers and sliced per layer (`k_pool[i]`) made XLA copy that
-layer's whole pool for each kernel call, every layer of every step (compiled for v5e: 448 MiB of
-temporaries against 0.25 MiB; tests/unit/test_paged_attention.py). As tpu-inference and vLLM's
+[num_kv_heads, num_blocks, block_size, head_dim], the layout Tandem's Pallas TPU decode kernel
+reads (pallas_decode.py; JAX's stock paged-attention kernel reads the same). One buffer per
+layer because a Mosaic call reads only whole buffers: a pool stacked over the layers and sliced
+per layer (`k_pool[i]`) made XLA copy that layer's whole pool for each kernel call, every layer
+of every step (compiled for v5e: 448 MiB of temporaries against 0.25 MiB;
+tests/unit/test_paged_attention.py). As tpu-inference and vLLM's
 JAX runner hold theirs (a list of per-layer KV arrays, donated through the step). The step
 donates all 2 * num_layers buffers, and each layer's write of the new token and its attention
 read that layer's buffer in place.
@@ -19,13 +19,13 @@ caller did not `reserve` for) writes the null block, never another sequence's bl
 `BlockAllocator` is host state (free list, per-block refcount); the device sees only the tables.
 
 The step's attention (`decode_forward_paged`): on a TPU, where the family and the pool's dtype
-allow it (paged_attention.kernel_gaps: no sliding window, no sinks, head_dim a multiple of 128,
-bfloat16), the Pallas kernel (paged_attention.PagedAttention, impl "pallas"); everywhere else the
-gather path here (`paged_attention`: each row's blocks gathered through its table, masked by
-position and window). The choice between the two is made when the step is compiled, for the
-platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile holds only the kernel,
-a CPU compile only the gather), so an engine, and a TPU program compiled ahead of time on a CPU
-host, need no flag.
+allow it (paged_attention.kernel_gaps: head_dim a multiple of 128, a bfloat16 or float32 pool;
+windows, sinks and soft caps are served), the Pallas kernel (paged_attention.PagedAttention);
+everywhere else the gather path here (`paged_attention`: each row's blocks gathered through its
+table, masked by position and window). The choice between the two is made when the step is
+compiled, for the platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile
+holds only the kernel, a CPU compile only the gather), so an engine, and a TPU program compiled
+ahead of time on a CPU host, need no flag.
 
 Tensor parallelism (tp > 1, sharding.Layout.kv_pool): each layer buffer is split on its KV axis,
 so each chip holds its heads' slice of every block; the block tables (and the allocator's ids)
@@ -355,7 +355,8 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
         return attn, k_layer, v_layer
 
     def pallas(q, k_layer, v_layer):
-        out = kernel(q[:, 0], k_layer, v_layer, lengths, table)  # [rows, H, hd]
+        out = kernel(q[:, 0], k_layer, v_layer, lengths, table, window=window,
+                     sinks=sinks if has_sinks else None)  # [rows, H, hd]
         return out.reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
 
     attn = jax.lax.platform_dependent(q, k_layer, v_layer, tpu=pallas, cpu=cpu, default=gather)

@@ -1,5 +1,5 @@
 """Decode attention over a paged KV pool: the engine's gather path (paged.paged_attention) and the
-Pallas TPU kernel (tandem_engine/paged_attention.py).
+Pallas TPU kernel as the engine calls it (tandem_engine/paged_attention.py over pallas_decode.py).
 
 - The gather path (what a CPU runs) equals the engine's dense attention (model.py's
   `_grouped_attention`, the prefill's math) over the same KV written contiguously: random pools
@@ -8,10 +8,11 @@ Pallas TPU kernel (tandem_engine/paged_attention.py).
   with a query scale, attention sinks.
 - What the kernel lacks (`kernel_gaps`): the paged step takes the kernel on a TPU only for
   families and dtypes it can serve (`paged.step_kernel`), the gather path otherwise.
-- The Pallas TPU kernel we would ship, run on this CPU in Pallas's TPU interpret mode (it simulates
-  the kernel's DMAs, semaphores and scalar prefetch), equals the gather path, a free row (length
-  0) giving zeros; and the engine's paged decode step with the kernel in it (its TPU branch,
-  interpreted) equals the same step on the gather path.
+- The Pallas TPU kernel, run on this CPU in Pallas's TPU interpret mode (it simulates the kernel's
+  DMAs, semaphores and scalar prefetch), equals the gather path, a free row (length 0) giving
+  zeros; and the engine's paged decode step with the kernel in it (its TPU branch, interpreted)
+  equals the same step on the gather path, for a Llama and for a gpt-oss-like family (windows,
+  sinks, experts). tests/unit/test_pallas_decode.py tests the kernel itself case by case.
 - The TPU path compiles ahead of time for a v5e slice at Llama-3-8B's attention shapes (libtpu's
   compile-only devices, as tests/unit/test_tpu_compile.py): one chip, and tp 2 where each chip runs
   the kernel over its own heads. Those tests skip only where libtpu is not importable (`make test`
@@ -31,7 +32,7 @@ from tandem_engine.aot import libtpu_missing
 from tandem_engine.arch import ModelConfig
 from tandem_engine import paged
 from tandem_engine.model import _grouped_attention, _window_mask
-from tandem_engine.paged_attention import PagedAttention, kernel_gaps, pages_per_compute_block
+from tandem_engine.paged_attention import PagedAttention, kernel_gaps
 
 
 def config(heads=8, kv_heads=2, head_dim=16, *, windows=(), softcap=0.0, query_scale=0.0, sinks=False, layers=2):
@@ -137,18 +138,20 @@ def test_shapes_that_disagree_with_the_model_are_refused():
 
 
 LLAMA = config(32, 8, 128, layers=4)
-GEMMA2 = config(8, 4, 128, windows=(4096, 0) * 2, softcap=50.0, query_scale=256 ** -0.5, layers=4)
+GEMMA2 = config(8, 4, 256, windows=(4096, 0) * 2, softcap=50.0, query_scale=256 ** -0.5, layers=4)
+GPT_OSS_128 = config(64, 8, 128, windows=(128, 0) * 2, sinks=True, layers=4)  # gpt-oss's traits at head_dim 128
 GPT_OSS = config(64, 8, 64, windows=(128, 0) * 2, sinks=True, layers=4)
 
 
 def test_the_step_takes_the_kernel_only_for_what_it_serves(caplog):
     caplog.set_level(logging.DEBUG, logger="tandem_engine.paged")
-    assert kernel_gaps(LLAMA, jnp.bfloat16) == []
-    assert paged.step_kernel(LLAMA, jnp.dtype(jnp.bfloat16)) == PagedAttention(LLAMA)
-    for cfg, dtype, needs in [(GEMMA2, jnp.bfloat16, ["sliding windows on 2 of 4 layers"]),
-                              (GPT_OSS, jnp.bfloat16, ["sliding windows", "attention sinks", "head_dim 64"]),
+    for cfg, dtype in [(LLAMA, jnp.bfloat16), (LLAMA, jnp.float32), (GEMMA2, jnp.bfloat16),
+                       (GPT_OSS_128, jnp.bfloat16)]:
+        assert kernel_gaps(cfg, dtype) == []
+        assert paged.step_kernel(cfg, jnp.dtype(dtype)) == PagedAttention(cfg)
+    for cfg, dtype, needs in [(GPT_OSS, jnp.bfloat16, ["head_dim 64"]),
                               (config(8, 2, 64), jnp.bfloat16, ["head_dim 64"]),  # the built-in model's shape
-                              (LLAMA, jnp.float32, ["float32 pool"])]:
+                              (LLAMA, jnp.float8_e4m3fn, ["float8_e4m3fn pool"])]:
         gaps = "; ".join(kernel_gaps(cfg, dtype))
         assert all(n in gaps for n in needs), gaps
         caplog.clear()
@@ -157,37 +160,37 @@ def test_the_step_takes_the_kernel_only_for_what_it_serves(caplog):
         assert any(needs[0] in r.getMessage() for r in caplog.records)
 
 
-def test_pages_per_compute_block_divides_the_table():
-    assert pages_per_compute_block(256, 16) == 32  # 512 positions
-    assert pages_per_compute_block(256, 32) == 16
-    assert pages_per_compute_block(6, 4) == 6
-    assert pages_per_compute_block(7, 128) == 1  # 7 is prime
-    assert pages_per_compute_block(12, 64) == 6
-
-
 # ---------------------------------------------------------------------------------------------
 # the Pallas kernel itself, interpreted on this CPU
 
 
-@pytest.mark.parametrize("name, cfg", [
-    ("groups4", config(8, 2, 128)),  # num_groups % 8 != 0: the kernel's [.., 1, hd] query layout
-    ("groups8_softcap_scale", config(16, 2, 128, softcap=5.0, query_scale=0.05)),  # groups % 8 == 0
+@pytest.mark.parametrize("name, cfg, window", [
+    ("groups4", config(8, 2, 128), 0),
+    ("groups8_softcap_scale", config(16, 2, 128, softcap=5.0, query_scale=0.05), 0),
+    ("window_sinks", config(8, 2, 128, windows=(20, 0), sinks=True), 20),
+    ("folded_hd64_window_sinks", config(8, 2, 64, windows=(20, 0), sinks=True), 20),  # a lane-folded pool
 ])
-def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg):
+def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg, window):
     from jax.experimental.pallas import tpu as pltpu
 
     lengths = [1, 16, 17, 40, 0, 64]  # one, a page, one past, mid-block, a free row, the table full
     (q, k, v, lengths, tables), _ = paged_case(cfg, lengths, block_size=16, blocks_per_seq=4, num_blocks=32,
                                                seed=len(name))
-    # a bf16 pool (what the kernel reads); q in float32, so the kernel's output is float32 too
+    tables[1, 2:] = 10 ** 6  # entries past row 1's length: anything (clamped, never read)
+    # a bf16 pool; q in float32 (the kernel reads K and V in q's dtype), so its output is float32 too
     q, k, v = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-    assert not kernel_gaps(cfg, jnp.bfloat16)
+    sinks = np.linspace(-2, 2, cfg.num_heads).astype(np.float32) if cfg.sinks else None
+    pool = (k, v)
+    if cfg.head_dim < 128:  # pallas_decode's lane-folded form (kernel_gaps: the engine's pool is not)
+        pool = tuple(x.reshape(cfg.num_kv_heads, 32, 16 * cfg.head_dim // 128, 128) for x in pool)
+    else:
+        assert not kernel_gaps(cfg, jnp.bfloat16)
     kernel = PagedAttention(cfg)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-        got = np.asarray(kernel(q, k, v, lengths, tables))
-    # the gather path over the same bf16 values held in float32 (the kernel keeps its
-    # probabilities in float32 where the gather path casts them to the pool's dtype)
-    want = np.asarray(gather(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, tables, cfg))
+        got = np.asarray(kernel(q, *pool, lengths, tables, window=window, sinks=sinks))
+    # the gather path over the same bf16 values held in float32
+    want = np.asarray(gather(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths,
+                             np.clip(tables, 0, 31), cfg, window=window, sinks=sinks))
     live = lengths > 0
     np.testing.assert_allclose(got[live], want[live], rtol=1e-4, atol=1e-4)
     assert not got[4].any()  # a free row: zeros
@@ -200,17 +203,16 @@ needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtp
 
 
 @needs_libtpu
-@pytest.mark.parametrize("tpu, topology, tp, rows, block_size, megacore", [
-    ("v5e", "2x2", 1, 8, 16, None), ("v5e", "2x2", 1, 32, 32, None), ("v5e", "2x2", 2, 8, 16, None),
-    ("v6e", "2x2", 1, 8, 16, None), ("v5p", "2x2x1", 1, 8, 16, "kv_head"),  # v5p: two cores a chip
+@pytest.mark.parametrize("tpu, topology, tp, rows, block_size", [
+    ("v5e", "2x2", 1, 8, 16), ("v5e", "2x2", 1, 32, 32), ("v5e", "2x2", 2, 8, 16),
+    ("v6e", "2x2", 1, 8, 16), ("v5p", "2x2x1", 1, 8, 16),
 ])
-def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows, block_size, megacore):
+def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows, block_size):
     """Llama-3-8B's attention (32 heads, 8 KV heads, head_dim 128) over a bf16 pool with 256 pages
-    a sequence, compiled by the TPU compiler for a v5e slice (and one v6e
-    and one v5p configuration, the latter with the kernel's megacore split over KV heads): the
-    Mosaic kernel is in the compiled program (not an XLA fallback) and, at tp 2, each chip holds
-    half the pool (its KV heads). (Megacore compiles for a v6e too, which has one core a chip:
-    a compile cannot tell whether that mode would hang, so the engine leaves it off.)"""
+    a sequence, compiled by the TPU compiler for a v5e slice (and one v6e and one v5p
+    configuration): the Mosaic kernel is in the compiled program (not an XLA fallback) and, at
+    tp 2, each chip holds half the pool (its KV heads). (On a v5p, two cores a chip, the kernel's
+    grid runs in order on one of them: its DMA pipeline crosses grid steps.)"""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -219,7 +221,7 @@ def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows
     devices = aot.topology_devices(tpu, topology)
     mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
     assert not kernel_gaps(LLAMA, jnp.bfloat16)
-    attn = PagedAttention(LLAMA, mesh=mesh, megacore_mode=megacore)
+    attn = PagedAttention(LLAMA, mesh=mesh)
     pages_per_seq, num_blocks = 256, 4096
     spec = {"q": P(None, "tp", None), "pool": P("tp", None, None, None), "rep": P()}
 
@@ -234,27 +236,6 @@ def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows
     pool_bytes = 8 * num_blocks * block_size * 128 * 2
     mem = compiled.memory_analysis()
     assert 2 * pool_bytes // tp <= mem.argument_size_in_bytes <= 2 * pool_bytes // tp + (1 << 20), mem
-
-
-@needs_libtpu
-def test_the_kernel_really_refuses_a_head_dim_of_64():
-    """Why a head_dim that is not a multiple of 128 falls back (gpt-oss, the built-in model): the
-    kernel forced on one does not compile for a TPU. Should a JAX release lift that, this fails
-    and `kernel_gaps` can let those models run the kernel."""
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from tandem_engine import aot
-
-    mesh = Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:1]), ("tp",))
-    cfg = config(8, 2, 64)
-    forced = PagedAttention(cfg)  # forced: kernel_gaps names the head_dim
-    rep = NamedSharding(mesh, P())
-    pool = jax.ShapeDtypeStruct((2, 64, 16, 64), jnp.bfloat16, sharding=rep)
-    args = (jax.ShapeDtypeStruct((4, 8, 64), jnp.bfloat16, sharding=rep), pool, pool,
-            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep), jax.ShapeDtypeStruct((4, 8), jnp.int32, sharding=rep))
-    with pytest.raises(Exception, match="divisible by 8 and 128"):  # Pallas lowering error: a private type
-        jax.jit(forced.__call__).lower(*args).compile()
 
 
 @needs_libtpu
@@ -297,13 +278,19 @@ def test_on_tpu_the_pool_must_be_one_buffer_per_layer():
 # the paged decode step with the kernel in it (what a TPU compile runs), interpreted on this CPU
 
 
-def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monkeypatch):
+GPT_OSS_LIKE = {"family": "gpt_oss", "hf_config": dict(  # windows (of 20: shorter than row 2), sinks, experts, biases
+    sliding_window=20, layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+    num_experts_per_tok=2, attention_bias=True)}
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt_oss", marks=pytest.mark.slow)])  # slow: 12 s
+def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monkeypatch, family):
     """paged.decode_forward_paged as a TPU compile runs it (its `platform_dependent` taken at the
     "tpu" branch, the kernel in Pallas's TPU interpret mode) against the same step on the gather
-    path, on a Llama-shaped bf16 model with head_dim 128: rows at different lengths over shuffled
-    blocks (crossing a block boundary, the table full), one free row (length 0, writing the null
-    block). The same K/V written, and the same logits and greedy tokens up to the two paths'
-    rounding (the kernel keeps its probabilities in float32)."""
+    path, on a bf16 model with head_dim 128, Llama-shaped or gpt-oss-like (a window of 20 on its
+    first layer, sinks, experts): rows at different lengths over shuffled blocks (crossing a block
+    boundary, the table full), one free row (length 0, writing the null block). The same K/V
+    written, and the same logits and greedy tokens up to the two paths' rounding."""
     import dataclasses
 
     from jax.experimental.pallas import tpu as pltpu
@@ -314,9 +301,11 @@ def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monke
     from tandem_engine.weights import init_params
 
     info = dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                               num_kv_heads=2, head_dim=128, max_position_embeddings=256)
+                               num_kv_heads=2, head_dim=128, max_position_embeddings=256,
+                               extra=GPT_OSS_LIKE if family == "gpt_oss" else {})
     cfg = config_from_info(info)
     assert paged.step_kernel(cfg, jnp.dtype(jnp.bfloat16)) is not None
+    assert (cfg.windows, cfg.sinks) == (((20, 0), True) if family == "gpt_oss" else ((), False))
     params = init_params(info, "bfloat16")
     bs, nb, blocks, rows = 16, 4, 24, 4
     r = np.random.default_rng(7)

@@ -1,10 +1,11 @@
 """The engine's paged decode step, compiled ahead of time for a TPU v5e chip (libtpu's compile-only
-devices, as tests/unit/test_tpu_compile.py; no TPU here), runs the Pallas paged-attention kernel
-over each layer's pool buffer in place.
+devices, as tests/unit/test_tpu_compile.py; no TPU here), runs Tandem's Pallas decode kernel
+(pallas_decode.py) over each layer's pool buffer in place.
 
 What is compiled is what a decode pod on a TPU runs: an Engine with  over
 abstract bf16 weights of a small Llama-shaped model (head_dim 128, GQA 4:2, so the kernel can
-serve it), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
+serve it; and a gpt-oss-like one: a sliding window on one layer of two, sinks, experts; both also at
+tp=4), its own `init_state` (the pool: one buffer per layer, paged.py) and its own generate
 call (its generate_call: cores.generate_core with table_blocks set), one step per call and four
 (the multi-step scan). Held:
 - the Mosaic kernel is in the compiled program, once per layer (paged.decode_forward_paged picks
@@ -93,6 +94,27 @@ def test_the_paged_step_runs_the_kernel_on_each_layer_buffer_in_place(chip, step
     assert mem.alias_size_in_bytes >= POOL_BYTES, mem  # the donated pool is the returned pool
 
 
+GPT_OSS_HD128 = dataclasses.replace(LLAMA_HD128, name="gpt-oss-hd128", intermediate_size=256, extra={
+    "family": "gpt_oss", "hf_config": dict(sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                                           num_local_experts=4, num_experts_per_tok=2, attention_bias=True)})
+
+
+def test_a_windowed_family_with_sinks_runs_the_kernel_on_each_layer_buffer_in_place(chip):
+    """gpt-oss's attention traits at head_dim 128 (a window of 128 on layer 0, sinks on both): the
+    kernel on both layers (the windowed one and the global one), the pool read in place."""
+    from tandem_engine.model import config_from_info
+
+    cfg = config_from_info(GPT_OSS_HD128)
+    assert cfg.windows == (128, 0) and cfg.sinks
+    eng, state = paged_engine(GPT_OSS_HD128, chip)
+    compiled = aot.lower(eng.generate_call(state, ROWS, table_blocks=eng.max_blocks_per_seq), chip).compile()
+    mem = compiled.memory_analysis()
+    print(f"gpt-oss-like paged step on v5e: temp {mem.temp_size_in_bytes:,} B")
+    assert kernel_calls(compiled) == LAYERS
+    assert mem.temp_size_in_bytes < LAYER_BYTES // 32, mem  # no layer's pool copied
+    assert mem.alias_size_in_bytes >= POOL_BYTES, mem
+
+
 def test_the_insert_writes_a_prompt_into_the_layer_buffers_in_place(chip):
     eng, state = paged_engine(LLAMA_HD128, chip)
     kv = jax.ShapeDtypeStruct((LAYERS, 16, KV_HEADS, HEAD_DIM), jax.numpy.bfloat16, sharding=chip)
@@ -103,8 +125,9 @@ def test_the_insert_writes_a_prompt_into_the_layer_buffers_in_place(chip):
 
 
 def test_a_family_the_kernel_cannot_serve_compiles_the_gather_path(chip):
-    """head_dim 16 (the "tiny" preset): the kernel's lowering refuses it (paged_attention.kernel_gaps),
-    so the TPU compile of the same step holds no Mosaic call."""
+    """head_dim 16 (the "tiny" preset): not a multiple of 128, so the pool's TPU layout is not the
+    kernel's (paged_attention.kernel_gaps; test_pallas_decode.py shows the copy it would cost), and
+    the TPU compile of the same step holds no Mosaic call."""
     eng, state = paged_engine(dataclasses.replace(PRESETS["tiny"], max_position_embeddings=4096), chip)
     compiled = aot.lower(eng.generate_call(state, ROWS, table_blocks=8), chip).compile()
     assert kernel_calls(compiled) == 0
@@ -157,3 +180,15 @@ def test_the_sharded_paged_step_runs_the_kernel_per_chip_on_its_heads_in_place()
     mem = compiled.memory_analysis()
     print(f"paged insert on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
     assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32 and mem.alias_size_in_bytes >= 2 * LAYERS * TP_LAYER_BYTES
+
+
+def test_the_sharded_step_of_a_windowed_family_with_sinks_runs_the_kernel_per_chip():
+    """gpt-oss-like (a window on layer 0, sinks) at tp=4, one KV head a chip: each chip's kernel
+    gets its heads' sinks, and no pool is copied."""
+    eng, state = sharded_paged_engine(dataclasses.replace(GPT_OSS_HD128, num_heads=8, num_kv_heads=TP))
+    compiled = aot.lower(eng.generate_call(state, ROWS, table_blocks=eng.max_blocks_per_seq),
+                         state.positions.sharding).compile()
+    mem = compiled.memory_analysis()
+    print(f"gpt-oss-like paged step on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
+    assert kernel_calls(compiled) == LAYERS
+    assert mem.temp_size_in_bytes < TP_LAYER_BYTES // 32, mem
