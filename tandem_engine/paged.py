@@ -1,4 +1,4 @@
-"""Paged KV (`Engine(kv_layout="paged")`): the KV of every sequence in fixed-size blocks of one
+"""The KV pool (every Engine's decode KV): the KV of every sequence in fixed-size blocks of one
 shared pool, each sequence row reading its blocks through a block table.
 
 The pool is one buffer per layer, for k and for v: two tuples of num_layers arrays, each
