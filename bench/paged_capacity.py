@@ -210,12 +210,16 @@ def main() -> None:
 
     a, b = res["slots"], res["paged"]
     rows = [[name, r["held_mean"], r["held_max"], r["tok_s"], r["tokens"], r["cpu_s"], r["preempted"]]
-            for name, r in (("slots", a), ("paged", b))]
-    rows.append(["paged / slots", b["held_mean"] / a["held_mean"], b["held_max"] / a["held_max"],
+            for name, r in ((f"fixed rows ({args.slots})", a), (f"shared pool ({args.rows} rows)", b))]
+    rows.append(["shared / fixed", b["held_mean"] / a["held_mean"], b["held_max"] / a["held_max"],
                  b["tok_s"] / a["tok_s"], "", "", ""])
     cmd = "python bench/paged_capacity.py " + " ".join(sys.argv[1:])
     body = "\n".join([
         "## Paged KV vs fixed slots (same KV memory)",
+        "",
+        "Since issue 43 deleted the slot layout both sides run the same pool and step: \"fixed rows\" is the pool "
+        "with as few rows as the budget holds at max_len each (the slot layout's capacity), \"shared pool\" lets "
+        "more rows share the blocks. Runs before that compared against the slot layout's own step.",
         "",
         f"`{cmd}` on {machine_line()}. Model {args.model}, max_len {args.max_len}, KV budget "
         f"{budget} blocks of {args.block} ({args.slots} slots x {args.max_len}); paged: up to {args.rows} "
@@ -223,7 +227,7 @@ def main() -> None:
         f"max_len), {args.steps} steps per call, zero KV payloads (no prefill). CPU time of the "
         f"process, one XLA thread.",
         "",
-        markdown_table(["layout", "sequences held (mean, saturated)", "most held", "output tok/s (CPU)",
+        markdown_table(["engine", "sequences held (mean, saturated)", "most held", "output tok/s (CPU)",
                         "tokens", "CPU s", "preemptions"], rows),
         "",
         f"Decode step CPU time, every row at {args.step_context} positions (ms):",
