@@ -105,6 +105,11 @@ class EngineBase:
         # bytes, a quarter of float32's; K and V cast to it when written and back when read; its
         # error against the dtype: bench/quantize_quality.py --kv)
         self.kv_dtype, self._kv_jdtype = _kv_dtype(kv_dtype, dtype, self._jdtype)
+        # every layer windowed (mistral; qwen2 with windows on all layers): a row's blocks wholly
+        # before the widest window its next step reaches go back to the pool (`reserve`); 0: some
+        # layer attends to every position, so every block stays
+        windows = [self.cfg.window(i) for i in range(self.cfg.num_layers)]
+        self.window_frees = max(windows) if windows and min(windows) > 0 else 0
         # keep finished rows' full blocks for later sequences with the same leading tokens
         # (block_cache.py: a decode pod pulls only the rows it does not hold)
         self.kv_reuse = bool(kv_reuse)

@@ -308,7 +308,7 @@ class DecodeSide(EngineBase):
         with self._blocks_lock:
             shared = [] if cached is None else list(cached.blocks)
             need = self.kv_blocks_for(true_length) - len(shared)
-            old = self._table[slot, :self._held[slot]]
+            old = self._row_blocks(slot)
             free = self.kv_blocks_free() + self._alloc.exclusive(old)
             if need > free:
                 raise OutOfKVBlocks(
@@ -321,6 +321,7 @@ class DecodeSide(EngineBase):
             assert ids is not None
             held = len(shared) + need
             self._table[slot, :held] = shared + ids
+            self._table[slot, held:] = 0
             self._held[slot] = held
             self._pos[slot] = true_length
             if cached is not None:
@@ -348,9 +349,10 @@ class DecodeSide(EngineBase):
             held = int(self._held[slot])
             if held:
                 blocks = self._table[slot, :held].tolist()
-                if tokens is not None and self._reuse is not None:
+                # (a row whose leading blocks a window passed keeps none: a kept chain starts at 0)
+                if tokens is not None and self._reuse is not None and blocks[0] != 0:
                     self._reuse.keep(list(tokens)[:int(self._pos[slot])], blocks)
-                self._alloc.release(blocks)
+                self._alloc.release([b for b in blocks if b])
             self._table[slot] = 0
             self._held[slot] = 0
 
@@ -396,10 +398,15 @@ class DecodeSide(EngineBase):
         finds too few free blocks, it and every later-inserted row still short go in that list,
         newest last, and none of them gets a partial grant, so handing back the newest frees
         blocks for the older. The caller frees some of them and calls reserve again before
-        generate. Does not donate `state` (only its block table changes)."""
+        generate. Does not donate `state` (only its block table changes). With every layer
+        windowed (`window_frees`), each row's blocks wholly before the window of its next step go
+        back to the pool first (their table entries become the null block, which no step reads:
+        the attention reads from the window's first position on)."""
         failed: list[int] = []
         changed = False
         with self._blocks_lock:
+            if self.window_frees:
+                changed = self._drop_passed_blocks()
             for slot in sorted(np.flatnonzero(self._occupied).tolist(), key=lambda s: self._order[s]):
                 need = self._blocks_needed(slot, steps)
                 extra = need - int(self._held[slot])
@@ -416,10 +423,27 @@ class DecodeSide(EngineBase):
             state = state._replace(block_table=self._table_array())
         return state, failed
 
+    def _drop_passed_blocks(self) -> bool:
+        """Every running row's blocks wholly before position `_pos - window_frees + 1` (the first
+        its next step attends to) back to the pool. Returns whether a table changed."""
+        changed = False
+        for slot in np.flatnonzero(self._occupied).tolist():
+            first = max(0, int(self._pos[slot]) - self.window_frees + 1) // self.kv_block_size
+            passed = [b for b in self._table[slot, :min(first, int(self._held[slot]))].tolist() if b]
+            if passed:
+                self._alloc.release(passed)
+                self._table[slot, :first] = 0
+                changed = True
+        return changed
+
+    def _row_blocks(self, slot: int) -> list[int]:
+        """The blocks row `slot` holds (its table's entries a window has not given back)."""
+        return [b for b in self._table[slot, :int(self._held[slot])].tolist() if b]
+
     def kv_blocks_of(self, slot: int) -> int:
         """Blocks row `slot` holds now (0 when free)."""
         self._check_slot(slot)
-        return int(self._held[slot])
+        return len(self._row_blocks(slot))
 
     def generate(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
                  masks: np.ndarray | None = None, steps: int = 1) -> tuple[DecodeState, jax.Array]:

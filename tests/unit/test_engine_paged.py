@@ -249,3 +249,38 @@ def test_a_reserve_that_rebuilds_the_block_table_compiles_no_new_step():
     # one variant for every step: the state the first step gets (inserts' outputs and a rebuilt
     # table), the steps' own outputs, and a rebuilt table beside them are one cache key
     assert generate_core._cache_size() - before <= 1
+
+
+def test_a_windowed_family_gives_back_the_blocks_its_window_passed(tmp_path):
+    """Every layer windowed (mistral, window 8 here): `reserve` gives a row's blocks wholly
+    before its next step's window back to the pool, the row decodes the reference's tokens all the
+    same, and a family with a global layer keeps every block (gemma2: windows on alternate layers)."""
+    pytest.importorskip("transformers")
+    from tests.families import WINDOW, build_family
+
+    build_family("mistral", tmp_path / "mistral", seed=3)
+    paged = engine_of(str(tmp_path / "mistral"))
+    assert paged.window_frees == WINDOW
+    prompt = np.random.default_rng(5).integers(0, 256, 40).tolist()  # 10 blocks of 4
+    want = alone(paged, {0: prompt}, 30)[0]
+    state = paged.init_state()
+    prefix = paged.prefill(prompt, GREEDY)
+    state = paged.insert(prefix, state, 0, GREEDY)
+    got = [prefix.first_token]
+    held = []
+    for _ in range(30):
+        state, short = paged.reserve(state, 1)
+        assert short == []
+        held.append(paged.kv_blocks_of(0))
+        state, tokens = paged.generate(state)
+        got.append(int(np.asarray(tokens)[0]))
+    assert got == want
+    # positions [p - 7, p] and the block of the next write: never more than 4 blocks of 4, where
+    # the whole row would hold 10 to 18
+    assert max(held) <= -(-WINDOW // BLOCK) + 2, held
+    assert paged.kv_blocks_free() == paged.kv_blocks_total - held[-1]
+    state = paged.free(state, 0, tokens=prompt + got[:-1])  # nothing kept: its first blocks are gone
+    assert paged.kv_blocks_free() == paged.kv_blocks_total
+    assert paged.match_prefix(prompt) is None
+    build_family("gemma2", tmp_path / "gemma2", seed=4)
+    assert engine_of(str(tmp_path / "gemma2")).window_frees == 0
