@@ -84,7 +84,10 @@ def test_greedy_tokens_match_the_reference(family, family_dirs):
     assert got == want
     got3, _ = decode(paged, prompts, 10, per_call=3, payload=True)  # multi-step: the same tokens as one-step
     assert got3 == {slot: tokens[:31] for slot, tokens in want.items()}
-    assert paged.kv_blocks_of(2) == paged.kv_blocks_for(40 + 30)
+    if paged.window_frees:  # every layer windowed (mistral): the blocks the window passed went back
+        assert paged.kv_blocks_of(2) <= -(-paged.window_frees // BLOCK) + 2
+    else:
+        assert paged.kv_blocks_of(2) == paged.kv_blocks_for(40 + 30)
 
 
 @pytest.fixture(scope="module")
