@@ -52,11 +52,11 @@ async def _compiled_engine(s: DecodeSettings):
             last[0] = seconds
             log.info("warm-up: %d/%d decode step variants compiled, %.1fs", done, total, seconds)
 
-    # plain, logprobs and masked steps; colocated: every prefill bucket and the prefill over a cached prefix
-    # (a disaggregated pod with direct_prefill: the smallest bucket's prefill, the gateway's direct prompts)
-    steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True,
-                                    s.colocated and (cache.enabled or s.prefill_chunk_tokens > 0),  # chunked prefill too
-                                    progress, s.direct_prefill)
+    # plain, logprobs and masked steps; colocated: every prefill bucket, the prefill over a cached prefix
+    # and the ragged call (long prompts' chunks beside the steps); a disaggregated pod with
+    # direct_prefill: the smallest bucket's prefill, the gateway's direct prompts
+    steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True, s.colocated and cache.enabled,
+                                    progress, s.direct_prefill, s.colocated and s.prefill_chunk_tokens > 0)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %d blocks "
              "of %d)", time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
              engine.kv_blocks_total, engine.kv_block_size)

@@ -82,6 +82,7 @@ class LoopStats:
     steps: int = 0  # decode steps run (a multi-step call counts each of its steps)
     calls: int = 0  # decode calls dispatched (one per step without multi-step decode)
     single_calls: int = 0  # calls of one step while multi-step decode is on (work waited: `_steps_for`)
+    ragged_calls: int = 0  # calls that carried a seated prompt's chunk beside the rows' step
     tokens: int = 0
     local_prefills: int = 0
     cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)

@@ -3,15 +3,14 @@
 JetStream's interleaving on one pod: the engine thread prefills between two decode steps (the I/O
 side claims a prompt only for a free slot, so a full pod keeps decoding and prefills nothing), then
 publishes token `start_index` of every choice and queues the choices that go on for slots. While
-streams are running, a long prompt is prefilled in chunks (`ChunkedPrefill`), at most
-`prefill_chunk_tokens` of them between two steps, so a burst of long prompts does not stall them.
+streams are running, a prompt longer than `prefill_chunk_tokens` is not prefilled here: the loop
+seats it in a row and the decode calls carry its chunks beside the running rows (decode_svc/loop.py
+`_seat`, the engine's ragged call), so a long prompt does not stall them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from decode_svc.items import Emitted, LocalPrefill
 from tandem_core.grammar import Grammars
@@ -36,33 +35,6 @@ def prefill_here(engine: ServingEngine, cache: PrefixCache, grammars: Grammars, 
     req = item.req
     prefix, _ = cached_prefill(engine, cache, req.prompt_ids, req.sampling, **prefill_args(req, grammars))
     return _prefilled(engine, item, prefix)
-
-
-class ChunkedPrefill:
-    """One local prompt prefilled a chunk at a time (the engine's `prefix_chunk` tokens), so the
-    decode steps of running streams go on between its chunks (chunked prefill): the loop calls
-    `advance` between two steps until it returns the Prefilled, the one `prefill_here` gives (the
-    engine's prefill over a cached prefix, from its cached blocks or from nothing)."""
-
-    def __init__(self, engine, cache: PrefixCache, grammars: Grammars, item: LocalPrefill) -> None:
-        req = item.req
-        self.engine, self.cache, self.item = engine, cache, item
-        self.hit = cache.lookup(req.prompt_ids)
-        self.left = len(req.prompt_ids) - (self.hit.length if self.hit else 0)  # tokens still to compute
-        self._steps = engine.prefill_chunked(req.prompt_ids, req.sampling, cached=self.hit,
-                                             **prefill_args(req, grammars))
-
-    def advance(self) -> Prefilled | None:
-        """Run the next chunk: None while chunks are left, then the prompt's Prefilled (raises
-        TandemError for a bad request, at its first chunk)."""
-        prefix = next(self._steps)
-        self.left = max(0, self.left - self.engine.prefix_chunk)
-        if prefix is None:
-            return None
-        ids = self.item.req.prompt_ids
-        self.cache.stats.computed += len(ids) - (self.hit.length if self.hit else 0)
-        self.cache.insert(ids, lambda: (np.asarray(prefix.k), np.asarray(prefix.v)))
-        return _prefilled(self.engine, self.item, prefix)
 
 
 def _prefilled(engine, item: LocalPrefill, prefix) -> Prefilled:

@@ -53,10 +53,10 @@ from decode_svc.requests import Active, RequestTable
 from tandem_core import faults
 from tandem_core.errors import OutOfKVBlocks, TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
-from decode_svc.local_prefill import ChunkedPrefill, failed, prefill_here
-from tandem_core.sampling_args import insert_args
+from decode_svc.local_prefill import failed, prefill_here
+from tandem_core.sampling_args import first_finish, insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload
-from tandem_engine.logits import unpack_logprobs
+from tandem_engine.logits import unpack_logprobs, unpack_tokens
 from tandem_engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:  # the type only: no JAX import
@@ -78,10 +78,10 @@ class EngineLoop:
         # multi-step decode: this many steps per dispatched call when nothing needs a shorter one
         # (`_steps_for`); None: the engine's own setting (engine.steps_per_dispatch, EngineConfig)
         self.steps_per_dispatch = max(1, int(engine.steps_per_dispatch if steps_per_dispatch is None else steps_per_dispatch))
-        # while streams run, local prompts longer than one chunk (engine.prefix_chunk) are prefilled
-        # this many tokens between two steps (chunked prefill, decode_svc/local_prefill.py); 0: whole
+        # while streams run, a local prompt longer than this is prefilled a chunk (engine.prefix_chunk
+        # tokens) a call beside the decode rows (chunked prefill in the step's own attention: `_seat`);
+        # 0, or shorter prompts: whole, between two steps
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
-        self._chunked: deque[ChunkedPrefill] = deque()
         # local prefills reuse cached prefixes (None: a cache that is off, counting prefill tokens only)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(1, 0, enabled=False)
         self.table = table
@@ -129,10 +129,10 @@ class EngineLoop:
 
     def _loop(self) -> None:
         state = self.engine.init_state()
-        pending = None  # (device tokens, snapshot, logprobs wanted, steps) of the call dispatched last
+        pending: Call | None = None  # the call dispatched last, its tokens not read yet
         while not self._stop.is_set():
             state = self._apply_cancels(state)
-            idle = pending is None and self.table.used == 0 and not self._chunked
+            idle = pending is None and self.table.used == 0
             state = self._apply_inserts(state, block_s=0.05 if idle else 0.0)
             current, masks = None, None
             t0 = time.perf_counter()
@@ -142,8 +142,10 @@ class EngineLoop:
                 state, masks = self._masks(state)
             if self.table.used:
                 current, state = self._dispatch(state, masks)
-            if (not self.pipelined or masks is not None) and current is not None:
-                state = self._process(current, state)  # pending is None here: the order holds
+            if current is not None and (not self.pipelined or masks is not None or current.ragged):
+                if pending is not None:  # (a ragged call: its first token is read now, so its row's
+                    state, pending = self._process(pending, state), None  # next call sees it)
+                state = self._process(current, state)
                 current = None
             if pending is not None:
                 state = self._process(pending, state)
@@ -154,27 +156,36 @@ class EngineLoop:
         """Dispatch one call over the slots in use (returns before the device is done): one step, or
         `steps_per_dispatch` of them (`_steps_for`); the variant with logprobs only when a slot asks for
         them, the masked one only when a slot has a grammar. Every row first gets the blocks the call
-        writes (`_make_room`); None instead of a call when no row is left."""
+        writes (`_make_room`); None instead of a call when no row is left. While prompts are seated
+        (`_seat`) and no grammar needs a mask, the call is ragged: the next chunk of the oldest
+        seated prompt beside one step of the rows, over every slot (one compiled shape a variant)."""
+        ragged = masks is None and self.engine.prompts_pending > 0
         steps = self._steps_for() if masks is None and self.steps_per_dispatch > 1 else 1
         state = self._make_room(state, steps)
         if not self.table.used:
             return None, state
         if masks is not None:
             masks = masks[: self.table.rows()]
-        snapshot = self.table.snapshot()
+        snapshot = [a for a in self.table.snapshot() if not a.seated]
         view = self._views.of(snapshot)
         want = view.logprobs
         kw: dict[str, Any] = {"logprobs": True} if want else {}
+        faults.hit("decode.step")
+        if ragged:
+            state, out = self.engine.generate_ragged(state, None, **kw)
+            self.stats.steps += 1
+            self.stats.calls += 1
+            self.stats.ragged_calls += 1
+            return Call(out.tokens, snapshot, want, 1, ragged=True, first_slot=out.slot, first=out.first), state
         if masks is not None:
             kw["masks"] = masks
         elif steps > 1:
             kw["steps"] = steps
-        faults.hit("decode.step")
         state, toks = self.engine.generate(state, self.table.rows(), **kw)
         self.stats.steps += steps
         self.stats.calls += 1
         self.stats.single_calls += steps == 1 and self.steps_per_dispatch > 1
-        return (toks, snapshot, want, steps), state
+        return Call(toks, snapshot, want, steps), state
 
     def _make_room(self, state, steps: int):
         """Blocks for the positions the next call writes, for every running row
@@ -187,7 +198,9 @@ class EngineLoop:
         state, short = self.engine.reserve(state, steps)
         gone: list[Active] = []
         while short:
-            acts = self.table.snapshot()
+            # (a seated prompt's blocks were all taken when it was seated: it is never short, and
+            # its entry is acked only with its first token, so it is not handed back)
+            acts = [a for a in self.table.snapshot() if not a.seated]
             if not acts:
                 raise RuntimeError(f"engine.reserve left slots {short} without KV blocks with no request running")
             newest = max(acts, key=lambda a: a.order)
@@ -222,7 +235,8 @@ class EngineLoop:
         call (stop id, length) has its later tokens dropped by `_process`; its slot idles for the
         rest of the call and is freed when the call's tokens are read (one call late, as one step is
         late without multi-step): a call of k steps holds a finished slot up to 2k - 1 steps."""
-        if self._held_ready() or self._chunked or (self.table.free and not self.bridge.inserts.empty()):
+        if (self._held_ready() or self.engine.prompts_pending
+                or (self.table.free and not self.bridge.inserts.empty())):
             return 1
         return self.steps_per_dispatch
 
@@ -241,7 +255,6 @@ class EngineLoop:
         return state, masks[: self.table.rows()]
 
     def _apply_inserts(self, state, block_s: float):
-        state = self._advance_chunked(state)  # chunked prefill: the next chunks of long local prompts
         state = self._apply_held(state)  # choices already prefilled go first
         while self.table.free and not self._held:
             item = self.bridge.get_insert(block_s)
@@ -294,12 +307,13 @@ class EngineLoop:
         try:
             # chunked only when whole it would take more than the budget between two steps: a
             # prompt within it runs whole (one call at its bucket; in `prefix_chunk` pieces it costs
-            # several calls over the cached-prefix path: colocated bursts of 512-token prompts got slower)
+            # more calls: ragged calls of 64 tokens took 1.5x a whole 512-token prefill and its step)
             n = len(item.req.prompt_ids)
             if self.prefill_chunk_tokens and self.table.used and n > max(self.prefill_chunk_tokens,
                                                                           self.engine.prefix_chunk):
-                self._chunked.append(ChunkedPrefill(self.engine, self.prefix_cache, self.grammars.grammars, item))
-                return state  # streams are running: its chunks go between their steps
+                seated = self._seat(item, state)
+                if seated is not None:
+                    return seated  # streams are running: its chunks go beside their steps
             faults.hit("decode.local_prefill")
             done = prefill_here(self.engine, self.prefix_cache, self.grammars.grammars, item)
         except TandemError as e:
@@ -308,24 +322,55 @@ class EngineLoop:
             return state
         return self._prefilled(item, done, state)
 
-    def _advance_chunked(self, state):
-        """Run up to `prefill_chunk_tokens` of the waiting chunked prefills, oldest first (all of
-        them while no stream is running); a finished one publishes its first tokens as a whole
-        prefill does."""
-        budget = self.prefill_chunk_tokens
-        while self._chunked and (budget > 0 or not self.table.used):
-            job = self._chunked[0]
-            try:
-                done = job.advance()
-            except TandemError as e:
-                self._chunked.popleft()
-                self.table.drop(job.item.key)
-                self._emit(failed(job.item, e.message))
-                continue
-            budget -= self.engine.prefix_chunk
-            if done is not None:
-                self._chunked.popleft()
-                state = self._prefilled(job.item, done, state)
+    def _seat(self, item: LocalPrefill, state):
+        """Seat a long local prompt in a free row (`engine.begin_prompt`) to be prefilled a chunk a
+        call beside the running rows (`_dispatch`'s ragged call); its leading blocks are the pool's
+        own where a finished sequence left them (`match_prefix`). Its record runs from now (it holds
+        the row), `seated` until the call that ends the prompt gives its first token
+        (`_first_token`). None (nothing changed) where the ragged call cannot serve it: choices
+        (n > 1), a grammar, prompt logprobs, or its blocks not free with the reserve (a whole
+        prefill then, which waits for them in the held queue)."""
+        req = item.req
+        if req.n > 1 or req.grammar is not None or (req.prompt_logprobs is not None and req.start_index == 0):
+            return None
+        slot = self.table.free_slot_index()
+        cached = self.engine.match_prefix(req.prompt_ids) if self.engine.kv_reuse else None
+        have = 0 if cached is None else len(cached.blocks)
+        if slot is None or not self.blocks.fits(len(req.prompt_ids), self.table.used, have):
+            self._release(cached)
+            return None
+        try:
+            state = self.engine.begin_prompt(state, slot, req.prompt_ids, req.sampling, output_from=req.output_from,
+                                             start_index=req.start_index, stop_ids=list(req.stop_token_ids),
+                                             cached=cached)
+        except OutOfKVBlocks:
+            self._release(cached)
+            return None
+        self.table.start(item.key, Active(req, slot, len(req.prompt_ids), next_index=req.start_index,
+                                          stop_ids=frozenset(req.stop_token_ids), seated=True, ack=item.ack))
+        return state
+
+    def _first_token(self, call: Call, state):
+        """A ragged call ended a seated prompt: its first token (token `start_index`) is emitted
+        with its entry's ack, and its row decodes from the next call on (or is freed when that
+        token already ends it)."""
+        act = next((a for a in self.table.snapshot() if a.slot == call.first_slot and a.seated), None)
+        if act is None:  # (freed since the call was dispatched: nothing to emit)
+            return state
+        req = act.req
+        host = np.asarray(call.first)
+        tok = int(unpack_tokens(host[None])[0])
+        k = req.sampling.logprobs
+        finish = first_finish(req, tok, act.prompt_len, self.engine.max_len)
+        out = Emitted(req.request_id, req.start_index, tok, finish, ack=act.ack,
+                      logprobs=unpack_logprobs(host, k).encode() if k is not None else None)
+        act.seated, act.ack, act.next_index = False, None, req.start_index + 1
+        act.fed = [tok] if self.engine.kv_reuse else None
+        self.stats.local_prefills += 1
+        self.stats.tokens += 1
+        if finish is not None:
+            state = self._free(state, act)
+        self._emit([out])
         return state
 
     def _prefilled(self, item: LocalPrefill, done, state):
@@ -367,8 +412,8 @@ class EngineLoop:
         for act in self.table.snapshot():
             if act.req.request_id in ids:
                 state = self._free(state, act)
-                if act.req.request_id not in silent:
-                    out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_CANCELLED))
+                if act.req.request_id not in silent:  # (a seated prompt's entry is acked with it)
+                    out.append(Emitted(act.req.request_id, act.next_index, -1, FINISH_CANCELLED, ack=act.ack))
                     self.stats.cancelled += 1
                     # tokens it still produced after the cancel reached this pod: the step in flight
                     lag = act.next_index - at.get(act.req.request_id, act.next_index)
@@ -377,13 +422,21 @@ class EngineLoop:
             self._emit(out)
         return state
 
-    def _process(self, step, state):
+    def _process(self, call: Call, state):
+        """Emit one call's tokens (`_rows`), then, where a ragged call ended a seated prompt, its
+        first token (`_first_token`)."""
+        state = self._rows(call, state)
+        if call.first_slot is not None:
+            state = self._first_token(call, state)
+        return state
+
+    def _rows(self, step: Call, state):
         """Emit one call's tokens (one step's, or `steps` of them: [steps, bucket]). The decisions run
         over the call's token array at once (numpy: which rows end by length, which sampled a stop
         id); Python per row only builds its entries, and looks closer at the few (row, step) pairs
         that finish, sample a stop id, carry a grammar or want logprobs. A row that finishes at step j
         of a multi-step call keeps its tokens up to j; those after it are dropped (never emitted)."""
-        toks, snapshot, want, steps = step
+        toks, snapshot, want, steps = step.tokens, step.snapshot, step.want, step.steps
         t0 = time.perf_counter()
         host = np.asarray(toks)  # the one device -> host copy of the call
         self.stats.host_wait_s += time.perf_counter() - t0
@@ -467,6 +520,22 @@ class EngineLoop:
         # Blocks when the publisher is behind: that is the back-pressure. A publisher gone for
         # output_timeout_s is a dead pod, and the thread stops rather than hang forever.
         self.bridge.put_output(batch, self.output_timeout_s)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A dispatched call, until its tokens are read: the device tokens ([bucket] or [steps,
+    bucket], packed with logprobs when `want`), the running set it was dispatched for, its steps;
+    a ragged call (`EngineLoop._dispatch`) with, when it ended a seated prompt, that row and its
+    first token (packed, on the device)."""
+
+    tokens: Any
+    snapshot: list[Active]
+    want: bool
+    steps: int
+    ragged: bool = False
+    first_slot: int | None = None
+    first: Any = None
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ class Active:
     # paged KV with reuse: the tokens this pod fed its steps (the first token, then each emitted
     # but the last), so the row's blocks are kept under them when it is freed (None: not kept)
     fed: list[int] | None = None
+    # a prompt this pod prefills a chunk a call beside the decode rows (decode_svc/loop.py `_seat`):
+    # it holds its row but emits nothing until the call that ends its prompt gives token
+    # `start_index` (then `next_index` is past it); `ack`: the entry acked with that first token
+    seated: bool = False
+    ack: tuple[str, str, bytes] | None = None
 
 
 @dataclass

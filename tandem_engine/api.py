@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
     from tandem_engine.block_cache import PrefixMatch
     from tandem_engine.cores import DecodeState
+    from tandem_engine.engine_decode import RaggedOut
     from tandem_engine.engine import Prefix
     from tandem_engine.model import ModelConfig
 
@@ -107,11 +108,21 @@ class ServingEngine(Protocol):
     def generate(self, state: "DecodeState", rows: int | None = None, *, logprobs: bool = False,
                  masks: "np.ndarray | None" = None, steps: int = 1) -> "tuple[DecodeState, jax.Array]": ...
 
+    @property
+    def prompts_pending(self) -> int: ...  # prompts begin_prompt seated, not yet ended by generate_ragged
+
+    def begin_prompt(self, state: "DecodeState", slot: int, ids: Sequence[int], sampling: "SamplingParams", *,
+                     output_from: int | None = None, start_index: int = 0, stop_ids: Sequence[int] = (),
+                     cached: "PrefixMatch | None" = None) -> "DecodeState": ...
+
+    def generate_ragged(self, state: "DecodeState", rows: int | None = None, *,
+                        logprobs: bool = False) -> "tuple[DecodeState, RaggedOut]": ...
+
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                prefix: bool = False, progress: Callable[[int, int, float], None] | None = None,
-               direct: bool = False) -> int: ...
+               direct: bool = False, ragged: bool = False) -> int: ...
 
     def warmup_prefix(self) -> None: ...
 

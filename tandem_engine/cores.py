@@ -257,7 +257,8 @@ def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot,
     active = jnp.concatenate([state.active[:rows], jnp.arange(c) < chunk_len])
     want = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32), (rows + chunk_len - 1)[None].astype(jnp.int32)])
     logits, k, v = decode_forward_paged(params, tokens, positions, state.k, state.v, table, cfg, max_len=max_len,
-                                        active=active, logits_at=want, mesh=None if layout is None else layout.mesh)
+                                        active=active, logits_at=want, mesh=None if layout is None else layout.mesh,
+                                        chunk=c)
     k, v = _pin_pool(k, layout), _pin_pool(v, layout)
     new, out = _advance(state._replace(k=k, v=v), logits[:rows], None, rows, logprobs, 0)
     first, new = _first_token_of(new, logits[rows:], slot, final)

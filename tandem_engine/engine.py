@@ -92,7 +92,8 @@ class Engine(PrefillSide, DecodeSide):
         return out
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False,
-               progress: Callable[[int, int, float], None] | None = None, direct: bool = False) -> int:
+               progress: Callable[[int, int, float], None] | None = None, direct: bool = False,
+               ragged: bool = False) -> int:
         """Compile every bucket's insert and every decode step variant (`warm_steps`: each batch
         bucket's, one step and `steps_per_dispatch` of them, with `logprobs` their logprobs variants
         too: it doubles the step compiles; with `masks` the grammar-masked step too), and with `prefill` every bucket's prefill (one choice), so no request
@@ -101,7 +102,8 @@ class Engine(PrefillSide, DecodeSide):
         each step variant (the caller logs it). `direct` (without `prefill`): the smallest bucket's
         prefill too and the insert of its KV, for the short prompts a gateway routes straight to a
         decode pod (a prefill's KV is committed to the device, a pulled payload's is not: two cache
-        keys of one insert). Returns the step variants compiled."""
+        keys of one insert). `ragged`: the ragged call too (`begin_prompt`, `generate_ragged` over
+        every slot, with `logprobs` its logprobs variant). Returns the step variants compiled."""
         t0 = time.monotonic()
         if prefix:
             self.warmup_prefix()
@@ -126,5 +128,10 @@ class Engine(PrefillSide, DecodeSide):
                 jax.block_until_ready(tokens)
                 progress(i + 1, len(variants), time.monotonic() - t0)
         state = self.free(state, 0)
+        for lp in ((False, True) if logprobs else (False,)) if ragged else ():
+            state = self.begin_prompt(state, 0, [0], SamplingParams())
+            state, out = self.generate_ragged(state, None, logprobs=lp)
+            state = self.free(state, 0)
+            tokens = out.tokens
         jax.block_until_ready((state, tokens))
         return len(variants)

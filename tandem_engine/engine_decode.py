@@ -226,14 +226,17 @@ class DecodeSide(EngineBase):
 
     def begin_prompt(self, state: DecodeState, slot: int, ids: Sequence[int], sampling: SamplingParams, *,
                      output_from: int | None = None, start_index: int = 0,
-                     stop_ids: Sequence[int] = ()) -> DecodeState:
+                     stop_ids: Sequence[int] = (), cached: PrefixMatch | None = None) -> DecodeState:
         """Seat prompt `ids` in free row `slot` (donates `state`) to be prefilled by
         `generate_ragged`, a chunk of `prefix_chunk` tokens a call beside the decode rows (vLLM's
         chunked prefill, in the step's own attention: cores.ragged_core). Takes the prompt's blocks
         now (OutOfKVBlocks, state untouched, when they are not free). The row stays out of the
         decode batch until the call that ends its prompt samples its first token (token index
         `start_index`, as `prefill` would with the same params: the penalty state sees the prompt,
-        `output_from` on counted). One prompt at a time per row; prompts go in the order begun."""
+        `output_from` on counted). One prompt at a time per row; prompts go in the order begun.
+        `cached` (`match_prefix(ids)`): the row's first blocks are the match's (shared, its pins
+        pass to the row) and the chunks start after them; without it, or when it does not match
+        `ids`' length, the whole prompt is computed (a match of another length is released)."""
         self._check_slot(slot)
         n = len(ids)
         if not 0 < n < self.max_len:
@@ -244,8 +247,14 @@ class DecodeSide(EngineBase):
         args = list(self._insert_args(self.max_len, slot, n, 0, sampling, None, list(ids), output_from, start_index,
                                       stop_ids))
         args[2] = np.int32(self.info.vocab_size)  # no first token yet: nothing counted for it
+        if cached is not None and cached.done:
+            raise ValueError("this prefix match was inserted or released already")
+        if cached is not None and not 0 < cached.length < n:
+            self.release_prefix(cached)
+            cached = None
         with self._blocks_lock:
-            need = self.kv_blocks_for(n)
+            shared = [] if cached is None else list(cached.blocks)
+            need = self.kv_blocks_for(n) - len(shared)
             if need > self.kv_blocks_free():
                 raise OutOfKVBlocks(f"this decode engine has {self.kv_blocks_free()} free KV blocks of "
                                     f"{self.kv_block_size} positions; a prompt of {n} positions needs {need}",
@@ -253,10 +262,13 @@ class DecodeSide(EngineBase):
             self._release_row(slot)
             got = self._alloc_blocks(need)
             assert got is not None
-            self._table[slot, :need] = got
-            self._held[slot] = need
+            held = len(shared) + need
+            self._table[slot, :held] = shared + got
+            self._held[slot] = held
             self._pos[slot] = n
-        self._pending[slot] = PendingPrompt(slot, list(ids))
+            if cached is not None:
+                cached.done = True  # its pins are the row's references now
+        self._pending[slot] = PendingPrompt(slot, list(ids), done=0 if cached is None else cached.length)
         state = state._replace(block_table=self._table_array())
         return begin_core(state, *args)
 
@@ -291,6 +303,11 @@ class DecodeSide(EngineBase):
         del self._pending[p.slot]
         self._occupy(p.slot)
         return new, RaggedOut(tokens, p.slot, first)
+
+    @property
+    def prompts_pending(self) -> int:
+        """Prompts `begin_prompt` seated that `generate_ragged` has not finished."""
+        return len(self._pending)
 
     def _occupy(self, slot: int) -> None:
         self._occupied[slot] = True

@@ -1,8 +1,10 @@
 """Chunked prefill: a prompt prefilled a chunk at a time (`Engine.prefill_chunked`) gives the first
 token, KV and greedy continuation of its whole prefill (also over a cached prefix); and in a decode
-pod's loop (colocated mode) a long local prompt arriving while a stream runs is prefilled between
-that stream's steps, which keep coming, with every token the same as with whole prefills.
-Real engine (tiny preset), no Redis: the loop's queues are driven directly."""
+pod's loop (colocated mode) a long local prompt arriving while a stream runs is seated in a row and
+prefilled a chunk a call beside that stream's steps (the engine's ragged call), which keep coming,
+with every token the same as with whole prefills; a seated prompt cancelled mid-prompt ends with
+its entry's ack and gives its blocks back; a next turn's seated prompt starts after the pool's own
+blocks of the turn before. Real engine (tiny preset), no Redis: the loop's queues are driven directly."""
 from __future__ import annotations
 
 import queue
@@ -15,8 +17,8 @@ from decode_svc.bridge import Bridge
 from decode_svc.items import LocalPrefill
 from decode_svc.loop import EngineLoop
 from decode_svc.requests import RequestTable
-from tandem_core.types import GenerationRequest, SamplingParams
-from tandem_engine import load_engine
+from tandem_core.types import FINISH_CANCELLED, GenerationRequest, SamplingParams
+from tandem_engine import load_engine, reference_greedy
 from tandem_engine.prefix_cache import Hit
 
 CHUNK = 16
@@ -67,23 +69,25 @@ def test_chunked_prefill_over_a_cached_prefix(engine):
     assert _greedy(engine, chunked, 12) == _greedy(engine, engine.prefill(ids, GREEDY), 12)
 
 
-def _run(engine, chunk_tokens: int) -> tuple[dict[str, list[int]], int]:
-    """A stream runs; once it has 3 tokens out, a 60-token prompt arrives. Returns every request's
-    tokens, and how many of the stream's tokens came out after the prompt arrived and before its
-    token 0."""
+def _run(engine, chunk_tokens: int, long_ids: list[int] | None = None) -> tuple[dict[str, list[int]], int, int]:
+    """A 6-token stream and a 60-token prompt (or `long_ids`) arrive together: the stream is
+    prefilled first (nothing runs yet: whole), the long prompt while the stream runs. Returns
+    every request's tokens, how many of the stream's steps gave a token before the long prompt's
+    token 0, and the loop's ragged calls."""
     table = RequestTable(2)
     bridge = Bridge(2, 256)
     loop = EngineLoop(engine, table, bridge, prefill_chunk_tokens=chunk_tokens)
+    rng = np.random.default_rng(1)
+    stream = GenerationRequest("stream", rng.integers(0, 256, 6).tolist(), 40, GREEDY, ignore_eos=True)
+    ids = rng.integers(0, 256, 60).tolist() if long_ids is None else long_ids
+    long = GenerationRequest("long", ids, 6, GREEDY, ignore_eos=True)
+    for req, ack in ((stream, b"0-1"), (long, b"0-2")):
+        assert table.reserve(1) == 1
+        bridge.inserts.put(LocalPrefill(req, ("s", "g", ack), table.claim(req.request_id)))
     loop.start()
     try:
-        rng = np.random.default_rng(1)
-        stream = GenerationRequest("stream", rng.integers(0, 256, 6).tolist(), 40, GREEDY, ignore_eos=True)
-        long = GenerationRequest("long", rng.integers(0, 256, 60).tolist(), 6, GREEDY, ignore_eos=True)
         tokens: dict[str, list[int]] = {}
-        between, arrived, finished = 0, False, 0
-        for req in (stream,):
-            assert table.reserve(1) == 1
-            bridge.inserts.put(LocalPrefill(req, ("s", "g", b"0-1"), table.claim(req.request_id)))
+        between, finished = 0, 0
         deadline = time.monotonic() + 120
         while finished < 2:
             assert time.monotonic() < deadline, f"not finished: {tokens}"
@@ -94,20 +98,88 @@ def _run(engine, chunk_tokens: int) -> tuple[dict[str, list[int]], int]:
             for e in batch:
                 tokens.setdefault(e.request_id, []).append(e.token)
                 finished += e.finish is not None
-                if e.request_id == "stream" and arrived and "long" not in tokens:
-                    between += 1
-            if not arrived and len(tokens.get("stream", [])) >= 3:
-                arrived = True
-                assert table.reserve(1) == 1
-                bridge.inserts.put(LocalPrefill(long, ("s", "g", b"0-2"), table.claim(long.request_id)))
-        return tokens, between
+                between += e.request_id == "stream" and e.index > 0 and "long" not in tokens
+        assert loop.error is None
+        return tokens, between, loop.stats.ragged_calls
     finally:
         loop.stop()
 
 
 def test_a_long_prompt_is_prefilled_between_a_running_streams_steps(engine):
-    whole, between_whole = _run(engine, 0)
-    chunked, between = _run(engine, CHUNK)  # one chunk between two steps: 4 chunks for 60 tokens
+    whole, between_whole, ragged_whole = _run(engine, 0)
+    chunked, between, ragged = _run(engine, CHUNK)  # one chunk a call beside the stream's step: 4 for 60 tokens
     assert chunked == whole, "chunked prefill changed the tokens"
-    assert between >= 3, f"the stream got {between} tokens out while the long prompt was prefilled in chunks"
-    assert between > between_whole
+    assert (ragged_whole, ragged) == (0, 4)
+    assert between_whole == 0  # whole: before the stream's first step
+    assert between == 4, f"the stream got {between} tokens out while the long prompt was prefilled in 4 chunks"
+
+
+def test_a_next_turn_is_seated_over_the_blocks_its_turn_before_left_in_the_pool():
+    engine = load_engine("tiny", slots=2, max_len=96, prefill_buckets=(16, 64), prefix_chunk=CHUNK,
+                         kv_block_size=4)
+    table = RequestTable(2)
+    bridge = Bridge(2, 256)
+    loop = EngineLoop(engine, table, bridge, prefill_chunk_tokens=CHUNK)
+    rng = np.random.default_rng(5)
+
+    def turn(name: str, ids: list[int]) -> list[int]:
+        """A stream and the prompt `ids` arrive together (the prompt is seated beside the stream)."""
+        stream = GenerationRequest(f"stream-{name}", rng.integers(0, 256, 6).tolist(), 40, GREEDY, ignore_eos=True)
+        for req in (stream, GenerationRequest(name, ids, 6, GREEDY, ignore_eos=True)):
+            assert table.reserve(1) == 1
+            bridge.inserts.put(LocalPrefill(req, ("s", "g", name.encode()), table.claim(req.request_id)))
+        tokens: dict[str, list[int]] = {}
+        finished, deadline = 0, time.monotonic() + 120
+        while finished < 2:
+            assert time.monotonic() < deadline and loop.error is None, f"not finished: {tokens}"
+            try:
+                batch = bridge.outputs.get(timeout=1)
+            except queue.Empty:
+                continue
+            for e in batch:
+                tokens.setdefault(e.request_id, []).append(e.token)
+                finished += e.finish is not None
+        return tokens[name]
+
+    loop.start()
+    try:
+        first = rng.integers(0, 256, 40).tolist()
+        answer = turn("first", first)
+        calls, hits = loop.stats.ragged_calls, engine.kv_reuse_summary()["hits"]
+        assert calls == 3  # 40 tokens in chunks of 16
+        # the next turn: the first prompt, its answer (all but its last token were fed) and 9 new tokens
+        ids = first + answer[:5] + rng.integers(0, 256, 9).tolist()
+        again = turn("next", ids)
+        assert engine.kv_reuse_summary()["hits"] > hits, "the next turn did not reuse the pool's blocks"
+        assert loop.stats.ragged_calls - calls == 1, "the 10 tokens after the 44 kept are one chunk"
+        assert again == reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=96)
+    finally:
+        loop.stop()
+
+
+def test_a_seated_prompt_cancelled_mid_prompt_acks_its_entry_and_frees_its_blocks(engine):
+    table = RequestTable(2)
+    bridge = Bridge(2, 256)
+    loop = EngineLoop(engine, table, bridge, prefill_chunk_tokens=CHUNK)  # driven here, not started
+    rng = np.random.default_rng(3)
+    stream = GenerationRequest("stream", rng.integers(0, 256, 6).tolist(), 40, GREEDY, ignore_eos=True)
+    long = GenerationRequest("long", rng.integers(0, 256, 60).tolist(), 6, GREEDY, ignore_eos=True)
+    state = engine.init_state()
+    free = engine.kv_blocks_free()
+    for req, ack in ((stream, b"0-1"), (long, b"0-2")):
+        assert table.reserve(1) == 1
+        bridge.inserts.put(LocalPrefill(req, ("s", "g", ack), table.claim(req.request_id)))
+        state = loop._apply_inserts(state, 0.0)
+    seated = [a for a in table.snapshot() if a.seated]
+    assert [a.req.request_id for a in seated] == ["long"] and engine.prompts_pending == 1
+    call, state = loop._dispatch(state, None)
+    assert call.ragged and call.first_slot is None  # one chunk of four
+    state = loop._process(call, state)
+    loop.cancel({"long"})
+    state = loop._apply_cancels(state)
+    out = [e for batch in iter(lambda: None if bridge.outputs.empty() else bridge.outputs.get(), None)
+           for e in batch if e.request_id == "long"]
+    assert [(e.index, e.token, e.finish, e.ack) for e in out] == [(0, -1, FINISH_CANCELLED, ("s", "g", b"0-2"))]
+    assert engine.prompts_pending == 0 and table.used == 1
+    state = loop._free(state, table.snapshot()[0])
+    assert engine.kv_blocks_free() == free

@@ -15,6 +15,7 @@ import pytest
 from tandem_core.errors import AdmissionRejected, OutOfKVBlocks
 from tandem_core.types import SamplingParams
 from tandem_engine import load_engine, reference_greedy
+from tandem_engine.logits import unpack_tokens
 from tandem_engine.paged import NULL_BLOCK, BlockAllocator
 
 GREEDY = SamplingParams()
@@ -88,6 +89,20 @@ def test_greedy_tokens_match_the_reference(family, family_dirs):
         assert paged.kv_blocks_of(2) <= -(-paged.window_frees // BLOCK) + 2
     else:
         assert paged.kv_blocks_of(2) == paged.kv_blocks_for(40 + 30)
+    # the ragged call: prompt 2 in chunks of 16 (windows of 8 within a chunk and across two)
+    # beside row 0 decoding, then both decode on: the reference's tokens
+    state = paged.init_state()
+    prefix = paged.prefill(prompts[0], GREEDY)
+    state = paged.insert(prefix, state, 0, GREEDY)
+    got = {0: [prefix.first_token]}
+    state = paged.begin_prompt(state, 2, prompts[2], GREEDY)
+    for _ in range(3 + 6):  # 40 tokens: 3 chunks
+        state, out = paged.generate_ragged(state, None)
+        for slot in got:
+            got[slot].append(int(np.asarray(out.tokens)[slot]))
+        if out.slot is not None:
+            got[2] = [int(unpack_tokens(np.asarray(out.first)[None])[0])]
+    assert got == {0: want[0][:10], 2: want[2][:7]}
 
 
 @pytest.fixture(scope="module")
