@@ -6,6 +6,8 @@ Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py)
    or a short prompt the gateway routed direct) arrives on the same queue: the thread prefills it
    between two steps, publishes token 0 and inserts it (JetStream's interleaving: the I/O side only
    claims as many as there are free slots, so a full pod keeps decoding and prefills nothing).
+   While streams run, a long local prompt is instead seated in a free row and prefilled a chunk
+   per call beside the rows' step (`_seat`, the engine's ragged call): the streams keep going.
 2. Steps run back to back for all slots. The step is pipelined (the vLLM seed): step n is
    dispatched (JAX dispatch is asynchronous) *before* step n-1's tokens are copied to the host, so
    the device never waits on host bookkeeping. The cost: a finished slot is noticed one step late,

@@ -22,9 +22,9 @@ class DecodeSettings(WorkerSettings):
     cancel_poll_s: PositiveFloat = 0.05
     pull_timeout_s: PositiveFloat = 30.0  # one whole KV pull
     insert_queue_size: PositiveInt = 8  # pulled KV waiting for the engine thread
-    # Chunked prefill: while streams run, a local prompt longer than this is prefilled in chunks (the
-    # engine's prefix_chunk), at most this many tokens between two decode steps; shorter ones run whole;
-    # 0 = whole prompts always
+    # Chunked prefill: while streams run, a local prompt longer than this is seated in a row and
+    # prefilled a chunk (the engine's prefix_chunk) per decode call, beside the running rows (the
+    # engine's ragged call); shorter ones run whole between two steps; 0 = whole prompts always
     prefill_chunk_tokens: NonNegativeInt = 2048
     # The KV pool: positions of growth kept free for every running row when a
     # request is claimed or goes into a row, in blocks (decode_svc/blocks.py); 0 = engine.steps_per_dispatch,
