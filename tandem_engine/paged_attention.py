@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 
 from tandem_engine.arch import ModelConfig
 from tandem_engine.pallas_decode import COMPUTE_BLOCK_TOKENS, decode_attention, pages_per_compute_block
+from tandem_engine.pool_layout import lane_fold
 from tandem_engine.sharding import AXIS
 
 __all__ = ["COMPUTE_BLOCK_TOKENS", "PagedAttention", "kernel_gaps", "pages_per_compute_block"]
@@ -76,16 +77,16 @@ __all__ = ["COMPUTE_BLOCK_TOKENS", "PagedAttention", "kernel_gaps", "pages_per_c
 POOL_DTYPES = ("bfloat16", "float32")  # what the kernel reads (and was compiled and interpreted for)
 
 
-def kernel_gaps(cfg: ModelConfig, dtype) -> list[str]:
-    """What this family (at this pool dtype) needs that the Pallas TPU kernel lacks; empty: it can
-    run the kernel."""
+def kernel_gaps(cfg: ModelConfig, dtype, block_size: int) -> list[str]:
+    """What this family (at this pool dtype, over a pool of `block_size`-position blocks) needs
+    that the Pallas TPU kernel lacks; empty: it can run the kernel."""
     gaps = []
-    if cfg.head_dim % 128:
-        fold = ("; the kernel reads the pool lane-folded, [KV, blocks, B * hd / 128, 128], which the engine "
-                "does not store yet") if 128 % cfg.head_dim == 0 else ""
-        gaps.append(f"head_dim {cfg.head_dim} (a pool [KV, blocks, B, {cfg.head_dim}] is laid out on a TPU with "
-                    f"its block axis minor, not row-major as a Pallas kernel reads it: each call would copy the "
-                    f"layer's whole pool{fold})")
+    if cfg.head_dim % 128 and lane_fold(cfg.head_dim, block_size) == 1:
+        why = (f"the block size {block_size} is not a multiple of {128 // cfg.head_dim}, so the pool is not "
+               f"lane-folded" if 128 % cfg.head_dim == 0 else "it does not divide 128, so the pool is not lane-folded")
+        gaps.append(f"head_dim {cfg.head_dim} ({why} (pool_layout.py): a pool [KV, blocks, B, {cfg.head_dim}] is "
+                    f"laid out on a TPU with its block axis minor, not row-major as a Pallas kernel reads it, so each "
+                    f"call would copy the layer's whole pool)")
     if jnp.dtype(dtype).name not in POOL_DTYPES:
         gaps.append(f"a {jnp.dtype(dtype).name} pool (the kernel reads bfloat16 or float32)")
     return gaps
