@@ -2,8 +2,11 @@
 shared pool, each sequence row reading its blocks through a block table.
 
 The pool is one buffer per layer, for k and for v: two tuples of num_layers arrays, each
-[num_kv_heads, num_blocks, block_size, head_dim], the layout Tandem's Pallas TPU decode kernel
-reads (pallas_decode.py; JAX's stock paged-attention kernel reads the same). One buffer per
+[num_kv_heads, num_blocks, block_size / f, head_dim * f], lane-folded (pool_layout.py: f = 128 /
+head_dim for a head_dim dividing 128, e.g. [KV, blocks, 8, 128] for 64 at 16 positions a block;
+f = 1, [KV, blocks, block_size, head_dim], for 128 and 256), one layout on every platform, the one
+Tandem's Pallas TPU decode kernel reads in place (pallas_decode.py). A folded block is the same
+bytes as [block_size, head_dim]: the gather path and the CPU kernel read it so (a reshape). One buffer per
 layer because a Mosaic call reads only whole buffers: a pool stacked over the layers and sliced
 per layer (`k_pool[i]`) made XLA copy that layer's whole pool for each kernel call, every layer
 of every step (compiled for v5e: 448 MiB of temporaries against 0.25 MiB;
@@ -19,8 +22,8 @@ caller did not `reserve` for) writes the null block, never another sequence's bl
 `BlockAllocator` is host state (free list, per-block refcount); the device sees only the tables.
 
 The step's attention (`decode_forward_paged`): on a TPU, where the family and the pool's dtype
-allow it (paged_attention.kernel_gaps: head_dim a multiple of 128, a bfloat16 or float32 pool;
-windows, sinks and soft caps are served), the Pallas kernel (paged_attention.PagedAttention);
+allow it (paged_attention.kernel_gaps: head_dim a multiple of 128 or a lane-folded pool (64, 32),
+a bfloat16 or float32 pool; windows, sinks and soft caps are served), the Pallas kernel (paged_attention.PagedAttention);
 everywhere else the gather path here (`paged_attention`: each row's blocks gathered through its
 table, masked by position and window). The choice between the two is made when the step is
 compiled, for the platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile
@@ -52,7 +55,7 @@ from tandem_engine.arch import ModelConfig
 from tandem_engine.cpu_kernels import paged_attention_kernel
 from tandem_engine.model import NO_WINDOW, _scores, decoder_layer, embed, layer_loop, logits_from_hidden
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
-from tandem_engine.pool_layout import block_positions, block_shape, fold, lane_fold, unfold
+from tandem_engine.pool_layout import block_positions, block_shape, fold, unfold
 from tandem_engine.sharding import AXIS
 
 log = logging.getLogger(__name__)
@@ -288,7 +291,8 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
                          logits_at: jax.Array | None = None, mesh: Mesh | None = None):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
-    k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]; table int32 [rows, nb]
+    k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded,
+    pool_layout.py); table int32 [rows, nb]
     (each row's first nb blocks: the caller cuts the table to the step's compiled width, wide
     enough for every active row's blocks). The new K/V of row r go to position p =
     min(positions[r], max_len - 1), in block table[r, p // B] at row p % B; a row that is not
@@ -347,7 +351,8 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
     """One layer of `decode_forward_paged` on the heads `cfg` counts (all of them, or under tp one
     chip's: cfg's num_heads and num_kv_heads are then the chip's): the rows' new K/V k, v
     [rows, KV, hd] written at `flat` [rows] (block * B + offset) of every head's blocks of the
-    layer buffers [KV, num_blocks, B, hd], then q [rows, 1, H, hd] attends over them. `sinks`:
+    layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded), then q [rows, 1, H, hd] attends
+    over them. `sinks`:
     the layer's [H] when `has_sinks`, else a placeholder (a shard_map argument must be an array).
     Returns (attn [rows, 1, H * hd], k_layer, v_layer)."""
     hd = cfg.head_dim
