@@ -6,8 +6,8 @@ The pool is one buffer per layer, for k and for v: two tuples of num_layers arra
 head_dim for a head_dim dividing 128, e.g. [KV, blocks, 8, 128] for 64 at 16 positions a block;
 f = 1, [KV, blocks, block_size, head_dim], for 128 and 256), one layout on every platform, the one
 Tandem's Pallas TPU decode kernel reads in place (pallas_decode.py). A folded block is the same
-bytes as [block_size, head_dim]: the gather path and the CPU kernel read it so (a reshape). One buffer per
-layer because a Mosaic call reads only whole buffers: a pool stacked over the layers and sliced
+bytes as [block_size, head_dim]: the gather path and the CPU kernel read it so (a reshape). One
+buffer per layer because a Mosaic call reads only whole buffers: a pool stacked over the layers and sliced
 per layer (`k_pool[i]`) made XLA copy that layer's whole pool for each kernel call, every layer
 of every step (compiled for v5e: 448 MiB of temporaries against 0.25 MiB;
 tests/unit/test_paged_attention.py). As tpu-inference and vLLM's
@@ -22,9 +22,9 @@ caller did not `reserve` for) writes the null block, never another sequence's bl
 `BlockAllocator` is host state (free list, per-block refcount); the device sees only the tables.
 
 The step's attention (`decode_forward_paged`): on a TPU, where the family and the pool's dtype
-allow it (paged_attention.kernel_gaps: head_dim a multiple of 128 or a lane-folded pool (64, 32),
-a bfloat16 or float32 pool; windows, sinks and soft caps are served), the Pallas kernel (paged_attention.PagedAttention);
-everywhere else the gather path here (`paged_attention`: each row's blocks gathered through its
+allow it (paged_attention.kernel_gaps: head_dim a multiple of 128 or a lane-folded pool (64,
+32), a bfloat16 or float32 pool; windows, sinks and soft caps are served), the Pallas kernel
+(paged_attention.PagedAttention); everywhere else the gather path here (`paged_attention`: each row's blocks gathered through its
 table, masked by position and window). The choice between the two is made when the step is
 compiled, for the platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile
 holds only the kernel, a CPU compile only the gather), so an engine, and a TPU program compiled
@@ -118,8 +118,9 @@ class BlockAllocator:
 def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype,
                sharding: NamedSharding | None = None):
     """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, B / f, hd * f]
-    (pool_layout.py: lane-folded, f = lane_fold(hd, B); block 0: the null block), one buffer per layer. `sharding` (tp > 1: Layout.kv_pool, split on
-    the KV axis): each chip allocates only its heads' slice of every block."""
+    (pool_layout.py: lane-folded, f = lane_fold(hd, B); block 0: the null block), one buffer per
+    layer. `sharding` (tp > 1: Layout.kv_pool, split on the KV axis): each chip allocates only
+    its heads' slice of every block."""
     shape = (kv_heads, blocks + 1, *block_shape(block_size, head_dim))  # lane-folded (pool_layout.py)
     return (tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
             tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)))
@@ -366,7 +367,8 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
 
         def cpu(q, k_layer, v_layer):
             # the blocks as [KV, num_blocks, B, hd]: a reshape of the folded buffer (a bitcast on a CPU)
-            out = native(q[:, 0], unfold(k_layer, hd), unfold(v_layer, hd), table, write_pos, lengths, sinks if has_sinks else None,
+            out = native(q[:, 0], unfold(k_layer, hd), unfold(v_layer, hd), table, write_pos, lengths,
+                         sinks if has_sinks else None,
                          scale=cfg.query_scale or 1.0 / math.sqrt(cfg.head_dim), softcap=cfg.attn_softcap or 0.0,
                          window=window)
             return out.astype(q.dtype).reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)

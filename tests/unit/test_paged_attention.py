@@ -291,13 +291,14 @@ GPT_OSS_LIKE = {"family": "gpt_oss", "hf_config": dict(  # windows (of 20: short
 @pytest.mark.parametrize("family, hd", [("llama", 128), ("gpt_oss", 64),
                                         pytest.param("gpt_oss", 128, marks=pytest.mark.slow)])  # slow: 12 s
 def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monkeypatch, family, hd):
-    """paged.decode_forward_paged as a TPU compile runs it (its `platform_dependent` taken at the
-    "tpu" branch, the kernel in Pallas's TPU interpret mode) against the same step on the gather
-    path, on a bf16 model with head_dim 128, Llama-shaped or gpt-oss-like (a window of 20 on its
-    first layer, sinks, experts), and gpt-oss-like with gpt-oss's head_dim of 64 (the pool
-    lane-folded, [KV, blocks, 8, 128]: the kernel reads it as the engine writes it): rows at different lengths over shuffled blocks (crossing a block
-    boundary, the table full), one free row (length 0, writing the null block). The same K/V
-    written, and the same logits and greedy tokens up to the two paths' rounding."""
+    """paged.decode_forward_paged as a TPU compile runs it (its `platform_dependent` taken at the "tpu"
+    branch, the kernel in Pallas's TPU interpret mode) against the same step on the gather path, on
+    a bf16 model with head_dim 128, Llama-shaped or gpt-oss-like (a window of 20 on its first layer,
+    sinks, experts), and gpt-oss-like with gpt-oss's head_dim of 64 (the pool lane-folded, [KV,
+    blocks, 8, 128]: the kernel reads it as the engine writes it): rows at different lengths over
+    shuffled blocks (crossing a block boundary, the table full), one free row (length 0, writing the
+    null block). The same K/V written, and the same logits and greedy tokens up to the two paths'
+    rounding."""
     import dataclasses
 
     from jax.experimental.pallas import tpu as pltpu

@@ -12,7 +12,10 @@ call (its generate_call: cores.generate_core with table_blocks set), one step pe
 - the Mosaic kernel is in the compiled program, once per layer (paged.decode_forward_paged picks
   it for the platform it is compiled for; a CPU compile of the same step holds the gather path);
 - the compiler's temporaries are small (measured: 1.6 MB one step, 1.7 MB four, against a layer's
-  K buffer of 268 MB; head_dim 64: see the prints): no layer's pool is copied. Broken on purpose, each fails here: a pool
+  K buffer of 268 MB; at head_dim 64 1.7-1.9 MB against 134 MB, at tp 4 1.5-1.9 MB against a chip's
+  67 MB): no layer's pool is copied. Broken on purpose, each fails here: a head_dim-64 pool stored
+  unfolded [KV, blocks, 16, 64] (temporaries 1.88 GB, at tp 4 405 MB: the layout the TPU gives it
+  is not the kernel's, so each call copies the pool), a pool
   stacked [L, ...] and sliced per layer (temporaries 1.08 GB: every layer's K and V copied), the
   new K/V scattered at [:, block, offset] (four steps: 1.08 GB, XLA's TPU layout for the scatter
   differs from the kernel's, so each layer's buffer is copied back for each call), the kernel
