@@ -213,7 +213,7 @@ def attention_reads(eng, *, slots: int, position: int, tp: int) -> dict:
 
     c = eng.cfg
     bs = eng.kv_block_size
-    kernel = step_kernel(c, eng._kv_jdtype) is not None
+    kernel = step_kernel(c, eng._kv_jdtype, bs) is not None
     counted = 0 if kernel else READ_CHUNK
     item = 2 if eng.kv_dtype == "bfloat16" else 1 if eng.kv_dtype == "fp8" else 4
     kv_local, h_local = c.num_kv_heads // tp, c.num_heads // tp

@@ -44,8 +44,9 @@ class CoreCall(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything one decode step reads and writes, as device arrays (a pytree)."""
 
-    # the KV pool (paged.py): tuples of L layer buffers each [KV, num_blocks, block_size, hd], one
-    # buffer per layer (what the TPU kernel reads in place); under tp each chip holds its heads
+    # the KV pool (paged.py): tuples of L layer buffers each [KV, num_blocks, block_size / f, hd * f]
+    # (lane-folded: pool_layout.py), one buffer per layer (what the TPU kernel reads in place);
+    # under tp each chip holds its heads
     k: tuple
     v: tuple
     positions: jax.Array  # int32 [slots]: where each slot's next input token sits

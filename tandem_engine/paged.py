@@ -2,9 +2,12 @@
 shared pool, each sequence row reading its blocks through a block table.
 
 The pool is one buffer per layer, for k and for v: two tuples of num_layers arrays, each
-[num_kv_heads, num_blocks, block_size, head_dim], the layout Tandem's Pallas TPU decode kernel
-reads (pallas_decode.py; JAX's stock paged-attention kernel reads the same). One buffer per
-layer because a Mosaic call reads only whole buffers: a pool stacked over the layers and sliced
+[num_kv_heads, num_blocks, block_size / f, head_dim * f], lane-folded (pool_layout.py: f = 128 /
+head_dim for a head_dim dividing 128, e.g. [KV, blocks, 8, 128] for 64 at 16 positions a block;
+f = 1, [KV, blocks, block_size, head_dim], for 128 and 256), one layout on every platform, the one
+Tandem's Pallas TPU decode kernel reads in place (pallas_decode.py). A folded block is the same
+bytes as [block_size, head_dim]: the gather path and the CPU kernel read it so (a reshape). One
+buffer per layer because a Mosaic call reads only whole buffers: a pool stacked over the layers and sliced
 per layer (`k_pool[i]`) made XLA copy that layer's whole pool for each kernel call, every layer
 of every step (compiled for v5e: 448 MiB of temporaries against 0.25 MiB;
 tests/unit/test_paged_attention.py). As tpu-inference and vLLM's
@@ -19,9 +22,9 @@ caller did not `reserve` for) writes the null block, never another sequence's bl
 `BlockAllocator` is host state (free list, per-block refcount); the device sees only the tables.
 
 The step's attention (`decode_forward_paged`): on a TPU, where the family and the pool's dtype
-allow it (paged_attention.kernel_gaps: head_dim a multiple of 128, a bfloat16 or float32 pool;
-windows, sinks and soft caps are served), the Pallas kernel (paged_attention.PagedAttention);
-everywhere else the gather path here (`paged_attention`: each row's blocks gathered through its
+allow it (paged_attention.kernel_gaps: head_dim a multiple of 128 or a lane-folded pool (64,
+32), a bfloat16 or float32 pool; windows, sinks and soft caps are served), the Pallas kernel
+(paged_attention.PagedAttention); everywhere else the gather path here (`paged_attention`: each row's blocks gathered through its
 table, masked by position and window). The choice between the two is made when the step is
 compiled, for the platform it is compiled for (`jax.lax.platform_dependent`: a TPU compile
 holds only the kernel, a CPU compile only the gather), so an engine, and a TPU program compiled
@@ -53,6 +56,7 @@ from tandem_engine.cpu_kernels import paged_attention_kernel
 from tandem_engine.model import (NO_WINDOW, PREFILL_BLOCK, _layer_rope_tables, _scores, decoder_layer, embed, layer_consts, layer_loop,
                                  logits_from_hidden)
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
+from tandem_engine.pool_layout import block_positions, block_shape, fold, unfold
 from tandem_engine.sharding import AXIS
 
 log = logging.getLogger(__name__)
@@ -114,10 +118,11 @@ class BlockAllocator:
 
 def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype,
                sharding: NamedSharding | None = None):
-    """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, block_size, hd]
-    (block 0: the null block), one buffer per layer. `sharding` (tp > 1: Layout.kv_pool, split on
-    the KV axis): each chip allocates only its heads' slice of every block."""
-    shape = (kv_heads, blocks + 1, block_size, head_dim)
+    """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, B / f, hd * f]
+    (pool_layout.py: lane-folded, f = lane_fold(hd, B); block 0: the null block), one buffer per
+    layer. `sharding` (tp > 1: Layout.kv_pool, split on the KV axis): each chip allocates only
+    its heads' slice of every block."""
+    shape = (kv_heads, blocks + 1, *block_shape(block_size, head_dim))  # lane-folded (pool_layout.py)
     return (tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
             tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)))
 
@@ -125,16 +130,17 @@ def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, hea
 def write_prompt_blocks(k_pool: tuple, v_pool: tuple, k, v, ids):
     """A prompt's k, v [L, T, KV, hd] into the pool's blocks `ids` int32 [ceil(T / B)] in order
     (rows past T in the last block are zero padding; an id of 0 drops its rows into the null
-    block). k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]. Returns the new
-    (k_pool, v_pool)."""
+    block). k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded,
+    pool_layout.py). Returns the new (k_pool, v_pool)."""
     num_layers, t, kvh, hd = k.shape
-    bs = k_pool[0].shape[2]
+    bs = block_positions(k_pool[0], hd)
     n = ids.shape[0]
     pad = n * bs - t
 
     def blocks(x, pool):
         x = jnp.pad(x.astype(pool[0].dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
         x = jnp.transpose(x.reshape(num_layers, n, bs, kvh, hd), (0, 3, 1, 2, 4))  # [L, KV, n, B, hd]
+        x = fold(x, hd)  # [L, KV, n, B / f, hd * f]: the prompt's blocks as the pool stores them
         return tuple(layer.at[:, ids].set(x[i]) for i, layer in enumerate(pool))
 
     return blocks(k, k_pool), blocks(v, v_pool)
@@ -148,7 +154,8 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
                     lengths: jax.Array | None = None):
     """Decode attention of one layer through block tables (the gather path).
 
-    q [rows, 1, H, hd]; k_layer, v_layer [KV, num_blocks, B, hd] (one layer of the pool); table
+    q [rows, 1, H, hd]; k_layer, v_layer [KV, num_blocks, B / f, hd * f] (one layer of the pool,
+    lane-folded: its blocks read as the B * hd contiguous values they are); table
     int32 [rows, nb]: row r's positions [j * B, (j + 1) * B) sit in block table[r, j]; positions
     [rows]: row r attends to its positions <= positions[r] (and > positions[r] - window).
     `lengths` [rows] (optional): positions[r] + 1 for a row in use, 0 for a free row; it bounds
@@ -275,7 +282,7 @@ def _pool_fold(qg, carry, k_layer, v_layer, table, positions, cfg: ModelConfig, 
     each piece's blocks gathered through the table ([KV, rows (1: shared), piece, hd]), masked by
     each row's position and window, and with `below` only positions before it."""
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    nb, bs = table.shape[1], k_layer.shape[2]
+    nb, bs = table.shape[1], block_positions(k_layer, hd)
     per = max(1, min(nb, READ_CHUNK // bs))  # blocks per piece
     pieces = -(-nb // per)
     n = per * bs
@@ -311,17 +318,32 @@ def _pool_fold(qg, carry, k_layer, v_layer, table, positions, cfg: ModelConfig, 
     return jax.lax.fori_loop(lo, hi, piece, carry)
 
 
-def _write_rows(layer, new, at):
-    """`new` [rows, KV, hd] into the layer buffer [KV, num_blocks, B, hd] at flat rows `at`
-    [rows * KV] of its [KV * num_blocks * B, hd] view (a bitcast): one row of hd per (row, KV
-    head). A scatter over whole minor rows keeps the buffer's row-major layout, the one the TPU
-    kernel reads: scattered at [:, block, offset] instead, XLA's TPU layout assignment gave a
-    buffer carried through the multi-step scan another layout and copied every layer's buffer
-    back for every kernel call, every step (compiled for v5e: a temporary the size of the whole
-    pool). Rows that share a target (free rows, all at the null block) write it in any order."""
-    hd = layer.shape[-1]
-    flat = layer.reshape(-1, hd).at[at].set(new.reshape(-1, hd).astype(layer.dtype))
-    return flat.reshape(layer.shape)
+def _write_rows(layer, new, flat, head_dim: int):
+    """`new` [rows, KV, hd] into the layer buffer [KV, num_blocks, B / f, hd * f] (lane-folded,
+    pool_layout.py) at each row's position `flat` [rows] (block * B + offset) of every head: that
+    position sits in row offset // f of the block, lanes [(offset % f) * hd, (offset % f + 1) * hd).
+    One scatter of hd-wide windows of the minor (lane) axis, indexed on every axis of the buffer as
+    it is (no reshape: a TPU array's tiling follows its shape), keeps the buffer's row-major
+    layout, the one the TPU kernel reads: scattered with a window over [KV, hd] at [:, block,
+    offset] instead, XLA's TPU layout assignment gave a buffer carried through the multi-step scan
+    another layout and copied every layer's buffer back for every kernel call, every step
+    (compiled for v5e: a temporary the size of the whole pool). Two positions of one sequence (a
+    prompt chunk's neighbours) write disjoint lanes. Rows that share a target (free rows, all at
+    the null block) write it in any order."""
+    kvh, _, _, lanes = layer.shape
+    hd = int(head_dim)
+    f = lanes // hd
+    bs = block_positions(layer, hd)
+    rows = flat.shape[0]
+    block, offset = flat // bs, flat % bs
+    idx = jnp.stack([jnp.broadcast_to(jnp.arange(kvh, dtype=flat.dtype)[None, :], (rows, kvh)),
+                     jnp.broadcast_to(block[:, None], (rows, kvh)),
+                     jnp.broadcast_to((offset // f)[:, None], (rows, kvh)),
+                     jnp.broadcast_to((offset % f * hd)[:, None], (rows, kvh))], axis=-1).reshape(-1, 4)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1, 2),
+                                           scatter_dims_to_operand_dims=(0, 1, 2, 3))
+    return jax.lax.scatter(layer, idx, new.reshape(-1, hd).astype(layer.dtype), dims,
+                           indices_are_sorted=False, unique_indices=False)
 
 
 def cpu_step_kernel(q_dtype, pool_dtype):
@@ -339,12 +361,12 @@ def cpu_step_kernel(q_dtype, pool_dtype):
 
 
 @lru_cache(maxsize=None)
-def step_kernel(cfg: ModelConfig, dtype) -> PagedAttention | None:
-    """The Pallas kernel's attention for this family and pool dtype, or None when the kernel
-    cannot serve it (paged_attention.kernel_gaps). Logged once per (family, dtype): a TPU compile
-    of the paged step then runs the kernel; None, the gather path on a TPU too (a warning where
-    JAX's default backend is a TPU)."""
-    gaps = kernel_gaps(cfg, dtype)
+def step_kernel(cfg: ModelConfig, dtype, block_size: int) -> PagedAttention | None:
+    """The Pallas kernel's attention for this family and pool dtype over a pool of `block_size`-
+    position blocks, or None when the kernel cannot serve it (paged_attention.kernel_gaps). Logged
+    once per (family, dtype, block size): a TPU compile of the paged step then runs the kernel;
+    None, the gather path on a TPU too (a warning where JAX's default backend is a TPU)."""
+    gaps = kernel_gaps(cfg, dtype, block_size)
     if gaps:
         reason = "the Pallas kernel lacks " + "; ".join(gaps)
         on_tpu = jax.default_backend() == "tpu"
@@ -361,7 +383,8 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
                          logits_at: jax.Array | None = None, mesh: Mesh | None = None, chunk: int = 0):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
-    k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B, hd]; table int32 [rows, nb]
+    k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded,
+    pool_layout.py); table int32 [rows, nb]
     (each row's first nb blocks: the caller cuts the table to the step's compiled width, wide
     enough for every active row's blocks). The new K/V of row r go to position p =
     min(positions[r], max_len - 1), in block table[r, p // B] at row p % B; a row that is not
@@ -379,7 +402,7 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     positions of one sequence (a prompt's chunk, every one with that sequence's table row); they
     attend as `shared_table` rows do (its blocks gathered once for all of them: dense scores of
     the chunk against them), the rows before them as decode rows."""
-    nb, bs = table.shape[1], k_pool[0].shape[2]
+    nb, bs = table.shape[1], block_positions(k_pool[0], cfg.head_dim)
     write_pos = jnp.minimum(positions, max_len - 1)
     j = write_pos // bs
     block = jnp.take_along_axis(table, jnp.minimum(j, nb - 1)[:, None], axis=1)[:, 0]
@@ -387,7 +410,7 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     if active is not None:
         ok = ok & active
     block = jnp.where(ok, block, NULL_BLOCK)
-    flat = block * bs + write_pos % bs  # [rows]: each row's target row of hd in a head's [num_blocks * B, hd]
+    flat = block * bs + write_pos % bs  # [rows]: each row's target position of a head's num_blocks * B
     lengths = jnp.minimum(write_pos + 1, nb * bs).astype(jnp.int32)
     if active is not None:
         lengths = jnp.where(active, lengths, 0)
@@ -427,16 +450,15 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
     """One layer of `decode_forward_paged` on the heads `cfg` counts (all of them, or under tp one
     chip's: cfg's num_heads and num_kv_heads are then the chip's): the rows' new K/V k, v
     [rows, KV, hd] written at `flat` [rows] (block * B + offset) of every head's blocks of the
-    layer buffers [KV, num_blocks, B, hd], then q [rows, 1, H, hd] attends over them. `sinks`:
+    layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded), then q [rows, 1, H, hd] attends
+    over them. `sinks`:
     the layer's [H] when `has_sinks`, else a placeholder (a shard_map argument must be an array).
     `chunk`: the last `chunk` rows are one sequence's consecutive positions (decode_forward_paged's):
     they attend as `chunk_attention` does (their prefix read through the table's row of the first
     of them, their own K/V `k`, `v` as one dense causal piece). Returns (attn [rows, 1, H * hd], k_layer,
     v_layer)."""
-    kvh, blocks, bs, _ = k_layer.shape
-    # each row's new K/V rows in a layer buffer seen as [KV * num_blocks * B, hd]: [rows * KV] (row-major)
-    at = (jnp.arange(kvh)[None, :] * (blocks * bs) + flat[:, None]).reshape(-1)
-    k_layer, v_layer = _write_rows(k_layer, k, at), _write_rows(v_layer, v, at)
+    hd = cfg.head_dim
+    k_layer, v_layer = _write_rows(k_layer, k, flat, hd), _write_rows(v_layer, v, flat, hd)
     if chunk:
         r = q.shape[0] - chunk
         ahead = chunk_attention(q[r:], k[r:], v[r:], k_layer, v_layer, table[r:r + 1], write_pos[r], cfg, window=window,
@@ -456,6 +478,7 @@ def _rows_attention(q, k_layer, v_layer, table, write_pos, lengths, sinks, *, cf
     """Rows q [rows, 1, H, hd] attend over the layer buffers already written: the Pallas kernel
     where compiled for a TPU and the family allows it, Tandem's CPU kernel on a CPU, the gather
     path otherwise (and for `shared_table` rows everywhere). Returns [rows, 1, H * hd]."""
+    hd = cfg.head_dim
     gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=window,
                      sinks=sinks if has_sinks else None, shared_table=shared_table,
                      lengths=None if shared_table else lengths)
@@ -464,12 +487,14 @@ def _rows_attention(q, k_layer, v_layer, table, write_pos, lengths, sinks, *, cf
     if native is not None:  # a CPU compile reads the blocks in place (cpu_kernels), no gather
 
         def cpu(q, k_layer, v_layer):
-            out = native(q[:, 0], k_layer, v_layer, table, write_pos, lengths, sinks if has_sinks else None,
+            # the blocks as [KV, num_blocks, B, hd]: a reshape of the folded buffer (a bitcast on a CPU)
+            out = native(q[:, 0], unfold(k_layer, hd), unfold(v_layer, hd), table, write_pos, lengths,
+                         sinks if has_sinks else None,
                          scale=cfg.query_scale or 1.0 / math.sqrt(cfg.head_dim), softcap=cfg.attn_softcap or 0.0,
                          window=window)
             return out.astype(q.dtype).reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
 
-    kernel = None if shared_table else step_kernel(cfg, jnp.dtype(k_layer.dtype))
+    kernel = None if shared_table else step_kernel(cfg, jnp.dtype(k_layer.dtype), block_positions(k_layer, hd))
     if kernel is None:
         return jax.lax.platform_dependent(q, k_layer, v_layer, cpu=cpu, default=gather)
 

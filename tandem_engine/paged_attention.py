@@ -2,7 +2,8 @@
 
 The pool of one layer (the layout paged.py holds and the kernel reads):
 
-    k_pages, v_pages  [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages, v_pages  [num_kv_heads, num_blocks, block_size / f, head_dim * f] (lane-folded,
+                      pool_layout.py: f = 128 / head_dim for a head_dim dividing 128, else 1)
     block_tables      int32 [rows, blocks_per_seq]: row r's positions [j*block_size, (j+1)*block_size)
                       live in pool block block_tables[r, j]; entries a row does not read may hold
                       any value (clamped into [0, num_blocks) here; the kernel never copies them)
@@ -32,25 +33,22 @@ The engine's paged decode step (paged.decode_forward_paged) calls this kernel on
 (cpu_kernels) elsewhere and for the families the kernel cannot serve.
 
 It replaces JAX's stock kernel (jax.experimental.pallas.ops.tpu.paged_attention), which had no
-window, no sinks, refused a head_dim of 64 and read K and V as bfloat16. What is still not served,
-so which families take the gather path on a TPU (logged as a warning):
-- a head_dim that is not a multiple of 128: gpt-oss, the built-in model, Llama 3.2 1B, Qwen2.5
-  0.5B (64). The kernel itself compiles for a head_dim of 64 (and is right, interpreted), but the
-  TPU compiler lays a [KV, blocks, B, 64] pool out with its block axis minor (no lanes padded),
-  and a Pallas kernel reads its operands row-major: each call would copy the layer's whole pool
-  (the engine's step compiled for v5e with the kernel forced on a head_dim of 64: 1.9 GB of
-  temporaries for a 0.5 GB pool, against 3 MB at 128; test_pallas_decode.py holds the copy).
-  The kernel also reads the same bytes lane-folded, [KV, blocks, B * hd / 128, 128] (two
-  positions a row at 64), which the TPU lays out row-major and the compiled call reads in place
-  (tested: interpreted and compiled). Serving head_dim 64 needs the engine's pool stored so:
-  paged_pool's shape, its writers (_write_rows, write_prompt_blocks: a position's K/V is then half
-  a row) and readers (the gather path, the CPU kernel, the KV transfer: a reshape, free on a CPU),
-  a change of the pool's layout not done here; then drop this gap (PagedAttention takes either
-  form already);
+window, no sinks, refused a head_dim of 64 and read K and V as bfloat16. A head_dim under 128
+that divides it (gpt-oss, the built-in model, Llama 3.2 1B, Qwen2.5 0.5B: 64) is served from the
+engine's pool as it stores it, lane-folded [KV, blocks, B * hd / 128, 128] (pool_layout.py; the
+TPU lays that out row-major and the call reads it in place: tests/unit/test_paged_step_tpu.py).
+What is still not served, so which families take the gather path on a TPU (logged as a warning):
+- a head_dim that neither divides 128 nor is a multiple of it (96, 80: no family Tandem serves
+  today), or a head_dim of 64 over blocks of an odd number of positions: the pool is not folded
+  then, and the TPU compiler lays a [KV, blocks, B, hd] pool out with its block axis minor (no
+  lanes padded), which a Pallas kernel (it reads operands row-major) could not read in place:
+  each call would copy the layer's whole pool (the engine's step compiled for v5e with the kernel
+  forced on an unfolded head_dim of 64: 1.9 GB of temporaries for a 0.5 GB pool, against 3 MB
+  at 128; test_pallas_decode.py holds the copy);
 - a pool of another dtype than bfloat16 or float32 (fp8: its TPU layout and casts unchecked).
-Everything else runs the kernel where compiled for a TPU: llama, qwen2 (with or without windows),
-qwen3, mistral, gemma2, gemma3 (head_dim 256), mixtral and qwen3_moe at head_dims of 128 or 256,
-with bfloat16 or float32 pools.
+Everything else runs the kernel where compiled for a TPU: every family Tandem serves (llama,
+qwen2 with or without windows, qwen3, mistral, gemma2, gemma3 at head_dim 256, mixtral,
+qwen3_moe, gpt_oss and the built-in model at 64) with bfloat16 or float32 pools.
 
 Nothing here ran on a TPU: tests/unit/test_pallas_decode.py and test_paged_attention.py run the
 kernel in Pallas's TPU interpret mode on the CPU against the engine's gather path (alone, and
@@ -69,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from tandem_engine.arch import ModelConfig
 from tandem_engine.pallas_decode import COMPUTE_BLOCK_TOKENS, decode_attention, pages_per_compute_block
+from tandem_engine.pool_layout import lane_fold
 from tandem_engine.sharding import AXIS
 
 __all__ = ["COMPUTE_BLOCK_TOKENS", "PagedAttention", "kernel_gaps", "pages_per_compute_block"]
@@ -76,16 +75,16 @@ __all__ = ["COMPUTE_BLOCK_TOKENS", "PagedAttention", "kernel_gaps", "pages_per_c
 POOL_DTYPES = ("bfloat16", "float32")  # what the kernel reads (and was compiled and interpreted for)
 
 
-def kernel_gaps(cfg: ModelConfig, dtype) -> list[str]:
-    """What this family (at this pool dtype) needs that the Pallas TPU kernel lacks; empty: it can
-    run the kernel."""
+def kernel_gaps(cfg: ModelConfig, dtype, block_size: int) -> list[str]:
+    """What this family (at this pool dtype, over a pool of `block_size`-position blocks) needs
+    that the Pallas TPU kernel lacks; empty: it can run the kernel."""
     gaps = []
-    if cfg.head_dim % 128:
-        fold = ("; the kernel reads the pool lane-folded, [KV, blocks, B * hd / 128, 128], which the engine "
-                "does not store yet") if 128 % cfg.head_dim == 0 else ""
-        gaps.append(f"head_dim {cfg.head_dim} (a pool [KV, blocks, B, {cfg.head_dim}] is laid out on a TPU with "
-                    f"its block axis minor, not row-major as a Pallas kernel reads it: each call would copy the "
-                    f"layer's whole pool{fold})")
+    if cfg.head_dim % 128 and lane_fold(cfg.head_dim, block_size) == 1:
+        why = (f"the block size {block_size} is not a multiple of {128 // cfg.head_dim}, so the pool is not "
+               f"lane-folded" if 128 % cfg.head_dim == 0 else "it does not divide 128, so the pool is not lane-folded")
+        gaps.append(f"head_dim {cfg.head_dim} ({why} (pool_layout.py): a pool [KV, blocks, B, {cfg.head_dim}] is "
+                    f"laid out on a TPU with its block axis minor, not row-major as a Pallas kernel reads it, so each "
+                    f"call would copy the layer's whole pool)")
     if jnp.dtype(dtype).name not in POOL_DTYPES:
         gaps.append(f"a {jnp.dtype(dtype).name} pool (the kernel reads bfloat16 or float32)")
     return gaps

@@ -6,7 +6,8 @@ The shapes (one layer of the pool, as paged.py holds it):
 
     q          [rows, H, hd]             H = groups * KV: query head h reads KV head h // groups
     k, v       [KV, num_blocks, B, hd]   row r's positions [j*B, (j+1)*B) sit in block tables[r, j];
-               or, hd dividing 128, lane-folded [KV, num_blocks, B * hd / 128, 128]: the same
+               or, hd dividing 128, lane-folded [KV, num_blocks, B * hd / 128, 128] (how the
+               engine stores a pool of such a head_dim: pool_layout.py): the same
                bytes (row-major), row t of a block holding its positions t * f + c, f = 128 / hd,
                in lanes [c * hd, (c + 1) * hd)
     lengths    int32 [rows]              positions row r attends to (its query is at length - 1,

@@ -35,6 +35,7 @@ from tandem_core.prefix import block_hashes, cache_salt
 from tandem_engine.block_cache import BlockCache, CachingAllocator, PrefixMatch
 from tandem_engine.cores import _first_tokens
 from tandem_engine.paged import NULL_BLOCK, decode_forward_paged, paged_pool, write_prompt_blocks
+from tandem_engine.pool_layout import unfold
 from tandem_engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class DevicePrefixCache(PrefixCache):
                 self.k, self.v, packed = _chunk_core(
                     engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, padded, *rest,
                     cfg=engine.cfg, max_len=engine.max_len, mesh=engine.mesh)
-            k, v = _gather_rows(self.k, self.v, table)
+            k, v = _gather_rows(self.k, self.v, table, head_dim=engine.cfg.head_dim)
             self._index.keep(list(padded[:n]), row)
         finally:
             self._alloc.release(row)
@@ -231,19 +232,15 @@ def _chunk_core(params, piece, start, length, table, k_pool, v_pool, tokens, tru
     return k_pool, v_pool, packed
 
 
-@jax.jit
-def _gather_rows(k_pool, v_pool, table):
-    """The blocks of `table` [W] read out as rows: (k, v) [L, W * B, KV, hd]. The pool is one
-    array [L, KV, blocks, B, hd] or one [KV, blocks, B, hd] per layer."""
+@partial(jax.jit, static_argnames=("head_dim",))
+def _gather_rows(k_pool, v_pool, table, *, head_dim: int):
+    """The blocks of `table` [W] read out as rows: (k, v) [L, W * B, KV, hd], from the pool's
+    layer buffers [KV, blocks, B / f, hd * f] (lane-folded: pool_layout.unfold)."""
     def rows(pool):
-        if isinstance(pool, (tuple, list)):
-            return jnp.stack([rows_of_layer(p) for p in pool])
-        x = jnp.take(pool, table, axis=2)  # [L, KV, W, B, hd]
-        num_layers, kvh, w, bs, hd = x.shape
-        return jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(num_layers, w * bs, kvh, hd)
+        return jnp.stack([rows_of_layer(p) for p in pool])
 
     def rows_of_layer(p):
-        x = jnp.take(p, table, axis=1)  # [KV, W, B, hd]
+        x = unfold(jnp.take(p, table, axis=1), head_dim)  # [KV, W, B, hd]
         kvh, w, bs, hd = x.shape
         return jnp.transpose(x, (1, 2, 0, 3)).reshape(w * bs, kvh, hd)
 

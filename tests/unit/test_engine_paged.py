@@ -302,3 +302,40 @@ def test_a_windowed_family_gives_back_the_blocks_its_window_passed(tmp_path):
     assert paged.match_prefix(prompt) is None
     build_family("gemma2", tmp_path / "gemma2", seed=4)
     assert engine_of(str(tmp_path / "gemma2")).window_frees == 0
+
+
+@pytest.mark.parametrize("block", [4, pytest.param(16, marks=pytest.mark.slow)])  # slow: 17 s
+def test_the_lane_folded_pool_decodes_the_reference_tokens(block):
+    """The built-in model (head_dim 64, whose attention tells KV positions apart: a random tiny
+    model's barely does) over its lane-folded pool (pool_layout.py: two positions a 128-lane row;
+    at blocks of 4 two rows a block, at 16 eight): the reference forward's greedy tokens through
+    insert, insert_payload and multi-step calls, and for a prompt prefilled in chunks beside the
+    decode rows (the chunk's neighbouring positions written into the two halves of one row in one
+    call). Prompts of odd lengths, so a row's last block is part-full at every parity."""
+    from tandem_engine.logits import unpack_tokens
+    from tandem_engine.pool_layout import block_shape
+
+    paged = load_engine("builtin", slots=3, max_len=MAX_LEN, prefill_buckets=(16, 64), prefix_chunk=16,
+                        kv_block_size=block)
+    assert paged.init_state().k[0].shape[2:] == block_shape(block, 64) == (block // 2, 128)
+    rng = np.random.default_rng(block)
+    prompts = {0: rng.integers(0, 250, 13).tolist(), 2: rng.integers(0, 250, 26).tolist()}
+    want = alone(paged, prompts, 12)
+    got, _ = decode(paged, prompts, 12)
+    assert got == want
+    got3, _ = decode(paged, prompts, 4, per_call=3, payload=True)
+    assert got3 == {slot: tokens[:13] for slot, tokens in want.items()}
+    p = rng.integers(0, 250, 37).tolist()  # chunks of 16, 16 and 5
+    state = paged.init_state()
+    state = paged.insert(paged.prefill(prompts[0], GREEDY), state, 0, GREEDY)
+    state = paged.begin_prompt(state, 1, p, GREEDY)
+    first = None
+    while first is None:
+        state, out = paged.generate_ragged(state, 1)
+        if out.slot is not None:
+            first = int(unpack_tokens(np.asarray(out.first)[None])[0])
+    mine = [first]
+    for _ in range(6):
+        state, out = paged.generate_ragged(state, 2)
+        mine.append(int(np.asarray(out.tokens)[1]))
+    assert mine == reference_greedy(paged.params, paged.cfg, p, 7, pad_to=MAX_LEN)

@@ -221,8 +221,11 @@ def results() -> dict:
 
 def test_the_pool_is_split_by_kv_head(results):
     assert results["devices"] == 2
-    kv_heads, blocks_plus_null = results["pool_shape"][0], results["pool_shape"][1]
-    assert results["pool_shard"] == [kv_heads // 2, blocks_plus_null, BLOCK, results["pool_shape"][3]]
+    from tandem_engine.pool_layout import block_shape
+
+    kv_heads = results["pool_shape"][0]
+    assert results["pool_shape"][2:] == list(block_shape(BLOCK, 64))  # the built-in model's, lane-folded
+    assert results["pool_shard"] == [kv_heads // 2, *results["pool_shape"][1:]]
     assert results["pool_spec"] == "P('tp', None, None, None)"
 
 

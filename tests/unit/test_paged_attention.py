@@ -33,6 +33,7 @@ from tandem_engine.arch import ModelConfig
 from tandem_engine import paged
 from tandem_engine.model import _grouped_attention, _window_mask
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
+from tandem_engine.pool_layout import fold
 
 
 def config(heads=8, kv_heads=2, head_dim=16, *, windows=(), softcap=0.0, query_scale=0.0, sinks=False, layers=2):
@@ -86,7 +87,9 @@ def gather(q, k, v, lengths, tables, cfg, *, window=0, sinks=None):
     """The engine's gather path (paged.paged_attention) in the kernel's terms: q [rows, H, hd],
     lengths (each row's query at length - 1). Returns [rows, H, hd]."""
     q = jnp.asarray(q)
-    out = paged.paged_attention(q[:, None], jnp.asarray(k), jnp.asarray(v), jnp.asarray(tables),
+    # the pool as the engine stores it (pool_layout.py: lane-folded where the block size allows)
+    k, v = fold(jnp.asarray(k), cfg.head_dim), fold(jnp.asarray(v), cfg.head_dim)
+    out = paged.paged_attention(q[:, None], k, v, jnp.asarray(tables),
                                 jnp.asarray(lengths) - 1, cfg, window=window,
                                 sinks=None if sinks is None else jnp.asarray(sinks))
     return out.reshape(q.shape)
@@ -144,18 +147,23 @@ GPT_OSS = config(64, 8, 64, windows=(128, 0) * 2, sinks=True, layers=4)
 
 
 def test_the_step_takes_the_kernel_only_for_what_it_serves(caplog):
+    """head_dim 128 and 256 from the pool as it is; 64 (gpt-oss, the built-in model) and 32 from
+    the lane-folded pool (pool_layout.py) at the engine's block size of 16; not a head_dim of 96
+    (it does not divide 128: not folded), nor 64 over blocks of an odd size (not folded either),
+    nor an fp8 pool."""
     caplog.set_level(logging.DEBUG, logger="tandem_engine.paged")
-    for cfg, dtype in [(LLAMA, jnp.bfloat16), (LLAMA, jnp.float32), (GEMMA2, jnp.bfloat16),
-                       (GPT_OSS_128, jnp.bfloat16)]:
-        assert kernel_gaps(cfg, dtype) == []
-        assert paged.step_kernel(cfg, jnp.dtype(dtype)) == PagedAttention(cfg)
-    for cfg, dtype, needs in [(GPT_OSS, jnp.bfloat16, ["head_dim 64"]),
-                              (config(8, 2, 64), jnp.bfloat16, ["head_dim 64"]),  # the built-in model's shape
-                              (LLAMA, jnp.float8_e4m3fn, ["float8_e4m3fn pool"])]:
-        gaps = "; ".join(kernel_gaps(cfg, dtype))
+    for cfg, dtype, bs in [(LLAMA, jnp.bfloat16, 16), (LLAMA, jnp.float32, 16), (GEMMA2, jnp.bfloat16, 16),
+                           (GPT_OSS_128, jnp.bfloat16, 16), (GPT_OSS, jnp.bfloat16, 16), (GPT_OSS, jnp.float32, 32),
+                           (config(8, 2, 64), jnp.bfloat16, 16), (config(8, 2, 32), jnp.bfloat16, 16)]:
+        assert kernel_gaps(cfg, dtype, bs) == []
+        assert paged.step_kernel(cfg, jnp.dtype(dtype), bs) == PagedAttention(cfg)
+    for cfg, dtype, bs, needs in [(config(8, 2, 96), jnp.bfloat16, 16, ["head_dim 96", "does not divide 128"]),
+                                  (GPT_OSS, jnp.bfloat16, 15, ["head_dim 64", "block size 15"]),
+                                  (LLAMA, jnp.float8_e4m3fn, 16, ["float8_e4m3fn pool"])]:
+        gaps = "; ".join(kernel_gaps(cfg, dtype, bs))
         assert all(n in gaps for n in needs), gaps
         caplog.clear()
-        assert paged.step_kernel(cfg, jnp.dtype(dtype)) is None
+        assert paged.step_kernel(cfg, jnp.dtype(dtype), bs) is None
         # said, not silent: what the kernel lacks is logged (a warning where JAX's backend is a TPU)
         assert any(needs[0] in r.getMessage() for r in caplog.records)
 
@@ -180,11 +188,8 @@ def test_pallas_kernel_interpreted_equals_the_gather_path(name, cfg, window):
     # a bf16 pool; q in float32 (the kernel reads K and V in q's dtype), so its output is float32 too
     q, k, v = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
     sinks = np.linspace(-2, 2, cfg.num_heads).astype(np.float32) if cfg.sinks else None
-    pool = (k, v)
-    if cfg.head_dim < 128:  # pallas_decode's lane-folded form (kernel_gaps: the engine's pool is not)
-        pool = tuple(x.reshape(cfg.num_kv_heads, 32, 16 * cfg.head_dim // 128, 128) for x in pool)
-    else:
-        assert not kernel_gaps(cfg, jnp.bfloat16)
+    pool = (fold(k, cfg.head_dim), fold(v, cfg.head_dim))  # as the engine stores it (pool_layout.py)
+    assert not kernel_gaps(cfg, jnp.bfloat16, 16)
     kernel = PagedAttention(cfg)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got = np.asarray(kernel(q, *pool, lengths, tables, window=window, sinks=sinks))
@@ -220,7 +225,7 @@ def test_pallas_path_compiles_for_tpu_at_llama_8b_shapes(tpu, topology, tp, rows
 
     devices = aot.topology_devices(tpu, topology)
     mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
-    assert not kernel_gaps(LLAMA, jnp.bfloat16)
+    assert not kernel_gaps(LLAMA, jnp.bfloat16, block_size)
     attn = PagedAttention(LLAMA, mesh=mesh)
     pages_per_seq, num_blocks = 256, 4096
     spec = {"q": P(None, "tp", None), "pool": P("tp", None, None, None), "rep": P()}
@@ -283,14 +288,17 @@ GPT_OSS_LIKE = {"family": "gpt_oss", "hf_config": dict(  # windows (of 20: short
     num_experts_per_tok=2, attention_bias=True)}
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gpt_oss", marks=pytest.mark.slow)])  # slow: 12 s
-def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monkeypatch, family):
-    """paged.decode_forward_paged as a TPU compile runs it (its `platform_dependent` taken at the
-    "tpu" branch, the kernel in Pallas's TPU interpret mode) against the same step on the gather
-    path, on a bf16 model with head_dim 128, Llama-shaped or gpt-oss-like (a window of 20 on its
-    first layer, sinks, experts): rows at different lengths over shuffled blocks (crossing a block
-    boundary, the table full), one free row (length 0, writing the null block). The same K/V
-    written, and the same logits and greedy tokens up to the two paths' rounding."""
+@pytest.mark.parametrize("family, hd", [("llama", 128), ("gpt_oss", 64),
+                                        pytest.param("gpt_oss", 128, marks=pytest.mark.slow)])  # slow: 12 s
+def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monkeypatch, family, hd):
+    """paged.decode_forward_paged as a TPU compile runs it (its `platform_dependent` taken at the "tpu"
+    branch, the kernel in Pallas's TPU interpret mode) against the same step on the gather path, on
+    a bf16 model with head_dim 128, Llama-shaped or gpt-oss-like (a window of 20 on its first layer,
+    sinks, experts), and gpt-oss-like with gpt-oss's head_dim of 64 (the pool lane-folded, [KV,
+    blocks, 8, 128]: the kernel reads it as the engine writes it): rows at different lengths over
+    shuffled blocks (crossing a block boundary, the table full), one free row (length 0, writing the
+    null block). The same K/V written, and the same logits and greedy tokens up to the two paths'
+    rounding."""
     import dataclasses
 
     from jax.experimental.pallas import tpu as pltpu
@@ -301,15 +309,17 @@ def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monke
     from tandem_engine.weights import init_params
 
     info = dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                               num_kv_heads=2, head_dim=128, max_position_embeddings=256,
+                               num_kv_heads=2, head_dim=hd, max_position_embeddings=256,
                                extra=GPT_OSS_LIKE if family == "gpt_oss" else {})
     cfg = config_from_info(info)
-    assert paged.step_kernel(cfg, jnp.dtype(jnp.bfloat16)) is not None
+    assert paged.step_kernel(cfg, jnp.dtype(jnp.bfloat16), 16) is not None
     assert (cfg.windows, cfg.sinks) == (((20, 0), True) if family == "gpt_oss" else ((), False))
     params = init_params(info, "bfloat16")
     bs, nb, blocks, rows = 16, 4, 24, 4
     r = np.random.default_rng(7)
-    pool = [jnp.asarray(r.normal(size=(2, blocks + 1, bs, 128)), jnp.bfloat16) for _ in range(4)]
+    pool = [paged.paged_pool(1, 2, blocks, bs, hd, jnp.bfloat16)[0][0] for _ in range(4)]  # the engine's shape
+    assert pool[0].shape == ((2, blocks + 1, 8, 128) if hd == 64 else (2, blocks + 1, bs, hd))
+    pool = [jnp.asarray(r.normal(size=p.shape), jnp.bfloat16) for p in pool]
     k_pool, v_pool = tuple(pool[:2]), tuple(pool[2:])
     table = np.zeros((rows, nb), np.int32)
     table[:3] = r.permutation(np.arange(1, blocks + 1))[:3 * nb].reshape(3, nb)  # row 3: free (null blocks)

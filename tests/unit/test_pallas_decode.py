@@ -13,10 +13,9 @@
   and 256 with windows and sinks, and float32 pools.
 - A head_dim dividing 128 (64, 32) is read from a lane-folded pool [KV, blocks, B * hd / 128, 128]
   (interpreted: equal to the gather path; compiled: the pool read in place).
-- Why head_dim 64 still takes the gather path on a TPU (paged_attention.kernel_gaps): the engine's
-  pool is [KV, blocks, B, 64], which the TPU compiler lays out with its block axis minor, so the
-  compiled call copies the pool into the row-major layout the kernel reads; a head_dim of 128 is
-  read in place.
+- Why the engine stores a head_dim-64 pool lane-folded (pool_layout.py): a pool [KV, blocks, B, 64]
+  is laid out by the TPU compiler with its block axis minor, so the compiled call would copy the
+  pool into the row-major layout the kernel reads; a head_dim of 128 is read in place.
 """
 from __future__ import annotations
 
@@ -224,14 +223,14 @@ def test_a_lane_folded_pool_compiles_and_is_read_in_place(tpu, heads, kv_heads, 
 
 @needs_libtpu
 def test_a_head_dim_of_64_pool_is_copied_for_the_kernel_and_128_is_read_in_place():
-    """Why kernel_gaps keeps head_dim 64 on the gather path: the TPU compiler lays a bfloat16
+    """Why the engine's pool is lane-folded at head_dim 64 (pool_layout.py): the TPU compiler lays a bfloat16
     [KV, blocks, 16, 64] array out with its block axis minor (no lane padding), a Pallas kernel
     reads its operands row-major, so the compiled call copies each pool (K and V) first: a copy
     of the layer's pool per call, every layer of every step (the engine's paged step compiled so
     shows 1.9 GB of temporaries for a 0.5 GB pool). At head_dim 128 the pool is row-major already
     and is read in place (bfloat16 and float32), and so is a lane-folded head_dim-64 pool (the
-    test above): the engine's pool stored folded would let kernel_gaps serve head_dim 64. Should
-    the compiler lay the unfolded pool out row-major, this fails."""
+    test above), which is how the engine stores it. Should the compiler lay the unfolded pool out
+    row-major, this fails (and the fold could go)."""
     shape = dict(kv_heads=8, num_blocks=2048, block_size=16)
     hd64 = _compile("v5e", "2x2", 64, 8, 64, window=128, sinks=True, num_blocks=2048)
     hd128 = _compile("v5e", "2x2", 32, 8, 128, num_blocks=2048)

@@ -73,13 +73,13 @@ def _close(got: int, want: int) -> bool:
     return abs(got - want) <= 0.01 * want + SLACK
 
 
-def _close_kv(got: int, rest: int, kv: int, head_dim: int) -> bool:
-    """`got` holds `rest` and the KV pool's `kv` bytes as the chip lays them out: its last axis in
-    lanes of 128, so a head_dim of 64 may take up to twice its bytes (measured on the built-in
-    model: 1.5x, at every tp); a pool left whole on every chip instead of split tp ways is off by
-    (tp - 1) / tp of it at least, outside that."""
-    lanes = -(-head_dim // 128) * 128
-    return rest + kv - 0.01 * (rest + kv) - SLACK <= got <= (rest + kv * lanes // head_dim) * 1.01 + SLACK
+def _close_kv(got: int, rest: int, kv: int) -> bool:
+    """`got` holds `rest` and the KV pool's `kv` bytes: the pool takes its own bytes on the chip
+    (its layer buffers lane-folded, [KV, blocks, 8, 128] at head_dim 64: pool_layout.py; measured
+    on the built-in model 1.002x at tp 1, 1.004x at tp 2 and 4; stored [KV, blocks, 16, 64] it
+    took 1.50x, its block axis laid out minor and padded to lanes of 128); a pool left whole on
+    every chip instead of split tp ways is off by (tp - 1) / tp of it, outside that."""
+    return _close(got, rest + kv)
 
 
 def builtin(kv_heads: int | None = None):
@@ -105,9 +105,9 @@ def test_steps_compile_for_v5e_and_hold_what_tandem_places(devices, tp, kv_heads
     # the compiler's per-chip view: the prefill takes the weights, the decode step the weights and
     # the whole decode state, and hands the donated state back in place
     assert _close(prefill.argument_bytes, weights), (prefill, weights)
-    assert _close_kv(decode.argument_bytes, weights + other, kv, info.head_dim), (decode, weights, kv, other)
-    assert _close_kv(decode.alias_bytes, other, kv, info.head_dim), (decode, kv, other)
-    assert _close_kv(insert.alias_bytes, other, kv, info.head_dim), (insert, kv, other)
+    assert _close_kv(decode.argument_bytes, weights + other, kv), (decode, weights, kv, other)
+    assert _close_kv(decode.alias_bytes, other, kv), (decode, kv, other)
+    assert _close_kv(insert.alias_bytes, other, kv), (insert, kv, other)
     # the prefill's KV output (a Prefix: [L, bucket, KV, hd] twice) is split tp ways too; on a
     # TPU its last axis is laid out in lanes of 128, so the built-in model's head_dim of 64 takes
     # twice its bytes there (Llama's 128 fits exactly)
@@ -146,7 +146,7 @@ def test_fit_counts_every_layer_and_projects_a_profile(devices):
     assert step["num_layers"] == info.num_layers
     assert matmuls <= step["layer_flops"] <= 2 * matmuls, (step["layer_flops"], matmuls)
     assert r["decode"]["flops"] >= info.num_layers * matmuls  # every layer's matmuls, not one layer's
-    assert r["decode"]["attention"] in ("pallas kernel", "gather")
+    assert r["decode"]["attention"] == "pallas kernel"  # head_dim 64 from the lane-folded pool
     assert r["decode"]["step_s"] >= r["decode"]["floor_step_s"] > 0
     assert r["decode"]["host_budget_us_per_token"] == pytest.approx(r["decode"]["step_s"] / SLOTS * 1e6)
     profile = parse_profile(projected_profile(r, None), "projected")
