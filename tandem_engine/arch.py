@@ -56,6 +56,11 @@ class ModelConfig(NamedTuple):
     swiglu_limit: float = 7.0
     # how the experts run (not the architecture: the engine picks it for the platform it runs on)
     moe_impl: str = "ragged"  # ragged: grouped matmuls (ragged_dot) | dense: every expert, weighted
+    # the paged step holds the Pallas kernel's branch (taken where compiled for a TPU); the engine
+    # sets it for its platform: off for a CPU, where tracing the kernel's branch, never compiled
+    # there, cost ~0.5 s a layer call at each start (a restarted tiny-model decode pod: 8.3 s of
+    # warm-up against 2.9, every compile a cache hit)
+    paged_kernel: bool = True
     # trace the layer loop unrolled: aot.py's cost-accounting compiles of a 1- and 2-layer model (the
     # compiler counts a scanned body once, whatever its trip count); serving keeps the scan
     unroll_layers: bool = False

@@ -63,6 +63,9 @@ class EngineBase:
         self.platform = platform
         if self.cfg.moe:  # grouped matmuls where the platform has them (TPU, GPU); dense on a CPU
             self.cfg = self.cfg._replace(moe_impl="dense" if platform == "cpu" else "ragged")
+        # the Pallas kernel's branch of the paged step only where it can run (paged.py: tracing it
+        # costs ~0.5 s a layer call on every start, which the compilation cache does not save)
+        self.cfg = self.cfg._replace(paged_kernel=platform == "tpu")
         # int8 weights (quantize.py): the layer matrices quantized here, before they are placed,
         # so each chip receives its shard of the int8 arrays and of their scales
         self.quantize = check_quantize(quantize) or ("int8" if is_quantized(params) else None)

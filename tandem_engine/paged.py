@@ -494,7 +494,9 @@ def _rows_attention(q, k_layer, v_layer, table, write_pos, lengths, sinks, *, cf
                          window=window)
             return out.astype(q.dtype).reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
 
-    kernel = None if shared_table else step_kernel(cfg, jnp.dtype(k_layer.dtype), block_positions(k_layer, hd))
+    kernel = None
+    if cfg.paged_kernel and not shared_table:
+        kernel = step_kernel(cfg, jnp.dtype(k_layer.dtype), block_positions(k_layer, hd))
     if kernel is None:
         return jax.lax.platform_dependent(q, k_layer, v_layer, cpu=cpu, default=gather)
 

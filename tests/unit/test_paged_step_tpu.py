@@ -71,13 +71,16 @@ def paged_engine(info, chip):
 
     params = jax.tree.map(place, jax.eval_shape(lambda: init_params(info, "bfloat16")))
     eng = aot._AbstractEngine(info, params, slots=ROWS, max_len=MAX_LEN, prefill_buckets=(16,), dtype="bfloat16",
-                              kv_block_size=BLOCK, kv_blocks=BLOCKS)
+                              kv_block_size=BLOCK, kv_blocks=BLOCKS, platform="tpu")
     eng._one_cpu = False  # as on a TPU host: the step reads the stacked params (no CPU split_layers copy)
     return eng, jax.tree.map(place, jax.eval_shape(eng.init_state))
 
 
 def kernel_calls(compiled) -> int:
-    return compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    """The paged attention's Mosaic calls (the experts' grouped matmuls, also Mosaic calls on a
+    TPU, are not counted)."""
+    return sum(1 for line in compiled.as_text().splitlines()
+               if 'custom_call_target="tpu_custom_call"' in line and "tandem_paged_decode" in line)
 
 
 LLAMA_HD64 = dataclasses.replace(LLAMA_HD128, name="llama-hd64", num_heads=8, head_dim=64)  # the built-in model's head_dim
@@ -176,7 +179,7 @@ def sharded_paged_engine(info):
     layout = make_layout(info, TP, Mesh(np.asarray(aot.topology_devices("v5e", "2x2")[:TP]), ("tp",)))
     params = aot.abstract_params(info, "bfloat16", layout)
     eng = aot._AbstractEngine(info, params, slots=ROWS, max_len=MAX_LEN, prefill_buckets=(16,), dtype="bfloat16",
-                              kv_block_size=BLOCK, kv_blocks=BLOCKS)
+                              kv_block_size=BLOCK, kv_blocks=BLOCKS, platform="tpu")
     eng.layout, eng._one_cpu = layout, False  # (set after: the base class would device_put the structs)
     shapes = jax.eval_shape(eng.init_state)
 
@@ -227,4 +230,5 @@ def test_the_sharded_step_of_a_windowed_family_with_sinks_runs_the_kernel_per_ch
     mem = compiled.memory_analysis()
     print(f"{info.name} paged step on v5e tp={TP}: temp {mem.temp_size_in_bytes:,} B")
     assert kernel_calls(compiled) == LAYERS
-    assert mem.temp_size_in_bytes < layer_bytes(info, TP) // 32, mem
+    # no layer's pool copied (67 MB a chip): 2.2 MB with the experts' grouped matmuls a TPU runs
+    assert mem.temp_size_in_bytes < layer_bytes(info, TP) // 16, mem
