@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tandem.redis_proc import redis_binary
 from tandem_core.bus import acl
@@ -26,6 +28,12 @@ from tests.unit.test_chart import RELEASE, Rendered
 
 PASSWORD = 'p w"\\x$(id)-tail'
 AUTH_FILE = "/etc/redis-auth/password"
+
+
+def _refused(**kw) -> redis.Redis:
+    """A client whose connection is expected to be refused: no retries (redis-py retries a failed
+    AUTH as a connection error, with backoff: 24 s of the test's 25 went to backing off)."""
+    return redis.Redis(host="127.0.0.1", socket_timeout=5, retry=Retry(NoBackoff(), 0), **kw)
 
 
 def _free_port() -> int:
@@ -81,12 +89,11 @@ def test_bundled_redis_reads_its_password_from_a_file(tmp_path):
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     as_role.execute_command(*refused)
             with pytest.raises(redis.AuthenticationError):
-                redis.Redis(host="127.0.0.1", port=port, username=f"tandem-{role}", password=PASSWORD,
-                            socket_timeout=5).ping()
+                _refused(port=port, username=f"tandem-{role}", password=PASSWORD).ping()
             as_role.close()
         for pw in (None, "wrong"):
             with pytest.raises(redis.AuthenticationError):
-                redis.Redis(host="127.0.0.1", port=port, password=pw, socket_timeout=5).ping()
+                _refused(port=port, password=pw).ping()
         # exec: the process started is redis-server itself (SIGTERM reaches it), and the password
         # is neither on its command line nor in its environment.
         assert Path(f"/proc/{proc.pid}/comm").read_text().strip().startswith("redis-server")
