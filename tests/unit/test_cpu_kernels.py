@@ -1,6 +1,7 @@
 """Tandem's CPU paged-attention kernel (tandem_engine/cpu_kernels) against the XLA gather path it
 replaces on a CPU (paged.paged_attention): the same outputs for every feature a family asks of the
-step's attention (sliding windows, sinks, soft-capping, GQA groups, head dims of 64 and 80,
+step's attention (sliding windows, sinks, soft-capping, GQA groups, head dims of 64, 80 and 128 —
+the two-pass kernel — and 40 — the one-pass one —,
 bfloat16 pools, free rows, rows of different lengths over shuffled blocks), and the engine's
 paged step choosing it on a CPU."""
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _case(rows: int, heads: int, kv: int, hd: int, bs: int, dtype, seed: int = 0
     (8, 2, 64, 37, False, 0.0),    # a sliding window shorter than most rows, 4 query heads per KV head
     (4, 4, 80, 0, True, 0.0),      # sinks (gpt-oss), a head dim with no unrolled case
     (6, 2, 128, 50, False, 30.0),  # soft-capped (gemma2) and windowed
+    (4, 2, 40, 13, True, 0.0),     # a head dim of no whole 8-float vectors: the one-pass kernel
 ])
 def test_kernel_equals_the_gather_path(heads, kv, hd, window, sinks, softcap):
     cfg = _cfg(heads, kv, hd, softcap=softcap, scale=0.0 if heads != 6 else 0.1)
