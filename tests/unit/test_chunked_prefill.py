@@ -17,7 +17,7 @@ from decode_svc.bridge import Bridge
 from decode_svc.items import LocalPrefill
 from decode_svc.loop import EngineLoop
 from decode_svc.requests import RequestTable
-from tandem_core.types import FINISH_CANCELLED, GenerationRequest, SamplingParams
+from tandem_core.types import FINISH_CANCELLED, GenerationRequest, SamplingParams, choice_ids
 from tandem_engine import load_engine, reference_greedy
 from tandem_engine.prefix_cache import Hit
 
@@ -183,3 +183,104 @@ def test_a_seated_prompt_cancelled_mid_prompt_acks_its_entry_and_frees_its_block
     assert engine.prompts_pending == 0 and table.used == 1
     state = loop._free(state, table.snapshot()[0])
     assert engine.kv_blocks_free() == free
+
+
+class Turns:
+    """A started loop (colocated: every prompt prefilled here) driven through its queues: `serve`
+    puts prompts in together and returns every token stream's tokens and entries once all end."""
+
+    def __init__(self, engine, chunk_tokens: int = 2048) -> None:
+        self.engine = engine
+        self.table = RequestTable(2)
+        self.bridge = Bridge(2, 256)
+        self.loop = EngineLoop(engine, self.table, self.bridge, prefill_chunk_tokens=chunk_tokens)
+
+    def __enter__(self) -> Turns:
+        self.loop.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.stop()
+
+    def serve(self, *reqs: GenerationRequest) -> dict[str, list]:
+        streams = {rid for req in reqs for rid in choice_ids(req.request_id, req.n)}
+        for req in reqs:
+            assert self.table.reserve(1) == 1
+            self.bridge.inserts.put(LocalPrefill(req, ("s", "g", req.request_id.encode()),
+                                                 self.table.claim(req.request_id)))
+        got: dict[str, list] = {}
+        finished, deadline = set(), time.monotonic() + 60
+        while finished != streams:
+            assert time.monotonic() < deadline and self.loop.error is None, f"not finished: {got}"
+            try:
+                batch = self.bridge.outputs.get(timeout=1)
+            except queue.Empty:
+                continue
+            for e in batch:
+                got.setdefault(e.request_id, []).append(e)
+                if e.finish is not None:
+                    finished.add(e.request_id)
+        return got
+
+    def counts(self) -> tuple[int, int, int]:
+        """(ragged calls, prompt tokens found in the pool's block cache, prompt tokens computed)."""
+        return self.loop.stats.ragged_calls, self.engine.kv_reuse_summary()["hits"], self.loop.stats.prompt_computed
+
+
+def _tokens(entries) -> list[int]:
+    return [e.token for e in entries if e.index >= 0]
+
+
+def _next_turn(rng, first: list[int], answer: list[int]) -> list[int]:
+    """The first prompt, its answer (all but its last token were fed: their KV is in the pool) and
+    9 new tokens."""
+    return first + answer[:5] + rng.integers(0, 256, 9).tolist()
+
+
+@pytest.mark.parametrize("beside_a_stream", [False, True])
+def test_a_colocated_next_turn_is_computed_only_past_the_pools_blocks(engine, beside_a_stream):
+    """A short next turn (far below prefill_chunk_tokens) is seated over the blocks its turn before
+    left in the pool, alone or while another stream runs: only the 22 tokens past the 2 kept blocks
+    of 16 are computed (2 ragged calls of 16), its tokens are a whole prefill's without a cache, and
+    its entry is acked with its first token. The turn before, a miss, was prefilled whole."""
+    rng = np.random.default_rng(11)
+    first = rng.integers(0, 256, 40).tolist()
+    with Turns(engine) as t:
+        answer = _tokens(t.serve(GenerationRequest("first", first, 6, GREEDY, ignore_eos=True))["first"])
+        assert t.counts() == (0, 0, 40)  # a miss: whole, between two steps
+        ids = _next_turn(rng, first, answer)  # 54 tokens: 45 fed, 2 full blocks kept
+        reqs = [GenerationRequest("next", ids, 6, GREEDY, ignore_eos=True)]
+        if beside_a_stream:  # the stream first: it runs when the next turn arrives
+            reqs.insert(0, GenerationRequest("stream", rng.integers(0, 256, 6).tolist(), 30, GREEDY, ignore_eos=True))
+        got = t.serve(*reqs)
+        calls, hits, computed = t.counts()
+        assert (calls, hits, computed) == (2, 32, 40 + 22 + 6 * beside_a_stream)
+        if beside_a_stream:
+            assert len(_tokens(got["stream"])) == 30
+    again = got["next"]
+    assert [e.ack for e in again] == [("s", "g", b"next")] + [None] * 5  # acked with token 0, and only then
+    with Turns(engine) as t:  # a fresh pool: the same prompt misses and is prefilled whole
+        whole = _tokens(t.serve(GenerationRequest("next", ids, 6, GREEDY, ignore_eos=True))["next"])
+        assert t.counts() == (0, 0, 54)
+    assert _tokens(again) == whole == reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=96)
+
+
+@pytest.mark.parametrize("what", ["n", "prompt_logprobs"])
+def test_a_hit_the_ragged_call_cannot_serve_is_prefilled_whole(engine, what):
+    """A next turn with choices (n = 2) or prompt logprobs, whose leading blocks the pool keeps, is
+    prefilled whole without a cache (all 54 tokens computed again, no ragged call) and is still right."""
+    rng = np.random.default_rng(12)
+    first = rng.integers(0, 256, 40).tolist()
+    with Turns(engine) as t:
+        answer = _tokens(t.serve(GenerationRequest("first", first, 6, GREEDY, ignore_eos=True))["first"])
+        ids = _next_turn(rng, first, answer)
+        extra = {"n": 2} if what == "n" else {"prompt_logprobs": 1}
+        got = t.serve(GenerationRequest("next", ids, 6, GREEDY, ignore_eos=True, **extra))
+        assert t.counts() == (0, 0, 40 + 54)
+    want = reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=96)
+    streams = choice_ids("next", 2 if what == "n" else 1)
+    assert sorted(got) == sorted(streams)
+    for rid in streams:
+        assert _tokens(got[rid]) == want, rid
+    if what == "prompt_logprobs":
+        assert got["next"][0].index == -1 and got["next"][0].prompt_logprobs
