@@ -144,7 +144,7 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
         reuse = engine.kv_reuse_summary() or {}
         return {"enabled": reuse != {}, "block_size": engine.kv_block_size, "queries": reuse.get("queries", 0),
                 "hits": reuse.get("hits", 0), "computed": stats.prompt_computed, "blocks": reuse.get("blocks", 0),
-                "evicted": reuse.get("evicted", 0), "bytes": 0, "budget_bytes": 0}
+                "evicted": reuse.get("evicted", 0), "bytes": 0, "budget_bytes": 0, "hit_copy_bytes": 0}
 
     def kv_info() -> dict:
         """The KV pool's blocks (free_slots stays rows)."""
