@@ -4,7 +4,10 @@ pod's loop (colocated mode) a long local prompt arriving while a stream runs is 
 prefilled a chunk a call beside that stream's steps (the engine's ragged call), which keep coming,
 with every token the same as with whole prefills; a seated prompt cancelled mid-prompt ends with
 its entry's ack and gives its blocks back; a next turn's seated prompt starts after the pool's own
-blocks of the turn before. Real engine (tiny preset), no Redis: the loop's queues are driven directly."""
+blocks of the turn before. A short local prompt whose leading blocks the pool keeps (a colocated
+next turn) is seated over them too, alone or beside a stream, only the rest computed, with a whole
+prefill's tokens; one the ragged call cannot serve (n > 1, prompt logprobs) is prefilled whole.
+Real engine (tiny preset), no Redis: the loop's queues are driven directly."""
 from __future__ import annotations
 
 import queue
