@@ -268,22 +268,33 @@ def test_a_colocated_next_turn_is_computed_only_past_the_pools_blocks(engine, be
     assert _tokens(again) == whole == reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=96)
 
 
-@pytest.mark.parametrize("what", ["n", "prompt_logprobs"])
+FORCED = {"kind": "choice", "choices": ["abcdefghijkl"]}  # the byte-level tiny preset: 12 forced tokens, then EOS
+
+
+@pytest.mark.parametrize("what", ["n", "prompt_logprobs", "grammar", "beside_a_grammar"])
 def test_a_hit_the_ragged_call_cannot_serve_is_prefilled_whole(engine, what):
-    """A next turn with choices (n = 2) or prompt logprobs, whose leading blocks the pool keeps, is
+    """A next turn whose leading blocks the pool keeps, with choices (n = 2), prompt logprobs or a
+    grammar, or arriving while a grammar row runs (the ragged call has no masked variant), is
     prefilled whole without a cache (all 54 tokens computed again, no ragged call) and is still right."""
     rng = np.random.default_rng(12)
     first = rng.integers(0, 256, 40).tolist()
     with Turns(engine) as t:
         answer = _tokens(t.serve(GenerationRequest("first", first, 6, GREEDY, ignore_eos=True))["first"])
         ids = _next_turn(rng, first, answer)
-        extra = {"n": 2} if what == "n" else {"prompt_logprobs": 1}
-        got = t.serve(GenerationRequest("next", ids, 6, GREEDY, ignore_eos=True, **extra))
-        assert t.counts() == (0, 0, 40 + 54)
+        extra = {"n": {"n": 2}, "prompt_logprobs": {"prompt_logprobs": 1}, "grammar": {"grammar": FORCED}}.get(what, {})
+        reqs = [GenerationRequest("next", ids, 6 + 20 * (what == "grammar"), GREEDY, ignore_eos=True, **extra)]
+        if what == "beside_a_grammar":
+            reqs.insert(0, GenerationRequest("constrained", [256, 70], 30, GREEDY, ignore_eos=True, grammar=FORCED))
+        got = t.serve(*reqs)
+        assert t.counts() == (0, 0, 40 + 54 + 2 * (what == "beside_a_grammar"))
     want = reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=96)
+    if what == "grammar":
+        want = list(b"abcdefghijkl") + [257]
     streams = choice_ids("next", 2 if what == "n" else 1)
-    assert sorted(got) == sorted(streams)
+    assert sorted(got) == sorted(streams + ["constrained"] * (what == "beside_a_grammar"))
     for rid in streams:
         assert _tokens(got[rid]) == want, rid
     if what == "prompt_logprobs":
         assert got["next"][0].index == -1 and got["next"][0].prompt_logprobs
+    if what == "beside_a_grammar":
+        assert _tokens(got["constrained"]) == list(b"abcdefghijkl") + [257]
