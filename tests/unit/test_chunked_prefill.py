@@ -298,3 +298,39 @@ def test_a_hit_the_ragged_call_cannot_serve_is_prefilled_whole(engine, what):
         assert got["next"][0].index == -1 and got["next"][0].prompt_logprobs
     if what == "beside_a_grammar":
         assert _tokens(got["constrained"]) == list(b"abcdefghijkl") + [257]
+
+
+def test_a_hit_cancelled_mid_prompt_acks_its_entry_and_the_pools_blocks_stay_kept(engine):
+    """A next turn seated over the pool's 2 kept blocks, cancelled after its first chunk of 22
+    tokens: its entry is acked with the cancel, the blocks it computed go back, the kept ones stay
+    in the block cache (and free for the taking), and no seated prompt is left."""
+    table = RequestTable(2)
+    bridge = Bridge(2, 256)
+    loop = EngineLoop(engine, table, bridge, prefill_chunk_tokens=2048)  # driven here, not started
+    rng = np.random.default_rng(13)
+    first = rng.integers(0, 256, 40).tolist()
+    state = engine.init_state()
+    free = engine.kv_blocks_free()
+    assert table.reserve(1) == 1
+    bridge.inserts.put(LocalPrefill(GenerationRequest("first", first, 6, GREEDY, ignore_eos=True), ("s", "g", b"0-1"),
+                                    table.claim("first")))
+    state = loop._apply_inserts(state, 0.0)  # a miss: whole, and into its row
+    state = loop._free(state, table.snapshot()[0])  # finished: its prompt's 2 full blocks kept
+    assert engine.kv_reuse_summary()["blocks"] == 2 and engine.kv_blocks_free() == free
+    ids = first + rng.integers(0, 256, 14).tolist()
+    assert table.reserve(1) == 1
+    bridge.inserts.put(LocalPrefill(GenerationRequest("next", ids, 6, GREEDY, ignore_eos=True), ("s", "g", b"0-2"),
+                                    table.claim("next")))
+    state = loop._apply_inserts(state, 0.0)
+    assert [a.req.request_id for a in table.snapshot() if a.seated] == ["next"] and engine.prompts_pending == 1
+    assert engine.kv_reuse_summary()["hits"] == 32 and engine.kv_blocks_free() == free - 4  # 2 shared, 2 its own
+    call, state = loop._dispatch(state, None)
+    assert call.ragged and call.first_slot is None  # the first of 2 chunks
+    state = loop._process(call, state)
+    loop.cancel({"next"})
+    state = loop._apply_cancels(state)
+    out = [e for batch in iter(lambda: None if bridge.outputs.empty() else bridge.outputs.get(), None) for e in batch]
+    assert [(e.request_id, e.index, e.finish, e.ack) for e in out] == [("first", 0, None, ("s", "g", b"0-1")),
+                                                                       ("next", 0, FINISH_CANCELLED, ("s", "g", b"0-2"))]
+    assert engine.prompts_pending == 0 and table.used == 0
+    assert engine.kv_reuse_summary()["blocks"] == 2 and engine.kv_blocks_free() == free
