@@ -21,7 +21,6 @@ from tandem_core.bus import conn, groups, registry
 from tandem_core.bus import KeySpace
 from tandem_core.settings import default_worker_id
 from tandem_core.worker_pod import WorkerPod
-from tandem_engine.prefix_cache import cache_for
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine
@@ -43,8 +42,6 @@ async def _compiled_engine(s: DecodeSettings):
     gateway's short prompts fall): readiness waits for it. JAX's persistent compilation cache makes restarts quick."""
     engine = build_engine(s)
     t0 = time.monotonic()
-    c = s.prefix_cache
-    cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
     last = [0.0]
 
     def progress(done: int, total: int, seconds: float) -> None:  # the warm-up thread's
@@ -52,20 +49,22 @@ async def _compiled_engine(s: DecodeSettings):
             last[0] = seconds
             log.info("warm-up: %d/%d decode step variants compiled, %.1fs", done, total, seconds)
 
-    # plain, logprobs and masked steps; colocated: every prefill bucket, the prefill over a cached prefix
-    # and the ragged call (long prompts' chunks beside the steps); a disaggregated pod with
-    # direct_prefill: the smallest bucket's prefill, the gateway's direct prompts
-    steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True, s.colocated and cache.enabled,
-                                    progress, s.direct_prefill, s.colocated and s.prefill_chunk_tokens > 0)
+    # plain, logprobs and masked steps; colocated: every prefill bucket and the ragged call (a
+    # prompt seated over the pool's kept blocks, a conversation's next turn; long prompts' chunks
+    # beside the steps); a disaggregated pod with direct_prefill: the smallest bucket's prefill, the
+    # gateway's direct prompts (so short, ~16 tokens, that they seldom hold a whole kept block: a
+    # hit there compiles the ragged call on its first use)
+    ragged = s.colocated and (engine.kv_reuse or s.prefill_chunk_tokens > 0)
+    steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True, False, progress, s.direct_prefill, ragged)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %d blocks "
              "of %d)", time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
              engine.kv_blocks_total, engine.kv_block_size)
-    return engine, cache
+    return engine
 
 
 async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
-    engine, cache = await _compiled_engine(s)
+    engine = await _compiled_engine(s)
     # Everything alive after the compile (JAX's and the model's objects: millions) is moved out of
     # the collector's reach: otherwise a full collection walks them all, measured at up to 1.8 s of
     # one thread holding the GIL in the middle of serving (bench/host_path.py --profile), every
@@ -79,8 +78,7 @@ async def serve(s: DecodeSettings) -> int:
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
     blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # capacity in KV blocks too
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
-                             mask_deadline_s=s.engine.mask_deadline_s, prefix_cache=cache,
-                             prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks)
+                             mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
     await io.claims.ensure_own_groups()  # (its per-pod ready streams: cache-aware routing)
@@ -126,7 +124,7 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
         return registry.WorkerInfo(
             role="decode", id=worker_id, pid=os.getpid(), address=address, slots=table.slots,
             free_slots=table.free, draining=pod.draining,
-            extra={"pool": s.pool, "prefix_cache": io.engine_loop.prefix_cache.summary(), "steps": stats.steps,
+            extra={"pool": s.pool, "prefix_cache": prefix_cache(), "steps": stats.steps,
                    "calls": stats.calls, "single_calls": stats.single_calls, "tokens": stats.tokens, "cancelled": stats.cancelled + io.claims.cancelled,
                    "cancel_lag_tokens": stats.cancel_lag_tokens, "handed_back": io.handback.handed_back,
                    "owed": io.handback.owed, "pulled": io.claims.pulled, "superseded": io.claims.superseded,
@@ -136,6 +134,17 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
                    "ready_affinity": io.claims.affinity,
                    "stolen": 0 if io.claims.stealer is None else io.claims.stealer.stolen, **kv_info()},
         )
+
+    def prefix_cache() -> dict:
+        """The pool's block cache in the prefill pods' `prefix_cache` shape (the gateway's
+        `vllm:prefix_cache_*` counters, /admin/cluster): queries and hits in prompt tokens over every
+        lookup (local prompts and pulled ones: as a vLLM decode instance counts), `computed` the
+        prompt tokens prefilled here; its blocks are pool blocks, under no budget of their own."""
+        engine = io.engine_loop.engine
+        reuse = engine.kv_reuse_summary() or {}
+        return {"enabled": reuse != {}, "block_size": engine.kv_block_size, "queries": reuse.get("queries", 0),
+                "hits": reuse.get("hits", 0), "computed": stats.prompt_computed, "blocks": reuse.get("blocks", 0),
+                "evicted": reuse.get("evicted", 0), "bytes": 0, "budget_bytes": 0, "hit_copy_bytes": 0}
 
     def kv_info() -> dict:
         """The KV pool's blocks (free_slots stays rows)."""

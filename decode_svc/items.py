@@ -85,6 +85,7 @@ class LoopStats:
     ragged_calls: int = 0  # calls that carried a seated prompt's chunk beside the rows' step
     tokens: int = 0
     local_prefills: int = 0
+    prompt_computed: int = 0  # prompt tokens prefilled here (local prompts: those not over the pool's blocks)
     cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)
     cancel_lag_tokens: int = 0  # the most tokens a request produced after its cancel reached the engine
     handed_back_for_blocks: int = 0  # running requests handed back because the paged KV ran out

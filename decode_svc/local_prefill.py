@@ -2,10 +2,12 @@
 
 JetStream's interleaving on one pod: the engine thread prefills between two decode steps (the I/O
 side claims a prompt only for a free slot, so a full pod keeps decoding and prefills nothing), then
-publishes token `start_index` of every choice and queues the choices that go on for slots. While
-streams are running, a prompt longer than `prefill_chunk_tokens` is not prefilled here: the loop
-seats it in a row and the decode calls carry its chunks beside the running rows (decode_svc/loop.py
-`_seat`, the engine's ragged call), so a long prompt does not stall them.
+publishes token `start_index` of every choice and queues the choices that go on for slots. Two
+kinds of prompt are not prefilled here but seated in a row and prefilled by the decode calls' ragged
+batch (decode_svc/loop.py `_seat`): one whose leading full blocks the pod's KV pool keeps from a
+finished sequence (its block cache: only the rest is computed), and, while streams are running, one
+longer than `prefill_chunk_tokens` (its chunks go beside the running rows, so it does not stall
+them). What is prefilled here is computed whole: the pod keeps no other prefix cache.
 """
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ from decode_svc.items import Emitted, LocalPrefill
 from tandem_core.grammar import Grammars
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
-from tandem_engine.prefix_cache import PrefixCache
-from tandem_engine.prefix_cache import prefill as cached_prefill
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine
@@ -30,10 +30,10 @@ class Prefilled:
     going: list[tuple[GenerationRequest, int]]  # (choice, first token) of those that go on
 
 
-def prefill_here(engine: ServingEngine, cache: PrefixCache, grammars: Grammars, item: LocalPrefill) -> Prefilled:
-    """Prefill the prompt (over a cached prefix where there is one); raises TandemError."""
+def prefill_here(engine: ServingEngine, grammars: Grammars, item: LocalPrefill) -> Prefilled:
+    """Prefill the whole prompt; raises TandemError."""
     req = item.req
-    prefix, _ = cached_prefill(engine, cache, req.prompt_ids, req.sampling, **prefill_args(req, grammars))
+    prefix = engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req, grammars))
     return _prefilled(engine, item, prefix)
 
 

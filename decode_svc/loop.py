@@ -59,7 +59,6 @@ from decode_svc.local_prefill import failed, prefill_here
 from tandem_core.sampling_args import first_finish, insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
-from tandem_engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine
@@ -69,8 +68,7 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
-                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
+                 mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
                  blocks: BlockBudget | None = None) -> None:
         self.engine = engine
         # the KV pool (decode_svc/blocks.py): a request goes into a row only when its blocks are
@@ -82,10 +80,9 @@ class EngineLoop:
         self.steps_per_dispatch = max(1, int(engine.steps_per_dispatch if steps_per_dispatch is None else steps_per_dispatch))
         # while streams run, a local prompt longer than this is prefilled a chunk (engine.prefix_chunk
         # tokens) a call beside the decode rows (chunked prefill in the step's own attention: `_seat`);
-        # 0, or shorter prompts: whole, between two steps
+        # 0, or shorter prompts: whole, between two steps (but a prompt whose leading blocks the
+        # pool keeps is always seated over them: only the rest is computed)
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
-        # local prefills reuse cached prefixes (None: a cache that is off, counting prefill tokens only)
-        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(1, 0, enabled=False)
         self.table = table
         self.bridge = bridge  # pulled KV and local prompts in, each step's tokens out
         self.pipelined = pipelined
@@ -304,39 +301,52 @@ class EngineLoop:
         return state
 
     def _local_prefill(self, item: LocalPrefill, state):
-        """Prefill here (decode_svc/local_prefill.py); the choices that go on take the prompt's
-        seat and wait for slots (with n > 1 the rest wait until slots free up)."""
+        """Prefill here. A prompt whose leading full blocks the pool keeps (a finished sequence's:
+        a conversation's turn before) is seated over them (`_seat`): the ragged call computes only
+        the rest, whether or not streams run. While streams run, a long prompt is seated too, to be
+        prefilled a chunk a call beside them. Else it is prefilled whole between two steps
+        (decode_svc/local_prefill.py, no cache: what the ragged call cannot serve, choices, a
+        grammar, prompt logprobs, is computed again in full); the choices that go on take the
+        prompt's seat and wait for slots (with n > 1 the rest wait until slots free up)."""
         try:
+            faults.hit("decode.local_prefill")
             # chunked only when whole it would take more than the budget between two steps: a
             # prompt within it runs whole (one call at its bucket; in `prefix_chunk` pieces it costs
             # more calls: ragged calls of 64 tokens took 1.5x a whole 512-token prefill and its step)
             n = len(item.req.prompt_ids)
-            if self.prefill_chunk_tokens and self.table.used and n > max(self.prefill_chunk_tokens,
-                                                                          self.engine.prefix_chunk):
-                seated = self._seat(item, state)
-                if seated is not None:
-                    return seated  # streams are running: its chunks go beside their steps
-            faults.hit("decode.local_prefill")
-            done = prefill_here(self.engine, self.prefix_cache, self.grammars.grammars, item)
+            long = bool(self.prefill_chunk_tokens and self.table.used
+                        and n > max(self.prefill_chunk_tokens, self.engine.prefix_chunk))
+            seated = self._seat(item, state, hit_only=not long)
+            if seated is not None:
+                return seated
+            done = prefill_here(self.engine, self.grammars.grammars, item)
+            self.stats.prompt_computed += n
         except TandemError as e:
             self.table.drop(item.key)
             self._emit(failed(item, e.message))
             return state
         return self._prefilled(item, done, state)
 
-    def _seat(self, item: LocalPrefill, state):
-        """Seat a long local prompt in a free row (`engine.begin_prompt`) to be prefilled a chunk a
-        call beside the running rows (`_dispatch`'s ragged call); its leading blocks are the pool's
-        own where a finished sequence left them (`match_prefix`). Its record runs from now (it holds
-        the row), `seated` until the call that ends the prompt gives its first token
-        (`_first_token`). None (nothing changed) where the ragged call cannot serve it: choices
-        (n > 1), a grammar, prompt logprobs, or its blocks not free with the reserve (a whole
-        prefill then, which waits for them in the held queue)."""
+    def _seat(self, item: LocalPrefill, state, hit_only: bool = False):
+        """Seat a local prompt in a free row (`engine.begin_prompt`) to be prefilled a chunk a
+        call by `_dispatch`'s ragged call (beside the running rows, if any); its leading blocks are
+        the pool's own where a finished sequence left them (`match_prefix`), and only the rest is
+        computed. Its record runs from now (it holds the row), `seated` until the call that ends
+        the prompt gives its first token (`_first_token`). None (nothing changed) where the ragged
+        call cannot serve it: choices (n > 1), a grammar, prompt logprobs, or its blocks not free
+        with the reserve (a whole prefill then, which waits for them in the held queue); with
+        `hit_only`, also where the pool keeps none of its blocks, and while a grammar row runs (the
+        ragged call has no masked variant: a seated prompt would wait for the constrained rows to
+        end)."""
         req = item.req
         if req.n > 1 or req.grammar is not None or (req.prompt_logprobs is not None and req.start_index == 0):
             return None
+        if hit_only and (not self.engine.kv_reuse or self.grammars):
+            return None
         slot = self.table.free_slot_index()
         cached = self.engine.match_prefix(req.prompt_ids) if self.engine.kv_reuse else None
+        if hit_only and cached is None:
+            return None
         have = 0 if cached is None else len(cached.blocks)
         if slot is None or not self.blocks.fits(len(req.prompt_ids), self.table.used, have):
             self._release(cached)
@@ -348,6 +358,10 @@ class EngineLoop:
         except OutOfKVBlocks:
             self._release(cached)
             return None
+        except BaseException:  # (PromptTooLong: the whole prefill's error then; the pins go)
+            self._release(cached)
+            raise
+        self.stats.prompt_computed += len(req.prompt_ids) - (0 if cached is None else cached.length)
         self.table.start(item.key, Active(req, slot, len(req.prompt_ids), next_index=req.start_index,
                                           stop_ids=frozenset(req.stop_token_ids), seated=True, ack=item.ack))
         return state

@@ -13,7 +13,9 @@ class DecodeSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_DECODE_", env_nested_delimiter="__")
 
     grpc: GrpcConfig = GrpcConfig(port=50062)  # gRPC health
-    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # local prefills (colocated, direct); TANDEM_DECODE_PREFIX_CACHE__*
+    # a decode pod keeps no prefix cache beside its KV pool (engine.kv_reuse: local prompts are seated over
+    # its kept blocks): only chunk_tokens is read here, the ragged call's chunk; TANDEM_DECODE_PREFIX_CACHE__*
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     slots: PositiveInt = 8  # fixed decode batch
     colocated: bool = False  # also prefill from the admission streams (JetStream-style, one pod)
     direct_prefill: bool = True  # prefill prompts the gateway routes straight to decode

@@ -1,6 +1,7 @@
 """Prefix caching through the whole cluster, with the `openai` client: a multi-turn conversation
 gives the engine's own greedy tokens while its turns hit the cache (disaggregated: the prefill
-pod's cache; colocated: the decode pod's), the gateway's `vllm:prefix_cache_*` counters count it,
+pod's cache; colocated: the decode pod's KV pool, whose kept blocks a turn is seated over, only the
+rest computed), the gateway's `vllm:prefix_cache_*` counters count it,
 and with two prefill pods a shared prefix is routed to the pod that holds it; when that pod is
 SIGKILLed its cache is lost, never a request."""
 from __future__ import annotations
@@ -80,14 +81,25 @@ def turn_prompt(k: int) -> list[int]:
 def test_a_conversation_hits_the_cache_and_keeps_its_tokens(both_paths, engine):
     c = both_paths
     hits0 = counter(c, "vllm:prefix_cache_hits_total")
+    before = cache_of(c)
+    sent = 0
     for k in range(1, 4):
         prompt = turn_prompt(k)
+        sent += len(prompt)
         got = client(c).completions.create(model=c.model, prompt=prompt, max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
         assert got.choices[0].text == text(reference(engine, prompt, 8)), f"turn {k}"
     # turns 2 and 3 hit at least the system prompt's 4 blocks (turn 3 also turn 2's exchange)
     assert until(lambda: counter(c, "vllm:prefix_cache_hits_total") - hits0 >= 2 * len(SYSTEM))
     assert counter(c, "vllm:prefix_cache_queries_total") >= counter(c, "vllm:prefix_cache_hits_total")
+    if not any(w.startswith("prefill") for w in before):  # colocated: the decode pod's pool did it
+        def grown() -> dict | None:
+            (wid, now), = cache_of(c).items()
+            d = {f: now[f] - before.get(wid, {}).get(f, 0) for f in ("queries", "hits", "computed")}
+            return d if d["queries"] >= sent else None
+        d = until(grown)
+        assert d is not None and d["hits"] >= 2 * len(SYSTEM), d
+        assert d["computed"] == d["queries"] - d["hits"] == sent - d["hits"], d  # only the uncached rest computed
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +122,7 @@ def test_a_shared_prefix_goes_to_the_pod_that_holds_it(two_prefill_pods, engine)
 
     def counted():  # once every prompt is in the pods' heartbeats
         cs = cache_of(c)
-        return cs if sum(x.get("queries", 0) for x in cs.values()) >= sent else None
+        return cs if sum(x.get("queries", 0) for w, x in cs.items() if w.startswith("prefill")) >= sent else None
 
     caches = until(counted)
     holders = [wid for wid, s in caches.items() if wid.startswith("prefill") and s.get("queries")]
