@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -208,23 +209,27 @@ inline void prefetch_block(const KT* p, int64_t bytes) {
 template <typename KT, int64_t HD>
 void attend2(const float* qs, int64_t groups, const KT* k_head, const KT* v_head, const int32_t* table_row,
              int64_t nb, int64_t bs, int64_t blocks, int64_t lo, int64_t hi, float softcap, const float* sink,
-             float* out, float* scores, float* kbuf, float* vbuf) {
+             float* out, float* scores, float* buf) {
   const int64_t span = hi - lo + 1, jlo = lo / bs, jhi = std::min(hi / bs, nb - 1);
-  const int64_t block_bytes = bs * HD * static_cast<int64_t>(sizeof(KT));
-  auto block_of = [&](int64_t j) { return std::clamp<int64_t>(table_row[j], 0, blocks - 1); };
-  for (int64_t j = jlo; j <= jhi; ++j) {  // pass 1: scores
-    if (j < jhi) prefetch_block(k_head + block_of(j + 1) * bs * HD, block_bytes);
-    int64_t first = std::max(lo, j * bs), last = std::min(hi, j * bs + bs - 1), n = last - first + 1;
-    const KT* kb = k_head + (block_of(j) * bs + (first - j * bs)) * HD;
-    const float* kf;
-    if constexpr (std::is_same_v<KT, float>) {
-      kf = kb;
-    } else {
-      for (int64_t i = 0; i < n * HD; ++i) kbuf[i] = load(kb, i);
-      kf = kbuf;
+  // f(first, n, rows): every block's positions [first, first + n) of `head` in [lo, hi], as float rows
+  auto each_block = [&](const KT* head, auto f) {
+    for (int64_t j = jlo; j <= jhi; ++j) {
+      if (j < jhi)
+        prefetch_block(head + std::clamp<int64_t>(table_row[j + 1], 0, blocks - 1) * bs * HD,
+                       bs * HD * static_cast<int64_t>(sizeof(KT)));
+      int64_t first = std::max(lo, j * bs), n = std::min(hi, j * bs + bs - 1) - first + 1;
+      const KT* rows = head + (std::clamp<int64_t>(table_row[j], 0, blocks - 1) * bs + (first - j * bs)) * HD;
+      if constexpr (std::is_same_v<KT, float>) {
+        f(first, n, rows);
+      } else {
+        for (int64_t i = 0; i < n * HD; ++i) buf[i] = load(rows, i);
+        f(first, n, static_cast<const float*>(buf));
+      }
     }
-    for (int64_t g = 0; g < groups; ++g) scores_v<HD>(qs + g * HD, kf, n, scores + g * span + (first - lo));
-  }
+  };
+  each_block(k_head, [&](int64_t first, int64_t n, const float* k) {  // pass 1: scores
+    for (int64_t g = 0; g < groups; ++g) scores_v<HD>(qs + g * HD, k, n, scores + g * span + (first - lo));
+  });
   float inv[64];
   for (int64_t g = 0; g < groups; ++g) {  // one softmax per query head
     float* sg = scores + g * span;
@@ -241,19 +246,9 @@ void attend2(const float* qs, int64_t groups, const KT* k_head, const KT* v_head
     inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
   std::fill(out, out + groups * HD, 0.0f);
-  for (int64_t j = jlo; j <= jhi; ++j) {  // pass 2: values
-    if (j < jhi) prefetch_block(v_head + block_of(j + 1) * bs * HD, block_bytes);
-    int64_t first = std::max(lo, j * bs), last = std::min(hi, j * bs + bs - 1), n = last - first + 1;
-    const KT* vb = v_head + (block_of(j) * bs + (first - j * bs)) * HD;
-    const float* vf;
-    if constexpr (std::is_same_v<KT, float>) {
-      vf = vb;
-    } else {
-      for (int64_t i = 0; i < n * HD; ++i) vbuf[i] = load(vb, i);
-      vf = vbuf;
-    }
-    for (int64_t g = 0; g < groups; ++g) pv_v<HD>(scores + g * span + (first - lo), vf, n, 1.0f, out + g * HD);
-  }
+  each_block(v_head, [&](int64_t first, int64_t n, const float* v) {  // pass 2: values
+    for (int64_t g = 0; g < groups; ++g) pv_v<HD>(scores + g * span + (first - lo), v, n, 1.0f, out + g * HD);
+  });
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t d = 0; d < HD; ++d) out[g * HD + d] *= inv[g];
 }
@@ -288,26 +283,25 @@ void run(const QT* q, const KT* k, const KT* v, const int32_t* table, const int3
       const float* sink = has_sinks ? sinks + kh * groups : nullptr;
       float* o = out_row + kh * groups * hd;
       const int32_t* tr = table + r * nb;
+      auto two_pass = [&](auto dim) {  // attend2 at a head dim known when compiled
+        attend2<KT, decltype(dim)::value>(qs.data(), groups, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink,
+                                          o, scores.data(), kbuf.data());
+      };
       switch (hd) {
         case 64:
-          attend2<KT, 64>(qs.data(), groups, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink, o,
-                         scores.data(), kbuf.data(), vbuf.data());
-          break;
-        case 128:
-          attend2<KT, 128>(qs.data(), groups, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink, o,
-                          scores.data(), kbuf.data(), vbuf.data());
+          two_pass(std::integral_constant<int64_t, 64>{});
           break;
         case 80:
-          attend2<KT, 80>(qs.data(), groups, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink, o,
-                          scores.data(), kbuf.data(), vbuf.data());
+          two_pass(std::integral_constant<int64_t, 80>{});
           break;
         case 96:
-          attend2<KT, 96>(qs.data(), groups, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink, o,
-                          scores.data(), kbuf.data(), vbuf.data());
+          two_pass(std::integral_constant<int64_t, 96>{});
+          break;
+        case 128:
+          two_pass(std::integral_constant<int64_t, 128>{});
           break;
         case 256:
-          attend2<KT, 256>(qs.data(), groups, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink, o,
-                          scores.data(), kbuf.data(), vbuf.data());
+          two_pass(std::integral_constant<int64_t, 256>{});
           break;
         default:
           attend<KT, 0>(qs.data(), groups, hd, k_head, v_head, tr, nb, bs, blocks, lo, hi, softcap, sink, o,
