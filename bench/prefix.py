@@ -12,7 +12,7 @@ conversation is a sequential chain (turn k+1 after turn k); --concurrency conver
 
 Systems, one after another, same client (bench/loadgen.py), model, lengths, no CPU pinning:
   * tandem-cache    `tandem local --prefill 1 --decode 1`, prefix cache on (its default);
-  * tandem-nocache  the same with TANDEM_{PREFILL,DECODE}_PREFIX_CACHE__ENABLED=false;
+  * tandem-nocache  the same with TANDEM_PREFILL_PREFIX_CACHE__ENABLED=false and TANDEM_DECODE_ENGINE__KV_REUSE=false;
   * vllm            vLLM CPU (bench/vllm_cpu.py) with `--enable-prefix-caching` passed explicitly.
 Warm-up: one request per prefill bucket (random prompts), then conversations with ANOTHER system
 prompt (compiles the cached-prefix path without caching the measured prefix). `vllm:prefix_cache_

@@ -17,7 +17,8 @@ SYSTEMS = ("tandem-cache", "tandem-nocache", "vllm")
 BUCKETS = (16, 32, 64, 128, 256, 512)
 MAX_PROMPT = 512  # the largest prefill bucket: every prompt must stay below it
 EXTRA = {"stream_options": {"include_usage": True}}
-NOCACHE_ENV = {"TANDEM_PREFILL_PREFIX_CACHE__ENABLED": "false", "TANDEM_DECODE_PREFIX_CACHE__ENABLED": "false"}
+# (a decode pod's prefix reuse is its KV pool's block cache: kv_reuse)
+NOCACHE_ENV = {"TANDEM_PREFILL_PREFIX_CACHE__ENABLED": "false", "TANDEM_DECODE_ENGINE__KV_REUSE": "false"}
 HITS, QUERIES, COMPUTED = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "tandem_prefill_tokens_computed"
 COUNTERS = (HITS, QUERIES, COMPUTED)
 
@@ -187,7 +188,7 @@ def report(doc: dict) -> str:
         f"(the same prompt ids for every system), {plan.output_len} output tokens (greedy, ignore_eos); max len "
         f"{plan.max_len}; longest prompt {doc.get('longest_prompt', '-')} tokens. Client: {CLIENT_NAME}. No CPU "
         "pinning. tandem-cache: `tandem local --prefill 1 --decode 1` (prefix cache on); tandem-nocache: the same "
-        "with `TANDEM_PREFILL_PREFIX_CACHE__ENABLED=false TANDEM_DECODE_PREFIX_CACHE__ENABLED=false`; vllm: vLLM "
+        "with `TANDEM_PREFILL_PREFIX_CACHE__ENABLED=false TANDEM_DECODE_ENGINE__KV_REUSE=false`; vllm: vLLM "
         f"CPU with `--enable-prefix-caching` (its log: {doc.get('vllm_prefix_caching') or 'not run'}).",
         "Warm-up (excluded): one request per prefill bucket, then conversations with another system prompt. "
         "Counters: delta of `/metrics` over the measured run; hit rate = hits / prompt tokens sent; "

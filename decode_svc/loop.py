@@ -312,7 +312,8 @@ class EngineLoop:
             faults.hit("decode.local_prefill")
             # chunked only when whole it would take more than the budget between two steps: a
             # prompt within it runs whole (one call at its bucket; in `prefix_chunk` pieces it costs
-            # more calls: ragged calls of 64 tokens took 1.5x a whole 512-token prefill and its step)
+            # more calls: 8 ragged calls of 64 tokens took 1.65x the CPU of a whole 512-token prefill,
+            # its insert and one step, bench/ragged.py)
             n = len(item.req.prompt_ids)
             long = bool(self.prefill_chunk_tokens and self.table.used
                         and n > max(self.prefill_chunk_tokens, self.engine.prefix_chunk))

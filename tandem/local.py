@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
-                   help="host memory per worker for the KV of prompt prefixes already seen (0: no prefix cache)")
+                   help="memory per prefill worker for the KV blocks of prompt prefixes already seen (its prefix "
+                        "pool; 0: none); a decode worker reuses its own KV pool's blocks (--no-kv-reuse)")
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
                         "roles: prefill, decode, gateway, redis")
@@ -311,7 +312,8 @@ class Cluster:
                 f"{prefix}ENGINE__PREFILL_BUCKETS": json.dumps(self.buckets),
                 f"{prefix}ENGINE__CPU_THREADS": str(self.a.cpu_threads[role]),
                 f"{prefix}ENGINE__QUANTIZE": self.a.quantize,
-                f"{prefix}PREFIX_CACHE__BUDGET_BYTES": str(self.a.prefix_cache_bytes)}
+                # the prefill pods' prefix pool (a decode pod's reuse is its KV pool's own blocks)
+                **({f"{prefix}PREFIX_CACHE__BUDGET_BYTES": str(self.a.prefix_cache_bytes)} if role == "prefill" else {})}
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> None:
         self.sup.add(Child(name, module, env, _preexec_for(self.pins.get(name.split("-")[0]))))
