@@ -77,35 +77,15 @@ def _run(engine, chunk_tokens: int, long_ids: list[int] | None = None) -> tuple[
     prefilled first (nothing runs yet: whole), the long prompt while the stream runs. Returns
     every request's tokens, how many of the stream's steps gave a token before the long prompt's
     token 0, and the loop's ragged calls."""
-    table = RequestTable(2)
-    bridge = Bridge(2, 256)
-    loop = EngineLoop(engine, table, bridge, prefill_chunk_tokens=chunk_tokens)
     rng = np.random.default_rng(1)
     stream = GenerationRequest("stream", rng.integers(0, 256, 6).tolist(), 40, GREEDY, ignore_eos=True)
     ids = rng.integers(0, 256, 60).tolist() if long_ids is None else long_ids
     long = GenerationRequest("long", ids, 6, GREEDY, ignore_eos=True)
-    for req, ack in ((stream, b"0-1"), (long, b"0-2")):
-        assert table.reserve(1) == 1
-        bridge.inserts.put(LocalPrefill(req, ("s", "g", ack), table.claim(req.request_id)))
-    loop.start()
-    try:
-        tokens: dict[str, list[int]] = {}
-        between, finished = 0, 0
-        deadline = time.monotonic() + 120
-        while finished < 2:
-            assert time.monotonic() < deadline, f"not finished: {tokens}"
-            try:
-                batch = bridge.outputs.get(timeout=1)
-            except queue.Empty:
-                continue
-            for e in batch:
-                tokens.setdefault(e.request_id, []).append(e.token)
-                finished += e.finish is not None
-                between += e.request_id == "stream" and e.index > 0 and "long" not in tokens
-        assert loop.error is None
-        return tokens, between, loop.stats.ragged_calls
-    finally:
-        loop.stop()
+    with Turns(engine, chunk_tokens) as t:
+        got = t.serve(stream, long)
+    first_long = next(i for i, e in enumerate(t.order) if e.request_id == "long")
+    between = sum(e.request_id == "stream" and e.index > 0 for e in t.order[:first_long])
+    return {rid: [e.token for e in es] for rid, es in got.items()}, between, t.loop.stats.ragged_calls
 
 
 def test_a_long_prompt_is_prefilled_between_a_running_streams_steps(engine):
@@ -120,44 +100,24 @@ def test_a_long_prompt_is_prefilled_between_a_running_streams_steps(engine):
 def test_a_next_turn_is_seated_over_the_blocks_its_turn_before_left_in_the_pool():
     engine = load_engine("tiny", slots=2, max_len=96, prefill_buckets=(16, 64), prefix_chunk=CHUNK,
                          kv_block_size=4)
-    table = RequestTable(2)
-    bridge = Bridge(2, 256)
-    loop = EngineLoop(engine, table, bridge, prefill_chunk_tokens=CHUNK)
     rng = np.random.default_rng(5)
 
-    def turn(name: str, ids: list[int]) -> list[int]:
+    def turn(t: Turns, name: str, ids: list[int]) -> list[int]:
         """A stream and the prompt `ids` arrive together (the prompt is seated beside the stream)."""
         stream = GenerationRequest(f"stream-{name}", rng.integers(0, 256, 6).tolist(), 40, GREEDY, ignore_eos=True)
-        for req in (stream, GenerationRequest(name, ids, 6, GREEDY, ignore_eos=True)):
-            assert table.reserve(1) == 1
-            bridge.inserts.put(LocalPrefill(req, ("s", "g", name.encode()), table.claim(req.request_id)))
-        tokens: dict[str, list[int]] = {}
-        finished, deadline = 0, time.monotonic() + 120
-        while finished < 2:
-            assert time.monotonic() < deadline and loop.error is None, f"not finished: {tokens}"
-            try:
-                batch = bridge.outputs.get(timeout=1)
-            except queue.Empty:
-                continue
-            for e in batch:
-                tokens.setdefault(e.request_id, []).append(e.token)
-                finished += e.finish is not None
-        return tokens[name]
+        return _tokens(t.serve(stream, GenerationRequest(name, ids, 6, GREEDY, ignore_eos=True))[name])
 
-    loop.start()
-    try:
+    with Turns(engine, CHUNK) as t:
         first = rng.integers(0, 256, 40).tolist()
-        answer = turn("first", first)
-        calls, hits = loop.stats.ragged_calls, engine.kv_reuse_summary()["hits"]
+        answer = turn(t, "first", first)
+        calls, hits = t.loop.stats.ragged_calls, engine.kv_reuse_summary()["hits"]
         assert calls == 3  # 40 tokens in chunks of 16
         # the next turn: the first prompt, its answer (all but its last token were fed) and 9 new tokens
         ids = first + answer[:5] + rng.integers(0, 256, 9).tolist()
-        again = turn("next", ids)
+        again = turn(t, "next", ids)
         assert engine.kv_reuse_summary()["hits"] > hits, "the next turn did not reuse the pool's blocks"
-        assert loop.stats.ragged_calls - calls == 1, "the 10 tokens after the 44 kept are one chunk"
+        assert t.loop.stats.ragged_calls - calls == 1, "the 10 tokens after the 44 kept are one chunk"
         assert again == reference_greedy(engine.params, engine.cfg, ids, 6, pad_to=96)
-    finally:
-        loop.stop()
 
 
 def test_a_seated_prompt_cancelled_mid_prompt_acks_its_entry_and_frees_its_blocks(engine):
@@ -212,6 +172,7 @@ class Turns:
             self.bridge.inserts.put(LocalPrefill(req, ("s", "g", req.request_id.encode()),
                                                  self.table.claim(req.request_id)))
         got: dict[str, list] = {}
+        self.order: list = []  # every entry, in the order the loop emitted them
         finished, deadline = set(), time.monotonic() + 60
         while finished != streams:
             assert time.monotonic() < deadline and self.loop.error is None, f"not finished: {got}"
@@ -221,6 +182,7 @@ class Turns:
                 continue
             for e in batch:
                 got.setdefault(e.request_id, []).append(e)
+                self.order.append(e)
                 if e.finish is not None:
                     finished.add(e.request_id)
         return got
