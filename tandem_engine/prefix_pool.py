@@ -5,10 +5,14 @@ The host cache (prefix_cache.PrefixCache) keeps blocks in host memory, and a hit
 the prompt's KV buffer (`hit_copy_bytes`: 4,096 B per hit token on the built-in model). Here a
 hit is a list of pool blocks, pinned (block_cache.BlockCache, the index the decode side uses
 too); the prompt's row is those blocks plus new ones for the rest, and the rest runs in chunks of
-`prefix_chunk` tokens through the paged forward (each chunk's tokens are rows of one sequence at
-consecutive positions sharing one block table: `paged.decode_forward_paged`), which writes the
-new rows into the new blocks and reads the cached ones where they are: a hit copies nothing. The
-prompt's full blocks then join the index as they are (no copy either), and the Prefix handed on
+`prefix_chunk` tokens through the ragged call's forward and attention (`paged.decode_forward_paged`
+with every row the chunk, as `cores.ragged_core` runs a prompt's chunk beside decode rows: each
+layer writes the chunk's K/V into the new blocks, then `paged.chunk_attention` reads the chunk's
+prefix from the pool through the row's block table, in place, attends to the chunk's own K/V
+densely and causally, and merges the two by their log-sum-exps; windows, sinks and soft caps as
+the step has them). One compiled chunk for every prompt (the table as wide as the largest bucket:
+the attention reads only the blocks before the chunk): a hit computes only the rest and copies
+nothing. The prompt's full blocks then join the index as they are (no copy either), and the Prefix handed on
 (to the KV store and the transfer) is the row's blocks read out once, as any prefill's KV is
 read out to the host.
 
@@ -142,9 +146,11 @@ class DevicePrefixCache(PrefixCache):
         The prompt's full blocks join the index; the row's blocks are given back."""
         bs, c = self.block_size, hit.length
         bucket = padded.shape[0]
-        # the table as wide as the prompt's bucket: a compiled shape per bucket (one at the largest
-        # bucket for all, as the host path has, cost 1.4x a hit's time at 448 of 1024 positions)
-        width = -(-bucket // bs)
+        # one compiled chunk for every prompt: the table as wide as the largest bucket and the ids
+        # padded to it (the chunk's attention reads only the blocks before its own positions,
+        # paged.chunk_attention, whatever the width); the read-out is as wide as the prompt's bucket
+        size = engine.buckets[-1]
+        width = -(-size // bs)
         need = -(-n // bs) - len(hit.blocks)
         self._index.make_room(need)
         new = self._alloc.alloc(need)
@@ -156,6 +162,8 @@ class DevicePrefixCache(PrefixCache):
         try:
             table = np.zeros(width, np.int32)
             table[:len(row)] = row
+            whole = np.zeros(size, np.int32)
+            whole[:n] = padded[:n]
             chunk = engine.prefix_chunk
             packed = None
             for start in range(c, n, chunk):
@@ -163,18 +171,18 @@ class DevicePrefixCache(PrefixCache):
                 piece = np.zeros(chunk, np.int32)
                 piece[:m] = padded[start:start + m]
                 self.k, self.v, packed = _chunk_core(
-                    engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, padded, *rest,
+                    engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, whole, *rest,
                     cfg=engine.cfg, max_len=engine.max_len, mesh=engine.mesh)
-            k, v = _gather_rows(self.k, self.v, table, head_dim=engine.cfg.head_dim)
+            k, v = _gather_rows(self.k, self.v, table[:-(-bucket // bs)], head_dim=engine.cfg.head_dim)
             self._index.keep(list(padded[:n]), row)
         finally:
             self._alloc.release(row)
         return k[:, :bucket], v[:, :bucket], packed
 
     def warmup(self) -> None:
-        """Compile what a hit and an insert run per prompt bucket (the insert's write, the chunk
-        through the pool, the read-out), with the pool left as it was: every block free, nothing
-        cached."""
+        """Compile what a hit and an insert run: per prompt bucket the insert's write and the
+        read-out, and the chunk through the pool (one shape for every bucket), with the pool left
+        as it was: every block free, nothing cached."""
         if not self.enabled:
             return
         from tandem_core.types import SamplingParams
@@ -224,9 +232,10 @@ def _chunk_core(params, piece, start, length, table, k_pool, v_pool, tokens, tru
     rows = piece.shape[0]
     positions = start + jnp.arange(rows, dtype=jnp.int32)
     tables = jnp.broadcast_to(table[None], (rows, table.shape[0]))
+    # every row is the chunk (a ragged call with no decode rows: cores.ragged_core's attention)
     logits, k_pool, v_pool = decode_forward_paged(params, piece, positions, k_pool, v_pool, tables, cfg,
                                                   max_len=max_len, active=jnp.arange(rows) < length,
-                                                  shared_table=True, logits_at=length - 1, mesh=mesh)
+                                                  logits_at=length - 1, mesh=mesh, chunk=rows)
     packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p,
                            seed, proc, masks)
     return k_pool, v_pool, packed
