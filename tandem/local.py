@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
-                   help="host memory per worker for the KV of prompt prefixes already seen (0: no prefix cache)")
+                   help="memory per worker for the KV of prompt prefixes already seen: a prefill pod's pool "
+                        "on its device, a decode pod's local prefills' in host memory (0: no prefix cache)")
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "
                         "roles: prefill, decode, gateway, redis")
