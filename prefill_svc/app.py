@@ -18,7 +18,6 @@ from tandem_core.bus import conn, groups, registry
 from tandem_core.bus import KeySpace
 from tandem_core.settings import default_worker_id
 from tandem_core.worker_pod import WorkerPod
-from tandem_engine.prefix_cache import PrefixCache, cache_for
 from tandem_proto import kv_pb2
 
 if TYPE_CHECKING:  # the type only: no JAX import
@@ -58,19 +57,16 @@ async def serve(settings: PrefillSettings) -> int:
     worker_id = settings.worker_id or default_worker_id("prefill")
     engine = build_engine(settings)
     c = settings.prefix_cache
-    cache: PrefixCache
-    if c.on_device:  # (the pool of blocks in device memory: tandem_engine/prefix_pool.py)
-        from tandem_engine.prefix_pool import device_cache_for
+    # the pool of blocks in device memory that a hit's prefill reads in place (tandem_engine/prefix_pool.py)
+    from tandem_engine.prefix_pool import device_cache_for
 
-        cache = device_cache_for(engine, c.block_size, c.budget_bytes, c.enabled)  # type: ignore[arg-type]
-    else:
-        cache = cache_for(engine, c.block_size, c.budget_bytes, c.enabled)
+    cache = device_cache_for(engine, c.block_size, c.budget_bytes, c.enabled)  # type: ignore[arg-type]
     # Compile every bucket's prefill (and the prefill over a cached prefix: one shape) before the
     # pod reports ready and claims a prompt, not on a request's clock.
     t0 = time.monotonic()
     await asyncio.to_thread(engine.warmup_prefill)
     if cache.enabled:
-        await asyncio.to_thread(getattr(cache, "warmup", engine.warmup_prefix))
+        await asyncio.to_thread(cache.warmup)
     log.info("engine compiled in %.1fs (prefill buckets %s)", time.monotonic() - t0, list(engine.buckets))
     store = KVStore(settings.kv_budget_bytes, settings.kv_lease_s)
     r = conn.connect(settings.redis)

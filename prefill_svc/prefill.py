@@ -23,10 +23,10 @@ from tandem_core.bus import KeySpace
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import GenerationRequest, encode_prompt_logprobs
 from tandem_engine.api import PrefillCall
-from tandem_engine.prefix_cache import PrefixCache
 
-if TYPE_CHECKING:  # the type only: no JAX import
+if TYPE_CHECKING:  # the types only: no JAX import
     from tandem_engine.api import ServingEngine
+    from tandem_engine.prefix_pool import DevicePrefixCache
 
 log = logging.getLogger(__name__)
 _LOOKUP = object()  # prefill_sync's default: look the prompt up in the prefix cache
@@ -43,12 +43,12 @@ class Prefiller:
     through it; the asyncio loop only awaits its results."""
 
     def __init__(self, settings: PrefillSettings, engine: ServingEngine, ks: KeySpace, store: KVStore, address: str,
-                 worker_id: str, prefix_cache: PrefixCache | None = None) -> None:
+                 worker_id: str, prefix_cache: DevicePrefixCache | None = None) -> None:
         self.s, self.engine, self.ks, self.store = settings, engine, ks, store
         self.address, self.worker_id = address, worker_id
         self.bounds = token_stream.StreamBounds.of(settings)
-        # the KV of prefixes seen before (None: off; only the prefill tokens computed are counted)
-        self.cache = prefix_cache if prefix_cache is not None else PrefixCache(1, 0, enabled=False)
+        # the KV of prefixes seen before (None: off, nothing looked up or counted)
+        self.cache = prefix_cache
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
         # token 0 of a constrained request is masked too (compiled grammars: LRU, bounded)
         self.grammars = Grammars(engine.info, cache_size=settings.engine.grammar_cache_size,
@@ -210,7 +210,7 @@ class Prefiller:
         out: list = [None] * len(reqs)
         plain = []
         for i, req in enumerate(reqs):
-            hit = self.cache.lookup(req.prompt_ids)
+            hit = self._lookup(req.prompt_ids)
             if hit is None:
                 plain.append(i)
             else:
@@ -236,17 +236,20 @@ class Prefiller:
         except Exception as e:  # noqa: BLE001 - handed to the request's own handler
             return e
 
+    def _lookup(self, ids):
+        """The prefix cache's hit for a prompt (None without a cache, or on a miss)."""
+        return None if self.cache is None else self.cache.lookup(ids)
+
     def prefill_sync(self, req: GenerationRequest, hit=_LOOKUP):
         """On the engine thread: (payload, per-choice first tokens and their logprobs, encoded
         prompt logprobs or None). `hit`: the prefix-cache lookup already made (default: look up)."""
         if hit is _LOOKUP:
-            hit = self.cache.lookup(req.prompt_ids)
+            hit = self._lookup(req.prompt_ids)
         try:  # (a grammar that cannot run fails here, before the engine)
             kw = prefill_args(req, self.grammars)
         except BaseException:
-            release = getattr(hit, "cache", None)  # a device cache's hit pins its blocks until its prefill
-            if release is not None:
-                release.release(hit)
+            if hit is not None:  # a hit pins its blocks until its prefill runs
+                hit.cache.release(hit)
             raise
         prefix = self.engine.prefill(req.prompt_ids, req.sampling, cached=hit, **kw)
         return self._finish_sync(req, prefix, hit)
@@ -254,8 +257,9 @@ class Prefiller:
     def _finish_sync(self, req: GenerationRequest, prefix, hit):
         """The prefix's KV to the host, its new blocks cached, its prompt logprobs if asked."""
         payload = self.engine.export_prefix(prefix)
-        self.cache.stats.computed += len(req.prompt_ids) - (hit.length if hit else 0)
-        self.cache.insert(req.prompt_ids, lambda: (payload.k, payload.v))
+        if self.cache is not None:
+            self.cache.stats.computed += len(req.prompt_ids) - (hit.length if hit else 0)
+            self.cache.insert(req.prompt_ids, lambda: (payload.k, payload.v))
         prompt_lp = None
         if req.prompt_logprobs is not None and req.start_index == 0:
             prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))

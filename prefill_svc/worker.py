@@ -38,10 +38,10 @@ from tandem_core.bus.conn import REDIS_DOWN
 from tandem_core.bus import KeySpace
 from tandem_core.scheduling import PriorityRotation
 from tandem_core.types import FINISH_ERROR
-from tandem_engine.prefix_cache import PrefixCache
 
-if TYPE_CHECKING:  # the type only: no JAX import
+if TYPE_CHECKING:  # the types only: no JAX import
     from tandem_engine.api import ServingEngine
+    from tandem_engine.prefix_pool import DevicePrefixCache
 
 log = logging.getLogger(__name__)
 BUDGET_FULL_POLL_S = 0.02  # with the budget full, look again this soon (pulls free KV meanwhile)
@@ -53,7 +53,7 @@ class PrefillWorker:
     fenced commit (`handler`), and other pods' leftovers (`takeover`)."""
 
     def __init__(self, settings: PrefillSettings, engine: ServingEngine, r: aioredis.Redis, ks: KeySpace,
-                 store: KVStore, address: str, worker_id: str, prefix_cache: PrefixCache | None = None,
+                 store: KVStore, address: str, worker_id: str, prefix_cache: DevicePrefixCache | None = None,
                  peers: lifecycle.PeerJudge | None = None) -> None:
         self.s, self.r, self.ks, self.store = settings, r, ks, store
         self.address, self.worker_id = address, worker_id

@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
-                   help="memory per prefill worker for the KV blocks of prompt prefixes already seen (its prefix "
+                   help="device memory per prefill worker for the KV blocks of prompt prefixes already seen (its prefix "
                         "pool; 0: none); a decode worker reuses its own KV pool's blocks (--no-kv-reuse)")
     p.add_argument("--pin", default="", metavar="ROLE=CPUS,...",
                    help="pin children to CPUs, e.g. prefill=0,decode=1,gateway=0,redis=0 (CPUS: 0, 0-1 or 0+1); "

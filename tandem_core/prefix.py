@@ -11,11 +11,25 @@ No I/O, no JAX here.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 DIGEST_BYTES = 16
+
+
+@dataclass
+class CacheStats:
+    """A pod's prefix-cache counters, cumulative since the cache was made (prompt tokens, like
+    vLLM's prefix-cache counters): what its heartbeat reports (`extra["prefix_cache"]`)."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+    computed: int = 0  # prompt tokens prefilled (recorded by the caller)
+    inserted: int = 0  # blocks added
+    evicted: int = 0  # blocks dropped for room
+    hit_copy_bytes: int = 0  # KV bytes the hits copied out of the cache into a prompt's buffer
 
 
 def cache_salt(*parts: object) -> bytes:

@@ -179,18 +179,15 @@ def default_worker_id(role: str) -> str:
 
 
 class PrefixCacheConfig(BaseModel):
-    """A pod's prefix cache (tandem_engine/prefix_cache.py): KV of prompt prefixes already seen, in
-    blocks of `block_size` tokens, under its own byte budget (LRU), apart from the held-KV budget."""
+    """A pod's prefix cache: KV of prompt prefixes already seen, in blocks of `block_size` tokens,
+    under its own byte budget (LRU), apart from the held-KV budget. A prefill pod's is a pool of
+    blocks in device memory (`budget_bytes` of it, taken at start) that a hit's prefill reads in
+    place (tandem_engine/prefix_pool.py); a decode pod's local prefills keep theirs in host memory."""
 
     enabled: bool = True
     block_size: PositiveInt = 16  # tokens per block; a prompt's trailing partial block is always computed
-    budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # host memory for cached blocks; 0 = off
+    budget_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # memory for cached blocks; 0 = off
     chunk_tokens: PositiveInt = 64  # a prompt after a cached prefix runs in chunks of this many (one compiled shape)
-    # prefill pods: keep the blocks in a pool in device memory (budget_bytes of it, taken at start)
-    # that a hit's prefill reads in place, copying nothing (tandem_engine/prefix_pool.py); false:
-    # host memory, a hit's blocks copied into the prompt's buffer. A decode pod's local prefills
-    # use the host cache whatever this says.
-    on_device: bool = True
 
 
 class WorkerSettings(BaseSettings):

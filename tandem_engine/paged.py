@@ -150,8 +150,7 @@ READ_CHUNK = 128  # positions per piece of a step's attention (gathered, then re
 
 
 def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, window: int = 0,
-                    sinks: jax.Array | None = None, shared_table: bool = False,
-                    lengths: jax.Array | None = None):
+                    sinks: jax.Array | None = None, lengths: jax.Array | None = None):
     """Decode attention of one layer through block tables (the gather path).
 
     q [rows, 1, H, hd]; k_layer, v_layer [KV, num_blocks, B / f, hd * f] (one layer of the pool,
@@ -168,16 +167,14 @@ def paged_attention(q, k_layer, v_layer, table, positions, cfg: ModelConfig, *, 
     (soft-capped by `_scores`; started from the sink logit where the family has one). In pieces
     because one gather of every row's whole table outgrew the CPU's caches: on the built-in model
     at 32 rows, 384 positions a row cost 13 ms a step where the slot layout's blocks (read in
-    place) cost 6. `shared_table`: every row reads table[0] (the rows are positions of one
-    sequence: a chunk of a prompt, prefix_pool.py), gathered once for all of them. Returns
-    [rows, 1, H * hd] in q's dtype."""
+    place) cost 6. Returns [rows, 1, H * hd] in q's dtype."""
     rows = q.shape[0]
     qg, carry = _fold_start(q, cfg, sinks)
     used = jnp.ones_like(positions, jnp.bool_) if lengths is None else lengths > 0
     last = jnp.max(jnp.where(used, positions, 0))
     reach = jnp.min(jnp.where(used, positions - (window - 1), last)) if window else None
     carry = _pool_fold(qg, carry, k_layer, v_layer, table, positions, cfg, window=window, last=last, reach=reach,
-                       shared_table=shared_table, below=None)
+                       shared_table=False, below=None)
     return _fold_end(carry, q.dtype, rows, cfg)
 
 
@@ -379,8 +376,7 @@ def step_kernel(cfg: ModelConfig, dtype, block_size: int) -> PagedAttention | No
 
 
 def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
-                         *, max_len: int, active: jax.Array | None = None, shared_table: bool = False,
-                         logits_at: jax.Array | None = None, mesh: Mesh | None = None, chunk: int = 0):
+                         *, max_len: int, active: jax.Array | None = None, logits_at: jax.Array | None = None, mesh: Mesh | None = None, chunk: int = 0):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
     k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded,
@@ -392,16 +388,16 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     over its own buffer: the Pallas kernel when compiled for a TPU and `step_kernel` allows it
     (lengths p + 1, at most nb * B; 0 for a row that is not `active`, whose output is zeros),
     the gather path (`paged_attention`) otherwise. params["layers"]: stacked or per-layer
-    (`split_layers`); the layers run unrolled. `shared_table`: every row is a position of one
-    sequence and reads table[0] (paged_attention's). `logits_at`: the one row whose logits are
+    (`split_layers`); the layers run unrolled. `logits_at`: the one row whose logits are
     wanted (then [vocab]). `mesh` (tensor parallelism: a "tp" axis over > 1 chips): the pool
     MUST be split on its KV axis (sharding.Layout.kv_pool) and q/k/v by head, as the layout's
     weights make them; each layer's write and attention then run per chip on its own heads
     (`_layer_attention` in a shard_map), the tables replicated. Returns (logits [rows, vocab],
-    k_pool, v_pool). `chunk` (a ragged call, cores.ragged_core): the last `chunk` rows are
+    k_pool, v_pool). `chunk` (a ragged call, cores.ragged_core; a prefill pod's hit over its
+    prefix pool, prefix_pool.py, where every row is the chunk): the last `chunk` rows are
     positions of one sequence (a prompt's chunk, every one with that sequence's table row); they
-    attend as `shared_table` rows do (its blocks gathered once for all of them: dense scores of
-    the chunk against them), the rows before them as decode rows."""
+    attend as `chunk_attention` does (the prefix's blocks gathered once for all of them, the
+    chunk's own K/V dense), the rows before them as decode rows."""
     nb, bs = table.shape[1], block_positions(k_pool[0], cfg.head_dim)
     write_pos = jnp.minimum(positions, max_len - 1)
     j = write_pos // bs
@@ -425,8 +421,8 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
         tables = shared if stacked is None else jax.tree.map(lambda t, i=i: t[i], stacked)
 
         def attention(q, k, v, sinks, i=i):  # q [rows, 1, H, hd]; k, v [rows, 1, KV, hd]
-            attend = partial(_layer_attention, cfg=local, window=cfg.window(i), shared_table=shared_table,
-                             has_sinks=sinks is not None, chunk=chunk)
+            attend = partial(_layer_attention, cfg=local, window=cfg.window(i), has_sinks=sinks is not None,
+                             chunk=chunk)
             args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat, table, write_pos, lengths,
                     jnp.zeros((), q.dtype) if sinks is None else sinks)
             if tp > 1:  # per chip, on its heads: XLA cannot partition a Mosaic call (see the module docstring)
@@ -446,7 +442,7 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
 
 
 def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths, sinks, *, cfg: ModelConfig,
-                     window: int, shared_table: bool, has_sinks: bool, chunk: int = 0):
+                     window: int, has_sinks: bool, chunk: int = 0):
     """One layer of `decode_forward_paged` on the heads `cfg` counts (all of them, or under tp one
     chip's: cfg's num_heads and num_kv_heads are then the chip's): the rows' new K/V k, v
     [rows, KV, hd] written at `flat` [rows] (block * B + offset) of every head's blocks of the
@@ -466,24 +462,23 @@ def _layer_attention(q, k, v, k_layer, v_layer, flat, table, write_pos, lengths,
         if r == 0:
             return ahead, k_layer, v_layer
         rows = _rows_attention(q[:r], k_layer, v_layer, table[:r], write_pos[:r], lengths[:r], sinks, cfg=cfg,
-                               window=window, has_sinks=has_sinks, shared_table=False)
+                               window=window, has_sinks=has_sinks)
         return jnp.concatenate([rows, ahead]), k_layer, v_layer
     attn = _rows_attention(q, k_layer, v_layer, table, write_pos, lengths, sinks, cfg=cfg, window=window,
-                           has_sinks=has_sinks, shared_table=shared_table)
+                           has_sinks=has_sinks)
     return attn, k_layer, v_layer
 
 
 def _rows_attention(q, k_layer, v_layer, table, write_pos, lengths, sinks, *, cfg: ModelConfig, window: int,
-                    has_sinks: bool, shared_table: bool):
+                    has_sinks: bool):
     """Rows q [rows, 1, H, hd] attend over the layer buffers already written: the Pallas kernel
     where compiled for a TPU and the family allows it, Tandem's CPU kernel on a CPU, the gather
-    path otherwise (and for `shared_table` rows everywhere). Returns [rows, 1, H * hd]."""
+    path otherwise. Returns [rows, 1, H * hd]."""
     hd = cfg.head_dim
     gather = partial(paged_attention, table=table, positions=write_pos, cfg=cfg, window=window,
-                     sinks=sinks if has_sinks else None, shared_table=shared_table,
-                     lengths=None if shared_table else lengths)
+                     sinks=sinks if has_sinks else None, lengths=lengths)
     cpu = gather
-    native = None if shared_table else cpu_step_kernel(jnp.dtype(q.dtype), jnp.dtype(k_layer.dtype))
+    native = cpu_step_kernel(jnp.dtype(q.dtype), jnp.dtype(k_layer.dtype))
     if native is not None:  # a CPU compile reads the blocks in place (cpu_kernels), no gather
 
         def cpu(q, k_layer, v_layer):
@@ -495,7 +490,7 @@ def _rows_attention(q, k_layer, v_layer, table, write_pos, lengths, sinks, *, cf
             return out.astype(q.dtype).reshape(q.shape[0], 1, cfg.num_heads * cfg.head_dim)
 
     kernel = None
-    if cfg.paged_kernel and not shared_table:
+    if cfg.paged_kernel:
         kernel = step_kernel(cfg, jnp.dtype(k_layer.dtype), block_positions(k_layer, hd))
     if kernel is None:
         return jax.lax.platform_dependent(q, k_layer, v_layer, cpu=cpu, default=gather)

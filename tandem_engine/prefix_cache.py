@@ -1,4 +1,7 @@
-"""A pod's prefix cache: the KV of prompt prefixes already prefilled, in blocks, on the host.
+"""A decode pod's prefix cache for the prompts it prefills itself (decode_svc/local_prefill.py):
+the KV of prompt prefixes already prefilled, in blocks, on the host. (A prefill pod's is a pool of
+blocks on the device, prefix_pool.py; this host cache goes once the decode pod's local prefills
+use its own pool.)
 
 Blocks of `block_size` tokens are keyed by the hash chain of tandem_core/prefix.py (a key covers
 the whole prefix up to its block, salted with the model and dtype), so a lookup walks a prompt's
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tandem_core.prefix import block_hashes, cache_salt
+from tandem_core.prefix import CacheStats, block_hashes, cache_salt
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine
@@ -39,18 +42,6 @@ class Hit:
     v: np.ndarray
     length: int
     blocks: int
-
-
-@dataclass
-class CacheStats:
-    """Cumulative since the cache was made (prompt tokens, like vLLM's prefix-cache counters)."""
-
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens found cached
-    computed: int = 0  # prompt tokens prefilled (recorded by the caller)
-    inserted: int = 0  # blocks added
-    evicted: int = 0  # blocks dropped for room
-    hit_copy_bytes: int = 0  # KV bytes the hits copied out of the cache into a prompt's buffer
 
 
 class PrefixCache:

@@ -1,14 +1,19 @@
-"""A prefill pod's prefix cache on the device: the KV of prompt prefixes already prefilled, kept in
-a pool of KV blocks (paged.py's layout) that a later prompt's prefill reads in place.
+"""A prefill pod's prefix cache: the KV of prompt prefixes already prefilled, kept in a pool of KV
+blocks in device memory (paged.py's layout) that a later prompt's prefill reads in place.
 
-The host cache (prefix_cache.PrefixCache) keeps blocks in host memory, and a hit copies them into
-the prompt's KV buffer (`hit_copy_bytes`: 4,096 B per hit token on the built-in model). Here a
-hit is a list of pool blocks, pinned (block_cache.BlockCache, the index the decode side uses
+Blocks of `block_size` tokens are keyed by the hash chain of tandem_core/prefix.py (a key covers
+the whole prefix up to its block, salted with the model and dtype: `device_cache_for`), so a
+lookup walks a prompt's keys until the first miss, always leaving at least the last token to
+compute (the first token's logits come from the last prompt position). A hit is a list of pool blocks, pinned (block_cache.BlockCache, the index the decode side uses
 too); the prompt's row is those blocks plus new ones for the rest, and the rest runs in chunks of
-`prefix_chunk` tokens through the paged forward (each chunk's tokens are rows of one sequence at
-consecutive positions sharing one block table: `paged.decode_forward_paged`), which writes the
-new rows into the new blocks and reads the cached ones where they are: a hit copies nothing. The
-prompt's full blocks then join the index as they are (no copy either), and the Prefix handed on
+`prefix_chunk` tokens through the ragged call's forward and attention (`paged.decode_forward_paged`
+with every row the chunk, as `cores.ragged_core` runs a prompt's chunk beside decode rows: each
+layer writes the chunk's K/V into the new blocks, then `paged.chunk_attention` reads the chunk's
+prefix from the pool through the row's block table, in place, attends to the chunk's own K/V
+densely and causally, and merges the two by their log-sum-exps; windows, sinks and soft caps as
+the step has them). One compiled chunk for every prompt (the table as wide as the largest bucket:
+the attention reads only the blocks before the chunk): a hit computes only the rest and copies
+nothing. The prompt's full blocks then join the index as they are (no copy either), and the Prefix handed on
 (to the KV store and the transfer) is the row's blocks read out once, as any prefill's KV is
 read out to the host.
 
@@ -18,7 +23,9 @@ writes its new full blocks into the pool: an insert's copy, counted in `insert_c
 Memory: the pool is `budget_bytes` of device memory, allocated when the cache is made; a prompt's
 blocks beyond the cached ones are taken for the prefill and given back after it (evicting
 cached blocks least recently used first when the pool is short: then the prompt runs without
-the cache). Same interface as PrefixCache, so the prefill pod uses either. Engine-thread only.
+the cache). `enabled=False` (or a budget under one block): lookups miss without counting and
+inserts keep nothing; only `computed` is counted (a pod with the cache off still reports the
+prefill tokens it computed). Engine-thread only.
 """
 from __future__ import annotations
 
@@ -31,12 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tandem_core.prefix import block_hashes, cache_salt
+from tandem_core.prefix import CacheStats, block_hashes, cache_salt
 from tandem_engine.block_cache import BlockCache, CachingAllocator, PrefixMatch
 from tandem_engine.cores import _first_tokens
 from tandem_engine.paged import NULL_BLOCK, decode_forward_paged, paged_pool, write_prompt_blocks
 from tandem_engine.pool_layout import unfold
-from tandem_engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from tandem_engine.engine import Engine
@@ -53,15 +59,23 @@ class BlockHit:
     cache: "DevicePrefixCache"
 
 
-class DevicePrefixCache(PrefixCache):
+class DevicePrefixCache:
+    """A prefill pod's prefix cache (see the module docstring): `lookup` a prompt, hand the hit to
+    `Engine.prefill(cached=hit)` (or `release` it), then `insert` the prompt."""
+
     def __init__(self, engine: "Engine", block_size: int, budget_bytes: int, salt: bytes = b"",
                  enabled: bool = True) -> None:
-        super().__init__(block_size, budget_bytes, salt, enabled)
+        if block_size < 1 or budget_bytes < 0:
+            raise ValueError(f"block_size ({block_size}) must be >= 1 and budget_bytes ({budget_bytes}) >= 0")
+        self.block_size = int(block_size)
+        self.budget_bytes = int(budget_bytes)
+        self.salt = salt
+        self.stats = CacheStats()
         c = engine.cfg
         itemsize = np.dtype(engine._jdtype).itemsize
         self.block_bytes = 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
-        self.blocks_total = self.budget_bytes // self.block_bytes if self.enabled else 0
-        self.enabled = self.enabled and self.blocks_total >= 1
+        self.blocks_total = self.budget_bytes // self.block_bytes if enabled else 0
+        self.enabled = self.blocks_total >= 1
         self.engine = engine
         self.insert_copy_bytes = 0  # KV bytes written into the pool for prompts that missed
         self._alloc = CachingAllocator(max(1, self.blocks_total))
@@ -75,7 +89,7 @@ class DevicePrefixCache(PrefixCache):
     def __len__(self) -> int:
         return len(self._index)
 
-    def lookup(self, ids: Sequence[int]) -> BlockHit | None:  # type: ignore[override]
+    def lookup(self, ids: Sequence[int]) -> BlockHit | None:
         """The pool blocks of the longest cached run of `ids`' leading blocks, pinned (None on a
         miss), leaving at least the last token to compute. Nothing is copied."""
         if not self.enabled:
@@ -142,9 +156,11 @@ class DevicePrefixCache(PrefixCache):
         The prompt's full blocks join the index; the row's blocks are given back."""
         bs, c = self.block_size, hit.length
         bucket = padded.shape[0]
-        # the table as wide as the prompt's bucket: a compiled shape per bucket (one at the largest
-        # bucket for all, as the host path has, cost 1.4x a hit's time at 448 of 1024 positions)
-        width = -(-bucket // bs)
+        # one compiled chunk for every prompt: the table as wide as the largest bucket and the ids
+        # padded to it (the chunk's attention reads only the blocks before its own positions,
+        # paged.chunk_attention, whatever the width); the read-out is as wide as the prompt's bucket
+        size = engine.buckets[-1]
+        width = -(-size // bs)
         need = -(-n // bs) - len(hit.blocks)
         self._index.make_room(need)
         new = self._alloc.alloc(need)
@@ -156,6 +172,8 @@ class DevicePrefixCache(PrefixCache):
         try:
             table = np.zeros(width, np.int32)
             table[:len(row)] = row
+            whole = np.zeros(size, np.int32)
+            whole[:n] = padded[:n]
             chunk = engine.prefix_chunk
             packed = None
             for start in range(c, n, chunk):
@@ -163,18 +181,18 @@ class DevicePrefixCache(PrefixCache):
                 piece = np.zeros(chunk, np.int32)
                 piece[:m] = padded[start:start + m]
                 self.k, self.v, packed = _chunk_core(
-                    engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, padded, *rest,
+                    engine.params, piece, np.int32(start), np.int32(m), table, self.k, self.v, whole, *rest,
                     cfg=engine.cfg, max_len=engine.max_len, mesh=engine.mesh)
-            k, v = _gather_rows(self.k, self.v, table, head_dim=engine.cfg.head_dim)
+            k, v = _gather_rows(self.k, self.v, table[:-(-bucket // bs)], head_dim=engine.cfg.head_dim)
             self._index.keep(list(padded[:n]), row)
         finally:
             self._alloc.release(row)
         return k[:, :bucket], v[:, :bucket], packed
 
     def warmup(self) -> None:
-        """Compile what a hit and an insert run per prompt bucket (the insert's write, the chunk
-        through the pool, the read-out), with the pool left as it was: every block free, nothing
-        cached."""
+        """Compile what a hit and an insert run: per prompt bucket the insert's write and the
+        read-out, and the chunk through the pool (one shape for every bucket), with the pool left
+        as it was: every block free, nothing cached."""
         if not self.enabled:
             return
         from tandem_core.types import SamplingParams
@@ -196,14 +214,15 @@ class DevicePrefixCache(PrefixCache):
 
     def summary(self) -> dict:
         s = self.stats
-        return {"enabled": self.enabled, "on_device": True, "block_size": self.block_size, "queries": s.queries,
+        return {"enabled": self.enabled, "block_size": self.block_size, "queries": s.queries,
                 "hits": s.hits, "computed": s.computed, "bytes": len(self._index) * self.block_bytes,
                 "budget_bytes": self.budget_bytes, "blocks": len(self._index), "evicted": self._index.stats.evicted,
                 "hit_copy_bytes": s.hit_copy_bytes, "insert_copy_bytes": self.insert_copy_bytes}
 
 
 def device_cache_for(engine: "Engine", block_size: int, budget_bytes: int, enabled: bool = True) -> DevicePrefixCache:
-    """A device cache whose keys are salted as `prefix_cache.cache_for`'s."""
+    """A cache whose keys are salted with this engine's model and dtype (as every pod's prefix
+    keys are: the gateway's prefix routing needs only the block size to agree)."""
     info = engine.info
     return DevicePrefixCache(engine, block_size, budget_bytes,
                              cache_salt(info.name, info.path, engine.dtype, engine.cfg), enabled=enabled)
@@ -224,9 +243,10 @@ def _chunk_core(params, piece, start, length, table, k_pool, v_pool, tokens, tru
     rows = piece.shape[0]
     positions = start + jnp.arange(rows, dtype=jnp.int32)
     tables = jnp.broadcast_to(table[None], (rows, table.shape[0]))
+    # every row is the chunk (a ragged call with no decode rows: cores.ragged_core's attention)
     logits, k_pool, v_pool = decode_forward_paged(params, piece, positions, k_pool, v_pool, tables, cfg,
                                                   max_len=max_len, active=jnp.arange(rows) < length,
-                                                  shared_table=True, logits_at=length - 1, mesh=mesh)
+                                                  logits_at=length - 1, mesh=mesh, chunk=rows)
     packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p,
                            seed, proc, masks)
     return k_pool, v_pool, packed

@@ -15,7 +15,7 @@ from tandem_core.bus import admission, groups, registry
 from tandem_core.settings import EngineConfig, RedisConfig
 from tandem_core.types import GenerationRequest
 from tandem_engine import load_engine
-from tandem_engine.prefix_cache import cache_for
+from tandem_engine.prefix_pool import device_cache_for
 
 KS = keys.KeySpace(1)  # a plain Redis: one key shard (a service builds its own from its settings)
 
@@ -102,7 +102,7 @@ async def test_forget_refuses_while_a_stream_has_entries(redis_client):
 async def test_the_pods_cache_hits_on_a_shared_prefix(redis_url, redis_client, engine):
     r, pool = redis_client, "podstreams-cache"
     await groups.ensure_groups(r, KS, pool)
-    cache = cache_for(engine, 16, 1 << 24)
+    cache = device_cache_for(engine, 16, 1 << 24)
     worker = worker_for(redis_url, r, engine, pool, "prefill-cache", cache)
     stop, task = await running(worker)
     shared = list(range(2, 34))  # two blocks

@@ -86,7 +86,7 @@ def test_the_paged_step_uses_the_kernel_on_a_cpu():
 
     def layer(q, k_layer, v_layer):
         return paged._layer_attention(q, new, new, k_layer, v_layer, flat, table, positions, lengths,
-                                      jnp.zeros((), jnp.float32), cfg=cfg, window=0, shared_table=False,
+                                      jnp.zeros((), jnp.float32), cfg=cfg, window=0,
                                       has_sinks=False)
 
     text = jax.jit(layer).lower(q, k, v).compile().as_text()

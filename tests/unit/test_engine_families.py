@@ -26,6 +26,7 @@ from tandem_core.types import SamplingParams
 from tandem_engine import config_from_info, load_engine, reference_forward
 from tandem_engine.prefix_cache import cache_for
 from tandem_engine.prefix_cache import prefill as cached_prefill
+from tandem_engine.prefix_pool import device_cache_for
 from tests.families import FAMILIES, WINDOW, build_family, hf_greedy
 
 pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): every family's engine and its transformers model, 9 times
@@ -106,6 +107,32 @@ def test_cached_prefix_and_moved_kv_decode_the_same(family):
     want = hf_greedy(model, ids, NEW_TOKENS)
     assert got[0] == want, f"{name}: over a cached prefix"
     assert got[1] == want, f"{name}: KV moved through the host"
+
+
+def test_a_device_pool_hit_is_the_whole_prefill(family):
+    """A prefill pod's prefix pool (prefix_pool.py): a hit's rest runs through the ragged call's
+    chunk attention over the pool (the cached blocks read in place, the chunk's own K/V dense)
+    and gives the whole prefill's first tokens (greedy and seeded, with logprobs) and KV, and
+    transformers' tokens after it. Windows of 8 positions are crossed by the cached block and by
+    each chunk of 16; sinks (gpt_oss) and soft caps (gemma2) on the same path."""
+    name, model, engine, prompts = family
+    ids = prompts[1]  # 40 tokens
+    cache = device_cache_for(engine, 16, 1 << 22)
+    first = engine.prefill(ids[:17], GREEDY)
+    assert cache.insert(ids[:17], lambda: (np.asarray(first.k), np.asarray(first.v))) == 1
+    picks = [SamplingParams(logprobs=2), SamplingParams(temperature=1.0, seed=7, logprobs=2)]
+    want = engine.prefill(ids, GREEDY, choices=picks)
+    for cached in (16, 32):  # the rest in two chunks (16 + 8), then (its blocks kept by the first) one of 8
+        hit = cache.lookup(ids)
+        assert hit is not None and hit.length == cached, name
+        got = engine.prefill(ids, GREEDY, choices=picks, cached=hit)
+        assert got.first_tokens == want.first_tokens, f"{name}: {cached} cached"
+        for g, w in zip(got.first_logprobs, want.first_logprobs):
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-4), f"{name}: {cached} cached"
+        for ours, theirs in ((got.k, want.k), (got.v, want.v)):
+            assert rel_err(np.asarray(ours)[:, :40], np.asarray(theirs)[:, :40]) < REL_TOL, f"{name}: {cached} cached"
+        assert decode(engine, {0: got})[0] == hf_greedy(model, ids, NEW_TOKENS), f"{name}: {cached} cached"
+    assert cache.stats.hit_copy_bytes == 0
 
 
 def test_resume_from_streamed_tokens(family):

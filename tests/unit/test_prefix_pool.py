@@ -86,3 +86,39 @@ def test_a_full_pool_runs_the_prompt_whole_and_a_bad_request_lets_its_hit_go(eng
     with pytest.raises(InvalidRequest):
         engine.prefill(a[:-1] + [10 ** 6], GREEDY, cached=hit)  # a token outside the vocabulary
     assert _free(cache) == 7 and hit.match.done
+
+
+def test_a_hit_computes_only_the_rest_over_the_pools_prefix(engine):
+    """The cached positions are read from the pool, never computed: a pool holding a made-up KV
+    for the prefix hands that KV back for those positions, untouched, and the rest (attending to
+    it, as the chunk attention reads the prefix through the row's table) comes out unlike the
+    whole prompt's, while a hit over the true KV gives the whole prompt's; seeded sampling and
+    the first token's logprobs too."""
+    cache = _cache(engine, 40)
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 512, 70).tolist()
+    whole_a = engine.prefill(a, GREEDY)
+    shape = np.asarray(whole_a.k).shape
+    fake = np.full(shape, 0.5, np.float32)
+    assert cache.insert(a, lambda: (fake, -fake)) == 4  # 64 positions of made-up KV
+    b = a[:64] + rng.integers(0, 512, 75).tolist()  # 139 tokens: 64 cached, 75 computed in 3 chunks
+    seeded = SamplingParams(temperature=1.0, seed=11, logprobs=3)
+    picks = [SamplingParams(logprobs=3), seeded]
+    want = engine.prefill(b, GREEDY, choices=picks)
+    got = engine.prefill(b, GREEDY, choices=picks, cached=cache.lookup(b))
+    k, wk = np.asarray(got.k), np.asarray(want.k)
+    np.testing.assert_array_equal(k[:, :64], 0.5)  # the pool's, as they were: not recomputed
+    np.testing.assert_array_equal(np.asarray(got.v)[:, :64], -0.5)
+    assert np.abs(k[1:, 64:139] - wk[1:, 64:139]).max() > 1e-2  # layer 2 on: the rest attended to the made-up prefix
+    np.testing.assert_allclose(k[0, 64:139], wk[0, 64:139], atol=1e-5)  # layer 1's K: the tokens' own
+
+    cache = _cache(engine, 40)
+    assert cache.insert(a, lambda: (np.asarray(whole_a.k), np.asarray(whole_a.v))) == 4
+    got = engine.prefill(b, GREEDY, choices=picks, cached=cache.lookup(b))
+    assert got.first_tokens == want.first_tokens
+    for g, w in zip(got.first_logprobs, want.first_logprobs):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+    np.testing.assert_allclose(np.asarray(got.k)[:, :139], wk[:, :139], atol=2e-4)
+    np.testing.assert_allclose(np.asarray(got.v)[:, :139], np.asarray(want.v)[:, :139], atol=2e-4)
+    assert _free(cache) == 40
