@@ -55,7 +55,8 @@ async def _compiled_engine(s: DecodeSettings):
     # gateway's direct prompts (so short, ~16 tokens, that they seldom hold a whole kept block: a
     # hit there compiles the ragged call on its first use)
     ragged = s.colocated and (engine.kv_reuse or s.prefill_chunk_tokens > 0)
-    steps = await asyncio.to_thread(engine.warmup, s.colocated, True, True, False, progress, s.direct_prefill, ragged)
+    steps = await asyncio.to_thread(engine.warmup, prefill=s.colocated, logprobs=True, masks=True, progress=progress,
+                                    direct=s.direct_prefill, ragged=ragged)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %d blocks "
              "of %d)", time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
              engine.kv_blocks_total, engine.kv_block_size)

@@ -1,6 +1,6 @@
 """What the services may use of an engine: `ServingEngine`, a typed Protocol.
 
-The prefill and decode pods (and tandem_engine.prefix_cache) hold an engine only through this
+The prefill and decode pods hold an engine only through this
 Protocol, so the surface a service depends on is written down in one place: anything a service
 calls that is not here is a type error (the services type their engine as `ServingEngine`; mypy
 runs first in `make test`), and `Engine` is checked to provide every member
@@ -13,7 +13,7 @@ to insert/generate/free are donated and must not be used again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -82,11 +82,6 @@ class ServingEngine(Protocol):
 
     def prefill_batch(self, calls: Sequence["PrefillCall"]) -> "list[Prefix]": ...
 
-    def prefill_chunked(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *, chunk: int | None = None,
-                        choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
-                        output_from: int | None = None, stop_ids: Sequence[int] = (),
-                        masks: "np.ndarray | None" = None, cached=None) -> "Iterator[Prefix | None]": ...
-
     def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> "list[TokenLogprobs | None]": ...
 
     def export_prefix(self, prefix: "Prefix") -> "KVPayload": ...
@@ -121,10 +116,8 @@ class ServingEngine(Protocol):
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
-               prefix: bool = False, progress: Callable[[int, int, float], None] | None = None,
+               progress: Callable[[int, int, float], None] | None = None,
                direct: bool = False, ragged: bool = False) -> int: ...
-
-    def warmup_prefix(self) -> None: ...
 
     def warmup_prefill(self) -> None: ...
 

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 
 from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
-from tandem_engine.model import (ModelConfig, prefill_batch_forward, prefill_forward, prefill_logits_all,
-                                 prefill_suffix_forward)
+from tandem_engine.model import ModelConfig, prefill_batch_forward, prefill_forward, prefill_logits_all
 from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
 from tandem_engine.sampling import sample, token_keys
 from tandem_engine.sharding import Layout, constrain
@@ -92,20 +91,6 @@ def prefill_batch_core(params, tokens, true_length, output_from, index, temperat
         logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed, proc, None)
     batched = None if layout is None else layout.kv_prefixes()
     return constrain(k, batched), constrain(v, batched), packed
-
-
-@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnums=(4, 5))
-def prefill_cached_core(params, suffix, start, suffix_length, k_buf, v_buf, tokens, true_length, output_from,
-                        index, temperature, top_k, top_p, seed, proc: SlotLogits, masks=None, *,
-                        cfg: ModelConfig, layout: Layout | None):
-    """`prefill_core` over a cached prefix: only `suffix` (the next chunk of the prompt, from
-    `start` on) runs; k_buf, v_buf [L, S, KV, hd] (donated) hold the KV of rows [0, start).
-    `tokens` is the whole prompt padded to S (the penalty state sees all of it). Returns (k, v
-    [L, S, KV, hd] with the chunk's rows written, packed: first tokens from the chunk's last row)."""
-    logits, k, v = prefill_suffix_forward(params, suffix, start, suffix_length, k_buf, v_buf, cfg)
-    packed = _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed,
-                           proc, masks)
-    return constrain(k, _kv(layout)), constrain(v, _kv(layout)), packed
 
 
 def _first_tokens(logits, tokens, true_length, output_from, index, temperature, top_k, top_p, seed, proc, masks):

@@ -47,7 +47,6 @@ from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
 from tandem_engine.api import PrefillCall
 from tandem_engine.engine_prefill import PrefillSide, Prefix
-from tandem_engine.prefix_cache import Hit
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
 
@@ -59,14 +58,6 @@ class Engine(PrefillSide, DecodeSide):
 
     With tp > 1 (or a mesh) the weights and the KV are split across chips by head (see
     sharding.py); every method behaves the same and prefixes cross engines of any tp."""
-
-    def warmup_prefix(self) -> None:
-        """Compile the prefill over a cached prefix (one shape for every length: `_prefill_over`)."""
-        c = self.cfg
-        if self.buckets[-1] < 2:
-            return
-        kv = np.zeros((c.num_layers, 1, c.num_kv_heads, c.head_dim), self._jdtype)
-        self.prefill([0, 0], SamplingParams(), cached=Hit(kv, kv, length=1, blocks=1))
 
     def warmup_prefill(self) -> None:
         """Compile every bucket's prefill (one choice): what a prefill pod runs, before it reports
@@ -91,22 +82,19 @@ class Engine(PrefillSide, DecodeSide):
                 out.append((rows, width, 1, False, True))
         return out
 
-    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False, prefix: bool = False,
+    def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                progress: Callable[[int, int, float], None] | None = None, direct: bool = False,
                ragged: bool = False) -> int:
         """Compile every bucket's insert and every decode step variant (`warm_steps`: each batch
         bucket's, one step and `steps_per_dispatch` of them, with `logprobs` their logprobs variants
         too: it doubles the step compiles; with `masks` the grammar-masked step too), and with `prefill` every bucket's prefill (one choice), so no request
-        pays for a compilation (decode pods call this before they report ready). `prefix`: the
-        prefill over a cached prefix too (`warmup_prefix`). `progress(done, total, seconds)` after
+        pays for a compilation (decode pods call this before they report ready). `progress(done, total, seconds)` after
         each step variant (the caller logs it). `direct` (without `prefill`): the smallest bucket's
         prefill too and the insert of its KV, for the short prompts a gateway routes straight to a
         decode pod (a prefill's KV is committed to the device, a pulled payload's is not: two cache
         keys of one insert). `ragged`: the ragged call too (`begin_prompt`, `generate_ragged` over
         every slot, with `logprobs` its logprobs variant). Returns the step variants compiled."""
         t0 = time.monotonic()
-        if prefix:
-            self.warmup_prefix()
         state = self.init_state()
         c = self.cfg
         for b in self.buckets:

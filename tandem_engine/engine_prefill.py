@@ -8,7 +8,7 @@ No I/O, no tokenizer, no settings here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -16,7 +16,7 @@ import numpy as np
 from tandem_core.errors import InvalidRequest
 from tandem_core.types import MAX_TOP_LOGPROBS, KVPayload, SamplingParams, TokenLogprobs
 from tandem_engine.api import PrefillCall
-from tandem_engine.cores import (CoreCall, logits_core, prefill_batch_core, prefill_cached_core, prefill_core,
+from tandem_engine.cores import (CoreCall, logits_core, prefill_batch_core, prefill_core,
                                  prompt_logprobs_core)
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.logits import (SlotLogits, check_output_from, mask_rows, slot_logits, stack,
@@ -71,7 +71,7 @@ class PrefillSide(EngineBase):
         return padded, n
 
     def _prepare_masked(self, prompt_ids, sampling, choices, start_index, output_from, stop_ids, masks):
-        """`_prepare` for `prefill` and `prefill_chunked`: the choices (one `sampling`, or
+        """`_prepare` for `prefill`: the choices (one `sampling`, or
         `choices`) first, and the grammar masks checked against them and appended to the rest."""
         picks = [sampling] if choices is None else list(choices)
         padded, n, rest = self._prepare(prompt_ids, picks, start_index, output_from, stop_ids)
@@ -95,18 +95,15 @@ class PrefillSide(EngineBase):
         min_tokens. A choice with logprobs on gets its first token's logprobs in `first_logprobs`.
         `masks`: int32 [choices, ceil(vocab / 32)] allowed-token bitmasks (grammars; all-ones for
         an unconstrained choice), applied after processing: sampling and logprobs see them.
-        `cached`: the KV of the prompt's first `cached.length` tokens (`cached.k`, `cached.v` host
-        arrays [num_layers, length, num_kv_heads, head_dim], e.g. a `PrefixCache.lookup` hit):
-        only the rest of the prompt runs, and the Prefix is the one a full prefill gives."""
-        if getattr(cached, "match", None) is not None:  # a hit of the device cache (prefix_pool.py)
+        `cached`: a prefill pod's prefix-pool hit (`prefix_pool.BlockHit`, from
+        `DevicePrefixCache.lookup`): the prompt's first `cached.length` tokens are read from the
+        pool in place, only the rest runs, and the Prefix is the one a full prefill gives."""
+        if cached is not None:
             return self._prefill_over_pool(prompt_ids, sampling, choices, start_index, output_from, stop_ids,
                                            masks, cached)
         picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
                                                       stop_ids, masks)
-        if cached is not None and int(cached.length) > 0:
-            k, v, packed = self._prefill_over(padded, n, cached, rest)
-        else:
-            k, v, packed = self._prefill_call(padded, rest)()
+        k, v, packed = self._prefill_call(padded, rest)()
         return self._prefix(k, v, n, np.asarray(packed), picks)  # the one device -> host copy
 
     def prefill_call(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
@@ -242,75 +239,6 @@ class PrefillSide(EngineBase):
         tokens = [int(t) for t in unpack_tokens(host)]
         lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
         return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
-
-    def _prefill_over(self, padded: np.ndarray, n: int, cached, rest: tuple):
-        """The prompt after a cached prefix, in chunks of `prefix_chunk` tokens over one KV buffer
-        of the largest bucket (one compiled shape whatever the lengths), then cut to the prompt's
-        bucket. The last chunk's first tokens are the prompt's."""
-        c = int(cached.length)
-        if not 0 < c < n:
-            raise ValueError(f"a cached prefix of {c} tokens must be shorter than the prompt ({n} tokens)")
-        out = None
-        for out in self._chunks(padded, n, cached, rest, self.prefix_chunk):
-            pass
-        return out
-
-    def _chunks(self, padded: np.ndarray, n: int, cached, rest: tuple, chunk: int):
-        """Yield (k, v, packed) after each chunk of the prompt from the cached prefix's end (or
-        from 0: `cached` None) on; the last is the prompt's, k and v cut to its bucket."""
-        c, cfg = (0 if cached is None else int(cached.length)), self.cfg
-        size = self.buckets[-1]
-        if cached is not None:
-            want = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
-            if tuple(cached.k.shape) != want or tuple(cached.v.shape) != want:
-                raise ValueError(f"cached KV has shapes {cached.k.shape}, {cached.v.shape}; this prompt needs {want}")
-        bufs = []
-        for kv in ((None, None) if cached is None else (cached.k, cached.v)):
-            buf = np.zeros((cfg.num_layers, size, cfg.num_kv_heads, cfg.head_dim), self._jdtype)
-            if kv is not None:
-                buf[:, :c] = kv
-            bufs.append(self._place_kv(buf))
-        k, v = bufs
-        whole = np.zeros((size,), np.int32)
-        whole[:n] = padded[:n]
-        bucket = padded.shape[0]
-        for start in range(c, n, chunk):
-            m = min(chunk, n - start)
-            piece = np.zeros((chunk,), np.int32)
-            piece[:m] = whole[start:start + m]
-            k, v, packed = prefill_cached_core(self.params, piece, np.int32(start), np.int32(m),
-                                               k, v, whole, *rest, cfg=self.cfg, layout=self.layout)
-            if start + chunk >= n:
-                yield k[:, :bucket], v[:, :bucket], packed
-            else:
-                yield k, v, packed
-
-    def prefill_chunked(self, prompt_ids: Sequence[int], sampling: SamplingParams, *, chunk: int | None = None,
-                        choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
-                        output_from: int | None = None, stop_ids: Sequence[int] = (),
-                        masks: np.ndarray | None = None, cached=None) -> Iterator[Prefix | None]:
-        """`prefill` in pieces of `chunk` tokens (default `prefix_chunk`), for a caller that does
-        other device work between them (a decode pod's steps: chunked prefill). A generator:
-        each `next` runs one chunk and yields None, and the last yields the Prefix `prefill`
-        gives (the prefill-over-a-cached-prefix path: equal to the whole prompt's up to float
-        rounding in the row blocking). Validation errors raise at the first `next`."""
-        if getattr(cached, "match", None) is not None:
-            cached.cache.release(cached)
-            raise ValueError("prefill_chunked runs over a host cache's hit (prefix_cache.Hit), not a device "
-                             "cache's (prefix_pool.BlockHit)")
-        picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
-                                                      stop_ids, masks)
-        size = max(1, min(int(chunk or self.prefix_chunk), self.buckets[-1]))
-        if cached is not None and int(cached.length) <= 0:
-            cached = None
-        if cached is not None and not 0 < int(cached.length) < n:
-            raise ValueError(f"a cached prefix of {cached.length} tokens must be shorter than the prompt ({n} tokens)")
-        pieces = list(range(0 if cached is None else int(cached.length), n, size))
-        for i, (k, v, packed) in enumerate(self._chunks(padded, n, cached, rest, size)):
-            if i + 1 < len(pieces):
-                yield None
-            else:
-                yield self._prefix(k, v, n, np.asarray(packed), picks)
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`

@@ -28,8 +28,9 @@ reference.py's) runs it and hands it the attention its KV layout needs (where th
 written and how they are read), so a family's math lives in one place.
 
 The forwards: `prefill_forward` (one padded prompt, returns its KV; `prefill_logits_all` is the
-same pass with logits at every position; `prefill_suffix_forward` the rest of a prompt over a
-cached prefix's KV); the decode step over the KV pool is paged.py's `decode_forward_paged`. The
+same pass with logits at every position); a prompt's chunk over KV already in the pool (a
+prefix hit, a seated prompt) and the decode step over the pool are both paged.py's
+`decode_forward_paged`. The
 plain full recompute tests use beside transformers as ground truth is reference.py.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tandem_engine.arch import ModelConfig, config_from_info
 from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
 __all__ = ["ModelConfig", "config_from_info", "prefill_batch_forward", "prefill_forward",
-           "prefill_logits_all", "prefill_suffix_forward", "split_layers"]
+           "prefill_logits_all", "split_layers"]
 
 NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
 
@@ -491,42 +492,6 @@ def _layer_rope_tables(positions: jax.Array, consts: LayerConsts, cfg: ModelConf
     if not cfg.local_rope_theta:  # layer_consts gives every layer the global frequencies
         return None, rope_tables(positions, consts.inv_freq[0], consts.rope_scale[0])
     return jax.vmap(lambda inv, scale: rope_tables(positions, inv, scale))(consts.inv_freq, consts.rope_scale), None
-
-
-def prefill_suffix_forward(params: dict, tokens: jax.Array, start: jax.Array, true_length: jax.Array,
-                           k_buf: jax.Array, v_buf: jax.Array, cfg: ModelConfig):
-    """Prefill the rest of a prompt over KV already computed for its first `start` tokens (a
-    prefix-cache hit; JetStream's `existing_prefix`).
-
-    tokens [T] int32: prompt tokens start .. start + true_length - 1, then padding. k_buf, v_buf
-    [num_layers, S, KV, hd]: rows [0, start) hold the cached prefix's KV (the rest is ignored and
-    overwritten). The suffix's KV is written at rows start + i (rows past S are dropped: only
-    padding lands there as long as start + true_length <= S) and each suffix position attends to
-    every row <= its own (within its layer's window). Returns (logits [vocab] at prompt position
-    start + true_length - 1, k, v [num_layers, S, KV, hd]): the same arrays `prefill_forward`
-    returns for the whole prompt padded to S, up to float rounding in the row blocking.
-    """
-    t, s = tokens.shape[0], k_buf.shape[1]
-    positions = start + jnp.arange(t, dtype=jnp.int32)
-    x = embed(params, tokens, cfg)[None]  # [1, T, d]
-    consts = layer_consts(cfg)
-    stacked, shared = _layer_rope_tables(positions[None], consts, cfg)
-
-    def layer(x, xs):
-        lp, lc, tables, kc, vc = xs  # kc, vc [S, KV, hd]
-        mask = _window_mask(positions[:, None], jnp.arange(s)[None, :], lc.window)[None]  # [1, T, S]
-
-        def attention(q, k, v, sinks):  # the chunk's K/V into the buffer, then over all of it
-            kc2 = kc.at[positions].set(k[0].astype(kc.dtype), mode="drop")
-            vc2 = vc.at[positions].set(v[0].astype(vc.dtype), mode="drop")
-            return _grouped_attention(q, kc2[None], vc2[None], mask, cfg, sinks), (kc2, vc2)
-
-        return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
-
-    x, (ks, vs) = jax.lax.scan(layer, x, (params["layers"], consts, stacked, k_buf, v_buf),
-                                unroll=_unroll(cfg))
-    last = jax.lax.dynamic_index_in_dim(x[0], true_length - 1, axis=0, keepdims=False)
-    return logits_from_hidden(params, last, cfg), ks, vs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,5 @@
-"""Chunked prefill: a prompt prefilled a chunk at a time (`Engine.prefill_chunked`) gives the first
-token, KV and greedy continuation of its whole prefill (also over a cached prefix); and in a decode
-pod's loop (colocated mode) a long local prompt arriving while a stream runs is seated in a row and
-prefilled a chunk a call beside that stream's steps (the engine's ragged call), which keep coming,
+"""Chunked prefill in a decode pod's loop (colocated mode): a long local prompt arriving while a
+stream runs is seated in a row and prefilled a chunk a call beside that stream's steps (the engine's ragged call), which keep coming,
 with every token the same as with whole prefills; a seated prompt cancelled mid-prompt ends with
 its entry's ack and gives its blocks back; a next turn's seated prompt starts after the pool's own
 blocks of the turn before. A short local prompt whose leading blocks the pool keeps (a colocated
@@ -22,7 +20,6 @@ from decode_svc.loop import EngineLoop
 from decode_svc.requests import RequestTable
 from tandem_core.types import FINISH_CANCELLED, GenerationRequest, SamplingParams, choice_ids
 from tandem_engine import load_engine, reference_greedy
-from tandem_engine.prefix_cache import Hit
 
 CHUNK = 16
 GREEDY = SamplingParams()
@@ -31,45 +28,6 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module")
 def engine():
     return load_engine("tiny", slots=2, max_len=96, prefill_buckets=(16, 64), prefix_chunk=CHUNK)
-
-
-def _greedy(engine, prefix, steps: int) -> list[int]:
-    state = engine.insert(prefix, engine.init_state(), 0, GREEDY)
-    out = [prefix.first_token]
-    for _ in range(steps):
-        state, toks = engine.generate(state)
-        out.append(int(np.asarray(toks)[0]))
-    return out
-
-
-def _last(gen):
-    out = [p for p in gen]
-    assert all(p is None for p in out[:-1]) and out[-1] is not None
-    return out[-1], len(out)
-
-
-@pytest.mark.parametrize("length", [5, 16, 17, 40, 64])
-def test_chunked_prefill_is_the_whole_prefill(engine, length):
-    ids = np.random.default_rng(length).integers(0, engine.info.vocab_size, length).tolist()
-    whole = engine.prefill(ids, GREEDY)
-    chunked, calls = _last(engine.prefill_chunked(ids, GREEDY))
-    assert calls == -(-length // CHUNK)  # one chunk per call
-    assert chunked.first_tokens == whole.first_tokens and chunked.true_length == whole.true_length
-    a, b = engine.export_prefix(chunked), engine.export_prefix(whole)
-    assert a.k.shape == b.k.shape  # the bucket's; rows past the prompt are padding (never attended)
-    for x, y in ((a.k, b.k), (a.v, b.v)):
-        x, y = x[:, :length], y[:, :length]
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * float(np.abs(y).max()))
-    assert _greedy(engine, chunked, 12) == _greedy(engine, whole, 12)
-
-
-def test_chunked_prefill_over_a_cached_prefix(engine):
-    ids = np.random.default_rng(9).integers(0, engine.info.vocab_size, 50).tolist()
-    whole = engine.export_prefix(engine.prefill(ids, GREEDY))
-    hit = Hit(whole.k[:, :20], whole.v[:, :20], length=20, blocks=1)
-    chunked, calls = _last(engine.prefill_chunked(ids, GREEDY, cached=hit))
-    assert calls == -(-(50 - 20) // CHUNK)
-    assert _greedy(engine, chunked, 12) == _greedy(engine, engine.prefill(ids, GREEDY), 12)
 
 
 def _run(engine, chunk_tokens: int, long_ids: list[int] | None = None) -> tuple[dict[str, list[int]], int, int]:

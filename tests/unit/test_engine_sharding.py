@@ -100,12 +100,15 @@ def child(workdir: str) -> dict:
     # a device prefix on chips 2-3 handed straight to another engine is moved there by insert
     for tp in (4, 1):
         res[f"direct_2_to_{tp}"] = decode(engines[tp], {1: engines[2].prefill(prompts()[1], GREEDY)})
-    # a prompt over a cached prefix at tp=4: the cached rows go back onto the chips by head
-    from tandem_engine.prefix_cache import cache_for
-    from tandem_engine.prefix_cache import prefill as cached_prefill
-    cache = cache_for(engines[4], 16, 1 << 24)
-    cached_prefill(engines[4], cache, prompts()[2][:20], GREEDY)
-    res["cached_tp4"] = decode(engines[4], {2: cached_prefill(engines[4], cache, prompts()[2], GREEDY)[0]})
+    # a prompt over a cached prefix at tp=4: the prefix pool split by KV head over the chips, the
+    # rest read from it in place on each chip (prefix_pool.py)
+    from tandem_engine.prefix_pool import device_cache_for
+    cache = device_cache_for(engines[4], 16, 1 << 24)
+    head = prompts()[2][:20]
+    first = engines[4].prefill(head, GREEDY)
+    cache.insert(head, lambda: (np.asarray(first.k), np.asarray(first.v)))
+    hit = cache.lookup(prompts()[2])
+    res["cached_tp4"] = decode(engines[4], {2: engines[4].prefill(prompts()[2], GREEDY, cached=hit)})
     res["cached_tp4_hits"] = cache.stats.hits
     # bfloat16 weights and KV, sharded
     for tp in (1, 2):
