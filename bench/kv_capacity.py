@@ -444,7 +444,10 @@ async def prefix_hits(url: str, model: str, a, vocab: int) -> dict:
     c1 = await settled(url)
 
     def delta(key: str) -> int | None:
-        x0, x1 = extra_sum(c0, key, sub="prefix_cache"), extra_sum(c1, key, sub="prefix_cache")
+        # the prefill pods' prefix pools (a decode pod's heartbeat reports its KV pool's block
+        # cache in the same shape: its hits are the pulls' reuse, counted by the multi-turn part)
+        x0 = extra_sum(c0, key, role="prefill", sub="prefix_cache")
+        x1 = extra_sum(c1, key, role="prefill", sub="prefix_cache")
         return None if x0 is None or x1 is None else x1 - x0
 
     copied, hit_tokens = delta("hit_copy_bytes"), delta("hits")
