@@ -138,13 +138,15 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
 
     def prefix_cache() -> dict:
         """The pool's block cache in the prefill pods' `prefix_cache` shape (the gateway's
-        `vllm:prefix_cache_*` counters, /admin/cluster): queries and hits in prompt tokens over every
-        lookup (local prompts and pulled ones: as a vLLM decode instance counts), `computed` the
-        prompt tokens prefilled here; its blocks are pool blocks, under no budget of their own."""
+        `vllm:prefix_cache_*` counters, /admin/cluster), for the prompts this pod prefills itself
+        (colocated, routed direct): queries and hits in their prompt tokens, `computed` what it
+        prefilled. A pulled prompt is counted once in the cluster, by the prefill pod that
+        prefilled it: the pull's reuse of the pool's blocks is `extra.kv_reuse` (its
+        `reused_tokens`). The blocks are pool blocks, under no budget of their own."""
         engine = io.engine_loop.engine
         reuse = engine.kv_reuse_summary() or {}
-        return {"enabled": reuse != {}, "block_size": engine.kv_block_size, "queries": reuse.get("queries", 0),
-                "hits": reuse.get("hits", 0), "computed": stats.prompt_computed, "blocks": reuse.get("blocks", 0),
+        return {"enabled": reuse != {}, "block_size": engine.kv_block_size, "queries": stats.prompt_queries,
+                "hits": stats.prompt_hits, "computed": stats.prompt_computed, "blocks": reuse.get("blocks", 0),
                 "evicted": reuse.get("evicted", 0), "bytes": 0, "budget_bytes": 0, "hit_copy_bytes": 0}
 
     def kv_info() -> dict:

@@ -86,6 +86,8 @@ class LoopStats:
     tokens: int = 0
     local_prefills: int = 0
     prompt_computed: int = 0  # prompt tokens prefilled here (local prompts: those not over the pool's blocks)
+    prompt_queries: int = 0  # local prompts' tokens looked up in the pool's block cache (every local prompt's)
+    prompt_hits: int = 0  # local prompts' tokens found there (seated over the pool's blocks, not computed)
     cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)
     cancel_lag_tokens: int = 0  # the most tokens a request produced after its cancel reached the engine
     handed_back_for_blocks: int = 0  # running requests handed back because the paged KV ran out

@@ -315,6 +315,7 @@ class EngineLoop:
             # more calls: 8 ragged calls of 64 tokens took 1.65x the CPU of a whole 512-token prefill,
             # its insert and one step, bench/ragged.py)
             n = len(item.req.prompt_ids)
+            self.stats.prompt_queries += n
             long = bool(self.prefill_chunk_tokens and self.table.used
                         and n > max(self.prefill_chunk_tokens, self.engine.prefix_chunk))
             seated = self._seat(item, state, hit_only=not long)
@@ -363,6 +364,7 @@ class EngineLoop:
             self._release(cached)
             raise
         self.stats.prompt_computed += len(req.prompt_ids) - (0 if cached is None else cached.length)
+        self.stats.prompt_hits += 0 if cached is None else cached.length
         self.table.start(item.key, Active(req, slot, len(req.prompt_ids), next_index=req.start_index,
                                           stop_ids=frozenset(req.stop_token_ids), seated=True, ack=item.ack))
         return state

@@ -125,6 +125,9 @@ def test_a_shared_prefix_goes_to_the_pod_that_holds_it(two_prefill_pods, engine)
         return cs if sum(x.get("queries", 0) for w, x in cs.items() if w.startswith("prefill")) >= sent else None
 
     caches = until(counted)
+    # each prompt counted once in the cluster, by the pod that prefilled it: the decode pod's pulls
+    # reuse its pool's blocks (extra.kv_reuse) but are not prefix-cache queries
+    assert sum(x.get("queries", 0) for x in caches.values()) == sent, caches
     holders = [wid for wid, s in caches.items() if wid.startswith("prefill") and s.get("queries")]
     assert len(holders) == 1, f"every turn should have gone to one prefill pod: {caches}"
     s = caches[holders[0]]
