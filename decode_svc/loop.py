@@ -569,7 +569,7 @@ class StepView:
     stop_mask: np.ndarray  # token -> one of `stop_ids`, one past the highest (False: any token beyond)
     special: np.ndarray  # rows with a grammar or that want logprobs: looked at every step
     rids: tuple[str, ...]
-    logprobs: bool = False  # some row wants logprobs: the step runs the variant that returns them
+    logprobs: bool = False  # some row wants logprobs: the step returns them (the same compiled step: a traced flag)
 
     @classmethod
     def of(cls, acts, max_len: int, constrained) -> StepView:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tandem_engine.logits import (SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
+from tandem_engine.logits import (PACKED_WIDTH, SlotLogits, apply, apply_mask, history_row, logprobs_of, pack, process,
                                   record)
 from tandem_engine.model import ModelConfig, prefill_batch_forward, prefill_forward, prefill_logits_all
 from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
@@ -156,16 +156,20 @@ def _insert_slot(state: DecodeState, slot, true_length, first_token, step, tempe
     )
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs", "steps", "max_len", "table_blocks"),
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "steps", "max_len", "table_blocks"),
          donate_argnums=(1,))
-def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, layout: Layout | None,
-                  rows: int, logprobs: bool = False, steps: int = 1, max_len: int = 0, table_blocks: int = 0):
+def generate_core(params, state: DecodeState, masks=None, logprobs=False, *, cfg: ModelConfig,
+                  layout: Layout | None, rows: int, steps: int = 1, max_len: int = 0, table_blocks: int = 0):
+    # Returns (state, tokens int32 [rows], packed int32 [rows, PACKED_WIDTH]): `logprobs` is a
+    # traced bool, so one compiled step serves both (a cond packs the logprobs only when it is set;
+    # else packed is zeros): a pod compiles each step once, not again for its logprobs, and a
+    # step's compile is mostly its sampler's, the same in both.
     # Only slots [0, rows) are computed (the caller keeps every active slot below `rows`): a step
     # costs what the batch in use costs, not what the slot count would. Rows past it stay as they are.
     # masks int32 [rows, words] (grammars; all-ones rows for free slots) or None: a None traces a
     # variant without the mask, so an unconstrained batch runs exactly the code it ran before.
     # steps > 1 (multi-step decode, no masks): that many steps in one call (a scan over the same
-    # step), tokens [steps, rows(, PACKED_WIDTH)]; a slot whose position reaches `max_len` - 1 (the
+    # step), tokens [steps, rows] and packed [steps, rows, PACKED_WIDTH]; a slot whose position reaches `max_len` - 1 (the
     # last cache row) stays there (it rewrites that row with the same input, so nothing past max_len is written).
     # The step reads each row's first table_blocks blocks through state.block_table
     # (paged.decode_forward_paged: the Pallas kernel per layer buffer when compiled for a TPU and the
@@ -173,18 +177,21 @@ def generate_core(params, state: DecodeState, masks=None, *, cfg: ModelConfig, l
     if table_blocks < 1 or max_len < 1:
         raise ValueError(f"a decode step needs its table width and the rows' max_len (got {table_blocks}, {max_len})")
     if steps == 1:
-        return _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, table_blocks, max_len)
+        new, (tokens, packed) = _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, table_blocks,
+                                             max_len)
+        return new, tokens, packed
     if masks is not None:
         raise ValueError("a multi-step call takes no masks (each step's mask needs the previous token)")
 
     def body(st, _):
         return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len, table_blocks, max_len)
 
-    return jax.lax.scan(body, state, None, length=steps)
+    new, (tokens, packed) = jax.lax.scan(body, state, None, length=steps)
+    return new, tokens, packed
 
 
 def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: Layout | None, rows: int,
-                 logprobs: bool, freeze_at: int, table_blocks: int, max_len: int):
+                 logprobs, freeze_at: int, table_blocks: int, max_len: int):
     logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
                                         state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
                                         active=state.active[:rows], mesh=None if layout is None else layout.mesh)
@@ -192,9 +199,10 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
     return _advance(state._replace(k=k, v=v), logits, masks, rows, logprobs, freeze_at)
 
 
-def _advance(state: DecodeState, logits, masks, rows: int, logprobs: bool, freeze_at: int):
+def _advance(state: DecodeState, logits, masks, rows: int, logprobs, freeze_at: int):
     """A step's rows [0, rows) after the forward: each active row's logits processed and sampled,
-    its token recorded and its position advanced. Returns (state, tokens or packed)."""
+    its token recorded and its position advanced. Returns (state, (tokens, packed)): packed holds
+    the logprobs when `logprobs` (a traced bool) is set, zeros otherwise (`_packed`)."""
     active = state.active[:rows]
     step = state.step[:rows]
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
@@ -215,13 +223,19 @@ def _advance(state: DecodeState, logits, masks, rows: int, logprobs: bool, freez
         positions=state.positions.at[:rows].add(advance), step=state.step.at[:rows].add(advance),
         history=record(state.history, tokens, advance),
     )
-    return new, (pack(logprobs_of(processed), tokens) if logprobs else tokens)
+    return new, (tokens, _packed(logprobs, processed, tokens))
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "logprobs", "max_len", "table_blocks"),
-         donate_argnums=(1,))
-def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot, final, *, cfg: ModelConfig,
-                layout: Layout | None, rows: int, max_len: int, table_blocks: int, logprobs: bool = False):
+def _packed(logprobs, processed, tokens):
+    """pack(logprobs_of(processed), tokens) when the traced bool `logprobs` is set, else zeros
+    (the log-softmax and its top-k skipped)."""
+    return jax.lax.cond(logprobs, lambda: pack(logprobs_of(processed), tokens),
+                        lambda: jnp.zeros((tokens.shape[0], PACKED_WIDTH), jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "max_len", "table_blocks"), donate_argnums=(1,))
+def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot, final, logprobs=False, *,
+                cfg: ModelConfig, layout: Layout | None, rows: int, max_len: int, table_blocks: int):
     """One call over a ragged batch: the decode rows [0, rows) one token each, as `generate_core`'s
     one step, and beside them `chunk` int32 [C], C tokens of the prompt seated in row `slot`
     (`begin_core`) at positions chunk_start + [0, C), the first `chunk_len` real (the rest pad:
@@ -233,8 +247,8 @@ def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot,
     head over rows + 1 hidden rows). `final` (the chunk ends the prompt): the prompt's first token
     is sampled from that last token's logits with the row's own sampling and processing params,
     and the row becomes active with it (its next step produces the token after). Returns (state,
-    the decode rows' tokens (packed with `logprobs`), the first token packed [PACKED_WIDTH],
-    meaningful only when `final`)."""
+    the decode rows' tokens, their tokens packed with logprobs (zeros unless the traced bool
+    `logprobs`: `_packed`), the first token packed [PACKED_WIDTH], meaningful only when `final`)."""
     c, tb = chunk.shape[0], table_blocks
     at = chunk_start + jnp.arange(c, dtype=jnp.int32)
     tokens = jnp.concatenate([state.tokens[:rows], chunk.astype(jnp.int32)])
@@ -246,9 +260,9 @@ def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot,
                                         active=active, logits_at=want, mesh=None if layout is None else layout.mesh,
                                         chunk=c)
     k, v = _pin_pool(k, layout), _pin_pool(v, layout)
-    new, out = _advance(state._replace(k=k, v=v), logits[:rows], None, rows, logprobs, 0)
+    new, (tokens, packed) = _advance(state._replace(k=k, v=v), logits[:rows], None, rows, logprobs, 0)
     first, new = _first_token_of(new, logits[rows:], slot, final)
-    return new, out, first
+    return new, tokens, packed, first
 
 
 def _first_token_of(state: DecodeState, logits, slot, final):

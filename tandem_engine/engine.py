@@ -70,14 +70,15 @@ class Engine(PrefillSide, DecodeSide):
         """The decode step variants `warmup` compiles, in its order: (rows, table width, steps,
         logprobs, masked) for every batch bucket (the table width: the one width every step has,
         each row's whole table, since the step reads only the blocks in use:
-        paged.paged_attention), one step and `steps_per_dispatch` of them, with `logprobs` their
-        logprobs variants too, with `masks` the grammar-masked step."""
+        paged.paged_attention), one step and `steps_per_dispatch` of them, with `masks` the
+        grammar-masked step. `logprobs` adds none: a step with logprobs is the same compiled step
+        (its flag is traced: cores.generate_core), so `logprobs` is False in every variant."""
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
         width = self.max_blocks_per_seq
         out: list[tuple[int, int, int, bool, bool]] = []
         for rows in self.batch_buckets:
             for steps in multi:  # multi-step decode: its own compiled variants
-                out += [(rows, width, steps, lp, False) for lp in ((False, True) if logprobs else (False,))]
+                out.append((rows, width, steps, False, False))
             if masks:
                 out.append((rows, width, 1, False, True))
         return out
@@ -86,14 +87,14 @@ class Engine(PrefillSide, DecodeSide):
                progress: Callable[[int, int, float], None] | None = None, direct: bool = False,
                ragged: bool = False) -> int:
         """Compile every bucket's insert and every decode step variant (`warm_steps`: each batch
-        bucket's, one step and `steps_per_dispatch` of them, with `logprobs` their logprobs variants
-        too: it doubles the step compiles; with `masks` the grammar-masked step too), and with `prefill` every bucket's prefill (one choice), so no request
+        bucket's, one step and `steps_per_dispatch` of them, with `masks` the grammar-masked step
+        too; a step with logprobs is the same compiled step, `logprobs` compiles nothing more), and with `prefill` every bucket's prefill (one choice), so no request
         pays for a compilation (decode pods call this before they report ready). `progress(done, total, seconds)` after
         each step variant (the caller logs it). `direct` (without `prefill`): the smallest bucket's
         prefill too and the insert of its KV, for the short prompts a gateway routes straight to a
         decode pod (a prefill's KV is committed to the device, a pulled payload's is not: two cache
         keys of one insert). `ragged`: the ragged call too (`begin_prompt`, `generate_ragged` over
-        every slot, with `logprobs` its logprobs variant). Returns the step variants compiled."""
+        every slot, with `logprobs` run with logprobs too). Returns the step variants compiled."""
         t0 = time.monotonic()
         state = self.init_state()
         c = self.cfg

@@ -292,10 +292,12 @@ class DecodeSide(EngineBase):
         chunk = np.zeros(c, np.int32)
         chunk[:n] = p.ids[p.done:p.done + n]
         final = p.done + n == len(p.ids)
-        new, tokens, first = ragged_core(self.step_params, state, chunk, np.int32(p.done), np.int32(n),
-                                         np.int32(p.slot), np.bool_(final), cfg=self.cfg, layout=self.layout,
-                                         rows=self.rows_for(rows), max_len=self.max_len,
-                                         table_blocks=self.max_blocks_per_seq, logprobs=bool(logprobs))
+        new, tokens, packed, first = ragged_core(self.step_params, state, chunk, np.int32(p.done), np.int32(n),
+                                                 np.int32(p.slot), np.bool_(final), np.bool_(logprobs), cfg=self.cfg,
+                                                 layout=self.layout, rows=self.rows_for(rows), max_len=self.max_len,
+                                                 table_blocks=self.max_blocks_per_seq)
+        if logprobs:
+            tokens = packed
         self._pos[self._occupied] += 1
         p.done += n
         if not final:
@@ -467,7 +469,7 @@ class DecodeSide(EngineBase):
         """One decode step (donates `state`). `rows`: every active slot is below it (None: all
         slots); the step computes the smallest batch bucket >= rows. Returns int32 tokens
         [bucket] still on the device (index by slot): no host round trip here. `logprobs=True`
-        (a second compiled variant): int32 [bucket, PACKED_WIDTH] instead, tokens and logprobs
+        (the same compiled step: a traced flag): int32 [bucket, PACKED_WIDTH] instead, tokens and logprobs
         packed (read with logits.unpack_tokens / unpack_logprobs). `masks` (grammars): int32
         [<= bucket, ceil(vocab / 32)] allowed-token bitmasks by slot, all-ones for an
         unconstrained slot (missing rows are padded so); a compiled variant of its own, so a
@@ -493,9 +495,9 @@ class DecodeSide(EngineBase):
                                        f"and call generate again")
             table_blocks = self.max_blocks_per_seq  # checked just now
         call = self.generate_call(state, rows, logprobs=logprobs, masks=masks, steps=steps, table_blocks=table_blocks)
-        new, tokens = call()
+        new, tokens, packed = call()
         self._pos[self._occupied] += int(steps)
-        return new, tokens
+        return new, (packed if logprobs else tokens)
 
     def _short_rows(self, steps: int) -> list[int]:
         """The active rows without the blocks their next `steps` positions fall in."""
@@ -513,9 +515,9 @@ class DecodeSide(EngineBase):
                              f"{' with masks' if masks is not None else ''})")
         m = None if masks is None else mask_rows(masks, bucket, self.info.vocab_size)
         tb = self._table_width(steps) if table_blocks is None else int(table_blocks)
-        return CoreCall(generate_core, (self.step_params, state, m if steps == 1 else None),
-                        dict(cfg=self.cfg, layout=self.layout, rows=bucket, logprobs=bool(logprobs), steps=steps,
-                             max_len=self.max_len, table_blocks=tb))
+        return CoreCall(generate_core, (self.step_params, state, m if steps == 1 else None, np.bool_(logprobs)),
+                        dict(cfg=self.cfg, layout=self.layout, rows=bucket, steps=steps, max_len=self.max_len,
+                             table_blocks=tb))
 
     def _table_width(self, steps: int) -> int:
         """The step's table width: every row's whole table, one compiled width (the step reads

@@ -220,6 +220,34 @@ def test_sampled_slot_reports_the_logprob_of_its_draw(engine):
     assert drew_other  # the draws are not all the argmax: the check above is not the greedy one
 
 
+def test_a_step_with_logprobs_is_the_step_without(engine):
+    """generate(logprobs=True) runs the very step generate() compiled (the flag is traced, so a
+    pod compiles each step once): no compile for it, the same sampled tokens, and its logprobs."""
+    from tandem_engine.cores import generate_core
+
+    ids = prompt(9, seed=12)
+    sp = SamplingParams(temperature=0.8, seed=5)
+
+    def run(logprobs: bool) -> tuple[list[int], list[np.ndarray]]:
+        state = engine.insert(engine.prefill(ids, sp), engine.init_state(), 0, sp, history=ids)
+        tokens, rows = [], []
+        for _ in range(5):
+            state, out = engine.generate(state, logprobs=logprobs)
+            host = np.asarray(out)
+            tokens.append(int((unpack_tokens(host) if logprobs else host)[0]))
+            rows.append(host[0])
+        return tokens, rows
+
+    plain, _ = run(False)
+    compiled = generate_core._cache_size()
+    tokens, rows = run(True)
+    assert generate_core._cache_size() == compiled, "generate(logprobs=True) compiled a step of its own"
+    assert tokens == plain
+    for row in rows:
+        lp = unpack_logprobs(row, 3)
+        assert lp.logprob < 0 and len(lp.top) == 3 and lp.top[0][1] >= lp.logprob
+
+
 def test_plain_slots_are_untouched_by_a_processed_neighbour(engine):
     a, b, c = prompt(13, seed=6), prompt(7, seed=7), prompt(10, seed=8)
     sampled = SamplingParams(temperature=0.9, top_k=30, seed=3)
