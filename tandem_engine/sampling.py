@@ -4,7 +4,7 @@ of the vocabulary.
 Every slot carries its own temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off) and seed.
 A row draws from softmax(logits / temperature), cut as it asks:
   - no cut (top_k 0, top_p 1): exactly that distribution over the whole vocabulary, by Gumbel-max
-    (`categorical`, jax.random.categorical's draw, over the row's scaled logits; no sort, no top-k);
+    (`jax.random.categorical` over the row's scaled logits; no sort, no top-k);
   - top-k and/or top-p: from the row's MAX_TOP_K best tokens (`lax.top_k`, a selection, not a
     sort), top-k first, then the top-p nucleus of what top-k kept (`filter_candidates`). Within
     the bound this is exactly the sort-based sampler's distribution. Past it:
@@ -69,80 +69,14 @@ def sampling_arrays(params: SamplingParams) -> dict[str, np.ndarray]:
     }
 
 
-# Threefry-2x32 (20 rounds), the hash behind `jax.random`'s default keys, written out as plain
-# elementwise ops that XLA fuses into one loop, where jax's own CPU lowering is a rolled `while` of
-# five iterations with its carries between kernels: the same bits (jax's partitionable counters,
-# its default since 0.5), fewer kernels to compile. A sampler hashes four times (two fold-ins for
-# the keys, the noise of each draw), and every program the engine compiles holds one (each prefill
-# bucket, each step variant, the ragged call): `sample` compiled in 0.69 s of CPU against 0.91 with
-# jax.random (built-in vocabulary, medians of 12 alternated compiles). test_engine_sampling holds
-# the draws to jax.random's bit for bit.
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def _rotl(x: jax.Array, d: int) -> jax.Array:
-    return jax.lax.shift_left(x, jnp.uint32(d)) | jax.lax.shift_right_logical(x, jnp.uint32(32 - d))
-
-
-def threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 of the counter pairs (x1, x2) under key (k1, k2), all uint32, broadcast
-    together: what jax's `threefry2x32_p` computes."""
-    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
-    x1, x2 = x1 + ks[0], x2 + ks[1]
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x1 = x1 + x2
-            x2 = x1 ^ _rotl(x2, r)
-        x1 = x1 + ks[(i + 1) % 3]
-        x2 = x2 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
-    return x1, x2
-
-
 def token_keys(seeds: jax.Array, index: jax.Array) -> jax.Array:
-    """uint32 [slots, 2]: each slot's key data, `jax.random.key_data` of
-    `fold_in(fold_in(key(seed[0]), seed[1]), index)`, from seeds [slots, 2] uint32 and token
-    indices [slots]. (key(s) is the pair (0, s); fold_in(k, d) hashes the counter pair (0, d).)"""
-    seeds = seeds.astype(jnp.uint32)
-    zero = jnp.zeros_like(seeds[:, 0])
-    a, b = threefry2x32(zero, seeds[:, 0], zero, seeds[:, 1])
-    a, b = threefry2x32(a, b, zero, index.astype(jnp.uint32))
-    return jnp.stack([a, b], axis=-1)
+    """Typed PRNG keys [slots] from seeds [slots, 2] uint32 and token indices [slots]."""
 
+    def one(seed, i):
+        key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.fold_in(key, i)
 
-def _key_words(keys: jax.Array) -> jax.Array:
-    """uint32 [rows, 2] key data from `token_keys`' words or typed threefry keys."""
-    if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(keys)
-    return keys
-
-
-def first_max(z: jax.Array) -> jax.Array:
-    """int32 [rows]: `jnp.argmax(z, axis=-1)` (the first index of each row's largest value; of its
-    first NaN if it has one), computed as a max and then a min over the indices holding it.
-    XLA CPU lowers `jnp.argmax` to one variadic (value, index) reduction that does not vectorise,
-    and the Gumbel noise fused into it was computed there element by element: a draw over 8 rows x
-    151,936 logits took 32 ms, this way 5 (one thread)."""
-    n = z.shape[-1]
-    nan = jnp.isnan(z)
-    top = jnp.max(z, axis=-1, keepdims=True)  # (XLA CPU's max need not propagate a NaN)
-    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, z == top)
-    return jnp.min(jnp.where(hit, jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1), n), axis=-1)
-
-
-def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
-    """int32 [rows]: `jax.vmap(jax.random.categorical)(keys, logits)` for threefry keys (token_keys'
-    words [rows, 2]) and logits [rows, n] float32, the same draw: the argmax of the logits plus
-    Gumbel noise -log(-log(u)), u uniform in [tiny, 1) from the 32 bits of counter j (jax's
-    `random_bits`: the two words of its hash xor'ed; `uniform`: 23 of them as the mantissa)."""
-    rows, n = logits.shape
-    words = _key_words(keys)
-    count = jax.lax.broadcasted_iota(jnp.uint32, (rows, n), 1)
-    b1, b2 = threefry2x32(words[:, 0:1], words[:, 1:2], jnp.zeros_like(count), count)
-    mantissa = jax.lax.shift_right_logical(b1 ^ b2, jnp.uint32(9)) | jnp.uint32(0x3F800000)
-    floats = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
-    tiny = jnp.float32(np.finfo(np.float32).tiny)
-    u = jax.lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
-    return first_max(-jnp.log(-jnp.log(u)) + logits)
+    return jax.vmap(one)(seeds, index.astype(jnp.uint32))
 
 
 def candidates(scaled: jax.Array, shards: int = 1) -> tuple[jax.Array, jax.Array]:
@@ -205,9 +139,9 @@ def greedy_tokens(logits) -> jax.Array:
 
 def sample(logits, temperature, top_k, top_p, keys, shards: int = 1):
     """Tokens int32 [slots]. logits [slots, vocab]; temperature, top_p float32 [slots]; top_k int32
-    [slots]; keys `token_keys`' words [slots, 2] (or typed threefry keys [slots]), or a function
-    returning them (called only inside the branch that samples, so an all-greedy step derives no
-    keys). temperature == 0 -> argmax (top_k/top_p ignored). `shards`: how many chips the vocabulary axis of `logits` is split over
+    [slots]; keys typed PRNG keys [slots], or a function returning them (called only inside the
+    branch that samples, so an all-greedy step derives no keys). temperature == 0 -> argmax
+    (top_k/top_p ignored). `shards`: how many chips the vocabulary axis of `logits` is split over
     (`candidates`); the tokens do not depend on it.
 
     An all-greedy batch skips sampling entirely (`lax.cond`), and within a sampled batch the
@@ -223,11 +157,11 @@ def sample(logits, temperature, top_k, top_p, keys, shards: int = 1):
         cut = on & ((top_k > 0) | (top_p < 1.0))
 
         def whole(_):  # Gumbel-max over the whole vocabulary
-            return categorical(row_keys, scaled)
+            return jax.vmap(jax.random.categorical)(row_keys, scaled).astype(jnp.int32)
 
         def within(_):  # over the kept candidates
             ids, filtered = filter_candidates(scaled, top_k, top_p, shards)
-            pick = categorical(row_keys, filtered)
+            pick = jax.vmap(jax.random.categorical)(row_keys, filtered)
             return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
 
         plain = jax.lax.cond(jnp.any(on & ~cut), whole, lambda _: greedy, None)

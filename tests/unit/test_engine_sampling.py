@@ -232,36 +232,3 @@ def test_a_rows_draw_does_not_depend_on_its_batch():
         alone = np.concatenate([run([i]) for i in range(4)])
         np.testing.assert_array_equal(together, alone)
     assert together[0] == logits[0].argmax()
-
-
-@pytest.mark.parametrize("rows,n", [(6, 1000), (3, 7), (2, 4097)])
-def test_draws_are_jax_randoms_bit_for_bit(rows, n):
-    """The sampler's own threefry and Gumbel-max (sampling.categorical) draw what
-    `jax.random.categorical` draws with the keys `fold_in(fold_in(key(seed[0]), seed[1]), index)`:
-    the same key words, the same token for every row, over widths odd and even (a candidate set,
-    a vocabulary), with ties, -inf and a NaN in the logits (argmax's first NaN)."""
-    from tandem_engine.sampling import categorical
-
-    rng = np.random.default_rng(rows * n)
-    seeds = jnp.asarray(rng.integers(0, 2**32, (rows, 2), dtype=np.uint64).astype(np.uint32))
-    index = jnp.asarray(rng.integers(0, 2**31, rows).astype(np.int32))
-    x = rng.normal(0.0, 3.0, (64, rows, n)).astype(np.float32)
-    x[1] = 0.0  # all ties: the noise alone picks
-    x[2, :, n // 2:] = -np.inf
-    x[3, 0, n // 3] = np.nan
-
-    def ref(seeds, index, x):
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s[0]), s[1]), i))(
-            seeds, index.astype(jnp.uint32))
-        return jax.random.key_data(keys), jax.vmap(jax.random.categorical)(keys, x)
-
-    def ours(seeds, index, x):
-        keys = token_keys(seeds, index)
-        return keys, categorical(keys, x)
-
-    for trial in range(x.shape[0]):
-        (want_keys, want), (got_keys, got) = (jax.jit(f)(seeds, index + trial, jnp.asarray(x[trial]))
-                                              for f in (ref, ours))
-        np.testing.assert_array_equal(np.asarray(got_keys), np.asarray(want_keys))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"trial {trial}")
-    assert np.asarray(got).dtype == np.int32
