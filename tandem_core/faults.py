@@ -8,8 +8,10 @@ The plan comes from `configure(spec)` (tests in one process) or, read once at th
 the environment variable `TANDEM_FAULTS` (a test's subprocesses). Spec: comma-separated
 `site@calls[:kind]`, where `calls` is `N` (the N-th call, 1-based), `N-M`, or `N+` (the N-th and
 every later one), and `kind` is `error` (default: `InjectedFault`, an error nothing retries) or
-`down` (redis-py's ConnectionError: Redis looks down, so the retry paths run). Example:
-`TANDEM_FAULTS=decode.own@2,decode.publish@3-40:down`.
+`down` (redis-py's ConnectionError: Redis looks down, so the retry paths run), or `sleepMS` (the
+call waits MS milliseconds, then goes on: a slow site, e.g. a decode step slowed so a test's kill
+lands mid-stream however fast the machine decodes). Example:
+`TANDEM_FAULTS=decode.own@2,decode.publish@3-40:down,decode.step@1+:sleep20`.
 
 A fault that ends a process (an engine call failing kills the decode pod's engine thread: the pod
 hands its requests back and exits, its supervisor restarts it) would fire again in every restart,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -79,8 +82,8 @@ def configure(spec: str | None) -> None:
         site, _, rest = part.partition("@")
         calls, _, kind = rest.partition(":")
         kind = kind or "error"
-        if site not in SITES or kind not in ("error", "down") or not calls:
-            raise ValueError(f"bad fault spec {part!r}: want site@N[-M|+][:error|down] with site one of "
+        if site not in SITES or not (kind in ("error", "down") or _sleep_ms(kind) is not None) or not calls:
+            raise ValueError(f"bad fault spec {part!r}: want site@N[-M|+][:error|down|sleepMS] with site one of "
                              f"{sorted(SITES)}")
         try:
             if calls.endswith("+"):
@@ -114,12 +117,23 @@ def hit(site: str) -> None:
     _counts[site] += 1
     n = _counts[site]
     for rule in _plan.get(site, ()):
+        ms = _sleep_ms(rule.kind)
+        if ms is not None:
+            if rule.matches(n):
+                time.sleep(ms / 1000)  # blocks the calling thread (at an event loop's site: the whole loop)
+            continue
         if rule.matches(n) and _first_time(site, n):
             raised[site] += 1
             log.warning("injected fault at %s (call %d, %s)", site, n, rule.kind)
             if rule.kind == "down":
                 raise RedisConnectionError(f"injected fault at {site} (call {n}): Redis looks down")
             raise InjectedFault(f"injected fault at {site} (call {n})")
+
+
+def _sleep_ms(kind: str) -> int | None:
+    """The milliseconds of a `sleepMS` kind, else None."""
+    rest = kind.removeprefix("sleep")
+    return int(rest) if rest != kind and rest.isdigit() else None
 
 
 def _first_time(site: str, n: int) -> bool:

@@ -34,6 +34,13 @@ VALUES = {
     "prefill": {"settings": {**FAST, "stale_pending_s": 5, "drain_timeout_s": 10, "max_batch": 2}},
     "decode": {"settings": {**FAST, "stale_pending_s": 8, "slots": 2}},
 }
+# Each decode call slowed by 60 ms (a fault plan's `sleep`, a test aid: tandem_core/faults.py; the
+# chart refuses TANDEM_* in extraEnv, so the harness adds it), so the kill test's 300 tokens take
+# seconds (at 20 ms: 1.7 s, the 20th token relayed at 0.2 s). Unslowed, the built-in model decodes
+# them in ~0.25 s here, and on CI's busy cores the stream relayed to the client lagged past the end
+# of the request, which had finished on its pod before the kill could land mid-stream ("no decode
+# pod holds the request").
+DECODE_ENV = {"TANDEM_FAULTS": "decode.step@1+:sleep60"}
 DECODE_PODS = 2  # the kill test's survivor
 
 
@@ -101,7 +108,8 @@ def stack():
                  ("gateway-0", r.component("gateway"), st.IMAGES["gateway"])]
         later = [(f"decode-{i}", r.component("decode"), st.IMAGES["worker"]) for i in range(1, DECODE_PODS)]
         for batch in (first, later):
-            new = [st.start_pod(r, workload, f"{prefix}-{name}", image, network, shared=shared)
+            new = [st.start_pod(r, workload, f"{prefix}-{name}", image, network, shared=shared,
+                                env=DECODE_ENV if name.startswith("decode") else None)
                    for name, workload, image in batch]
             pods += new
             with ThreadPoolExecutor(len(new)) as ex:

@@ -135,9 +135,10 @@ def container_env(rendered, workload: dict, pod_name: str) -> dict[str, str]:
 
 
 def start_pod(rendered, workload: dict, pod_name: str, image: str, network, aliases: list[str] = (),
-              shared: dict[str, str] | None = None) -> Pod:
+              shared: dict[str, str] | None = None, env: dict[str, str] | None = None) -> Pod:
     """Start `workload`'s (first) container as the chart's pod spec says, on `network`. `shared`:
-    emptyDir mount paths to bind to a host directory instead of a tmpfs of their own."""
+    emptyDir mount paths to bind to a host directory instead of a tmpfs of their own; `env`: a
+    test's variables beside the chart's (a fault plan)."""
     shared = shared or {}
     from testcontainers.core.container import DockerContainer
 
@@ -209,7 +210,7 @@ def start_pod(rendered, workload: dict, pod_name: str, image: str, network, alia
     container.volumes.update(binds)
     if c.get("args"):
         container = container.with_command(c["args"])
-    for k, val in container_env(rendered, workload, pod_name).items():
+    for k, val in {**container_env(rendered, workload, pod_name), **(env or {})}.items():
         container = container.with_env(k, val)
     container.start()
     return Pod(pod_name, container, ports, c, container.get_container_host_ip(), secret_dirs)

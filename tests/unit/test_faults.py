@@ -55,7 +55,17 @@ def test_down_raises_what_redis_being_down_raises():
     assert "injected fault at decode.own (call 1)" in str(err.value)
 
 
-@pytest.mark.parametrize("spec", ["nosuch.site@1", "decode.own", "decode.own@1:boom", "decode.own@x"])
+def test_sleep_slows_the_planned_calls_and_raises_nothing(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    faults.configure("decode.step@2+:sleep30,decode.step@4")
+    assert calls_that_raise("decode.step", 5) == [4]  # the sleep rule raises nothing, the other still fires
+    assert slept == [0.03] * 4  # calls 2 to 5 (call 4 sleeps, then raises)
+    assert faults.raised["decode.step"] == 1
+
+
+@pytest.mark.parametrize("spec", ["nosuch.site@1", "decode.own", "decode.own@1:boom", "decode.own@x",
+                                  "decode.step@1:sleep", "decode.step@1:sleepx"])
 def test_a_bad_spec_says_what_is_wrong(spec):
     with pytest.raises(ValueError, match="bad fault spec"):
         faults.configure(spec)
