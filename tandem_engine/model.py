@@ -295,72 +295,70 @@ def _scores(raw: jax.Array, cfg: ModelConfig) -> jax.Array:
     return s
 
 
-PREFILL_BLOCK = 128  # query rows per block of a prompt's causal self-attention (`_causal_attention`)
+PREFILL_BLOCK = 128  # query rows per block of a prompt's causal self-attention (`causal_attention`)
 
 
 def _grouped_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
-    """q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B, T, S] (True = attend). Returns [B, T, H*hd].
+    """q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B or 1, T, S] (True = attend). Returns [B, T, H*hd].
 
     Query heads are grouped per KV head (no repeat of K/V); softmax runs in float32. `sinks` [H]
-    (gpt-oss): one more logit per head in the softmax whose value is dropped.
+    (gpt-oss): one more logit per head in the softmax whose value is dropped. (`causal_attention`
+    in one block: every query row against all S keys.)
     """
-    qg, kt, vt = _head_major(q, k, v, cfg)
-    return _token_major(_attend(qg, kt, vt, mask, cfg, sinks), cfg)
+    return causal_attention(q, k, v, mask, cfg, sinks, block=max(q.shape[1], 1))
 
 
-def _causal_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None,
-                      block: int = PREFILL_BLOCK) -> jax.Array:
-    """`_grouped_attention` of a prompt over itself (k, v at q's own positions, `mask` causal, and
-    within each layer's window): the query rows in blocks of `block`, each block against the keys
-    up to its own last row only, the rows after it being masked for every query of the block. A
-    [T, T] score matrix is about half computed (10 of 16 blocks of it at T = 4 x block), and each
-    row's softmax is the one over all T keys up to float rounding (masked keys add exp(-1e30) = 0)."""
-    t = q.shape[1]
-    if t <= block:
-        return _grouped_attention(q, k, v, mask, cfg, sinks)
-    qg, kt, vt = _head_major(q, k, v, cfg)
-    outs = []
+def causal_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None, *,
+                     block: int = PREFILL_BLOCK, partials: bool = False):
+    """The engine's one dense softmax attention: a prompt's (or a ragged call's chunk's) queries
+    over its own keys, the prefill's and the chunk's alike (paged.chunk_attention merges it with
+    the prefix read from the pool). q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B or 1, T, S]
+    (True = attend: causal and within the layer's window, or any mask when T <= block).
+
+    Query heads grouped per KV head (no repeat of K/V), scores and softmax in float32, soft-capped
+    where the family caps; `sinks` [H] (gpt-oss) one more logit per head whose value is dropped.
+    Past `block` rows the queries run in blocks, each against the keys up to its own last row (S ==
+    T: the rows after it are masked for every query of the block): a [T, T] score matrix is about
+    half computed (10 of 16 blocks at T = 4 x block), each row's softmax the one over all T keys up
+    to float rounding (masked keys add exp(-1e30 - m) = 0).
+
+    Returns [B, T, H * hd] in v's dtype; with `partials`, (out [B, KV, groups, T, hd], lse [B, KV,
+    groups, T] float32: each row's log-sum-exp, sink included) for a merge with another span's."""
+    b, t = q.shape[:2]
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    groups = cfg.num_heads // kvh
+    # head-major: with each head's rows contiguous the scores come out of the dot as [.., T, S]
+    # rows, the layout the softmax reads; XLA CPU given the token-major einsum picked [KV, S,
+    # groups*T] and transposed the whole [H, T, S] score matrix twice around the softmax (measured:
+    # the attention of a 512-token prompt 2.6x slower, the whole prefill 1.7x)
+    qg = jnp.transpose(q.reshape(b, t, kvh, groups, hd), (0, 2, 3, 1, 4))  # [B, KV, groups, T, hd]
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, S, hd]
+    if kt.dtype != q.dtype:
+        kt, vt = kt.astype(q.dtype), vt.astype(q.dtype)
+    s_all = kt.shape[2]
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, kvh, groups, 1)
+    outs, lses = [], []
     for start in range(0, t, block):
         end = min(start + block, t)
-        outs.append(_attend(qg[:, :, :, start:end], kt[:, :, :end], vt[:, :, :end], mask[:, start:end, :end], cfg,
-                            sinks))
-    return _token_major(jnp.concatenate(outs, axis=3), cfg)
-
-
-def _head_major(q, k, v, cfg: ModelConfig):
-    """q [B, T, H, hd] -> [B, KV, groups, T, hd]; k, v [B, S, KV, hd] -> [B, KV, S, hd].
-
-    Why: with each head's rows contiguous the scores come out of the dot as [.., T, S] rows, the
-    layout the softmax reads; XLA CPU given the token-major einsum picked [KV, S, groups*T] and
-    transposed the whole [H, T, S] score matrix twice around the softmax (measured: the attention
-    of a 512-token prompt 2.6x slower, the whole prefill 1.7x)."""
-    b, t = q.shape[:2]
-    groups = cfg.num_heads // cfg.num_kv_heads
-    qg = jnp.transpose(q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim), (0, 2, 3, 1, 4))
-    return qg, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-
-
-def _token_major(out: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """[B, KV, groups, T, hd] -> [B, T, H*hd]."""
-    b, t = out.shape[0], out.shape[3]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, cfg.num_heads * cfg.head_dim)
-
-
-def _attend(qg, kt, vt, mask, cfg: ModelConfig, sinks: jax.Array | None) -> jax.Array:
-    """Softmax attention of qg [B, KV, groups, T, hd] over kt, vt [B, KV, S, hd] under mask
-    [B or 1, T, S]: [B, KV, groups, T, hd] in vt's dtype (scores and softmax in float32)."""
-    b, kvh, groups, t, hd = qg.shape
-    s = kt.shape[2]
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg.reshape(b, kvh, groups * t, hd), kt, preferred_element_type=jnp.float32)
-    scores = _scores(scores, cfg).reshape(b, kvh, groups, t, s)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, groups, 1, 1), (*scores.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(vt.dtype)
-    else:
-        probs = jax.nn.softmax(scores, axis=-1).astype(vt.dtype)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kvh, groups * t, s), vt)
-    return out.reshape(b, kvh, groups, t, hd)
+        n, keys = end - start, (s_all if t <= block else end)
+        sc = jnp.einsum("bkqd,bksd->bkqs", qg[:, :, :, start:end].reshape(b, kvh, groups * n, hd), kt[:, :, :keys],
+                        preferred_element_type=jnp.float32)
+        sc = _scores(sc, cfg).reshape(b, kvh, groups, n, keys)
+        sc = jnp.where(mask[:, None, None, start:end, :keys], sc, -1e30)
+        m = jnp.max(sc, axis=-1)
+        if sink is not None:
+            m = jnp.maximum(m, sink)
+        p = jnp.exp(sc - m[..., None])
+        d = jnp.sum(p, axis=-1)
+        if sink is not None:
+            d = d + jnp.exp(sink - m)
+        probs = (p / d[..., None]).astype(vt.dtype).reshape(b, kvh, groups * n, keys)
+        outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, vt[:, :, :keys]).reshape(b, kvh, groups, n, hd))
+        lses.append(m + jnp.log(d))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    if partials:
+        return out, (lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=3))
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, cfg.num_heads * hd)
 
 
 def _attn_out(x: jax.Array, attn: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
@@ -472,7 +470,7 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
         mask = _window_mask(positions[:, None], positions[None, :], lc.window)[None]  # [1, T, T]
 
         def attention(q, k, v, sinks):  # the prompt's own K/V, returned for the cache
-            return _causal_attention(q, k, v, mask, cfg, sinks), (k, v)
+            return causal_attention(q, k, v, mask, cfg, sinks), (k, v)
 
         return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
 

@@ -53,8 +53,8 @@ from jax.sharding import PartitionSpec as P
 
 from tandem_engine.arch import ModelConfig
 from tandem_engine.cpu_kernels import paged_attention_kernel
-from tandem_engine.model import (NO_WINDOW, PREFILL_BLOCK, _layer_rope_tables, _scores, decoder_layer, embed, layer_consts, layer_loop,
-                                 logits_from_hidden)
+from tandem_engine.model import (NO_WINDOW, PREFILL_BLOCK, _layer_rope_tables, _scores, causal_attention,
+                                 decoder_layer, embed, layer_consts, layer_loop, logits_from_hidden)
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
 from tandem_engine.pool_layout import block_positions, block_shape, fold, unfold
 from tandem_engine.sharding import AXIS
@@ -206,34 +206,15 @@ def chunk_attention(q, k_new, v_new, k_layer, v_layer, table, start, cfg: ModelC
 
 
 def _causal_partials(q, k, v, cfg: ModelConfig, window: int, block: int = PREFILL_BLOCK):
-    """A chunk's causal attention over its own K/V (q [C, 1, H, hd], k, v [C, KV, hd]) as the
-    prefill computes it (head-major, query rows in blocks, each against the keys up to its own
-    last row: model._causal_attention), with each row's log-sum-exp for a merge with the
-    prefix's: (out [KV, groups, C, hd], lse [KV, groups, C]), float32."""
+    """A chunk's causal attention over its own K/V (q [C, 1, H, hd], k, v [C, KV, hd]): the
+    prefill's (model.causal_attention) with each row's log-sum-exp for a merge with the prefix's:
+    (out [KV, groups, C, hd], lse [KV, groups, C])."""
     c = q.shape[0]
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    groups = cfg.num_heads // kvh
-    qh = jnp.transpose(q.reshape(c, kvh, groups, hd), (1, 2, 0, 3))  # [KV, groups, C, hd]
-    kt, vt = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # [KV, C, hd]
-    if kt.dtype != q.dtype:
-        kt, vt = kt.astype(q.dtype), vt.astype(q.dtype)
-    win = window or NO_WINDOW
-    outs, lses = [], []
-    for start in range(0, c, block):
-        end = min(start + block, c)
-        n = end - start
-        s = jnp.einsum("kqd,ksd->kqs", qh[:, :, start:end].reshape(kvh, groups * n, hd), kt[:, :end],
-                       preferred_element_type=jnp.float32)
-        s = _scores(s, cfg).reshape(kvh, groups, n, end)
-        i, j = np.arange(start, end)[:, None], np.arange(end)[None, :]
-        s = jnp.where(((j <= i) & (i - j < win))[None, None], s, _NEG)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        p = jnp.exp(s - m)
-        d = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum("kqs,ksd->kqd", (p / d).astype(vt.dtype).reshape(kvh, groups * n, end), vt[:, :end])
-        outs.append(out.reshape(kvh, groups, n, hd))
-        lses.append(m[..., 0] + jnp.log(d[..., 0]))
-    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+    i, j = np.arange(c)[:, None], np.arange(c)[None, :]
+    mask = jnp.asarray((j <= i) & (i - j < (window or NO_WINDOW)))[None]
+    out, lse = causal_attention(q.reshape(1, c, *q.shape[2:]), k[None], v[None], mask, cfg, block=block,
+                                partials=True)
+    return out[0], lse[0]
 
 
 def _fold_start(q, cfg: ModelConfig, sinks):

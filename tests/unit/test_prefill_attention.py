@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tandem_engine.model import ModelConfig, _causal_attention, _grouped_attention, _window_mask
+from tandem_engine.model import ModelConfig, _grouped_attention, _window_mask, causal_attention
 
 CFG = ModelConfig(vocab_size=8, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6)
@@ -50,10 +50,34 @@ def test_causal_blocks_equal_plain_attention(t, block, window, with_sinks, dtype
     pos = jnp.arange(t)
     mask = _window_mask(pos[:, None], pos[None, :], jnp.int32(window or 1 << 30))[None]
     s = sinks if with_sinks else None
-    got = jax.jit(_causal_attention, static_argnames=("cfg", "block"))(q, k, v, mask, CFG, s, block=block)
+    got = jax.jit(causal_attention, static_argnames=("cfg", "block"))(q, k, v, mask, CFG, s, block=block)
     want = plain(q, k, v, jnp.broadcast_to(mask, (b, t, t)), CFG, s)
     assert got.shape == (b, t, CFG.num_heads * CFG.head_dim) and got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_partials_give_each_rows_log_sum_exp_for_a_merge(with_sinks):
+    """`partials=True` (the ragged chunk's own part, paged.chunk_attention): the head-major output
+    and each row's log-sum-exp of its scaled, masked scores (and sink), in blocks as whole."""
+    b, t, window = 1, 40, 12
+    q, k, v, sinks = inputs(b, t, t, jnp.float32, seed=3)
+    pos = jnp.arange(t)
+    mask = _window_mask(pos[:, None], pos[None, :], jnp.int32(window))[None]
+    s = sinks if with_sinks else None
+    out, lse = causal_attention(q, k, v, mask, CFG, s, block=16, partials=True)
+    kvh, groups, hd = CFG.num_kv_heads, CFG.num_heads // CFG.num_kv_heads, CFG.head_dim
+    assert out.shape == (b, kvh, groups, t, hd) and lse.shape == (b, kvh, groups, t)
+    token_major = np.transpose(np.asarray(out), (0, 3, 1, 2, 4)).reshape(b, t, -1)
+    np.testing.assert_allclose(token_major, np.asarray(plain(q, k, v, mask, CFG, s)), rtol=2e-5, atol=2e-5)
+    qh = np.asarray(q).reshape(b, t, kvh, groups, hd)
+    scores = np.einsum("btkgd,bskd->bkgts", qh, np.asarray(k)) / np.sqrt(hd)
+    scores = np.where(np.asarray(mask)[:, None, None], scores, -np.inf)
+    if with_sinks:
+        sink = np.broadcast_to(np.asarray(sinks).reshape(1, kvh, groups, 1, 1), (*scores.shape[:-1], 1))
+        scores = np.concatenate([scores, sink], axis=-1)
+    want = np.log(np.sum(np.exp(scores - scores.max(-1, keepdims=True)), -1)) + scores.max(-1)
+    np.testing.assert_allclose(np.asarray(lse), want, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_attention_over_a_longer_key_buffer():
@@ -79,7 +103,7 @@ def test_blocks_skip_the_scores_above_the_diagonal():
     """4 blocks of 64 rows: 1 + 2 + 3 + 4 of the 16 [64 x 64] tiles of every head's [256, 256]."""
     full = CFG.num_heads * 256 * 256
     assert score_elements(_grouped_attention, 256) == full
-    assert score_elements(_causal_attention, 256, block=64) == full * 10 // 16
+    assert score_elements(causal_attention, 256, block=64) == full * 10 // 16
 
 
 def test_rope_tables_computed_once_rotate_as_rope_does():
