@@ -1,6 +1,9 @@
 """Families on several chips: tensor parallelism at 1, 2 and 4 simulated CPU devices, and for the
 mixtures of experts expert parallelism (whole experts per chip) at 2 and 4 — greedy tokens equal
-to transformers' in every layout.
+to transformers' in every layout. Every family at tp 4 through both of a decode pod's ways in: a
+prompt prefilled whole and inserted (a pulled KV, the disaggregated path) and a prompt seated in a
+row and prefilled in chunks by the ragged call beside the first row's steps (a colocated pod's
+chunked prefill), both rows' tokens against transformers'.
 
 The checkpoints are written here by transformers' classes (tests/families.py); XLA_FLAGS must be
 set before JAX starts, so the engines run in a child process (this file as a script, with four
@@ -20,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.families import build_family, hf_greedy
+from tests.families import FAMILIES, build_family, hf_greedy
 
 pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): a child process with 4 host devices compiles every family at tp 1, 2 and 4
 
@@ -31,6 +34,7 @@ PROMPTS = {0: list(range(30, 43)), 1: list(range(100, 140))}  # both longer than
 LAYOUTS = {"gemma3": [(1, False), (2, False), (4, False)],
            "qwen3_moe": [(1, False), (2, False), (4, False), (2, True), (4, True)],
            "gpt_oss": [(1, False), (4, False), (2, True), (4, True)]}
+CHUNK = 16  # the ragged call's chunk: prompt 1 (40 tokens) in 3 calls, each crossing the window (8)
 
 
 def child(spec: dict) -> dict:
@@ -42,7 +46,7 @@ def child(spec: dict) -> dict:
     greedy = SamplingParams()
     out: dict = {"devices": len(jax.devices())}
     for fam, path in spec.items():
-        for tp, ep in LAYOUTS[fam]:
+        for tp, ep in LAYOUTS.get(fam, ()):
             e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=tp, expert_parallel=ep)
             state = e.init_state()
             toks = {}
@@ -62,6 +66,34 @@ def child(spec: dict) -> dict:
                 "wq_shard": list(layers["wq"].addressable_shards[0].data.shape),
                 "experts_shard": None if experts is None else list(experts.addressable_shards[0].data.shape),
             }
+    for fam, path in spec.items():
+        e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=4, prefix_chunk=CHUNK)
+        out[f"{fam}/tp4/both_paths"] = both_paths(e)
+    return out
+
+
+def both_paths(engine) -> dict[str, list[int]]:
+    """Row 0: prompt 0 prefilled whole and inserted; row 1: prompt 1 seated (`begin_prompt`) and
+    prefilled a chunk a call by the ragged call (`generate_ragged`) beside row 0's steps. Greedy
+    tokens of both rows: STEPS of row 0's, and row 1's from its first (the call that ends its
+    prompt) until the calls run out."""
+    from tandem_core.types import SamplingParams
+    from tandem_engine.logits import unpack_tokens
+
+    greedy = SamplingParams()
+    state = engine.init_state()
+    prefix = engine.prefill(PROMPTS[0], greedy)
+    state = engine.insert(prefix, state, 0, greedy)
+    state = engine.begin_prompt(state, 1, PROMPTS[1], greedy)
+    out: dict[str, list[int]] = {"0": [prefix.first_token], "1": []}
+    for _ in range(STEPS - 1):
+        state, got = engine.generate_ragged(state, 2)
+        host = np.asarray(got.tokens)
+        out["0"].append(int(host[0]))
+        if out["1"]:
+            out["1"].append(int(host[1]))
+        if got.slot is not None:
+            out["1"].append(int(unpack_tokens(np.asarray(got.first)[None])[0]))
     return out
 
 
@@ -70,7 +102,7 @@ def child(spec: dict) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     models, spec = {}, {}
-    for fam in FAMS:
+    for fam in FAMILIES:
         path = tmp_path_factory.mktemp(fam)
         models[fam] = build_family(fam, path, seed=21)
         spec[fam] = str(path)
@@ -90,6 +122,18 @@ def test_tokens_equal_transformers_in_every_layout(run, fam):
     for tp, ep in LAYOUTS[fam]:
         got = res[f"{fam}/tp{tp}/ep{int(ep)}"]["tokens"]
         assert got == want, f"{fam} tp={tp} expert_parallel={ep}"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_every_family_at_tp4_through_both_paths_equals_transformers(run, fam):
+    """Row 0 prefilled whole and inserted, row 1 prefilled by the ragged call in chunks of CHUNK
+    beside row 0's steps, at tp 4: each row's greedy tokens are transformers'."""
+    models, res = run
+    got = res[f"{fam}/tp4/both_paths"]
+    assert got["0"] == hf_greedy(models[fam], PROMPTS[0], STEPS), f"{fam}: the inserted row"
+    n = len(got["1"])
+    assert n == STEPS - 3, (fam, n)  # 40 tokens: 3 chunks of 16, the first token in the 3rd call
+    assert got["1"] == hf_greedy(models[fam], PROMPTS[1], n), f"{fam}: the row prefilled by the ragged call"
 
 
 def test_weights_split_as_the_layout_says(run):
