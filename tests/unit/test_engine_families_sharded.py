@@ -1,6 +1,6 @@
 """Families on several chips: tensor parallelism at 1, 2 and 4 simulated CPU devices, and for the
 mixtures of experts expert parallelism (whole experts per chip) at 2 and 4 — greedy tokens equal
-to transformers' in every layout. Every family at tp 4 through both of a decode pod's ways in: a
+to transformers' in every layout. Every family at tp 2 and 4 through both of a decode pod's ways in: a
 prompt prefilled whole and inserted (a pulled KV, the disaggregated path) and a prompt seated in a
 row and prefilled in chunks by the ragged call beside the first row's steps (a colocated pod's
 chunked prefill), both rows' tokens against transformers'.
@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FAMS = ("gemma3", "qwen3_moe", "gpt_oss")  # windows + q/k norms; experts; sinks, biased experts, YaRN
 STEPS = 12
 PROMPTS = {0: list(range(30, 43)), 1: list(range(100, 140))}  # both longer than the window (8)
-LAYOUTS = {"gemma3": [(1, False), (2, False), (4, False)],
-           "qwen3_moe": [(1, False), (2, False), (4, False), (2, True), (4, True)],
-           "gpt_oss": [(1, False), (4, False), (2, True), (4, True)]}
+# (tp 1: tests/unit/test_engine_families.py, every family against transformers in one process)
+LAYOUTS = {"gemma3": [(2, False), (4, False)],
+           "qwen3_moe": [(2, False), (4, False), (2, True), (4, True)],
+           "gpt_oss": [(4, False), (2, True), (4, True)]}
 CHUNK = 16  # the ragged call's chunk: prompt 1 (40 tokens) in 3 calls, each crossing the window (8)
 
 
@@ -67,8 +68,9 @@ def child(spec: dict) -> dict:
                 "experts_shard": None if experts is None else list(experts.addressable_shards[0].data.shape),
             }
     for fam, path in spec.items():
-        e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=4, prefix_chunk=CHUNK)
-        out[f"{fam}/tp4/both_paths"] = both_paths(e)
+        for tp in (2, 4):
+            e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=tp, prefix_chunk=CHUNK)
+            out[f"{fam}/tp{tp}/both_paths"] = both_paths(e)
     return out
 
 
@@ -124,16 +126,17 @@ def test_tokens_equal_transformers_in_every_layout(run, fam):
         assert got == want, f"{fam} tp={tp} expert_parallel={ep}"
 
 
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_every_family_at_tp4_through_both_paths_equals_transformers(run, fam):
+def test_every_family_through_both_paths_equals_transformers(run, fam, tp):
     """Row 0 prefilled whole and inserted, row 1 prefilled by the ragged call in chunks of CHUNK
-    beside row 0's steps, at tp 4: each row's greedy tokens are transformers'."""
+    beside row 0's steps, at tp 2 and 4: each row's greedy tokens are transformers'."""
     models, res = run
-    got = res[f"{fam}/tp4/both_paths"]
-    assert got["0"] == hf_greedy(models[fam], PROMPTS[0], STEPS), f"{fam}: the inserted row"
+    got = res[f"{fam}/tp{tp}/both_paths"]
+    assert got["0"] == hf_greedy(models[fam], PROMPTS[0], STEPS), f"{fam} tp={tp}: the inserted row"
     n = len(got["1"])
-    assert n == STEPS - 3, (fam, n)  # 40 tokens: 3 chunks of 16, the first token in the 3rd call
-    assert got["1"] == hf_greedy(models[fam], PROMPTS[1], n), f"{fam}: the row prefilled by the ragged call"
+    assert n == STEPS - 3, (fam, tp, n)  # 40 tokens: 3 chunks of 16, the first token in the 3rd call
+    assert got["1"] == hf_greedy(models[fam], PROMPTS[1], n), f"{fam} tp={tp}: the row prefilled by the ragged call"
 
 
 def test_weights_split_as_the_layout_says(run):
