@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.families import FAMILIES, build_family, hf_greedy
+from tests.ragged_rows import beside
 
 pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): a child process with 4 host devices compiles every family at tp 1, 2 and 4
 
@@ -70,35 +71,9 @@ def child(spec: dict) -> dict:
     for fam, path in spec.items():
         for tp in (2, 4):
             e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=tp, prefix_chunk=CHUNK)
-            out[f"{fam}/tp{tp}/both_paths"] = both_paths(e)
+            # row 0 prefilled whole and inserted, row 1 by the ragged call beside it
+            out[f"{fam}/tp{tp}/both_paths"] = beside(e, (0, PROMPTS[0]), (1, PROMPTS[1]), STEPS - 1, 2)
     return out
-
-
-def both_paths(engine) -> dict[str, list[int]]:
-    """Row 0: prompt 0 prefilled whole and inserted; row 1: prompt 1 seated (`begin_prompt`) and
-    prefilled a chunk a call by the ragged call (`generate_ragged`) beside row 0's steps. Greedy
-    tokens of both rows: STEPS of row 0's, and row 1's from its first (the call that ends its
-    prompt) until the calls run out."""
-    from tandem_core.types import SamplingParams
-    from tandem_engine.logits import unpack_tokens
-
-    greedy = SamplingParams()
-    state = engine.init_state()
-    prefix = engine.prefill(PROMPTS[0], greedy)
-    state = engine.insert(prefix, state, 0, greedy)
-    state = engine.begin_prompt(state, 1, PROMPTS[1], greedy)
-    out: dict[str, list[int]] = {"0": [prefix.first_token], "1": []}
-    for _ in range(STEPS - 1):
-        state, got = engine.generate_ragged(state, 2)
-        host = np.asarray(got.tokens)
-        out["0"].append(int(host[0]))
-        if out["1"]:
-            out["1"].append(int(host[1]))
-        if got.slot is not None:
-            out["1"].append(int(unpack_tokens(np.asarray(got.first)[None])[0]))
-    return out
-
-
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ragged_rows import beside
+
 pytestmark = pytest.mark.slow  # make test-unit leaves it out (make test runs it): a child process with 4 host devices compiles paged engines at tp 1, 2 and 4
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,30 +106,6 @@ def reuse(engine, seed: int) -> dict:
     return {"matched": match.length, "got": got, "want": want, "free": free}
 
 
-def ragged(engine, ids: dict[int, list[int]]) -> dict[str, list[int]]:
-    """Row 0's prompt prefilled and inserted; row 2's seated and prefilled in chunks beside row 0's
-    steps by the ragged call (engine_decode.generate_ragged); greedy tokens of both rows, STEPS + 1
-    of row 0's and as many of row 2's as the steps left after its first token give."""
-    from tandem_core.types import SamplingParams
-    from tandem_engine.logits import unpack_tokens
-
-    greedy = SamplingParams()
-    state = engine.init_state()
-    prefix = engine.prefill(ids[0], greedy)
-    state = engine.insert(prefix, state, 0, greedy)
-    state = engine.begin_prompt(state, 2, ids[2], greedy)
-    out: dict[str, list[int]] = {"0": [prefix.first_token], "2": []}
-    for _ in range(STEPS):
-        state, got = engine.generate_ragged(state, 4)
-        host = np.asarray(got.tokens)
-        out["0"].append(int(host[0]))
-        if out["2"]:
-            out["2"].append(int(host[2]))
-        if got.slot is not None:
-            out["2"].append(int(unpack_tokens(np.asarray(got.first)[None])[0]))
-    return out
-
-
 def compiled_step(engine) -> dict:
     """The engine's own one-step paged generate call (at the widest table), compiled for these CPU
     devices: its all-gathers, the bytes it aliases (donated, returned in place), and one chip's
@@ -173,7 +151,7 @@ def child(spec: dict) -> dict:
     res["paged2_direct_to_slots1"] = decode(slots1, {s: paged2.prefill(p, greedy) for s, p in ids.items()})
     res["slots1_direct_to_paged2"] = decode(paged2, {s: slots1.prefill(p, greedy) for s, p in ids.items()})
     res["reuse2"] = reuse(paged2, 5)
-    res["ragged2"] = ragged(paged2, ids)
+    res["ragged2"] = beside(paged2, (0, ids[0]), (2, ids[2]), STEPS, 4)  # row 2 by the ragged call beside row 0
     # a prefill pod's device prefix cache at tp=2 (prefix_pool.py: its pool split by head too): a prompt
     # over a hit decodes as the whole prompt's prefill at tp=1
     from tandem_engine.prefix_pool import device_cache_for
