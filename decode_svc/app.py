@@ -184,4 +184,6 @@ async def _drain(io: DecodeIO, timeout_s: float) -> None:
         log.warning("%s with %d running requests: handing them back", why, len(left))
         for act in left:
             await io.resume(act.req, f"decode pod stopped before it finished ({why})", owner=io.worker_id)
+            if act.ack is not None:  # a seated prompt's entry, acked with its first token: resumed instead
+                await io.handback.ack(*act.ack)
         io.engine_loop.cancel({a.req.request_id for a in left}, silent=True)

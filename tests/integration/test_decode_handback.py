@@ -591,3 +591,55 @@ async def test_a_steal_claim_whose_reply_was_lost_is_taken_again_at_once(redis_u
                 f"the stolen entry whose reply was lost never ran: {st}"
     finally:
         await server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def chunking_engine():
+    """The tiny model with chunks of 8: a prompt over 8 tokens is seated while a stream runs."""
+    return load_engine("tiny", slots=SLOTS, max_len=64, prefill_buckets=(16, 64), prefix_chunk=8)
+
+
+async def test_a_seated_prompt_is_handed_back_by_a_drain_and_runs_once_elsewhere(redis_url, redis_client,
+                                                                                  chunking_engine):
+    """A colocated pod drains (its deadline passed) while a long prompt is seated in a row, its
+    chunks beside a running stream's steps and no token of it out yet: both requests are handed
+    back, and a pod started after serves each once, every index once."""
+    from decode_svc.app import _drain
+    from tandem_core.bus import admission
+
+    r, pool = redis_client, "handback-seated"
+    await groups.ensure_groups(r, KS, pool)
+    running = GenerationRequest("seated-beside", [256, 65, 66], 40, SamplingParams(), ignore_eos=True)
+    long = GenerationRequest("seated-long", [256] + list(range(70, 100)), 8, SamplingParams(), ignore_eos=True)
+    faults.configure("decode.step@1+:sleep40")  # each call 40 ms: the long prompt's 4 chunks take 160
+    async with Pod(r, chunking_engine, redis_url, pool, colocated=True) as pod:
+        pod.eloop.prefill_chunk_tokens = 8
+        await admission.enqueue_request(r, KS, pool, running, 1000)
+        st = await _until(r, pod, pool, running.request_id, lambda st: len(st["indices"]) >= 3)
+        assert len(st["indices"]) >= 3 and not st["finished"], st
+        await admission.enqueue_request(r, KS, pool, long, 1000)
+        for _ in range(200):
+            if any(a.seated for a in pod.table.snapshot()):
+                break
+            await asyncio.sleep(0.005)
+        seated = [a.req.request_id for a in pod.table.snapshot() if a.seated]
+        assert seated == [long.request_id], f"the long prompt was never seated: {pod.table.snapshot()}"
+        assert not (await _state(r, pod, pool, long.request_id))["indices"], "its first token is out already"
+        await _drain(pod.io, 0)
+    faults.configure("")
+    for req in (running, long):
+        st = await _state(r, pod, pool, req.request_id)
+        assert len(st["resumed"]) == 1, f"{req.request_id} not handed back once: {st['resumed']}"
+    async with Pod(r, chunking_engine, redis_url, pool, colocated=True, reclaim_min_idle_ms=1) as after:
+        for req in (running, long):
+            st = await _until(r, after, pool, req.request_id, lambda st: st["finished"])
+            # every index once: a second run of it would have written some index again
+            assert st["finished"] and sorted(st["indices"]) == list(range(req.max_tokens)), \
+                f"{req.request_id}: {await r.xrange(KS.token_stream(req.request_id))}"
+        stream = KS.admission_stream(pool, "normal", 0)
+        for _ in range(100):  # (a bound on the wait: the recovery rounds run every 0.2 s)
+            pending = await r.xpending_range(stream, keys.PREFILL_GROUP, "-", "+", 10)
+            if not pending:
+                break
+            await asyncio.sleep(0.05)
+        assert not pending, f"the drained pod's admission entries are still pending: {pending}"
