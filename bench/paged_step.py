@@ -4,7 +4,7 @@ gather path it replaces, and optionally against an older tree's slot layout
 
 Engines of the built-in model (max_len 1024, one XLA thread, as `tandem local` runs a decode pod):
 the pool (blocks of 16, the step's attention in tandem_engine/cpu_kernels); the pool with
-TANDEM_CPU_KERNELS=0 (the gather path, paged.paged_attention); with `--old-root`, that tree's
+TANDEM_CPU_KERNELS=0 (the gather path, attention.paged_attention); with `--old-root`, that tree's
 `kv_layout="slots"` (the slot layout, deleted by issue 43: a tree from before 43's deletion, e.g.
 29e5fac). Each runs in its own process, one after the other, `--rounds` times
 alternating, and measures bench/paged_capacity.py's `step_time`: every row of the batch inserted at

@@ -207,9 +207,9 @@ def attention_reads(eng, *, slots: int, position: int, tp: int) -> dict:
     blocks its window reaches), K and V, each layer, and scores and weighs them (two dots per
     position and head). The cost compiles (aot.Compiler.count_layers) run over a pool of one
     block per row, and count: nothing of the Pallas kernel's reads (the compiler does not see into
-    a Mosaic call); on the gather path, one piece of paged.READ_CHUNK positions a layer (a loop
+    a Mosaic call); on the gather path, one piece of attention.READ_CHUNK positions a layer (a loop
     body is counted once), which is taken off here."""
-    from tandem_engine.paged import READ_CHUNK, step_kernel
+    from tandem_engine.attention import READ_CHUNK, step_kernel
 
     c = eng.cfg
     bs = eng.kv_block_size

@@ -70,7 +70,7 @@ class Engine(PrefillSide, DecodeSide):
         """The decode step variants `warmup` compiles, in its order: (rows, table width, steps,
         logprobs, masked) for every batch bucket (the table width: the one width every step has,
         each row's whole table, since the step reads only the blocks in use:
-        paged.paged_attention), one step and `steps_per_dispatch` of them, with `masks` the
+        attention.paged_attention), one step and `steps_per_dispatch` of them, with `masks` the
         grammar-masked step. `logprobs` adds none: a step with logprobs is the same compiled step
         (its flag is traced: cores.generate_core), so `logprobs` is False in every variant."""
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)

@@ -521,7 +521,7 @@ class DecodeSide(EngineBase):
 
     def _table_width(self, steps: int) -> int:
         """The step's table width: every row's whole table, one compiled width (the step reads
-        only the blocks its rows use, paged.paged_attention); RuntimeError when an active row lacks
+        only the blocks its rows use, attention.paged_attention); RuntimeError when an active row lacks
         the blocks its next `steps` positions fall in (`reserve` first: a step never writes another
         sequence's block, but that row's tokens would be wrong)."""
         short = self._short_rows(steps)

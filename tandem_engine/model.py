@@ -42,12 +42,11 @@ import jax
 import jax.numpy as jnp
 
 from tandem_engine.arch import ModelConfig, config_from_info
+from tandem_engine.attention import NO_WINDOW, ragged_attention
 from tandem_engine.quantize import expert_in, expert_out, linear, ragged
 
 __all__ = ["ModelConfig", "config_from_info", "prefill_batch_forward", "prefill_forward",
            "prefill_logits_all", "split_layers"]
-
-NO_WINDOW = 1 << 30  # a global layer's window: farther than any position
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,80 +286,6 @@ def _qkv(x: jax.Array, lp: dict, positions: jax.Array, lc: LayerConsts, cfg: Mod
             rope(k, positions, lc.inv_freq, lc.rope_scale, tables), v)
 
 
-def _scores(raw: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Scaled (and soft-capped) float32 attention scores."""
-    s = raw * (cfg.query_scale or 1.0 / math.sqrt(cfg.head_dim))
-    if cfg.attn_softcap:
-        s = jnp.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
-    return s
-
-
-PREFILL_BLOCK = 128  # query rows per block of a prompt's causal self-attention (`causal_attention`)
-
-
-def _grouped_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None) -> jax.Array:
-    """q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B or 1, T, S] (True = attend). Returns [B, T, H*hd].
-
-    Query heads are grouped per KV head (no repeat of K/V); softmax runs in float32. `sinks` [H]
-    (gpt-oss): one more logit per head in the softmax whose value is dropped. (`causal_attention`
-    in one block: every query row against all S keys.)
-    """
-    return causal_attention(q, k, v, mask, cfg, sinks, block=max(q.shape[1], 1))
-
-
-def causal_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None, *,
-                     block: int = PREFILL_BLOCK, partials: bool = False):
-    """The engine's one dense softmax attention: a prompt's (or a ragged call's chunk's) queries
-    over its own keys, the prefill's and the chunk's alike (paged.chunk_attention merges it with
-    the prefix read from the pool). q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B or 1, T, S]
-    (True = attend: causal and within the layer's window, or any mask when T <= block).
-
-    Query heads grouped per KV head (no repeat of K/V), scores and softmax in float32, soft-capped
-    where the family caps; `sinks` [H] (gpt-oss) one more logit per head whose value is dropped.
-    Past `block` rows the queries run in blocks, each against the keys up to its own last row (S ==
-    T: the rows after it are masked for every query of the block): a [T, T] score matrix is about
-    half computed (10 of 16 blocks at T = 4 x block), each row's softmax the one over all T keys up
-    to float rounding (masked keys add exp(-1e30 - m) = 0).
-
-    Returns [B, T, H * hd] in v's dtype; with `partials`, (out [B, KV, groups, T, hd], lse [B, KV,
-    groups, T] float32: each row's log-sum-exp, sink included) for a merge with another span's."""
-    b, t = q.shape[:2]
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    groups = cfg.num_heads // kvh
-    # head-major: with each head's rows contiguous the scores come out of the dot as [.., T, S]
-    # rows, the layout the softmax reads; XLA CPU given the token-major einsum picked [KV, S,
-    # groups*T] and transposed the whole [H, T, S] score matrix twice around the softmax (measured:
-    # the attention of a 512-token prompt 2.6x slower, the whole prefill 1.7x)
-    qg = jnp.transpose(q.reshape(b, t, kvh, groups, hd), (0, 2, 3, 1, 4))  # [B, KV, groups, T, hd]
-    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KV, S, hd]
-    if kt.dtype != q.dtype:
-        kt, vt = kt.astype(q.dtype), vt.astype(q.dtype)
-    s_all = kt.shape[2]
-    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, kvh, groups, 1)
-    outs, lses = [], []
-    for start in range(0, t, block):
-        end = min(start + block, t)
-        n, keys = end - start, (s_all if t <= block else end)
-        sc = jnp.einsum("bkqd,bksd->bkqs", qg[:, :, :, start:end].reshape(b, kvh, groups * n, hd), kt[:, :, :keys],
-                        preferred_element_type=jnp.float32)
-        sc = _scores(sc, cfg).reshape(b, kvh, groups, n, keys)
-        sc = jnp.where(mask[:, None, None, start:end, :keys], sc, -1e30)
-        m = jnp.max(sc, axis=-1)
-        if sink is not None:
-            m = jnp.maximum(m, sink)
-        p = jnp.exp(sc - m[..., None])
-        d = jnp.sum(p, axis=-1)
-        if sink is not None:
-            d = d + jnp.exp(sink - m)
-        probs = (p / d[..., None]).astype(vt.dtype).reshape(b, kvh, groups * n, keys)
-        outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, vt[:, :, :keys]).reshape(b, kvh, groups, n, hd))
-        lses.append(m + jnp.log(d))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
-    if partials:
-        return out, (lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=3))
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, cfg.num_heads * hd)
-
-
 def _attn_out(x: jax.Array, attn: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     """The output projection (and Gemma's norm after it), added to the residual stream."""
     o = linear(attn, lp, "wo")
@@ -385,12 +310,6 @@ def _unroll(cfg: ModelConfig) -> int | bool:
 
 def _sinks(lp: dict, cfg: ModelConfig):
     return lp["sinks"] if cfg.sinks else None
-
-
-def _window_mask(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
-    """Causal and inside the window: k <= q and q - k < window ([..., T, S] from [..., T, 1] and
-    [..., 1, S])."""
-    return (k_pos <= q_pos) & (q_pos - k_pos < window)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,10 +386,14 @@ def _prefill_layers(params: dict, tokens: jax.Array, cfg: ModelConfig):
 
     def layer(x, xs):
         lp, lc, tables = xs
-        mask = _window_mask(positions[:, None], positions[None, :], lc.window)[None]  # [1, T, T]
 
-        def attention(q, k, v, sinks):  # the prompt's own K/V, returned for the cache
-            return causal_attention(q, k, v, mask, cfg, sinks), (k, v)
+        def attention(q, k, v, sinks):  # the prompts as chunks from position 0, no pool; their K/V returned
+            b = q.shape[0]
+            out, _, _ = ragged_attention(q.reshape(b * t, 1, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]),
+                                         v.reshape(b * t, *v.shape[2:]), None, None, None, None, None, None,
+                                         sinks, cfg=cfg, window=lc.window, has_sinks=sinks is not None, chunk=t,
+                                         chunks=b)
+            return out.reshape(b, t, -1), (k, v)
 
         return decoder_layer(x, lp, lc, positions[None], cfg, attention, shared if tables is None else tables)
 

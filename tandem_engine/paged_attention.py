@@ -20,7 +20,7 @@ per row; a layer's sliding window skips the compute blocks the window has passed
 soft-capping and the query scale as the gather path defines them; its module docstring says how).
 Under tensor parallelism (`mesh` with a "tp" axis over > 1 chips) the kernel runs per chip in a
 `shard_map` over the chip's KV heads, its query heads and their sinks; a Mosaic call is not split by
-XLA's partitioner. (The engine's step does this itself: paged._layer_attention runs per chip with
+XLA's partitioner. (The engine's step does this itself: attention.ragged_attention runs per chip with
 the chip's head counts and calls this with no mesh.) Hold the pool as one buffer per layer for it,
 as the engine's paged pool is (paged.py): a pool stacked [L, KV, blocks, block_size, hd] and sliced
 per layer (`k_pool[i]`) makes XLA copy that layer's whole pool for the call, at every layer of
@@ -28,8 +28,8 @@ every step (compiled for v5e: 448 MiB of temporaries for 4 layers of 64 MiB pool
 with per-layer buffers; the test holds this).
 
 The engine's paged decode step (paged.decode_forward_paged) calls this kernel on a TPU through
-`paged.step_kernel` (`kernel_gaps` decides, when the step is compiled for a platform:
-`jax.lax.platform_dependent`), and its gather path (paged.paged_attention) or the CPU kernel
+`attention.step_kernel` (`kernel_gaps` decides, when the step is compiled for a platform:
+`jax.lax.platform_dependent`), and its gather path (attention.paged_attention) or the CPU kernel
 (cpu_kernels) elsewhere and for the families the kernel cannot serve.
 
 It replaces JAX's stock kernel (jax.experimental.pallas.ops.tpu.paged_attention), which had no

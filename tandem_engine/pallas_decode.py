@@ -18,7 +18,7 @@ The shapes (one layer of the pool, as paged.py holds it):
     sinks      float32 [H] or None       one more logit per head, with no value (gpt-oss)
 
 `decode_attention(q, k, v, lengths, tables, sinks, scale=, softcap=, window=)` returns
-[rows, H, hd] in q's dtype. It computes exactly what the gather path (paged.paged_attention) and
+[rows, H, hd] in q's dtype. It computes exactly what the gather path (attention.paged_attention) and
 the CPU kernel (cpu_kernels) compute: scores q.k in float32 times `scale`, soft-capped
 (tanh(s / cap) * cap) where `softcap` > 0; row r attends to positions p with p < length and, on a
 layer with a window w > 0, length - 1 - p < w (the window's first position is length - w); the

@@ -8,7 +8,7 @@ compute (the first token's logits come from the last prompt position). A hit is 
 too); the prompt's row is those blocks plus new ones for the rest, and the rest runs in chunks of
 `prefix_chunk` tokens through the ragged call's forward and attention (`paged.decode_forward_paged`
 with every row the chunk, as `cores.ragged_core` runs a prompt's chunk beside decode rows: each
-layer writes the chunk's K/V into the new blocks, then `paged.chunk_attention` reads the chunk's
+layer writes the chunk's K/V into the new blocks, then `attention.chunk_attention` reads the chunk's
 prefix from the pool through the row's block table, in place, attends to the chunk's own K/V
 densely and causally, and merges the two by their log-sum-exps; windows, sinks and soft caps as
 the step has them). One compiled chunk for every prompt (the table as wide as the largest bucket:
@@ -158,7 +158,7 @@ class DevicePrefixCache:
         bucket = padded.shape[0]
         # one compiled chunk for every prompt: the table as wide as the largest bucket and the ids
         # padded to it (the chunk's attention reads only the blocks before its own positions,
-        # paged.chunk_attention, whatever the width); the read-out is as wide as the prompt's bucket
+        # attention.chunk_attention, whatever the width); the read-out is as wide as the prompt's bucket
         size = engine.buckets[-1]
         width = -(-size // bs)
         need = -(-n // bs) - len(hit.blocks)

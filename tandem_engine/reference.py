@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from tandem_engine.arch import ModelConfig
-from tandem_engine.model import _scores, _window_mask, decoder_layer, embed, layer_loop, logits_from_hidden
+from tandem_engine.attention import _scores, _window_mask
+from tandem_engine.model import decoder_layer, embed, layer_loop, logits_from_hidden
 
 __all__ = ["reference_forward", "reference_greedy"]
 

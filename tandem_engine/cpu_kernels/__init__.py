@@ -3,7 +3,7 @@
 One kernel today: paged decode attention read where the pool's blocks lie
 (`paged_attention.cc`; paged.py calls it for a CPU compile of the paged step). XLA's own ops
 cannot read a block table in place on a CPU: a gather copies every block it reads before the dots
-read it again (what paged.paged_attention does, and still does where this kernel is not there).
+read it again (what attention.paged_attention does, and still does where this kernel is not there).
 
 The source ships with the package and is compiled on first use with the machine's C++ compiler
 (`CXX`, else `c++`/`g++`) against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), into

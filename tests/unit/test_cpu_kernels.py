@@ -1,5 +1,5 @@
 """Tandem's CPU paged-attention kernel (tandem_engine/cpu_kernels) against the XLA gather path it
-replaces on a CPU (paged.paged_attention): the same outputs for every feature a family asks of the
+replaces on a CPU (attention.paged_attention): the same outputs for every feature a family asks of the
 step's attention (sliding windows, sinks, soft-capping, GQA groups, head dims of 64, 80 and 128 —
 the two-pass kernel — and 40 — the one-pass one —,
 bfloat16 pools, free rows, rows of different lengths over shuffled blocks), and the engine's
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tandem_core.models import resolve_model
-from tandem_engine import cpu_kernels, paged
+from tandem_engine import attention, cpu_kernels
 from tandem_engine.arch import ModelConfig, config_from_info
 
 pytestmark = pytest.mark.skipif(cpu_kernels.paged_attention_kernel() is None,
@@ -54,7 +54,7 @@ def test_kernel_equals_the_gather_path(heads, kv, hd, window, sinks, softcap):
     cfg = _cfg(heads, kv, hd, softcap=softcap, scale=0.0 if heads != 6 else 0.1)
     q, k, v, table, positions, lengths = _case(9, heads, kv, hd, 8, jnp.float32)
     s = jnp.asarray(np.random.default_rng(1).standard_normal(heads).astype(np.float32)) if sinks else None
-    want = paged.paged_attention(q, k, v, table, positions, cfg, window=window, sinks=s, lengths=lengths)
+    want = attention.paged_attention(q, k, v, table, positions, cfg, window=window, sinks=s, lengths=lengths)
     got = cpu_kernels.paged_attention_kernel()(q[:, 0], k, v, table, positions, lengths, s,
                                                scale=cfg.query_scale or 1.0 / math.sqrt(hd), softcap=softcap,
                                                window=window)
@@ -67,7 +67,7 @@ def test_kernel_equals_the_gather_path(heads, kv, hd, window, sinks, softcap):
 def test_kernel_reads_a_bfloat16_pool():
     cfg = _cfg(4, 2, 64)
     q, k, v, table, positions, lengths = _case(5, 4, 2, 64, 16, jnp.bfloat16, seed=3)
-    want = paged.paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), table,
+    want = attention.paged_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), table,
                                  positions, cfg, lengths=lengths)
     kernel = cpu_kernels.paged_attention_kernel()
     for qq in (q, q.astype(jnp.float32)):  # bfloat16 q, and float32 q over a bfloat16 pool
@@ -85,14 +85,14 @@ def test_the_paged_step_uses_the_kernel_on_a_cpu():
     flat = table[:, 0] * 8
 
     def layer(q, k_layer, v_layer):
-        return paged._layer_attention(q, new, new, k_layer, v_layer, flat, table, positions, lengths,
+        return attention.ragged_attention(q, new, new, k_layer, v_layer, flat, table, positions, lengths,
                                       jnp.zeros((), jnp.float32), cfg=cfg, window=0,
                                       has_sinks=False)
 
     text = jax.jit(layer).lower(q, k, v).compile().as_text()
-    assert paged.cpu_step_kernel(jnp.float32, jnp.float32) is not None
+    assert attention.cpu_step_kernel(jnp.float32, jnp.float32) is not None
     assert cpu_kernels.TARGET in text
-    assert paged.cpu_step_kernel(jnp.float32, jnp.float8_e4m3fn) is None  # an fp8 pool keeps the gather
+    assert attention.cpu_step_kernel(jnp.float32, jnp.float8_e4m3fn) is None  # an fp8 pool keeps the gather
 
 
 def test_a_missing_compiler_is_a_warning_and_no_kernel(monkeypatch, tmp_path, caplog):

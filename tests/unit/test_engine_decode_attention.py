@@ -1,4 +1,4 @@
-"""A short sequence and one that crosses a read piece of the KV pool (paged.READ_CHUNK) while
+"""A short sequence and one that crosses a read piece of the KV pool (attention.READ_CHUNK) while
 decoding, side by side in a large pool, decode to the reference's greedy tokens."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from tandem_core.types import SamplingParams
 from tandem_engine import load_engine, reference_greedy
-from tandem_engine.paged import READ_CHUNK
+from tandem_engine.attention import READ_CHUNK
 
 GREEDY = SamplingParams()
 

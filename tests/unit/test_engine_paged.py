@@ -214,7 +214,7 @@ def test_warmup_compiles_the_paged_steps_and_leaves_every_block_free():
 def test_warmup_compiles_every_step_variant_a_decode_then_runs():
     """What a paged decode pod warms (no prefill; logprobs and grammar-masked variants too) is every
     step it runs later: a row growing from 4 blocks to 10 of the table's 16 (one table width: the
-    step reads the blocks in use through a loop with traced bounds, paged.paged_attention), one step
+    step reads the blocks in use through a loop with traced bounds, attention.paged_attention), one step
     and steps_per_dispatch of them, with logprobs and masked, compiles no new step (generate_core's
     compiled variants stay as many), and the pod compiles one width per variant, not one per width."""
     from tandem_engine.cores import generate_core

@@ -1,4 +1,4 @@
-"""Decode attention over a paged KV pool: the engine's gather path (paged.paged_attention) and the
+"""Decode attention over a paged KV pool: the engine's gather path (attention.paged_attention) and the
 Pallas TPU kernel as the engine calls it (tandem_engine/paged_attention.py over pallas_decode.py).
 
 - The gather path (what a CPU runs) equals the engine's dense attention (model.py's
@@ -7,7 +7,7 @@ Pallas TPU kernel as the engine calls it (tandem_engine/paged_attention.py over 
   prefix block between rows), lengths crossing block boundaries, GQA, sliding windows, soft-capping
   with a query scale, attention sinks.
 - What the kernel lacks (`kernel_gaps`): the paged step takes the kernel on a TPU only for
-  families and dtypes it can serve (`paged.step_kernel`), the gather path otherwise.
+  families and dtypes it can serve (`attention.step_kernel`), the gather path otherwise.
 - The Pallas TPU kernel, run on this CPU in Pallas's TPU interpret mode (it simulates the kernel's
   DMAs, semaphores and scalar prefetch), equals the gather path, a free row (length 0) giving
   zeros; and the engine's paged decode step with the kernel in it (its TPU branch, interpreted)
@@ -30,8 +30,8 @@ import pytest
 
 from tandem_engine.aot import libtpu_missing
 from tandem_engine.arch import ModelConfig
-from tandem_engine import paged
-from tandem_engine.model import _grouped_attention, _window_mask
+from tandem_engine import attention, paged
+from tandem_engine.attention import _grouped_attention, _window_mask
 from tandem_engine.paged_attention import PagedAttention, kernel_gaps
 from tandem_engine.pool_layout import fold
 
@@ -84,12 +84,12 @@ def dense_attention(q, dense_k, dense_v, lengths, cfg, *, window=0, sinks=None):
 
 
 def gather(q, k, v, lengths, tables, cfg, *, window=0, sinks=None):
-    """The engine's gather path (paged.paged_attention) in the kernel's terms: q [rows, H, hd],
+    """The engine's gather path (attention.paged_attention) in the kernel's terms: q [rows, H, hd],
     lengths (each row's query at length - 1). Returns [rows, H, hd]."""
     q = jnp.asarray(q)
     # the pool as the engine stores it (pool_layout.py: lane-folded where the block size allows)
     k, v = fold(jnp.asarray(k), cfg.head_dim), fold(jnp.asarray(v), cfg.head_dim)
-    out = paged.paged_attention(q[:, None], k, v, jnp.asarray(tables),
+    out = attention.paged_attention(q[:, None], k, v, jnp.asarray(tables),
                                 jnp.asarray(lengths) - 1, cfg, window=window,
                                 sinks=None if sinks is None else jnp.asarray(sinks))
     return out.reshape(q.shape)
@@ -151,19 +151,19 @@ def test_the_step_takes_the_kernel_only_for_what_it_serves(caplog):
     the lane-folded pool (pool_layout.py) at the engine's block size of 16; not a head_dim of 96
     (it does not divide 128: not folded), nor 64 over blocks of an odd size (not folded either),
     nor an fp8 pool."""
-    caplog.set_level(logging.DEBUG, logger="tandem_engine.paged")
+    caplog.set_level(logging.DEBUG, logger="tandem_engine.attention")
     for cfg, dtype, bs in [(LLAMA, jnp.bfloat16, 16), (LLAMA, jnp.float32, 16), (GEMMA2, jnp.bfloat16, 16),
                            (GPT_OSS_128, jnp.bfloat16, 16), (GPT_OSS, jnp.bfloat16, 16), (GPT_OSS, jnp.float32, 32),
                            (config(8, 2, 64), jnp.bfloat16, 16), (config(8, 2, 32), jnp.bfloat16, 16)]:
         assert kernel_gaps(cfg, dtype, bs) == []
-        assert paged.step_kernel(cfg, jnp.dtype(dtype), bs) == PagedAttention(cfg)
+        assert attention.step_kernel(cfg, jnp.dtype(dtype), bs) == PagedAttention(cfg)
     for cfg, dtype, bs, needs in [(config(8, 2, 96), jnp.bfloat16, 16, ["head_dim 96", "does not divide 128"]),
                                   (GPT_OSS, jnp.bfloat16, 15, ["head_dim 64", "block size 15"]),
                                   (LLAMA, jnp.float8_e4m3fn, 16, ["float8_e4m3fn pool"])]:
         gaps = "; ".join(kernel_gaps(cfg, dtype, bs))
         assert all(n in gaps for n in needs), gaps
         caplog.clear()
-        assert paged.step_kernel(cfg, jnp.dtype(dtype), bs) is None
+        assert attention.step_kernel(cfg, jnp.dtype(dtype), bs) is None
         # said, not silent: what the kernel lacks is logged (a warning where JAX's backend is a TPU)
         assert any(needs[0] in r.getMessage() for r in caplog.records)
 
@@ -304,7 +304,7 @@ def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monke
     from jax.experimental.pallas import tpu as pltpu
 
     from tandem_core.models import PRESETS
-    from tandem_engine import paged
+    from tandem_engine import attention
     from tandem_engine.model import config_from_info
     from tandem_engine.weights import init_params
 
@@ -312,7 +312,7 @@ def test_the_paged_step_with_the_kernel_interpreted_equals_its_gather_step(monke
                                num_kv_heads=2, head_dim=hd, max_position_embeddings=256,
                                extra=GPT_OSS_LIKE if family == "gpt_oss" else {})
     cfg = config_from_info(info)
-    assert paged.step_kernel(cfg, jnp.dtype(jnp.bfloat16), 16) is not None
+    assert attention.step_kernel(cfg, jnp.dtype(jnp.bfloat16), 16) is not None
     assert (cfg.windows, cfg.sinks) == (((20, 0), True) if family == "gpt_oss" else ((), False))
     params = init_params(info, "bfloat16")
     bs, nb, blocks, rows = 16, 4, 24, 4

@@ -2,7 +2,7 @@
 
 - Run in Pallas's TPU interpret mode on this CPU (it simulates the kernel's DMAs and semaphores,
   fills scratch memory with NaN, and raises on a DMA out of a buffer), it equals the engine's
-  gather path (paged.paged_attention) over the same pool: sliding windows shorter than a row
+  gather path (attention.paged_attention) over the same pool: sliding windows shorter than a row
   (crossing block and compute-block boundaries), attention sinks, soft-capping with a query
   scale, head_dim 64 and 128, GQA groups 1, 2 and 4, rows of different lengths, free rows
   (length 0: zeros out), bfloat16 and float32 pools, compute blocks of one pool block and of

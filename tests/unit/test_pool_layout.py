@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tandem_engine import paged
+from tandem_engine import attention, paged
 from tandem_engine.pool_layout import block_shape, fold, lane_fold, unfold
 
 
@@ -51,7 +51,7 @@ def test_the_step_and_the_insert_write_each_position_where_the_readers_read_it(h
     flat = np.array([3 * bs + 4, 3 * bs + 5, 1 * bs + 15, 0, 0], np.int32)  # neighbours; the null block twice
     new = r.normal(size=(len(flat), kvh, hd)).astype(np.float32)
     new[4] = new[3]  # rows sharing a target write the same (their order is not defined)
-    got = np.asarray(unfold(paged._write_rows(layer, jnp.asarray(new), jnp.asarray(flat), hd), hd))
+    got = np.asarray(unfold(attention._write_rows(layer, jnp.asarray(new), jnp.asarray(flat), hd), hd))
     for i, p in enumerate(flat):
         want[:, p // bs, p % bs] = new[i]
     np.testing.assert_array_equal(got, want)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tandem_engine.model import ModelConfig, _grouped_attention, _window_mask, causal_attention
+from tandem_engine.attention import _grouped_attention, _window_mask, causal_attention
+from tandem_engine.model import ModelConfig
 
 CFG = ModelConfig(vocab_size=8, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6)
@@ -58,7 +59,7 @@ def test_causal_blocks_equal_plain_attention(t, block, window, with_sinks, dtype
 
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_partials_give_each_rows_log_sum_exp_for_a_merge(with_sinks):
-    """`partials=True` (the ragged chunk's own part, paged.chunk_attention): the head-major output
+    """`partials=True` (the ragged chunk's own part, attention.chunk_attention): the head-major output
     and each row's log-sum-exp of its scaled, masked scores (and sink), in blocks as whole."""
     b, t, window = 1, 40, 12
     q, k, v, sinks = inputs(b, t, t, jnp.float32, seed=3)
