@@ -124,7 +124,7 @@ def _grouped_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None 
 def causal_attention(q, k, v, mask, cfg: ModelConfig, sinks: jax.Array | None = None, *,
                      block: int = PREFILL_BLOCK, partials: bool = False):
     """The engine's one dense softmax attention: a prompt's (or a ragged call's chunk's) queries
-    over its own keys, the prefill's and the chunk's alike (paged.chunk_attention merges it with
+    over its own keys, the prefill's and the chunk's alike (`chunk_attention` merges it with
     the prefix read from the pool). q [B, T, H, hd]; k, v [B, S, KV, hd]; mask [B or 1, T, S]
     (True = attend: causal and within the layer's window, or any mask when T <= block).
 
@@ -242,7 +242,7 @@ def chunk_attention(q, k_new, v_new, k_layer, v_layer, table, start, cfg: ModelC
 
 def _causal_partials(q, k, v, cfg: ModelConfig, window: int, block: int = PREFILL_BLOCK):
     """A chunk's causal attention over its own K/V (q [C, 1, H, hd], k, v [C, KV, hd]): the
-    prefill's (model.causal_attention) with each row's log-sum-exp for a merge with the prefix's:
+    prefill's (`causal_attention`) with each row's log-sum-exp for a merge with the prefix's:
     (out [KV, groups, C, hd], lse [KV, groups, C])."""
     c = q.shape[0]
     i, j = np.arange(c)[:, None], np.arange(c)[None, :]

@@ -1,6 +1,6 @@
 // Paged decode attention for XLA's CPU backend, read where the blocks lie (tandem_engine/cpu_kernels).
 //
-// What paged.paged_attention computes with XLA ops (gather each row's blocks, then two dots and an
+// What attention.paged_attention computes with XLA ops (gather each row's blocks, then two dots and an
 // online softmax), without the gather: for every row in use and every KV head, the row's positions
 // are read block by block through its block table, straight out of the layer's pool buffer, and
 // folded into an online softmax in float32. XLA CPU cannot do this itself: a gather (or a
