@@ -68,13 +68,19 @@ check: $(STAMP)
 # Every tier. JAX's persistent compilation cache (tests/conftest.py, TANDEM_TEST_COMPILE_CACHE) is
 # kept across runs, so a second run compiles little. tests/unit runs in UNIT_JOBS processes
 # (pytest-xdist, a test file per process): one process kept ~0.85 of 2 cores busy (compiles are
-# single-threaded), two took tests/unit from 8.0 to 6.0 minutes here. The other tiers start Redis
-# servers and whole clusters whose processes already fill the cores: they run in one.
+# single-threaded), two took tests/unit from 8.0 to 6.0 minutes here. tests/integration mostly
+# waits (on Redis failovers, timeouts, leases: 3 min 5 s of wall time for 1 min 22 s of CPU in
+# one process), so it runs in INTEGRATION_JOBS, a file per process (3: 1 min 18 s, 2026-12-06).
+# The end-to-end and container tiers start whole clusters whose processes already fill the
+# cores, and several of their tests bound time under load: they run in one.
 UNIT_JOBS ?= 2
-unit_jobs = $(if $(filter-out 0 1,$(UNIT_JOBS)),-n $(UNIT_JOBS) --dist loadfile,)
+INTEGRATION_JOBS ?= 3
+jobs = $(if $(filter-out 0 1,$(1)),-n $(1) --dist loadfile,)
+unit_jobs = $(call jobs,$(UNIT_JOBS))
 test: check
 	$(BIN)/python -m pytest -q -ra $(unit_jobs) tests/unit
-	$(BIN)/python -m pytest -q -ra tests --ignore=tests/unit
+	$(BIN)/python -m pytest -q -ra $(call jobs,$(INTEGRATION_JOBS)) tests/integration
+	$(BIN)/python -m pytest -q -ra tests --ignore=tests/unit --ignore=tests/integration
 
 # The tiers of tests/unit (pyproject.toml's `slow` marker): the fast one for a person iterating,
 # the slow one for the compile-heavy cases. Neither runs tests/integration or tests/e2e.
