@@ -13,8 +13,9 @@ vLLM reads a copy with `rope_theta` and the fast tokenizer class set) to the SAM
                direct-prefill limit of 16 tokens, so every prompt is prefilled on the prefill pod);
   * colocated  `tandem local --colocated --slots 32 --max-len 1024`;
   * bare       the engine's own loop (bench/bare.py) on the c=32 requests, 32 slots, max_len 1024.
-For each server: a warm-up (every bucket, a full batch, a full-length round at c=32, so no
-compilation lands in a measured run), a few single requests one at a time (its best TTFT and
+For each server: once Tandem's prefill pod has compiled its batched prefill shapes (it reports
+ready before them and compiles them beside serving: systems.TandemLocal.start), a warm-up (every
+bucket, a full batch, a full-length round at c=32, so no compilation lands in a measured run), a few single requests one at a time (its best TTFT and
 TPOT), then closed-loop runs at concurrency 1, 8 and 32 (max(min_requests, per_conc * c)
 requests each), reading utime+stime of every process of the system from /proc before and after
 each run (CPU ms per 1,000 output tokens per role, bench/proc_cpu.py), then a steady-rate sweep
@@ -187,14 +188,17 @@ def run_system(name: str, plan: Plan, wl: dict, cpus: str) -> dict:
     if server is None:
         return {"status": "skipped", "reason": kind}
     try:
-        server.start()
+        server.start()  # and the prefill pod's batched compiles (systems.TandemLocal.start: settle)
         setup, load0 = time.perf_counter() - t0, _load()
+        if getattr(server, "compile_wait_s", 0.0):
+            print(f"    waited {server.compile_wait_s:.1f} s for the prefill pod's batched compiles", flush=True)
         raw = asyncio.run(drive(server.base_url, server.proc.pid, kind, plan, wl))
     except Exception as e:  # noqa: BLE001 - one system failing must not lose the others
         return {"status": "failed", "reason": f"{type(e).__name__}: {e} {server.tail()}"[:600]}
     finally:
         server.stop()
-    return {"status": "ok", "raw": raw, "setup_s": setup, "load_1m": [load0, _load()]}
+    return {"status": "ok", "raw": raw, "setup_s": setup, "load_1m": [load0, _load()],
+            "compile_wait_s": getattr(server, "compile_wait_s", 0.0)}
 
 
 def _load() -> float | None:

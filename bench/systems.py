@@ -26,6 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+def _compiling(worker: dict) -> bool:
+    """A prefill pod (an /admin/cluster worker) whose batched prefill shapes are still compiling."""
+    b = (worker.get("extra") or {}).get("batch_compiles") or {}
+    return worker.get("role") == "prefill" and b.get("done", 0) < b.get("total", 0)
+
+
 class TandemLocal:
     """`tandem local` in a subprocess; `env` is added to its environment (TANDEM_* settings); `pin`
     is its own per-role `--pin`, `cpus` a taskset of the whole cluster. `ready_timeout`: `tandem
@@ -42,6 +48,7 @@ class TandemLocal:
         self.ready_timeout = ready_timeout
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
+        self.compile_wait_s = 0.0  # how long `start` waited for the prefill pods' batched compiles
 
     @property
     def base_url(self) -> str:
@@ -58,7 +65,11 @@ class TandemLocal:
         cmd += ["--colocated"] if self.colocated else ["--prefill", "1", "--decode", "1"]
         return ["taskset", "-c", self.cpus, *cmd] if self.cpus else cmd
 
-    def start(self, timeout_s: float | None = None) -> None:
+    def start(self, timeout_s: float | None = None, settle: bool = True) -> None:
+        """Start and wait for "Tandem is serving"; with `settle` (every steady-state benchmark)
+        also for the prefill pods' batched compiles (`wait_for_batch_compiles`, within the same
+        deadline; the wait in `compile_wait_s`). bench/cold_start.py, which times start to
+        serving, passes False."""
         timeout_s = max(300.0, (self.ready_timeout or 0.0) + 60.0) if timeout_s is None else timeout_s
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
@@ -67,12 +78,32 @@ class TandemLocal:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if "Tandem is serving" in self.log_path.read_text():
+                if settle:
+                    self.compile_wait_s = self.wait_for_batch_compiles(max(1.0, deadline - time.monotonic()))
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tandem local exited with code {self.proc.returncode}: {self.tail()}")
             time.sleep(0.3)
         self.stop()
         raise TimeoutError(f"tandem local did not come up within {timeout_s:.0f}s: {self.tail()}")
+
+    def wait_for_batch_compiles(self, timeout_s: float) -> float:
+        """Seconds waited until every prefill pod has compiled its batched prefill shapes (its
+        heartbeat's `batch_compiles` in /admin/cluster, done == total): a prefill pod reports ready
+        before them and compiles them on a thread beside serving, so a run started sooner measures
+        those compiles (with an empty compilation cache, after any change to the engine's code:
+        seen 2026-12-06 as a prefill pod's CPU per token 6-9x its steady value in three runs). A
+        colocated cluster has none: 0. TimeoutError past `timeout_s`."""
+        t0 = time.monotonic()
+        while True:
+            with urllib.request.urlopen(self.base_url + "/admin/cluster", timeout=10) as r:
+                workers = json.load(r)["workers"]
+            pending = [w["id"] for w in workers if _compiling(w)]
+            if not pending:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"prefill pods {pending} had not compiled their batched prefills in {timeout_s:.0f}s")
+            time.sleep(0.5)
 
     def tail(self, n: int = 10) -> str:
         return " | ".join(self.log_path.read_text().strip().splitlines()[-n:])

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prefill_svc.kv_store import KVStore
@@ -33,11 +34,28 @@ def build_engine(settings: PrefillSettings, slots: int = 1) -> ServingEngine:
     return load_engine(**settings.engine_kwargs(slots))
 
 
-def _warm_batches(engine: ServingEngine, max_tokens: int, stop: asyncio.Event) -> None:
+@dataclass
+class BatchCompiles:
+    """How far the pod's compiles of its batched prefill shapes have come (`_warm_batches`, after
+    the pod is ready): in its heartbeat's `extra` (`/admin/cluster`), so an operator sees the
+    background work, and a benchmark waits for done == total before it measures (until then the
+    compiles take CPU from serving and prompts run in smaller groups)."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        return {"done": self.done, "total": self.total, "failed": self.failed, "seconds": round(self.seconds, 1)}
+
+
+def _warm_batches(engine: ServingEngine, max_tokens: int, stop: asyncio.Event, progress: BatchCompiles) -> None:
     """On a thread of its own after the pod is ready: compile every batched prefill shape the
     prefill loop may group (prompts run alone, or in the groups already compiled, meanwhile), so
-    no request waits for a compilation. Stops early when the pod stops."""
+    no request waits for a compilation; `progress` counts them. Stops early when the pod stops."""
     shapes = engine.batch_shapes(max_tokens)
+    progress.total = len(shapes)
     t0 = last = time.monotonic()
     for i, (bucket, rows) in enumerate(shapes):
         if stop.is_set():
@@ -45,7 +63,10 @@ def _warm_batches(engine: ServingEngine, max_tokens: int, stop: asyncio.Event) -
         try:
             engine.warm_batch(bucket, rows)
         except Exception:  # that shape stays uncompiled: its prompts run in smaller groups
+            progress.failed += 1
             log.exception("compiling the batched prefill of %d x %d tokens failed; it is not used", rows, bucket)
+        progress.done = i + 1
+        progress.seconds = time.monotonic() - t0
         if time.monotonic() - last >= 10.0:
             last = time.monotonic()
             log.info("batched prefills: %d/%d shapes compiled, %.1fs", i + 1, len(shapes), last - t0)
@@ -81,19 +102,23 @@ async def serve(settings: PrefillSettings) -> int:
     grpc_util.add_reflection(pod.server, [KV_SERVICE])
     await pod.start()
 
+    compiles = BatchCompiles(total=len(engine.batch_shapes(settings.prefill_batch_tokens)))
+
     def info() -> registry.WorkerInfo:
         return registry.WorkerInfo(role="prefill", id=worker_id, pid=os.getpid(), address=address,
                                   held_kv_bytes=store.held_bytes, draining=pod.draining,
                                   extra={"pool": settings.pool, "prefix_cache": cache.summary(),
                                          "kv_budget_bytes": store.budget_bytes, "prefilled": worker.prefiller.prefilled,
-                                         "prefill_ema_s": round(worker.prefiller.prefill_ema_s, 6)})
+                                         "prefill_ema_s": round(worker.prefiller.prefill_ema_s, 6),
+                                         "batch_compiles": compiles.summary()})
 
     pod.beat(info, peers)
     engine.defer_batch_compiles()  # batched prefills group only the row counts compiled below
     await pod.ready()
     log.info("prefill ready worker_id=%s kv_address=%s model=%s budget=%d bytes", worker_id, address,
              engine.info.name, store.budget_bytes)
-    batches = asyncio.create_task(asyncio.to_thread(_warm_batches, engine, settings.prefill_batch_tokens, pod.stop))
+    batches = asyncio.create_task(asyncio.to_thread(_warm_batches, engine, settings.prefill_batch_tokens, pod.stop,
+                                                     compiles))
     # a loop that died must not leave a pod that claims nothing: "prefill loop failed: ...; stopping"
     # (restarted, the pod takes back what it had claimed)
     loop_task = pod.supervise(asyncio.create_task(worker.run(pod.stop)), "prefill loop")

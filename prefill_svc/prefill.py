@@ -259,7 +259,7 @@ class Prefiller:
         payload = self.engine.export_prefix(prefix)
         if self.cache is not None:
             self.cache.stats.computed += len(req.prompt_ids) - (hit.length if hit else 0)
-            self.cache.insert(req.prompt_ids, lambda: (payload.k, payload.v))
+            self.cache.insert(req.prompt_ids, lambda: (prefix.k, prefix.v))  # on the device, as it ran
         prompt_lp = None
         if req.prompt_logprobs is not None and req.start_index == 0:
             prompt_lp = encode_prompt_logprobs(self.engine.prompt_logprobs(req.prompt_ids, req.prompt_logprobs))

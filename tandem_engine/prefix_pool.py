@@ -18,7 +18,8 @@ nothing. The prompt's full blocks then join the index as they are (no copy eithe
 read out to the host.
 
 A prompt that misses runs the engine's ordinary prefill (one pass, the fastest), and `insert`
-writes its new full blocks into the pool: an insert's copy, counted in `insert_copy_bytes`.
+writes its new full blocks into the pool from the prefill's KV where it lies (on the device): an
+insert's copy, counted in `insert_copy_bytes`.
 
 Memory: the pool is `budget_bytes` of device memory, allocated when the cache is made; a prompt's
 blocks beyond the cached ones are taken for the prefill and given back after it (evicting
@@ -105,10 +106,11 @@ class DevicePrefixCache:
         """Unpin a hit whose prefill did not run (the request failed before it)."""
         self._index.release(hit.match)
 
-    def insert(self, ids: Sequence[int], kv: Callable[[], tuple[np.ndarray, np.ndarray]]) -> int:
-        """Cache the full blocks of `ids` the pool does not hold: `kv()` (host [L, >= len(ids),
-        KV, hd]) written into free blocks (a prompt that ran over a hit left its blocks in
-        already: then nothing is written). Returns blocks added."""
+    def insert(self, ids: Sequence[int], kv: Callable[[], tuple]) -> int:
+        """Cache the full blocks of `ids` the pool does not hold: `kv()` ([L, T, KV, hd], T >=
+        len(ids): the prefill's own KV on the device, a Prefix's k and v, or host arrays) written
+        into free blocks (a prompt that ran over a hit left its blocks in already: then nothing is
+        written). Returns blocks added."""
         if not self.enabled:
             return 0
         keys = block_hashes(ids, self.block_size, self.salt)
@@ -134,19 +136,17 @@ class DevicePrefixCache:
         self.stats.inserted += added
         return added
 
-    def _write(self, k: np.ndarray, v: np.ndarray, row: list[int], new: list[int]) -> None:
-        """Rows of the blocks `new` (indices into `row`) from the host arrays into the pool, in one
-        call compiled per prompt bucket (blocks already cached write the null block)."""
+    def _write(self, k, v, row: list[int], new: list[int]) -> None:
+        """The blocks `new` (indices into `row`) from k, v [L, T, KV, hd] into the pool, in one call
+        compiled per T (a prompt bucket): every block of the T positions is written, those not new
+        (cached already, or past the prompt's full blocks) to the null block. On the device the
+        prefill's own KV goes in as it is (before: through the host copy made for the transfer,
+        padded there: one more host-to-device copy of every missed prompt's KV on an accelerator)."""
         bs = self.block_size
-        span = self.engine.bucket_for(len(row) * bs)
-        ids = np.zeros(-(-span // bs), np.int32)
+        ids = np.zeros(-(-k.shape[1] // bs), np.int32)
         for i in new:
             ids[i] = row[i]
-        n = min(k.shape[1], span, len(row) * bs)
-        kk = np.zeros((k.shape[0], span, *k.shape[2:]), self.engine._jdtype)
-        vv = np.zeros_like(kk)
-        kk[:, :n], vv[:, :n] = k[:, :n], v[:, :n]
-        self.k, self.v = _write_core(self.k, self.v, kk, vv, ids)
+        self.k, self.v = _write_core(self.k, self.v, k, v, ids)
         self.insert_copy_bytes += len(new) * self.block_bytes
 
     def prefill_over(self, engine: "Engine", hit: BlockHit, padded: np.ndarray, n: int, rest: tuple):

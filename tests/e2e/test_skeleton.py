@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 
 import httpx
 import numpy as np
@@ -93,3 +95,21 @@ def test_cluster_admin_lists_workers(local_cluster):
     for w in workers:
         assert {"id", "pid", "address", "slots", "free_slots", "held_kv_bytes", "heartbeat_age_s"} <= set(w)
         assert w["heartbeat_age_s"] < 10
+
+
+def test_the_prefill_pod_reports_its_batched_compiles(local_cluster):
+    """The prefill pod compiles its batched prefill shapes after it reports ready; its heartbeat
+    says how far (`batch_compiles`: what bench/systems.py waits for before measuring), and the
+    count is the one its log gives when they are done."""
+    deadline = time.monotonic() + 180
+    while True:
+        (pod,) = [w for w in httpx.get(local_cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
+                  if w["role"] == "prefill"]
+        b = pod["extra"]["batch_compiles"]
+        assert 0 <= b["done"] <= b["total"], b
+        said = [m for line in local_cluster.log for m in re.findall(r"batched prefills compiled in .* \((\d+) shapes", line)]
+        if b["done"] == b["total"] and said:
+            break
+        assert time.monotonic() < deadline, f"still compiling after 180 s: {b}, logged: {said}"
+        time.sleep(0.5)
+    assert b["total"] == int(said[0]) > 0 and b["failed"] == 0, (b, said)
