@@ -77,10 +77,11 @@ UNIT_JOBS ?= 2
 INTEGRATION_JOBS ?= 3
 jobs = $(if $(filter-out 0 1,$(1)),-n $(1) --dist loadfile,)
 unit_jobs = $(call jobs,$(UNIT_JOBS))
+# Each tier prints its 10 slowest tests: where the suite's time goes, in every run's log.
 test: check
-	$(BIN)/python -m pytest -q -ra $(unit_jobs) tests/unit
-	$(BIN)/python -m pytest -q -ra $(call jobs,$(INTEGRATION_JOBS)) tests/integration
-	$(BIN)/python -m pytest -q -ra tests --ignore=tests/unit --ignore=tests/integration
+	$(BIN)/python -m pytest -q -ra --durations=10 $(unit_jobs) tests/unit
+	$(BIN)/python -m pytest -q -ra --durations=10 $(call jobs,$(INTEGRATION_JOBS)) tests/integration
+	$(BIN)/python -m pytest -q -ra --durations=10 tests --ignore=tests/unit --ignore=tests/integration
 
 # The tiers of tests/unit (pyproject.toml's `slow` marker): the fast one for a person iterating,
 # the slow one for the compile-heavy cases. Neither runs tests/integration or tests/e2e.
