@@ -190,9 +190,10 @@ class DevicePrefixCache:
         return k[:, :bucket], v[:, :bucket], packed
 
     def warmup(self) -> None:
-        """Compile what a hit and an insert run: per prompt bucket the insert's write and the
-        read-out, and the chunk through the pool (one shape for every bucket), with the pool left
-        as it was: every block free, nothing cached."""
+        """Compile what a hit and an insert run: per prompt bucket the insert's write (of a
+        prefill's KV, as a miss writes it) and the read-out, and the chunk through the pool (one
+        shape for every bucket), with the pool left as it was: every block free, nothing cached.
+        Needs the prefill's buckets compiled first (Engine.warmup_prefill)."""
         if not self.enabled:
             return
         from tandem_core.types import SamplingParams
@@ -202,8 +203,11 @@ class DevicePrefixCache:
             if b <= bs or self.blocks_total * bs < b:
                 continue
             ids = [1] * b
-            kv = np.zeros((e.cfg.num_layers, b, e.cfg.num_kv_heads, e.cfg.head_dim), e._jdtype)
-            self.insert(ids, lambda kv=kv: (kv, kv))
+            # a prefill's own KV (on the device, committed, split by KV head under tp), as a miss
+            # inserts it: KV made here instead compiled the insert again on the first real miss of
+            # each bucket (an uncommitted array is another argument to jit than a committed one)
+            whole = e.prefill(ids, SamplingParams())
+            self.insert(ids, lambda whole=whole: (whole.k, whole.v))
             hit = self.lookup(ids)
             if hit is not None:
                 e.prefill(ids, SamplingParams(), cached=hit)

@@ -123,3 +123,22 @@ def test_a_hit_computes_only_the_rest_over_the_pools_prefix(engine):
     np.testing.assert_allclose(np.asarray(got.k)[:, :139], wk[:, :139], atol=2e-4)
     np.testing.assert_allclose(np.asarray(got.v)[:, :139], np.asarray(want.v)[:, :139], atol=2e-4)
     assert _free(cache) == 40
+
+
+def test_the_warm_up_compiles_the_insert_a_miss_runs(engine):
+    """After the cache's warm-up (the prefill's buckets compiled first, as a prefill pod does), a
+    prompt that misses inserts its own KV from the device without compiling the write again (the
+    warm-up once wrote KV it made itself: an uncommitted array, another jit argument than a
+    prefill's committed one, so each bucket's first real miss compiled)."""
+    from tandem_engine import prefix_pool
+
+    engine.warmup_prefill()
+    cache = _cache(engine, 40)
+    cache.warmup()
+    compiled = prefix_pool._write_core._cache_size()
+    rng = np.random.default_rng(3)
+    for n in (40, 100, 200):  # the 64, 128 and 256 buckets
+        ids = rng.integers(0, 512, n).tolist()
+        whole = engine.prefill(ids, GREEDY)
+        assert cache.insert(ids, lambda whole=whole: (whole.k, whole.v)) == n // 16
+    assert prefix_pool._write_core._cache_size() == compiled
