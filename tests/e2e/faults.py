@@ -183,10 +183,14 @@ async def run_sentinel_failover(c, group, n: int = 8, max_tokens: int = 400):
             group.wait_promoted(old, timeout_s=60)
             promoted["s"] = time.monotonic() - struck
 
-        threading.Thread(target=watch, daemon=True).start()
+        watchers.append(threading.Thread(target=watch, daemon=True))
+        watchers[-1].start()
         return struck
 
+    watchers: list[threading.Thread] = []
     got, fault_at = await run_batch(c.base_url, ps, max_tokens, inject, tokens_at_least(5))
+    for w in watchers:  # the streams may end before the sentinels promote: wait for the watch (read at
+        await asyncio.to_thread(w.join, 65)  # once, a promotion a second after the streams ended read "never")
     promoted_s = round(promoted["s"], 2) if "s" in promoted else None
     notes = f"replica promoted after {promoted_s} s" if promoted_s is not None else "no replica was promoted"
     verdict = judge(SENTINEL_FAULT, ref, got, max_tokens, fault_at)

@@ -39,6 +39,15 @@ def test_paged_decode_pod_hands_the_newest_back_and_every_stream_is_exact():
     cl = start_local("tiny", slots=4, max_len=MAX_LEN, timeout_s=900,
                      extra=["--kv-blocks", "16", "--ready-timeout", "880"])
     try:
+        # the prefill pod's batched shapes compiled first, so the six prompts are prefilled together
+        # and reach the decode pod at once (prefilled one by one they could be served one after
+        # another, and the pool never run out: seen twice in a full e2e run)
+        deadline = time.monotonic() + 300
+        while any(w["role"] == "prefill" and w["extra"]["batch_compiles"]["done"] < w["extra"]["batch_compiles"]["total"]
+                  for w in httpx.get(cl.base_url + "/admin/cluster", timeout=10).json()["workers"]):
+            assert time.monotonic() < deadline, "the prefill pod's batched prefills did not compile in 300 s"
+            time.sleep(0.3)
+
         async def run() -> list[str]:
             async with httpx.AsyncClient(base_url=cl.base_url, timeout=180) as c:
                 async def one(p: str) -> str:
