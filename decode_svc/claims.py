@@ -70,6 +70,11 @@ class Claims:
         self._watch: list[str] = []  # the last steal pass: other pods' per-pod streams (the wait's)
         self._last_sources: list[tuple[list[str], str]] = []  # the last claim pass's (the wait's)
         self.cancelled = 0  # cancelled before reaching the engine (claimed or pulling)
+        # Entries pending to this pod that nothing here works on, found with too few rows free to
+        # take them all (a previous incarnation's at a restart, a lost claim reply's while full):
+        # `retake_own` takes the rest as rows free, not `stale_pending_s` (60 s) later, by when
+        # a ready entry's KV lease has run out too.
+        self.own_waiting = False
 
     def _sources(self) -> list[tuple[list[str], str]]:
         out = []
@@ -95,7 +100,7 @@ class Claims:
     async def claim_loop(self, stop: asyncio.Event) -> None:
         lost_reply = False  # a claim failed: its XREADGROUP may have run with its reply lost
         while not stop.is_set() and not self.engine_failed():
-            if lost_reply:
+            if lost_reply or (self.own_waiting and self.table.room):
                 try:
                     await self.retake_own()
                     lost_reply = False
@@ -159,8 +164,9 @@ class Claims:
         XREADGROUP may have run with the reply lost: those entries are pending to this live pod,
         which never saw them. Left to the stale reclaim (`stale_pending_s`, 60 s) a ready
         entry's KV lease (`kv_lease_s`, 60 s, begun before the entry was even written) ran out
-        first: "KV was not pulled by a decode pod within its lease" after a Redis restart."""
-        got = 0
+        first: "KV was not pulled by a decode pod within its lease" after a Redis restart.
+        Those it finds no free row for are taken by a later call (`own_waiting`)."""
+        got, waiting = 0, False
         taker = reclaim.Reclaimer(self.r, "", self.worker_id, stale_self_ms=0, limit=self.s.reclaim_batch,
                                   min_idle_ms=0)
         sources = self._sources()
@@ -174,13 +180,15 @@ class Claims:
                 claimed, n = await taker.take(stream, self.table.reserve, others=False,
                                               busy=self.table.busy_entries(stream))
                 self.table.unreserve(n - len(claimed))
+                waiting = waiting or len(taker.owners) > n
                 for c in claimed:
-                    log.warning("taking again %s entry %r: delivered to this pod by a claim whose reply was lost",
-                                stream, c.entry_id)
+                    log.warning("taking again %s entry %r: pending to this pod, which was not working on it "
+                                "(a claim's lost reply, or left by this pod's previous incarnation)", stream, c.entry_id)
                     await self.dispatch(c, group, started)
                 got += len(claimed)
         if self.stealer is not None:
             self.stealer.unsure -= unsure
+        self.own_waiting = waiting
         return got
 
     async def _claim(self, n: int) -> list[tuple[groups.Claimed, str]]:

@@ -15,7 +15,8 @@ Two kinds of leftovers, both found from Redis alone:
 "Dead" means no registry entry (its heartbeat key expired), and counts only once this pod has
 itself talked to the same Redis for a heartbeat TTL (`io.peers`, tandem_core.lifecycle.PeerJudge):
 after a Redis outage or restart every entry can be gone at once. A pod restarted under the same id
-recovers its own previous leftovers once at startup, before it claims anything new.
+recovers its own previous leftovers at startup, before it claims anything new: as many as it has
+rows free then, the rest as rows free (`Claims.own_waiting`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
         claimed, n = await taker.take(stream, io.table.reserve, include_self, others=io.peers.trusted,
                                       busy=io.table.busy_entries(stream))
         io.table.unreserve(n - len(claimed))
+        if include_self and len(taker.owners) > n:  # more left than rows free: taken as rows free
+            io.claims.own_waiting = True
+            log.info("%d entries of %s wait for a free row (left by this pod's previous incarnation or a dead "
+                     "consumer)", len(taker.owners) - n, stream)
         for c in claimed:
             log.info("reclaimed %s entry %s of a dead consumer", stream, c.entry_id)
             await io.claims.dispatch(c, groups.DECODE_GROUP, started)

@@ -90,6 +90,12 @@ class RequestTable:
             self._tickets += take
             return take
 
+    @property
+    def room(self) -> int:
+        """Tickets a claim could get now (what `reserve` would grant at most)."""
+        with self._lock:
+            return max(0, self.slots - self._tickets - len(self._records))
+
     def unreserve(self, n: int = 1) -> None:
         """Give back tickets a claim did not use."""
         with self._lock:

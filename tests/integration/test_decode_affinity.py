@@ -45,8 +45,9 @@ def _settings(redis_url: str, pool: str, wait_ms: int) -> DecodeSettings:
                           pool=pool, slots=ROWS, claim_block_ms=50, affinity_wait_ms=wait_ms, reclaim_min_idle_ms=1)
 
 
-async def _offer(r, pool, store, address, reference, rid: str, to: str, i: int) -> None:
-    """Prefill as a prefill pod does and write the ready notice steered to decode pod `to`."""
+async def _offer(r, pool, store, address, reference, rid: str, to: str | None, i: int) -> None:
+    """Prefill as a prefill pod does and write the ready notice steered to decode pod `to` (None:
+    the shared ready stream)."""
     req = GenerationRequest(rid, [256, 65 + i, 66], MAX_TOKENS, SamplingParams(), ignore_eos=True, decode_pod=to)
     payload = reference.export_prefix(reference.prefill(req.prompt_ids, req.sampling))
     held = store.put(rid, payload)
