@@ -67,7 +67,10 @@ def main() -> None:
     p.add_argument("--old-root", help="a tree with the slot layout (before issue 43 deleted it): its slot step too")
     p.add_argument("--child", choices=("slots", "paged"), help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="one round (`make bench QUICK=1`)")
     a = p.parse_args()
+    if a.quick:
+        a.rounds = 1
     if a.child:
         print(json.dumps(measure(a.child, a.root)))
         return

@@ -104,3 +104,20 @@ def test_every_name_imported_from_a_bench_module_exists():
 def test_the_cycle_check_finds_a_loop():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_benchmark_of_make_bench_takes_its_flags():
+    """`make bench QUICK=1` passes --quick to every script of run_all.BENCHMARKS, with the flags
+    its entry names: each must declare them (argparse), or the run fails there (paged_step.py did,
+    2026-12-07). Read from the source: every `add_argument("--x", ...)` string literal."""
+    tree = _modules()["run_all"]
+    entries = next(ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "BENCHMARKS" for t in n.targets))
+    missing = []
+    for entry in entries:
+        script, *flags = entry.split()
+        declared = {a.value for n in ast.walk(ast.parse((BENCH / script).read_text()))
+                    if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "add_argument"
+                    for a in n.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        missing += [f"{script} {flag}" for flag in ["--quick", *flags] if flag not in declared]
+    assert not missing, f"benchmarks run by make bench without the flag: {missing}"
