@@ -92,8 +92,11 @@ async def serve(s: DecodeSettings) -> int:
     tasks = [pod.supervise(asyncio.create_task(io.publisher.publish_loop(done)), "the publish loop"),
              pod.supervise(asyncio.create_task(io.cancel_loop(done)), "the cancel loop")]
     # A restart under the same id: first resume what the previous incarnation left behind.
-    await recover_running(io, include_self=True)
-    await reclaim_pending(io, include_self=True)
+    # (through a Redis blip: a failure here ended the start, and the restart met the same blip)
+    await conn.retry_redis(lambda: recover_running(io, include_self=True), "recover this pod's running requests",
+                           log=log)
+    await conn.retry_redis(lambda: reclaim_pending(io, include_self=True), "reclaim this pod's pending entries",
+                           log=log)
     tasks += [pod.supervise(asyncio.create_task(recover_loop(io, done)), "the recovery loop"),
               pod.supervise(asyncio.create_task(_watch_engine(engine_loop, pod.stop)), "the engine watch")]
     # A claim loop that died would leave a pod heartbeating with free slots that claims nothing.
@@ -183,7 +186,10 @@ async def _drain(io: DecodeIO, timeout_s: float) -> None:
         why = "its engine thread failed" if failed else "the drain deadline passed"
         log.warning("%s with %d running requests: handing them back", why, len(left))
         for act in left:
-            await io.resume(act.req, f"decode pod stopped before it finished ({why})", owner=io.worker_id)
-            if act.ack is not None:  # a seated prompt's entry, acked with its first token: resumed instead
-                await io.handback.ack(*act.ack)
+            try:
+                await io.resume(act.req, f"decode pod stopped before it finished ({why})", owner=io.worker_id)
+                if act.ack is not None:  # a seated prompt's entry, acked with its first token: resumed instead
+                    await io.handback.ack(*act.ack)
+            except Exception as e:  # noqa: BLE001 - Redis away: the next start resumes it from the running hash
+                log.warning("handing back request_id=%s failed (%s): left for this pod's next start", act.req.request_id, e)
         io.engine_loop.cancel({a.req.request_id for a in left}, silent=True)

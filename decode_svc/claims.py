@@ -178,7 +178,7 @@ class Claims:
             for stream in names:
                 started = self.resync.started
                 claimed, n = await taker.take(stream, self.table.reserve, others=False,
-                                              busy=self.table.busy_entries(stream))
+                                              busy=self.table.busy_entries(stream), give_back=self.table.unreserve)
                 self.table.unreserve(n - len(claimed))
                 waiting = waiting or len(taker.owners) > n
                 for c in claimed:

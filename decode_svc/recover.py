@@ -62,7 +62,7 @@ async def reclaim_pending(io: DecodeIO, include_self: bool = False) -> int:
     for stream in ready.decode_streams(io.ks, s.pool) + [p.stream for p in pods]:
         started = io.resync.started  # (Claims.dispatch: a reconcile begun after this counts)
         claimed, n = await taker.take(stream, io.table.reserve, include_self, others=io.peers.trusted,
-                                      busy=io.table.busy_entries(stream))
+                                      busy=io.table.busy_entries(stream), give_back=io.table.unreserve)
         io.table.unreserve(n - len(claimed))
         if include_self and len(taker.owners) > n:  # more left than rows free: taken as rows free
             io.claims.own_waiting = True

@@ -88,14 +88,16 @@ class Reclaimer:
         self.owners: dict[bytes, str] = {}  # the last `take`: each entry's consumer before this one took it
 
     async def take(self, stream: str, room: Callable[[int], int], include_self: bool = False, others: bool = True,
-                   busy: set[bytes] | None = None) -> tuple[list[Claimed], int]:
+                   busy: set[bytes] | None = None,
+                   give_back: Callable[[int], None] | None = None) -> tuple[list[Claimed], int]:
         """(the entries now claimed by this worker, the room `room` granted). `room(n)` is called
         with the number found (only when some are) and returns how many of them to take (a decode
         pod reserves slots there and gives back what the claim did not use). `include_self`: a
         restart under the same id takes all of its own, at once; else its own only when idle past
         `stale_self_ms` and not in `busy`, and others' only when idle `min_idle_ms` (XCLAIM resets
         an entry's idle time, so two pods never both take one). `others`: see
-        `dead_consumer_entries`."""
+        `dead_consumer_entries`. `give_back(n)`: what undoes `room`'s grant when the claim fails
+        (a decode pod's tickets: kept, a Redis blip here would shrink the pod for good)."""
         dead = await dead_consumer_entries(self.r, stream, self.group, self.me, include_self, self.limit,
                                            stale_self_ms=self.stale_self_ms, busy=busy, others=others)
         self.owners = {eid: c for c, eid in dead}
@@ -103,7 +105,12 @@ class Reclaimer:
             return [], 0
         n = room(len(dead))
         ids = [eid for _c, eid in dead[:n]]
-        return await claim_ids(self.r, stream, self.group, self.me, ids, 0 if include_self else self.min_idle_ms), n
+        try:
+            return await claim_ids(self.r, stream, self.group, self.me, ids, 0 if include_self else self.min_idle_ms), n
+        except BaseException:
+            if give_back is not None:
+                give_back(n)
+            raise
 
 
 def _s(x) -> str:

@@ -19,7 +19,7 @@ import pytest
 from decode_svc.recover import reclaim_pending
 from prefill_svc.kv_store import KVStore
 from tandem_core import keys
-from tandem_core.bus import groups
+from tandem_core.bus import groups, reclaim
 from tandem_engine import load_engine
 from tests.integration.test_decode_affinity import ROWS, _all_finished, _offer, _paged, _settings
 from tests.integration.test_decode_blocks import BUCKETS, KS, MAX_LEN, _kv_server, _Pod
@@ -68,3 +68,25 @@ async def test_a_restart_takes_every_entry_its_previous_life_left_as_rows_free(r
     finally:
         await server.stop(None)
     assert store.held_bytes == 0
+
+
+async def test_a_reclaim_that_fails_gives_its_rows_back(redis_url, redis_client, monkeypatch):
+    """The rows a reclaim reserved for the entries it found are given back when its XCLAIM fails
+    (a Redis blip): before, they stayed reserved, and the pod claimed that much less for good."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    r, pool, me = redis_client, "restart-blip", "dec-blip"
+    await groups.ensure_groups(r, KS, pool)
+    stream = KS.ready_stream(pool, 0)
+    for i in range(2):
+        await r.xadd(stream, {"rid": f"blip-{i}", "notice": "{}"})
+    assert len(await groups.claim(r, [stream], keys.DECODE_GROUP, me, 2, None)) == 2
+    pod = _Pod(_settings(redis_url, pool, 30_000), r, _paged(), me)  # (never started: its reclaim alone)
+
+    async def down(*_a, **_k):
+        raise RedisConnectionError("Redis went away mid-reclaim")
+
+    monkeypatch.setattr(reclaim, "claim_ids", down)
+    with pytest.raises(RedisConnectionError):
+        await reclaim_pending(pod.io, include_self=True)
+    assert pod.table.room == ROWS, f"rows still reserved by a failed reclaim: {ROWS - pod.table.room}"
