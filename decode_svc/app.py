@@ -37,7 +37,8 @@ def build_engine(s: DecodeSettings) -> ServingEngine:
 
 
 async def _compiled_engine(s: DecodeSettings):
-    """The engine with every decode shape compiled, not on a request's clock (and every prefill
+    """The engine with every decode shape but the grammar-masked ones compiled (those follow in
+    the engine thread's idle time: EngineLoop.late_warm), not on a request's clock (and every prefill
     when this pod prefills all its prompts; with direct prefill the smallest bucket's, where the
     gateway's short prompts fall): readiness waits for it. JAX's persistent compilation cache makes restarts quick."""
     engine = build_engine(s)
@@ -49,13 +50,15 @@ async def _compiled_engine(s: DecodeSettings):
             last[0] = seconds
             log.info("warm-up: %d/%d decode step variants compiled, %.1fs", done, total, seconds)
 
-    # plain, logprobs and masked steps; colocated: every prefill bucket and the ragged call (a
+    # plain and logprobs steps (one compiled step); colocated: every prefill bucket and the ragged call (a
     # prompt seated over the pool's kept blocks, a conversation's next turn; long prompts' chunks
     # beside the steps); a disaggregated pod with direct_prefill: the smallest bucket's prefill, the
     # gateway's direct prompts (so short, ~16 tokens, that they seldom hold a whole kept block: a
     # hit there compiles the ragged call on its first use)
     ragged = s.colocated and (engine.kv_reuse or s.prefill_chunk_tokens > 0)
-    steps = await asyncio.to_thread(engine.warmup, prefill=s.colocated, logprobs=True, masks=True, progress=progress,
+    # (the grammar-masked steps are left to the engine thread's idle time after the pod is ready:
+    # EngineLoop.late_warm; 5 of the 15 variants at 32 rows)
+    steps = await asyncio.to_thread(engine.warmup, prefill=s.colocated, logprobs=True, masks=False, progress=progress,
                                     direct=s.direct_prefill, ragged=ragged)
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %d blocks "
              "of %d)", time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
@@ -79,7 +82,8 @@ async def serve(s: DecodeSettings) -> int:
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
     blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # capacity in KV blocks too
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
-                             mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks)
+                             mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks,
+                             late_warm=[v for v in engine.warm_steps(masks=True) if v.masked])
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
     await io.claims.ensure_own_groups()  # (its per-pod ready streams: cache-aware routing)
@@ -136,7 +140,10 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
                    "colocated": s.colocated, "requests": table.stages(),
                    # gateways steer conversations only to pods that say they read their own ready stream
                    "ready_affinity": io.claims.affinity,
-                   "stolen": 0 if io.claims.stealer is None else io.claims.stealer.stolen, **kv_info()},
+                   "stolen": 0 if io.claims.stealer is None else io.claims.stealer.stolen,
+                   # the step variants the warm-up left to idle time (the grammar-masked ones)
+                   "late_compiles": {"done": stats.late_compiled, "total": stats.late_compiles,
+                                     "seconds": round(stats.late_compile_s, 1)}, **kv_info()},
         )
 
     def prefix_cache() -> dict:

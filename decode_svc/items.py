@@ -96,3 +96,8 @@ class LoopStats:
     mask_s: float = 0.0  # host time computing those masks
     busy_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    # step variants the warm-up left to the engine thread's idle turns (EngineLoop.late_warm): how
+    # many, how many compiled, and their seconds
+    late_compiles: int = 0
+    late_compiled: int = 0
+    late_compile_s: float = 0.0

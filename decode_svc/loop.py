@@ -43,6 +43,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,7 +62,7 @@ from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FIN
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
 
 if TYPE_CHECKING:  # the type only: no JAX import
-    from tandem_engine.api import ServingEngine
+    from tandem_engine.api import ServingEngine, StepVariant
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
-                 blocks: BlockBudget | None = None) -> None:
+                 blocks: BlockBudget | None = None, late_warm: Sequence[StepVariant] = ()) -> None:
         self.engine = engine
         # the KV pool (decode_svc/blocks.py): a request goes into a row only when its blocks are
         # free, and rows that cannot grow hand the newest request back; None: the engine's own
@@ -87,7 +88,11 @@ class EngineLoop:
         self.bridge = bridge  # pulled KV and local prompts in, each step's tokens out
         self.pipelined = pipelined
         self.output_timeout_s = output_timeout_s
-        self.stats = LoopStats()
+        self.stats = LoopStats(late_compiles=len(late_warm))
+        # step variants the pod's warm-up left out (the grammar-masked ones: the pod reports ready
+        # that much sooner), compiled one per turn in which the loop has nothing to do (`_warm_one`);
+        # a grammar request before then compiles its step on its own clock, as without a warm-up
+        self.late_warm: deque[StepVariant] = deque(late_warm)
         self._cancel: set[str] = set()
         self._silent: set[str] = set()
         self._cancel_at: dict[str, int] = {}  # request id -> its next token index when the cancel came
@@ -133,6 +138,9 @@ class EngineLoop:
             state = self._apply_cancels(state)
             idle = pending is None and self.table.used == 0
             state = self._apply_inserts(state, block_s=0.05 if idle else 0.0)
+            if idle and self.late_warm and not (self.table.used or self.table.pending or self.engine.prompts_pending):
+                state = self._warm_one(state)
+                continue
             current, masks = None, None
             t0 = time.perf_counter()
             if pending is not None and self.grammars:  # the masks need the pending step's tokens
@@ -150,6 +158,18 @@ class EngineLoop:
                 state = self._process(pending, state)
             pending = current
             self.stats.busy_s += time.perf_counter() - t0
+
+    def _warm_one(self, state):
+        """Compile (run over the free rows) the next step variant the warm-up left: the loop is
+        idle, no claim is on its way to a row (a request arriving meanwhile waits this one compile)."""
+        t0 = time.perf_counter()
+        state = self.engine.warm_step(state, self.late_warm.popleft())
+        self.stats.late_compiled += 1
+        self.stats.late_compile_s += time.perf_counter() - t0
+        if not self.late_warm:
+            log.info("warm-up: the %d step variants left to idle time compiled in %.1fs", self.stats.late_compiles,
+                     self.stats.late_compile_s)
+        return state
 
     def _dispatch(self, state, masks):
         """Dispatch one call over the slots in use (returns before the device is done): one step, or

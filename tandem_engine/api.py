@@ -13,7 +13,7 @@ to insert/generate/free are donated and must not be used again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -38,6 +38,17 @@ class PrefillCall:
     start_index: int = 0
     output_from: int | None = None
     stop_ids: Sequence[int] = ()
+
+
+class StepVariant(NamedTuple):
+    """One compiled shape of the decode step (`Engine.warm_steps`): its batch bucket, its table
+    width in blocks, the steps a call runs, and whether it returns logprobs, takes grammar masks."""
+
+    rows: int
+    width: int
+    steps: int
+    logprobs: bool
+    masked: bool
 
 
 @runtime_checkable
@@ -118,6 +129,10 @@ class ServingEngine(Protocol):
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                progress: Callable[[int, int, float], None] | None = None,
                direct: bool = False, ragged: bool = False) -> int: ...
+
+    def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[StepVariant]: ...
+
+    def warm_step(self, state: "DecodeState", variant: StepVariant) -> "DecodeState": ...
 
     def warmup_prefill(self) -> None: ...
 

@@ -45,7 +45,7 @@ from tandem_core.types import SamplingParams
 from tandem_engine.cores import DecodeState
 from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
-from tandem_engine.api import PrefillCall
+from tandem_engine.api import PrefillCall, StepVariant
 from tandem_engine.engine_prefill import PrefillSide, Prefix
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
@@ -66,7 +66,7 @@ class Engine(PrefillSide, DecodeSide):
         for b in self.buckets:
             self.prefill([0] * b, SamplingParams())
 
-    def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[tuple[int, int, int, bool, bool]]:
+    def warm_steps(self, logprobs: bool = True, masks: bool = False) -> list[StepVariant]:
         """The decode step variants `warmup` compiles, in its order: (rows, table width, steps,
         logprobs, masked) for every batch bucket (the table width: the one width every step has,
         each row's whole table, since the step reads only the blocks in use:
@@ -75,13 +75,25 @@ class Engine(PrefillSide, DecodeSide):
         (its flag is traced: cores.generate_core), so `logprobs` is False in every variant."""
         multi = (1, self.steps_per_dispatch) if self.steps_per_dispatch > 1 else (1,)
         width = self.max_blocks_per_seq
-        out: list[tuple[int, int, int, bool, bool]] = []
+        out: list[StepVariant] = []
         for rows in self.batch_buckets:
             for steps in multi:  # multi-step decode: its own compiled variants
-                out.append((rows, width, steps, False, False))
+                out.append(StepVariant(rows, width, steps, False, False))
             if masks:
-                out.append((rows, width, 1, False, True))
+                out.append(StepVariant(rows, width, 1, False, True))
         return out
+
+    def warm_step(self, state, variant: StepVariant):
+        """Run one of `warm_steps`' variants over `state`, every row free (a step over free rows
+        writes only the null block): compiled on its first run. Returns the state, the step done.
+        Donates `state`. (A decode pod's engine thread runs the variants its warm-up left, e.g. the
+        grammar-masked steps, this way while it has nothing to do: decode_svc/loop.py.)"""
+        v = variant
+        masks = np.full((v.rows, (self.info.vocab_size + 31) // 32), -1, np.int32) if v.masked else None
+        state, tokens = self._generate(state, v.rows, logprobs=v.logprobs, masks=masks, steps=v.steps,
+                                       table_blocks=v.width)
+        jax.block_until_ready(tokens)
+        return state
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                progress: Callable[[int, int, float], None] | None = None, direct: bool = False,
@@ -109,14 +121,12 @@ class Engine(PrefillSide, DecodeSide):
                 state = self.insert(self.prefill([0] * b, SamplingParams()), state, 0, SamplingParams())
         state = self.free(state, 0)  # the steps run with every row free (no blocks held)
         variants = self.warm_steps(logprobs, masks)
-        ones = np.full((max(self.batch_buckets), (self.info.vocab_size + 31) // 32), -1, np.int32)
-        for i, (rows, width, steps, lp, masked) in enumerate(variants):
-            state, tokens = self._generate(state, rows, logprobs=lp, masks=ones[:rows] if masked else None,
-                                           steps=steps, table_blocks=width)
+        for i, variant in enumerate(variants):
+            state = self.warm_step(state, variant)
             if progress is not None:
-                jax.block_until_ready(tokens)
                 progress(i + 1, len(variants), time.monotonic() - t0)
         state = self.free(state, 0)
+        tokens = None
         for lp in ((False, True) if logprobs else (False,)) if ragged else ():
             state = self.begin_prompt(state, 0, [0], SamplingParams())
             state, out = self.generate_ragged(state, None, logprobs=lp)

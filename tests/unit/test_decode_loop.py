@@ -388,3 +388,36 @@ def test_complete_grammar_forces_eos_and_stop_even_with_ignore_eos(engine):
     from tandem_core.types import TokenLogprobs
     assert TokenLogprobs.decode(got[-1].logprobs).logprob == 0.0
     assert all(TokenLogprobs.decode(e.logprobs).logprob == pytest.approx(0.0, abs=1e-4) for e in got)
+
+
+def test_the_steps_the_warm_up_left_compile_in_idle_time_and_then_serve_without_a_compile(caplog):
+    """A decode pod's warm-up leaves the grammar-masked steps out (it reports ready sooner); its
+    engine thread compiles them while it has nothing to do (`late_warm`), one per idle turn, and
+    counts them (the heartbeat's `late_compiles`). Afterwards a masked step of every batch bucket
+    compiles nothing."""
+    import jax
+    import numpy as np
+
+    eng = load_engine("builtin", slots=4, max_len=64, prefill_buckets=(16,), kv_block_size=16)
+    eng.warmup(prefill=False, masks=False)
+    late = [v for v in eng.warm_steps(masks=True) if v.masked]
+    assert [v.rows for v in late] == list(eng.batch_buckets) and len(late) >= 2
+    table = RequestTable(4)
+    loop = EngineLoop(eng, table, Bridge(4, 64), late_warm=late)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 120
+        while loop.stats.late_compiled < len(late) and time.monotonic() < deadline and loop.error is None:
+            time.sleep(0.05)
+        assert loop.error is None and (loop.stats.late_compiled, loop.stats.late_compiles) == (len(late), len(late))
+    finally:
+        loop.stop()
+    ones = np.full((max(eng.batch_buckets), (eng.info.vocab_size + 31) // 32), -1, np.int32)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        state = eng.init_state()
+        for v in late:
+            state, tokens = eng.generate(state, v.rows, masks=ones[:v.rows])
+            np.asarray(tokens)
+    compiled = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(")
+                and "_core" in r.getMessage()[:40]]
+    assert compiled == []
