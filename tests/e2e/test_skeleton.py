@@ -113,3 +113,22 @@ def test_the_prefill_pod_reports_its_batched_compiles(local_cluster):
         assert time.monotonic() < deadline, f"still compiling after 180 s: {b}, logged: {said}"
         time.sleep(0.5)
     assert b["total"] == int(said[0]) > 0 and b["failed"] == 0, (b, said)
+
+
+def test_the_decode_pod_compiles_its_masked_steps_after_ready_and_says_so(local_cluster):
+    """A decode pod's warm-up leaves the grammar-masked step variants to its engine's idle time
+    after it reports ready (decode_svc/loop.py `late_warm`); its heartbeat counts them
+    (`late_compiles`), one per batch bucket, and its log says when they are done."""
+    deadline = time.monotonic() + 180
+    while True:
+        (pod,) = [w for w in httpx.get(local_cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
+                  if w["role"] == "decode"]
+        late = pod["extra"]["late_compiles"]
+        assert 0 <= late["done"] <= late["total"], late
+        said = [m for line in local_cluster.log for m in re.findall(r"the (\d+) step variants left to idle time", line)]
+        if late["done"] == late["total"] and said:
+            break
+        assert time.monotonic() < deadline, f"still compiling after 180 s: {late}, logged: {said}"
+        time.sleep(0.5)
+    warmed = [m for line in local_cluster.log for m in re.findall(r"(\d+) decode step variants; KV", line)]
+    assert late["total"] == int(said[0]) > 0 and warmed and int(warmed[0]) == 2 * late["total"], (late, said, warmed)
