@@ -97,21 +97,29 @@ def test_cluster_admin_lists_workers(local_cluster):
         assert w["heartbeat_age_s"] < 10
 
 
+def _background_compiles(cluster, role: str, field: str, logged: str) -> tuple[dict, list[str]]:
+    """Wait (180 s at most) until the `role` pod's heartbeat field `field` (done of total) is
+    done and its log has said so (`logged`: a pattern whose group is the count). Returns (the
+    field, the counts the log gave)."""
+    deadline = time.monotonic() + 180
+    while True:
+        (pod,) = [w for w in httpx.get(cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
+                  if w["role"] == role]
+        counts = pod["extra"][field]
+        assert 0 <= counts["done"] <= counts["total"], counts
+        said = [m for line in cluster.log for m in re.findall(logged, line)]
+        if counts["done"] == counts["total"] and said:
+            return counts, said
+        assert time.monotonic() < deadline, f"still compiling after 180 s: {counts}, logged: {said}"
+        time.sleep(0.5)
+
+
 def test_the_prefill_pod_reports_its_batched_compiles(local_cluster):
     """The prefill pod compiles its batched prefill shapes after it reports ready; its heartbeat
     says how far (`batch_compiles`: what bench/systems.py waits for before measuring), and the
     count is the one its log gives when they are done."""
-    deadline = time.monotonic() + 180
-    while True:
-        (pod,) = [w for w in httpx.get(local_cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
-                  if w["role"] == "prefill"]
-        b = pod["extra"]["batch_compiles"]
-        assert 0 <= b["done"] <= b["total"], b
-        said = [m for line in local_cluster.log for m in re.findall(r"batched prefills compiled in .* \((\d+) shapes", line)]
-        if b["done"] == b["total"] and said:
-            break
-        assert time.monotonic() < deadline, f"still compiling after 180 s: {b}, logged: {said}"
-        time.sleep(0.5)
+    b, said = _background_compiles(local_cluster, "prefill", "batch_compiles",
+                                   r"batched prefills compiled in .* \((\d+) shapes")
     assert b["total"] == int(said[0]) > 0 and b["failed"] == 0, (b, said)
 
 
@@ -119,16 +127,7 @@ def test_the_decode_pod_compiles_its_masked_steps_after_ready_and_says_so(local_
     """A decode pod's warm-up leaves the grammar-masked step variants to its engine's idle time
     after it reports ready (decode_svc/loop.py `late_warm`); its heartbeat counts them
     (`late_compiles`), one per batch bucket, and its log says when they are done."""
-    deadline = time.monotonic() + 180
-    while True:
-        (pod,) = [w for w in httpx.get(local_cluster.base_url + "/admin/cluster", timeout=10).json()["workers"]
-                  if w["role"] == "decode"]
-        late = pod["extra"]["late_compiles"]
-        assert 0 <= late["done"] <= late["total"], late
-        said = [m for line in local_cluster.log for m in re.findall(r"the (\d+) step variants left to idle time", line)]
-        if late["done"] == late["total"] and said:
-            break
-        assert time.monotonic() < deadline, f"still compiling after 180 s: {late}, logged: {said}"
-        time.sleep(0.5)
+    late, said = _background_compiles(local_cluster, "decode", "late_compiles",
+                                      r"the (\d+) step variants left to idle time")
     warmed = [m for line in local_cluster.log for m in re.findall(r"(\d+) decode step variants; KV", line)]
     assert late["total"] == int(said[0]) > 0 and warmed and int(warmed[0]) == 2 * late["total"], (late, said, warmed)
