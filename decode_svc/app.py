@@ -63,6 +63,10 @@ async def _compiled_engine(s: DecodeSettings):
     log.info("engine compiled in %.1fs (prefill buckets %s, batch buckets %s, %d decode step variants; KV %d blocks "
              "of %d)", time.monotonic() - t0, list(engine.buckets), list(engine.batch_buckets), steps,
              engine.kv_blocks_total, engine.kv_block_size)
+    if engine.windowed:
+        log.info("KV: %d windowed layers of %d keep at most %d blocks a row in a group of their own (their "
+                 "window, not max_len); finished sequences' blocks are not kept for reuse (engine.kv_window_group)",
+                 sum(engine.windowed), len(engine.windowed), engine.window_span)
     return engine
 
 

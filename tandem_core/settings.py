@@ -146,6 +146,11 @@ class EngineConfig(BaseModel):
     # short) and share them with later sequences that start with the same tokens: a decode pod
     # then pulls only the KV it does not hold (a conversation's new turn). tandem_engine/block_cache.py
     kv_reuse: bool = True
+    # a family with windowed and global layers (gemma2, gemma3, gpt-oss): the windowed layers keep
+    # only the blocks their window reaches, in a group of their own (tandem_engine/paged.py
+    # WindowGroup), so their KV follows the window, not max_len. That engine then keeps no finished
+    # sequences' blocks (kv_reuse off): false keeps every block of every layer, and kv_reuse
+    kv_window_group: bool = True
     # the decode KV's element type; "fp8" (float8_e4m3fn) holds twice bfloat16's positions
     # in the same memory (error against the dtype: bench/quantize_quality.py --kv); "auto": `dtype`
     kv_dtype: str = Field(default="auto", pattern="^(auto|fp8)$")
@@ -162,7 +167,8 @@ class EngineConfig(BaseModel):
     def kv_kwargs(self) -> dict:
         """The KV pool options of `load_engine`."""
         return {"kv_block_size": self.kv_block_size, "kv_blocks": self.kv_blocks or None,
-                "kv_reuse": self.kv_reuse, "kv_dtype": None if self.kv_dtype == "auto" else self.kv_dtype}
+                "kv_reuse": self.kv_reuse, "kv_dtype": None if self.kv_dtype == "auto" else self.kv_dtype,
+                "kv_window_group": self.kv_window_group}
 
     def load_kwargs(self, slots: int, prefix_chunk: int) -> dict:
         """The keyword arguments of `tandem_engine.load_engine` for this block, with the pod's

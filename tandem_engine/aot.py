@@ -92,11 +92,12 @@ class _AbstractEngine(Engine):
     def _place_kv(self, kv):
         return jax.ShapeDtypeStruct(tuple(kv.shape), self._jdtype, sharding=self.layout.kv_prefix())
 
-    def _table_array(self):
+    def _table_array(self, table=None):
         """The paged block tables as a replicated struct (compile-only chips take no transfer)."""
         if self.layout is None:
-            return super()._table_array()
-        return jax.ShapeDtypeStruct(self._table.shape, self._table.dtype, sharding=self.layout.replicated())
+            return super()._table_array(table)
+        table = self._table if table is None else table
+        return jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=self.layout.replicated())
 
 
 def abstract_params(info: ModelInfo, dtype: str, layout: Layout, quantize: str | None = None) -> dict:

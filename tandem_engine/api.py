@@ -73,6 +73,10 @@ class ServingEngine(Protocol):
     # finished rows' full blocks are kept and shared by later sequences with the same
     # leading tokens (tandem_engine/block_cache.py); a decode pod pulls only the rest
     kv_reuse: bool
+    # per layer, whether it keeps its blocks in the windowed group (paged.WindowGroup: windowed
+    # layers beside global ones, at most window_span blocks a row, never short); (): no group
+    windowed: tuple
+    window_span: int
 
     def match_prefix(self, ids: Sequence[int]) -> "PrefixMatch | None": ...
 

@@ -60,6 +60,9 @@ class DecodeState(NamedTuple):
     processing: SlotLogits  # per-slot penalties, bias, stop ids, min_tokens
     # int32 [slots, max_blocks_per_seq]: each row's blocks in order (0: the null block)
     block_table: jax.Array
+    # the windowed layers' own table where they keep their blocks apart (paged.WindowGroup: a
+    # family with windowed and global layers), the same shape; None: every layer reads block_table
+    window_table: Any = None
 
 
 def _kv(layout: Layout | None):
@@ -122,15 +125,17 @@ def _pin_pool(pool: tuple, layout: Layout | None) -> tuple:
     return pool if layout is None else tuple(constrain(layer, layout.kv_pool()) for layer in pool)
 
 
-@partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
+@partial(jax.jit, static_argnames=("layout", "windowed"), donate_argnums=(0,))
 def insert_paged_core(state: DecodeState, k, v, ids, slot, true_length, first_token, step, temperature, top_k,
-                      top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits, *,
-                      layout: Layout | None = None) -> DecodeState:
+                      top_p, seed, hist_ids, hist_len, output_from, proc: SlotLogits, window_ids=None, *,
+                      layout: Layout | None = None, windowed: tuple = ()) -> DecodeState:
     """A prefix into a row: k, v [L, length, KV, hd] into blocks `ids` int32
     [ceil(length / block_size)] of each layer's buffer (paged.write_prompt_blocks; the slot's block
     table row is the caller's: engine_decode uploads the host table). With a `layout` k, v come
-    split by KV head (Layout.kv_prefix) and each chip writes its heads' rows of the blocks."""
-    new_k, new_v = write_prompt_blocks(state.k, state.v, k, v, ids)
+    split by KV head (Layout.kv_prefix) and each chip writes its heads' rows of the blocks.
+    `window_ids` (paged.WindowGroup): the blocks of the layers `windowed` marks, 0 where their window
+    has passed (those rows go to the null block)."""
+    new_k, new_v = write_prompt_blocks(state.k, state.v, k, v, ids, window_ids, windowed)
     new_k, new_v = _pin_pool(new_k, layout), _pin_pool(new_v, layout)
     return _insert_slot(state, slot, true_length, first_token, step, temperature, top_k, top_p, seed,
                         hist_ids, hist_len, output_from, proc)._replace(k=new_k, v=new_v)
@@ -194,7 +199,9 @@ def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: La
                  logprobs, freeze_at: int, table_blocks: int, max_len: int):
     logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
                                         state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
-                                        active=state.active[:rows], mesh=None if layout is None else layout.mesh)
+                                        active=state.active[:rows], mesh=None if layout is None else layout.mesh,
+                                        window_table=None if state.window_table is None else
+                                        state.window_table[:rows, :table_blocks])
     k, v = _pin_pool(k, layout), _pin_pool(v, layout)  # kept split by head: the donated buffers are reused
     return _advance(state._replace(k=k, v=v), logits, masks, rows, logprobs, freeze_at)
 
@@ -253,12 +260,17 @@ def ragged_core(params, state: DecodeState, chunk, chunk_start, chunk_len, slot,
     at = chunk_start + jnp.arange(c, dtype=jnp.int32)
     tokens = jnp.concatenate([state.tokens[:rows], chunk.astype(jnp.int32)])
     positions = jnp.concatenate([state.positions[:rows], at])
-    table = jnp.concatenate([state.block_table[:rows, :tb], jnp.broadcast_to(state.block_table[slot, :tb], (c, tb))])
+
+    def ragged(tab):  # the decode rows' tables, then the chunk's row's for each of its tokens
+        return jnp.concatenate([tab[:rows, :tb], jnp.broadcast_to(tab[slot, :tb], (c, tb))])
+
+    table = ragged(state.block_table)
     active = jnp.concatenate([state.active[:rows], jnp.arange(c) < chunk_len])
     want = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32), (rows + chunk_len - 1)[None].astype(jnp.int32)])
     logits, k, v = decode_forward_paged(params, tokens, positions, state.k, state.v, table, cfg, max_len=max_len,
                                         active=active, logits_at=want, mesh=None if layout is None else layout.mesh,
-                                        chunk=c)
+                                        chunk=c, window_table=None if state.window_table is None else
+                                        ragged(state.window_table))
     k, v = _pin_pool(k, layout), _pin_pool(v, layout)
     new, (tokens, packed) = _advance(state._replace(k=k, v=v), logits[:rows], None, rows, logprobs, 0)
     first, new = _first_token_of(new, logits[rows:], slot, final)

@@ -20,6 +20,7 @@ from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, split_layers
 from tandem_engine.block_cache import BlockCache, CachingAllocator
+from tandem_engine.paged import WindowGroup
 from tandem_engine.quantize import check_quantize, is_quantized, quantize_params
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
@@ -44,7 +45,7 @@ class EngineBase:
                  expert_parallel: bool = False, steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                  kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
                  kv_blocks: int | None = None, quantize: str | None = None, kv_reuse: bool = True,
-                 kv_dtype: str | None = None, platform: str | None = None):
+                 kv_dtype: str | None = None, platform: str | None = None, window_group: bool = True):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots ({slots}) and max_len ({max_len}) must be positive")
         if max_len > info.max_position_embeddings:
@@ -113,9 +114,20 @@ class EngineBase:
         # layer attends to every position, so every block stays
         windows = [self.cfg.window(i) for i in range(self.cfg.num_layers)]
         self.window_frees = max(windows) if windows and min(windows) > 0 else 0
+        # windowed layers beside global ones (gemma2, gemma3, gpt-oss): the windowed layers keep
+        # their blocks in a group of their own (paged.WindowGroup: `window_span` blocks a row at
+        # most), so their KV follows the window, not max_len; the global layers keep every block
+        # in the pool of kv_blocks_total. Only where it saves blocks (a window shorter than max_len),
+        # and then without decode-side reuse: a finished row's windowed layers keep no blocks
+        # before its last window, so a later sequence could not start on them.
+        self.windowed = tuple(w > 0 for w in windows) if windows and 0 < max(windows) and min(windows) == 0 else ()
+        span = max(self.steps_per_dispatch, self.prefix_chunk)  # the most positions one call writes to a row
+        self.window_span = (-(-(max(windows) + span - 1) // self.kv_block_size) + 1) if self.windowed else 0
+        if not window_group or self.window_span >= self.max_blocks_per_seq:
+            self.windowed, self.window_span = (), 0
         # keep finished rows' full blocks for later sequences with the same leading tokens
         # (block_cache.py: a decode pod pulls only the rows it does not hold)
-        self.kv_reuse = bool(kv_reuse)
+        self.kv_reuse = bool(kv_reuse) and not self.windowed
         self._blocks_lock = threading.RLock()  # the block host state: engine thread and event loop
         self._reset_kv_host()
 
@@ -130,6 +142,11 @@ class EngineBase:
         self._alloc = CachingAllocator(self.kv_blocks_total)
         self._reuse: BlockCache | None = BlockCache(self._alloc, self.kv_block_size) if self.kv_reuse else None
         self._table = np.zeros((self.slots, self.max_blocks_per_seq), np.int32)
+        self._window: WindowGroup | None = None
+        if self.windowed:
+            self._window = WindowGroup(self.slots, self.max_blocks_per_seq, self.kv_block_size,
+                                       max(self.cfg.window(i) for i in range(self.cfg.num_layers)),
+                                       max(self.steps_per_dispatch, self.prefix_chunk))
         self._held = np.zeros(self.slots, np.int64)  # blocks in each row's table
         self._pos = np.zeros(self.slots, np.int64)  # each row's next write position
 

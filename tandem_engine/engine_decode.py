@@ -69,8 +69,11 @@ class DecodeSide(EngineBase):
         dev = None if lay is None else lay.replicated()
         self._reset_kv_host()
         # one pool of blocks, a buffer per layer (paged.py); tp: each chip allocates only its heads
+        # (a family with windowed and global layers: the windowed layers' buffers hold their group's blocks)
+        layer_blocks = None if self._window is None else [
+            self._window.total if w else self.kv_blocks_total for w in self.windowed]
         k, v = paged_pool(c.num_layers, c.num_kv_heads, self.kv_blocks_total, self.kv_block_size, c.head_dim,
-                          self._kv_jdtype, None if lay is None else lay.kv_pool())
+                          self._kv_jdtype, None if lay is None else lay.kv_pool(), layer_blocks)
         table = self._table_array()
         state = DecodeState(
             k=k,
@@ -86,6 +89,7 @@ class DecodeSide(EngineBase):
             history=jnp.zeros((s, c.vocab_size), jnp.int32, device=dev),
             processing=init_slot_logits(s, c.vocab_size, dev),
             block_table=table,
+            window_table=self._window_array(),
         )
         if lay is None:  # committed to the device, as every core's outputs are (weights read from a
             # checkpoint are committed): an uncommitted state is another jit cache key for every core
@@ -269,7 +273,7 @@ class DecodeSide(EngineBase):
             if cached is not None:
                 cached.done = True  # its pins are the row's references now
         self._pending[slot] = PendingPrompt(slot, list(ids), done=0 if cached is None else cached.length)
-        state = state._replace(block_table=self._table_array())
+        state = self._with_tables(state)
         return begin_core(state, *args)
 
     def generate_ragged(self, state: DecodeState, rows: int | None = None, *,
@@ -289,6 +293,10 @@ class DecodeSide(EngineBase):
         p = next(iter(self._pending.values()))
         c = self.prefix_chunk
         n = min(c, len(p.ids) - p.done)
+        if self._window is not None:  # the chunk's windowed blocks: its window back to done - W + 1
+            with self._blocks_lock:
+                if self._window.fit(p.slot, p.done - self._window.window + 1, p.done + n - 1):
+                    state = self._with_tables(state)
         chunk = np.zeros(c, np.int32)
         chunk[:n] = p.ids[p.done:p.done + n]
         final = p.done + n == len(p.ids)
@@ -348,18 +356,36 @@ class DecodeSide(EngineBase):
             self._occupy(slot)
             write = np.zeros(self.kv_blocks_for(length), np.int32)  # rows past true_length's blocks: null
             write[:need] = ids
-        state = state._replace(block_table=self._table_array())
-        return CoreCall(insert_paged_core, (state, k, v, write, *args), dict(layout=self.layout))
+            window_write = None
+            if self._window is not None:  # the windowed layers: only the blocks the first step's window reaches
+                self._window.fit(slot, true_length - self._window.window + 1, true_length - 1)
+                window_write = self._window.ids_for(slot, len(write))
+                window_write[self.kv_blocks_for(true_length):] = 0
+        state = self._with_tables(state)
+        return CoreCall(insert_paged_core, (state, k, v, write, *args, window_write),
+                        dict(layout=self.layout, windowed=self.windowed if window_write is not None else ()))
 
-    def _table_array(self) -> jax.Array:
+    def _with_tables(self, state: DecodeState) -> DecodeState:
+        """`state` with the host's block tables uploaded (the windowed layers' too, where they
+        keep their own: paged.WindowGroup)."""
+        return state._replace(block_table=self._table_array(), window_table=self._window_array())
+
+    def _window_array(self) -> jax.Array | None:
+        """The windowed layers' table on the device (None: they read the block table)."""
+        if self._window is None:
+            return None
+        return self._table_array(self._window.table)
+
+    def _table_array(self, table: np.ndarray | None = None) -> jax.Array:
         """The host block tables on the device (replicated over the chips under tp: every chip
         reads every row's table). Committed to the device, as the step's outputs are: an
         uncommitted table beside a committed state is another jit cache key, and the step compiled
         again the first time a reserve rebuilt the table mid-decode (a row crossing a block boundary;
         seen in bench/paged_step.py before the warm-up path was taken)."""
+        table = self._table if table is None else table
         if self.layout is None:
-            return jax.device_put(self._table, jax.devices()[0])
-        return jax.device_put(self._table, self.layout.replicated())
+            return jax.device_put(table, jax.devices()[0])
+        return jax.device_put(table, self.layout.replicated())
 
     def _release_row(self, slot: int, tokens: Sequence[int] | None = None) -> None:
         """The row's blocks back to the pool; with `tokens` (the ids whose KV the row's first
@@ -374,6 +400,8 @@ class DecodeSide(EngineBase):
                 self._alloc.release([b for b in blocks if b])
             self._table[slot] = 0
             self._held[slot] = 0
+            if self._window is not None:
+                self._window.release(slot)
 
     def _alloc_blocks(self, n: int) -> list[int] | None:
         """`n` blocks from the free list, evicting cached blocks no row holds when it is short."""
@@ -426,6 +454,11 @@ class DecodeSide(EngineBase):
         with self._blocks_lock:
             if self.window_frees:
                 changed = self._drop_passed_blocks()
+            if self._window is not None:  # the windowed layers' blocks follow each row's window
+                w = self._window.window
+                for slot in np.flatnonzero(self._occupied).tolist():
+                    pos = int(self._pos[slot])
+                    changed |= self._window.fit(slot, pos - w + 1, min(pos + max(int(steps), 1) - 1, self.max_len - 1))
             for slot in sorted(np.flatnonzero(self._occupied).tolist(), key=lambda s: self._order[s]):
                 need = self._blocks_needed(slot, steps)
                 extra = need - int(self._held[slot])
@@ -439,7 +472,7 @@ class DecodeSide(EngineBase):
                 self._held[slot] = need
                 changed = True
         if changed:
-            state = state._replace(block_table=self._table_array())
+            state = self._with_tables(state)
         return state, failed
 
     def _drop_passed_blocks(self) -> bool:
@@ -502,7 +535,10 @@ class DecodeSide(EngineBase):
     def _short_rows(self, steps: int) -> list[int]:
         """The active rows without the blocks their next `steps` positions fall in."""
         last = np.minimum(self._pos + max(int(steps), 1) - 1, self.max_len - 1)  # as _blocks_needed, every row
-        return np.flatnonzero(self._occupied & (last // self.kv_block_size + 1 > self._held)).tolist()
+        short = self._occupied & (last // self.kv_block_size + 1 > self._held)
+        if self._window is not None:  # or without the windowed block its last position falls in
+            short |= self._occupied & ~self._window.table[np.arange(self.slots), last // self.kv_block_size].astype(bool)
+        return np.flatnonzero(short).tolist()
 
     def generate_call(self, state: DecodeState, rows: int | None = None, *, logprobs: bool = False,
                       masks: np.ndarray | None = None, steps: int = 1, table_blocks: int | None = None) -> CoreCall:
@@ -546,6 +582,6 @@ class DecodeSide(EngineBase):
         if self._pending.pop(int(slot), None) is not None:
             tokens = None  # a prompt not finished: its blocks hold a part of it
         self._release_row(int(slot), tokens)
-        state = state._replace(block_table=self._table_array())
+        state = self._with_tables(state)
         return state._replace(active=free_core(state.active, np.int32(slot)))
 

@@ -56,7 +56,8 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                 cpu_threads: int = 0, prefix_chunk: int = 64, expert_parallel: bool = False,
                 steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH,
                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_blocks: int | None = None,
-                quantize: str | None = None, kv_reuse: bool = True, kv_dtype: str | None = None) -> Engine:
+                quantize: str | None = None, kv_reuse: bool = True, kv_dtype: str | None = None,
+                kv_window_group: bool = True) -> Engine:
     """An Engine for a preset name ("builtin": the shipped trained checkpoint; "tiny", "small-100m":
     random weights) or a HF directory of a served family (tandem_engine/arch.py).
 
@@ -65,7 +66,9 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
     before any weight is read). `expert_parallel`: a mixture of experts splits whole experts
     across the tp devices (the expert count must be divisible by tp) instead of each expert's
     hidden units. `kv_block_size`, `kv_blocks`: the KV pool's blocks (engine_decode.DecodeSide;
-    `kv_reuse`: finished rows' blocks shared by later sequences, block_cache.py). `quantize="int8"`:
+    `kv_reuse`: finished rows' blocks shared by later sequences, block_cache.py; `kv_window_group`:
+    windowed layers beside global ones keep only their window's blocks, paged.WindowGroup, and then
+    nothing is reused). `quantize="int8"`:
     the layer matrices held as int8 with per-output-channel scales (tandem_engine/quantize.py); the
     KV stays in `dtype` unless `kv_dtype="fp8"`."""
     check_quantize(quantize)  # fail fast on an unknown mode, before any weight is read
@@ -84,4 +87,4 @@ def load_engine(model: str = "builtin", *, slots: int = 4, max_len: int = 512,
                   dtype=dtype, tp=tp, mesh=mesh, prefix_chunk=prefix_chunk,
                   expert_parallel=expert_parallel, steps_per_dispatch=steps_per_dispatch,
                   kv_block_size=kv_block_size, kv_blocks=kv_blocks, quantize=quantize, kv_reuse=kv_reuse,
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype, window_group=kv_window_group)

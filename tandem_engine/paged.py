@@ -39,6 +39,7 @@ No I/O, no host state in the functions.
 from __future__ import annotations
 
 from functools import partial
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,21 +108,83 @@ class BlockAllocator:
 
 
 def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype,
-               sharding: NamedSharding | None = None):
+               sharding: NamedSharding | None = None, layer_blocks: Sequence[int] | None = None):
     """An all-zero pool (k, v): each a tuple of num_layers arrays [KV, blocks + 1, B / f, hd * f]
     (pool_layout.py: lane-folded, f = lane_fold(hd, B); block 0: the null block), one buffer per
     layer. `sharding` (tp > 1: Layout.kv_pool, split on the KV axis): each chip allocates only
-    its heads' slice of every block."""
-    shape = (kv_heads, blocks + 1, *block_shape(block_size, head_dim))  # lane-folded (pool_layout.py)
-    return (tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
-            tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)))
+    its heads' slice of every block. `layer_blocks`: each layer's own block count instead (a
+    family whose windowed layers keep their blocks in a smaller group of their own: WindowGroup)."""
+    counts = [int(blocks)] * num_layers if layer_blocks is None else [int(b) for b in layer_blocks]
+
+    def shape(n):
+        return (kv_heads, n + 1, *block_shape(block_size, head_dim))  # lane-folded (pool_layout.py)
+
+    return (tuple(jnp.zeros(shape(n), dtype, device=sharding) for n in counts),
+            tuple(jnp.zeros(shape(n), dtype, device=sharding) for n in counts))
 
 
-def write_prompt_blocks(k_pool: tuple, v_pool: tuple, k, v, ids):
+class WindowGroup:
+    """The blocks of a family's windowed layers where some layers are global (gemma2, gemma3,
+    gpt-oss): those layers' buffers hold `per_row` blocks a row, in a block-id space and a table
+    of their own (vLLM's hybrid KV cache manager keeps a block table per layer group alike). A
+    row's windowed table has a block only where its window still reaches: `fit(slot, lo, hi)`
+    gives back the blocks wholly before position `lo` and takes the ones [lo, hi] falls in, so a
+    row never holds more than `per_row` (sized for the widest window plus the most positions one
+    call writes) and the group never runs short. The global layers keep every block in the
+    engine's own table and allocator, as before. Host state only; the device sees the table."""
+
+    def __init__(self, slots: int, max_blocks: int, block_size: int, window: int, span: int):
+        self.block_size = int(block_size)
+        self.window = int(window)
+        # the blocks [lo, hi] reaches, lo = p - window + 1, hi = p + span - 1: at most this many
+        self.per_row = min(-(-(self.window + int(span) - 1) // self.block_size) + 1, int(max_blocks))
+        self.total = int(slots) * self.per_row
+        self.alloc = BlockAllocator(self.total)
+        self.table = np.zeros((int(slots), int(max_blocks)), np.int32)
+
+    def fit(self, slot: int, lo: int, hi: int) -> bool:
+        """Row `slot`'s windowed blocks: those wholly before position `lo` back, the ones [lo, hi]
+        falls in taken (hi clamped by the caller to max_len - 1). Returns whether the table changed."""
+        row = self.table[slot]
+        first, last = max(0, int(lo)) // self.block_size, min(int(hi) // self.block_size, row.shape[0] - 1)
+        passed = [int(b) for b in row[:first] if b]
+        if passed:
+            self.alloc.release(passed)
+            row[:first] = 0
+        missing = [j for j in range(first, last + 1) if not row[j]]
+        if missing:
+            if len(missing) + sum(1 for b in row if b) > self.per_row:
+                raise RuntimeError(f"row {slot} would hold more than {self.per_row} windowed blocks "
+                                   f"(positions {lo}..{hi}): a call writes more positions than the group was sized for")
+            ids = self.alloc.alloc(len(missing))
+            assert ids is not None  # sized for per_row blocks a row
+            row[missing] = ids
+        return bool(passed or missing)
+
+    def covers(self, slot: int, hi: int) -> bool:
+        """Whether row `slot` holds the windowed block position `hi` falls in."""
+        return bool(self.table[slot, min(int(hi) // self.block_size, self.table.shape[1] - 1)])
+
+    def release(self, slot: int) -> None:
+        """Every windowed block of row `slot` back."""
+        row = self.table[slot]
+        held = [int(b) for b in row if b]
+        if held:
+            self.alloc.release(held)
+        row[:] = 0
+
+    def ids_for(self, slot: int, blocks: int) -> np.ndarray:
+        """The row's first `blocks` table entries (0 where the window passed): where an insert
+        writes a prompt's windowed layers."""
+        return self.table[slot, :blocks].copy()
+
+
+def write_prompt_blocks(k_pool: tuple, v_pool: tuple, k, v, ids, window_ids=None, windowed: Sequence[bool] = ()):
     """A prompt's k, v [L, T, KV, hd] into the pool's blocks `ids` int32 [ceil(T / B)] in order
     (rows past T in the last block are zero padding; an id of 0 drops its rows into the null
     block). k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded,
-    pool_layout.py). Returns the new (k_pool, v_pool)."""
+    pool_layout.py). `window_ids` (a WindowGroup's): the blocks of the layers `windowed` marks
+    (0 where the window passed). Returns the new (k_pool, v_pool)."""
     num_layers, t, kvh, hd = k.shape
     bs = block_positions(k_pool[0], hd)
     n = ids.shape[0]
@@ -131,13 +194,15 @@ def write_prompt_blocks(k_pool: tuple, v_pool: tuple, k, v, ids):
         x = jnp.pad(x.astype(pool[0].dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
         x = jnp.transpose(x.reshape(num_layers, n, bs, kvh, hd), (0, 3, 1, 2, 4))  # [L, KV, n, B, hd]
         x = fold(x, hd)  # [L, KV, n, B / f, hd * f]: the prompt's blocks as the pool stores them
-        return tuple(layer.at[:, ids].set(x[i]) for i, layer in enumerate(pool))
+        return tuple(layer.at[:, window_ids if window_ids is not None and windowed[i] else ids].set(x[i])
+                     for i, layer in enumerate(pool))
 
     return blocks(k, k_pool), blocks(v, v_pool)
 
 
 def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool: tuple, table, cfg: ModelConfig,
-                         *, max_len: int, active: jax.Array | None = None, logits_at: jax.Array | None = None, mesh: Mesh | None = None, chunk: int = 0):
+                         *, max_len: int, active: jax.Array | None = None, logits_at: jax.Array | None = None, mesh: Mesh | None = None, chunk: int = 0,
+                         window_table=None):
     """`decode_forward` over the paged pool: one step for `rows` = len(tokens) rows.
 
     k_pool, v_pool: tuples of L layer buffers [KV, num_blocks, B / f, hd * f] (lane-folded,
@@ -157,16 +222,22 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
     prefix pool, prefix_pool.py, where every row is the chunk): the last `chunk` rows are
     positions of one sequence (a prompt's chunk, every one with that sequence's table row); they
     attend as attention.chunk_attention does (the prefix's blocks gathered once for all of them, the
-    chunk's own K/V dense), the rows before them as decode rows."""
+    chunk's own K/V dense), the rows before them as decode rows. `window_table` int32 [rows, nb]
+    (a WindowGroup's, of the same width): the tables the windowed layers' buffers are read and
+    written through (None: every layer reads `table`)."""
     nb, bs = table.shape[1], block_positions(k_pool[0], cfg.head_dim)
     write_pos = jnp.minimum(positions, max_len - 1)
     j = write_pos // bs
-    block = jnp.take_along_axis(table, jnp.minimum(j, nb - 1)[:, None], axis=1)[:, 0]
     ok = j < nb
     if active is not None:
         ok = ok & active
-    block = jnp.where(ok, block, NULL_BLOCK)
-    flat = block * bs + write_pos % bs  # [rows]: each row's target position of a head's num_blocks * B
+
+    def targets(tab):  # [rows]: each row's target position of a head's num_blocks * B
+        block = jnp.take_along_axis(tab, jnp.minimum(j, nb - 1)[:, None], axis=1)[:, 0]
+        return jnp.where(ok, block, NULL_BLOCK) * bs + write_pos % bs
+
+    flat = targets(table)
+    flat_w = None if window_table is None else targets(window_table)
     lengths = jnp.minimum(write_pos + 1, nb * bs).astype(jnp.int32)
     if active is not None:
         lengths = jnp.where(active, lengths, 0)
@@ -183,7 +254,9 @@ def decode_forward_paged(params: dict, tokens, positions, k_pool: tuple, v_pool:
         def attention(q, k, v, sinks, i=i):  # q [rows, 1, H, hd]; k, v [rows, 1, KV, hd]
             attend = partial(ragged_attention, cfg=local, window=cfg.window(i), has_sinks=sinks is not None,
                              chunk=chunk)
-            args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat, table, write_pos, lengths,
+            grouped = window_table is not None and cfg.window(i) > 0  # a windowed layer's own blocks
+            args = (q, k[:, 0], v[:, 0], k_pool[i], v_pool[i], flat_w if grouped else flat,
+                    window_table if grouped else table, write_pos, lengths,
                     jnp.zeros((), q.dtype) if sinks is None else sinks)
             if tp > 1:  # per chip, on its heads: XLA cannot partition a Mosaic call (see the module docstring)
                 q_heads, kv_heads, pool, rep = (P(None, None, AXIS, None), P(None, AXIS, None),

@@ -73,9 +73,15 @@ def child(spec: dict) -> dict:
             }
     for fam, path in spec.items():
         for tp in (2, 4):
-            e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=tp, prefix_chunk=CHUNK)
+            # blocks of 4: windowed layers beside global ones keep their blocks apart (paged.WindowGroup,
+            # 7 a row), and row 1 decodes past its window and those 7 blocks
+            e = load_engine(path, slots=2, max_len=64, prefill_buckets=(64,), tp=tp, prefix_chunk=CHUNK,
+                            kv_block_size=4)
             # row 0 prefilled whole and inserted, row 1 by the ragged call beside it
-            out[f"{fam}/tp{tp}/both_paths"] = beside(e, (0, PROMPTS[0]), (1, PROMPTS[1]), STEPS - 1, 2)
+            res = beside(e, (0, PROMPTS[0]), (1, PROMPTS[1]), STEPS - 1, 2)
+            held = [] if e._window is None else [int(np.count_nonzero(r)) for r in e._window.table]
+            out[f"{fam}/tp{tp}/both_paths"] = {**res, "window_span": e.window_span, "window_held": held,
+                                               "positions": [int(p) for p in e._pos]}
     return out
 
 
@@ -115,6 +121,12 @@ def test_every_family_through_both_paths_equals_transformers(run, fam, tp):
     n = len(got["1"])
     assert n == STEPS - 3, (fam, tp, n)  # 40 tokens: 3 chunks of 16, the first token in the 3rd call
     assert got["1"] == hf_greedy(models[fam], PROMPTS[1], n), f"{fam} tp={tp}: the row prefilled by the ragged call"
+    if fam in ("qwen2", "gemma2", "gemma3", "gpt_oss"):  # windowed and global layers: the windowed blocks apart
+        span = got["window_span"]
+        assert span == 7 and got["positions"][1] > 8 + span * 4, got
+        assert 0 < max(got["window_held"]) <= span, got
+    else:
+        assert got["window_span"] == 0
 
 
 def test_weights_split_as_the_layout_says(run):

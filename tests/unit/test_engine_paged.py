@@ -89,6 +89,8 @@ def test_greedy_tokens_match_the_reference(family, family_dirs):
         assert paged.kv_blocks_of(2) <= -(-paged.window_frees // BLOCK) + 2
     else:
         assert paged.kv_blocks_of(2) == paged.kv_blocks_for(40 + 30)
+    if family in ("qwen2", "gemma2", "gemma3", "gpt_oss"):  # windowed beside global layers: their own blocks
+        _check_window_group(paged, state, rows=(0, 2))
     # the ragged call: prompt 2 in chunks of 16 (windows of 8 within a chunk and across two)
     # beside row 0 decoding, then both decode on: the reference's tokens
     state = paged.init_state()
@@ -103,6 +105,23 @@ def test_greedy_tokens_match_the_reference(family, family_dirs):
         if out.slot is not None:
             got[2] = [int(unpack_tokens(np.asarray(out.first)[None])[0])]
     assert got == {0: want[0][:10], 2: want[2][:7]}
+
+
+def _check_window_group(paged, state, rows):
+    """A family with windowed and global layers (paged.WindowGroup): the windowed layers' buffers
+    hold `window_span` blocks a row, not max_len's, and each running row, having decoded past
+    window + window_span blocks, holds at most that many of them, none wholly before its window."""
+    span = paged.window_span
+    assert paged.windowed and 0 < span < paged.max_blocks_per_seq
+    for i, w in enumerate(paged.windowed):
+        assert state.k[i].shape[1] == 1 + (paged.slots * span if w else paged.kv_blocks_total)
+    table = np.asarray(state.window_table)
+    for slot in rows:
+        pos = int(paged._pos[slot])
+        assert pos > paged.cfg.window(paged.windowed.index(True)) + span * BLOCK
+        held = np.flatnonzero(table[slot])
+        assert 0 < len(held) <= span, (slot, held)
+        assert held[0] >= (pos - 1 - max(paged.cfg.windows) + 1) // BLOCK  # nothing the window passed
 
 
 @pytest.fixture(scope="module")
