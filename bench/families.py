@@ -112,7 +112,8 @@ def bench_family(path: str, batch: int, steps: int) -> dict:
         best = min(best, (time.perf_counter() - t0) / steps)
     jax.block_until_ready(state)
     context = PROMPT + 3 + 3 * steps
-    return {"step_s": best, "tok_s": batch / best, "bytes": step_bytes(engine, batch, context),
+    kv = sum(x.size * x.dtype.itemsize for x in (*state.k, *state.v))  # the pool as allocated
+    return {"step_s": best, "tok_s": batch / best, "bytes": step_bytes(engine, batch, context), "kv": kv,
             "active": active_params(engine), "experts": engine.cfg.num_experts}
 
 
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
                 results[(name, b)] = r
                 roof = r["bytes"] / bw
                 rows.append([name, b, r["active"] / 1e6, r["step_s"] * 1e3, r["tok_s"], roof * 1e3,
-                             r["step_s"] / roof, dense_twin(name) or ""])
+                             r["step_s"] / roof, r["kv"] / 2**20, dense_twin(name) or ""])
                 print(rows[-1], flush=True)
     body = "\n".join([
         "## Model families: decode per family against the roofline, each MoE beside its dense twin",
@@ -159,10 +160,12 @@ def main(argv=None) -> int:
         f"Read bandwidth (XLA copy / 2): {bw / 1e9:.1f} GB/s. float32, cpu_threads one per core, prompt {PROMPT}.",
         "",
         markdown_table(["model", "batch", "active params (M, layers)", "step ms", "decode tok/s",
-                        "roofline ms", "x roofline", "dense twin"], rows),
+                        "roofline ms", "x roofline", "KV pool MiB (max_len 512)", "dense twin"], rows),
         "",
         "A mixture's dense twin is a Llama whose MLP has k x the expert's hidden units (same active "
-        "parameters per token).",
+        "parameters per token). KV pool: the decode state's K and V buffers as allocated, every row able to "
+        "reach max_len 512; windowed layers beside global ones (gemma2, gemma3, gpt-oss; window 128) keep "
+        "only their window's blocks (tandem_engine/paged.py WindowGroup).",
     ])
     print(body)
     if not a.no_write:
