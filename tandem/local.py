@@ -94,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
                    help="do not keep finished sequences' blocks for later ones that start with the same "
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
+    p.add_argument("--no-kv-window-group", dest="kv_window_group", action="store_false",
+                   help="a family with windowed and global layers (gemma2, gemma3, gpt-oss): keep every block of "
+                   "the windowed layers too, and reuse (by default they keep only their window's blocks, and "
+                   "such a decode worker keeps no finished sequences' blocks)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                    help="device memory per prefill worker for the KV blocks of prompt prefixes already seen (its prefix "
@@ -370,6 +374,7 @@ class Cluster:
         return {f"{prefix}ENGINE__KV_BLOCKS": str(self.a.kv_blocks),
                 f"{prefix}ENGINE__KV_BLOCK_SIZE": str(self.a.kv_block_size),
                 f"{prefix}ENGINE__KV_REUSE": "true" if self.a.kv_reuse else "false",
+                f"{prefix}ENGINE__KV_WINDOW_GROUP": "true" if self.a.kv_window_group else "false",
                 f"{prefix}ENGINE__KV_DTYPE": self.a.kv_dtype}
 
     def url(self) -> str:

@@ -1,4 +1,4 @@
-"""`tandem local [--kv-blocks N] [--kv-block-size B] [--kv-dtype fp8] [--no-kv-reuse]`: the decode
+"""`tandem local [--kv-blocks N] [--kv-block-size B] [--kv-dtype fp8] [--no-kv-reuse] [--no-kv-window-group]`: the decode
 workers' engine settings carry the KV pool's size (the prefill workers keep no decode KV), the
 settings class reads them back and refuses a pool that cannot hold one sequence, and the removed
 slot layout's flag is refused."""
@@ -28,7 +28,8 @@ def decode_env(argv: list[str]) -> dict[str, str]:
 def test_pool_flags_reach_the_decode_workers_settings(monkeypatch):
     env = decode_env(["--kv-blocks", "64", "--kv-block-size", "8"])
     assert env == {"TANDEM_DECODE_ENGINE__KV_BLOCKS": "64", "TANDEM_DECODE_ENGINE__KV_BLOCK_SIZE": "8",
-                   "TANDEM_DECODE_ENGINE__KV_REUSE": "true", "TANDEM_DECODE_ENGINE__KV_DTYPE": "auto"}
+                   "TANDEM_DECODE_ENGINE__KV_REUSE": "true", "TANDEM_DECODE_ENGINE__KV_DTYPE": "auto",
+                   "TANDEM_DECODE_ENGINE__KV_WINDOW_GROUP": "true"}
     for k, v in {**env, "TANDEM_DECODE_ENGINE__MAX_LEN": "256"}.items():
         monkeypatch.setenv(k, v)
     e = DecodeSettings().engine
@@ -41,6 +42,10 @@ def test_pool_flags_reach_the_decode_workers_settings(monkeypatch):
     fp8 = decode_env(["--kv-dtype", "fp8"])
     monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_DTYPE", fp8["TANDEM_DECODE_ENGINE__KV_DTYPE"])
     assert DecodeSettings().engine.load_kwargs(8, 64)["kv_dtype"] == "fp8"
+    assert DecodeSettings().engine.load_kwargs(8, 64)["kv_window_group"] is True
+    whole = decode_env(["--no-kv-window-group"])
+    monkeypatch.setenv("TANDEM_DECODE_ENGINE__KV_WINDOW_GROUP", whole["TANDEM_DECODE_ENGINE__KV_WINDOW_GROUP"])
+    assert DecodeSettings().engine.load_kwargs(8, 64)["kv_window_group"] is False
 
 
 def test_prefill_workers_get_no_decode_kv_pool(monkeypatch):
