@@ -88,5 +88,9 @@ class BlockBudget:
     def summary(self) -> dict:
         free = self.free()
         # reserve_blocks: what every running row keeps free (the planner's sequences-per-pod rule reads it)
-        return {"layout": "paged", "block_size": self.block_size, "blocks_total": self.total, "blocks_free": free,
-                "blocks_used": self.total - free, "reserve_blocks": self.per_row}
+        out = {"layout": "paged", "block_size": self.block_size, "blocks_total": self.total, "blocks_free": free,
+               "blocks_used": self.total - free, "reserve_blocks": self.per_row}
+        group = self.engine.window_group_summary()
+        if group is not None:  # windowed layers beside global ones: their own blocks, never short
+            out["window_group"] = group
+        return out

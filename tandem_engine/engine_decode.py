@@ -434,6 +434,16 @@ class DecodeSide(EngineBase):
         with self._blocks_lock:
             return self._reuse.summary()
 
+    def window_group_summary(self) -> dict | None:
+        """The windowed layers' own blocks (paged.WindowGroup; None without one): what a decode
+        pod's heartbeat reports beside the pool's (`extra.kv.window_group`)."""
+        if self._window is None:
+            return None
+        with self._blocks_lock:
+            used = self._window.total - self._window.alloc.free_count()
+        return {"layers": sum(self.windowed), "window": self._window.window, "blocks_per_row": self._window.per_row,
+                "blocks_total": self._window.total, "blocks_used": used}
+
     def _blocks_needed(self, slot: int, steps: int) -> int:
         """Blocks row `slot` needs for the positions its next `steps` steps write (each clamped
         to max_len - 1, as the step clamps them)."""

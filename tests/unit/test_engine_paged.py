@@ -122,6 +122,12 @@ def _check_window_group(paged, state, rows):
         held = np.flatnonzero(table[slot])
         assert 0 < len(held) <= span, (slot, held)
         assert held[0] >= (pos - 1 - max(paged.cfg.windows) + 1) // BLOCK  # nothing the window passed
+    # the heartbeat's count (decode_svc/blocks.py): the blocks the rows' windowed tables hold
+    from decode_svc.blocks import BlockBudget
+
+    group = BlockBudget(paged, reserve_steps=4).summary()["window_group"]
+    assert group["blocks_used"] == int(np.count_nonzero(paged._window.table)) > 0
+    assert (group["blocks_per_row"], group["blocks_total"]) == (span, paged.slots * span)
 
 
 @pytest.fixture(scope="module")
