@@ -65,8 +65,9 @@ async def _compiled_engine(s: DecodeSettings):
              engine.kv_blocks_total, engine.kv_block_size)
     if engine.windowed:
         log.info("KV: %d windowed layers of %d keep at most %d blocks a row in a group of their own (their "
-                 "window, not max_len); finished sequences' blocks are not kept for reuse (engine.kv_window_group)",
-                 sum(engine.windowed), len(engine.windowed), engine.window_span)
+                 "window, not max_len; engine.kv_window_group)%s", sum(engine.windowed), len(engine.windowed),
+                 engine.window_span, "; a finished sequence's blocks are reused by one that matches them to their end"
+                 if engine.kv_reuse else "")
     return engine
 
 

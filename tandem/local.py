@@ -96,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
     p.add_argument("--no-kv-window-group", dest="kv_window_group", action="store_false",
                    help="a family with windowed and global layers (gemma2, gemma3, gpt-oss): keep every block of "
-                   "the windowed layers too, and reuse (by default they keep only their window's blocks, and "
-                   "such a decode worker keeps no finished sequences' blocks)")
+                   "the windowed layers too (by default they keep only their window's blocks, and a finished "
+                   "sequence's blocks are reused only by one that matches them to their end: a next turn)")
     p.add_argument("--kv-budget-bytes", type=int, default=256 * 1024 * 1024, help="held KV per prefill worker")
     p.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
                    help="device memory per prefill worker for the KV blocks of prompt prefixes already seen (its prefix "

@@ -148,8 +148,9 @@ class EngineConfig(BaseModel):
     kv_reuse: bool = True
     # a family with windowed and global layers (gemma2, gemma3, gpt-oss): the windowed layers keep
     # only the blocks their window reaches, in a group of their own (tandem_engine/paged.py
-    # WindowGroup), so their KV follows the window, not max_len. That engine then keeps no finished
-    # sequences' blocks (kv_reuse off): false keeps every block of every layer, and kv_reuse
+    # WindowGroup), so their KV follows the window, not max_len; with kv_reuse a finished sequence's
+    # blocks are reused only by one that matches them to their end (a next turn). false: every
+    # block of every layer (and reuse of any shared part)
     kv_window_group: bool = True
     # the decode KV's element type; "fp8" (float8_e4m3fn) holds twice bfloat16's positions
     # in the same memory (error against the dtype: bench/quantize_quality.py --kv); "auto": `dtype`

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -71,6 +71,11 @@ class PrefixMatch:
     length: int
     blocks: list[int]
     done: bool = field(default=False, repr=False)  # inserted or released: the pins are gone
+    key: bytes = field(default=b"", repr=False)  # the chain key of its last block
+    # windowed layers beside global ones (paged.WindowGroup): the windowed blocks of the window
+    # before `length`, pinned too, from logical block `window_from` on
+    window_from: int = 0
+    window_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -94,10 +99,12 @@ class BlockCache:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def match(self, ids: Sequence[int], limit_positions: int | None = None) -> PrefixMatch | None:
+    def match(self, ids: Sequence[int], limit_positions: int | None = None,
+              usable: Callable[[bytes], bool] | None = None) -> PrefixMatch | None:
         """The longest run of `ids`' leading full blocks held here, pinned, leaving at least the
         last token of `ids` out (None when not even the first block is held). `limit_positions`:
-        match no further than that many positions."""
+        match no further than that many positions. `usable`: a run may end only at a block whose
+        key it accepts (the windowed group's kept tails)."""
         n = len(ids)
         self.stats.queries += n
         limit = (n - 1) // self.block_size
@@ -109,13 +116,16 @@ class BlockCache:
             if block is None:
                 break
             found.append((key, block))
+        if usable is not None:
+            while found and not usable(found[-1][0]):
+                found.pop()
         if not found:
             return None
         self._touch([k for k, _ in found])
         blocks = [b for _, b in found]
         self.alloc.share(blocks)
         self.stats.hits += len(blocks) * self.block_size
-        return PrefixMatch(len(blocks) * self.block_size, blocks)
+        return PrefixMatch(len(blocks) * self.block_size, blocks, key=found[-1][0])
 
     def block_of(self, key: bytes) -> int | None:
         """The block holding the KV of the prefix `key` ends, or None (neither pins nor touches)."""

@@ -117,17 +117,20 @@ class EngineBase:
         # windowed layers beside global ones (gemma2, gemma3, gpt-oss): the windowed layers keep
         # their blocks in a group of their own (paged.WindowGroup: `window_span` blocks a row at
         # most), so their KV follows the window, not max_len; the global layers keep every block
-        # in the pool of kv_blocks_total. Only where it saves blocks (a window shorter than max_len),
-        # and then without decode-side reuse: a finished row's windowed layers keep no blocks
-        # before its last window, so a later sequence could not start on them.
+        # in the pool of kv_blocks_total. Only where it saves blocks (a window shorter than max_len).
+        # With reuse, a finished row's windowed blocks of its last window stay as a tail of its
+        # kept chain (a later sequence can start on the chain only where it ends: a next turn).
         self.windowed = tuple(w > 0 for w in windows) if windows and 0 < max(windows) and min(windows) == 0 else ()
-        span = max(self.steps_per_dispatch, self.prefix_chunk)  # the most positions one call writes to a row
-        self.window_span = (-(-(max(windows) + span - 1) // self.kv_block_size) + 1) if self.windowed else 0
-        if not window_group or self.window_span >= self.max_blocks_per_seq:
-            self.windowed, self.window_span = (), 0
         # keep finished rows' full blocks for later sequences with the same leading tokens
         # (block_cache.py: a decode pod pulls only the rows it does not hold)
-        self.kv_reuse = bool(kv_reuse) and not self.windowed
+        self.kv_reuse = bool(kv_reuse)
+        span = max(self.steps_per_dispatch, self.prefix_chunk)  # the most positions one call writes to a row
+        self.window_span = 0
+        if self.windowed:  # the blocks a row's windowed table holds at most (paged.WindowGroup)
+            behind = span + self.kv_block_size if self.kv_reuse else 0
+            self.window_span = -(-(max(windows) + behind + span - 1) // self.kv_block_size) + 1
+        if not window_group or self.window_span >= self.max_blocks_per_seq:
+            self.windowed, self.window_span = (), 0
         self._blocks_lock = threading.RLock()  # the block host state: engine thread and event loop
         self._reset_kv_host()
 
@@ -146,7 +149,7 @@ class EngineBase:
         if self.windowed:
             self._window = WindowGroup(self.slots, self.max_blocks_per_seq, self.kv_block_size,
                                        max(self.cfg.window(i) for i in range(self.cfg.num_layers)),
-                                       max(self.steps_per_dispatch, self.prefix_chunk))
+                                       max(self.steps_per_dispatch, self.prefix_chunk), reuse=self.kv_reuse)
         self._held = np.zeros(self.slots, np.int64)  # blocks in each row's table
         self._pos = np.zeros(self.slots, np.int64)  # each row's next write position
 

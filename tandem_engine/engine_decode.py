@@ -20,6 +20,7 @@ from tandem_core.types import SamplingParams
 from tandem_core.types import KVPayload
 from tandem_engine.cores import (CoreCall, DecodeState, begin_core, free_core, generate_core, insert_paged_core,
                                  ragged_core)
+from tandem_core.prefix import block_hashes
 from tandem_engine.block_cache import PrefixMatch
 from tandem_engine.engine_base import EngineBase
 from tandem_engine.engine_prefill import Prefix
@@ -264,6 +265,8 @@ class DecodeSide(EngineBase):
                                     f"{self.kv_block_size} positions; a prompt of {n} positions needs {need}",
                                     retry_after_s=1.0)
             self._release_row(slot)
+            if self._window is not None and cached is not None:  # the match's windowed tail
+                self._window.place(slot, cached.window_from, cached.window_blocks)
             got = self._alloc_blocks(need)
             assert got is not None
             held = len(shared) + need
@@ -344,6 +347,8 @@ class DecodeSide(EngineBase):
                     f"and retry", retry_after_s=1.0)
             self._release_row(slot)
             self._pending.pop(slot, None)  # (a prompt seated there by begin_prompt gives way)
+            if self._window is not None and cached is not None:  # the match's windowed tail
+                self._window.place(slot, cached.window_from, cached.window_blocks)
             ids = self._alloc_blocks(need)
             assert ids is not None
             held = len(shared) + need
@@ -359,8 +364,11 @@ class DecodeSide(EngineBase):
             window_write = None
             if self._window is not None:  # the windowed layers: only the blocks the first step's window reaches
                 self._window.fit(slot, true_length - self._window.window + 1, true_length - 1)
-                window_write = self._window.ids_for(slot, len(write))
-                window_write[self.kv_blocks_for(true_length):] = 0
+                # k, v's rows start at the match's end (block len(shared)): the same blocks' windowed ids
+                off = len(shared)
+                window_write = np.zeros(len(write), np.int32)
+                part = self.kv_blocks_for(true_length) - off
+                window_write[:part] = self._window.ids_for(slot, off + part)[off:]
         state = self._with_tables(state)
         return CoreCall(insert_paged_core, (state, k, v, write, *args, window_write),
                         dict(layout=self.layout, windowed=self.windowed if window_write is not None else ()))
@@ -396,12 +404,26 @@ class DecodeSide(EngineBase):
                 blocks = self._table[slot, :held].tolist()
                 # (a row whose leading blocks a window passed keeps none: a kept chain starts at 0)
                 if tokens is not None and self._reuse is not None and blocks[0] != 0:
-                    self._reuse.keep(list(tokens)[:int(self._pos[slot])], blocks)
+                    fed = list(tokens)[:int(self._pos[slot])]
+                    self._reuse.keep(fed, blocks)
+                    if self._window is not None:  # the windowed blocks of the window before the chain's end
+                        self._keep_window_tail(slot, fed, len(blocks))
                 self._alloc.release([b for b in blocks if b])
             self._table[slot] = 0
             self._held[slot] = 0
             if self._window is not None:
                 self._window.release(slot)
+
+    def _keep_window_tail(self, slot: int, fed: list[int], held: int) -> None:
+        """Row `slot`'s windowed blocks before its kept chain's end, kept under the chain's last key
+        (paged.WindowGroup.keep_tail): a sequence that matches the chain to its end starts on both."""
+        assert self._window is not None and self._reuse is not None
+        n = min(len(fed) // self.kv_block_size, held)
+        if n < 1:
+            return
+        key = block_hashes(fed, self.kv_block_size, self._reuse.salt, limit=n)[-1]
+        if self._reuse.block_of(key) is not None:
+            self._window.keep_tail(slot, key, n * self.kv_block_size)
 
     def _alloc_blocks(self, n: int) -> list[int] | None:
         """`n` blocks from the free list, evicting cached blocks no row holds when it is short."""
@@ -417,7 +439,13 @@ class DecodeSide(EngineBase):
         if self._reuse is None:
             return None
         with self._blocks_lock:
-            return self._reuse.match(ids)
+            if self._window is None:
+                return self._reuse.match(ids)
+            # windowed layers beside global ones: only a chain's end with its windowed tail kept
+            m = self._reuse.match(ids, usable=self._window.usable)
+            if m is not None:
+                m.window_from, m.window_blocks = self._window.take_tail(m.key)
+            return m
 
     def release_prefix(self, match: PrefixMatch) -> None:
         """Let a match that will not be inserted go (its pull failed, it was cancelled); a used
@@ -425,6 +453,8 @@ class DecodeSide(EngineBase):
         if self._reuse is None:
             return
         with self._blocks_lock:
+            if self._window is not None and not match.done and match.window_blocks:
+                self._window.alloc.release(match.window_blocks)
             self._reuse.release(match)
 
     def kv_reuse_summary(self) -> dict | None:
@@ -440,9 +470,12 @@ class DecodeSide(EngineBase):
         if self._window is None:
             return None
         with self._blocks_lock:
-            used = self._window.total - self._window.alloc.free_count()
+            free, tails = self._window.alloc.free_count(), len(self._window._tails)
+            held = self._window.total - self._window.free_count()
+        # blocks_used: the rows' (and pinned matches'); blocks_kept: not free, held by kept tails only
         return {"layers": sum(self.windowed), "window": self._window.window, "blocks_per_row": self._window.per_row,
-                "blocks_total": self._window.total, "blocks_used": used}
+                "blocks_total": self._window.total, "blocks_used": held,
+                "blocks_kept": self._window.total - free - held, "tails": tails, "tails_taken": self._window.taken}
 
     def _blocks_needed(self, slot: int, steps: int) -> int:
         """Blocks row `slot` needs for the positions its next `steps` steps write (each clamped

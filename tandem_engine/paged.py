@@ -38,6 +38,7 @@ No I/O, no host state in the functions.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import partial
 from typing import Sequence
 
@@ -131,22 +132,38 @@ class WindowGroup:
     gives back the blocks wholly before position `lo` and takes the ones [lo, hi] falls in, so a
     row never holds more than `per_row` (sized for the widest window plus the most positions one
     call writes) and the group never runs short. The global layers keep every block in the
-    engine's own table and allocator, as before. Host state only; the device sees the table."""
+    engine's own table and allocator, as before. Host state only; the device sees the table.
 
-    def __init__(self, slots: int, max_blocks: int, block_size: int, window: int, span: int):
+    With `reuse` (the engine's block cache keeps finished rows' global blocks): a row keeps
+    `behind` positions more than its window (a prefix chunk and a block: where its last full
+    block boundary can lie behind its position), and a finished row leaves the windowed blocks
+    of the window before that boundary as a kept tail (`keep_tail`), keyed by the chain key of
+    its last full block: a later sequence that matches the chain to exactly there takes the tail
+    into its windowed table (`take_tail`, `place`), as a conversation's next turn does. A tail takes
+    no room of its own: its blocks are the finished row's, and they count as free to the rows (the
+    least recently used tails are dropped when a row needs their blocks, as the block cache's are;
+    the rows never hold more than slots x per_row, and a pinned tail is bound for a free row)."""
+
+    def __init__(self, slots: int, max_blocks: int, block_size: int, window: int, span: int,
+                 reuse: bool = False):
         self.block_size = int(block_size)
         self.window = int(window)
-        # the blocks [lo, hi] reaches, lo = p - window + 1, hi = p + span - 1: at most this many
-        self.per_row = min(-(-(self.window + int(span) - 1) // self.block_size) + 1, int(max_blocks))
+        self.behind = int(span) + self.block_size if reuse else 0
+        # the blocks [lo - behind, hi] reaches, lo = p - window + 1, hi = p + span - 1: at most this many
+        self.per_row = min(-(-(self.window + self.behind + int(span) - 1) // self.block_size) + 1, int(max_blocks))
+        self.reuse = bool(reuse)
         self.total = int(slots) * self.per_row
         self.alloc = BlockAllocator(self.total)
         self.table = np.zeros((int(slots), int(max_blocks)), np.int32)
+        self._tails: OrderedDict[bytes, tuple[int, list[int]]] = OrderedDict()  # key -> (first, blocks)
+        self.taken = 0  # tails placed into rows (a sequence started on a kept chain's end)
 
     def fit(self, slot: int, lo: int, hi: int) -> bool:
         """Row `slot`'s windowed blocks: those wholly before position `lo` back, the ones [lo, hi]
         falls in taken (hi clamped by the caller to max_len - 1). Returns whether the table changed."""
         row = self.table[slot]
-        first, last = max(0, int(lo)) // self.block_size, min(int(hi) // self.block_size, row.shape[0] - 1)
+        first = max(0, int(lo) - self.behind) // self.block_size
+        last = min(int(hi) // self.block_size, row.shape[0] - 1)
         passed = [int(b) for b in row[:first] if b]
         if passed:
             self.alloc.release(passed)
@@ -156,8 +173,12 @@ class WindowGroup:
             if len(missing) + sum(1 for b in row if b) > self.per_row:
                 raise RuntimeError(f"row {slot} would hold more than {self.per_row} windowed blocks "
                                    f"(positions {lo}..{hi}): a call writes more positions than the group was sized for")
+            while self.alloc.free_count() < len(missing) and self._tails:  # the tails give way
+                self._drop_tail(next(iter(self._tails)))
             ids = self.alloc.alloc(len(missing))
-            assert ids is not None  # sized for per_row blocks a row
+            if ids is None:  # rows and pinned tails beyond slots x per_row: a caller broke the rules
+                raise RuntimeError(f"the windowed group has {self.alloc.free_count()} free blocks of {self.total}; "
+                                   f"row {slot} needs {len(missing)}")
             row[missing] = ids
         return bool(passed or missing)
 
@@ -172,6 +193,52 @@ class WindowGroup:
         if held:
             self.alloc.release(held)
         row[:] = 0
+
+    def free_count(self) -> int:
+        """Blocks free for the rows: the free list and the blocks only kept tails hold."""
+        only_tails = {b for _, blocks in self._tails.values() for b in blocks if self.alloc.refcount[b] == 1}
+        return self.alloc.free_count() + len(only_tails)
+
+    def usable(self, key: bytes) -> bool:
+        """Whether a tail is kept for the chain ending at `key`."""
+        return key in self._tails
+
+    def keep_tail(self, slot: int, key: bytes, length: int) -> bool:
+        """Row `slot`'s windowed blocks of the window before position `length` (a block boundary:
+        its kept chain's end, `key`) kept for a later sequence (one more reference each). Not
+        kept when the row no longer holds them all. Returns whether a tail is kept under `key`."""
+        if key in self._tails:
+            self._tails.move_to_end(key)
+            return True
+        if not self.reuse or length < self.block_size:
+            return False
+        first, end = max(0, int(length) - self.window + 1) // self.block_size, int(length) // self.block_size
+        blocks = [int(b) for b in self.table[slot, first:end]]
+        if not blocks or not all(blocks):
+            return False
+        self.alloc.share(blocks)
+        self._tails[key] = (first, blocks)
+        return True
+
+    def take_tail(self, key: bytes) -> tuple[int, list[int]]:
+        """The tail kept under `key`, pinned for the caller (one more reference each):
+        (its first logical block, its blocks). KeyError when none is kept."""
+        first, blocks = self._tails[key]
+        self._tails.move_to_end(key)
+        self.alloc.share(blocks)
+        return first, list(blocks)
+
+    def place(self, slot: int, first: int, blocks: Sequence[int]) -> None:
+        """A taken tail into empty row `slot` from logical block `first` (its pins pass to the row)."""
+        row = self.table[slot]
+        if row.any():
+            raise ValueError(f"row {slot} holds windowed blocks already")
+        row[first:first + len(blocks)] = blocks
+        self.taken += 1
+
+    def _drop_tail(self, key: bytes) -> None:
+        _, blocks = self._tails.pop(key)
+        self.alloc.release(blocks)
 
     def ids_for(self, slot: int, blocks: int) -> np.ndarray:
         """The row's first `blocks` table entries (0 where the window passed): where an insert

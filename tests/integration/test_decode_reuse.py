@@ -160,3 +160,60 @@ async def test_a_request_whose_match_holds_part_of_a_small_pool_still_goes_in(re
     finally:
         await server.stop(None)
     assert out2 == _greedy(prefill_engine, turn2, 8)[1:]
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    """A gemma2 checkpoint written by transformers (tests/families.py: windows of 8 on alternate
+    layers, random weights, vocabulary 320)."""
+    pytest.importorskip("transformers")
+    from tests.families import build_family
+
+    path = tmp_path_factory.mktemp("gemma2")
+    build_family("gemma2", path, seed=4)
+    return str(path)
+
+
+async def _two_turns(redis_url, r, pool: str, engine, prefill) -> dict:
+    """Turn 1 (21 tokens, 12 out) and turn 2 (its 33 positions and one more token: the first step's
+    window reaches back into what turn 1 left) through a decode pod, as the first test runs them."""
+    await groups.ensure_groups(r, KS, pool)
+    store = KVStore(1 << 30, 60)
+    server, address = await _kv_server(store)
+    turn1 = [2] + list(range(100, 120))
+    try:
+        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
+            await _offer(r, pool, store, address, prefill,
+                         GenerationRequest(f"{pool}-1", turn1, 12, SamplingParams(), ignore_eos=True))
+            out1 = await _finished(r, f"{pool}-1")
+            before = pod.io.claims.pulled_kv_bytes
+            turn2 = turn1 + [_greedy(prefill, turn1, 1)[0]] + out1 + [7]  # 34 tokens
+            await _offer(r, pool, store, address, prefill,
+                         GenerationRequest(f"{pool}-2", turn2, 8, SamplingParams(), ignore_eos=True))
+            out2 = await _finished(r, f"{pool}-2")
+            return {"out2": out2, "moved": pod.io.claims.pulled_kv_bytes - before,
+                    "reused": pod.io.claims.reused_tokens, "window": engine.window_group_summary()}
+    finally:
+        await server.stop(None)
+
+
+async def test_a_family_with_windowed_and_global_layers_reuses_a_turn_as_one_that_keeps_every_block(
+        redis_url, redis_client, gemma2_dir):
+    """gemma2 (windows of 8 beside global layers) on a decode pod whose windowed layers keep only
+    their window's blocks (paged.WindowGroup) and whose block cache keeps a finished turn's chain
+    with its windowed tail: turn 2 pulls only what turn 1 did not leave (32 positions reused), and
+    decodes the tokens a pod keeping every block of every layer decodes (`kv_window_group=False`)."""
+    prefill = load_engine(gemma2_dir, slots=1, max_len=MAX_LEN, prefill_buckets=BUCKETS)
+
+    def decode_engine(group: bool):
+        return load_engine(gemma2_dir, slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS, prefix_chunk=16,
+                           kv_block_size=BLOCK, kv_blocks=48, kv_window_group=group)
+
+    grouped, whole = decode_engine(True), decode_engine(False)
+    assert grouped.windowed and grouped.kv_reuse and not whole.windowed
+    got = await _two_turns(redis_url, redis_client, "reuse-window", grouped, prefill)
+    base = await _two_turns(redis_url, redis_client, "reuse-whole", whole, prefill)
+    assert got["reused"] == base["reused"] == 32 and got["moved"] == base["moved"]
+    # turn 1's tail was kept (and turn 2's on its finish), and turn 2's row started on it
+    assert got["window"]["tails"] >= 1 and got["window"]["tails_taken"] == 1
+    assert got["out2"] == base["out2"] and len(got["out2"]) == 7

@@ -109,25 +109,28 @@ def test_greedy_tokens_match_the_reference(family, family_dirs):
 
 def _check_window_group(paged, state, rows):
     """A family with windowed and global layers (paged.WindowGroup): the windowed layers' buffers
-    hold `window_span` blocks a row, not max_len's, and each running row, having decoded past
-    window + window_span blocks, holds at most that many of them, none wholly before its window."""
+    hold `window_span` blocks a row (and, with reuse, a kept tail's a row), not max_len's, and each
+    running row holds at most that many of them, its first ones given back,
+    none wholly before its window and the positions it keeps behind it for its tail."""
     span = paged.window_span
     assert paged.windowed and 0 < span < paged.max_blocks_per_seq
+    group = paged._window
+    assert group.total == paged.slots * span
     for i, w in enumerate(paged.windowed):
-        assert state.k[i].shape[1] == 1 + (paged.slots * span if w else paged.kv_blocks_total)
+        assert state.k[i].shape[1] == 1 + (group.total if w else paged.kv_blocks_total)
     table = np.asarray(state.window_table)
     for slot in rows:
         pos = int(paged._pos[slot])
-        assert pos > paged.cfg.window(paged.windowed.index(True)) + span * BLOCK
         held = np.flatnonzero(table[slot])
         assert 0 < len(held) <= span, (slot, held)
-        assert held[0] >= (pos - 1 - max(paged.cfg.windows) + 1) // BLOCK  # nothing the window passed
+        assert held[0] > 0, (slot, held)  # its first windowed blocks went back
+        assert held[0] >= (pos - 1 - max(paged.cfg.windows) + 1 - group.behind) // BLOCK  # nothing older
     # the heartbeat's count (decode_svc/blocks.py): the blocks the rows' windowed tables hold
     from decode_svc.blocks import BlockBudget
 
     group = BlockBudget(paged, reserve_steps=4).summary()["window_group"]
-    assert group["blocks_used"] == int(np.count_nonzero(paged._window.table)) > 0
-    assert (group["blocks_per_row"], group["blocks_total"]) == (span, paged.slots * span)
+    assert group["blocks_used"] + group["blocks_kept"] == int(np.count_nonzero(paged._window.table)) > 0
+    assert (group["blocks_per_row"], group["blocks_total"]) == (span, paged._window.total)
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +330,85 @@ def test_a_windowed_family_gives_back_the_blocks_its_window_passed(tmp_path):
     assert paged.match_prefix(prompt) is None
     build_family("gemma2", tmp_path / "gemma2", seed=4)
     assert engine_of(str(tmp_path / "gemma2")).window_frees == 0
+
+
+def _next_turn(paged) -> dict[str, list[int]]:
+    """A 30-token first turn decoded 20 tokens and freed with its tokens (kept for reuse); the
+    next turn (51 tokens) matched to the first turn's 48 positions, then decoded 12 tokens over the
+    match twice: its rest's KV inserted (a pulled part) and its rest prefilled by the ragged call."""
+    from tandem_core.types import KVPayload
+
+    rng = np.random.default_rng(7)
+    turn1 = rng.integers(0, 256, 30).tolist()
+    state = paged.init_state()
+    prefix = paged.prefill(turn1, GREEDY)
+    state = paged.insert(prefix, state, 0, GREEDY)
+    out = [prefix.first_token]
+    for _ in range(20):  # past the window (8) and the row's windowed blocks: the early ones went back
+        state, short = paged.reserve(state, 1)
+        assert short == []
+        state, tokens = paged.generate(state)
+        out.append(int(np.asarray(tokens)[0]))
+    fed = turn1 + out[:-1]  # 49 positions: a chain of 12 full blocks (48)
+    if paged.windowed:
+        assert not paged._window.table[0, 0]  # the window gave the row's first windowed block back
+    state = paged.free(state, 0, tokens=fed)
+    # 51 tokens: the first step's window (8, from position 44) reaches into the match
+    turn2 = fed + [out[-1]] + rng.integers(0, 256, 2).tolist()
+    match = paged.match_prefix(turn2)
+    assert match is not None and match.length == 48
+    if paged.windowed:  # the windowed blocks of the window before position 48
+        assert match.window_from == (48 - 8 + 1) // BLOCK and len(match.window_blocks) == 48 // BLOCK - 10
+    whole = paged.export_prefix(paged.prefill(turn2, GREEDY))
+    rest = KVPayload(k=whole.k[:, 48:51].copy(), v=whole.v[:, 48:51].copy(), true_length=51,
+                     first_token=whole.first_token, start=48)
+    state = paged.insert_payload(rest, state, 1, GREEDY, cached=match)
+    inserted = [whole.first_token]
+    for _ in range(12):
+        state, short = paged.reserve(state, 1)
+        assert short == []
+        state, tokens = paged.generate(state)
+        inserted.append(int(np.asarray(tokens)[1]))
+    again = paged.match_prefix(turn2)  # kept still (the tail too): the ragged call over the match
+    assert again is not None and again.length == 48
+    state = paged.begin_prompt(state, 2, turn2, GREEDY, cached=again)
+    seated: list[int] = []
+    for _ in range(8):  # 3 tokens in one chunk of 16: the first token in the first call
+        state, res = paged.generate_ragged(state, None)
+        if seated:
+            seated.append(int(np.asarray(res.tokens)[2]))
+        if res.slot is not None:
+            seated.append(int(unpack_tokens(np.asarray(res.first)[None])[0]))
+    state = paged.free(state, 1)
+    state = paged.free(state, 2)
+    return {"inserted": inserted, "seated": seated, "want": alone(paged, {1: turn2}, 12)[1]}
+
+
+def test_a_next_turn_starts_on_the_kept_chain_and_its_windowed_tail(tmp_path):
+    """Windowed layers beside global ones (gemma2: windows of 8 on alternate layers) with reuse:
+    a finished row leaves its global blocks as a chain and the windowed blocks of the window before
+    the chain's end as its tail (paged.WindowGroup.keep_tail); the next turn matches the chain to
+    its end, takes the tail, and decodes the tokens the same engine keeping every block decodes
+    (`kv_window_group=False`: the reuse of before), through both ways in. Not the reference's own
+    token for token: the first turn's output KV was computed by decode steps, and this random
+    model's near ties flip tokens on both engines alike (docs/limits.md, decode-side reuse)."""
+    pytest.importorskip("transformers")
+    from tests.families import build_family
+
+    build_family("gemma2", tmp_path / "gemma2", seed=4)
+    grouped = engine_of(str(tmp_path / "gemma2"))
+    assert grouped.windowed and grouped.kv_reuse
+    got = _next_turn(grouped)
+    # every row freed: only the kept tails hold windowed blocks, one reference each (no pin leaked)
+    tails = sum(len(b) for _, b in grouped._window._tails.values())
+    summary = grouped.window_group_summary()
+    assert summary["blocks_used"] == 0 and summary["blocks_kept"] == tails > 0 and summary["tails"] == 1
+    assert int(grouped._window.alloc.refcount.sum()) == tails
+    whole = engine_of(str(tmp_path / "gemma2"), kv_window_group=False)
+    assert not whole.windowed
+    base = _next_turn(whole)
+    assert got["inserted"] == base["inserted"] and got["seated"] == base["seated"][:len(got["seated"])]
+    assert len(got["seated"]) == 8
 
 
 @pytest.mark.parametrize("block", [4, pytest.param(16, marks=pytest.mark.slow)])  # slow: 17 s
