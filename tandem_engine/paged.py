@@ -182,10 +182,6 @@ class WindowGroup:
             row[missing] = ids
         return bool(passed or missing)
 
-    def covers(self, slot: int, hi: int) -> bool:
-        """Whether row `slot` holds the windowed block position `hi` falls in."""
-        return bool(self.table[slot, min(int(hi) // self.block_size, self.table.shape[1] - 1)])
-
     def release(self, slot: int) -> None:
         """Every windowed block of row `slot` back."""
         row = self.table[slot]

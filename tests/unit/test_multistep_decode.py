@@ -13,6 +13,7 @@ Real engine (tiny preset), no Redis: the loop's queues are driven directly.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import numpy as np
@@ -97,7 +98,21 @@ def _req(rid: str, prompt, max_tokens: int, **kw) -> GenerationRequest:
 def _drive(engine, reqs, steps_per_dispatch: int, cancel_after: dict[str, int] | None = None,
            timeout_s: float = 60) -> tuple[dict[str, list], EngineLoop]:
     """Insert every request at once and collect each one's entries (index, token, finish) until all
-    finish; `cancel_after`: cancel a request once it has this many entries."""
+    finish; `cancel_after`: cancel a request once it has this many entries. Then the engine thread's
+    third generate call and later ones wait until the cancel is made (a loaded machine's test
+    thread read the first entries only after the loop had run the request to its end: make test,
+    2026-12-07, "(27, 'length') == (-1, 'cancelled')")."""
+    made = threading.Event()
+    if cancel_after:
+        real, calls = engine.generate, [0]
+
+        def gated(*args, **kw):
+            calls[0] += 1
+            if calls[0] >= 3:
+                made.wait(timeout_s)
+            return real(*args, **kw)
+
+        engine.generate = gated  # an instance attribute over the method: removed below
     table = RequestTable(SLOTS)
     bridge = Bridge(SLOTS, 256)
     loop = EngineLoop(engine, table, bridge, steps_per_dispatch=steps_per_dispatch)
@@ -122,8 +137,12 @@ def _drive(engine, reqs, steps_per_dispatch: int, cancel_after: dict[str, int] |
                 if rid not in cancelled and len(got[rid]) >= n:
                     loop.cancel({rid})
                     cancelled.add(rid)
+            if cancel_after and cancelled >= set(cancel_after):
+                made.set()
     finally:
+        made.set()
         loop.stop()
+        engine.__dict__.pop("generate", None)
     assert loop.error is None
     return got, loop
 
