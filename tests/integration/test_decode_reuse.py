@@ -11,6 +11,7 @@ built-in model (its attention tells KV positions apart; a random tiny model's ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -68,68 +69,69 @@ def _settings(redis_url, pool):
                           pool=pool, slots=4, claim_block_ms=50)
 
 
-async def test_a_second_turn_pulls_only_what_the_first_turn_did_not_leave(redis_url, redis_client, prefill_engine):
-    engine = _decode_engine()
-    r, pool = redis_client, "reuse-turns"
+@contextlib.asynccontextmanager
+async def _serving(redis_url, r, pool: str, engine):
+    """A decode pod of `engine` on `pool` beside a prefill pod's KV server: (pod, store, address)."""
     await groups.ensure_groups(r, KS, pool)
     store = KVStore(1 << 30, 60)
     server, address = await _kv_server(store)
-    per_token = engine.cfg.num_layers * 2 * engine.cfg.num_kv_heads * engine.cfg.head_dim * 4  # float32
-    turn1 = [256] + list(range(300, 320))  # 21 tokens
     try:
         async with _Pod(_settings(redis_url, pool), r, engine) as pod:
-            req1 = GenerationRequest("turn-1", turn1, 12, SamplingParams(), ignore_eos=True)
-            await _offer(r, pool, store, address, prefill_engine, req1)
-            out1 = await _finished(r, "turn-1")
-            assert len(out1) == 11  # indices 1-11 (token 0 is the prefill pod's to write)
-            before = pod.io.claims.pulled_kv_bytes
-            # the KV the row held: turn1, token 0, then 10 of the 11 it emitted: 32 positions, 4 blocks
-            token0 = _greedy(prefill_engine, turn1, 1)[0]
-            turn2 = turn1 + [token0] + out1 + [256, 400, 401, 402, 403, 404, 405]
-            req2 = GenerationRequest("turn-2", turn2, 8, SamplingParams(), ignore_eos=True)
-            await _offer(r, pool, store, address, prefill_engine, req2)
-            out2 = await _finished(r, "turn-2")
-            moved = pod.io.claims.pulled_kv_bytes - before
-            kept = (len(turn1) + 11) // BLOCK * BLOCK  # positions of full blocks the first row left
-            assert pod.io.claims.reused_tokens == kept
-            assert moved == (len(turn2) - kept) * per_token, (moved, len(turn2), kept)
-            summary = engine.kv_reuse_summary()
-            assert summary["hits"] == kept and summary["kept"] >= kept // BLOCK
-            for _ in range(100):  # the engine thread frees turn-2's row just after its last token
-                if engine.kv_blocks_free() == engine.kv_blocks_total:
-                    break
-                await asyncio.sleep(0.02)
-            assert engine.kv_blocks_free() == engine.kv_blocks_total  # nothing left pinned
+            yield pod, store, address
     finally:
         await server.stop(None)
+
+
+async def test_a_second_turn_pulls_only_what_the_first_turn_did_not_leave(redis_url, redis_client, prefill_engine):
+    engine = _decode_engine()
+    r, pool = redis_client, "reuse-turns"
+    per_token = engine.cfg.num_layers * 2 * engine.cfg.num_kv_heads * engine.cfg.head_dim * 4  # float32
+    turn1 = [256] + list(range(300, 320))  # 21 tokens
+    async with _serving(redis_url, r, pool, engine) as (pod, store, address):
+        req1 = GenerationRequest("turn-1", turn1, 12, SamplingParams(), ignore_eos=True)
+        await _offer(r, pool, store, address, prefill_engine, req1)
+        out1 = await _finished(r, "turn-1")
+        assert len(out1) == 11  # indices 1-11 (token 0 is the prefill pod's to write)
+        before = pod.io.claims.pulled_kv_bytes
+        # the KV the row held: turn1, token 0, then 10 of the 11 it emitted: 32 positions, 4 blocks
+        token0 = _greedy(prefill_engine, turn1, 1)[0]
+        turn2 = turn1 + [token0] + out1 + [256, 400, 401, 402, 403, 404, 405]
+        req2 = GenerationRequest("turn-2", turn2, 8, SamplingParams(), ignore_eos=True)
+        await _offer(r, pool, store, address, prefill_engine, req2)
+        out2 = await _finished(r, "turn-2")
+        moved = pod.io.claims.pulled_kv_bytes - before
+        kept = (len(turn1) + 11) // BLOCK * BLOCK  # positions of full blocks the first row left
+        assert pod.io.claims.reused_tokens == kept
+        assert moved == (len(turn2) - kept) * per_token, (moved, len(turn2), kept)
+        summary = engine.kv_reuse_summary()
+        assert summary["hits"] == kept and summary["kept"] >= kept // BLOCK
+        for _ in range(100):  # the engine thread frees turn-2's row just after its last token
+            if engine.kv_blocks_free() == engine.kv_blocks_total:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.kv_blocks_free() == engine.kv_blocks_total  # nothing left pinned
     assert out2 == _greedy(prefill_engine, turn2, 8)[1:]  # the whole prompt's run, token for token
 
 
 async def test_a_failed_pull_after_a_match_lets_the_match_go(redis_url, redis_client, prefill_engine, caplog):
     engine = _decode_engine()
     r, pool = redis_client, "reuse-lost"
-    await groups.ensure_groups(r, KS, pool)
-    store = KVStore(1 << 30, 60)
-    server, address = await _kv_server(store)
     prompt = [256] + list(range(500, 530))
     caplog.set_level("WARNING", logger="decode_svc.claims")
-    try:
-        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
-            await _offer(r, pool, store, address, prefill_engine,
-                         GenerationRequest("first", prompt, 4, SamplingParams(), ignore_eos=True))
-            await _finished(r, "first")
-            # the same prompt again, its KV gone from the prefill pod: the pull fails after the match
-            await _offer(r, pool, store, address, prefill_engine,
-                         GenerationRequest("again", prompt + [7], 4, SamplingParams(), ignore_eos=True), hold=False)
-            for _ in range(500):
-                if pod.io.handback.handed_back:
-                    break
-                await asyncio.sleep(0.02)
-            assert pod.io.handback.handed_back == 1
-            assert engine.kv_reuse_summary()["hits"] > 0, "the prompt did not match: the test tests nothing"
-            assert engine.kv_blocks_free() == engine.kv_blocks_total  # the match's pins were let go
-    finally:
-        await server.stop(None)
+    async with _serving(redis_url, r, pool, engine) as (pod, store, address):
+        await _offer(r, pool, store, address, prefill_engine,
+                     GenerationRequest("first", prompt, 4, SamplingParams(), ignore_eos=True))
+        await _finished(r, "first")
+        # the same prompt again, its KV gone from the prefill pod: the pull fails after the match
+        await _offer(r, pool, store, address, prefill_engine,
+                     GenerationRequest("again", prompt + [7], 4, SamplingParams(), ignore_eos=True), hold=False)
+        for _ in range(500):
+            if pod.io.handback.handed_back:
+                break
+            await asyncio.sleep(0.02)
+        assert pod.io.handback.handed_back == 1
+        assert engine.kv_reuse_summary()["hits"] > 0, "the prompt did not match: the test tests nothing"
+        assert engine.kv_blocks_free() == engine.kv_blocks_total  # the match's pins were let go
     assert any("KV pull failed" in rec.getMessage() for rec in caplog.records)
 
 
@@ -142,23 +144,17 @@ async def test_a_request_whose_match_holds_part_of_a_small_pool_still_goes_in(re
     engine = load_engine("builtin", slots=4, max_len=MAX_LEN, prefill_buckets=BUCKETS,
                          kv_block_size=BLOCK, kv_blocks=16)
     r, pool = redis_client, "reuse-small"
-    await groups.ensure_groups(r, KS, pool)
-    store = KVStore(1 << 30, 60)
-    server, address = await _kv_server(store)
     turn1 = [256] + list(range(300, 320))
-    try:
-        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
-            await _offer(r, pool, store, address, prefill_engine,
-                         GenerationRequest("small-1", turn1, 12, SamplingParams(), ignore_eos=True))
-            out1 = await _finished(r, "small-1")
-            token0 = _greedy(prefill_engine, turn1, 1)[0]
-            turn2 = (turn1 + [token0] + out1 + list(range(600, 700)))[:100]
-            await _offer(r, pool, store, address, prefill_engine,
-                         GenerationRequest("small-2", turn2, 8, SamplingParams(), ignore_eos=True))
-            out2 = await _finished(r, "small-2", tries=750)
-            assert pod.io.claims.reused_tokens == 32
-    finally:
-        await server.stop(None)
+    async with _serving(redis_url, r, pool, engine) as (pod, store, address):
+        await _offer(r, pool, store, address, prefill_engine,
+                     GenerationRequest("small-1", turn1, 12, SamplingParams(), ignore_eos=True))
+        out1 = await _finished(r, "small-1")
+        token0 = _greedy(prefill_engine, turn1, 1)[0]
+        turn2 = (turn1 + [token0] + out1 + list(range(600, 700)))[:100]
+        await _offer(r, pool, store, address, prefill_engine,
+                     GenerationRequest("small-2", turn2, 8, SamplingParams(), ignore_eos=True))
+        out2 = await _finished(r, "small-2", tries=750)
+        assert pod.io.claims.reused_tokens == 32
     assert out2 == _greedy(prefill_engine, turn2, 8)[1:]
 
 
@@ -177,24 +173,18 @@ def gemma2_dir(tmp_path_factory):
 async def _two_turns(redis_url, r, pool: str, engine, prefill) -> dict:
     """Turn 1 (21 tokens, 12 out) and turn 2 (its 33 positions and one more token: the first step's
     window reaches back into what turn 1 left) through a decode pod, as the first test runs them."""
-    await groups.ensure_groups(r, KS, pool)
-    store = KVStore(1 << 30, 60)
-    server, address = await _kv_server(store)
     turn1 = [2] + list(range(100, 120))
-    try:
-        async with _Pod(_settings(redis_url, pool), r, engine) as pod:
-            await _offer(r, pool, store, address, prefill,
-                         GenerationRequest(f"{pool}-1", turn1, 12, SamplingParams(), ignore_eos=True))
-            out1 = await _finished(r, f"{pool}-1")
-            before = pod.io.claims.pulled_kv_bytes
-            turn2 = turn1 + [_greedy(prefill, turn1, 1)[0]] + out1 + [7]  # 34 tokens
-            await _offer(r, pool, store, address, prefill,
-                         GenerationRequest(f"{pool}-2", turn2, 8, SamplingParams(), ignore_eos=True))
-            out2 = await _finished(r, f"{pool}-2")
-            return {"out2": out2, "moved": pod.io.claims.pulled_kv_bytes - before,
-                    "reused": pod.io.claims.reused_tokens, "window": engine.window_group_summary()}
-    finally:
-        await server.stop(None)
+    async with _serving(redis_url, r, pool, engine) as (pod, store, address):
+        await _offer(r, pool, store, address, prefill,
+                     GenerationRequest(f"{pool}-1", turn1, 12, SamplingParams(), ignore_eos=True))
+        out1 = await _finished(r, f"{pool}-1")
+        before = pod.io.claims.pulled_kv_bytes
+        turn2 = turn1 + [_greedy(prefill, turn1, 1)[0]] + out1 + [7]  # 34 tokens
+        await _offer(r, pool, store, address, prefill,
+                     GenerationRequest(f"{pool}-2", turn2, 8, SamplingParams(), ignore_eos=True))
+        out2 = await _finished(r, f"{pool}-2")
+        return {"out2": out2, "moved": pod.io.claims.pulled_kv_bytes - before,
+                "reused": pod.io.claims.reused_tokens, "window": engine.window_group_summary()}
 
 
 async def test_a_family_with_windowed_and_global_layers_reuses_a_turn_as_one_that_keeps_every_block(
