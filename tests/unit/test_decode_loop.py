@@ -139,7 +139,18 @@ def test_resumed_request_runs_to_max_tokens_not_to_a_double_counted_context(engi
 
 def test_local_prefill_of_n_choices_waits_for_slots_and_never_overfills(engine):
     """n=3 on a 2-slot pod: one prefill, three first tokens; the third choice is held until a slot
-    frees, claims see no room meanwhile, and every choice finishes with all its tokens."""
+    frees, claims see no room meanwhile, and every choice finishes with all its tokens. The engine
+    thread's steps wait until the test has looked at the table with the third choice held (on a
+    loaded machine the test thread read the first tokens only after two choices had finished and
+    the third run: make test, 2026-12-07, "a held choice must keep claims out")."""
+    looked = threading.Event()
+    real = engine.generate
+
+    def held(*args, **kw):
+        looked.wait(30)
+        return real(*args, **kw)
+
+    engine.generate = held  # an instance attribute over the method: removed below
     loop, table, inserts, outputs = _start(engine)
     try:
         req = GenerationRequest("multi", [256, 70, 71, 72], 5, SamplingParams(temperature=1.0, seed=3), n=3)
@@ -155,14 +166,18 @@ def test_local_prefill_of_n_choices_waits_for_slots_and_never_overfills(engine):
             for e in batch:
                 seen.setdefault(e.request_id, []).append((e.index, e.finish))
             assert table.used <= SLOTS
-            if len(seen) == 3 and all(len(v) == 1 for v in seen.values()):
+            if len(seen) == 3 and all(len(v) == 1 for v in seen.values()) and not looked.is_set():
                 assert table.reserve(1) == 0, "a held choice must keep claims out"
+                looked.set()
         assert sorted(seen) == ["multi~0", "multi~1", "multi~2"]
         for rid, toks in seen.items():
             assert [i for i, _ in toks] == list(range(5)) and toks[-1][1] == "length", (rid, toks)
         assert table.used == 0 and table.pending == 0
+        assert looked.is_set(), "the three first tokens were not seen before a step: the test tests nothing"
     finally:
+        looked.set()
         loop.stop()
+        engine.__dict__.pop("generate", None)
     assert loop.error is None
 
 
