@@ -20,7 +20,7 @@ from tandem_core.models import ModelInfo
 from tandem_core.types import KVPayload
 from tandem_engine.model import config_from_info, split_layers
 from tandem_engine.block_cache import BlockCache, CachingAllocator
-from tandem_engine.paged import WindowGroup
+from tandem_engine.paged import WindowGroup, window_blocks_per_row
 from tandem_engine.quantize import check_quantize, is_quantized, quantize_params
 from tandem_engine.sharding import make_layout
 from tandem_engine.weights import resolve_dtype
@@ -125,10 +125,8 @@ class EngineBase:
         # (block_cache.py: a decode pod pulls only the rows it does not hold)
         self.kv_reuse = bool(kv_reuse)
         span = max(self.steps_per_dispatch, self.prefix_chunk)  # the most positions one call writes to a row
-        self.window_span = 0
-        if self.windowed:  # the blocks a row's windowed table holds at most (paged.WindowGroup)
-            behind = span + self.kv_block_size if self.kv_reuse else 0
-            self.window_span = -(-(max(windows) + behind + span - 1) // self.kv_block_size) + 1
+        # the blocks a row's windowed table holds at most (paged.WindowGroup.per_row)
+        self.window_span = window_blocks_per_row(max(windows), self.kv_block_size, span, self.kv_reuse) if self.windowed else 0
         if not window_group or self.window_span >= self.max_blocks_per_seq:
             self.windowed, self.window_span = (), 0
         self._blocks_lock = threading.RLock()  # the block host state: engine thread and event loop

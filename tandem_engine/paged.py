@@ -124,6 +124,15 @@ def paged_pool(num_layers: int, kv_heads: int, blocks: int, block_size: int, hea
             tuple(jnp.zeros(shape(n), dtype, device=sharding) for n in counts))
 
 
+def window_blocks_per_row(window: int, block_size: int, span: int, reuse: bool) -> int:
+    """The most windowed blocks a row holds (WindowGroup.per_row before max_len's cap): the blocks
+    [lo - behind, hi] reaches, lo = p - window + 1 the window's first position, hi = p + span - 1
+    the last one a call writes (span: the most positions one call writes to a row), behind = span +
+    a block with reuse (where a row's last full block boundary can lie behind its position)."""
+    behind = int(span) + int(block_size) if reuse else 0
+    return -(-(int(window) + behind + int(span) - 1) // int(block_size)) + 1
+
+
 class WindowGroup:
     """The blocks of a family's windowed layers where some layers are global (gemma2, gemma3,
     gpt-oss): those layers' buffers hold `per_row` blocks a row, in a block-id space and a table
@@ -149,8 +158,7 @@ class WindowGroup:
         self.block_size = int(block_size)
         self.window = int(window)
         self.behind = int(span) + self.block_size if reuse else 0
-        # the blocks [lo - behind, hi] reaches, lo = p - window + 1, hi = p + span - 1: at most this many
-        self.per_row = min(-(-(self.window + self.behind + int(span) - 1) // self.block_size) + 1, int(max_blocks))
+        self.per_row = min(window_blocks_per_row(window, block_size, span, reuse), int(max_blocks))
         self.reuse = bool(reuse)
         self.total = int(slots) * self.per_row
         self.alloc = BlockAllocator(self.total)
