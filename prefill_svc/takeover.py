@@ -46,6 +46,10 @@ class Takeover:
                                            stale_self_ms=int(settings.stale_pending_s * 1000),
                                            limit=settings.reclaim_batch, min_idle_ms=settings.reclaim_min_idle_ms)
         self._last = 0.0
+        # This pod's own entries left pending when the budget had too little room to take them all
+        # (a previous incarnation's at a restart, or after a NOGROUP): the worker takes the rest as
+        # the budget frees (`run(include_self=True)` again), not `stale_pending_s` later
+        self.own_waiting = False
 
     def own_stream(self, prio: str, shard: int) -> str:
         return self.ks.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
@@ -57,20 +61,32 @@ class Takeover:
         if not include_self and now - self._last < self.s.recover_interval_s:
             return
         self._last = now
+        left = False
         try:
             for shard in self.ks.all_shards():
                 for prio in admission.PRIORITIES:
                     for stream in (self.ks.admission_stream(self.s.pool, prio, shard), self.own_stream(prio, shard)):
-                        await self.reclaim_pending(stream, include_self)
+                        left |= await self.reclaim_pending(stream, include_self)
             await self._adopt_orphans()
         except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
             log.warning("reclaim failed: %s", e)
+            left = include_self or self.own_waiting
+        if include_self:
+            self.own_waiting = left
 
-    async def reclaim_pending(self, stream: str, include_self: bool) -> None:
+    async def reclaim_pending(self, stream: str, include_self: bool) -> bool:
         """The entries of `stream` pending to dead consumers (and this pod's own lost or, with
-        `include_self`, all of its own), as many as the budget has room for."""
-        claimed, _n = await self.reclaimer.take(stream, lambda found: min(found, self.room()), include_self,
-                                                others=self._peers_trusted())
+        `include_self`, all of its own), as many as the budget has room for. Returns whether,
+        with `include_self`, some of this pod's own are left for lack of room (or may be: as many
+        were found as one pass looks at)."""
+        claimed, n = await self.reclaimer.take(stream, lambda found: min(found, self.room()), include_self,
+                                               others=self._peers_trusted())
+        owners = list(self.reclaimer.owners.values())  # each found entry's consumer, in the order taken
+        own_left = owners[n:].count(self.worker_id)
+        left = include_self and (own_left > 0 or (len(owners) >= self.reclaimer.limit and self.worker_id in owners))
+        if own_left and include_self:
+            log.info("%d entries of %s left by this pod's previous incarnation wait for room in the KV budget: "
+                     "taken as it frees", own_left, stream)
         # (own stale entries are re-claimed too: XCLAIM resets their idle time)
         for c in claimed:
             deliveries = await self._deliveries(stream, c.entry_id)
@@ -79,6 +95,7 @@ class Takeover:
                 continue
             log.info("reclaimed admission entry %s of a dead consumer", c.entry_id)
             await self.handle(c)
+        return left
 
     async def _deliveries(self, stream: str, entry_id: bytes) -> int:
         """How many times the entry was delivered (its read, and every reclaim's XCLAIM)."""

@@ -32,7 +32,7 @@ _CONNECTION = ("ping", "info", "client|setname", "select", "get", "set")
 # The Lua scripts' own commands (admission enqueue/forget, the fenced commit, the owned
 # publish, own-and-ack, resume, preempt, forget-pod-ready), checked against the caller's user.
 _SCRIPTS = ("eval", "evalsha", "script|load",
-            "del", "exists", "expire", "get", "set", "hdel", "hexists", "hset", "sadd", "srem",
+            "del", "exists", "expire", "get", "set", "hdel", "hexists", "hget", "hset", "sadd", "srem",
             "xack", "xadd", "xdel", "xlen")
 
 # What a worker pod (prefill or decode) calls besides: claims (consumer groups), reclaim of dead

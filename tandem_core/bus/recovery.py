@@ -51,10 +51,18 @@ async def streamed_tokens(r: aioredis.Redis, ks: KeySpace, request_id: str) -> t
 # paths noticing the same failure carry the same attempt and only the first enqueues (0: a
 # duplicate, the owner's field still taken out); a second failure of the resumed request, from the
 # same index before any new token, carries the next attempt and is resumed again. (A marker of an
-# older release holds '1': it still refuses a duplicate of a first resume.)
+# older release holds '1': it still refuses a duplicate of a first resume.) The owner's field goes
+# only while it holds the failed instance (an attempt below the resume's): a duplicate arriving
+# after the resumed instance landed on the same pod leaves that instance owned (its field taken
+# out, nothing would resume it if that pod died too). cjson reads the field: a resume is rare.
 _RESUME = """
 local done = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-if ARGV[6] == '1' then redis.call('HDEL', KEYS[2], ARGV[1]) end
+if ARGV[6] == '1' then
+  local held = redis.call('HGET', KEYS[2], ARGV[1])
+  if held and (tonumber(cjson.decode(held)['attempt'] or 0) or 0) < tonumber(ARGV[2]) then
+    redis.call('HDEL', KEYS[2], ARGV[1])
+  end
+end
 if done >= tonumber(ARGV[2]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'rid', ARGV[1], 'req', ARGV[5])

@@ -73,6 +73,24 @@ async def test_the_same_failure_resumes_once_and_a_second_failure_resumes_again(
     assert len(await _queued(r, ks, req.request_id)) == 2
 
 
+async def test_a_duplicate_resume_leaves_the_resumed_instance_owned_on_the_same_pod(any_redis, any_keys):
+    """Two paths notice one failure; the resumed request lands on the same decode pod before the
+    second path's resume runs: that duplicate must not take the new instance's running field out
+    (it would run owned by nobody, and a death of that pod would resume nothing)."""
+    r, ks = any_redis, any_keys
+    req = await _setup(r, ks, "resume-same-pod")
+    running = ks.running_key(OWNER, ks.request_shard(req.request_id))
+    assert await _resume(r, ks, req) == "resumed"
+    assert not await r.hexists(running, req.request_id)  # the failed instance's field went with the resume
+    (again,) = await _queued(r, ks, req.request_id)
+    await r.hset(running, req.request_id, again.to_json())  # the same pod claimed the resumed request
+    assert await _resume(r, ks, req) == "finished"  # the second path, late, for the first failure
+    held = await r.hget(running, req.request_id)
+    assert held is not None and GenerationRequest.from_json(held).attempt == 1, \
+        "a duplicate resume took the resumed instance's running field out"
+    assert len(await _queued(r, ks, req.request_id)) == 1
+
+
 async def test_a_malformed_token_entry_does_not_stop_a_resume(any_redis, any_keys):
     """Issue 42 (5): every reader of a token stream goes past an entry it cannot read. The
     resume's own read (`streamed_tokens`, also the prefill pod's lease and reclaim checks) raised
