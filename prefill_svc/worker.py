@@ -74,6 +74,11 @@ class PrefillWorker:
                 await self.claim_round(rotation)
             except REDIS_DOWN as e:  # Redis restarting: wait for it, never die
                 log.warning("redis unavailable: %s; retrying", e)
+                # a claim's XREADGROUP may have run with its reply lost on the dying connection:
+                # those entries are pending to this pod, which never saw them, and nothing is in
+                # hand between rounds, so the next round with budget room takes its own again (not
+                # the stale reclaim, `stale_pending_s` later)
+                self.takeover.own_waiting = True
                 await asyncio.sleep(REDIS_RETRY_S)
             except ResponseError as e:
                 if "NOGROUP" not in str(e):
