@@ -128,6 +128,9 @@ def kv_quality(model: str, dtype: str, prompts: list[list[int]], tokens: int, kw
     decode steps teacher-forced on the dtype-KV engine's tokens; plus KV bytes per position."""
     from tandem_engine import load_engine
 
+    # every block kept (no window group): decode_logits feeds the step the block table alone, with
+    # every position's block reserved up front (a windowed group holds only a window's worth a row)
+    kw = {**kw, "kv_window_group": False}
     base = load_engine(model, dtype=dtype, **kw)
     fp8 = load_engine(model, dtype=dtype, kv_dtype="fp8", **kw)
     a_tok, b_tok = greedy(base, prompts, tokens), greedy(fp8, prompts, tokens)
