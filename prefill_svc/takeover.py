@@ -50,6 +50,7 @@ class Takeover:
         # (a previous incarnation's at a restart, or after a NOGROUP): the worker takes the rest as
         # the budget frees (`run(include_self=True)` again), not `stale_pending_s` later
         self.own_waiting = False
+        self._own_retry_at = 0.0  # a pass that failed (Redis still away) is tried again from then on
 
     def own_stream(self, prio: str, shard: int) -> str:
         return self.ks.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
@@ -71,8 +72,13 @@ class Takeover:
         except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
             log.warning("reclaim failed: %s", e)
             left = include_self or self.own_waiting
+            self._own_retry_at = now + self.s.recover_interval_s
         if include_self:
             self.own_waiting = left
+
+    def own_due(self) -> bool:
+        """Whether this pod's own leftovers wait (`own_waiting`) and may be looked for now."""
+        return self.own_waiting and time.monotonic() >= self._own_retry_at
 
     async def reclaim_pending(self, stream: str, include_self: bool) -> bool:
         """The entries of `stream` pending to dead consumers (and this pod's own lost or, with

@@ -104,7 +104,7 @@ class PrefillWorker:
     async def claim_round(self, rotation: PriorityRotation) -> None:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
         await self._expire_leases()
-        if self.takeover.own_waiting and self.prefiller.room():  # own leftovers first, as the budget frees
+        if self.takeover.own_due() and self.prefiller.room():  # own leftovers first, as the budget frees
             await self.takeover.run(include_self=True)
         room = min(self.s.max_batch, self.prefiller.room())
         if room == 0:

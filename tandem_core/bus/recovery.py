@@ -49,17 +49,19 @@ async def streamed_tokens(r: aioredis.Redis, ks: KeySpace, request_id: str) -> t
 # the request's slot; ARGV: request id, the resume's attempt, marker TTL, maxlen, the resumed
 # request's JSON, '1' when KEYS[2] is an owner's hash. The marker holds the attempt it resumed: two
 # paths noticing the same failure carry the same attempt and only the first enqueues (0: a
-# duplicate, the owner's field still taken out); a second failure of the resumed request, from the
+# duplicate); a second failure of the resumed request, from the
 # same index before any new token, carries the next attempt and is resumed again. (A marker of an
 # older release holds '1': it still refuses a duplicate of a first resume.) The owner's field goes
 # only while it holds the failed instance (an attempt below the resume's): a duplicate arriving
 # after the resumed instance landed on the same pod leaves that instance owned (its field taken
-# out, nothing would resume it if that pod died too). cjson reads the field: a resume is rare.
+# out, nothing would resume it if that pod died too). cjson reads the field (a resume is rare); a
+# field it cannot read goes, as before.
 _RESUME = """
 local done = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 if ARGV[6] == '1' then
   local held = redis.call('HGET', KEYS[2], ARGV[1])
-  if held and (tonumber(cjson.decode(held)['attempt'] or 0) or 0) < tonumber(ARGV[2]) then
+  local ok, req = pcall(cjson.decode, held or '{}')
+  if held and (not ok or (tonumber(req['attempt'] or 0) or 0) < tonumber(ARGV[2])) then
     redis.call('HDEL', KEYS[2], ARGV[1])
   end
 end
