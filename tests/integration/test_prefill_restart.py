@@ -100,7 +100,9 @@ async def test_a_delivery_whose_claim_reply_was_lost_is_taken_again_at_once(redi
     faults.configure("prefill.claim@1+:down")
     tasks = [asyncio.create_task(w.run(stop)), asyncio.create_task(_pull_as_decode_pods_do(w.store, ["lost"], stop))]
     try:
-        while not faults.raised["prefill.claim"]:
+        deadline = time.monotonic() + 30
+        while not faults.raised["prefill.claim"]:  # the pod is past its startup pass, in its claim rounds
+            assert time.monotonic() < deadline, "the pod never reached a claim round"
             await asyncio.sleep(0.05)
         await admission.enqueue_request(r, KS, pool, GenerationRequest("lost", [7] * 20, 4), 1000)
         stream = KS.admission_stream(pool, GenerationRequest("lost", [7], 4).priority, 0)
