@@ -55,20 +55,26 @@ class Takeover:
     def own_stream(self, prio: str, shard: int) -> str:
         return self.ks.pod_admission_stream(self.s.pool, prio, self.worker_id, shard)
 
-    async def run(self, include_self: bool = False) -> None:
+    async def run(self, include_self: bool = False, own_only: bool = False) -> None:
         """Take over admission entries claimed by a dead pod (never acked), and the per-pod streams
-        of a dead or draining pod, budget permitting. Never raises: the next round looks again."""
+        of a dead or draining pod, budget permitting. Never raises: the next round looks again.
+        `own_only` (with `include_self`: the claim rounds' pass for `own_waiting`): this pod's own
+        entries alone; dead pods' stay with the periodic pass, whose XCLAIM waits out
+        `reclaim_min_idle_ms` (an own pass claims at any idle time: pods that all lost Redis
+        together and all looked at once would take a dead pod's entries from each other)."""
         now = time.monotonic()
         if not include_self and now - self._last < self.s.recover_interval_s:
             return
-        self._last = now
+        if not own_only:  # (an own pass leaves the periodic one its turn)
+            self._last = now
         left = False
         try:
             for shard in self.ks.all_shards():
                 for prio in admission.PRIORITIES:
                     for stream in (self.ks.admission_stream(self.s.pool, prio, shard), self.own_stream(prio, shard)):
-                        left |= await self.reclaim_pending(stream, include_self)
-            await self._adopt_orphans()
+                        left |= await self.reclaim_pending(stream, include_self, own_only)
+            if not own_only:
+                await self._adopt_orphans()
         except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
             log.warning("reclaim failed: %s", e)
             left = include_self or self.own_waiting
@@ -80,13 +86,13 @@ class Takeover:
         """Whether this pod's own leftovers wait (`own_waiting`) and may be looked for now."""
         return self.own_waiting and time.monotonic() >= self._own_retry_at
 
-    async def reclaim_pending(self, stream: str, include_self: bool) -> bool:
+    async def reclaim_pending(self, stream: str, include_self: bool, own_only: bool = False) -> bool:
         """The entries of `stream` pending to dead consumers (and this pod's own lost or, with
         `include_self`, all of its own), as many as the budget has room for. Returns whether,
         with `include_self`, some of this pod's own are left for lack of room (or may be: as many
         were found as one pass looks at)."""
         claimed, n = await self.reclaimer.take(stream, lambda found: min(found, self.room()), include_self,
-                                               others=self._peers_trusted())
+                                               others=self._peers_trusted() and not own_only)
         owners = list(self.reclaimer.owners.values())  # each found entry's consumer, in the order taken
         own_left = owners[n:].count(self.worker_id)
         left = include_self and (own_left > 0 or (len(owners) >= self.reclaimer.limit and self.worker_id in owners))

@@ -105,7 +105,7 @@ class PrefillWorker:
         """One claim round: leases, budget check, claim, prefill, and a look for dead pods' work."""
         await self._expire_leases()
         if self.takeover.own_due() and self.prefiller.room():  # own leftovers first, as the budget frees
-            await self.takeover.run(include_self=True)
+            await self.takeover.run(include_self=True, own_only=True)
         room = min(self.s.max_batch, self.prefiller.room())
         if room == 0:
             await asyncio.sleep(BUDGET_FULL_POLL_S)  # budget full: keep serving pulls, claim nothing
