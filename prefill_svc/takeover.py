@@ -46,9 +46,10 @@ class Takeover:
                                            stale_self_ms=int(settings.stale_pending_s * 1000),
                                            limit=settings.reclaim_batch, min_idle_ms=settings.reclaim_min_idle_ms)
         self._last = 0.0
-        # This pod's own entries left pending when the budget had too little room to take them all
-        # (a previous incarnation's at a restart, or after a NOGROUP): the worker takes the rest as
-        # the budget frees (`run(include_self=True)` again), not `stale_pending_s` later
+        # This pod's own entries pending with nothing here working on them: a previous incarnation's
+        # (a restart, a NOGROUP) the budget had too little room to take all of, or a claim's whose
+        # reply a dying connection lost (PrefillWorker.run sets it on Redis down). The claim rounds
+        # take them as the budget frees (`own_due`), not `stale_pending_s` later
         self.own_waiting = False
         self._own_retry_at = 0.0  # a pass that failed (Redis still away) is tried again from then on
 
@@ -77,7 +78,7 @@ class Takeover:
                 await self._adopt_orphans()
         except Exception as e:  # noqa: BLE001 - Redis down included: the next round looks again
             log.warning("reclaim failed: %s", e)
-            left = include_self or self.own_waiting
+            left = True  # (read only for an own pass: it is tried again)
             self._own_retry_at = now + self.s.recover_interval_s
         if include_self:
             self.own_waiting = left
@@ -97,8 +98,8 @@ class Takeover:
         own_left = owners[n:].count(self.worker_id)
         left = include_self and (own_left > 0 or (len(owners) >= self.reclaimer.limit and self.worker_id in owners))
         if own_left and include_self:
-            log.info("%d entries of %s left by this pod's previous incarnation wait for room in the KV budget: "
-                     "taken as it frees", own_left, stream)
+            log.info("%d of this pod's own entries of %s (a previous incarnation's, or a lost claim reply's) wait "
+                     "for room in the KV budget: taken as it frees", own_left, stream)
         # (own stale entries are re-claimed too: XCLAIM resets their idle time)
         for c in claimed:
             deliveries = await self._deliveries(stream, c.entry_id)
