@@ -10,6 +10,7 @@ Redis Cluster: masters and their replicas in cluster mode). The probes they shar
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,40 @@ import time
 from pathlib import Path
 
 
+_ISSUED: set[int] = set()
+_RANDOM = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing listens on, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out for port 0 is an ephemeral one, and between this call and the
+    server's bind any outgoing connection (a Redis client's, say) may be given it as its local
+    port: "Address already in use" at the server's start, seen once in `make test`. A random port
+    below the ephemeral range is never handed out that way; the probe bind skips ones in use, and
+    a process never gets the same port twice.
+    """
+    low = min(_ephemeral_low(), 65536)
+    if low > 20000 + 2048:
+        for _ in range(200):
+            port = _RANDOM.randrange(20000, low)
+            if port in _ISSUED:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+            _ISSUED.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

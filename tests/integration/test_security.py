@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import socket
 
 import grpc
 
@@ -21,7 +20,7 @@ from decode_svc.puller import KVPuller
 from prefill_svc.app import KV_SERVICE
 from prefill_svc.kv_store import KVStore
 from prefill_svc.service import KVTransferServicer
-from tandem.redis_proc import RedisProcess
+from tandem.redis_proc import RedisProcess, free_port
 from tandem_core import grpc_util
 from tandem_core.bus import conn, groups
 from tandem_core.errors import KVTransferFailed
@@ -122,12 +121,6 @@ async def test_redis_password_required_and_used():
         proc.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _health(address: str, service: str, cfg: GrpcConfig | None = None) -> int:
     async with grpc_util.channel(address, cfg) as ch:
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -138,7 +131,7 @@ async def test_mtls_port_with_a_plaintext_health_port(pki):
     """A worker pod with mutual TLS and `grpc.health_port` (how the chart runs it): the TLS port
     refuses plaintext, the health port answers grpc.health.v1 in plaintext (NOT_SERVING until
     ready, SERVING, NOT_SERVING once draining) and nothing else, and the KV pull works over mTLS."""
-    server_cfg = pki["server"].model_copy(update={"host": "127.0.0.1", "health_port": _free_port()})
+    server_cfg = pki["server"].model_copy(update={"host": "127.0.0.1", "health_port": free_port()})
     s = WorkerSettings(grpc=server_cfg)
     r = aioredis.Redis(host="127.0.0.1", port=1)  # never used: no heartbeats in this test
     pod = WorkerPod(s, r, [KV_SERVICE])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tandem.redis_proc import redis_binary
+from tandem.redis_proc import free_port, redis_binary
 from tandem_core.bus import acl
 from tests.unit.test_chart import RELEASE, Rendered
 
@@ -36,14 +35,8 @@ def _refused(**kw) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", socket_timeout=5, retry=Retry(NoBackoff(), 0), **kw)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_bundled_redis_reads_its_password_from_a_file(tmp_path):
-    port = _free_port()
+    port = free_port()
     r = Rendered({"redis": {"port": port, "auth": {"password": PASSWORD}}})
     spec = r.get("StatefulSet", f"{RELEASE}-tandem-redis")["spec"]["template"]["spec"]
     c = spec["containers"][0]

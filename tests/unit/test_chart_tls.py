@@ -9,7 +9,6 @@ probe ports themselves are checked in test_chart.py (test_probe_ports_exist_and_
 from __future__ import annotations
 
 import base64
-import socket
 
 import grpc
 import pytest
@@ -18,16 +17,11 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.redis_proc import free_port
 from tandem_core import grpc_util
 from tandem_core.settings import GrpcConfig
 from tests.unit.kube_api import KubeAPI
 from tests.unit.test_chart import NAMESPACE, RELEASE, SERVICES, render, rendered, seeded
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _check(address: str, cfg: GrpcConfig | None) -> int:
@@ -60,7 +54,7 @@ async def test_the_chart_made_certificate_serves_mutual_tls(tmp_path):
     assert ExtendedKeyUsageOID.SERVER_AUTH in usages and ExtendedKeyUsageOID.CLIENT_AUTH in usages  # one cert, both ends
 
     cfg = GrpcConfig(host="127.0.0.1", tls_cert_file=files["tls.crt"], tls_key_file=files["tls.key"],
-                     tls_ca_file=files["ca.crt"], tls_server_name=server_name, health_port=_free_port())
+                     tls_ca_file=files["ca.crt"], tls_server_name=server_name, health_port=free_port())
     server = grpc_util.make_server(1 << 20)
     port = grpc_util.bind(server, cfg.host, 0, cfg)
     health_srv, health_port = grpc_util.health_server(cfg.host, cfg.health_port)
