@@ -1,0 +1,180 @@
+"""Speculative decoding's device half: a row's proposed tokens checked by the target model in one
+call, and the proposer that needs no second model (issue 45).
+
+A verify call (`verify_core`) runs each row of the decode batch as k + 1 queries: the row's next
+input token and its proposals x_1 .. x_k at the positions after it. The queries of one row share
+its block table, and every query's K/V is written before any query attends
+(paged.decode_forward_paged), so query i sees the row's KV and the proposals before it: causal
+attention over the proposals through the decode step's own attention (the CPU kernel or the
+Pallas one read the pool in place; nothing new to compile but the wider batch).
+
+Acceptance is the standard rule (Leviathan et al. 2023; vLLM's rejection sampler): with a
+proposer that names one token (n-gram lookup, a greedy draft), q(x_i) = 1, so x_i is kept with
+probability p_i(x_i), p_i the target's distribution at i after the row's processing (penalties
+see the proposals before i as output, min_tokens counts i) and its temperature, top-k and top-p
+filters. At the first rejection the row's token is drawn from p_i with x_i taken out and
+renormalised; when all are kept, a bonus token is drawn from p_k. The emitted tokens are then
+distributed exactly as the target's own. A greedy row keeps x_i when it is p_i's argmax and
+emits the argmax at the first miss: its output is the non-speculative output, token for token.
+
+Rejected proposals need no undo: their K/V sit past the row's new position, where nothing reads
+until a later step writes that position again. The host (`DecodeSide.verify`) hands back the
+blocks that only they used.
+No I/O, no host state here but the proposer's plain lists.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tandem_engine.cores import DecodeState, _pin_pool
+from tandem_engine.logits import PACKED_WIDTH, SlotLogits, apply, logprobs_of, pack
+from tandem_engine.paged import decode_forward_paged
+from tandem_engine.sampling import filter_candidates, greedy_tokens, sample, token_keys
+
+ACCEPT_SALT = 0x5EC0DE  # folded into a token's key for its acceptance draw (the token's own draw keeps the key)
+
+
+def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt lookup: the last n tokens (n from max_n down to min_n) matched against everything
+    before them, latest match first; the up to k tokens that followed it are the proposal. [] when
+    no suffix recurs. vLLM's n-gram proposer does the same over the prompt and the output so far."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    size = arr.shape[0]
+    if k < 1 or size < 2:
+        return []
+    for n in range(min(max_n, size - 1), max(min_n, 1) - 1, -1):
+        tail = arr[size - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)  # starts 0 .. size - 1 - n
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # what followed the latest earlier occurrence
+            return arr[start:start + k].tolist()
+    return []
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "k", "max_len", "table_blocks"), donate_argnums=(1,))
+def verify_core(params, state: DecodeState, proposals, n_prop, logprobs=False, *, cfg, layout, rows: int, k: int,
+                max_len: int, table_blocks: int):
+    """One call that checks up to k proposals per row. proposals int32 [rows, k] (row r's first
+    n_prop[r] real; the caller keeps positions + n_prop <= max_len - 1 and the blocks reserved);
+    a row with n_prop 0 takes one ordinary step. Returns (state, emitted int32 [rows, k + 1],
+    counts int32 [rows]: row r emitted emitted[r, :counts[r]] (1 .. n_prop + 1; 0 for a free row),
+    packed [rows, k + 1, PACKED_WIDTH]: the emitted tokens with their logprobs when the traced
+    bool `logprobs` is set, else zeros). The row's next input is its last emitted token."""
+    if k < 1:
+        raise ValueError(f"a verify call checks k >= 1 proposals a row (got {k})")
+    q = k + 1
+    i = jnp.arange(q, dtype=jnp.int32)
+    active = state.active[:rows]
+    n_prop = jnp.where(active, jnp.clip(n_prop, 0, k), 0)
+    tokens = jnp.concatenate([state.tokens[:rows, None], proposals.astype(jnp.int32)], axis=1)  # [rows, q]
+    positions = state.positions[:rows, None] + i[None]
+    live = active[:, None] & (i[None] <= n_prop[:, None])
+
+    def per_query(tab):  # each row's table once for each of its queries
+        return jnp.repeat(tab[:rows, :table_blocks], q, axis=0)
+
+    logits, kp, vp = decode_forward_paged(params, tokens.reshape(-1), positions.reshape(-1), state.k, state.v,
+                                          per_query(state.block_table), cfg, max_len=max_len, active=live.reshape(-1),
+                                          mesh=None if layout is None else layout.mesh,
+                                          window_table=None if state.window_table is None else
+                                          per_query(state.window_table))
+    kp, vp = _pin_pool(kp, layout), _pin_pool(vp, layout)
+    index = state.step[:rows, None] + i[None]  # the token index each query's logits draw
+    processed = _processed(logits, state, proposals, index, live, rows, q)  # [rows * q, vocab] float32
+    emitted, counts = _accept(processed, state, proposals, n_prop, index, rows, q)
+    counts = jnp.where(active, counts, 0)
+    last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    history = state.history
+    for j in range(q):  # each emitted token counted once as output (logits.record's 2 per token)
+        history = history.at[jnp.arange(rows), emitted[:, j]].add(2 * (j < counts).astype(jnp.int32), mode="drop")
+    new = state._replace(k=kp, v=vp, tokens=state.tokens.at[:rows].set(jnp.where(active, last, state.tokens[:rows])),
+                         positions=state.positions.at[:rows].add(counts), step=state.step.at[:rows].add(counts),
+                         history=history)
+    packed = jax.lax.cond(logprobs, lambda: pack(logprobs_of(processed), emitted.reshape(-1)).reshape(rows, q, -1),
+                          lambda: jnp.zeros((rows, q, PACKED_WIDTH), jnp.int32))
+    return new, emitted, counts, packed
+
+
+def _processed(logits, state: DecodeState, proposals, index, live, rows: int, q: int):
+    """Each query's logits after its row's processing, as the step would process them had the
+    proposals before it been sampled: the penalty history counts them, min_tokens reads the
+    query's own token index. Skipped (the logits as float32) when no live query needs it."""
+    vocab = logits.shape[-1]
+    p = SlotLogits(*(jnp.repeat(a[:rows], q, axis=0) for a in state.processing))
+    idx = index.reshape(-1)
+    holding = (idx < p.min_tokens) & (p.stop_ids[:, 0] < vocab)
+    on = jnp.any(live.reshape(-1) & (p.penalized | holding))
+
+    def processed(_):
+        r = jnp.arange(rows)[:, None]
+        ahead = jnp.zeros((rows, q, vocab), jnp.int32).at[r, jnp.arange(1, q)[None], proposals].add(2, mode="drop")
+        history = state.history[:rows, None, :] + jnp.cumsum(ahead, axis=1)  # the row's, and the proposals before
+        return apply(logits, history.reshape(rows * q, vocab), p, idx)
+
+    return jax.lax.cond(on, processed, lambda _: logits.astype(jnp.float32), None)
+
+
+def _accept(processed, state: DecodeState, proposals, n_prop, index, rows: int, q: int):
+    """(emitted [rows, q], counts [rows]) by the acceptance rule of the module docstring."""
+    k = q - 1
+    vocab = processed.shape[-1]
+    temperature, top_k, top_p = (a[:rows] for a in (state.temperature, state.top_k, state.top_p))
+    seeds = state.seeds[:rows]
+    greedy = greedy_tokens(processed).reshape(rows, q)
+    sampled = temperature > 0
+
+    def kept_sampled(_):  # bool [rows, k]: u < p_i(x_i) for a sampled row's proposals
+        t = jnp.repeat(temperature, q)
+        scaled = (processed / jnp.maximum(t, 1e-6)[:, None]).reshape(rows, q, vocab)[:, :k].reshape(rows * k, vocab)
+        x = proposals.reshape(-1)
+        tk, tp = jnp.repeat(top_k, k), jnp.repeat(top_p, k)
+        ids, filtered = filter_candidates(scaled, tk, tp)
+        p_cut = jnp.sum(jnp.where(ids == x[:, None], jax.nn.softmax(filtered, axis=-1), 0.0), axis=-1)
+        p_whole = jnp.exp(jnp.take_along_axis(scaled, x[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1))
+        p_x = jnp.where((tk > 0) | (tp < 1.0), p_cut, p_whole)
+        keys = token_keys(jnp.repeat(seeds, k, axis=0), index[:, :k].reshape(-1))
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, ACCEPT_SALT)))(keys)
+        return ((u < p_x) | (p_x >= 1.0)).reshape(rows, k)
+
+    match = proposals == greedy[:, :k]
+    kept = jnp.where(sampled[:, None], jax.lax.cond(jnp.any(sampled), kept_sampled, lambda _: match, None), match)
+    kept = kept & (jnp.arange(k)[None] < n_prop[:, None])
+    taken = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1)  # leading proposals kept
+    at = taken  # the query whose distribution draws the row's last token
+    rejected = taken < n_prop
+    rows_at = jnp.arange(rows) * q + at
+    x_at = jnp.take_along_axis(proposals, jnp.minimum(at, k - 1)[:, None], axis=1)[:, 0]
+    final = _final_token(processed[rows_at], rejected, x_at, temperature, top_k, top_p, seeds,
+                         jnp.take_along_axis(index, at[:, None], axis=1)[:, 0])
+    cols = jnp.arange(q)[None]
+    padded = jnp.concatenate([proposals, jnp.zeros((rows, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(cols < at[:, None], padded, jnp.where(cols == at[:, None], final[:, None], 0))
+    return emitted.astype(jnp.int32), (taken + 1).astype(jnp.int32)
+
+
+def _final_token(processed, rejected, x, temperature, top_k, top_p, seeds, index):
+    """Each row's last token from its query's processed logits [rows, vocab]: after a rejection,
+    drawn from the filtered distribution with the rejected proposal x taken out; else the step's
+    own draw (`sample`, the same key: a row that proposed nothing gets the token a step gives).
+    A greedy row gets the argmax either way."""
+    keys = token_keys(seeds, index)
+    bonus = sample(processed, temperature, top_k, top_p, keys)
+    redraw = rejected & (temperature > 0)
+
+    def residual(_):
+        vocab = processed.shape[-1]
+        scaled = processed / jnp.maximum(temperature, 1e-6)[:, None]
+        ids, filtered = filter_candidates(scaled, top_k, top_p)
+        pick = jax.vmap(jax.random.categorical)(keys, jnp.where(ids == x[:, None], -jnp.inf, filtered))
+        cut = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+        whole = jax.vmap(jax.random.categorical)(keys, jnp.where(jnp.arange(vocab)[None] == x[:, None], -jnp.inf,
+                                                                 scaled))
+        return jnp.where((top_k > 0) | (top_p < 1.0), cut, whole).astype(jnp.int32)
+
+    return jnp.where(redraw, jax.lax.cond(jnp.any(redraw), residual, lambda _: bonus, None), bonus)

@@ -1,0 +1,166 @@
+"""Speculative decoding's verify call (`DecodeSide.verify`, speculative.py): a greedy row's output
+is the non-speculative output token for token whatever is proposed (the true continuation, noise,
+n-gram lookups, nothing); a sampled row's emitted tokens follow the target's distribution exactly
+(a chi-square test against the distribution the step itself samples from); rejected proposals'
+blocks go back to the pool; the n-gram proposer finds the latest earlier match."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem_core.types import SamplingParams
+from tandem_engine import load_engine, reference_greedy
+from tandem_engine.speculative import ngram_propose
+
+GREEDY = SamplingParams()
+MAX_LEN = 96
+K = 4
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine("tiny", slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), kv_block_size=4)
+
+
+def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
+    assert ngram_propose([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7], k=3) == [9, 2, 5]
+    assert ngram_propose([1, 2, 3, 4], k=2) == []  # no suffix recurs
+    assert ngram_propose([4, 1, 2, 9, 9, 4], k=2, max_n=3) == [1, 2]  # a 1-gram when no longer one matches
+    assert ngram_propose([7, 7, 7], k=4) == [7]  # what follows is cut at the end
+    assert ngram_propose([1, 2], k=0) == []
+
+
+def _seat(engine, prompts, sampling=GREEDY):
+    state = engine.init_state()
+    out = {}
+    for slot, ids in enumerate(prompts):
+        prefix = engine.prefill(ids, sampling)
+        state = engine.insert(prefix, state, slot, sampling)
+        out[slot] = [prefix.first_token]
+    return state, out
+
+
+def _speculate(engine, prompts, n, propose):
+    """Decode every prompt to n tokens with verify calls; propose(slot, prompt + output) -> ids."""
+    state, out = _seat(engine, prompts)
+    calls = 0
+    while min(len(o) for o in out.values()) < n:
+        proposals = {s: propose(s, prompts[s] + o) for s, o in out.items()}
+        state, spec = engine.verify(state, proposals, K, len(prompts))
+        calls += 1
+        for s in out:
+            out[s].extend(spec.tokens[s, :spec.counts[s]].tolist())
+        assert engine.kv_blocks_of(0) <= engine.kv_blocks_for(len(prompts[0]) + len(out[0]))  # none past the next position
+    return {s: o[:n] for s, o in out.items()}, calls
+
+
+def test_greedy_rows_emit_the_non_speculative_tokens_whatever_is_proposed(engine):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (7, 19, 33)]
+    prompts[1] = prompts[1][:6] * 3  # a repeating prompt: the n-gram lookup finds matches
+    n = 40
+    want = {s: reference_greedy(engine.params, engine.cfg, p, n, pad_to=MAX_LEN) for s, p in enumerate(prompts)}
+    truth, calls = _speculate(engine, prompts, n, lambda s, seq: want[s][len(seq) - len(prompts[s]):][:K])
+    assert truth == want
+    assert calls <= n // (K + 1) + 2  # every proposal kept: k + 1 tokens a call
+    noise, calls = _speculate(engine, prompts, n, lambda s, seq: rng.integers(3, 250, K).tolist())
+    assert noise == want
+    ngram, _ = _speculate(engine, prompts, n, lambda s, seq: ngram_propose(seq, K))
+    assert ngram == want
+    mixed, _ = _speculate(engine, prompts, n, lambda s, seq: [] if s == 1 else
+                          want[s][len(seq) - len(prompts[s]):][:2] + [0, 0])
+    assert mixed == want
+
+
+def test_penalties_and_min_tokens_see_the_proposals_before_them(engine):
+    """A penalised greedy row: each query's logits are processed as if the proposals before it
+    were output (the history counts them), so verify emits what plain steps emit."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 250, 9).tolist() * 2, rng.integers(3, 250, 12).tolist()]
+    picks = [SamplingParams(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.3),
+             SamplingParams(min_tokens=12, logit_bias=((5, 3.0),))]
+    n = 30
+
+    def seat():
+        state = engine.init_state()
+        out = {}
+        for slot, (ids, pick) in enumerate(zip(prompts, picks)):
+            prefix = engine.prefill(ids, pick, stop_ids=[7, 9])
+            state = engine.insert(prefix, state, slot, pick, stop_ids=[7, 9])
+            out[slot] = [prefix.first_token]
+        return state, out
+
+    state, plain = seat()
+    for _ in range(n - 1):
+        state, tokens = engine.generate(state, 2)
+        for s in plain:
+            plain[s].append(int(np.asarray(tokens)[s]))
+    for s in plain:
+        state = engine.free(state, s)
+    for propose in (lambda s, seq: plain[s][len(seq) - len(prompts[s]):][:K],
+                    lambda s, seq: ngram_propose(seq, K)):
+        state, out = seat()
+        while min(len(o) for o in out.values()) < n:
+            state, spec = engine.verify(state, {s: propose(s, prompts[s] + o) for s, o in out.items()}, K, 2)
+            for s in out:
+                out[s].extend(spec.tokens[s, :spec.counts[s]].tolist())
+        for s in out:
+            state = engine.free(state, s)
+        assert {s: o[:n] for s, o in out.items()} == plain
+
+
+def test_rejected_proposals_give_their_blocks_back(engine):
+    state, out = _seat(engine, [list(range(3, 13))])  # 10 prompt tokens: the first token's input at position 10
+    free, held = engine.kv_blocks_free(), engine.kv_blocks_of(0)
+    assert held == 3  # blocks of 4: positions 0-11
+    state, spec = engine.verify(state, {0: [0, 0, 0, 0]}, K, 1)  # positions 10..14: a 4th block reserved
+    assert spec.counts[0] == 1  # noise: nothing kept (the first proposal already wrong)
+    assert engine.kv_blocks_of(0) == 3  # position 11 next: the block past it went back
+    assert engine.kv_blocks_free() == free
+    engine.free(state, 0)
+
+
+PROMPT = [11, 42, 7, 99, 3, 250, 18]
+
+
+def _first_draws(engine, sampling, proposal, draws):
+    """Counts of the token a verify call emits first after PROMPT and its greedy first token, a
+    row per seed, `proposal` checked in every row."""
+    counts = np.zeros(engine.info.vocab_size, np.int64)
+    prefix = engine.prefill(PROMPT, GREEDY)
+    for i in range(draws // engine.slots):
+        state = engine.init_state()
+        for s in range(engine.slots):
+            pick = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=1000 * i + s)
+            state = engine.insert(prefix, state, s, pick)
+        state, spec = engine.verify(state, {s: [proposal] for s in range(engine.slots)}, 1)
+        assert (spec.counts == np.where(spec.tokens[:, 0] == proposal, 2, 1)).all()
+        np.add.at(counts, spec.tokens[:, 0], 1)
+        for s in range(engine.slots):
+            state = engine.free(state, s)
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sampled_rows_emit_the_targets_distribution(top_k):
+    from scipy.stats import chisquare
+
+    engine = load_engine("tiny", slots=32, max_len=32, prefill_buckets=(16,), kv_block_size=4)
+    first = engine.prefill(PROMPT, GREEDY).first_token
+    logits = np.asarray(engine.prompt_logits(PROMPT + [first]), np.float64).reshape(-1, engine.info.vocab_size)[-1]
+    logits /= 0.6
+    order = np.argsort(-logits, kind="stable")
+    if top_k:
+        logits[order[top_k:]] = -np.inf
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    proposal = int(order[0])
+    assert 0.05 < p[proposal] < 0.95  # both paths run: kept and redrawn
+    counts = _first_draws(engine, SamplingParams(temperature=0.6, top_k=top_k), proposal, 4096)
+    top = order[:8]
+    observed = np.append(counts[top], counts.sum() - counts[top].sum())
+    expected = np.append(p[top], max(0.0, 1 - p[top].sum())) * counts.sum()
+    keep = expected > 5
+    stat = chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum())
+    assert stat.pvalue > 1e-3, (observed, expected.round(1))
