@@ -53,6 +53,8 @@ from decode_svc.bridge import Bridge
 from decode_svc.constrained import SlotGrammars
 from decode_svc.items import Emitted, HeldChoice, LocalPrefill, LoopStats, Preempted
 from decode_svc.requests import Active, RequestTable
+from decode_svc.settings import SpeculativeConfig
+from decode_svc.speculate import Speculator
 from tandem_core import faults
 from tandem_core.errors import OutOfKVBlocks, TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
@@ -70,8 +72,12 @@ class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
-                 blocks: BlockBudget | None = None, late_warm: Sequence[StepVariant] = ()) -> None:
+                 blocks: BlockBudget | None = None, late_warm: Sequence[StepVariant] = (),
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.engine = engine
+        # speculative decoding (decode_svc/speculate.py): n-gram proposals checked in one verify call
+        # while some row proposes (unpipelined then: the proposals need the last call's tokens)
+        self.spec = Speculator(speculative) if speculative is not None and speculative.on else None
         # the KV pool (decode_svc/blocks.py): a request goes into a row only when its blocks are
         # free, and rows that cannot grow hand the newest request back; None: the engine's own
         # budget, its reserve the engine's steps_per_dispatch
@@ -143,13 +149,14 @@ class EngineLoop:
                 continue
             current, masks = None, None
             t0 = time.perf_counter()
-            if pending is not None and self.grammars:  # the masks need the pending step's tokens
-                state, pending = self._process(pending, state), None
+            if pending is not None and (self.grammars or self._proposing()):  # the masks (the proposals)
+                state, pending = self._process(pending, state), None  # need the pending call's tokens
             if self.grammars:
                 state, masks = self._masks(state)
             if self.table.used:
                 current, state = self._dispatch(state, masks)
-            if current is not None and (not self.pipelined or masks is not None or current.ragged):
+            if current is not None and (not self.pipelined or masks is not None or current.ragged
+                                        or current.limits is not None):
                 if pending is not None:  # (a ragged call: its first token is read now, so its row's
                     state, pending = self._process(pending, state), None  # next call sees it)
                 state = self._process(current, state)
@@ -180,6 +187,13 @@ class EngineLoop:
         seated prompt beside one step of the rows, over every slot (one compiled shape a variant)."""
         ragged = masks is None and self.engine.prompts_pending > 0
         steps = self._steps_for() if masks is None and self.steps_per_dispatch > 1 else 1
+        proposing = self._proposing()
+        if self.spec is not None:
+            self.spec.tick([a.spec for a in self.table.snapshot()])
+        if masks is None and not ragged and proposing:
+            state, call = self._verify(state)
+            if call is not None or not self.table.used:
+                return call, state
         state = self._make_room(state, steps)
         if not self.table.used:
             return None, state
@@ -205,6 +219,37 @@ class EngineLoop:
         self.stats.calls += 1
         self.stats.single_calls += steps == 1 and self.steps_per_dispatch > 1
         return Call(toks, snapshot, want, steps), state
+
+    def _proposing(self) -> bool:
+        return self.spec is not None and self.spec.proposing([a.spec for a in self.table.snapshot() if not a.seated])
+
+    def _verify(self, state):
+        """A speculative call (decode_svc/speculate.py, the engine's `verify`): every running row's
+        n-gram proposal, cut to what it may still emit, checked beside one step of every row.
+        (state, None) when no row proposes this time: the caller dispatches an ordinary call."""
+        spec = self.spec
+        assert spec is not None
+        proposals = {}
+        for act in self.table.snapshot():
+            if not act.seated:
+                ids = spec.propose(act.spec, last_index(act, self.engine.max_len) - act.next_index)
+                if ids:
+                    proposals[act.slot] = ids
+        if not proposals:
+            return state, None
+        state = self._make_room(state, spec.k + 1)
+        snapshot = [a for a in self.table.snapshot() if not a.seated]
+        if not snapshot:
+            return state, None
+        view = self._views.of(snapshot)
+        kw: dict[str, Any] = {"logprobs": True} if view.logprobs else {}
+        faults.hit("decode.step")
+        state, out = self.engine.verify(state, proposals, spec.k, self.table.rows(), **kw)
+        self.stats.steps += 1
+        self.stats.calls += 1
+        spec.stats.calls += 1
+        tokens = np.swapaxes(out.tokens, 0, 1)  # [k + 1, bucket(, PACKED_WIDTH)]: a multi-step call's shape
+        return state, Call(tokens, snapshot, view.logprobs, spec.k + 1, limits=out.counts, proposed=out.proposed)
 
     def _make_room(self, state, steps: int):
         """Blocks for the positions the next call writes, for every running row
@@ -317,7 +362,8 @@ class EngineLoop:
         self.grammars.attach(slot, matcher)
         self.table.start(key, Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
                                      stop_ids=frozenset(req.stop_token_ids),
-                                     fed=[int(first_token)] if self.engine.kv_reuse else None))
+                                     fed=[int(first_token)] if self.engine.kv_reuse else None,
+                                     spec=None if self.spec is None else self.spec.start(req.prompt_ids, first_token)))
         return state
 
     def _local_prefill(self, item: LocalPrefill, state):
@@ -405,6 +451,7 @@ class EngineLoop:
                       logprobs=unpack_logprobs(host, k).encode() if k is not None else None)
         act.seated, act.ack, act.next_index = False, None, req.start_index + 1
         act.fed = [tok] if self.engine.kv_reuse else None
+        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok)
         self.stats.local_prefills += 1
         self.stats.tokens += 1
         if finish is not None:
@@ -496,6 +543,9 @@ class EngineLoop:
         if live.special.any():
             look |= live.special  # a grammar to feed or logprobs to encode
         count = [steps] * n  # tokens each row emits from this call
+        if step.limits is not None:  # a verify call: row r emitted limits[slot] of its k + 1
+            count = step.limits[live.slots].tolist()
+            look &= np.arange(steps)[:, None] < np.array(count)[None, :]
         ends: dict[tuple[int, int], tuple[str, str | None]] = {}  # (step, row) -> (finish, error)
         lp: dict[tuple[int, int], str] = {}
         if look.any():
@@ -531,6 +581,11 @@ class EngineLoop:
                 e.finish = finish
         for act, c in zip(live.acts, count):
             act.next_index += c
+        if self.spec is not None:  # each row's context grows by what it emitted; a checked proposal counts
+            for act, c, line in zip(live.acts, count, got.T.tolist()):
+                proposed = 0 if step.proposed is None else int(step.proposed[act.slot])
+                kept = 0 if step.limits is None else int(step.limits[act.slot]) - 1
+                self.spec.observe(act.spec, proposed, line[:c], min(kept, proposed))
         if self.engine.kv_reuse:  # what each row fed its steps: its blocks are kept under them
             for act, c, line in zip(live.acts, count, got.T.tolist()):
                 if act.fed is not None:
@@ -575,6 +630,8 @@ class Call:
     ragged: bool = False
     first_slot: int | None = None
     first: Any = None
+    limits: Any = None  # a verify call: int [bucket], the tokens each row emitted (of `steps` = k + 1)
+    proposed: Any = None  # and how many of its proposals each row had checked
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import enum
 import itertools
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem_core.types import GenerationRequest
 
@@ -59,6 +60,8 @@ class Active:
     # `start_index` (then `next_index` is past it); `ack`: the entry acked with that first token
     seated: bool = False
     ack: tuple[str, str, bytes] | None = None
+    # speculative decoding (decode_svc/speculate.py): the row's proposer state (None: not proposing)
+    spec: Any = None
 
 
 @dataclass

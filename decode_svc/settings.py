@@ -3,10 +3,35 @@ every worker has come from `tandem_core.settings.WorkerSettings`; these are the 
 and the shared ones whose default differs here."""
 from __future__ import annotations
 
-from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
+from typing import Literal
+
+from pydantic import BaseModel, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tandem_core.settings import GrpcConfig, PrefixCacheConfig, WorkerSettings
+
+
+class SpeculativeConfig(BaseModel):
+    """TANDEM_DECODE_SPECULATIVE__*: `method` "ngram" turns it on; `k` proposed tokens at most per
+    row and call; the n-gram lengths tried, longest first; adaptive k's miss limit and longest
+    pause (dispatches)."""
+
+    method: Literal["off", "ngram"] = "off"
+    k: PositiveInt = 4
+    max_n: PositiveInt = 3
+    min_n: PositiveInt = 2
+    miss_limit: PositiveInt = 2
+    max_backoff: PositiveInt = 64
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SpeculativeConfig:
+        if self.min_n > self.max_n:
+            raise ValueError(f"speculative.min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.method != "off"
 
 
 class DecodeSettings(WorkerSettings):
@@ -28,6 +53,9 @@ class DecodeSettings(WorkerSettings):
     # prefilled a chunk (the engine's prefix_chunk) per decode call, beside the running rows (the
     # engine's ragged call); shorter ones run whole between two steps; 0 = whole prompts always
     prefill_chunk_tokens: NonNegativeInt = 2048
+    # Speculative decoding (decode_svc/speculate.py): method "ngram" checks each row's n-gram
+    # prompt-lookup proposal in one verify call; TANDEM_DECODE_SPECULATIVE__METHOD, __K, ...
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # The KV pool: positions of growth kept free for every running row when a
     # request is claimed or goes into a row, in blocks (decode_svc/blocks.py); 0 = engine.steps_per_dispatch,
     # one more dispatched call of every row. Larger: fewer hand-backs when blocks run out, fewer rows admitted.

@@ -27,7 +27,7 @@ from tandem_engine.engine_prefill import Prefix
 from tandem_engine.logits import history_arrays, init_slot_logits, mask_rows, slot_logits
 from tandem_engine.paged import paged_pool
 from tandem_engine.sampling import sampling_arrays
-from tandem_engine.speculative import verify_core
+from tandem_engine.speculative import extra_bucket, verify_core
 
 
 @dataclass
@@ -670,9 +670,14 @@ class DecodeSide(EngineBase):
             n = max(0, min(len(ids), k, self.max_len - 1 - int(self._pos[slot])))
             props[slot, :n] = np.asarray(ids[:n], np.int32)
             n_prop[slot] = n
-        new, emitted, counts, packed = verify_core(self.step_params, state, props, n_prop, np.bool_(logprobs),
-                                                   cfg=self.cfg, layout=self.layout, rows=bucket, k=k,
-                                                   max_len=self.max_len, table_blocks=self._table_width(k + 1))
+        extra = extra_bucket(int(n_prop.sum()), bucket * k)
+        extra_row = np.full(extra, bucket, np.int32)  # padding: a row past the batch, never live
+        extra_off = np.zeros(extra, np.int32)
+        extra_row[:n_prop.sum()] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
+        extra_off[:n_prop.sum()] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
+        new, emitted, counts, packed = verify_core(self.step_params, state, props, n_prop, extra_row, extra_off,
+                                                   np.bool_(logprobs), cfg=self.cfg, layout=self.layout, rows=bucket,
+                                                   k=k, max_len=self.max_len, table_blocks=self._table_width(k + 1))
         counts = np.asarray(counts)
         live = np.flatnonzero(self._occupied[:bucket])
         self._pos[live] += counts[live]

@@ -57,37 +57,54 @@ def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, max_n: int = 3, mi
     return []
 
 
+def extra_bucket(proposed: int, most: int) -> int:
+    """The compiled count of a verify call's proposal queries for `proposed` of them: powers of
+    two from 4, at most `most` (the batch's rows x k), so a pod compiles a few per batch bucket."""
+    size = 4
+    while size < proposed:
+        size *= 2
+    return max(1, min(size, most))
+
+
 @partial(jax.jit, static_argnames=("cfg", "layout", "rows", "k", "max_len", "table_blocks"), donate_argnums=(1,))
-def verify_core(params, state: DecodeState, proposals, n_prop, logprobs=False, *, cfg, layout, rows: int, k: int,
-                max_len: int, table_blocks: int):
-    """One call that checks up to k proposals per row. proposals int32 [rows, k] (row r's first
-    n_prop[r] real; the caller keeps positions + n_prop <= max_len - 1 and the blocks reserved);
-    a row with n_prop 0 takes one ordinary step. Returns (state, emitted int32 [rows, k + 1],
-    counts int32 [rows]: row r emitted emitted[r, :counts[r]] (1 .. n_prop + 1; 0 for a free row),
-    packed [rows, k + 1, PACKED_WIDTH]: the emitted tokens with their logprobs when the traced
-    bool `logprobs` is set, else zeros). The row's next input is its last emitted token."""
+def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_off, logprobs=False, *, cfg, layout,
+                rows: int, k: int, max_len: int, table_blocks: int):
+    """One call that checks up to k proposals per row, as a ragged batch of queries: the rows'
+    next inputs [0, rows) one each, then E extra queries, one per proposal (only the rows that
+    propose pay for them). proposals int32 [rows, k] (row r's first n_prop[r] real; the caller
+    keeps positions + n_prop <= max_len - 1 and the blocks reserved); extra_row, extra_off int32 [E]:
+    extra query e feeds proposal extra_off[e] - 1 of row extra_row[e] at that row's position +
+    extra_off[e] (rows >= `rows`: padding, never live). Returns (state, emitted int32 [rows, k + 1],
+    counts int32 [rows]: row r emitted emitted[r, :counts[r]] (1 .. n_prop + 1; 0 for a free
+    row), packed [rows, k + 1, PACKED_WIDTH]: the emitted tokens with their logprobs when the
+    traced bool `logprobs` is set, else zeros). The row's next input is its last emitted token."""
     if k < 1:
         raise ValueError(f"a verify call checks k >= 1 proposals a row (got {k})")
     q = k + 1
-    i = jnp.arange(q, dtype=jnp.int32)
     active = state.active[:rows]
     n_prop = jnp.where(active, jnp.clip(n_prop, 0, k), 0)
-    tokens = jnp.concatenate([state.tokens[:rows, None], proposals.astype(jnp.int32)], axis=1)  # [rows, q]
-    positions = state.positions[:rows, None] + i[None]
-    live = active[:, None] & (i[None] <= n_prop[:, None])
-
-    def per_query(tab):  # each row's table once for each of its queries
-        return jnp.repeat(tab[:rows, :table_blocks], q, axis=0)
-
-    logits, kp, vp = decode_forward_paged(params, tokens.reshape(-1), positions.reshape(-1), state.k, state.v,
-                                          per_query(state.block_table), cfg, max_len=max_len, active=live.reshape(-1),
-                                          mesh=None if layout is None else layout.mesh,
-                                          window_table=None if state.window_table is None else
-                                          per_query(state.window_table))
+    pad = extra_row >= rows
+    erow = jnp.where(pad, 0, extra_row)
+    qrow = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32), erow])  # each query's row
+    qoff = jnp.concatenate([jnp.zeros(rows, jnp.int32), extra_off])  # and its offset past the row's position
+    elive = ~pad & active[erow] & (extra_off >= 1) & (extra_off <= n_prop[erow])
+    feed = jnp.concatenate([state.tokens[:rows], proposals[erow, jnp.clip(extra_off - 1, 0, k - 1)]])
+    live = jnp.concatenate([active, elive])
+    window = None if state.window_table is None else state.window_table[qrow, :table_blocks]
+    logits, kp, vp = decode_forward_paged(params, feed, state.positions[qrow] + qoff, state.k, state.v,
+                                          state.block_table[qrow, :table_blocks], cfg, max_len=max_len, active=live,
+                                          mesh=None if layout is None else layout.mesh, window_table=window)
     kp, vp = _pin_pool(kp, layout), _pin_pool(vp, layout)
-    index = state.step[:rows, None] + i[None]  # the token index each query's logits draw
-    processed = _processed(logits, state, proposals, index, live, rows, q)  # [rows * q, vocab] float32
-    emitted, counts = _accept(processed, state, proposals, n_prop, index, rows, q)
+    # where[r, i]: the query whose logits draw row r's token i (0: the row's own; its i-th proposal's
+    # query after; a row that proposed fewer points at its own, never read past n_prop)
+    n_extra = extra_row.shape[0]
+    slot_of = jnp.full((rows, q), -1, jnp.int32).at[extra_row, extra_off].set(  # (padding rows: dropped)
+        rows + jnp.arange(n_extra, dtype=jnp.int32), mode="drop")
+    where = jnp.where(slot_of < 0, jnp.arange(rows, dtype=jnp.int32)[:, None], slot_of).at[:, 0].set(
+        jnp.arange(rows, dtype=jnp.int32))
+    index = state.step[qrow] + qoff  # the token index each query's logits draw
+    processed = _processed(logits, state, proposals, qrow, qoff, index, live, k)  # [Q, vocab] float32
+    emitted, counts = _accept(processed, state, proposals, n_prop, qrow, qoff, index, where, rows, k)
     counts = jnp.where(active, counts, 0)
     last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
     history = state.history
@@ -96,65 +113,66 @@ def verify_core(params, state: DecodeState, proposals, n_prop, logprobs=False, *
     new = state._replace(k=kp, v=vp, tokens=state.tokens.at[:rows].set(jnp.where(active, last, state.tokens[:rows])),
                          positions=state.positions.at[:rows].add(counts), step=state.step.at[:rows].add(counts),
                          history=history)
-    packed = jax.lax.cond(logprobs, lambda: pack(logprobs_of(processed), emitted.reshape(-1)).reshape(rows, q, -1),
-                          lambda: jnp.zeros((rows, q, PACKED_WIDTH), jnp.int32))
+
+    def packed_logprobs():
+        lp = logprobs_of(processed)[where.reshape(-1)]  # [rows * q, vocab]: each emitted token's query
+        return pack(lp, emitted.reshape(-1)).reshape(rows, q, -1)
+
+    packed = jax.lax.cond(logprobs, packed_logprobs, lambda: jnp.zeros((rows, q, PACKED_WIDTH), jnp.int32))
     return new, emitted, counts, packed
 
 
-def _processed(logits, state: DecodeState, proposals, index, live, rows: int, q: int):
+def _processed(logits, state: DecodeState, proposals, qrow, qoff, index, live, k: int):
     """Each query's logits after its row's processing, as the step would process them had the
     proposals before it been sampled: the penalty history counts them, min_tokens reads the
     query's own token index. Skipped (the logits as float32) when no live query needs it."""
-    vocab = logits.shape[-1]
-    p = SlotLogits(*(jnp.repeat(a[:rows], q, axis=0) for a in state.processing))
-    idx = index.reshape(-1)
-    holding = (idx < p.min_tokens) & (p.stop_ids[:, 0] < vocab)
-    on = jnp.any(live.reshape(-1) & (p.penalized | holding))
+    n, vocab = logits.shape
+    p = SlotLogits(*(a[qrow] for a in state.processing))
+    holding = (index < p.min_tokens) & (p.stop_ids[:, 0] < vocab)
+    on = jnp.any(live & (p.penalized | holding))
 
     def processed(_):
-        r = jnp.arange(rows)[:, None]
-        ahead = jnp.zeros((rows, q, vocab), jnp.int32).at[r, jnp.arange(1, q)[None], proposals].add(2, mode="drop")
-        history = state.history[:rows, None, :] + jnp.cumsum(ahead, axis=1)  # the row's, and the proposals before
-        return apply(logits, history.reshape(rows * q, vocab), p, idx)
+        history = state.history[qrow]
+        for i in range(k):  # the row's proposals before the query's own position, counted as output
+            history = history.at[jnp.arange(n), proposals[qrow, i]].add(2 * (i < qoff).astype(jnp.int32), mode="drop")
+        return apply(logits, history, p, index)
 
     return jax.lax.cond(on, processed, lambda _: logits.astype(jnp.float32), None)
 
 
-def _accept(processed, state: DecodeState, proposals, n_prop, index, rows: int, q: int):
-    """(emitted [rows, q], counts [rows]) by the acceptance rule of the module docstring."""
-    k = q - 1
-    vocab = processed.shape[-1]
+def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index, where, rows: int, k: int):
+    """(emitted [rows, k + 1], counts [rows]) by the acceptance rule of the module docstring."""
     temperature, top_k, top_p = (a[:rows] for a in (state.temperature, state.top_k, state.top_p))
-    seeds = state.seeds[:rows]
-    greedy = greedy_tokens(processed).reshape(rows, q)
+    greedy = greedy_tokens(processed)  # [Q]
     sampled = temperature > 0
+    # the proposal each query's distribution judges: its row's proposal at the query's offset
+    judged = proposals[qrow, jnp.minimum(qoff, k - 1)]
 
-    def kept_sampled(_):  # bool [rows, k]: u < p_i(x_i) for a sampled row's proposals
-        t = jnp.repeat(temperature, q)
-        scaled = (processed / jnp.maximum(t, 1e-6)[:, None]).reshape(rows, q, vocab)[:, :k].reshape(rows * k, vocab)
-        x = proposals.reshape(-1)
-        tk, tp = jnp.repeat(top_k, k), jnp.repeat(top_p, k)
+    def kept_sampled(_):  # bool [rows, k]: u < p(x) for each sampled row's proposals
+        t = state.temperature[qrow]
+        scaled = processed / jnp.maximum(t, 1e-6)[:, None]
+        tk, tp = state.top_k[qrow], state.top_p[qrow]
         ids, filtered = filter_candidates(scaled, tk, tp)
-        p_cut = jnp.sum(jnp.where(ids == x[:, None], jax.nn.softmax(filtered, axis=-1), 0.0), axis=-1)
-        p_whole = jnp.exp(jnp.take_along_axis(scaled, x[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1))
+        p_cut = jnp.sum(jnp.where(ids == judged[:, None], jax.nn.softmax(filtered, axis=-1), 0.0), axis=-1)
+        p_whole = jnp.exp(jnp.take_along_axis(scaled, judged[:, None], axis=-1)[:, 0]
+                          - jax.nn.logsumexp(scaled, axis=-1))
         p_x = jnp.where((tk > 0) | (tp < 1.0), p_cut, p_whole)
-        keys = token_keys(jnp.repeat(seeds, k, axis=0), index[:, :k].reshape(-1))
+        keys = token_keys(state.seeds[qrow], index)
         u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, ACCEPT_SALT)))(keys)
-        return ((u < p_x) | (p_x >= 1.0)).reshape(rows, k)
+        ok = (u < p_x) | (p_x >= 1.0)  # [Q]
+        return ok[where[:, :k]]
 
-    match = proposals == greedy[:, :k]
+    match = proposals == greedy[where[:, :k]]
     kept = jnp.where(sampled[:, None], jax.lax.cond(jnp.any(sampled), kept_sampled, lambda _: match, None), match)
     kept = kept & (jnp.arange(k)[None] < n_prop[:, None])
     taken = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1)  # leading proposals kept
-    at = taken  # the query whose distribution draws the row's last token
-    rejected = taken < n_prop
-    rows_at = jnp.arange(rows) * q + at
-    x_at = jnp.take_along_axis(proposals, jnp.minimum(at, k - 1)[:, None], axis=1)[:, 0]
-    final = _final_token(processed[rows_at], rejected, x_at, temperature, top_k, top_p, seeds,
-                         jnp.take_along_axis(index, at[:, None], axis=1)[:, 0])
-    cols = jnp.arange(q)[None]
+    at = jnp.take_along_axis(where, taken[:, None], axis=1)[:, 0]  # the query that draws the row's last token
+    x_at = jnp.take_along_axis(proposals, jnp.minimum(taken, k - 1)[:, None], axis=1)[:, 0]
+    final = _final_token(processed[at], taken < n_prop, x_at, temperature, top_k, top_p, state.seeds[:rows],
+                         index[at])
+    cols = jnp.arange(k + 1)[None]
     padded = jnp.concatenate([proposals, jnp.zeros((rows, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(cols < at[:, None], padded, jnp.where(cols == at[:, None], final[:, None], 0))
+    emitted = jnp.where(cols < taken[:, None], padded, jnp.where(cols == taken[:, None], final[:, None], 0))
     return emitted.astype(jnp.int32), (taken + 1).astype(jnp.int32)
 
 

@@ -1,0 +1,144 @@
+"""Speculative decoding in the decode loop (decode_svc/speculate.py, EngineLoop._verify): every
+request's entries (index, token, finish, logprobs) are those of the loop without speculation,
+whatever is proposed (the true continuation, so several tokens land per call and finishes fall
+inside them; noise; the n-gram lookup), across stop ids, max_tokens and the end of the context; a
+cancel still gives each token once, then one finish; rows whose proposals keep missing pause.
+Real engine (tiny preset), no Redis: the loop's queues are driven directly."""
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import pytest
+
+from decode_svc.bridge import Bridge
+from decode_svc.items import Insert
+from decode_svc.loop import EngineLoop
+from decode_svc.requests import RequestTable
+from decode_svc.settings import SpeculativeConfig
+from decode_svc.speculate import Speculator
+from tandem_core.types import GenerationRequest, SamplingParams
+from tandem_engine import load_engine
+
+SLOTS = 4
+MAX_LEN = 64
+NGRAM = SpeculativeConfig(method="ngram", k=4, min_n=1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16, 64), steps_per_dispatch=4,
+                       kv_block_size=4)
+
+
+def _req(rid: str, prompt, max_tokens: int, sampling=SamplingParams(), **kw) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_tokens, sampling, ignore_eos=True, **kw)
+
+
+def _drive(engine, reqs, speculative=None, cancel_after=None, timeout_s: float = 60):
+    table, bridge = RequestTable(SLOTS), Bridge(SLOTS, 256)
+    loop = EngineLoop(engine, table, bridge, speculative=speculative)
+    for r in reqs:
+        assert table.reserve(1) == 1
+        bridge.put_insert(Insert(engine.export_prefix(engine.prefill(r.prompt_ids, r.sampling)), r,
+                                 table.claim(r.request_id)))
+    loop.start()
+    got: dict[str, list] = {r.request_id: [] for r in reqs}
+    cancelled: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while sum(any(e[2] is not None for e in v) for v in got.values()) < len(reqs):
+            assert time.monotonic() < deadline, f"stalled: {got}"
+            try:
+                batch = bridge.outputs.get(timeout=1)
+            except queue.Empty:
+                continue
+            for e in batch:
+                got[e.request_id].append((e.index, e.token, e.finish, e.logprobs))
+            for rid, n in (cancel_after or {}).items():
+                if rid not in cancelled and len(got[rid]) >= n:
+                    loop.cancel({rid})
+                    cancelled.add(rid)
+    finally:
+        loop.stop()
+    assert loop.error is None
+    return got, loop
+
+
+PROMPTS = [[256] + [70, 71, 72, 73] * 3, [256, 80, 81], [256] + [90 + i for i in range(50)]]
+
+
+def _reqs(stop_tok: int):
+    return [
+        _req("stops", PROMPTS[0], 30, stop_token_ids=[stop_tok]),
+        _req("short", PROMPTS[1], 7),  # ends by max_tokens
+        _req("ctx", PROMPTS[2], 100),  # 51 prompt positions: ends at the end of the context
+        _req("logprobs", PROMPTS[1], 20, SamplingParams(logprobs=2, presence_penalty=0.5)),
+    ]
+
+
+def _truth(plain):
+    """A proposer that knows each request's plain output (entries from index 1; the first token
+    came with the prefill): the continuation of the request whose output so far this row's is."""
+    def propose(self, row, room):
+        if row is None or room < 1:
+            return []
+        for entries in plain.values():
+            toks = [t for _i, t, _f, _lp in entries]
+            for p in PROMPTS:
+                out = row.seq[len(p) + 1:]
+                if row.seq[:len(p)] == p and len(row.seq) > len(p) and out == toks[:len(out)]:
+                    return toks[len(out):len(out) + min(self.k, room)]
+        return []
+    return propose
+
+
+def test_loop_entries_with_speculation_equal_those_without(engine, monkeypatch):
+    probe, _ = _drive(engine, [_req("probe", PROMPTS[0], 30)])
+    stop_tok = [t for _i, t, _f, _lp in probe["probe"]][9]
+    reqs = _reqs(stop_tok)
+    plain, _ = _drive(engine, reqs)
+    assert plain["stops"][-1][2] == "stop" and plain["short"][-1][:1] == (6,)
+    assert plain["ctx"][-1][2] == "length" and all(e[3] for e in plain["logprobs"][:-1])
+    ngram, loop = _drive(engine, reqs, NGRAM)
+    assert ngram == plain
+    assert loop.spec.stats.drafts > 0
+    noise = np.random.default_rng(0)
+    monkeypatch.setattr(Speculator, "propose", lambda self, row, room: noise.integers(3, 250, 4).tolist()
+                        if row is not None and room > 0 else [])
+    noisy, loop = _drive(engine, reqs, NGRAM)
+    assert noisy == plain
+    monkeypatch.setattr(Speculator, "propose", _truth(plain))
+    truth, loop = _drive(engine, reqs, NGRAM)
+    assert truth == plain
+    s = loop.spec.stats
+    assert s.accepted >= 0.8 * s.draft_tokens > 0  # (nearly) every proposal kept: several tokens a call
+    assert loop.stats.calls < sum(len(v) for v in plain.values()) // 2
+
+
+def test_a_cancel_between_speculative_calls_gives_each_token_once_then_one_finish(engine, monkeypatch):
+    reqs = [_req("cancelled", PROMPTS[0], 40), _req("other", PROMPTS[1], 30)]
+    plain, _ = _drive(engine, reqs)
+    monkeypatch.setattr(Speculator, "propose", _truth(plain))
+    got, _ = _drive(engine, reqs, NGRAM, cancel_after={"cancelled": 6})
+    for rid, entries in got.items():
+        idx = [e[0] for e in entries]
+        assert idx == list(range(1, len(idx) + 1)), (rid, idx)
+        assert [e for e in entries if e[2] is not None] == [entries[-1]]
+        body = [e for e in entries if e[1] >= 0]
+        assert body == plain[rid][:len(body)]
+    assert got["cancelled"][-1][1:3] == (-1, "cancelled")
+    assert got["other"] == plain["other"]
+
+
+def test_rows_whose_proposals_miss_pause_and_the_loop_pipelines_again(engine, monkeypatch):
+    """Proposals that always miss: the row pauses (2, then 4, 8 .. dispatches), ordinary calls run
+    meanwhile, and it tries again after each pause."""
+    monkeypatch.setattr(Speculator, "propose", lambda self, row, room: [] if row is None or row.pause or room < 1
+                        else [0, 0, 0, 0][:min(self.k, room)])
+    got, loop = _drive(engine, [_req("a", PROMPTS[1], 60)], NGRAM)
+    s = loop.spec.stats
+    assert s.accepted == 0 and s.paused_rows >= 3  # tried again after each pause
+    assert loop.stats.calls - s.calls >= 2 + 4  # the ordinary calls of the first two pauses
+    assert s.calls <= 2 * (s.paused_rows + 1)
