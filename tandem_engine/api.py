@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
     from tandem_engine.block_cache import PrefixMatch
     from tandem_engine.cores import DecodeState
-    from tandem_engine.engine_decode import RaggedOut
+    from tandem_engine.engine_decode import RaggedOut, SpecOut
     from tandem_engine.engine import Prefix
     from tandem_engine.model import ModelConfig
 
@@ -129,6 +129,9 @@ class ServingEngine(Protocol):
 
     def generate_ragged(self, state: "DecodeState", rows: int | None = None, *,
                         logprobs: bool = False) -> "tuple[DecodeState, RaggedOut]": ...
+
+    def verify(self, state: "DecodeState", proposals: dict[int, Sequence[int]], k: int, rows: int | None = None, *,
+               logprobs: bool = False) -> "tuple[DecodeState, SpecOut]": ...  # speculative decoding's call
 
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...
 
