@@ -13,7 +13,7 @@ to insert/generate/free are donated and must not be used again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -130,7 +130,7 @@ class ServingEngine(Protocol):
     def generate_ragged(self, state: "DecodeState", rows: int | None = None, *,
                         logprobs: bool = False) -> "tuple[DecodeState, RaggedOut]": ...
 
-    def verify(self, state: "DecodeState", proposals: dict[int, Sequence[int]], k: int, rows: int | None = None, *,
+    def verify(self, state: "DecodeState", proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
                logprobs: bool = False) -> "tuple[DecodeState, SpecOut]": ...  # speculative decoding's call
 
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...

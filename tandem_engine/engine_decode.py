@@ -9,7 +9,7 @@ No I/O, no tokenizer, no settings here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -641,7 +641,7 @@ class DecodeSide(EngineBase):
         return state._replace(active=free_core(state.active, np.int32(slot)))
 
 
-    def verify(self, state: DecodeState, proposals: dict[int, Sequence[int]], k: int, rows: int | None = None, *,
+    def verify(self, state: DecodeState, proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
                logprobs: bool = False) -> tuple[DecodeState, SpecOut]:
         """One speculative call (donates `state`): every active row below `rows` takes one step,
         and a row in `proposals` (slot -> its proposed next tokens) also has up to `k` of them
