@@ -149,7 +149,10 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
                    "stolen": 0 if io.claims.stealer is None else io.claims.stealer.stolen,
                    # the step variants the warm-up left to idle time (the grammar-masked ones)
                    "late_compiles": {"done": stats.late_compiled, "total": stats.late_compiles,
-                                     "seconds": round(stats.late_compile_s, 1)}, **kv_info()},
+                                     "seconds": round(stats.late_compile_s, 1)},
+                   # speculative decoding's counts (the gateway's vllm:spec_decode_* counters); None: off
+                   "speculative": None if io.engine_loop.spec is None else io.engine_loop.spec.stats.summary(),
+                   **kv_info()},
         )
 
     def prefix_cache() -> dict:

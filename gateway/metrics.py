@@ -112,13 +112,26 @@ class GatewayMetrics:
             registry=reg,
         )
         self._pod_counters = PodCounters()
+        # speculative decoding (decode_svc/speculate.py), as vLLM names its counters
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Proposals checked by the decode pods (cluster)",
+                                   registry=reg)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens",
+                                         "Tokens proposed and checked by the decode pods (cluster)", registry=reg)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Proposed tokens the target model kept (cluster)", registry=reg)
+        self._spec_counters = PodCounters(SPEC_FIELDS, "speculative")
 
     def observe_prefix_cache(self, workers: list[dict]) -> None:
-        """Advance the prefix-cache counters by what each pod's heartbeat added since the last look."""
+        """Advance the prefix-cache counters (and the speculative-decoding ones) by what each pod's
+        heartbeat added since the last look."""
         d = self._pod_counters.deltas(workers)
         self.prefix_queries.inc(d["queries"])
         self.prefix_hits.inc(d["hits"])
         self.prefill_computed.inc(d["computed"])
+        d = self._spec_counters.deltas(workers)
+        self.spec_drafts.inc(d["drafts"])
+        self.spec_draft_tokens.inc(d["draft_tokens"])
+        self.spec_accepted.inc(d["accepted_tokens"])
 
     def _add_inference_extension_gauges(self, reg: CollectorRegistry) -> None:
         self.waiting = Gauge(
@@ -172,8 +185,12 @@ class GatewayMetrics:
                 "itl_sum": value("tandem_itl_seconds_sum"), "itl_count": value("tandem_itl_seconds_count")}
 
 
+SPEC_FIELDS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
 class PodCounters:
-    """Increments of the pods' cumulative prefix-cache counts between two registry reads
+    """Increments of the pods' cumulative prefix-cache counts (or another heartbeat section's:
+    `fields` of `extra[section]`) between two registry reads
     (tandem_core/load_report.Increments: a count going down, or a new pid, means the pod restarted
     and its whole count is new). A pod seen for the first time contributes its whole count. At
     most `max_pods` worker ids are remembered (least recently seen forgotten), so pod churn cannot
@@ -182,24 +199,30 @@ class PodCounters:
 
     FIELDS = ("queries", "hits", "computed")
 
-    def __init__(self, max_pods: int = 4096) -> None:
-        self._inc = Increments(self.FIELDS, max_ids=max_pods, count_new=True)
+    def __init__(self, fields: tuple[str, ...] = FIELDS, section: str = "prefix_cache", max_pods: int = 4096) -> None:
+        self.fields, self.section = tuple(fields), section
+        self._inc = Increments(self.fields, max_ids=max_pods, count_new=True)
 
     @property
     def _last(self) -> OrderedDict:
         return self._inc._last
 
     def deltas(self, workers: list[dict]) -> dict[str, int]:
-        reports = [{"id": w["id"], "pid": w.get("pid"), **{f: pc.get(f) for f in self.FIELDS}}
-                   for w in workers if (pc := prefix_cache_of(w)) is not None and w.get("id") is not None]
+        reports = [{"id": w["id"], "pid": w.get("pid"), **{f: pc.get(f) for f in self.fields}}
+                   for w in workers if (pc := section_of(w, self.section)) is not None and w.get("id") is not None]
         got = self._inc.step(reports)
-        return {f: int(got[f]) for f in self.FIELDS}
+        return {f: int(got[f]) for f in self.fields}
 
 
 def prefix_cache_of(worker: dict) -> dict | None:
     """The pod's heartbeat `extra["prefix_cache"]`, or None when it publishes none."""
-    pc = (worker.get("extra") or {}).get("prefix_cache")
-    return pc if isinstance(pc, dict) else None
+    return section_of(worker, "prefix_cache")
+
+
+def section_of(worker: dict, section: str) -> dict | None:
+    """The pod's heartbeat `extra[section]`, or None when it publishes none."""
+    got = (worker.get("extra") or {}).get(section)
+    return got if isinstance(got, dict) else None
 
 
 def prefix_cache_summary(workers: list[dict], gateway_block_size: int) -> dict:
