@@ -88,7 +88,8 @@ async def serve(s: DecodeSettings) -> int:
     blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # capacity in KV blocks too
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
                              mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks,
-                             late_warm=[v for v in engine.warm_steps(masks=True) if v.masked],
+                             late_warm=[v for v in engine.warm_steps(masks=True) if v.masked]
+                             + (engine.verify_variants(s.speculative.k) if s.speculative.on else []),
                              speculative=s.speculative)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)

@@ -99,6 +99,9 @@ class EngineLoop:
         # that much sooner), compiled one per turn in which the loop has nothing to do (`_warm_one`);
         # a grammar request before then compiles its step on its own clock, as without a warm-up
         self.late_warm: deque[StepVariant] = deque(late_warm)
+        # speculation starts once the verify call's variants among them are compiled (no request
+        # waits for one of those compiles: until then every call is an ordinary one)
+        self._verify_left = sum(1 for v in late_warm if v.spec_k)
         self._cancel: set[str] = set()
         self._silent: set[str] = set()
         self._cancel_at: dict[str, int] = {}  # request id -> its next token index when the cancel came
@@ -170,7 +173,9 @@ class EngineLoop:
         """Compile (run over the free rows) the next step variant the warm-up left: the loop is
         idle, no claim is on its way to a row (a request arriving meanwhile waits this one compile)."""
         t0 = time.perf_counter()
-        state = self.engine.warm_step(state, self.late_warm.popleft())
+        variant = self.late_warm.popleft()
+        state = self.engine.warm_step(state, variant)
+        self._verify_left -= bool(variant.spec_k)
         self.stats.late_compiled += 1
         self.stats.late_compile_s += time.perf_counter() - t0
         if not self.late_warm:
@@ -221,7 +226,8 @@ class EngineLoop:
         return Call(toks, snapshot, want, steps), state
 
     def _proposing(self) -> bool:
-        return self.spec is not None and self.spec.proposing([a.spec for a in self.table.snapshot() if not a.seated])
+        return (self.spec is not None and not self._verify_left
+                and self.spec.proposing([a.spec for a in self.table.snapshot() if not a.seated]))
 
     def _verify(self, state):
         """A speculative call (decode_svc/speculate.py, the engine's `verify`): every running row's

@@ -42,13 +42,16 @@ class PrefillCall:
 
 class StepVariant(NamedTuple):
     """One compiled shape of the decode step (`Engine.warm_steps`): its batch bucket, its table
-    width in blocks, the steps a call runs, and whether it returns logprobs, takes grammar masks."""
+    width in blocks, the steps a call runs, and whether it returns logprobs, takes grammar masks;
+    or of the speculative verify call (`Engine.verify_variants`)."""
 
     rows: int
     width: int
     steps: int
     logprobs: bool
     masked: bool
+    spec_k: int = 0  # a speculative verify call checking up to spec_k proposals a row (0: a step) ...
+    extra: int = 0  # ... with this many proposal queries (speculative.extra_bucket)
 
 
 @runtime_checkable

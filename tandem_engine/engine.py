@@ -47,6 +47,7 @@ from tandem_engine.engine_base import DEFAULT_BUCKETS
 from tandem_engine.engine_decode import DecodeSide
 from tandem_engine.api import PrefillCall, StepVariant
 from tandem_engine.engine_prefill import PrefillSide, Prefix
+from tandem_engine.speculative import extra_bucket
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
 
@@ -89,11 +90,23 @@ class Engine(PrefillSide, DecodeSide):
         Donates `state`. (A decode pod's engine thread runs the variants its warm-up left, e.g. the
         grammar-masked steps, this way while it has nothing to do: decode_svc/loop.py.)"""
         v = variant
+        if v.spec_k:
+            return self.warm_verify(state, v)
         masks = np.full((v.rows, (self.info.vocab_size + 31) // 32), -1, np.int32) if v.masked else None
         state, tokens = self._generate(state, v.rows, logprobs=v.logprobs, masks=masks, steps=v.steps,
                                        table_blocks=v.width)
         jax.block_until_ready(tokens)
         return state
+
+    def verify_variants(self, k: int) -> list[StepVariant]:
+        """The speculative verify call's compiled shapes for proposals of up to k tokens: every
+        batch bucket with each of its proposal-query buckets (speculative.extra_bucket: 4, 8, ..
+        up to rows x k)."""
+        out: list[StepVariant] = []
+        for rows in self.batch_buckets:
+            extras = sorted({extra_bucket(n, rows * k) for n in range(1, rows * k + 1)})
+            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, False, k, e) for e in extras]
+        return out
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                progress: Callable[[int, int, float], None] | None = None, direct: bool = False,

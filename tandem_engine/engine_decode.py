@@ -670,20 +670,38 @@ class DecodeSide(EngineBase):
             n = max(0, min(len(ids), k, self.max_len - 1 - int(self._pos[slot])))
             props[slot, :n] = np.asarray(ids[:n], np.int32)
             n_prop[slot] = n
-        extra = extra_bucket(int(n_prop.sum()), bucket * k)
-        extra_row = np.full(extra, bucket, np.int32)  # padding: a row past the batch, never live
-        extra_off = np.zeros(extra, np.int32)
-        extra_row[:n_prop.sum()] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
-        extra_off[:n_prop.sum()] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
-        new, emitted, counts, packed = verify_core(self.step_params, state, props, n_prop, extra_row, extra_off,
-                                                   np.bool_(logprobs), cfg=self.cfg, layout=self.layout, rows=bucket,
-                                                   k=k, max_len=self.max_len, table_blocks=self._table_width(k + 1))
+        new, emitted, counts, packed = self._verify_call(state, props, n_prop, k, bucket,
+                                                         extra_bucket(int(n_prop.sum()), bucket * k), logprobs,
+                                                         self._table_width(k + 1))
         counts = np.asarray(counts)
         live = np.flatnonzero(self._occupied[:bucket])
         self._pos[live] += counts[live]
         if self._trim_rejected(live):
             new = self._with_tables(new)
         return new, SpecOut(np.asarray(packed if logprobs else emitted), counts, n_prop)
+
+    def _verify_call(self, state: DecodeState, props: np.ndarray, n_prop: np.ndarray, k: int, bucket: int,
+                     extra: int, logprobs: bool, width: int):
+        """speculative.verify_core over rows [0, bucket) with `extra` proposal queries (row r's
+        n_prop[r] proposals first, in row order; the rest padding)."""
+        total = int(n_prop.sum())
+        extra_row = np.full(extra, bucket, np.int32)  # padding: a row past the batch, never live
+        extra_off = np.zeros(extra, np.int32)
+        extra_row[:total] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
+        extra_off[:total] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
+        return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs),
+                           cfg=self.cfg, layout=self.layout, rows=bucket, k=k, max_len=self.max_len,
+                           table_blocks=width)
+
+    def warm_verify(self, state: DecodeState, variant) -> DecodeState:
+        """Run one of `verify_variants`' shapes over `state`, every row free (so nothing is
+        proposed, and only the null block is written): compiled on its first run. Donates `state`."""
+        v = variant
+        new, emitted, _counts, _packed = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32),
+                                                           np.zeros(v.rows, np.int32), v.spec_k, v.rows, v.extra,
+                                                           v.logprobs, v.width)
+        jax.block_until_ready(emitted)
+        return new
 
     def _trim_rejected(self, slots: np.ndarray) -> bool:
         """Blocks past the one each row's next position falls in, reserved for proposals the

@@ -41,8 +41,9 @@ ACCEPT_SALT = 0x5EC0DE  # folded into a token's key for its acceptance draw (the
 
 def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Prompt lookup: the last n tokens (n from max_n down to min_n) matched against everything
-    before them, latest match first; the up to k tokens that followed it are the proposal. [] when
-    no suffix recurs. vLLM's n-gram proposer does the same over the prompt and the output so far."""
+    before them; the up to k tokens that followed the latest match with k tokens after it (else
+    the latest match) are the proposal. [] when no suffix recurs. vLLM's n-gram proposer does the
+    same over the prompt and the output so far."""
     arr = np.asarray(tokens, dtype=np.int64)
     size = arr.shape[0]
     if k < 1 or size < 2:
@@ -52,7 +53,10 @@ def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, max_n: int = 3, mi
         windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)  # starts 0 .. size - 1 - n
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n  # what followed the latest earlier occurrence
+            # the latest earlier occurrence with k tokens after it, else the latest (in a repeating
+            # tail the latest match is a period back, and only that many tokens follow it)
+            whole = hits[hits + n + k <= size]
+            start = int(whole[-1] if whole.size else hits[-1]) + n
             return arr[start:start + k].tolist()
     return []
 

@@ -27,6 +27,7 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
     assert ngram_propose([1, 2, 3, 4], k=2) == []  # no suffix recurs
     assert ngram_propose([4, 1, 2, 9, 9, 4], k=2, max_n=3) == [1, 2]  # a 1-gram when no longer one matches
     assert ngram_propose([7, 7, 7], k=4) == [7]  # what follows is cut at the end
+    assert ngram_propose([1, 2, 1, 2, 1, 2], k=3, max_n=2) == [1, 2, 1]  # not the latest match: 2 tokens follow it
     assert ngram_propose([1, 2], k=0) == []
 
 
