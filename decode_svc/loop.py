@@ -151,7 +151,7 @@ class EngineLoop:
                 state = self._warm_one(state)
                 continue
             current, masks = None, None
-            t0 = time.perf_counter()
+            t0, tokens0 = time.perf_counter(), self.stats.tokens
             if pending is not None and (self.grammars or self._proposing()):  # the masks (the proposals)
                 state, pending = self._process(pending, state), None  # need the pending call's tokens
             if self.grammars:
@@ -166,8 +166,12 @@ class EngineLoop:
                 current = None
             if pending is not None:
                 state = self._process(pending, state)
+            dispatched = current is not None or self.stats.tokens != tokens0
             pending = current
-            self.stats.busy_s += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.stats.busy_s += spent
+            if self.spec is not None and dispatched and not self._verify_left:  # the gate's measure
+                self.spec.gate.account(self.stats.tokens - tokens0, spent)
 
     def _warm_one(self, state):
         """Compile (run over the free rows) the next step variant the warm-up left: the loop is

@@ -5,23 +5,29 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tandem_core.settings import GrpcConfig, PrefixCacheConfig, WorkerSettings
 
 
 class SpeculativeConfig(BaseModel):
-    """TANDEM_DECODE_SPECULATIVE__*: `method` "ngram" turns it on; `k` proposed tokens at most per
-    row and call; the n-gram lengths tried, longest first; adaptive k's miss limit and longest
-    pause (dispatches)."""
+    """TANDEM_DECODE_SPECULATIVE__*: `method` "ngram" turns it on (decode_svc/speculate.py); `k`
+    proposed tokens at most per row and call; the n-gram lengths tried, longest first; a row
+    proposes the tokens whose chance of being kept is at least `min_gain` (its rate moves by
+    `rate_step` a judged token) and pauses up to `max_backoff` dispatches below it; the gate's
+    trial `window`, `hold` and longest hold, in dispatches."""
 
     method: Literal["off", "ngram"] = "off"
     k: PositiveInt = 4
     max_n: PositiveInt = 3
     min_n: PositiveInt = 2
-    miss_limit: PositiveInt = 2
+    min_gain: float = Field(default=0.3, gt=0.0, lt=1.0)
+    rate_step: float = Field(default=0.2, gt=0.0, le=1.0)
     max_backoff: PositiveInt = 64
+    gate_window: PositiveInt = 32
+    gate_hold: PositiveInt = 128
+    gate_max_hold: PositiveInt = 4096
 
     @model_validator(mode="after")
     def _lengths(self) -> SpeculativeConfig:

@@ -1,27 +1,38 @@
-"""Speculative decoding on a decode pod: which rows propose, what, and when a row stops trying
-(issue 45; the verify call is the engine's, tandem_engine/speculative.py).
+"""Speculative decoding on a decode pod: which rows propose, how much, and when the pod stops
+trying (issue 45; the verify call is the engine's, tandem_engine/speculative.py).
 
 The proposer is n-gram prompt lookup (vLLM's `ngram` method): a row's last n tokens, n from
-`max_n` down to `min_n`, matched against its prompt and output so far; the k tokens that followed
+`max_n` down to `min_n`, matched against its prompt and output so far; the tokens that followed
 the latest earlier match are its proposal. It costs no model and nothing on the device; a row with
 no match proposes nothing and takes an ordinary step inside the verify call.
 
-Adaptive k: a proposal of which nothing is kept is a miss. After `miss_limit` misses in a row the
-row sits out 2, 4, 8 .. up to `max_backoff` dispatches, and a kept token resets it; a row whose
-output does not repeat its context soon stops paying for proposals, and while no row is proposing
-the loop runs its ordinary pipelined multi-step calls. A proposal is also cut to what the row may
-still emit (max_tokens, the context), so a proposal never asks for blocks the row cannot use.
+Adaptive k, per row: `rate` is an estimate of the chance the row's next proposed token is kept
+(each token the target judged moves it: kept 1, rejected 0). A row proposes the tokens whose
+chance of being reached and kept is at least `min_gain` (rate^j >= min_gain: rate 0.8 -> 5, capped
+at k; 0.6 -> 2; 0.4 -> 1). Below `min_gain` it pauses 2, 4, 8 .. `max_backoff` dispatches, then
+tries one token again.
+
+The pod's gate: on a CPU a verify call over q queries costs more than a step of one (the built-in
+model's step at one row is a matrix-vector product; five queries take 2-2.5x its time, and a
+verify call forgoes multi-step dispatch and pipelining), so accepted tokens may not pay for it.
+The gate measures both: tokens emitted per second over `window` dispatches with speculation, then
+`window` without; the better one runs for `hold` dispatches (the plain one for twice as long each
+time it wins again, up to `max_hold`), then both are measured again. So speculation runs where it
+pays on this machine, workload and batch, and costs at most a trial window where it does not.
 
 Counters as vLLM names them (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens):
 `drafts` proposals checked, `draft_tokens` tokens in them, `accepted` tokens kept.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from decode_svc.settings import SpeculativeConfig
 from tandem_engine.speculative import ngram_propose
+
+START_RATE = 0.6  # a new row's estimate: two tokens proposed at first
 
 
 @dataclass
@@ -29,7 +40,7 @@ class SpecRow:
     """One running request's proposer state: its tokens so far (prompt, then every emitted one)."""
 
     seq: list[int]
-    misses: int = 0  # proposals in a row of which nothing was kept
+    rate: float = START_RATE  # the chance its next proposed token is kept (estimate)
     pause: int = 0  # dispatches left to sit out
     backoff: int = 1  # the next pause's length
 
@@ -41,19 +52,66 @@ class SpecStats:
     accepted: int = 0
     calls: int = 0  # verify calls dispatched
     paused_rows: int = 0  # times a row started a pause
+    gate_spec: int = 0  # gate decisions for speculation ...
+    gate_plain: int = 0  # ... and against it
 
     def summary(self) -> dict:
         rate = self.accepted / self.draft_tokens if self.draft_tokens else 0.0
         mean = 1 + self.accepted / self.drafts if self.drafts else 0.0  # tokens a checked row emitted a call
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
                 "calls": self.calls, "paused_rows": self.paused_rows, "acceptance_rate": round(rate, 4),
-                "mean_accepted_length": round(mean, 3)}
+                "mean_accepted_length": round(mean, 3), "gate": {"spec": self.gate_spec, "plain": self.gate_plain}}
+
+
+class Gate:
+    """Speculation on or off for the pod, by measured tokens per second (module docstring)."""
+
+    def __init__(self, window: int, hold: int, max_hold: int, stats: SpecStats) -> None:
+        self.window, self.hold, self.max_hold, self.stats = window, hold, max_hold, stats
+        self.phase = "try_spec"
+        self.left = window
+        self.plain_hold = hold
+        self._tokens = self._seconds = 0.0
+        self.rates: dict[str, float] = {}
+
+    @property
+    def speculate(self) -> bool:
+        return self.phase in ("try_spec", "spec")
+
+    def account(self, tokens: int, seconds: float) -> None:
+        """One dispatch with rows running: the tokens it emitted and the time it took."""
+        self._tokens += tokens
+        self._seconds += seconds
+        self.left -= 1
+        if self.left > 0:
+            return
+        rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
+        self._tokens = self._seconds = 0.0
+        if self.phase == "try_spec":
+            self.rates["spec"] = rate
+            self.phase, self.left = "try_plain", self.window
+        elif self.phase == "try_plain":
+            self.rates["plain"] = rate
+            if self.rates["spec"] >= rate:
+                self.phase, self.left, self.plain_hold = "spec", self.hold, self.hold
+                self.stats.gate_spec += 1
+            else:
+                self.phase, self.left = "plain", self.plain_hold
+                self.plain_hold = min(2 * self.plain_hold, self.max_hold)
+                self.stats.gate_plain += 1
+        else:  # a hold ran out: measure both again
+            self.phase, self.left = "try_spec", self.window
 
 
 @dataclass
 class Speculator:
     config: SpeculativeConfig
     stats: SpecStats = field(default_factory=SpecStats)
+    gate: Gate = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.gate = Gate(c.gate_window, c.gate_hold, c.gate_max_hold, self.stats)
 
     @property
     def k(self) -> int:
@@ -64,8 +122,9 @@ class Speculator:
         return SpecRow(list(prompt_ids) + [int(first_token)]) if self.config.on else None
 
     def proposing(self, rows: Sequence[SpecRow | None]) -> bool:
-        """Whether some row may propose at the next dispatch (else the loop pipelines as usual)."""
-        return any(r is not None and r.pause == 0 for r in rows)
+        """Whether the next dispatch may be a verify call: the gate says so and some row may
+        propose (else the loop runs its ordinary pipelined calls)."""
+        return self.gate.speculate and any(r is not None and r.pause == 0 for r in rows)
 
     def tick(self, rows: Sequence[SpecRow | None]) -> None:
         """One dispatch went by (a verify call or an ordinary one): pauses count down."""
@@ -77,14 +136,23 @@ class Speculator:
         """The row's proposal for this dispatch ([] when it sits out, has no match or no room)."""
         if row is None or row.pause:
             return []
-        k = min(self.config.k, room)
+        k = min(self.config.k, room, self.length(row.rate))
         if k < 1:
             return []
         return ngram_propose(row.seq, k, self.config.max_n, self.config.min_n)
 
+    def length(self, rate: float) -> int:
+        """Tokens worth proposing at this rate: those reached and kept with chance >= min_gain."""
+        if rate <= self.config.min_gain:
+            return 0
+        if rate >= 1.0:
+            return self.config.k
+        return max(1, min(self.config.k, int(math.log(self.config.min_gain) / math.log(rate))))
+
     def observe(self, row: SpecRow | None, proposed: int, emitted: Sequence[int], kept: int) -> None:
-        """After a call: the row's emitted tokens join its context; a checked proposal of which
-        `kept` tokens were kept counts, and a miss streak starts a pause."""
+        """After a call: the row's emitted tokens join its context; each proposed token the target
+        judged (the kept ones and the first rejected) moves its rate, and a rate below min_gain
+        starts a pause."""
         if row is None:
             return
         row.seq.extend(emitted)
@@ -93,11 +161,13 @@ class Speculator:
         self.stats.drafts += 1
         self.stats.draft_tokens += proposed
         self.stats.accepted += kept
+        judged = min(kept + 1, proposed)
+        for j in range(judged):
+            row.rate += self.config.rate_step * ((1.0 if j < kept else 0.0) - row.rate)
         if kept:
-            row.misses, row.backoff = 0, 1
-            return
-        row.misses += 1
-        if row.misses >= self.config.miss_limit:
+            row.backoff = 1
+        if row.rate <= self.config.min_gain:
+            row.pause = row.backoff
             row.backoff = min(row.backoff * 2, self.config.max_backoff)
-            row.pause, row.misses = row.backoff, 0
+            row.rate = (self.config.min_gain + START_RATE) / 2  # after the pause: a token or two again
             self.stats.paused_rows += 1

@@ -23,7 +23,7 @@ from tandem_engine import load_engine
 
 SLOTS = 4
 MAX_LEN = 64
-NGRAM = SpeculativeConfig(method="ngram", k=4, min_n=1)
+NGRAM = SpeculativeConfig(method="ngram", k=4, min_n=1, gate_window=100_000)  # the gate stays in its first trial
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +142,38 @@ def test_rows_whose_proposals_miss_pause_and_the_loop_pipelines_again(engine, mo
     assert s.accepted == 0 and s.paused_rows >= 3  # tried again after each pause
     assert loop.stats.calls - s.calls >= 2 + 4  # the ordinary calls of the first two pauses
     assert s.calls <= 2 * (s.paused_rows + 1)
+
+
+def test_the_gate_keeps_the_faster_mode_and_measures_again():
+    from decode_svc.speculate import Gate, SpecStats
+
+    stats = SpecStats()
+    gate = Gate(window=2, hold=4, max_hold=16, stats=stats)
+
+    def run(n, tokens_per_s):
+        seen = []
+        for _ in range(n):
+            seen.append(gate.speculate)
+            gate.account(int(tokens_per_s / 100), 0.01)
+        return seen
+
+    assert run(2, 500) == [True, True]  # trial: with speculation ...
+    assert run(2, 1000) == [False, False]  # ... then without: faster
+    assert gate.phase == "plain" and stats.gate_plain == 1
+    assert run(4, 1000) == [False] * 4  # held
+    run(2, 500), run(2, 1000)  # measured again: plain still faster, held twice as long
+    assert gate.phase == "plain" and gate.left == 8
+    run(8, 1000)
+    run(2, 2000), run(2, 1000)  # speculation faster now
+    assert gate.phase == "spec" and stats.gate_spec == 1 and gate.speculate
+
+
+def test_a_rows_proposal_length_follows_its_rate():
+    spec = Speculator(SpeculativeConfig(method="ngram", k=4))
+    assert [spec.length(r) for r in (0.2, 0.3, 0.4, 0.6, 0.8, 0.95, 1.0)] == [0, 0, 1, 2, 4, 4, 4]
+    row = spec.start([1, 2, 3], 4)
+    for _ in range(4):
+        spec.observe(row, 2, [9], 0)  # nothing kept, four times: 0.6 x 0.8^4 < min_gain
+    assert row.pause == 1 and spec.stats.paused_rows == 1
+    spec.tick([row])
+    assert row.pause == 0 and spec.length(row.rate) == 1  # after the pause: one token again
