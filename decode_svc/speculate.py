@@ -54,13 +54,15 @@ class SpecStats:
     paused_rows: int = 0  # times a row started a pause
     gate_spec: int = 0  # gate decisions for speculation ...
     gate_plain: int = 0  # ... and against it
+    gate_rates: dict = field(default_factory=dict)  # the last trial's tokens/s, with and without
 
     def summary(self) -> dict:
         rate = self.accepted / self.draft_tokens if self.draft_tokens else 0.0
         mean = 1 + self.accepted / self.drafts if self.drafts else 0.0  # tokens a checked row emitted a call
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
                 "calls": self.calls, "paused_rows": self.paused_rows, "acceptance_rate": round(rate, 4),
-                "mean_accepted_length": round(mean, 3), "gate": {"spec": self.gate_spec, "plain": self.gate_plain}}
+                "mean_accepted_length": round(mean, 3),
+                "gate": {"spec": self.gate_spec, "plain": self.gate_plain, "rates": self.gate_rates}}
 
 
 class Gate:
@@ -92,6 +94,7 @@ class Gate:
             self.phase, self.left = "try_plain", self.window
         elif self.phase == "try_plain":
             self.rates["plain"] = rate
+            self.stats.gate_rates = {m: round(r, 1) for m, r in self.rates.items()}
             if self.rates["spec"] >= rate:
                 self.phase, self.left, self.plain_hold = "spec", self.hold, self.hold
                 self.stats.gate_spec += 1
