@@ -373,7 +373,8 @@ class EngineLoop:
         self.table.start(key, Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
                                      stop_ids=frozenset(req.stop_token_ids),
                                      fed=[int(first_token)] if self.engine.kv_reuse else None,
-                                     spec=None if self.spec is None else self.spec.start(req.prompt_ids, first_token)))
+                                     spec=None if self.spec is None else self.spec.start(req.prompt_ids, first_token,
+                                                                                          req.speculative)))
         return state
 
     def _local_prefill(self, item: LocalPrefill, state):
@@ -461,7 +462,7 @@ class EngineLoop:
                       logprobs=unpack_logprobs(host, k).encode() if k is not None else None)
         act.seated, act.ack, act.next_index = False, None, req.start_index + 1
         act.fed = [tok] if self.engine.kv_reuse else None
-        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok)
+        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok, req.speculative)
         self.stats.local_prefills += 1
         self.stats.tokens += 1
         if finish is not None:

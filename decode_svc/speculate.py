@@ -120,9 +120,10 @@ class Speculator:
     def k(self) -> int:
         return self.config.k
 
-    def start(self, prompt_ids: Sequence[int], first_token: int) -> SpecRow | None:
-        """A row's state when its request goes into a slot (None while speculation is off)."""
-        return SpecRow(list(prompt_ids) + [int(first_token)]) if self.config.on else None
+    def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True) -> SpecRow | None:
+        """A row's state when its request goes into a slot (None while speculation is off, or
+        the request opted out: `wanted` False)."""
+        return SpecRow(list(prompt_ids) + [int(first_token)]) if self.config.on and wanted else None
 
     def proposing(self, rows: Sequence[SpecRow | None]) -> bool:
         """Whether the next dispatch may be a verify call: the gate says so and some row may

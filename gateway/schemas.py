@@ -106,7 +106,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints share, plus the vLLM extras (`top_k`, `repetition_penalty`,
     `min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`) and Tandem's own
-    (`priority`, `resumable`). Upper bounds that the settings decide (max_tokens, n, stop
+    (`priority`, `resumable`, `speculative`). Upper bounds that the settings decide (max_tokens, n, stop
     strings, logit_bias entries) are not in the schema; a request past them gets a 400."""
 
     model_config = ConfigDict(extra="forbid")
@@ -131,6 +131,7 @@ class _Common(BaseModel):
     skip_special_tokens: StrictBool = True
     priority: Literal["normal", "high"] | None = None
     resumable: StrictBool = False
+    speculative: StrictBool = True  # false: no speculative decoding for this request (where a pod runs it)
     guided_json: JsonSchema | StrictStr | None = None  # vLLM's structured-output extras (structured.py)
     guided_regex: StrictStr | None = None
     guided_choice: ChoiceList | None = None
@@ -159,7 +160,7 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty, logit_bias=_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
             logprobs_param=logprobs_param, skip_special_tokens=self.skip_special_tokens,
-            continuous_usage=bool(so and so.continuous_usage_stats),
+            continuous_usage=bool(so and so.continuous_usage_stats), speculative=self.speculative,
         )
 
 

@@ -64,6 +64,7 @@ class CompletionParams:
     echo: bool = False  # completions: the prompt comes back before the completion
     skip_special_tokens: bool = True
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    speculative: bool = True  # False: this request opts out of speculative decoding
     add_special_tokens: bool = True  # False: the text already has them (a model's chat template)
     max_tokens_to_context: bool = False  # chat: no max_tokens = until a stop or the context ends
     # Structured outputs and tools (issue 13):
@@ -270,6 +271,7 @@ def build_request(
         n=n,
         prompt_logprobs=p.logprobs if p.echo and p.logprobs is not None else None,
         grammar=p.grammar,
+        speculative=p.speculative,
     )
     return Prepared(request=req, stop=stop, model=model, arrival_ts=arrival, echo=p.echo, logprobs=p.logprobs,
                     skip_special_tokens=p.skip_special_tokens, continuous_usage=p.continuous_usage, n=n,

@@ -144,6 +144,8 @@ class GenerationRequest:
     # The decode pod the gateway steered it to (its KV block cache likely holds the prompt's leading
     # blocks: gateway/decode_route.py); a hint: any decode pod may take it. None: any.
     decode_pod: str | None = None
+    # False: the request opts out of speculative decoding (decode_svc/speculate.py) where a pod runs it
+    speculative: bool = True
 
     @property
     def output_from(self) -> int:
@@ -165,6 +167,8 @@ class GenerationRequest:
         d["sampling"] = self.sampling.to_dict()
         if d["decode_pod"] is None:  # not steered: readable by pods that predate the field
             del d["decode_pod"]
+        if d["speculative"]:  # the default: left out, as above
+            del d["speculative"]
         return d
 
     def to_json(self) -> str:

@@ -177,3 +177,15 @@ def test_a_rows_proposal_length_follows_its_rate():
     assert row.pause == 1 and spec.stats.paused_rows == 1
     spec.tick([row])
     assert row.pause == 0 and spec.length(row.rate) == 1  # after the pause: one token again
+
+
+def test_a_request_that_opts_out_is_never_speculated(engine, monkeypatch):
+    reqs = [_req("out", PROMPTS[0], 20, speculative=False), _req("in", PROMPTS[1], 20)]
+    plain, _ = _drive(engine, reqs)
+    monkeypatch.setattr(Speculator, "propose", _truth(plain))
+    got, loop = _drive(engine, reqs, NGRAM)
+    assert got == plain
+    assert 0 < loop.spec.stats.drafts <= 19  # the other request's alone: one a call at most
+    calls = loop.spec.stats.calls
+    got, loop = _drive(engine, reqs[:1], NGRAM)
+    assert loop.spec.stats.drafts == 0 and loop.spec.stats.calls == 0 and calls > 0
