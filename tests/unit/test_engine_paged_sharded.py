@@ -1,6 +1,7 @@
 """Paged KV under tensor parallelism (`Engine(tp=2)`): the pool split by KV head
 (each chip holds its heads' slice of every block, the block tables replicated) decodes the same
-greedy tokens as a tp=1 engine, one step per call and several; a prompt's KV crosses
+greedy tokens as a tp=1 engine, one step per call and several, and by speculative verify calls
+(proposals kept and rejected); a prompt's KV crosses
 between a tp=2 engine (blocks of 4) and a tp=1 engine (blocks of 16) both ways; a finished row's blocks are shared
 by a later sequence (kv_reuse) with the same tokens as a whole insert; fp8 KV shards too, and so
 does a prefill pod's device prefix cache (prefix_pool.py: the same pool, read through a hit).
@@ -67,6 +68,25 @@ def decode(engine, kv: dict, steps: int = STEPS, per_call: int = 1) -> dict[str,
         for slot in kv:
             out[str(slot)] += host[:, slot].tolist()
     return out
+
+
+def speculate(engine, kv: dict, want: dict[str, list[int]], steps: int = STEPS) -> dict[str, list[int]]:
+    """Greedy tokens per slot by speculative verify calls (tandem_engine/speculative.py): slot 0
+    proposes its true continuation (every token kept), the others noise (every one rejected)."""
+    from tandem_core.types import SamplingParams
+
+    greedy = SamplingParams()
+    state = engine.init_state()
+    out = {}
+    for slot, x in kv.items():
+        state = engine.insert(x, state, slot, greedy)
+        out[str(slot)] = [x.first_token]
+    while min(len(o) for o in out.values()) < steps + 1:
+        props = {int(s): (want[s][len(o):len(o) + 3] if s == "0" else [1, 2, 3]) for s, o in out.items()}
+        state, spec = engine.verify(state, props, 3, engine.slots)
+        for s in out:
+            out[s] += spec.tokens[int(s), :spec.counts[int(s)]].tolist()
+    return {s: o[:steps + 1] for s, o in out.items()}
 
 
 def reuse(engine, seed: int) -> dict:
@@ -137,6 +157,7 @@ def child(spec: dict) -> dict:
     res["paged2"] = decode(paged2, {s: paged2.prefill(p, greedy) for s, p in ids.items()})
     res["paged2_multi"] = decode(paged2, {s: paged2.export_prefix(paged2.prefill(p, greedy)) for s, p in ids.items()},
                                  per_call=3)
+    res["spec2"] = speculate(paged2, {s: paged2.prefill(p, greedy) for s, p in ids.items()}, res["want"])
     pool = paged2.init_state().k[0]
     res["pool_shape"] = list(pool.shape)
     res["pool_shard"] = list(pool.addressable_shards[0].data.shape)
@@ -175,6 +196,7 @@ def child(spec: dict) -> dict:
         res[f"{fam}/want"] = decode(ref, {s: ref.prefill(p, greedy) for s, p in ids.items()})
         res[f"{fam}/paged2"] = decode(e, {s: e.prefill(p, greedy) for s, p in ids.items()})
         res[f"{fam}/paged2_multi"] = decode(e, {s: e.prefill(p, greedy) for s, p in ids.items()}, per_call=3)
+        res[f"{fam}/spec2"] = speculate(e, {s: e.prefill(p, greedy) for s, p in ids.items()}, res[f"{fam}/want"])
     return res
 
 
@@ -221,6 +243,7 @@ def test_greedy_tokens_at_tp2_equal_tp1s(results):
     assert len(want) == 2 and all(len(t) == STEPS + 1 for t in want.values())
     assert results["paged2"] == want
     assert results["paged2_multi"] == want  # 3 steps per call, inserted as payloads
+    assert results["spec2"] == want  # speculative verify calls: one row's proposals kept, the other's rejected
 
 
 def test_kv_crosses_between_tp2_and_tp1(results):
@@ -265,6 +288,7 @@ def test_gqa_families_at_tp2_equal_tp1s(results, fam):
     want = results[f"{fam}/want"]
     assert results[f"{fam}/paged2"] == want
     assert results[f"{fam}/paged2_multi"] == want
+    assert results[f"{fam}/spec2"] == want
 
 
 if __name__ == "__main__":
