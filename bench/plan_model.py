@@ -3,7 +3,8 @@
     arrival -> admission queue (one, shared, FIFO) -> a free prefill pod, busy prefill_seconds(prompt)
             -> ready queue (FIFO, in prefill-completion order) -> a decode pod with a free slot
             -> hand-off (handoff_s; the slot is reserved meanwhile) -> the pod's batch
-            -> one token per step, the step lasting decode_itl(batch) -> finished
+            -> one token per step (`tokens_per_step` with speculative decoding), the step
+               lasting decode_itl(batch) -> finished
 
 A decode pod is simulated event by event, not step by step: between two of its events (a join or
 a finish) every request in its batch advances at 1 / decode_itl(batch) steps a second. The pod
@@ -70,10 +71,15 @@ class SimConfig:
     sample_s: float = 60.0  # the replica time series' step
     horizon_s: float = 6 * 3600.0  # stop this long after the last arrival even if requests remain
     kv: KVCapacity | None = None  # every decode pod's KV (see the module's docstring); None: the profile's slots
+    # tokens a running request gains per decode step on average: 1 without speculative decoding,
+    # its mean accepted length with it (decode_svc/speculate.py; a step's time stays decode_itl(batch))
+    tokens_per_step: float = 1.0
 
     def __post_init__(self) -> None:
         if self.first_token not in ("decode", "prefill"):
             raise ValueError(f"first_token: want 'decode' or 'prefill', got {self.first_token!r}")
+        if self.tokens_per_step < 1.0:
+            raise ValueError(f"tokens_per_step: a step emits at least one token a row, got {self.tokens_per_step}")
 
 
 @dataclass
@@ -316,7 +322,7 @@ class Cluster:
         self.advance(pod, t)
         pod.reserved -= 1
         pod.batch += 1
-        heapq.heappush(pod.heap, (pod.S + self.steps[r], r))
+        heapq.heappush(pod.heap, (pod.S + self.steps[r] / self.cfg.tokens_per_step, r))
         if self.cfg.first_token == "decode":
             self.first_token(r, t + self.itl_tab[pod.batch])
         self.reschedule(pod, t)
@@ -327,7 +333,7 @@ class Cluster:
         if pod.batch:
             steps = (t - pod.t_last) / pod.itl
             pod.S += steps
-            self.win.decoded += steps * pod.batch
+            self.win.decoded += steps * pod.batch * self.cfg.tokens_per_step
         pod.t_last = t
 
     def reschedule(self, pod: Pod, t: float) -> None:

@@ -303,7 +303,8 @@ def run(args, argv: list[str]) -> int:
     t0 = time.perf_counter()
     trace = build_trace(args, profile, slo)
     print(f"trace: {trace.name}: {len(trace):,} requests ({time.perf_counter() - t0:.1f} s)", flush=True)
-    cfg = SimConfig(startup_s=args.startup_s, first_token=args.first_token, kv=kv_of(args, profile))
+    cfg = SimConfig(startup_s=args.startup_s, first_token=args.first_token, kv=kv_of(args, profile),
+                    tokens_per_step=args.tokens_per_step)
     pols = policies(trace, profile, slo, args)
     if args.policies:
         pols = [p for p in pols if p.name in args.policies.split(",")]
@@ -370,6 +371,8 @@ def parse(argv):
     p.add_argument("--startup-s", type=float, default=60.0)
     p.add_argument("--first-token", choices=("prefill", "decode"), default="prefill",
                    help="prefill: TTFT ends at the prefill pod's token 0 (Tandem); decode: at the first decode step")
+    p.add_argument("--tokens-per-step", type=float, default=1.0,
+                   help="tokens a decode step gives each request (speculative decoding: its mean accepted length)")
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--up-cooldown-s", type=float, default=60.0)
     p.add_argument("--down-cooldown-s", type=float, default=300.0)

@@ -6,7 +6,10 @@ Dynamo's planner does, the planner scales the profile by what it sees:
 - prefill: the prefill pods' own recent seconds a prompt (their heartbeats' `prefill_ema_s`)
   over what the profile gives for the interval's mean prompt;
 - decode: the gateways' mean inter-token gap over the profile's step time at the batch the pods
-  ran (by Little's law: tokens/s per decode pod x seconds a step = requests per step).
+  ran (by Little's law: tokens/s per decode pod x seconds a step = requests per step). The gap is
+  per token, so pods that emit several tokens a row per step (speculative decoding,
+  decode_svc/speculate.py) show as faster than the profile by their tokens per step, less what
+  their verify calls cost (bench/plan_model.py's `tokens_per_step` simulates it).
 Each factor is an exponential average of those ratios, clamped to [1/LIMIT, LIMIT], updated only
 in an interval that has the measurements; 1.0 until then. Pure: no clock, no I/O.
 """

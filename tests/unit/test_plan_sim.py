@@ -153,6 +153,26 @@ def test_planner_corrections_see_a_cluster_slower_than_its_profile():
     assert np.median(corr[:, 1]) == pytest.approx(1.5, rel=0.1)
 
 
+def test_speculative_decoding_tokens_per_step_speed_a_pod_up_and_the_planner_sees_it():
+    """tokens_per_step 2 (speculative decoding's mean accepted length): a full pod makes twice the
+    tokens a second at the same step time, and the planner's decode correction, read from the
+    per-token gap the gateways measure, finds the pods twice as fast as the profile's steps."""
+    slots, out = PROFILE.slots, 2000
+    tr = trace([0.0] * slots, prompt=8, output=out)
+    res = simulate(tr, PROFILE, StaticPolicy({"prefill": 4, "decode": 1}),
+                   SimConfig(first_token="decode", tokens_per_step=2.0))
+    assert np.nanmedian(res.itl) == pytest.approx(PROFILE.decode_itl(slots) / 2, rel=0.02)
+    tr = _small_day(seed=4)
+    slo = SLOConfig(ttft_s=0.5, itl_s=0.05)
+    start = size_for(len(tr) / tr.duration_s, float(tr.prompt.mean()), float(tr.output.mean()), PROFILE, slo)
+    pol = PlannerPolicy(PROFILE, PlanConfig(slo, BOUNDS), start, interval_s=15.0)
+    simulate(tr, PROFILE, pol, SimConfig(startup_s=10.0, tokens_per_step=2.0))
+    corr = np.asarray([d.corrections for _, d in pol.log[5:]])
+    assert np.median(corr[:, 1]) == pytest.approx(0.5, rel=0.15)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        SimConfig(tokens_per_step=0.5)
+
+
 def test_trace_generator_is_seeded_and_bounded():
     spec = TraceSpec(duration_s=1800.0, low_rpm=300, peak_rpm=3000, prompt_bounds=(8, 512),
                      output_bounds=(4, 64), seed=7)
