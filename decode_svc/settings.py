@@ -15,7 +15,8 @@ class SpeculativeConfig(BaseModel):
     """TANDEM_DECODE_SPECULATIVE__*: `method` "ngram" turns it on (decode_svc/speculate.py); `k`
     proposed tokens at most per row and call; the n-gram lengths tried, longest first; a row
     proposes the tokens whose chance of being kept is at least `min_gain` (its rate moves by
-    `rate_step` a judged token) and pauses up to `max_backoff` dispatches below it; the gate's
+    `rate_step` a judged token) and pauses up to `max_backoff` dispatches below it, and
+    `no_match_pause` dispatches when its last tokens recur nowhere; the gate's
     trial `window`, `hold` and longest hold, in dispatches."""
 
     method: Literal["off", "ngram"] = "off"
@@ -25,6 +26,7 @@ class SpeculativeConfig(BaseModel):
     min_gain: float = Field(default=0.3, gt=0.0, lt=1.0)
     rate_step: float = Field(default=0.2, gt=0.0, le=1.0)
     max_backoff: PositiveInt = 64
+    no_match_pause: PositiveInt = 3
     gate_window: PositiveInt = 32
     gate_hold: PositiveInt = 128
     gate_max_hold: PositiveInt = 4096

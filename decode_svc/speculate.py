@@ -10,7 +10,9 @@ Adaptive k, per row: `rate` is an estimate of the chance the row's next proposed
 (each token the target judged moves it: kept 1, rejected 0). A row proposes the tokens whose
 chance of being reached and kept is at least `min_gain` (rate^j >= min_gain: rate 0.8 -> 5, capped
 at k; 0.6 -> 2; 0.4 -> 1). Below `min_gain` it pauses 2, 4, 8 .. `max_backoff` dispatches, then
-tries one token again.
+tries one token again. A row whose last tokens recur nowhere sits out `no_match_pause` dispatches
+(a dispatch that may be a verify call waits for the call before it: while no row can propose, the
+loop pipelines).
 
 The pod's gate: on a CPU a verify call over q queries costs more than a step of one (the built-in
 model's step at one row is a matrix-vector product; five queries take 2-2.5x its time, and a
@@ -143,7 +145,10 @@ class Speculator:
         k = min(self.config.k, room, self.length(row.rate))
         if k < 1:
             return []
-        return ngram_propose(row.seq, k, self.config.max_n, self.config.min_n)
+        ids = ngram_propose(row.seq, k, self.config.max_n, self.config.min_n)
+        if not ids:  # nothing recurs: look again a few dispatches on (meanwhile the loop can pipeline)
+            row.pause = self.config.no_match_pause
+        return ids
 
     def length(self, rate: float) -> int:
         """Tokens worth proposing at this rate: those reached and kept with chance >= min_gain."""

@@ -23,7 +23,8 @@ from tandem_engine import load_engine
 
 SLOTS = 4
 MAX_LEN = 64
-NGRAM = SpeculativeConfig(method="ngram", k=4, min_n=1, gate_window=100_000)  # the gate stays in its first trial
+NGRAM = SpeculativeConfig(method="ngram", k=4, min_n=1, no_match_pause=1,
+                          gate_window=100_000)  # the gate stays in its first trial
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,14 @@ def test_a_request_that_opts_out_is_never_speculated(engine, monkeypatch):
     calls = loop.spec.stats.calls
     got, loop = _drive(engine, reqs[:1], NGRAM)
     assert loop.spec.stats.drafts == 0 and loop.spec.stats.calls == 0 and calls > 0
+
+
+def test_a_row_whose_tokens_recur_nowhere_sits_out_a_few_dispatches():
+    spec = Speculator(SpeculativeConfig(method="ngram", k=4, no_match_pause=3))
+    row = spec.start([1, 2, 3], 4)  # nothing recurs
+    assert spec.propose(row, 10) == [] and row.pause == 3
+    assert not spec.proposing([row])  # the loop pipelines meanwhile
+    for _ in range(3):
+        spec.tick([row])
+    row.seq += [1, 2]  # "1 2" recurs now: what followed it is proposed
+    assert spec.proposing([row]) and spec.propose(row, 10) == [3, 4]
