@@ -29,7 +29,7 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name  # t
 def to_params(req: generate_pb2.GenerateRequest) -> CompletionParams:
     """Proto3 zero values mean "unset": max_tokens 0 -> default, top_p 0 -> off, temperature 0 ->
     greedy, penalties 0 -> off, n 0 -> 1; `optional` fields (seed, repetition_penalty, logprobs,
-    skip_special_tokens) are unset when absent."""
+    skip_special_tokens, speculative) are unset when absent."""
     s = req.sampling
     has_sampling = req.HasField("sampling")
     return CompletionParams(
@@ -54,6 +54,7 @@ def to_params(req: generate_pb2.GenerateRequest) -> CompletionParams:
         stop_token_ids=list(req.stop_token_ids),
         logprobs=int(req.logprobs) if req.HasField("logprobs") else None,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        speculative=req.speculative if req.HasField("speculative") else True,
     )
 
 

@@ -77,3 +77,17 @@ def test_bodies_to_params():
     whole = CompletionBody.model_validate({"prompt": [1.0, 2], "max_tokens": 4.0, "n": 2.0, "seed": -1.0})
     assert (whole.prompt, whole.max_tokens, whole.n, whole.seed) == ([1, 2], 4, 2, -1)
     assert all(type(x) is int for x in (*whole.prompt, whole.max_tokens, whole.n, whole.seed))
+
+
+def test_a_request_opts_out_of_speculative_decoding_over_http_and_grpc():
+    from gateway.grpc_api import to_params
+    from tandem_proto import generate_pb2
+
+    on, off = _build(CompletionParams(prompt="hi")), _build(CompletionParams(prompt="hi", speculative=False))
+    assert on.request.speculative and not off.request.speculative
+    assert "speculative" not in on.request.to_dict()  # the default stays off the wire (older pods read it)
+    back = type(off.request).from_json(off.request.to_json())  # through the admission stream and resumes
+    assert back.speculative is False and back.choice(1).speculative is False
+    assert CompletionBody(prompt="hi", speculative=False)._params(None, None, "logprobs").speculative is False
+    assert to_params(generate_pb2.GenerateRequest(prompt="x")).speculative is True
+    assert to_params(generate_pb2.GenerateRequest(prompt="x", speculative=False)).speculative is False
