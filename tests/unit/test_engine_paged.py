@@ -75,8 +75,9 @@ def family_dirs(tmp_path_factory):
                                     "qwen3_moe", "gpt_oss"])
 def test_greedy_tokens_match_the_reference(family, family_dirs):
     """Every family (sliding windows of 8 < the prompts, softcaps, sinks, MoE): the reference
-    forward's greedy tokens, one step per call and 3 per call, through insert and insert_payload;
-    the 40-token prompt decodes past 64 positions (more read pieces)."""
+    forward's greedy tokens, one step per call and 3 per call, through insert and insert_payload,
+    the ragged call and speculative verify calls; the 40-token prompt decodes past 64 positions
+    (more read pieces)."""
     paged = engine_of(family_dirs[family])
     rng = np.random.default_rng(len(family))
     prompts = {0: rng.integers(0, 256, 13).tolist(), 2: rng.integers(0, 256, 40).tolist()}
@@ -105,6 +106,26 @@ def test_greedy_tokens_match_the_reference(family, family_dirs):
         if out.slot is not None:
             got[2] = [int(unpack_tokens(np.asarray(out.first)[None])[0])]
     assert got == {0: want[0][:10], 2: want[2][:7]}
+    # speculative verify calls (tandem_engine/speculative.py): one row proposes its true continuation
+    # (every token kept, 4 positions a call: windows and blocks crossed inside a call), the other
+    # noise (every token rejected, its blocks handed back), then the other way round: the same tokens
+    for truth in (0, 2):
+        assert _speculate(paged, prompts, want, truth) == {slot: tokens[:31] for slot, tokens in want.items()}
+
+
+def _speculate(engine, prompts, want, truth: int, steps: int = 30):
+    state = engine.init_state()
+    out = {}
+    for slot, ids in prompts.items():
+        prefix = engine.prefill(ids, GREEDY)
+        state = engine.insert(prefix, state, slot, GREEDY)
+        out[slot] = [prefix.first_token]
+    while min(len(o) for o in out.values()) < steps + 1:
+        props = {s: want[s][len(o):len(o) + 3] if s == truth else [1, 2, 3] for s, o in out.items()}
+        state, spec = engine.verify(state, props, 3, engine.slots)
+        for s in out:
+            out[s] += spec.tokens[s, :spec.counts[s]].tolist()
+    return {s: o[:steps + 1] for s, o in out.items()}
 
 
 def _check_window_group(paged, state, rows):
