@@ -34,6 +34,7 @@ BENCHMARKS = [
     "quantize_quality.py --kv --write",  # int8 weights and fp8 KV vs unquantized: greedy agreement, logit error, bytes (issue 30)
     "load.py",  # a checkpoint's load time against the cold read, peak RSS against its bytes, tp 1 and 2 (issue 41)
     "cold_start.py",  # TTFT of a fresh cluster's first requests, cold and warm compile cache (issue 41)
+    "speculative.py",  # speculative decoding on against off, both paths, repeat and open workloads (issue 45)
 ]
 
 
