@@ -91,6 +91,7 @@ class LoopStats:
     cancelled: int = 0  # requests ended by a client's cancel (a `cancelled` finish written)
     cancel_lag_tokens: int = 0  # the most tokens a request produced after its cancel reached the engine
     handed_back_for_blocks: int = 0  # running requests handed back because the paged KV ran out
+    spec_short: int = 0  # verify calls not made: the pool lacked the blocks of k + 1 positions a row
     host_wait_s: float = 0.0  # time blocked copying tokens to the host
     constrained_steps: int = 0  # steps run with grammar masks (unpipelined)
     mask_s: float = 0.0  # host time computing those masks

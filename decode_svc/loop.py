@@ -247,6 +247,9 @@ class EngineLoop:
                     proposals[act.slot] = ids
         if not proposals:
             return state, None
+        if not self.engine.can_reserve(spec.k + 1):  # a pool short of k + 1 positions a row: an
+            self.stats.spec_short += 1  # ordinary call, whose room is a step's (no request is handed
+            return state, None  # back for a proposal's sake)
         state = self._make_room(state, spec.k + 1)
         snapshot = [a for a in self.table.snapshot() if not a.seated]
         if not snapshot:

@@ -133,6 +133,8 @@ class ServingEngine(Protocol):
     def generate_ragged(self, state: "DecodeState", rows: int | None = None, *,
                         logprobs: bool = False) -> "tuple[DecodeState, RaggedOut]": ...
 
+    def can_reserve(self, steps: int) -> bool: ...  # reserve(state, steps) would give every active row its blocks
+
     def verify(self, state: "DecodeState", proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
                logprobs: bool = False) -> "tuple[DecodeState, SpecOut]": ...  # speculative decoding's call
 

@@ -530,6 +530,14 @@ class DecodeSide(EngineBase):
             state = self._with_tables(state)
         return state, failed
 
+    def can_reserve(self, steps: int) -> bool:
+        """Whether `reserve(state, steps)` would give every active row its blocks now (the pool's
+        free blocks cover what the rows lack; the windowed group sizes each row's share itself)."""
+        with self._blocks_lock:
+            lack = sum(max(0, self._blocks_needed(slot, steps) - int(self._held[slot]))
+                       for slot in np.flatnonzero(self._occupied).tolist())
+            return lack <= self.kv_blocks_free()
+
     def _drop_passed_blocks(self) -> bool:
         """Every running row's blocks wholly before position `_pos - window_frees + 1` (the first
         its next step attends to) back to the pool. Returns whether a table changed."""

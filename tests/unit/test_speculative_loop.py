@@ -201,3 +201,27 @@ def test_a_row_whose_tokens_recur_nowhere_sits_out_a_few_dispatches():
         spec.tick([row])
     row.seq += [1, 2]  # "1 2" recurs now: what followed it is proposed
     assert spec.proposing([row]) and spec.propose(row, 10) == [3, 4]
+
+
+def test_a_pool_short_of_a_verify_calls_blocks_gets_ordinary_calls_and_hands_nothing_back(engine, monkeypatch):
+    """Verify calls take k + 1 positions a row; where the pool cannot give them the loop runs an
+    ordinary call (a step's room) rather than hand a request back for a proposal's sake."""
+    reqs = [_req("a", PROMPTS[0], 20), _req("b", PROMPTS[1], 20)]
+    plain, _ = _drive(engine, reqs)
+    monkeypatch.setattr(Speculator, "propose", _truth(plain))
+    monkeypatch.setattr(type(engine), "can_reserve", lambda self, steps: steps <= engine.steps_per_dispatch)
+    got, loop = _drive(engine, reqs, NGRAM)
+    assert got == plain
+    assert loop.spec.stats.calls == 0 and loop.stats.spec_short > 0 and loop.stats.handed_back_for_blocks == 0
+
+
+def test_can_reserve_counts_the_blocks_the_rows_lack_against_the_free_ones():
+    from tandem_core.types import SamplingParams as SP
+
+    e = load_engine("tiny", slots=2, max_len=64, prefill_buckets=(16,), kv_block_size=4, kv_blocks=5)
+    state = e.insert(e.prefill(list(range(3, 10)), SP()), e.init_state(), 0, SP())  # 7 positions + 1: 2 blocks
+    assert e.kv_blocks_free() == 3
+    assert e.can_reserve(1) and e.can_reserve(13)  # positions 7..19: 5 blocks, 3 more
+    assert not e.can_reserve(14)  # positions 7..20: 6 blocks
+    state, short = e.reserve(state, 13)
+    assert short == [] and e.kv_blocks_free() == 0 and not e.can_reserve(14)
