@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_core.types import KVPayload, SamplingParams, TokenLogprobs
     from tandem_engine.block_cache import PrefixMatch
     from tandem_engine.cores import DecodeState
-    from tandem_engine.engine_decode import RaggedOut, SpecOut
+    from tandem_engine.engine_decode import RaggedOut
+    from tandem_engine.engine_spec import SpecOut
     from tandem_engine.engine import Prefix
     from tandem_engine.model import ModelConfig
 

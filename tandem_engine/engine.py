@@ -44,15 +44,14 @@ import numpy as np
 from tandem_core.types import SamplingParams
 from tandem_engine.cores import DecodeState
 from tandem_engine.engine_base import DEFAULT_BUCKETS
-from tandem_engine.engine_decode import DecodeSide
 from tandem_engine.api import PrefillCall, StepVariant
 from tandem_engine.engine_prefill import PrefillSide, Prefix
-from tandem_engine.speculative import extra_bucket
+from tandem_engine.engine_spec import SpeculativeSide
 
 __all__ = ["DEFAULT_BUCKETS", "DecodeState", "Engine", "PrefillCall", "Prefix"]
 
 
-class Engine(PrefillSide, DecodeSide):
+class Engine(PrefillSide, SpeculativeSide):
     """Device work only: token ids in, token ids out. One thread MUST own an Engine and its
     DecodeState (calls are not thread-safe; states passed to insert/generate/free are donated
     and MUST NOT be used again).
@@ -97,16 +96,6 @@ class Engine(PrefillSide, DecodeSide):
                                        table_blocks=v.width)
         jax.block_until_ready(tokens)
         return state
-
-    def verify_variants(self, k: int) -> list[StepVariant]:
-        """The speculative verify call's compiled shapes for proposals of up to k tokens: every
-        batch bucket with each of its proposal-query buckets (speculative.extra_bucket: 4, 8, ..
-        up to rows x k)."""
-        out: list[StepVariant] = []
-        for rows in self.batch_buckets:
-            extras = sorted({extra_bucket(n, rows * k) for n in range(1, rows * k + 1)})
-            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, False, k, e) for e in extras]
-        return out
 
     def warmup(self, prefill: bool = True, logprobs: bool = True, masks: bool = False,
                progress: Callable[[int, int, float], None] | None = None, direct: bool = False,

@@ -1,0 +1,123 @@
+"""Speculative decoding's host side of the engine (issue 45): `verify` checks each row's proposed
+tokens in one call (speculative.verify_core: the rows' next inputs and one query per proposal,
+each through its row's block table), keeps the row positions and blocks the call leaves, and gives
+back the blocks only rejected proposals used; `verify_variants` / `warm_verify` are the call's
+compiled shapes, which a decode pod compiles in its idle time. The proposers are the services'
+(decode_svc/speculate.py); the device half and the acceptance rule are speculative.py's.
+No I/O, no tokenizer, no settings here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from tandem_engine.api import StepVariant
+from tandem_engine.cores import DecodeState
+from tandem_engine.engine_decode import DecodeSide
+from tandem_engine.speculative import extra_bucket, verify_core
+
+
+@dataclass
+class SpecOut:
+    """What `verify` returns beside the state, on the host: row r emitted tokens[r, :counts[r]]
+    (int32 [rows, k + 1]; [rows, k + 1, PACKED_WIDTH] with logprobs, logits.unpack_* read each
+    row); `proposed[r]` of its proposals were checked (counts[r] - 1 of them kept)."""
+
+    tokens: np.ndarray
+    counts: np.ndarray
+    proposed: np.ndarray
+
+
+class SpeculativeSide(DecodeSide):
+    """`verify` and its compiled shapes over the decode side's rows and blocks."""
+
+    def verify_variants(self, k: int) -> list[StepVariant]:
+        """The speculative verify call's compiled shapes for proposals of up to k tokens: every
+        batch bucket with each of its proposal-query buckets (speculative.extra_bucket: 4, 8, ..
+        up to rows x k)."""
+        out: list[StepVariant] = []
+        for rows in self.batch_buckets:
+            extras = sorted({extra_bucket(n, rows * k) for n in range(1, rows * k + 1)})
+            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, False, k, e) for e in extras]
+        return out
+
+    def verify(self, state: DecodeState, proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
+               logprobs: bool = False) -> tuple[DecodeState, SpecOut]:
+        """One speculative call (donates `state`): every active row below `rows` takes one step,
+        and a row in `proposals` (slot -> its proposed next tokens) also has up to `k` of them
+        checked by the target in the same call (speculative.py: greedy rows keep the output they
+        would have had, sampled rows its distribution). A row's proposals are cut where they would
+        pass max_len - 1. Reserves the blocks the next k + 1 positions of every row fall in as
+        `generate` does (RuntimeError when the pool is short: `reserve(state, k + 1)` first and
+        hand rows back), and afterwards gives back the blocks that only rejected proposals used.
+        Returns the state and a `SpecOut` on the host (the call waits for the counts: the next
+        proposals need the tokens). No grammar masks, and no prompt seated by `begin_prompt`
+        may be pending (`generate_ragged` serves those)."""
+        if self._pending:
+            raise RuntimeError("a prompt seated by begin_prompt is pending: generate_ragged serves it first")
+        k = int(k)
+        if self._short_rows(k + 1):
+            state, failed = self.reserve(state, k + 1)
+            if failed:
+                raise RuntimeError(f"slots {failed} have no KV blocks for their next {k + 1} positions and the pool "
+                                   f"has too few free: free some slots (reserve(state, {k + 1}) says which)")
+        bucket = self.rows_for(rows)
+        props = np.zeros((bucket, k), np.int32)
+        n_prop = np.zeros(bucket, np.int32)
+        for slot, ids in proposals.items():
+            if not (0 <= slot < bucket and self._occupied[slot]):
+                continue
+            n = max(0, min(len(ids), k, self.max_len - 1 - int(self._pos[slot])))
+            props[slot, :n] = np.asarray(ids[:n], np.int32)
+            n_prop[slot] = n
+        new, emitted, counts, packed = self._verify_call(state, props, n_prop, k, bucket,
+                                                         extra_bucket(int(n_prop.sum()), bucket * k), logprobs,
+                                                         self._table_width(k + 1))
+        counts = np.asarray(counts)
+        live = np.flatnonzero(self._occupied[:bucket])
+        self._pos[live] += counts[live]
+        if self._trim_rejected(live):
+            new = self._with_tables(new)
+        return new, SpecOut(np.asarray(packed if logprobs else emitted), counts, n_prop)
+
+    def _verify_call(self, state: DecodeState, props: np.ndarray, n_prop: np.ndarray, k: int, bucket: int,
+                     extra: int, logprobs: bool, width: int):
+        """speculative.verify_core over rows [0, bucket) with `extra` proposal queries (row r's
+        n_prop[r] proposals first, in row order; the rest padding)."""
+        total = int(n_prop.sum())
+        extra_row = np.full(extra, bucket, np.int32)  # padding: a row past the batch, never live
+        extra_off = np.zeros(extra, np.int32)
+        extra_row[:total] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
+        extra_off[:total] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
+        return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs),
+                           cfg=self.cfg, layout=self.layout, rows=bucket, k=k, max_len=self.max_len,
+                           table_blocks=width)
+
+    def warm_verify(self, state: DecodeState, variant) -> DecodeState:
+        """Run one of `verify_variants`' shapes over `state`, every row free (so nothing is
+        proposed, and only the null block is written): compiled on its first run. Donates `state`."""
+        v = variant
+        new, emitted, _counts, _packed = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32),
+                                                           np.zeros(v.rows, np.int32), v.spec_k, v.rows, v.extra,
+                                                           v.logprobs, v.width)
+        jax.block_until_ready(emitted)
+        return new
+
+    def _trim_rejected(self, slots: np.ndarray) -> bool:
+        """Blocks past the one each row's next position falls in, reserved for proposals the
+        call rejected, back to the pool (a block-table edit; their contents are never read).
+        Returns whether a table changed."""
+        changed = False
+        with self._blocks_lock:
+            for slot in slots.tolist():
+                need = self._blocks_needed(slot, 1)
+                held = int(self._held[slot])
+                if held > need:
+                    self._alloc.release([b for b in self._table[slot, need:held].tolist() if b])
+                    self._table[slot, need:held] = 0
+                    self._held[slot] = need
+                    changed = True
+        return changed
