@@ -2,7 +2,8 @@
 built-in model's greedy text through the `openai` client is the same with speculation, without it
 (a request's `"speculative": false`) and through a decode pod SIGKILLed while it speculated (the
 request resumes on the other decode pod, which speculates too); the gateway's
-vllm:spec_decode_* counters count the proposals.
+vllm:spec_decode_* counters count the proposals. The colocated path (one worker prefills its
+prompts and decodes them) gives the same text too, `n` = 2 choices included.
 
 The pods' gate is held in its speculating trial (gate_window very large) so every call that can
 be a verify call is one, whatever this machine measures."""
@@ -43,16 +44,28 @@ def cluster():
         stop_local(c.proc)
 
 
+@pytest.fixture(scope="module")
+def colocated():
+    c = start_local("builtin", slots=4, max_len=512,
+                    extra=["--colocated", "--speculative", "ngram", "--speculative-k", "4"], env=SPEC_ENV)
+    try:
+        asyncio.run(wait_healthy(c.base_url, {"decode": 1}))
+        _wait_spec_ready(c.base_url, pods=1)
+        yield c
+    finally:
+        stop_local(c.proc)
+
+
 def _workers(base: str) -> list[dict]:
     return httpx.get(base + "/admin/cluster", timeout=10).json()["workers"]
 
 
-def _wait_spec_ready(base: str, timeout_s: float = 300) -> None:
+def _wait_spec_ready(base: str, pods: int = WANT["decode"], timeout_s: float = 300) -> None:
     """Until every decode pod compiled its verify call's shapes (it speculates only after)."""
     deadline = time.monotonic() + timeout_s
     while True:
         late = [w["extra"].get("late_compiles") or {} for w in _workers(base) if w["role"] == "decode"]
-        if len(late) >= WANT["decode"] and all(x.get("done") == x.get("total") for x in late):
+        if len(late) >= pods and all(x.get("done") == x.get("total") for x in late):
             return
         assert time.monotonic() < deadline, f"the decode pods' idle-time compiles did not finish: {late}"
         time.sleep(0.5)
@@ -85,6 +98,19 @@ def test_greedy_text_is_the_same_with_and_without_speculation(cluster):
     assert spec.usage.completion_tokens == plain.usage.completion_tokens == 120
     assert after_spec > before, "no proposal was checked: the test proved nothing"
     assert after_plain == after_spec, "a request that opted out was speculated"
+
+
+def test_the_colocated_path_gives_the_same_text_with_and_without_speculation(colocated):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=colocated.base_url + "/v1", api_key="none", max_retries=0)
+    before = _settle_drafts(colocated.base_url)
+    spec = client.completions.create(model="builtin", prompt=PROMPT, max_tokens=120, temperature=0, n=2)
+    after = _settle_drafts(colocated.base_url)
+    plain = client.completions.create(model="builtin", prompt=PROMPT, max_tokens=120, temperature=0,
+                                      extra_body={"speculative": False})
+    assert [c.text for c in spec.choices] == [plain.choices[0].text] * 2
+    assert after > before, "no proposal was checked: the test proved nothing"
 
 
 def test_a_decode_pod_killed_while_it_speculates_resumes_the_request_with_the_same_tokens(cluster):
