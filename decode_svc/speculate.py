@@ -57,6 +57,7 @@ class SpecStats:
     gate_spec: int = 0  # gate decisions for speculation ...
     gate_plain: int = 0  # ... and against it
     gate_rates: dict = field(default_factory=dict)  # the last trial's tokens/s, with and without
+    accepted_per_pos: list = field(default_factory=list)  # [i]: proposals whose token i (0-based) was kept
 
     def summary(self) -> dict:
         rate = self.accepted / self.draft_tokens if self.draft_tokens else 0.0
@@ -64,6 +65,7 @@ class SpecStats:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
                 "calls": self.calls, "paused_rows": self.paused_rows, "acceptance_rate": round(rate, 4),
                 "mean_accepted_length": round(mean, 3),
+                "accepted_per_pos": {str(i): n for i, n in enumerate(self.accepted_per_pos)},
                 "gate": {"spec": self.gate_spec, "plain": self.gate_plain, "rates": self.gate_rates}}
 
 
@@ -170,6 +172,10 @@ class Speculator:
         self.stats.drafts += 1
         self.stats.draft_tokens += proposed
         self.stats.accepted += kept
+        per_pos = self.stats.accepted_per_pos
+        per_pos.extend([0] * (kept - len(per_pos)))
+        for i in range(kept):
+            per_pos[i] += 1
         judged = min(kept + 1, proposed)
         for j in range(judged):
             row.rate += self.config.rate_step * ((1.0 if j < kept else 0.0) - row.rate)

@@ -120,6 +120,10 @@ class GatewayMetrics:
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens",
                                      "Proposed tokens the target model kept (cluster)", registry=reg)
         self._spec_counters = PodCounters(SPEC_FIELDS, "speculative")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposals whose token at this position (0-based) was kept (cluster)",
+                                             ["position"], registry=reg)
+        self._spec_pos_counters = PodCounters(SPEC_POSITIONS, "spec_pos")
 
     def observe_prefix_cache(self, workers: list[dict]) -> None:
         """Advance the prefix-cache counters (and the speculative-decoding ones) by what each pod's
@@ -132,6 +136,11 @@ class GatewayMetrics:
         self.spec_drafts.inc(d["drafts"])
         self.spec_draft_tokens.inc(d["draft_tokens"])
         self.spec_accepted.inc(d["accepted_tokens"])
+        per_pos = [{"id": w.get("id"), "pid": w.get("pid"), "extra": {"spec_pos": spec.get("accepted_per_pos") or {}}}
+                   for w in workers if (spec := section_of(w, "speculative")) is not None]
+        for pos, n in self._spec_pos_counters.deltas(per_pos).items():
+            if n:
+                self.spec_accepted_per_pos.labels(pos).inc(n)
 
     def _add_inference_extension_gauges(self, reg: CollectorRegistry) -> None:
         self.waiting = Gauge(
@@ -186,6 +195,7 @@ class GatewayMetrics:
 
 
 SPEC_FIELDS = ("drafts", "draft_tokens", "accepted_tokens")
+SPEC_POSITIONS = tuple(str(i) for i in range(16))  # accepted tokens by position: k up to 16
 
 
 class PodCounters:

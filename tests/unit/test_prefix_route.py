@@ -172,15 +172,17 @@ def test_metrics_counters_and_summary():
 def test_speculative_counters_follow_the_decode_pods_heartbeats():
     """vllm:spec_decode_* (decode_svc/speculate.py's counts): cluster increments, a pod that
     publishes none (speculation off: None) adds nothing."""
-    def pod(pid, **counts):
+    def pod(pid, per_pos=None, **counts):
         return {"id": "d", "pid": pid, "extra": {"speculative": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                                                                  **counts}}}
+                                                                  "accepted_per_pos": per_pos or {}, **counts}}}
 
     m = GatewayMetrics()
-    m.observe_prefix_cache([pod(1, drafts=5, draft_tokens=20, accepted_tokens=12), {"id": "off",
-                                                                                    "extra": {"speculative": None}}])
-    m.observe_prefix_cache([pod(1, drafts=9, draft_tokens=36, accepted_tokens=30)])
+    m.observe_prefix_cache([pod(1, {"0": 4, "1": 3}, drafts=5, draft_tokens=20, accepted_tokens=12),
+                            {"id": "off", "extra": {"speculative": None}}])
+    m.observe_prefix_cache([pod(1, {"0": 8, "1": 6, "2": 1}, drafts=9, draft_tokens=36, accepted_tokens=30)])
     text = m.render().decode()
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 8.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0' in text
     assert "vllm:spec_decode_num_drafts_total 9.0" in text
     assert "vllm:spec_decode_num_draft_tokens_total 36.0" in text
     assert "vllm:spec_decode_num_accepted_tokens_total 30.0" in text

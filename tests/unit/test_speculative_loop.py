@@ -178,6 +178,9 @@ def test_a_rows_proposal_length_follows_its_rate():
     assert row.pause == 1 and spec.stats.paused_rows == 1
     spec.tick([row])
     assert row.pause == 0 and spec.length(row.rate) == 1  # after the pause: one token again
+    spec.observe(row, 3, [5, 6, 7], 2)
+    spec.observe(row, 1, [8], 1)
+    assert spec.stats.accepted_per_pos == [2, 1] and spec.stats.summary()["accepted_per_pos"] == {"0": 2, "1": 1}
 
 
 def test_a_request_that_opts_out_is_never_speculated(engine, monkeypatch):
