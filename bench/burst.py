@@ -45,17 +45,6 @@ def burst(n: int, prompt_len: int, output_len: int, seed: int, vocab: int = 2048
             for _ in range(n)]
 
 
-class _Tandem(TandemLocal):
-    """`tandem local` with extra flags (`--tandem-args`) after the ones TandemLocal gives."""
-
-    def __init__(self, *args, extra_args: list[str], **kw) -> None:
-        super().__init__(*args, **kw)
-        self.extra_args = extra_args
-
-    def command(self) -> list[str]:
-        return super().command() + self.extra_args
-
-
 ROLES = (("prefill_svc", "prefill"), ("decode_svc", "decode"), ("gateway", "gateway"), ("redis-server", "redis"))
 
 
@@ -108,7 +97,7 @@ def make(name: str, a, root: Path):
                                         max_num_seqs=a.slots)
     env = dict(kv.split("=", 1) for kv in a.env)
     extra = shlex.split(a.tandem_args) if root == ROOT else []  # another checkout may not know a new flag
-    return tag, _Tandem(tag, "builtin", colocated=(name == "colocated"), slots=a.slots, max_len=a.max_len,
+    return tag, TandemLocal(tag, "builtin", colocated=(name == "colocated"), slots=a.slots, max_len=a.max_len,
                         pin="", env=env, log_path=OUT / f"{tag}.log", root=root, extra_args=extra)
 
 

@@ -34,9 +34,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import code_version, machine_line, markdown_table, merge_summary, write_section
-from bench.kv_capacity import EXTRA, _Tandem, conversation, extra_sum, kv_bytes_per_token, new_tokens, settled
+from bench.kv_capacity import EXTRA, conversation, extra_sum, kv_bytes_per_token, new_tokens, settled
 from bench.loadgen import RequestSpec, percentile, run_load
-from bench.systems import ROOT, model_id
+from bench.systems import ROOT, TandemLocal, model_id
 
 OUT = ROOT / "bench" / "out" / "decode_affinity"
 SECTION = "decode_affinity"
@@ -90,7 +90,7 @@ async def rounds(url: str, model: str, a, per_token: int, vocab: int) -> dict:
 
 def run_side(name: str, env: dict[str, str], a, per_token: int, vocab: int) -> dict:
     args = ["--decode", "2"]
-    server = _Tandem(name, a.model, colocated=False, slots=a.slots, max_len=a.max_len, pin="", env=env,
+    server = TandemLocal(name, a.model, colocated=False, slots=a.slots, max_len=a.max_len, pin="", env=env,
                      log_path=a.out / f"{name}.log", extra_args=args, ready_timeout=a.ready_timeout)
     t0 = time.monotonic()
     try:

@@ -207,15 +207,6 @@ class Config:
     skipped: str = ""  # why it does not run here
 
 
-class _Tandem(TandemLocal):
-    def __init__(self, *args, extra_args: list[str], **kw) -> None:
-        super().__init__(*args, **kw)
-        self.extra_args = extra_args
-
-    def command(self) -> list[str]:
-        return super().command() + self.extra_args
-
-
 def local_help(root: Path = ROOT) -> str:
     """`tandem local --help` of the checkout at `root`."""
     out = subprocess.run([sys.executable, "-m", "tandem.cli", "local", "--help"], cwd=root, capture_output=True,
@@ -462,7 +453,7 @@ async def prefix_hits(url: str, model: str, a, vocab: int) -> dict:
 
 
 def run_config(c: Config, a, vocab: int, per_token: int) -> dict:
-    server = _Tandem(c.name, a.model, colocated=False, slots=c.rows, max_len=a.max_len, pin="", env={},
+    server = TandemLocal(c.name, a.model, colocated=False, slots=c.rows, max_len=a.max_len, pin="", env={},
                      log_path=a.out / f"{c.name}.log", extra_args=pod_args(a) + c.args,
                      ready_timeout=a.ready_timeout)
     t0 = time.monotonic()

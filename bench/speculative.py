@@ -131,15 +131,6 @@ def specs(prompts: list[list[int]], kind: str) -> list[RequestSpec]:
 # one cluster
 
 
-class _Tandem(TandemLocal):
-    def __init__(self, *args, extra_args: list[str], **kw) -> None:
-        super().__init__(*args, **kw)
-        self.extra_args = extra_args
-
-    def command(self) -> list[str]:
-        return super().command() + self.extra_args
-
-
 def spec_counts(base_url: str) -> dict[str, int]:
     """The decode pods' speculative counts summed (zeros when off)."""
     with urllib.request.urlopen(base_url + "/admin/cluster", timeout=10) as r:
@@ -196,7 +187,7 @@ async def _cell(base_url: str, model: str, prompts: list[list[int]], kind: str, 
 
 def run_system(path: str, on: bool, k: int, concurrency: list[int], work: dict, n: int, log: Path) -> list[dict]:
     args = ["--speculative", "ngram", "--speculative-k", str(k)] if on else []
-    sysm = _Tandem(f"{path}-{'on' if on else 'off'}", "builtin", colocated=path == "colocated", slots=32,
+    sysm = TandemLocal(f"{path}-{'on' if on else 'off'}", "builtin", colocated=path == "colocated", slots=32,
                    max_len=MAX_LEN, pin="", env={}, log_path=log, extra_args=args)
     sysm.start()
     try:

@@ -40,12 +40,13 @@ class TandemLocal:
 
     def __init__(self, name: str, model: str, *, colocated: bool, slots: int, max_len: int, pin: str,
                  env: dict[str, str], log_path: Path, cpus: str = "", root: Path = ROOT,
-                 ready_timeout: float | None = None) -> None:
+                 ready_timeout: float | None = None, extra_args: list[str] | None = None) -> None:
         self.name, self.model, self.colocated, self.slots = name, model, colocated, slots
         self.root = Path(root)  # the checkout whose code runs (bench/burst.py --old-root: another commit's)
         self.max_len, self.pin, self.env, self.log_path = max_len, pin, env, log_path
         self.cpus = cpus  # taskset -c on the launcher (and so every child), when given
         self.ready_timeout = ready_timeout
+        self.extra_args = list(extra_args or [])  # `tandem local` flags after the ones this class gives
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.compile_wait_s = 0.0  # how long `start` waited for the prefill pods' batched compiles
@@ -63,6 +64,7 @@ class TandemLocal:
         if self.pin:
             cmd += ["--pin", self.pin]
         cmd += ["--colocated"] if self.colocated else ["--prefill", "1", "--decode", "1"]
+        cmd += self.extra_args
         return ["taskset", "-c", self.cpus, *cmd] if self.cpus else cmd
 
     def start(self, timeout_s: float | None = None, settle: bool = True) -> None:
