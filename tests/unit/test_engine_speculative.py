@@ -165,3 +165,55 @@ def test_sampled_rows_emit_the_targets_distribution(top_k):
     keep = expected > 5
     stat = chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum())
     assert stat.pvalue > 1e-3, (observed, expected.round(1))
+
+
+def _pairs(engine, sampling, proposals, draws):
+    """Counts of the first two tokens each row emits after PROMPT and its greedy first token: with
+    `proposals` [x0, x1] checked in a verify call (a second call where it kept neither), or with
+    plain steps (None)."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    prefix = engine.prefill(PROMPT, GREEDY)
+    for i in range(draws // engine.slots):
+        state = engine.init_state()
+        for s in range(engine.slots):
+            pick = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=7919 * i + s)
+            state = engine.insert(prefix, state, s, pick)
+        if proposals is None:
+            state, a = engine.generate(state)
+            state, b = engine.generate(state)
+            got = list(zip(np.asarray(a).tolist(), np.asarray(b).tolist()))
+        else:
+            state, spec = engine.verify(state, {s: proposals for s in range(engine.slots)}, 2)
+            state, again = engine.generate(state)
+            again = np.asarray(again).tolist()
+            got = [(int(spec.tokens[s, 0]), int(spec.tokens[s, 1]) if spec.counts[s] >= 2 else again[s])
+                   for s in range(engine.slots)]
+        counts.update(got[:engine.slots])
+        for s in range(engine.slots):
+            state = engine.free(state, s)
+    return counts
+
+
+@pytest.mark.slow
+def test_sampled_two_token_outputs_are_distributed_as_without_speculation():
+    """Two-token outputs of a seeded sample, 4,096 with speculation (the greedy pair proposed:
+    kept, kept-then-redrawn, redrawn at once all happen) and 4,096 without: a chi-square test of
+    homogeneity over the pairs seen often enough, the rest pooled."""
+    from scipy.stats import chi2_contingency
+
+    engine = load_engine("tiny", slots=32, max_len=32, prefill_buckets=(16,), kv_block_size=4)
+    sampling = SamplingParams(temperature=0.6, top_k=5)
+    first = engine.prefill(PROMPT, GREEDY).first_token
+    x0 = int(np.argmax(np.asarray(engine.prompt_logits(PROMPT + [first])).reshape(-1)))
+    x1 = int(np.argmax(np.asarray(engine.prompt_logits(PROMPT + [first, x0])).reshape(-1)))
+    plain = _pairs(engine, sampling, None, 4096)
+    spec = _pairs(engine, sampling, [x0, x1], 4096)
+    common = [p for p in set(plain) | set(spec) if plain[p] + spec[p] >= 20]
+    rows = [[plain[p] for p in common], [spec[p] for p in common]]
+    rest = [sum(plain.values()) - sum(rows[0]), sum(spec.values()) - sum(rows[1])]
+    if min(rest) > 5:
+        rows = [r + [x] for r, x in zip(rows, rest)]
+    assert len(common) >= 8 and plain[(x0, x1)] > 100  # a spread sample; the proposed pair common
+    assert chi2_contingency(np.asarray(rows)).pvalue > 1e-3, (common, rows)
