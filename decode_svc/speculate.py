@@ -32,19 +32,24 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from decode_svc.settings import SpeculativeConfig
-from tandem_engine.speculative import ngram_propose
+from tandem_engine.speculative import NgramIndex
 
 START_RATE = 0.6  # a new row's estimate: two tokens proposed at first
 
 
 @dataclass
 class SpecRow:
-    """One running request's proposer state: its tokens so far (prompt, then every emitted one)."""
+    """One running request's proposer state: its tokens so far (prompt, then every emitted one),
+    indexed by n-gram (tandem_engine.speculative.NgramIndex: a proposal is a few lookups)."""
 
-    seq: list[int]
+    index: NgramIndex
     rate: float = START_RATE  # the chance its next proposed token is kept (estimate)
     pause: int = 0  # dispatches left to sit out
     backoff: int = 1  # the next pause's length
+
+    @property
+    def seq(self) -> list[int]:
+        return self.index.seq
 
 
 @dataclass
@@ -127,7 +132,9 @@ class Speculator:
     def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True) -> SpecRow | None:
         """A row's state when its request goes into a slot (None while speculation is off, or
         the request opted out: `wanted` False)."""
-        return SpecRow(list(prompt_ids) + [int(first_token)]) if self.config.on and wanted else None
+        if not (self.config.on and wanted):
+            return None
+        return SpecRow(NgramIndex(list(prompt_ids) + [int(first_token)], self.config.max_n, self.config.min_n))
 
     def proposing(self, rows: Sequence[SpecRow | None]) -> bool:
         """Whether the next dispatch may be a verify call: the gate says so and some row may
@@ -147,7 +154,7 @@ class Speculator:
         k = min(self.config.k, room, self.length(row.rate))
         if k < 1:
             return []
-        ids = ngram_propose(row.seq, k, self.config.max_n, self.config.min_n)
+        ids = row.index.propose(k)
         if not ids:  # nothing recurs: look again a few dispatches on (meanwhile the loop can pipeline)
             row.pause = self.config.no_match_pause
         return ids
@@ -166,7 +173,7 @@ class Speculator:
         starts a pause."""
         if row is None:
             return
-        row.seq.extend(emitted)
+        row.index.extend(emitted)
         if not proposed:
             return
         self.stats.drafts += 1

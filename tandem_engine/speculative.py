@@ -61,6 +61,45 @@ def ngram_propose(tokens: Sequence[int] | np.ndarray, k: int, max_n: int = 3, mi
     return []
 
 
+class NgramIndex:
+    """`ngram_propose` over a growing token list, incrementally: every n-gram's start positions
+    (n from min_n to max_n) are indexed as tokens arrive, so a proposal costs a few dictionary
+    lookups, not a scan of the context (ngram_propose: ~90 µs at 1,000 tokens on this CPU, per row
+    and dispatch). The proposals are ngram_propose's, token for token."""
+
+    def __init__(self, tokens: Sequence[int], max_n: int = 3, min_n: int = 1) -> None:
+        self.max_n, self.min_n = int(max_n), max(1, int(min_n))
+        self.seq: list[int] = []
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # an n-gram -> where it starts, ascending
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq, starts = self.seq, self._starts
+        for t in tokens:
+            seq.append(int(t))
+            end = len(seq)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                starts.setdefault(tuple(seq[end - n:]), []).append(end - n)
+
+    def propose(self, k: int) -> list[int]:
+        seq, size = self.seq, len(self.seq)
+        if k < 1 or size < 2:
+            return []
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            starts = self._starts.get(tuple(seq[size - n:]), ())
+            latest = None
+            for s in reversed(starts):  # the tail's own start first (skipped), then earlier ones
+                if s + n > size - 1:
+                    continue
+                if latest is None:
+                    latest = s
+                if s + n + k <= size:  # the latest with k tokens after it
+                    return seq[s + n:s + n + k]
+            if latest is not None:
+                return seq[latest + n:latest + n + k]
+        return []
+
+
 def extra_bucket(proposed: int, most: int) -> int:
     """The compiled count of a verify call's proposal queries for `proposed` of them: powers of
     two from 4, at most `most` (the batch's rows x k), so a pod compiles a few per batch bucket."""

@@ -10,7 +10,7 @@ import pytest
 
 from tandem_core.types import SamplingParams
 from tandem_engine import load_engine, reference_greedy
-from tandem_engine.speculative import ngram_propose
+from tandem_engine.speculative import NgramIndex, ngram_propose
 
 GREEDY = SamplingParams()
 MAX_LEN = 96
@@ -29,6 +29,21 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
     assert ngram_propose([7, 7, 7], k=4) == [7]  # what follows is cut at the end
     assert ngram_propose([1, 2, 1, 2, 1, 2], k=3, max_n=2) == [1, 2, 1]  # not the latest match: 2 tokens follow it
     assert ngram_propose([1, 2], k=0) == []
+
+
+def test_the_incremental_ngram_index_proposes_what_the_scan_does():
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        vocab, max_n = int(rng.integers(2, 12)), int(rng.integers(1, 5))
+        min_n = int(rng.integers(1, max_n + 1))
+        tokens = rng.integers(0, vocab, int(rng.integers(4, 60))).tolist()
+        if trial % 3 == 0:  # periodic: the latest match is a period back
+            tokens = (tokens[:5] * 20)[:60]
+        index = NgramIndex(tokens[:3], max_n, min_n)
+        for t in tokens[3:]:
+            for k in range(1, 6):
+                assert index.propose(k) == ngram_propose(index.seq, k, max_n, min_n), (index.seq, k, max_n, min_n)
+            index.extend([t])
 
 
 def _seat(engine, prompts, sampling=GREEDY):

@@ -202,7 +202,7 @@ def test_a_row_whose_tokens_recur_nowhere_sits_out_a_few_dispatches():
     assert not spec.proposing([row])  # the loop pipelines meanwhile
     for _ in range(3):
         spec.tick([row])
-    row.seq += [1, 2]  # "1 2" recurs now: what followed it is proposed
+    row.index.extend([1, 2])  # "1 2" recurs now: what followed it is proposed
     assert spec.proposing([row]) and spec.propose(row, 10) == [3, 4]
 
 
