@@ -53,6 +53,7 @@ class StepVariant(NamedTuple):
     masked: bool
     spec_k: int = 0  # a speculative verify call checking up to spec_k proposals a row (0: a step) ...
     extra: int = 0  # ... with this many proposal queries (speculative.extra_bucket)
+    force: bool = False  # ... every proposal kept: a draft model catching up (draft.py)
 
 
 @runtime_checkable

@@ -9,6 +9,7 @@ No I/O, no tokenizer, no settings here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping, Sequence
 
 import jax
@@ -31,21 +32,29 @@ class SpecOut:
     proposed: np.ndarray
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def rewind_core(state: DecodeState, slots, positions, tokens) -> DecodeState:
+    """`SpeculativeSide.rewind`'s device half: rows `slots` (padding past the last: dropped) get
+    these positions and next input tokens."""
+    return state._replace(positions=state.positions.at[slots].set(positions, mode="drop"),
+                          tokens=state.tokens.at[slots].set(tokens, mode="drop"))
+
+
 class SpeculativeSide(DecodeSide):
     """`verify` and its compiled shapes over the decode side's rows and blocks."""
 
-    def verify_variants(self, k: int) -> list[StepVariant]:
+    def verify_variants(self, k: int, force: bool = False) -> list[StepVariant]:
         """The speculative verify call's compiled shapes for proposals of up to k tokens: every
         batch bucket with each of its proposal-query buckets (speculative.extra_bucket: 4, 8, ..
-        up to rows x k)."""
+        up to rows x k); `force`: the draft model's catch-up call's (draft.py)."""
         out: list[StepVariant] = []
         for rows in self.batch_buckets:
             extras = sorted({extra_bucket(n, rows * k) for n in range(1, rows * k + 1)})
-            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, False, k, e) for e in extras]
+            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, False, k, e, force) for e in extras]
         return out
 
     def verify(self, state: DecodeState, proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
-               logprobs: bool = False) -> tuple[DecodeState, SpecOut]:
+               logprobs: bool = False, force: bool = False) -> tuple[DecodeState, SpecOut]:
         """One speculative call (donates `state`): every active row below `rows` takes one step,
         and a row in `proposals` (slot -> its proposed next tokens) also has up to `k` of them
         checked by the target in the same call (speculative.py: greedy rows keep the output they
@@ -55,7 +64,8 @@ class SpeculativeSide(DecodeSide):
         hand rows back), and afterwards gives back the blocks that only rejected proposals used.
         Returns the state and a `SpecOut` on the host (the call waits for the counts: the next
         proposals need the tokens). No grammar masks, and no prompt seated by `begin_prompt`
-        may be pending (`generate_ragged` serves those)."""
+        may be pending (`generate_ragged` serves those). `force`: every proposal is kept (a
+        draft model fed the target's tokens, draft.py; no cut but max_len's)."""
         if self._pending:
             raise RuntimeError("a prompt seated by begin_prompt is pending: generate_ragged serves it first")
         k = int(k)
@@ -75,7 +85,7 @@ class SpeculativeSide(DecodeSide):
             n_prop[slot] = n
         new, emitted, counts, packed = self._verify_call(state, props, n_prop, k, bucket,
                                                          extra_bucket(int(n_prop.sum()), bucket * k), logprobs,
-                                                         self._table_width(k + 1))
+                                                         self._table_width(k + 1), force)
         counts = np.asarray(counts)
         live = np.flatnonzero(self._occupied[:bucket])
         self._pos[live] += counts[live]
@@ -84,7 +94,7 @@ class SpeculativeSide(DecodeSide):
         return new, SpecOut(np.asarray(packed if logprobs else emitted), counts, n_prop)
 
     def _verify_call(self, state: DecodeState, props: np.ndarray, n_prop: np.ndarray, k: int, bucket: int,
-                     extra: int, logprobs: bool, width: int):
+                     extra: int, logprobs: bool, width: int, force: bool = False):
         """speculative.verify_core over rows [0, bucket) with `extra` proposal queries (row r's
         n_prop[r] proposals first, in row order; the rest padding)."""
         total = int(n_prop.sum())
@@ -94,7 +104,7 @@ class SpeculativeSide(DecodeSide):
         extra_off[:total] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
         return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs),
                            cfg=self.cfg, layout=self.layout, rows=bucket, k=k, max_len=self.max_len,
-                           table_blocks=width)
+                           table_blocks=width, force=force)
 
     def warm_verify(self, state: DecodeState, variant) -> DecodeState:
         """Run one of `verify_variants`' shapes over `state`, every row free (so nothing is
@@ -102,9 +112,30 @@ class SpeculativeSide(DecodeSide):
         v = variant
         new, emitted, _counts, _packed = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32),
                                                            np.zeros(v.rows, np.int32), v.spec_k, v.rows, v.extra,
-                                                           v.logprobs, v.width)
+                                                           v.logprobs, v.width, v.force)
         jax.block_until_ready(emitted)
         return new
+
+    def rewind(self, state: DecodeState, rows: Mapping[int, tuple[int, int]]) -> DecodeState:
+        """Set active rows back (donates `state`): slot -> (position, token), the row's next input
+        `token` at `position` (<= where it is; its KV before `position` is kept, what lies past it
+        is written again by later calls), and its blocks past that position's back to the pool.
+        What a draft model does after the target rejected some of its tokens (draft.py)."""
+        if not rows:
+            return state
+        slots = np.full(self.slots, self.slots, np.int32)  # padding: past the last slot, dropped
+        pos = np.zeros(self.slots, np.int32)
+        toks = np.zeros(self.slots, np.int32)
+        for i, (slot, (p, t)) in enumerate(sorted(rows.items())):
+            if not (0 <= slot < self.slots and self._occupied[slot]):
+                raise ValueError(f"slot {slot} holds no row to rewind")
+            if not 0 <= p <= int(self._pos[slot]):
+                raise ValueError(f"slot {slot} is at position {int(self._pos[slot])}: it cannot go to {p}")
+            slots[i], pos[i], toks[i] = slot, p, t
+            self._pos[slot] = p
+        if self._trim_rejected(np.asarray(sorted(rows), np.int64)):
+            state = self._with_tables(state)
+        return rewind_core(state, slots, pos, toks)
 
     def _trim_rejected(self, slots: np.ndarray) -> bool:
         """Blocks past the one each row's next position falls in, reserved for proposals the

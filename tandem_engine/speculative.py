@@ -109,9 +109,10 @@ def extra_bucket(proposed: int, most: int) -> int:
     return max(1, min(size, most))
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "k", "max_len", "table_blocks"), donate_argnums=(1,))
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "k", "max_len", "table_blocks", "force"),
+         donate_argnums=(1,))
 def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_off, logprobs=False, *, cfg, layout,
-                rows: int, k: int, max_len: int, table_blocks: int):
+                rows: int, k: int, max_len: int, table_blocks: int, force: bool = False):
     """One call that checks up to k proposals per row, as a ragged batch of queries: the rows'
     next inputs [0, rows) one each, then E extra queries, one per proposal (only the rows that
     propose pay for them). proposals int32 [rows, k] (row r's first n_prop[r] real; the caller
@@ -120,7 +121,10 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
     extra_off[e] (rows >= `rows`: padding, never live). Returns (state, emitted int32 [rows, k + 1],
     counts int32 [rows]: row r emitted emitted[r, :counts[r]] (1 .. n_prop + 1; 0 for a free
     row), packed [rows, k + 1, PACKED_WIDTH]: the emitted tokens with their logprobs when the
-    traced bool `logprobs` is set, else zeros). The row's next input is its last emitted token."""
+    traced bool `logprobs` is set, else zeros). The row's next input is its last emitted token.
+
+    `force` (a draft model catching up, draft.py): every proposal is kept whatever the model says,
+    so the call feeds known tokens through the row and emits the model's own token after them."""
     if k < 1:
         raise ValueError(f"a verify call checks k >= 1 proposals a row (got {k})")
     q = k + 1
@@ -147,7 +151,7 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
         jnp.arange(rows, dtype=jnp.int32))
     index = state.step[qrow] + qoff  # the token index each query's logits draw
     processed = _processed(logits, state, proposals, qrow, qoff, index, live, k)  # [Q, vocab] float32
-    emitted, counts = _accept(processed, state, proposals, n_prop, qrow, qoff, index, where, rows, k)
+    emitted, counts = _accept(processed, state, proposals, n_prop, qrow, qoff, index, where, rows, k, force)
     counts = jnp.where(active, counts, 0)
     last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
     history = state.history
@@ -183,8 +187,10 @@ def _processed(logits, state: DecodeState, proposals, qrow, qoff, index, live, k
     return jax.lax.cond(on, processed, lambda _: logits.astype(jnp.float32), None)
 
 
-def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index, where, rows: int, k: int):
-    """(emitted [rows, k + 1], counts [rows]) by the acceptance rule of the module docstring."""
+def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index, where, rows: int, k: int,
+            force: bool = False):
+    """(emitted [rows, k + 1], counts [rows]) by the acceptance rule of the module docstring (with
+    `force`, every proposal kept)."""
     temperature, top_k, top_p = (a[:rows] for a in (state.temperature, state.top_k, state.top_p))
     greedy = greedy_tokens(processed)  # [Q]
     sampled = temperature > 0
@@ -206,7 +212,10 @@ def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index,
         return ok[where[:, :k]]
 
     match = proposals == greedy[where[:, :k]]
-    kept = jnp.where(sampled[:, None], jax.lax.cond(jnp.any(sampled), kept_sampled, lambda _: match, None), match)
+    if force:
+        kept = jnp.ones((rows, k), bool)
+    else:
+        kept = jnp.where(sampled[:, None], jax.lax.cond(jnp.any(sampled), kept_sampled, lambda _: match, None), match)
     kept = kept & (jnp.arange(k)[None] < n_prop[:, None])
     taken = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1)  # leading proposals kept
     at = jnp.take_along_axis(where, taken[:, None], axis=1)[:, 0]  # the query that draws the row's last token

@@ -1,0 +1,191 @@
+"""A draft model's proposals for speculative decoding (issue 45): a smaller checkpoint with the
+target's tokenizer runs beside the target on the decode pod and proposes each row's next k tokens
+greedily; the target checks them in its verify call (speculative.py), which keeps the target's
+output exact whatever the draft says (a greedy draft names one token: q(x) = 1).
+
+The draft is an Engine of its own (its own weights and its own KV pool, with the target's slots
+and max_len), its rows mirroring the target's: the draft row of slot s holds the KV of the tokens
+it was fed, `fed`, positions 0 .. len(fed) - 1. One `propose` call, for every speculating row:
+
+  1. rows whose request changed, or that are no longer asked for, are freed; a row not seated, or
+     whose fed tokens agree with the target's for fewer than len - 1 - `catch_up` positions (the
+     target ran ordinary steps meanwhile), is seated afresh: the draft prefills its tokens but the
+     last (one prefill and insert);
+  2. every row is set back to the first position where its fed tokens and the target's part
+     (`rewind`: the rejected proposals' KV is left to be written again, its blocks go back) and
+     fed the target's tokens from there, its last the target's next input, in one verify call
+     with every token kept (`force`): the call emits the draft's first proposal after them;
+  3. k - 1 ordinary steps of the draft (one multi-step call) give the rest.
+
+After a verify call that kept j of k proposals, a row's draft parts from the target at most one
+position before the target's next input, so step 2 feeds it one or two tokens; rows that sat out
+dispatches catch up by up to `catch_up` tokens there, and beyond that by a prefill.
+Two calls on the draft and one copy to the host per dispatch, whatever the rows.
+No I/O, no tokenizer, no settings here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+
+from tandem_core.models import ModelInfo
+from tandem_core.types import SamplingParams
+from tandem_engine.api import StepVariant
+
+log = logging.getLogger(__name__)
+GREEDY = SamplingParams()
+
+
+@dataclass
+class DraftRow:
+    """The draft row of one target row: the request it holds and the tokens whose KV it holds."""
+
+    key: Hashable
+    fed: list[int]
+    sure: int  # fed[:sure] is known to equal the target's tokens (the rest: the draft's own guesses)
+
+
+@dataclass(frozen=True)
+class DraftWarm:
+    """One compiled shape of the draft's calls, for a decode pod's idle-time warm-up: a prefill
+    bucket (with its insert), or a step / forced verify variant."""
+
+    bucket: int = 0
+    variant: StepVariant | None = None
+
+
+def check_draft(target: ModelInfo, draft: ModelInfo) -> None:
+    """ValueError unless `draft` can propose for `target`: the same vocabulary (its ids must mean the
+    target's tokens): the same size and kind of tokenizer, and where both directories hold a
+    tokenizer.json, the same vocabulary in it."""
+    why = None
+    if draft.vocab_size != target.vocab_size:
+        why = f"a vocabulary of {draft.vocab_size} tokens against the target's {target.vocab_size}"
+    elif draft.tokenizer != target.tokenizer:
+        why = f"tokenizer kind {draft.tokenizer!r} against the target's {target.tokenizer!r}"
+    elif draft.path and target.path:
+        ours, theirs = (Path(p) / "tokenizer.json" for p in (draft.path, target.path))
+        if ours.is_file() and theirs.is_file() and _vocab(ours) != _vocab(theirs):
+            why = f"a tokenizer.json whose vocabulary differs from the target's ({theirs})"
+    if why:
+        raise ValueError(f"the draft model {draft.name} cannot propose for {target.name}: it has {why}; a draft "
+                         f"must share the target's tokenizer")
+
+
+def _vocab(path: Path):
+    model = json.loads(path.read_text()).get("model", {})
+    return model.get("vocab"), model.get("merges")
+
+
+class DraftProposer:
+    """Greedy proposals of a draft Engine for a target's rows (module docstring). One thread owns
+    it (the target engine's): its state is donated through every call."""
+
+    def __init__(self, draft, k: int, catch_up: int | None = None) -> None:
+        if k < 1:
+            raise ValueError(f"a draft proposes k >= 1 tokens (got {k})")
+        self.engine = draft
+        self.k = int(k)
+        self.catch_up = int(catch_up if catch_up is not None else 2 * (k + 1))  # the forced call's width
+        self.state = draft.init_state()
+        self.rows: dict[int, DraftRow] = {}
+        self.seats = 0  # prefills done to seat a row (first seats and catch-ups past `catch_up`)
+        self.calls = 0
+
+    def warm_items(self) -> list[DraftWarm]:
+        """Every shape `propose` may run: each prefill bucket and its insert, each batch bucket's
+        k - 1 steps, each forced verify shape."""
+        e = self.engine
+        items = [DraftWarm(bucket=b) for b in e.buckets]
+        if self.k > 1:
+            items += [DraftWarm(variant=StepVariant(rows, e.max_blocks_per_seq, self.k - 1, False, False))
+                      for rows in e.batch_buckets]
+        items += [DraftWarm(variant=v) for v in e.verify_variants(self.catch_up, force=True)]
+        return items
+
+    def warm(self, item: DraftWarm) -> None:
+        """Compile (run over free rows) one of `warm_items`; rows seated now are left as they are."""
+        e = self.engine
+        if item.variant is not None:
+            if self.rows:  # a shape's warm run takes every row free
+                self.reset()
+            self.state = e.warm_step(self.state, item.variant)
+            return
+        free = next((s for s in range(e.slots) if s not in self.rows), None)
+        if free is None:
+            return
+        prefix = e.prefill([0] * item.bucket, GREEDY)
+        self.state = e.insert(prefix, self.state, free, GREEDY)
+        self.state = e.free(self.state, free)
+
+    def reset(self) -> None:
+        """Every row freed (the next `propose` seats them again)."""
+        for slot in list(self.rows):
+            self._drop(slot)
+
+    def _drop(self, slot: int) -> None:
+        del self.rows[slot]
+        self.state = self.engine.free(self.state, slot)
+
+    def propose(self, seqs: Mapping[int, tuple[Hashable, Sequence[int]]]) -> dict[int, list[int]]:
+        """slot -> (the request it holds, its tokens: the prompt and every emitted token, the last
+        the target's next input) for every row that may speculate now -> slot -> the draft's k
+        greedy proposals. Rows not in `seqs` are freed. A row with fewer than k positions left
+        before max_len, or whose context the draft cannot prefill, gets none."""
+        e = self.engine
+        for slot in [s for s, r in self.rows.items() if s not in seqs or seqs[s][0] != r.key]:
+            self._drop(slot)
+        rewind: dict[int, tuple[int, int]] = {}
+        forced: dict[int, list[int]] = {}
+        for slot, (key, seq) in seqs.items():
+            seq = list(seq)
+            if len(seq) < 2 or len(seq) + self.k > e.max_len:
+                if slot in self.rows:
+                    self._drop(slot)
+                continue
+            row = self.rows.get(slot)
+            n = 0 if row is None else _agree(row, seq)
+            if row is None or n < 1 or len(seq) - 1 - n > self.catch_up:
+                if row is not None:
+                    self._drop(slot)
+                if len(seq) - 1 > e.max_prompt_len():
+                    continue
+                self.state = e.insert(e.prefill(seq[:-1], GREEDY), self.state, slot, GREEDY)
+                self.seats += 1
+                row = self.rows[slot] = DraftRow(key, seq[:-1], len(seq) - 1)
+                n = len(seq) - 1
+            rewind[slot] = (n, seq[n])
+            forced[slot] = seq[n + 1:]
+            row.fed, row.sure = seq, len(seq)
+        if not rewind:
+            return {}
+        self.calls += 1
+        self.state = e.rewind(self.state, rewind)
+        rows = max(rewind) + 1
+        self.state, out = e.verify(self.state, forced, self.catch_up, rows, force=True)
+        first = {s: int(out.tokens[s, int(out.counts[s]) - 1]) for s in rewind}
+        rest = None
+        if self.k > 1:
+            self.state, toks = e.generate(self.state, rows, steps=self.k - 1)
+            rest = np.asarray(toks)  # [k - 1, bucket]
+        props: dict[int, list[int]] = {}
+        for slot in rewind:
+            ids = [first[slot]] + ([] if rest is None else rest[:, slot].tolist())
+            self.rows[slot].fed += ids[:-1]  # the last proposal is the row's next input, not fed yet
+            props[slot] = ids
+        return props
+
+
+def _agree(row: DraftRow, seq: list[int]) -> int:
+    """How many leading positions of the row's fed tokens are the target's (`seq`'s) too, at most
+    len(seq) - 1 (the target's next input is fed again either way)."""
+    n = min(row.sure, len(row.fed), len(seq) - 1)
+    limit = min(len(row.fed), len(seq) - 1)
+    while n < limit and row.fed[n] == seq[n]:
+        n += 1
+    return n

@@ -1,0 +1,126 @@
+"""A draft model's proposals (tandem_engine/draft.py): the draft's k greedy tokens after each row's
+context, whatever the target kept of the last ones (its rows set back and fed again); with the
+target as its own draft every proposal is kept; with another model the target's greedy output is
+unchanged; rows that sat out catch up, by a forced call or a prefill; a draft with another
+vocabulary is refused."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tandem_core.models import resolve_model
+from tandem_core.types import SamplingParams
+from tandem_engine import load_engine, reference_greedy
+from tandem_engine.draft import DraftProposer, check_draft
+
+GREEDY = SamplingParams()
+MAX_LEN = 96
+K = 4
+
+
+def _engine(model="tiny", **kw):
+    return load_engine(model, slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64), kv_block_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _engine()
+
+
+def _run(target, proposer, prompts, n, idle=lambda call: False, drop=lambda call, slot: False, check=False):
+    """Decode every prompt to n tokens with verify calls of the draft's proposals; `idle(call)`:
+    the draft is not asked this call (the rows take a step: a loop's ordinary call);
+    `drop(call, slot)`: the row's proposal is not checked (a paused row); `check`: every proposal
+    is compared with the draft's own greedy continuation of the row's context. Returns (outputs,
+    calls, kept, proposed)."""
+    state = target.init_state()
+    out = {}
+    for slot, ids in enumerate(prompts):
+        prefix = target.prefill(ids, GREEDY)
+        state = target.insert(prefix, state, slot, GREEDY)
+        out[slot] = [prefix.first_token]
+    calls = kept = proposed = 0
+    while min(len(o) for o in out.values()) < n:
+        asked = {s: (("req", s), prompts[s] + o) for s, o in out.items()}
+        props = {} if idle(calls) else proposer.propose(asked)
+        for s, ids in props.items():  # the draft's greedy continuation of the row's context
+            assert len(ids) == K
+            if check:
+                d = proposer.engine
+                assert ids == reference_greedy(d.params, d.cfg, asked[s][1], K, pad_to=MAX_LEN), (calls, s)
+        state, spec = target.verify(state, {s: p for s, p in props.items() if not drop(calls, s)}, K, len(prompts))
+        calls += 1
+        for s in out:
+            out[s].extend(spec.tokens[s, :spec.counts[s]].tolist())
+            kept += int(spec.counts[s]) - 1
+            proposed += int(spec.proposed[s])
+    for s in out:
+        state = target.free(state, s)
+    return {s: o[:n] for s, o in out.items()}, calls, kept, proposed
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 250, n).tolist() for n in (7, 19, 33)]
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_kept(target):
+    prompts, n = _prompts(), 40
+    want = {s: reference_greedy(target.params, target.cfg, p, n, pad_to=MAX_LEN) for s, p in enumerate(prompts)}
+    proposer = DraftProposer(_engine(), K)
+    got, calls, kept, proposed = _run(target, proposer, prompts, n)
+    assert got == want
+    assert kept >= 0.95 * proposed > 0  # (float ties aside) the draft is the target
+    assert calls <= n // (K + 1) + 2
+    assert proposer.seats == len(prompts)  # seated once; every later call fed the row one or two tokens
+
+
+def test_another_draft_leaves_the_greedy_output_as_it_was_and_rows_catch_up(target):
+    prompts, n = _prompts(), 48
+    want = {s: reference_greedy(target.params, target.cfg, p, n, pad_to=MAX_LEN) for s, p in enumerate(prompts)}
+    other = dataclasses.replace(resolve_model("tiny"), seed=7, name="tiny-seed7")
+    proposer = DraftProposer(_engine_of(other), K)
+    got, _calls, kept, proposed = _run(target, proposer, prompts, n, check=True)
+    assert got == want
+    assert proposed > kept  # a random other model: some proposals rejected (rows set back)
+    # calls the draft sits out (ordinary steps) and proposals not checked: a gap of up to catch_up
+    # tokens is fed by the forced call, a longer one seats the row again
+    idle = lambda call: call % 9 in (1, 2, 4, 5, 6, 7)  # noqa: E731  gaps of 2 and 4 tokens
+    proposer = DraftProposer(_engine_of(other), K, catch_up=3)
+    got, _calls, kept, proposed = _run(target, proposer, prompts, n, idle, lambda call, slot: slot == 1 and call % 2,
+                                       check=True)
+    assert got == want
+    assert len(prompts) < proposer.seats < proposer.calls * len(prompts)  # the 4-token gaps only
+    proposer = DraftProposer(_engine(), K, catch_up=3)
+    got, _calls, kept, proposed = _run(target, proposer, prompts, n, idle, lambda call, slot: slot == 1 and call % 2)
+    assert got == want
+    assert kept >= 0.95 * proposed > 0  # caught up exactly: the target as its draft still has all kept
+
+
+def test_a_changed_request_or_a_row_not_asked_for_is_freed(target):
+    proposer = DraftProposer(_engine(), K)
+    ctx = list(range(3, 20))
+    first = proposer.propose({0: ("a", ctx), 1: ("b", ctx)})
+    assert set(first) == {0, 1} and first[0] == first[1]
+    blocks = proposer.engine.kv_blocks_free()
+    again = proposer.propose({0: ("c", ctx)})  # slot 0 holds another request now; slot 1 finished
+    assert again[0] == first[0] and set(proposer.rows) == {0}
+    assert proposer.engine.kv_blocks_free() > blocks
+    assert proposer.propose({0: ("c", list(range(3, 3 + MAX_LEN - K + 1)))}) == {}  # no room for k more
+    assert proposer.rows == {}
+
+
+def _engine_of(info):
+    from tandem_engine.engine import Engine
+    from tandem_engine.weights import load_params
+    return Engine(info, load_params(info, "float32"), slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64),
+                  kv_block_size=4)
+
+
+def test_a_draft_must_share_the_target_vocabulary():
+    tiny = resolve_model("tiny")
+    check_draft(tiny, dataclasses.replace(tiny, num_layers=1))
+    with pytest.raises(ValueError, match="vocabulary of 2048 tokens against the target's 258"):
+        check_draft(tiny, resolve_model("builtin"))
