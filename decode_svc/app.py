@@ -24,6 +24,7 @@ from tandem_core.worker_pod import WorkerPod
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine
+    from tandem_engine.draft import DraftProposer
 
 log = logging.getLogger(__name__)
 SERVICE = "tandem.v1.Decode"
@@ -34,6 +35,29 @@ def build_engine(s: DecodeSettings) -> ServingEngine:
     from tandem_engine import load_engine
 
     return load_engine(**s.engine_kwargs(s.slots))
+
+
+def build_draft(s: DecodeSettings, engine: ServingEngine) -> DraftProposer | None:
+    """Speculative method "draft": the draft model as an Engine of its own beside the target, with
+    the target's slots, max_len, dtype and tp, its own KV pool (a row's whole context a slot), no
+    block reuse, and k - 1 steps a call (tandem_engine/draft.py). ValueError when it cannot propose
+    for the target (another tokenizer). None for the other methods."""
+    sp = s.speculative
+    if sp.method != "draft":
+        return None
+    from tandem_engine import load_engine
+    from tandem_engine.draft import DraftProposer, check_draft
+
+    kw = {**s.engine_kwargs(s.slots), "model": sp.draft_model, "kv_reuse": False, "kv_blocks": None,
+          "steps_per_dispatch": max(1, sp.k - 1), "quantize": None}
+    t0 = time.monotonic()
+    draft = load_engine(**kw)
+    check_draft(engine.info, draft.info)
+    proposer = DraftProposer(draft, sp.k)
+    log.info("speculative: draft model %s (%d layers, hidden %d, KV %d blocks) loaded in %.1fs; its %d shapes "
+             "compile in idle time, speculation starts after them", draft.info.name, draft.info.num_layers,
+             draft.info.hidden_size, draft.kv_blocks_total, time.monotonic() - t0, len(proposer.warm_items()))
+    return proposer
 
 
 async def _compiled_engine(s: DecodeSettings):
@@ -74,6 +98,7 @@ async def _compiled_engine(s: DecodeSettings):
 async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
     engine = await _compiled_engine(s)
+    draft = await asyncio.to_thread(build_draft, s, engine)
     # Everything alive after the compile (JAX's and the model's objects: millions) is moved out of
     # the collector's reach: otherwise a full collection walks them all, measured at up to 1.8 s of
     # one thread holding the GIL in the middle of serving (bench/host_path.py --profile), every
@@ -89,8 +114,9 @@ async def serve(s: DecodeSettings) -> int:
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
                              mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks,
                              late_warm=[v for v in engine.warm_steps(masks=True) if v.masked]
-                             + (engine.verify_variants(s.speculative.k) if s.speculative.on else []),
-                             speculative=s.speculative)
+                             + (engine.verify_variants(s.speculative.k) if s.speculative.on else [])
+                             + (draft.warm_items() if draft is not None else []),
+                             speculative=s.speculative, draft=draft)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)
     await io.claims.ensure_own_groups()  # (its per-pod ready streams: cache-aware routing)

@@ -61,10 +61,12 @@ from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
 from decode_svc.local_prefill import failed, prefill_here
 from tandem_core.sampling_args import first_finish, insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload
+from tandem_engine.draft import DraftWarm
 from tandem_engine.logits import unpack_logprobs, unpack_tokens
 
 if TYPE_CHECKING:  # the type only: no JAX import
     from tandem_engine.api import ServingEngine, StepVariant
+    from tandem_engine.draft import DraftProposer
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,13 @@ class EngineLoop:
     def __init__(self, engine: ServingEngine, table: RequestTable, bridge: Bridge, pipelined: bool = True,
                  output_timeout_s: float = 30.0, grammar_cache_size: int = DEFAULT_CACHE_SIZE,
                  mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S, prefill_chunk_tokens: int = 0, steps_per_dispatch: int | None = None,
-                 blocks: BlockBudget | None = None, late_warm: Sequence[StepVariant] = (),
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 blocks: BlockBudget | None = None, late_warm: Sequence[StepVariant | DraftWarm] = (),
+                 speculative: SpeculativeConfig | None = None, draft: DraftProposer | None = None) -> None:
         self.engine = engine
-        # speculative decoding (decode_svc/speculate.py): n-gram proposals checked in one verify call
-        # while some row proposes (unpipelined then: the proposals need the last call's tokens)
-        self.spec = Speculator(speculative) if speculative is not None and speculative.on else None
+        # speculative decoding (decode_svc/speculate.py): n-gram or draft-model proposals checked in
+        # one verify call while some row proposes (unpipelined then: the proposals need the last
+        # call's tokens); `draft` (method "draft"): the draft model's proposer, run on this thread
+        self.spec = Speculator(speculative, draft) if speculative is not None and speculative.on else None
         # the KV pool (decode_svc/blocks.py): a request goes into a row only when its blocks are
         # free, and rows that cannot grow hand the newest request back; None: the engine's own
         # budget, its reserve the engine's steps_per_dispatch
@@ -98,10 +101,11 @@ class EngineLoop:
         # step variants the pod's warm-up left out (the grammar-masked ones: the pod reports ready
         # that much sooner), compiled one per turn in which the loop has nothing to do (`_warm_one`);
         # a grammar request before then compiles its step on its own clock, as without a warm-up
-        self.late_warm: deque[StepVariant] = deque(late_warm)
-        # speculation starts once the verify call's variants among them are compiled (no request
-        # waits for one of those compiles: until then every call is an ordinary one)
-        self._verify_left = sum(1 for v in late_warm if v.spec_k)
+        self.late_warm: deque[StepVariant | DraftWarm] = deque(late_warm)
+        # speculation starts once the verify call's variants among them are compiled, and the draft
+        # model's shapes (DraftWarm) with them (no request waits for one of those compiles: until
+        # then every call is an ordinary one)
+        self._verify_left = sum(1 for v in late_warm if isinstance(v, DraftWarm) or v.spec_k)
         self._cancel: set[str] = set()
         self._silent: set[str] = set()
         self._cancel_at: dict[str, int] = {}  # request id -> its next token index when the cancel came
@@ -178,8 +182,13 @@ class EngineLoop:
         idle, no claim is on its way to a row (a request arriving meanwhile waits this one compile)."""
         t0 = time.perf_counter()
         variant = self.late_warm.popleft()
-        state = self.engine.warm_step(state, variant)
-        self._verify_left -= bool(variant.spec_k)
+        if isinstance(variant, DraftWarm):  # the draft model's state is its own: the target's stays as it is
+            assert self.spec is not None and self.spec.draft is not None
+            self.spec.draft.warm(variant)
+            self._verify_left -= 1
+        else:
+            state = self.engine.warm_step(state, variant)
+            self._verify_left -= bool(variant.spec_k)
         self.stats.late_compiled += 1
         self.stats.late_compile_s += time.perf_counter() - t0
         if not self.late_warm:
@@ -239,12 +248,8 @@ class EngineLoop:
         (state, None) when no row proposes this time: the caller dispatches an ordinary call."""
         spec = self.spec
         assert spec is not None
-        proposals = {}
-        for act in self.table.snapshot():
-            if not act.seated:
-                ids = spec.propose(act.spec, last_index(act, self.engine.max_len) - act.next_index)
-                if ids:
-                    proposals[act.slot] = ids
+        proposals = spec.propose_all([(act.slot, act.spec, last_index(act, self.engine.max_len) - act.next_index)
+                                      for act in self.table.snapshot() if not act.seated])
         if not proposals:
             return state, None
         if not self.engine.can_reserve(spec.k + 1):  # a pool short of k + 1 positions a row: an

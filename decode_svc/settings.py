@@ -12,15 +12,18 @@ from tandem_core.settings import GrpcConfig, PrefixCacheConfig, WorkerSettings
 
 
 class SpeculativeConfig(BaseModel):
-    """TANDEM_DECODE_SPECULATIVE__*: `method` "ngram" turns it on (decode_svc/speculate.py); `k`
-    proposed tokens at most per row and call; the n-gram lengths tried, longest first; a row
+    """TANDEM_DECODE_SPECULATIVE__*: `method` "ngram" (prompt lookup) or "draft" (`draft_model`, a
+    smaller checkpoint with the target's tokenizer, run on the pod beside it: tandem_engine/draft.py)
+    turns it on (decode_svc/speculate.py); `k` proposed tokens at most per row and call; the n-gram
+    lengths tried, longest first; a row
     proposes the tokens whose chance of being kept is at least `min_gain` (its rate moves by
     `rate_step` a judged token) and pauses up to `max_backoff` dispatches below it, and
     `no_match_pause` dispatches when its last tokens recur nowhere; the gate's
     trial `window`, `hold` and longest hold, in dispatches."""
 
-    method: Literal["off", "ngram"] = "off"
+    method: Literal["off", "ngram", "draft"] = "off"
     k: PositiveInt = 4
+    draft_model: str = ""  # method "draft": a preset name or a Hugging Face directory (the target's tokenizer)
     max_n: PositiveInt = 3
     min_n: PositiveInt = 2
     min_gain: float = Field(default=0.3, gt=0.0, lt=1.0)
@@ -35,6 +38,10 @@ class SpeculativeConfig(BaseModel):
     def _lengths(self) -> SpeculativeConfig:
         if self.min_n > self.max_n:
             raise ValueError(f"speculative.min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError("speculative.method 'draft' needs speculative.draft_model (a preset name or a Hugging Face "
+                             "directory with the target's tokenizer), and draft_model is read only with method 'draft'"
+                             f" (method {self.method!r}, draft_model {self.draft_model!r})")
         return self
 
     @property

@@ -1,10 +1,12 @@
 """Speculative decoding on a decode pod: which rows propose, how much, and when the pod stops
 trying (issue 45; the verify call is the engine's, tandem_engine/speculative.py).
 
-The proposer is n-gram prompt lookup (vLLM's `ngram` method): a row's last n tokens, n from
+Two proposers. N-gram prompt lookup (vLLM's `ngram` method): a row's last n tokens, n from
 `max_n` down to `min_n`, matched against its prompt and output so far; the tokens that followed
 the latest earlier match are its proposal. It costs no model and nothing on the device; a row with
-no match proposes nothing and takes an ordinary step inside the verify call.
+no match proposes nothing and takes an ordinary step inside the verify call. A draft model
+(`draft`: tandem_engine/draft.py, a smaller checkpoint with the target's tokenizer on this pod):
+its k greedy tokens after every speculating row's context, two calls on the draft for all rows.
 
 Adaptive k, per row: `rate` is an estimate of the chance the row's next proposed token is kept
 (each token the target judged moves it: kept 1, rejected 0). A row proposes the tokens whose
@@ -29,10 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from itertools import count
+from typing import TYPE_CHECKING, Sequence
 
 from decode_svc.settings import SpeculativeConfig
 from tandem_engine.speculative import NgramIndex
+
+if TYPE_CHECKING:  # the type only: no JAX import
+    from tandem_engine.draft import DraftProposer
 
 START_RATE = 0.6  # a new row's estimate: two tokens proposed at first
 
@@ -40,16 +46,25 @@ START_RATE = 0.6  # a new row's estimate: two tokens proposed at first
 @dataclass
 class SpecRow:
     """One running request's proposer state: its tokens so far (prompt, then every emitted one),
-    indexed by n-gram (tandem_engine.speculative.NgramIndex: a proposal is a few lookups)."""
+    indexed by n-gram for the n-gram proposer (tandem_engine.speculative.NgramIndex: a proposal is
+    a few lookups), a plain list for a draft model's."""
 
-    index: NgramIndex
+    index: NgramIndex | None
+    tokens: list[int] = field(default_factory=list)  # (without an index)
+    serial: int = 0  # which request: a draft row re-seats when its slot's serial changes
     rate: float = START_RATE  # the chance its next proposed token is kept (estimate)
     pause: int = 0  # dispatches left to sit out
     backoff: int = 1  # the next pause's length
 
     @property
     def seq(self) -> list[int]:
-        return self.index.seq
+        return self.tokens if self.index is None else self.index.seq
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if self.index is None:
+            self.tokens.extend(int(t) for t in tokens)
+        else:
+            self.index.extend(tokens)
 
 
 @dataclass
@@ -118,12 +133,16 @@ class Gate:
 @dataclass
 class Speculator:
     config: SpeculativeConfig
+    draft: DraftProposer | None = None  # method "draft": the draft model's proposer (on the engine thread)
     stats: SpecStats = field(default_factory=SpecStats)
     gate: Gate = field(init=False)
 
     def __post_init__(self) -> None:
         c = self.config
         self.gate = Gate(c.gate_window, c.gate_hold, c.gate_max_hold, self.stats)
+        self._serials = count(1)
+        if c.method == "draft" and self.draft is None:
+            raise ValueError("speculative method 'draft' needs the draft model's proposer")
 
     @property
     def k(self) -> int:
@@ -134,7 +153,10 @@ class Speculator:
         the request opted out: `wanted` False)."""
         if not (self.config.on and wanted):
             return None
-        return SpecRow(NgramIndex(list(prompt_ids) + [int(first_token)], self.config.max_n, self.config.min_n))
+        seq = list(prompt_ids) + [int(first_token)]
+        if self.draft is not None:
+            return SpecRow(None, seq, next(self._serials))
+        return SpecRow(NgramIndex(seq, self.config.max_n, self.config.min_n), serial=next(self._serials))
 
     def proposing(self, rows: Sequence[SpecRow | None]) -> bool:
         """Whether the next dispatch may be a verify call: the gate says so and some row may
@@ -147,9 +169,23 @@ class Speculator:
             if r is not None and r.pause:
                 r.pause -= 1
 
+    def propose_all(self, rows: Sequence[tuple[int, SpecRow | None, int]]) -> dict[int, list[int]]:
+        """(slot, row, room) for every running row -> slot -> its proposal for this dispatch (none
+        where it sits out, has no match or no room). A draft model is asked for every speculating
+        row, those sitting out too (its rows stay in step with the target's: draft.py)."""
+        if self.draft is None:
+            out = {slot: self.propose(row, room) for slot, row, room in rows}
+            return {slot: ids for slot, ids in out.items() if ids}
+        want = {slot: min(self.config.k, room, self.length(row.rate)) for slot, row, room in rows
+                if row is not None and not row.pause}
+        if not any(n >= 1 for n in want.values()):
+            return {}
+        drafted = self.draft.propose({slot: (row.serial, row.seq) for slot, row, _room in rows if row is not None})
+        return {slot: drafted[slot][:n] for slot, n in want.items() if n >= 1 and drafted.get(slot)}
+
     def propose(self, row: SpecRow | None, room: int) -> list[int]:
-        """The row's proposal for this dispatch ([] when it sits out, has no match or no room)."""
-        if row is None or row.pause:
+        """The row's n-gram proposal for this dispatch ([] when it sits out, has no match or no room)."""
+        if row is None or row.pause or row.index is None:
             return []
         k = min(self.config.k, room, self.length(row.rate))
         if k < 1:
@@ -173,7 +209,7 @@ class Speculator:
         starts a pause."""
         if row is None:
             return
-        row.index.extend(emitted)
+        row.extend(emitted)
         if not proposed:
             return
         self.stats.drafts += 1

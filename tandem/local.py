@@ -91,14 +91,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="the decode KV's element type; fp8 (float8_e4m3fn) holds twice bfloat16's "
                    "positions in the same memory (its error: bench/quantize_quality.py --kv)")
-    p.add_argument("--speculative", choices=["off", "ngram"], default="off",
+    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
                    help="speculative decoding in the decode workers: ngram checks each running request's n-gram "
                    "prompt-lookup proposal (what followed the latest earlier match of its last tokens) in one "
                    "step, greedy output unchanged, sampled output distributed as without it; pays where "
-                   "outputs repeat their prompts (edits, quotes); a request whose proposals miss stops proposing "
-                   "for a while (docs/local.md)")
+                   "outputs repeat their prompts (edits, quotes); draft: a smaller model's greedy tokens "
+                   "(--draft-model) instead; a request whose proposals miss stops proposing for a while "
+                   "(docs/local.md)")
     p.add_argument("--speculative-k", type=int, default=4, metavar="K",
                    help="with --speculative: tokens proposed at most per request and step")
+    p.add_argument("--draft-model", default="", metavar="MODEL",
+                   help="with --speculative draft: the draft model, a preset name or a Hugging Face directory "
+                   "with the served model's tokenizer (each decode worker loads it beside the model)")
     p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
                    help="do not keep finished sequences' blocks for later ones that start with the same "
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
@@ -158,6 +162,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Flags that contradict each other end the command with a message that says which to drop."""
     if a.speculative_k < 1:
         p.error(f"--speculative-k must be >= 1 (got {a.speculative_k})")
+    if (a.speculative == "draft") != bool(a.draft_model):
+        p.error("--speculative draft needs --draft-model (a preset name or a Hugging Face directory with the "
+                "served model's tokenizer), and --draft-model is read only with --speculative draft")
     if a.redis_cluster and not a.redis_url:
         p.error("--redis-cluster says the external Redis is a Redis Cluster: give one of its nodes with "
                 "--redis-url redis://HOST:PORT (or drop --redis-cluster to run the embedded Redis)")
@@ -386,7 +393,8 @@ class Cluster:
                 f"{prefix}ENGINE__KV_REUSE": "true" if self.a.kv_reuse else "false",
                 f"{prefix}ENGINE__KV_WINDOW_GROUP": "true" if self.a.kv_window_group else "false",
                 f"{prefix}ENGINE__KV_DTYPE": self.a.kv_dtype,
-                f"{prefix}SPECULATIVE__METHOD": self.a.speculative, f"{prefix}SPECULATIVE__K": str(self.a.speculative_k)}
+                f"{prefix}SPECULATIVE__METHOD": self.a.speculative, f"{prefix}SPECULATIVE__K": str(self.a.speculative_k),
+                f"{prefix}SPECULATIVE__DRAFT_MODEL": self.a.draft_model}
 
     def url(self) -> str:
         host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host

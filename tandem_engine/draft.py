@@ -33,6 +33,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from tandem_core.errors import ModelNotFound
 from tandem_core.models import ModelInfo
 from tandem_core.types import SamplingParams
 from tandem_engine.api import StepVariant
@@ -60,7 +61,7 @@ class DraftWarm:
 
 
 def check_draft(target: ModelInfo, draft: ModelInfo) -> None:
-    """ValueError unless `draft` can propose for `target`: the same vocabulary (its ids must mean the
+    """ModelNotFound (a configuration error: the pod stops, saying why) unless `draft` can propose for `target`: the same vocabulary (its ids must mean the
     target's tokens): the same size and kind of tokenizer, and where both directories hold a
     tokenizer.json, the same vocabulary in it."""
     why = None
@@ -73,7 +74,7 @@ def check_draft(target: ModelInfo, draft: ModelInfo) -> None:
         if ours.is_file() and theirs.is_file() and _vocab(ours) != _vocab(theirs):
             why = f"a tokenizer.json whose vocabulary differs from the target's ({theirs})"
     if why:
-        raise ValueError(f"the draft model {draft.name} cannot propose for {target.name}: it has {why}; a draft "
+        raise ModelNotFound(f"the draft model {draft.name} cannot propose for {target.name}: it has {why}; a draft "
                          f"must share the target's tokenizer")
 
 

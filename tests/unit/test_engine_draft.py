@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from tandem_core.errors import ModelNotFound
 from tandem_core.models import resolve_model
 from tandem_core.types import SamplingParams
 from tandem_engine import load_engine, reference_greedy
@@ -122,5 +123,5 @@ def _engine_of(info):
 def test_a_draft_must_share_the_target_vocabulary():
     tiny = resolve_model("tiny")
     check_draft(tiny, dataclasses.replace(tiny, num_layers=1))
-    with pytest.raises(ValueError, match="vocabulary of 2048 tokens against the target's 258"):
+    with pytest.raises(ModelNotFound, match="vocabulary of 2048 tokens against the target's 258"):
         check_draft(tiny, resolve_model("builtin"))

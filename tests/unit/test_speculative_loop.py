@@ -37,9 +37,9 @@ def _req(rid: str, prompt, max_tokens: int, sampling=SamplingParams(), **kw) -> 
     return GenerationRequest(rid, prompt, max_tokens, sampling, ignore_eos=True, **kw)
 
 
-def _drive(engine, reqs, speculative=None, cancel_after=None, timeout_s: float = 60):
+def _drive(engine, reqs, speculative=None, cancel_after=None, timeout_s: float = 60, draft=None):
     table, bridge = RequestTable(SLOTS), Bridge(SLOTS, 256)
-    loop = EngineLoop(engine, table, bridge, speculative=speculative)
+    loop = EngineLoop(engine, table, bridge, speculative=speculative, draft=draft)
     for r in reqs:
         assert table.reserve(1) == 1
         bridge.put_insert(Insert(engine.export_prefix(engine.prefill(r.prompt_ids, r.sampling)), r,
@@ -116,6 +116,34 @@ def test_loop_entries_with_speculation_equal_those_without(engine, monkeypatch):
     s = loop.spec.stats
     assert s.accepted >= 0.8 * s.draft_tokens > 0  # (nearly) every proposal kept: several tokens a call
     assert loop.stats.calls < sum(len(v) for v in plain.values()) // 2
+
+
+def test_loop_entries_with_a_draft_model_equal_those_without(engine):
+    """A draft model's proposals (tandem_engine/draft.py): the target as its own draft has (nearly)
+    every proposal kept; another model's are mostly rejected; the entries are the plain loop's."""
+    import dataclasses
+
+    from tandem_core.models import resolve_model
+    from tandem_engine.draft import DraftProposer
+    from tandem_engine.engine import Engine
+    from tandem_engine.weights import load_params
+
+    reqs = _reqs(5)
+    plain, _ = _drive(engine, reqs)
+    config = SpeculativeConfig(method="draft", draft_model="tiny", k=4, gate_window=100_000)
+    same = DraftProposer(load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16, 64),
+                                     steps_per_dispatch=3, kv_block_size=4, kv_reuse=False), 4)
+    got, loop = _drive(engine, reqs, config, draft=same)
+    assert got == plain
+    s = loop.spec.stats
+    assert s.accepted >= 0.8 * s.draft_tokens > 0
+    assert loop.stats.calls < sum(len(v) for v in plain.values()) // 2
+    other = dataclasses.replace(resolve_model("tiny"), seed=7, name="tiny-seed7")
+    draft = DraftProposer(Engine(other, load_params(other, "float32"), slots=SLOTS, max_len=MAX_LEN,
+                                 prefill_buckets=(16, 64), kv_block_size=4, kv_reuse=False), 4)
+    got, loop = _drive(engine, reqs, config, draft=draft)
+    assert got == plain
+    assert loop.spec.stats.drafts > 0
 
 
 def test_a_cancel_between_speculative_calls_gives_each_token_once_then_one_finish(engine, monkeypatch):
