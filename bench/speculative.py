@@ -2,7 +2,7 @@
 (`tandem local`, a real HTTP client; issue 45).
 
     python bench/speculative.py [--quick] [--no-write] [--paths colocated,disagg] [--concurrency 1,8,32]
-                                [--k 4] [--rounds N]
+                                [--k 4] [--rounds N] [--method ngram|draft] [--draft-model builtin-draft]
 
 Two workloads of the built-in model, `--requests` requests each (128 output tokens, ignore_eos):
   * repeat: a document to quote from. The built-in model (3.95M parameters) does not learn to
@@ -17,7 +17,9 @@ Two workloads of the built-in model, `--requests` requests each (128 output toke
     nothing in the prompt to copy from but what the n-gram lookup finds by chance.
 The prompts are built once in a child process with the engine (`--build`) into
 bench/out/speculative/workload.json. For each path (colocated: one worker; disagg: a prefill and
-a decode pod) and each round, speculation off and on (`--speculative ngram --speculative-k K`)
+a decode pod) and each round, speculation off and on (`--speculative ngram --speculative-k K`;
+with `--method draft`, `--speculative draft --draft-model M`: the built-in model's distilled
+one-layer draft by default)
 run one after the other, each on a fresh cluster warmed with both workloads; then each
 concurrency c runs its requests closed loop with c in flight, repeat then open.
 Reported per cell: output tok/s (all tokens over the wall time), TTFT p50, TPOT p50 (per request:
@@ -27,7 +29,7 @@ rate (tokens kept over tokens proposed) and mean accepted length (tokens a check
 per call, the bonus token included). Ratios on / off of the median of the rounds. Timings on a
 shared 2-core machine are noisy: they are reported, never asserted.
 Writes bench/out/speculative/result.json and, unless --no-write, the `speculative` section of
-bench/RESULTS.md.
+bench/RESULTS.md (`speculative-draft` with --method draft).
 """
 from __future__ import annotations
 
@@ -185,8 +187,11 @@ async def _cell(base_url: str, model: str, prompts: list[list[int]], kind: str, 
             **counts}
 
 
-def run_system(path: str, on: bool, k: int, concurrency: list[int], work: dict, n: int, log: Path) -> list[dict]:
-    args = ["--speculative", "ngram", "--speculative-k", str(k)] if on else []
+def run_system(path: str, on: bool, k: int, concurrency: list[int], work: dict, n: int, log: Path,
+               method: str = "ngram", draft_model: str = "") -> list[dict]:
+    args = ["--speculative", method, "--speculative-k", str(k)] if on else []
+    if on and method == "draft":
+        args += ["--draft-model", draft_model]
     sysm = TandemLocal(f"{path}-{'on' if on else 'off'}", "builtin", colocated=path == "colocated", slots=32,
                    max_len=MAX_LEN, pin="", env={}, log_path=log, extra_args=args)
     sysm.start()
@@ -243,7 +248,8 @@ def report(runs: dict, args: argparse.Namespace, command: str) -> str:
     table = markdown_table(["path", "workload", "c", "off tok/s", "on tok/s", "on / off", "TTFT p50 ms off / on",
                             "TPOT p50 ms off / on", "ITL p90 ms off / on", "acceptance", "mean accepted length",
                             "errors"], rows)
-    return (f"## Speculative decoding (n-gram prompt lookup): on against off\n\n"
+    title = "n-gram prompt lookup" if args.method == "ngram" else f"draft model {args.draft_model}"
+    return (f"## Speculative decoding ({title}): on against off\n\n"
             f"Command: `{command}`  \nMachine: {machine_line()}  \n"
             f"Built-in model, 32 slots, max_len {MAX_LEN}, k = {args.k}, {OUTPUT} output tokens a request "
             f"(ignore_eos); per path and round, speculation off then on (each a fresh `tandem local`, warmed), "
@@ -261,6 +267,8 @@ def main() -> None:
     p.add_argument("--paths", default="colocated,disagg")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    p.add_argument("--draft-model", default="builtin-draft")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--no-write", action="store_true")
@@ -281,15 +289,15 @@ def main() -> None:
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 print(f"== round {r + 1}: {path}, speculation {'on' if on else 'off'}", flush=True)
                 cells = run_system(path, on, a.k, a.concurrency, work, a.requests,
-                                   OUT / f"{path}-{'on' if on else 'off'}.log")
+                                   OUT / f"{path}-{'on' if on else 'off'}.log", a.method, a.draft_model)
                 runs[path]["on" if on else "off"].append(cells)
     command = "python bench/speculative.py " + " ".join(sys.argv[1:])
     body = report(runs, a, command)
     print(body)
     (OUT / "result.json").write_text(json.dumps(runs, indent=1))
     if not a.no_write:
-        write_section(SECTION, body)
-        merge_summary({"speculative": {path: {kind: {str(c): {
+        write_section(SECTION if a.method == "ngram" else SECTION + "-draft", body)
+        merge_summary({"speculative" if a.method == "ngram" else "speculative_draft": {path: {kind: {str(c): {
             "off": _median([x for rr in runs[path]["off"] for x in rr if x["c"] == c and x["kind"] == kind], "tok_s"),
             "on": _median([x for rr in runs[path]["on"] for x in rr if x["c"] == c and x["kind"] == kind], "tok_s")}
             for c in a.concurrency} for kind in ("repeat", "open")} for path in a.paths}})

@@ -48,8 +48,16 @@ def build_draft(s: DecodeSettings, engine: ServingEngine) -> DraftProposer | Non
     from tandem_engine import load_engine
     from tandem_engine.draft import DraftProposer, check_draft
 
+    from tandem_core.models import resolve_model
+
     kw = {**s.engine_kwargs(s.slots), "model": sp.draft_model, "kv_reuse": False, "kv_blocks": None,
           "steps_per_dispatch": max(1, sp.k - 1), "quantize": None}
+    info, tp = resolve_model(sp.draft_model), engine.tp  # the target's tp (0 in the settings: every chip)
+    kw["tp"] = tp
+    if tp > 1 and (info.num_kv_heads % tp or info.intermediate_size % tp):
+        log.info("speculative: the draft model %s (%d KV heads) does not split over tp=%d: it runs whole on one chip",
+                 info.name, info.num_kv_heads, tp)
+        kw["tp"] = 1
     t0 = time.monotonic()
     draft = load_engine(**kw)
     check_draft(engine.info, draft.info)
@@ -97,6 +105,11 @@ async def _compiled_engine(s: DecodeSettings):
 
 async def serve(s: DecodeSettings) -> int:
     worker_id = s.worker_id or default_worker_id("decode")
+    if s.speculative.method == "draft":  # a draft that cannot propose for this model stops the pod before any compile
+        from tandem_core.models import resolve_model
+        from tandem_engine.draft import check_draft
+
+        check_draft(resolve_model(s.engine.model), resolve_model(s.speculative.draft_model))
     engine = await _compiled_engine(s)
     draft = await asyncio.to_thread(build_draft, s, engine)
     # Everything alive after the compile (JAX's and the model's objects: millions) is moved out of
@@ -178,7 +191,7 @@ def _worker_info(s: DecodeSettings, io: DecodeIO, worker_id: str, address: str, 
                    "late_compiles": {"done": stats.late_compiled, "total": stats.late_compiles,
                                      "seconds": round(stats.late_compile_s, 1)},
                    # speculative decoding's counts (the gateway's vllm:spec_decode_* counters); None: off
-                   "speculative": None if io.engine_loop.spec is None else io.engine_loop.spec.stats.summary(),
+                   "speculative": None if io.engine_loop.spec is None else io.engine_loop.spec.summary(),
                    **kv_info()},
         )
 

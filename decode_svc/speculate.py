@@ -148,6 +148,14 @@ class Speculator:
     def k(self) -> int:
         return self.config.k
 
+    def summary(self) -> dict:
+        """The counters (SpecStats.summary) with the method, and the draft model's own: its
+        name, the calls that asked it and the rows it seated by a prefill."""
+        out = {"method": self.config.method, **self.stats.summary()}
+        if self.draft is not None:
+            out["draft"] = {"model": self.draft.engine.info.name, "calls": self.draft.calls, "seats": self.draft.seats}
+        return out
+
     def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True) -> SpecRow | None:
         """A row's state when its request goes into a slot (None while speculation is off, or
         the request opted out: `wanted` False)."""

@@ -80,10 +80,13 @@ PRESETS: dict[str, ModelInfo] = {
 # tools/train_builtin.py and shipped as a Hugging Face directory inside the package, so `make serve`
 # prints text a person can recognise. It resolves through the ordinary HF-directory path.
 BUILTIN_DIR = Path(__file__).resolve().parent / "assets" / "tandem-tiny-py"
+# Its draft model for speculative decoding ("builtin-draft"): one layer, hidden 128, the built-in
+# tokenizer, distilled from the built-in model (tools/train_builtin.py --teacher; its training.json).
+BUILTIN_DRAFT_DIR = BUILTIN_DIR.with_name("tandem-tiny-py-draft")
 
 
 def resolve_model(name_or_path: str) -> ModelInfo:
-    """"builtin" (or "") -> the shipped trained checkpoint; a preset name ("tiny", "small-100m")
+    """"builtin" (or "") -> the shipped trained checkpoint ("builtin-draft": its draft model); a preset name ("tiny", "small-100m")
     -> random weights; otherwise a Hugging Face Llama directory."""
     if name_or_path in ("builtin", ""):
         if not (BUILTIN_DIR / "config.json").is_file():
@@ -92,6 +95,11 @@ def resolve_model(name_or_path: str) -> ModelInfo:
                 f"run tools/train_builtin.py, or serve the random-weight preset 'tiny'"
             )
         name_or_path = str(BUILTIN_DIR)
+    if name_or_path == "builtin-draft":
+        if not (BUILTIN_DRAFT_DIR / "config.json").is_file():
+            raise ModelNotFound(f"the built-in draft checkpoint is missing from {BUILTIN_DRAFT_DIR}; reinstall the "
+                                f"package, or train it (tools/README.md)")
+        name_or_path = str(BUILTIN_DRAFT_DIR)
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     path = Path(name_or_path)

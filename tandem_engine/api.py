@@ -83,6 +83,9 @@ class ServingEngine(Protocol):
     windowed: tuple
     window_span: int
 
+    @property
+    def tp(self) -> int: ...  # chips the weights and KV are split over (1: one chip)
+
     def match_prefix(self, ids: Sequence[int]) -> "PrefixMatch | None": ...
 
     def release_prefix(self, match: "PrefixMatch") -> None: ...

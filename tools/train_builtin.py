@@ -117,7 +117,7 @@ def batch_at(stream: np.ndarray, rng: np.random.Generator, batch: int, seq: int)
 
 def model_info(args, vocab_size: int, bos: int, eos: int) -> ModelInfo:
     return ModelInfo(
-        name="tandem-tiny-py", vocab_size=vocab_size, hidden_size=args.hidden,
+        name=args.name, vocab_size=vocab_size, hidden_size=args.hidden,
         intermediate_size=args.intermediate, num_layers=args.layers, num_heads=args.heads,
         num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
         max_position_embeddings=args.max_positions, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -159,12 +159,19 @@ def lr_at(step: int, frac: float, peak: float, warmup: int, floor: float = 0.1) 
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def make_step(cfg, weight_decay: float, b1=0.9, b2=0.95, eps=1e-8, clip=1.0):
-    """A jitted AdamW step (decoupled weight decay on matrices only, global-norm clipping)."""
+def make_step(cfg, weight_decay: float, b1=0.9, b2=0.95, eps=1e-8, clip=1.0, teacher=None):
+    """A jitted AdamW step (decoupled weight decay on matrices only, global-norm clipping). With
+    `teacher` (params, cfg): the loss is the cross-entropy against the teacher's next-token
+    distribution (distillation) rather than against the text's next token."""
 
     def loss_fn(params, batch):
         logits = jax.vmap(lambda t: reference_forward(params, t, cfg))(batch[:, :-1])
         logp = jax.nn.log_softmax(logits, axis=-1)
+        if teacher is not None:
+            t_params, t_cfg = teacher
+            t_logits = jax.vmap(lambda t: reference_forward(t_params, t, t_cfg))(batch[:, :-1])
+            target = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
+            return -(target * logp).sum(-1).mean()
         nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0]
         return nll.mean()
 
@@ -219,6 +226,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--name", default="tandem-tiny-py", help="the model's name")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="use DIR's tokenizer.json instead of training one (a draft model for DIR's model)")
+    p.add_argument("--teacher", default="", metavar="DIR",
+                   help="distil: train on DIR's model's next-token distribution (soft targets) instead of the "
+                        "text's next token, so a small draft model agrees with it (speculative decoding)")
     return p.parse_args(argv)
 
 
@@ -226,7 +239,11 @@ def prepare(args):
     t0 = time.perf_counter()
     files = stdlib_files(int(args.corpus_mb * 1e6))
     texts = read_texts(files)
-    tok = train_tokenizer(texts, args.vocab)
+    if args.tokenizer:  # a draft model: the served model's own tokenizer, ids for ids
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(texts, args.vocab)
     train, val = encode_corpus(tok, texts, val_every=25)
     nbytes = sum(len(t.encode()) for t in texts)
     print(f"corpus: {len(texts)} files, {nbytes / 1e6:.1f} MB from {files[0].parent} "
@@ -267,7 +284,13 @@ def train(args, info: ModelInfo, train_ids: np.ndarray, val_ids: np.ndarray) -> 
     params = init_weights(info, args.seed)
     m = jax.tree.map(jnp.zeros_like, params)
     v = jax.tree.map(jnp.zeros_like, params)
-    step_fn, evaluate = make_step(cfg, args.weight_decay)
+    teacher = None
+    if args.teacher:
+        from tandem_core.models import resolve_model
+        from tandem_engine.weights import load_params
+        t_info = resolve_model(args.teacher)
+        teacher = (load_params(t_info, "float32"), config_from_info(t_info))
+    step_fn, evaluate = make_step(cfg, args.weight_decay, teacher=teacher)
     val_batch = batch_at(val_ids, np.random.default_rng(args.seed + 1), 32, args.seq)
     tokens_per_step, losses, i = args.batch * args.seq, [], 0
     budget = Budget(args.steps, args.minutes)

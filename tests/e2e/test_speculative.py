@@ -3,7 +3,8 @@ built-in model's greedy text through the `openai` client is the same with specul
 (a request's `"speculative": false`) and through a decode pod SIGKILLed while it speculated (the
 request resumes on the other decode pod, which speculates too); the gateway's
 vllm:spec_decode_* counters count the proposals. The colocated path (one worker prefills its
-prompts and decodes them) gives the same text too, `n` = 2 choices included.
+prompts and decodes them), there with a draft model's proposals (`--speculative draft
+--draft-model builtin-draft`), gives the same text too, `n` = 2 choices included.
 
 The pods' gate is held in its speculating trial (gate_window very large) so every call that can
 be a verify call is one, whatever this machine measures."""
@@ -47,7 +48,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def colocated():
     c = start_local("builtin", slots=4, max_len=512,
-                    extra=["--colocated", "--speculative", "ngram", "--speculative-k", "4"], env=SPEC_ENV)
+                    extra=["--colocated", "--speculative", "draft", "--draft-model", "builtin-draft",
+                           "--speculative-k", "4"], env=SPEC_ENV)
     try:
         asyncio.run(wait_healthy(c.base_url, {"decode": 1}))
         _wait_spec_ready(c.base_url, pods=1)
@@ -100,7 +102,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(cluster):
     assert after_plain == after_spec, "a request that opted out was speculated"
 
 
-def test_the_colocated_path_gives_the_same_text_with_and_without_speculation(colocated):
+def test_the_colocated_path_with_a_draft_model_gives_the_same_text_with_and_without_speculation(colocated):
     from openai import OpenAI
 
     client = OpenAI(base_url=colocated.base_url + "/v1", api_key="none", max_retries=0)
@@ -111,6 +113,8 @@ def test_the_colocated_path_gives_the_same_text_with_and_without_speculation(col
                                       extra_body={"speculative": False})
     assert [c.text for c in spec.choices] == [plain.choices[0].text] * 2
     assert after > before, "no proposal was checked: the test proved nothing"
+    (pod,) = [w["extra"]["speculative"] for w in _workers(colocated.base_url) if w["role"] == "decode"]
+    assert pod["method"] == "draft" and pod["draft"]["model"] == "tandem-tiny-py-draft" and pod["draft"]["calls"] > 0
 
 
 def test_a_decode_pod_killed_while_it_speculates_resumes_the_request_with_the_same_tokens(cluster):

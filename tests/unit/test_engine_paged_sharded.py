@@ -1,7 +1,7 @@
 """Paged KV under tensor parallelism (`Engine(tp=2)`): the pool split by KV head
 (each chip holds its heads' slice of every block, the block tables replicated) decodes the same
 greedy tokens as a tp=1 engine, one step per call and several, and by speculative verify calls
-(proposals kept and rejected); a prompt's KV crosses
+(proposals kept and rejected; a draft model's proposals, the draft whole on one chip); a prompt's KV crosses
 between a tp=2 engine (blocks of 4) and a tp=1 engine (blocks of 16) both ways; a finished row's blocks are shared
 by a later sequence (kv_reuse) with the same tokens as a whole insert; fp8 KV shards too, and so
 does a prefill pod's device prefix cache (prefix_pool.py: the same pool, read through a hit).
@@ -89,6 +89,27 @@ def speculate(engine, kv: dict, want: dict[str, list[int]], steps: int = STEPS) 
     return {s: o[:steps + 1] for s, o in out.items()}
 
 
+def draft_speculate(engine, draft, kv: dict, steps: int = STEPS) -> dict:
+    """Greedy tokens per slot by verify calls of a draft model's proposals (tandem_engine/draft.py:
+    the built-in draft, whole on one chip beside the tp=2 target), and the proposals kept."""
+    from tandem_core.types import SamplingParams
+
+    greedy = SamplingParams()
+    state = engine.init_state()
+    out, prompts_of = {}, {}
+    for slot, (ids, x) in kv.items():
+        state = engine.insert(x, state, slot, greedy)
+        out[slot], prompts_of[slot] = [x.first_token], ids
+    kept = 0
+    while min(len(o) for o in out.values()) < steps + 1:
+        props = draft.propose({s: (s, prompts_of[s] + o) for s, o in out.items()})
+        state, spec = engine.verify(state, props, 3, engine.slots)
+        for s in out:
+            out[s] += spec.tokens[s, :spec.counts[s]].tolist()
+            kept += int(spec.counts[s]) - 1
+    return {"tokens": {str(s): o[:steps + 1] for s, o in out.items()}, "kept": kept}
+
+
 def reuse(engine, seed: int) -> dict:
     """A first turn decoded 8 steps and freed with its tokens (its full blocks kept); a second turn
     that starts with them inserted over the match (its payload only the rest) and decoded 10 steps.
@@ -158,6 +179,10 @@ def child(spec: dict) -> dict:
     res["paged2_multi"] = decode(paged2, {s: paged2.export_prefix(paged2.prefill(p, greedy)) for s, p in ids.items()},
                                  per_call=3)
     res["spec2"] = speculate(paged2, {s: paged2.prefill(p, greedy) for s, p in ids.items()}, res["want"])
+    from tandem_engine.draft import DraftProposer
+
+    draft = DraftProposer(load_engine("builtin-draft", kv_reuse=False, steps_per_dispatch=2, **PAGED, **KW), 3)
+    res["draft2"] = draft_speculate(paged2, draft, {s: (p, paged2.prefill(p, greedy)) for s, p in ids.items()})
     pool = paged2.init_state().k[0]
     res["pool_shape"] = list(pool.shape)
     res["pool_shard"] = list(pool.addressable_shards[0].data.shape)
@@ -244,6 +269,7 @@ def test_greedy_tokens_at_tp2_equal_tp1s(results):
     assert results["paged2"] == want
     assert results["paged2_multi"] == want  # 3 steps per call, inserted as payloads
     assert results["spec2"] == want  # speculative verify calls: one row's proposals kept, the other's rejected
+    assert results["draft2"]["tokens"] == want and results["draft2"]["kept"] > 0  # the built-in draft's proposals
 
 
 def test_kv_crosses_between_tp2_and_tp1(results):

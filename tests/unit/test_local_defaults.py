@@ -124,6 +124,9 @@ def test_a_crash_is_still_restarted(tmp_path):
     ("decode_svc", {"TANDEM_DECODE_SLOTS": "-3"}, "slots"),
     ("prefill_svc", {"TANDEM_PREFILL_KV_BUDGET_BYTES": "lots"}, "kv_budget_bytes"),
     ("gateway", {"TANDEM_GATEWAY_PORT": "-1"}, "port"),
+    ("decode_svc", {"TANDEM_DECODE_SPECULATIVE__METHOD": "draft"}, "draft_model"),
+    ("decode_svc", {"TANDEM_DECODE_SPECULATIVE__METHOD": "draft", "TANDEM_DECODE_SPECULATIVE__DRAFT_MODEL": "tiny"},
+     "the draft model tiny cannot propose for tandem-tiny-py: it has a vocabulary of 258 tokens"),
 ])
 def test_the_services_exit_78_on_a_bad_setting(module, env, name):
     import subprocess
