@@ -92,7 +92,7 @@ class DraftProposer:
             raise ValueError(f"a draft proposes k >= 1 tokens (got {k})")
         self.engine = draft
         self.k = int(k)
-        self.catch_up = int(catch_up if catch_up is not None else 2 * (k + 1))  # the forced call's width
+        self.catch_up = int(catch_up if catch_up is not None else k + 1)  # the forced call's width
         self.state = draft.init_state()
         self.rows: dict[int, DraftRow] = {}
         self.seats = 0  # prefills done to seat a row (first seats and catch-ups past `catch_up`)
