@@ -168,12 +168,13 @@ class DraftProposer:
         self.calls += 1
         self.state = e.rewind(self.state, rewind)
         rows = max(rewind) + 1
-        self.state, out = e.verify(self.state, forced, self.catch_up, rows, force=True)
-        first = {s: int(out.tokens[s, int(out.counts[s]) - 1]) for s in rewind}
+        self.state, out = e.verify(self.state, forced, self.catch_up, rows, force=True)  # (no wait: tokens on the device)
         rest = None
         if self.k > 1:
             self.state, toks = e.generate(self.state, rows, steps=self.k - 1)
             rest = np.asarray(toks)  # [k - 1, bucket]
+        emitted = np.asarray(out.tokens)
+        first = {s: int(emitted[s, int(out.counts[s]) - 1]) for s in rewind}
         props: dict[int, list[int]] = {}
         for slot in rewind:
             ids = [first[slot]] + ([] if rest is None else rest[:, slot].tolist())

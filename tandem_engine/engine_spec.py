@@ -27,7 +27,7 @@ class SpecOut:
     (int32 [rows, k + 1]; [rows, k + 1, PACKED_WIDTH] with logprobs, logits.unpack_* read each
     row); `proposed[r]` of its proposals were checked (counts[r] - 1 of them kept)."""
 
-    tokens: np.ndarray
+    tokens: np.ndarray  # (a device array from a `force` call)
     counts: np.ndarray
     proposed: np.ndarray
 
@@ -65,7 +65,8 @@ class SpeculativeSide(DecodeSide):
         Returns the state and a `SpecOut` on the host (the call waits for the counts: the next
         proposals need the tokens). No grammar masks, and no prompt seated by `begin_prompt`
         may be pending (`generate_ragged` serves those). `force`: every proposal is kept (a
-        draft model fed the target's tokens, draft.py; no cut but max_len's)."""
+        draft model fed the target's tokens, draft.py; no cut but max_len's): the counts are the
+        proposals' + 1 without a wait for the call, and `SpecOut.tokens` stays on the device."""
         if self._pending:
             raise RuntimeError("a prompt seated by begin_prompt is pending: generate_ragged serves it first")
         k = int(k)
@@ -86,12 +87,16 @@ class SpeculativeSide(DecodeSide):
         new, emitted, counts, packed = self._verify_call(state, props, n_prop, k, bucket,
                                                          extra_bucket(int(n_prop.sum()), bucket * k), logprobs,
                                                          self._table_width(k + 1), force)
-        counts = np.asarray(counts)
         live = np.flatnonzero(self._occupied[:bucket])
+        if force:  # every proposal kept: the counts are known here, and the tokens stay on the device
+            counts = np.where(self._occupied[:bucket], n_prop + 1, 0).astype(np.int32)
+        else:
+            counts = np.asarray(counts)
         self._pos[live] += counts[live]
         if self._trim_rejected(live):
             new = self._with_tables(new)
-        return new, SpecOut(np.asarray(packed if logprobs else emitted), counts, n_prop)
+        out = packed if logprobs else emitted
+        return new, SpecOut(out if force else np.asarray(out), counts, n_prop)
 
     def _verify_call(self, state: DecodeState, props: np.ndarray, n_prop: np.ndarray, k: int, bucket: int,
                      extra: int, logprobs: bool, width: int, force: bool = False):

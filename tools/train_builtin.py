@@ -229,6 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default="tandem-tiny-py", help="the model's name")
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="use DIR's tokenizer.json instead of training one (a draft model for DIR's model)")
+    p.add_argument("--init", default="", metavar="DIR", help="start from DIR's weights (the same shapes)")
     p.add_argument("--teacher", default="", metavar="DIR",
                    help="distil: train on DIR's model's next-token distribution (soft targets) instead of the "
                         "text's next token, so a small draft model agrees with it (speculative decoding)")
@@ -281,7 +282,12 @@ def log_progress(i: int, budget: Budget, loss: float, gnorm: float, lr: float, t
 def train(args, info: ModelInfo, train_ids: np.ndarray, val_ids: np.ndarray) -> tuple[dict, dict]:
     cfg = config_from_info(info)
     rng = np.random.default_rng(args.seed)
-    params = init_weights(info, args.seed)
+    if args.init:  # go on from a checkpoint of this shape (e.g. the draft, on longer windows)
+        from tandem_core.models import resolve_model
+        from tandem_engine.weights import load_params
+        params = jax.tree.map(jnp.asarray, load_params(resolve_model(args.init), "float32"))
+    else:
+        params = init_weights(info, args.seed)
     m = jax.tree.map(jnp.zeros_like, params)
     v = jax.tree.map(jnp.zeros_like, params)
     teacher = None
