@@ -40,15 +40,16 @@ def build_engine(s: DecodeSettings) -> ServingEngine:
 def build_draft(s: DecodeSettings, engine: ServingEngine) -> DraftProposer | None:
     """Speculative method "draft": the draft model as an Engine of its own beside the target, with
     the target's slots, max_len, dtype and tp, its own KV pool (a row's whole context a slot), no
-    block reuse, and k - 1 steps a call (tandem_engine/draft.py). ValueError when it cannot propose
-    for the target (another tokenizer). None for the other methods."""
+    block reuse, and k - 1 steps a call (tandem_engine/draft.py); whole on one chip where its heads
+    do not split over the target's tp. ModelNotFound (a configuration error) when it cannot propose
+    for the target (another tokenizer: `serve` checks that before any compile). None for the other
+    methods."""
     sp = s.speculative
     if sp.method != "draft":
         return None
+    from tandem_core.models import resolve_model
     from tandem_engine import load_engine
     from tandem_engine.draft import DraftProposer, check_draft
-
-    from tandem_core.models import resolve_model
 
     kw = {**s.engine_kwargs(s.slots), "model": sp.draft_model, "kv_reuse": False, "kv_blocks": None,
           "steps_per_dispatch": max(1, sp.k - 1), "quantize": None}
