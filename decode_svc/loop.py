@@ -160,6 +160,7 @@ class EngineLoop:
                 state, pending = self._process(pending, state), None  # need the pending call's tokens
             if self.grammars:
                 state, masks = self._masks(state)
+            rows = self._decoding_rows() if self.spec is not None else 0  # the load the gate measures at
             if self.table.used:
                 current, state = self._dispatch(state, masks)
             if current is not None and (not self.pipelined or masks is not None or current.ragged
@@ -175,7 +176,7 @@ class EngineLoop:
             spent = time.perf_counter() - t0
             self.stats.busy_s += spent
             if self.spec is not None and dispatched and not self._verify_left:  # the gate's measure
-                self.spec.gate.account(self.stats.tokens - tokens0, spent)
+                self.spec.gate(rows).account(self.stats.tokens - tokens0, spent)
 
     def _warm_one(self, state):
         """Compile (run over the free rows) the next step variant the warm-up left: the loop is
@@ -241,6 +242,10 @@ class EngineLoop:
     def _proposing(self) -> bool:
         return (self.spec is not None and not self._verify_left
                 and self.spec.proposing([a.spec for a in self.table.snapshot() if not a.seated]))
+
+    def _decoding_rows(self) -> int:
+        """Rows decoding now (a seated prompt's row is not yet): the load whose gate decides."""
+        return sum(1 for a in self.table.snapshot() if not a.seated)
 
     def _verify(self, state):
         """A speculative call (decode_svc/speculate.py, the engine's `verify`): every running row's

@@ -21,7 +21,9 @@ model's step at one row is a matrix-vector product; five queries take 2-2.5x its
 verify call forgoes multi-step dispatch and pipelining), so accepted tokens may not pay for it.
 The gate measures both: tokens emitted per second over `window` dispatches with speculation, then
 `window` without; the better one runs for `hold` dispatches (the plain one for twice as long each
-time it wins again, up to `max_hold`), then both are measured again. So speculation runs where it
+time it wins again, up to `max_hold`), then both are measured again. Each load (the running rows'
+power of two) has a gate of its own: a decision taken at 32 streams is not carried to one stream
+(it was: one stream then ran up to `hold` speculating dispatches that 32 streams had chosen). So speculation runs where it
 pays on this machine, workload and batch, and costs at most a trial window where it does not.
 
 Counters as vLLM names them (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens):
@@ -76,8 +78,18 @@ class SpecStats:
     paused_rows: int = 0  # times a row started a pause
     gate_spec: int = 0  # gate decisions for speculation ...
     gate_plain: int = 0  # ... and against it
-    gate_rates: dict = field(default_factory=dict)  # the last trial's tokens/s, with and without
+    gate_rates: dict = field(default_factory=dict)  # per load bucket, its last trial's tokens/s with and without
     accepted_per_pos: list = field(default_factory=list)  # [i]: proposals whose token i (0-based) was kept
+
+    def gate(self, rows: int) -> Gate:
+        """The gate of this load (`load_bucket` of the running rows): a decision taken at 32
+        streams is not the one at one stream, and a change of load does not restart a trial."""
+        load = load_bucket(rows)
+        gate = self.gates.get(load)
+        if gate is None:
+            c = self.config
+            gate = self.gates[load] = Gate(c.gate_window, c.gate_hold, c.gate_max_hold, self.stats, load)
+        return gate
 
     def summary(self) -> dict:
         rate = self.accepted / self.draft_tokens if self.draft_tokens else 0.0
@@ -89,11 +101,17 @@ class SpecStats:
                 "gate": {"spec": self.gate_spec, "plain": self.gate_plain, "rates": self.gate_rates}}
 
 
-class Gate:
-    """Speculation on or off for the pod, by measured tokens per second (module docstring)."""
+def load_bucket(rows: int) -> int:
+    """The load a gate decision belongs to: the running rows' power of two (1, 2, 4, .. 32)."""
+    return 1 << max(int(rows), 1).bit_length() - 1
 
-    def __init__(self, window: int, hold: int, max_hold: int, stats: SpecStats) -> None:
+
+class Gate:
+    """Speculation on or off at one load, by measured tokens per second (module docstring)."""
+
+    def __init__(self, window: int, hold: int, max_hold: int, stats: SpecStats, load: int = 0) -> None:
         self.window, self.hold, self.max_hold, self.stats = window, hold, max_hold, stats
+        self.load = load  # the load_bucket whose decisions these are (0: every load)
         self.phase = "try_spec"
         self.left = window
         self.plain_hold = hold
@@ -118,7 +136,7 @@ class Gate:
             self.phase, self.left = "try_plain", self.window
         elif self.phase == "try_plain":
             self.rates["plain"] = rate
-            self.stats.gate_rates = {m: round(r, 1) for m, r in self.rates.items()}
+            self.stats.gate_rates[str(self.load)] = {m: round(r, 1) for m, r in self.rates.items()}
             if self.rates["spec"] >= rate:
                 self.phase, self.left, self.plain_hold = "spec", self.hold, self.hold
                 self.stats.gate_spec += 1
@@ -135,18 +153,26 @@ class Speculator:
     config: SpeculativeConfig
     draft: DraftProposer | None = None  # method "draft": the draft model's proposer (on the engine thread)
     stats: SpecStats = field(default_factory=SpecStats)
-    gate: Gate = field(init=False)
+    gates: dict[int, Gate] = field(init=False, default_factory=dict)  # load_bucket -> its own decisions
 
     def __post_init__(self) -> None:
-        c = self.config
-        self.gate = Gate(c.gate_window, c.gate_hold, c.gate_max_hold, self.stats)
         self._serials = count(1)
-        if c.method == "draft" and self.draft is None:
+        if self.config.method == "draft" and self.draft is None:
             raise ValueError("speculative method 'draft' needs the draft model's proposer")
 
     @property
     def k(self) -> int:
         return self.config.k
+
+    def gate(self, rows: int) -> Gate:
+        """The gate of this load (`load_bucket` of the running rows): a decision taken at 32
+        streams is not the one at one stream, and a change of load does not restart a trial."""
+        load = load_bucket(rows)
+        gate = self.gates.get(load)
+        if gate is None:
+            c = self.config
+            gate = self.gates[load] = Gate(c.gate_window, c.gate_hold, c.gate_max_hold, self.stats, load)
+        return gate
 
     def summary(self) -> dict:
         """The counters (SpecStats.summary) with the method, and the draft model's own: its
@@ -169,7 +195,7 @@ class Speculator:
     def proposing(self, rows: Sequence[SpecRow | None]) -> bool:
         """Whether the next dispatch may be a verify call: the gate says so and some row may
         propose (else the loop runs its ordinary pipelined calls)."""
-        return self.gate.speculate and any(r is not None and r.pause == 0 for r in rows)
+        return self.gate(len(rows)).speculate and any(r is not None and r.pause == 0 for r in rows)
 
     def tick(self, rows: Sequence[SpecRow | None]) -> None:
         """One dispatch went by (a verify call or an ordinary one): pauses count down."""

@@ -197,6 +197,27 @@ def test_the_gate_keeps_the_faster_mode_and_measures_again():
     assert gate.phase == "spec" and stats.gate_spec == 1 and gate.speculate
 
 
+def test_each_load_has_its_own_gate():
+    """A decision taken at 32 rows is not carried to one row, and the loads' trials do not restart
+    each other."""
+    from decode_svc.speculate import load_bucket
+
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 33)] == [1, 1, 2, 2, 4, 4, 8, 16, 32, 32]
+    spec = Speculator(SpeculativeConfig(method="ngram", k=4, gate_window=2, gate_hold=100))
+    for rate in (2000, 2000, 1000, 1000):  # at 32 rows speculation is faster
+        spec.gate(32).account(int(rate / 100), 0.01)
+    assert spec.gate(32).phase == "spec" and spec.gate(40).phase == "spec"  # (32 and more: one load)
+    assert spec.gate(20).phase == "try_spec" and spec.gate(1).phase == "try_spec"  # 16-31 and 1: untried
+    for rate in (500, 500, 1000, 1000):  # at one row plain is faster
+        spec.gate(1).account(int(rate / 100), 0.01)
+    assert spec.gate(1).phase == "plain" and not spec.gate(1).speculate
+    assert spec.gate(32).phase == "spec" and spec.gate(32).left == 100  # untouched meanwhile
+    row = spec.start([1, 2, 3, 1, 2], 3)
+    assert not spec.proposing([row]) and spec.proposing([row] * 32)
+    assert spec.stats.summary()["gate"]["rates"] == {"32": {"spec": 2000.0, "plain": 1000.0},
+                                                     "1": {"spec": 500.0, "plain": 1000.0}}
+
+
 def test_a_rows_proposal_length_follows_its_rate():
     spec = Speculator(SpeculativeConfig(method="ngram", k=4))
     assert [spec.length(r) for r in (0.2, 0.3, 0.4, 0.6, 0.8, 0.95, 1.0)] == [0, 0, 1, 2, 4, 4, 4]
