@@ -81,16 +81,6 @@ class SpecStats:
     gate_rates: dict = field(default_factory=dict)  # per load bucket, its last trial's tokens/s with and without
     accepted_per_pos: list = field(default_factory=list)  # [i]: proposals whose token i (0-based) was kept
 
-    def gate(self, rows: int) -> Gate:
-        """The gate of this load (`load_bucket` of the running rows): a decision taken at 32
-        streams is not the one at one stream, and a change of load does not restart a trial."""
-        load = load_bucket(rows)
-        gate = self.gates.get(load)
-        if gate is None:
-            c = self.config
-            gate = self.gates[load] = Gate(c.gate_window, c.gate_hold, c.gate_max_hold, self.stats, load)
-        return gate
-
     def summary(self) -> dict:
         rate = self.accepted / self.draft_tokens if self.draft_tokens else 0.0
         mean = 1 + self.accepted / self.drafts if self.drafts else 0.0  # tokens a checked row emitted a call
