@@ -129,7 +129,8 @@ async def serve(s: DecodeSettings) -> int:
                              mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks,
                              late_warm=[v for v in engine.warm_steps(masks=True) if v.masked]
                              + (engine.verify_variants(s.speculative.k) if s.speculative.on else [])
-                             + (draft.warm_items() if draft is not None else []),
+                             + (draft.warm_items() if draft is not None else [])
+                             + (engine.verify_variants(s.speculative.k, masked=True) if s.speculative.on else []),
                              speculative=s.speculative, draft=draft)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)

@@ -76,6 +76,34 @@ class SlotGrammars:
             done.append(act)
         return masks, out, done, time.perf_counter() - t0
 
+    def proposal_masks(self, running: list[Active], proposals: dict[int, list[int]], masks: np.ndarray,
+                       k: int) -> tuple[dict[int, list[int]], np.ndarray, float]:
+        """A verify call's masks (speculative decoding): (the proposals, each constrained row's cut
+        where its grammar says (Matcher.proposal_masks), masks int32 [rows, k + 1, words]: row r's
+        mask for its query i, the position after i of its proposals (i = 0: `masks`' row, this
+        step's; all-ones where a row is unconstrained or proposes fewer), host seconds spent)."""
+        t0 = time.perf_counter()
+        rows = masks.shape[0]
+        out = np.full((rows, k + 1, self._words), -1, np.int32)
+        out[:, 0] = masks
+        cut = dict(proposals)
+        for act in running:
+            m = self._matchers.get(act.slot)
+            ids = proposals.get(act.slot)
+            if m is None or not ids or act.slot >= rows:
+                continue
+            budget = act.req.max_tokens - act.next_index
+            try:
+                n = m.proposal_masks(ids[:k], budget, out[act.slot])
+            except GrammarError as e:  # (a rollback llguidance refused: its next mask fails the request)
+                log.warning("grammar proposal check failed request_id=%s: %s", act.req.request_id, e.message)
+                n = 0
+            if n:
+                cut[act.slot] = ids[:n]
+            else:
+                del cut[act.slot]
+        return cut, out, time.perf_counter() - t0
+
     def consume(self, slot: int, token: int) -> tuple[str | None, bool]:
         """Feed a sampled token to the slot's matcher: (why the grammar rejected it or None,
         whether the token is the EOS that completes the grammar)."""

@@ -94,6 +94,7 @@ class LoopStats:
     spec_short: int = 0  # verify calls not made: the pool lacked the blocks of k + 1 positions a row
     host_wait_s: float = 0.0  # time blocked copying tokens to the host
     constrained_steps: int = 0  # steps run with grammar masks (unpipelined)
+    constrained_verifies: int = 0  # of those, verify calls (speculation under grammar masks)
     mask_s: float = 0.0  # host time computing those masks
     busy_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)

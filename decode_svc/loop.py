@@ -104,8 +104,9 @@ class EngineLoop:
         self.late_warm: deque[StepVariant | DraftWarm] = deque(late_warm)
         # speculation starts once the verify call's variants among them are compiled, and the draft
         # model's shapes (DraftWarm) with them (no request waits for one of those compiles: until
-        # then every call is an ordinary one)
-        self._verify_left = sum(1 for v in late_warm if isinstance(v, DraftWarm) or v.spec_k)
+        # then every call is an ordinary one); its grammar-masked variants come last, and a grammar
+        # request before then compiles its verify call on its own clock, as the masked step
+        self._verify_left = sum(1 for v in late_warm if isinstance(v, DraftWarm) or (v.spec_k and not v.masked))
         self._cancel: set[str] = set()
         self._silent: set[str] = set()
         self._cancel_at: dict[str, int] = {}  # request id -> its next token index when the cancel came
@@ -189,7 +190,7 @@ class EngineLoop:
             self._verify_left -= 1
         else:
             state = self.engine.warm_step(state, variant)
-            self._verify_left -= bool(variant.spec_k)
+            self._verify_left -= bool(variant.spec_k and not variant.masked)
         self.stats.late_compiled += 1
         self.stats.late_compile_s += time.perf_counter() - t0
         if not self.late_warm:
@@ -209,8 +210,8 @@ class EngineLoop:
         proposing = self._proposing()
         if self.spec is not None:
             self.spec.tick([a.spec for a in self.table.snapshot()])
-        if masks is None and not ragged and proposing:
-            state, call = self._verify(state)
+        if not ragged and proposing:  # (with grammars too: their masks for each query, `_verify`)
+            state, call = self._verify(state, masks)
             if call is not None or not self.table.used:
                 return call, state
         state = self._make_room(state, steps)
@@ -247,10 +248,13 @@ class EngineLoop:
         """Rows decoding now (a seated prompt's row is not yet): the load whose gate decides."""
         return sum(1 for a in self.table.snapshot() if not a.seated)
 
-    def _verify(self, state):
+    def _verify(self, state, masks=None):
         """A speculative call (decode_svc/speculate.py, the engine's `verify`): every running row's
-        n-gram proposal, cut to what it may still emit, checked beside one step of every row.
-        (state, None) when no row proposes this time: the caller dispatches an ordinary call."""
+        proposal, cut to what it may still emit, checked beside one step of every row. With
+        grammar `masks` (this step's, [rows, words]) each constrained row's proposal is also cut
+        where its grammar rejects it, and every query of the call gets the mask a plain step at
+        its position would have (SlotGrammars.proposal_masks). (state, None) when no row
+        proposes this time: the caller dispatches an ordinary call."""
         spec = self.spec
         assert spec is not None
         proposals = spec.propose_all([(act.slot, act.spec, last_index(act, self.engine.max_len) - act.next_index)
@@ -264,8 +268,17 @@ class EngineLoop:
         snapshot = [a for a in self.table.snapshot() if not a.seated]
         if not snapshot:
             return state, None
+        kw: dict[str, Any] = {}
+        if masks is not None:
+            proposals, kw["masks"], spent = self.grammars.proposal_masks(snapshot, proposals,
+                                                                         masks[: self.table.rows()], spec.k)
+            self.stats.mask_s += spent
+            if not proposals:
+                return state, None
+            self.stats.constrained_verifies += 1
         view = self._views.of(snapshot)
-        kw: dict[str, Any] = {"logprobs": True} if view.logprobs else {}
+        if view.logprobs:
+            kw["logprobs"] = True
         faults.hit("decode.step")
         state, out = self.engine.verify(state, proposals, spec.k, self.table.rows(), **kw)
         self.stats.steps += 1

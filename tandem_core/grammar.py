@@ -352,6 +352,8 @@ class Matcher:
     def rebuild(self, tokens: Sequence[int]) -> None:
         """Restart from the grammar's start and consume `tokens` (the output streamed so far)."""
         self._m.reset()
+        self._ahead: list[tuple] | None = None  # proposal_masks' heuristic states, position by position
+        self._ahead_at = 0
         self._lex = _JsonLex()
         self._path: list[int] | None = None  # the closing path from here (None: not known)
         self._cost = 0  # the length of the last closing path computed
@@ -370,6 +372,7 @@ class Matcher:
         (see the module docstring)."""
         if row.dtype != np.int32 or row.shape != (self.width,) or not row.flags["C_CONTIGUOUS"]:
             raise ValueError(f"mask row must be contiguous int32 [{self.width}], got {row.dtype} {row.shape}")
+        self._ahead = None  # a plain position: a verify call's states are behind it
         t0 = time.thread_time()  # CPU time of this thread: a busy host's preemption is not the grammar's
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)  # runs here, GIL dropped
         took = time.thread_time() - t0
@@ -390,6 +393,10 @@ class Matcher:
     def consume(self, token_id: int) -> None:
         """Advance past a sampled token; GrammarError if the grammar rejects it."""
         t = int(token_id)
+        if self._ahead is not None:  # a verify call's tokens: the state its mask left (proposal_masks)
+            if 0 < self._ahead_at < len(self._ahead):
+                self._restore(self._ahead[self._ahead_at])
+            self._ahead_at += 1
         if not self._m.consume_token(t):
             raise GrammarError(f"token {t} is not allowed by the grammar {self.compiled.kind}: "
                                f"{self._m.get_error()}")
@@ -400,6 +407,60 @@ class Matcher:
             self._cost = len(self._path)
         else:
             self._path = None
+
+    def proposal_masks(self, tokens: Sequence[int], budget: int | None, out: np.ndarray) -> int:
+        """Speculative decoding (decode_svc/constrained.py): how many of `tokens`, a proposal for
+        the positions after this one, a verify call may check, with out[i] (int32 [>= n + 1,
+        width]) the mask of the position after the first i of them for i in 1 .. n (out[0], this
+        position's, is `mask_into`'s, computed before). Every position is masked as a plain step
+        would mask it, so the call's tokens are the plain steps' (greedy) or drawn from the same
+        distributions (sampled). The proposal is cut before the first token the grammar rejects,
+        and before one after which a plain step would not sample as the call does: the grammar
+        complete (only EOS follows, emitted without a step), or the budget's closing restriction
+        in force (`_restrict`; no proposal is made at all once it is). The matcher is left where it
+        was (llguidance's rollback); the closing heuristic's state after each position's mask is
+        kept, and `consume` takes it up as the call's tokens are fed (`_ahead`), so its caches
+        end as a plain step's would have. A mask that fails or passes its deadline cuts there."""
+        self._ahead = None
+        toks = [int(t) for t in tokens]
+        valid = self._m.validate_tokens(toks) if toks and not self.closed_early else 0
+        if valid <= 0:
+            return 0
+        entry = self._heuristic()
+        kept: list[tuple] = [entry]
+        eaten = 0
+        try:
+            for i in range(valid):
+                self.consume(toks[i])
+                eaten += 1
+                left = None if budget is None else int(budget) - (i + 1)
+                if self.done() or (left is not None and left < 1):
+                    break
+                try:
+                    self.mask_into(out[i + 1], left)
+                except GrammarError:
+                    break
+                if self.closed_early:  # the budget restricts this position: not one to propose into
+                    break
+                kept.append(self._heuristic())
+        finally:
+            if eaten and not self._m.rollback(eaten):
+                raise GrammarError(f"grammar {self.compiled.kind} could not roll back {eaten} proposed tokens: "
+                                   f"{self._m.get_error()}")
+            self._restore(entry)
+        n = len(kept) - 1
+        self._ahead = kept if n else None
+        self._ahead_at = 0
+        return n
+
+    def _heuristic(self) -> tuple:
+        """The closing heuristic's state (what llguidance's rollback does not restore)."""
+        return (self._lex.copy(), None if self._path is None else list(self._path), self._cost, self._since,
+                self.closed_early)
+
+    def _restore(self, saved: tuple) -> None:
+        lex, path, self._cost, self._since, self.closed_early = saved
+        self._lex, self._path = lex.copy(), None if path is None else list(path)
 
     def ends_now(self, budget: int | None) -> bool:
         """The budget closed the output early and it is now a complete sentence: the caller ends it

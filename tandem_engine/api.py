@@ -141,7 +141,8 @@ class ServingEngine(Protocol):
     def can_reserve(self, steps: int) -> bool: ...  # reserve(state, steps) would give every active row its blocks
 
     def verify(self, state: "DecodeState", proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
-               logprobs: bool = False) -> "tuple[DecodeState, SpecOut]": ...  # speculative decoding's call
+               logprobs: bool = False, masks: "np.ndarray | None" = None
+               ) -> "tuple[DecodeState, SpecOut]": ...  # speculative decoding's call
 
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...
 

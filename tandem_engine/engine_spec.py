@@ -43,18 +43,20 @@ def rewind_core(state: DecodeState, slots, positions, tokens) -> DecodeState:
 class SpeculativeSide(DecodeSide):
     """`verify` and its compiled shapes over the decode side's rows and blocks."""
 
-    def verify_variants(self, k: int, force: bool = False) -> list[StepVariant]:
+    def verify_variants(self, k: int, force: bool = False, masked: bool = False) -> list[StepVariant]:
         """The speculative verify call's compiled shapes for proposals of up to k tokens: every
         batch bucket with each of its proposal-query buckets (speculative.extra_bucket: 4, 8, ..
-        up to rows x k); `force`: the draft model's catch-up call's (draft.py)."""
+        up to rows x k); `force`: the draft model's catch-up call's (draft.py); `masked`: those
+        that take grammar masks."""
         out: list[StepVariant] = []
         for rows in self.batch_buckets:
             extras = sorted({extra_bucket(n, rows * k) for n in range(1, rows * k + 1)})
-            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, False, k, e, force) for e in extras]
+            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, masked, k, e, force) for e in extras]
         return out
 
     def verify(self, state: DecodeState, proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
-               logprobs: bool = False, force: bool = False) -> tuple[DecodeState, SpecOut]:
+               logprobs: bool = False, force: bool = False, masks: np.ndarray | None = None
+               ) -> tuple[DecodeState, SpecOut]:
         """One speculative call (donates `state`): every active row below `rows` takes one step,
         and a row in `proposals` (slot -> its proposed next tokens) also has up to `k` of them
         checked by the target in the same call (speculative.py: greedy rows keep the output they
@@ -63,8 +65,11 @@ class SpeculativeSide(DecodeSide):
         `generate` does (RuntimeError when the pool is short: `reserve(state, k + 1)` first and
         hand rows back), and afterwards gives back the blocks that only rejected proposals used.
         Returns the state and a `SpecOut` on the host (the call waits for the counts: the next
-        proposals need the tokens). No grammar masks, and no prompt seated by `begin_prompt`
-        may be pending (`generate_ragged` serves those). `force`: every proposal is kept (a
+        proposals need the tokens). `masks` (grammars): int32 [<= bucket, k + 1, ceil(vocab /
+        32)], row r's allowed tokens at its query i (the position after i of its proposals; the
+        caller cuts each proposal where its grammar rejects it, so every proposal is allowed
+        where it is checked), all-ones for an unconstrained row; None runs the unmasked call. No
+        prompt seated by `begin_prompt` may be pending (`generate_ragged` serves those). `force`: every proposal is kept (a
         draft model fed the target's tokens, draft.py; no cut but max_len's): the counts are the
         proposals' + 1 without a wait for the call, and `SpecOut.tokens` stays on the device."""
         if self._pending:
@@ -86,7 +91,7 @@ class SpeculativeSide(DecodeSide):
             n_prop[slot] = n
         new, emitted, counts, packed = self._verify_call(state, props, n_prop, k, bucket,
                                                          extra_bucket(int(n_prop.sum()), bucket * k), logprobs,
-                                                         self._table_width(k + 1), force)
+                                                         self._table_width(k + 1), force, masks)
         live = np.flatnonzero(self._occupied[:bucket])
         if force:  # every proposal kept: the counts are known here, and the tokens stay on the device
             counts = np.where(self._occupied[:bucket], n_prop + 1, 0).astype(np.int32)
@@ -99,17 +104,30 @@ class SpeculativeSide(DecodeSide):
         return new, SpecOut(out if force else np.asarray(out), counts, n_prop)
 
     def _verify_call(self, state: DecodeState, props: np.ndarray, n_prop: np.ndarray, k: int, bucket: int,
-                     extra: int, logprobs: bool, width: int, force: bool = False):
+                     extra: int, logprobs: bool, width: int, force: bool = False, masks: np.ndarray | None = None):
         """speculative.verify_core over rows [0, bucket) with `extra` proposal queries (row r's
-        n_prop[r] proposals first, in row order; the rest padding)."""
+        n_prop[r] proposals first, in row order; the rest padding); `masks` [<= bucket, k + 1,
+        words] gathered into the queries' order (padding all-ones)."""
         total = int(n_prop.sum())
         extra_row = np.full(extra, bucket, np.int32)  # padding: a row past the batch, never live
         extra_off = np.zeros(extra, np.int32)
         extra_row[:total] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
         extra_off[:total] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
-        return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs),
+        qmasks = None if masks is None else self._query_masks(masks, bucket, k, extra_row, extra_off)
+        return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs), qmasks,
                            cfg=self.cfg, layout=self.layout, rows=bucket, k=k, max_len=self.max_len,
                            table_blocks=width, force=force)
+
+    def _query_masks(self, masks: np.ndarray, bucket: int, k: int, extra_row: np.ndarray,
+                     extra_off: np.ndarray) -> np.ndarray:
+        """int32 [bucket + E, words]: each query's mask (row r's query i: masks[r, i])."""
+        words = (self.info.vocab_size + 31) // 32
+        m = np.asarray(masks)
+        if m.dtype != np.int32 or m.ndim != 3 or m.shape[0] > bucket or m.shape[1] != k + 1 or m.shape[2] != words:
+            raise ValueError(f"verify masks must be int32 [<= {bucket}, {k + 1}, {words}], got {m.dtype} {m.shape}")
+        full = np.full((bucket + 1, k + 1, words), -1, np.int32)  # row `bucket`: the padding queries'
+        full[:m.shape[0]] = m
+        return np.concatenate([full[:bucket, 0], full[extra_row, extra_off]])
 
     def warm_verify(self, state: DecodeState, variant) -> DecodeState:
         """Run one of `verify_variants`' shapes over `state`, every row free (so nothing is
@@ -117,9 +135,13 @@ class SpeculativeSide(DecodeSide):
         v = variant
         new, emitted, _counts, _packed = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32),
                                                            np.zeros(v.rows, np.int32), v.spec_k, v.rows, v.extra,
-                                                           v.logprobs, v.width, v.force)
+                                                           v.logprobs, v.width, v.force,
+                                                           self._all_allowed(v) if v.masked else None)
         jax.block_until_ready(emitted)
         return new
+
+    def _all_allowed(self, v: StepVariant) -> np.ndarray:
+        return np.full((v.rows, v.spec_k + 1, (self.info.vocab_size + 31) // 32), -1, np.int32)
 
     def rewind(self, state: DecodeState, rows: Mapping[int, tuple[int, int]]) -> DecodeState:
         """Set active rows back (donates `state`): slot -> (position, token), the row's next input

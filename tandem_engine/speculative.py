@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tandem_engine.cores import DecodeState, _pin_pool
-from tandem_engine.logits import PACKED_WIDTH, SlotLogits, apply, logprobs_of, pack
+from tandem_engine.logits import PACKED_WIDTH, SlotLogits, apply, apply_mask, logprobs_of, pack
 from tandem_engine.paged import decode_forward_paged
 from tandem_engine.sampling import filter_candidates, greedy_tokens, sample, token_keys
 
@@ -111,8 +111,8 @@ def extra_bucket(proposed: int, most: int) -> int:
 
 @partial(jax.jit, static_argnames=("cfg", "layout", "rows", "k", "max_len", "table_blocks", "force"),
          donate_argnums=(1,))
-def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_off, logprobs=False, *, cfg, layout,
-                rows: int, k: int, max_len: int, table_blocks: int, force: bool = False):
+def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_off, logprobs=False, masks=None, *,
+                cfg, layout, rows: int, k: int, max_len: int, table_blocks: int, force: bool = False):
     """One call that checks up to k proposals per row, as a ragged batch of queries: the rows'
     next inputs [0, rows) one each, then E extra queries, one per proposal (only the rows that
     propose pay for them). proposals int32 [rows, k] (row r's first n_prop[r] real; the caller
@@ -122,6 +122,11 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
     counts int32 [rows]: row r emitted emitted[r, :counts[r]] (1 .. n_prop + 1; 0 for a free
     row), packed [rows, k + 1, PACKED_WIDTH]: the emitted tokens with their logprobs when the
     traced bool `logprobs` is set, else zeros). The row's next input is its last emitted token.
+
+    `masks` int32 [rows + E, ceil(vocab / 32)] (grammars: each query's allowed tokens, in the
+    queries' order; all-ones rows for the unconstrained) or None (a variant traced without them):
+    applied after processing, as the masked step applies them, so acceptance, the tokens drawn
+    and the logprobs all see the constrained distribution.
 
     `force` (a draft model catching up, draft.py): every proposal is kept whatever the model says,
     so the call feeds known tokens through the row and emits the model's own token after them."""
@@ -151,6 +156,8 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
         jnp.arange(rows, dtype=jnp.int32))
     index = state.step[qrow] + qoff  # the token index each query's logits draw
     processed = _processed(logits, state, proposals, qrow, qoff, index, live, k)  # [Q, vocab] float32
+    if masks is not None:
+        processed = apply_mask(processed, masks)
     emitted, counts = _accept(processed, state, proposals, n_prop, qrow, qoff, index, where, rows, k, force)
     counts = jnp.where(active, counts, 0)
     last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]

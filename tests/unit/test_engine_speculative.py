@@ -182,10 +182,11 @@ def test_sampled_rows_emit_the_targets_distribution(top_k):
     assert stat.pvalue > 1e-3, (observed, expected.round(1))
 
 
-def _pairs(engine, sampling, proposals, draws):
+def _pairs(engine, sampling, proposals, draws, masks=None):
     """Counts of the first two tokens each row emits after PROMPT and its greedy first token: with
     `proposals` [x0, x1] checked in a verify call (a second call where it kept neither), or with
-    plain steps (None)."""
+    plain steps (None). `masks` (mask0, mask1): int32 [words] each, the allowed tokens at the
+    first and the second position (a grammar that allows by position), for every row."""
     from collections import Counter
 
     counts: Counter = Counter()
@@ -195,13 +196,15 @@ def _pairs(engine, sampling, proposals, draws):
         for s in range(engine.slots):
             pick = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=7919 * i + s)
             state = engine.insert(prefix, state, s, pick)
+        at = [None, None] if masks is None else [np.tile(m, (engine.slots, 1)) for m in masks]
         if proposals is None:
-            state, a = engine.generate(state)
-            state, b = engine.generate(state)
+            state, a = engine.generate(state, masks=at[0])
+            state, b = engine.generate(state, masks=at[1])
             got = list(zip(np.asarray(a).tolist(), np.asarray(b).tolist()))
         else:
-            state, spec = engine.verify(state, {s: proposals for s in range(engine.slots)}, 2)
-            state, again = engine.generate(state)
+            vm = None if masks is None else np.stack([at[0], at[1], np.full_like(at[1], -1)], axis=1)
+            state, spec = engine.verify(state, {s: proposals for s in range(engine.slots)}, 2, masks=vm)
+            state, again = engine.generate(state, masks=at[1])
             again = np.asarray(again).tolist()
             got = [(int(spec.tokens[s, 0]), int(spec.tokens[s, 1]) if spec.counts[s] >= 2 else again[s])
                    for s in range(engine.slots)]
@@ -231,4 +234,41 @@ def test_sampled_two_token_outputs_are_distributed_as_without_speculation():
     if min(rest) > 5:
         rows = [r + [x] for r, x in zip(rows, rest)]
     assert len(common) >= 8 and plain[(x0, x1)] > 100  # a spread sample; the proposed pair common
+    assert chi2_contingency(np.asarray(rows)).pvalue > 1e-3, (common, rows)
+
+
+def _bits(ids, vocab: int) -> np.ndarray:
+    row = np.zeros((vocab + 31) // 32, np.uint32)
+    for t in ids:
+        row[t >> 5] |= np.uint32(1 << (t & 31))
+    return row.view(np.int32)
+
+
+@pytest.mark.slow
+def test_sampled_two_token_outputs_under_grammar_masks_are_distributed_as_without_speculation():
+    """The same under grammar masks (each query masked as the plain step at its position): the
+    allowed sets leave out the model's favourite tokens, and the greedy pair within them is
+    proposed. The pairs all lie in the allowed sets, and spread as the plain steps' do."""
+    from scipy.stats import chi2_contingency
+
+    engine = load_engine("tiny", slots=32, max_len=32, prefill_buckets=(16,), kv_block_size=4)
+    vocab = engine.info.vocab_size
+    sampling = SamplingParams(temperature=1.0)
+    first = engine.prefill(PROMPT, GREEDY).first_token
+    l0 = np.asarray(engine.prompt_logits(PROMPT + [first])).reshape(-1)
+    a = [int(t) for t in np.argsort(-l0)[2:7]]  # five allowed first tokens, not the two likeliest
+    x0 = a[0]
+    l1 = np.asarray(engine.prompt_logits(PROMPT + [first, x0])).reshape(-1)
+    b = [int(t) for t in np.argsort(-l1)[1:6]]
+    x1 = b[0]
+    masks = (_bits(a, vocab), _bits(b, vocab))
+    plain = _pairs(engine, sampling, None, 2048, masks)
+    spec = _pairs(engine, sampling, [x0, x1], 2048, masks)
+    assert all(p in a and q in b for p, q in list(plain) + list(spec))
+    common = [p for p in set(plain) | set(spec) if plain[p] + spec[p] >= 20]
+    rows = [[plain[p] for p in common], [spec[p] for p in common]]
+    rest = [sum(plain.values()) - sum(rows[0]), sum(spec.values()) - sum(rows[1])]
+    if min(rest) > 5:
+        rows = [r + [x] for r, x in zip(rows, rest)]
+    assert len(common) >= 8 and spec[(x0, x1)] > 20
     assert chi2_contingency(np.asarray(rows)).pvalue > 1e-3, (common, rows)

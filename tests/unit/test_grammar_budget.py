@@ -145,3 +145,87 @@ def test_a_budget_with_room_leaves_the_choice_to_the_model(builtin):
     m = G.compile_spec({"kind": "choice", "choices": ["yes", "no"]}, tok, vocab_size=vocab).matcher()
     assert _allowed(m.mask(4), vocab).tolist() == _allowed(m.mask(), vocab).tolist()
     assert not m.closed_early
+
+
+def _state(m: G.Matcher) -> tuple:
+    """The closing heuristic's state, comparable: the JSON lexer's, the path, its cost, the count since."""
+    lex, path, cost, since, closed = m._heuristic()
+    return (lex.depth, lex.in_str, lex.esc, lex.owed), path, cost, since, closed
+
+
+def _plain_steps(m: G.Matcher, vocab: int, max_tokens: int, seed: int) -> list[tuple]:
+    """`_sample`'s run, step by step: (the token drawn or None where the output ended, the mask,
+    the matcher's `_state` before the mask)."""
+    rng = np.random.default_rng(seed)
+    steps: list[tuple] = []
+    for i in range(max_tokens):
+        left = max_tokens - i
+        if m.done() or m.ends_now(left):
+            steps.append((None, None, None))
+            break
+        before = _state(m)
+        mask = m.mask(left)
+        allowed = _allowed(mask, vocab)
+        free = allowed[allowed != m.eos]
+        t = int(rng.choice(free if len(free) else allowed))
+        steps.append((t, mask, before))
+        if t == m.eos:
+            break
+        m.consume(t)
+    return steps
+
+
+@pytest.mark.parametrize("case", ["open_schema", "nested_schema", "forced_tool_call"])
+def test_proposal_masks_are_the_plain_steps_masks_and_leave_the_matcher_as_plain_steps_do(builtin, case):
+    """Speculative decoding under a grammar (Matcher.proposal_masks): a proposal of the true next
+    tokens, sometimes with one token changed, gets at each position the mask the plain step had
+    there; it is cut where the grammar rejects a token or the budget starts to force the closing;
+    and after the kept tokens and the plain step's next one are fed, the matcher masks, closes and
+    ends exactly as the plain run did (same masks, same `closed_early`)."""
+    tok, vocab = builtin
+    spec, _parse = CASES[case]
+    compiled = G.compile_spec(spec, tok, vocab_size=vocab)
+    smallest = len(compiled.matcher().closing_path())
+    rng = np.random.default_rng(0)
+    checked = cut = 0
+    for seed in range(8):
+        max_tokens = smallest + 2 * seed
+        plain_m = compiled.matcher()
+        steps = _plain_steps(plain_m, vocab, max_tokens, seed)
+        m, i = compiled.matcher(), 0
+        while i < len(steps):
+            left = max_tokens - i
+            if m.done() or m.ends_now(left):
+                assert steps[i][0] is None, (seed, i)
+                break
+            tok_i, want, before = steps[i]
+            assert _state(m) == before, (seed, i)  # its caches too: as the plain run had them here
+            mask0 = m.mask(left)
+            assert tok_i is not None and np.array_equal(mask0, want), (seed, i)
+            truth: list[int] = []  # the plain run's tokens from this position, up to 4, EOS and its end left out
+            for t, _mask, _before in steps[i:i + 4]:
+                if t is None or t == m.eos:
+                    break
+                truth.append(t)
+            proposal = list(truth)
+            if proposal and rng.random() < 0.4:  # a wrong token somewhere: cut there or rejected
+                proposal[int(rng.integers(len(proposal)))] = int(rng.integers(vocab))
+            out = np.zeros((5, m.width), np.int32)
+            n = m.proposal_masks(proposal, left, out)  # proposal[j]: a guess of token i + j
+            for j in range(1, n + 1):  # out[j]: position i + j's mask, as the plain step had it
+                assert steps[i + j][0] is not None and np.array_equal(out[j], steps[i + j][1]), (seed, i, j)
+                checked += 1
+            cut += n < len(proposal)
+            kept = 0  # the verify call keeps the proposals that are the plain tokens, then draws the plain one
+            while kept < n and proposal[kept] == steps[i + kept][0]:
+                kept += 1
+            emitted = truth[:kept] + [steps[i + kept][0]]
+            for t in emitted:
+                assert t is not None
+                if t != m.eos:
+                    m.consume(t)
+            if emitted[-1] == m.eos:
+                break
+            i += len(emitted)
+        assert m.closed_early == plain_m.closed_early, seed
+    assert checked > 20 and cut > 0

@@ -18,6 +18,7 @@ from decode_svc.loop import EngineLoop
 from decode_svc.requests import RequestTable
 from decode_svc.settings import SpeculativeConfig
 from decode_svc.speculate import Speculator
+from tandem_core.sampling_args import prefill_args
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
 
@@ -37,12 +38,21 @@ def _req(rid: str, prompt, max_tokens: int, sampling=SamplingParams(), **kw) -> 
     return GenerationRequest(rid, prompt, max_tokens, sampling, ignore_eos=True, **kw)
 
 
+_GRAMMARS: dict = {}
+
+
+def _grammars(engine):
+    from tandem_core.grammar import Grammars
+    return _GRAMMARS.setdefault(id(engine), Grammars(engine.info))
+
+
 def _drive(engine, reqs, speculative=None, cancel_after=None, timeout_s: float = 60, draft=None):
     table, bridge = RequestTable(SLOTS), Bridge(SLOTS, 256)
     loop = EngineLoop(engine, table, bridge, speculative=speculative, draft=draft)
     for r in reqs:
         assert table.reserve(1) == 1
-        bridge.put_insert(Insert(engine.export_prefix(engine.prefill(r.prompt_ids, r.sampling)), r,
+        kw = prefill_args(r, _grammars(engine)) if r.grammar is not None else {}
+        bridge.put_insert(Insert(engine.export_prefix(engine.prefill(r.prompt_ids, r.sampling, **kw)), r,
                                  table.claim(r.request_id)))
     loop.start()
     got: dict[str, list] = {r.request_id: [] for r in reqs}
@@ -144,6 +154,47 @@ def test_loop_entries_with_a_draft_model_equal_those_without(engine):
     got, loop = _drive(engine, reqs, config, draft=draft)
     assert got == plain
     assert loop.spec.stats.drafts > 0
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _grammar_reqs():
+    """Greedy rows under grammars beside an unconstrained one: a regex the tiny model's greedy
+    text repeats in, a JSON schema closed by its budget, a choice, one with logprobs."""
+    return [
+        _req("regex", PROMPTS[0], 30, grammar={"kind": "regex", "pattern": "[a-f]{4,60}"}),
+        _req("json", PROMPTS[1], 24, SamplingParams(logprobs=2), grammar={"kind": "json_schema", "schema": PERSON}),
+        _req("choice", PROMPTS[2], 12, grammar={"kind": "choice", "choices": ["abcabcabc", "abcabcxyz"]}),
+        _req("free", PROMPTS[1], 20, SamplingParams(logprobs=1)),
+    ]
+
+
+def test_loop_entries_under_grammars_with_speculation_equal_those_without(engine, monkeypatch):
+    """Speculation beside and inside grammar rows (SlotGrammars.proposal_masks: each query masked
+    as a plain step at its position): the true continuation (several tokens a call, finishes
+    inside the call, the JSON closed by its budget), noise (cut where the grammar rejects it) and
+    the n-gram lookup all give the plain loop's entries, logprobs included."""
+    reqs = _grammar_reqs()
+    plain, ploop = _drive(engine, reqs)
+    assert ploop.stats.constrained_steps > 0
+    assert plain["choice"][-1][2] == "stop" and plain["json"][-1][2] in ("stop", "length")
+    assert all(e[1] in b"abcdef" for e in plain["regex"]) and len(plain["regex"]) == 29
+    ngram, loop = _drive(engine, reqs, NGRAM)
+    assert ngram == plain
+    assert loop.stats.constrained_verifies > 0
+    noise = np.random.default_rng(1)
+    monkeypatch.setattr(Speculator, "propose", lambda self, row, room: [int(t) for t in noise.choice(
+        list(b"abcdef{}\":,0123456789xyz"), 4)] if row is not None and room > 0 else [])
+    noisy, loop = _drive(engine, reqs, NGRAM)
+    assert noisy == plain
+    monkeypatch.setattr(Speculator, "propose", _truth(plain))
+    truth, loop = _drive(engine, reqs, NGRAM)
+    assert truth == plain
+    s = loop.spec.stats
+    assert s.accepted >= 0.7 * s.draft_tokens > 0 and loop.stats.constrained_verifies > 0
+    assert loop.stats.calls < sum(len(v) for v in plain.values()) // 2
 
 
 def test_a_cancel_between_speculative_calls_gives_each_token_once_then_one_finish(engine, monkeypatch):
