@@ -102,6 +102,21 @@ def test_greedy_text_is_the_same_with_and_without_speculation(cluster):
     assert after_plain == after_spec, "a request that opted out was speculated"
 
 
+def test_a_constrained_request_is_speculated_and_its_text_is_the_same(cluster):
+    """A grammar (vLLM's guided_regex) that the prompt's own lines satisfy: the n-gram proposals are
+    cut where the regex rejects them and checked under the mask of each position; the text is the
+    one without speculation and matches the regex."""
+    regex = r"(    self\.[a-z]+ = [a-z]+\n){3,8}"
+    body = {"model": "builtin", "prompt": PROMPT, "max_tokens": 160, "temperature": 0, "guided_regex": regex}
+    before = _settle_drafts(cluster.base_url)
+    spec = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=180).json()
+    after = _settle_drafts(cluster.base_url)
+    plain = httpx.post(cluster.base_url + "/v1/completions", json={**body, "speculative": False}, timeout=180).json()
+    text = spec["choices"][0]["text"]
+    assert text == plain["choices"][0]["text"] and re.fullmatch(regex, text), (text, plain)
+    assert after > before, "no proposal was checked: the test proved nothing"
+
+
 def test_the_colocated_path_with_a_draft_model_gives_the_same_text_with_and_without_speculation(colocated):
     from openai import OpenAI
 
