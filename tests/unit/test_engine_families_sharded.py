@@ -1,6 +1,7 @@
 """Families on several chips: tensor parallelism at 1, 2 and 4 simulated CPU devices, and for the
 mixtures of experts expert parallelism (whole experts per chip) at 2 and 4 — greedy tokens equal
-to transformers' in every layout. Every family at tp 2 and 4 through both of a decode pod's ways in: a
+to transformers' in every layout, and at tp 4 by speculative verify calls too (one row's proposals
+kept, the other's rejected). Every family at tp 2 and 4 through both of a decode pod's ways in: a
 prompt prefilled whole and inserted (a pulled KV, the disaggregated path) and a prompt seated in a
 row and prefilled in chunks by the ragged call beside the first row's steps (a colocated pod's
 chunked prefill), both rows' tokens against transformers'.
@@ -42,6 +43,25 @@ LAYOUTS = {"gemma3": [(2, False), (4, False)],
 CHUNK = 16  # the ragged call's chunk: prompt 1 (40 tokens) in 3 calls, each crossing the window (8)
 
 
+def speculated(e, want: dict[int, list[int]]) -> dict[str, list[int]]:
+    """Greedy tokens per row by speculative verify calls (tandem_engine/speculative.py): row 0
+    proposes its true continuation (every token kept, several a call), row 1 noise (each rejected)."""
+    from tandem_core.types import SamplingParams
+
+    greedy = SamplingParams()
+    state, out = e.init_state(), {}
+    for slot, ids in PROMPTS.items():
+        prefix = e.prefill(ids, greedy)
+        state = e.insert(prefix, state, slot, greedy)
+        out[slot] = [prefix.first_token]
+    while min(len(o) for o in out.values()) < STEPS:
+        props = {s: (want[s][len(o):len(o) + 3] if s == 0 else [1, 2, 3]) for s, o in out.items()}
+        state, res = e.verify(state, props, 3, e.slots)
+        for s in out:
+            out[s] += res.tokens[s, :res.counts[s]].tolist()
+    return {str(s): o[:STEPS] for s, o in out.items()}
+
+
 def child(spec: dict) -> dict:
     import jax
 
@@ -66,8 +86,13 @@ def child(spec: dict) -> dict:
                     toks[slot].append(int(host[slot]))
             layers = e.params["layers"]
             experts = layers.get("we_gate")
+            verified = None
+            if tp == 4 and not ep:  # speculative verify calls at tp 4 (tp 1 and 2: test_engine_paged_sharded.py)
+                for slot in PROMPTS:
+                    state = e.free(state, slot)
+                verified = speculated(e, toks)
             out[f"{fam}/tp{tp}/ep{int(ep)}"] = {
-                "tokens": {str(s): v for s, v in toks.items()},
+                "tokens": {str(s): v for s, v in toks.items()}, "spec": verified,
                 "wq_shard": list(layers["wq"].addressable_shards[0].data.shape),
                 "experts_shard": None if experts is None else list(experts.addressable_shards[0].data.shape),
             }
@@ -109,6 +134,7 @@ def test_tokens_equal_transformers_in_every_layout(run, fam):
     for tp, ep in LAYOUTS[fam]:
         got = res[f"{fam}/tp{tp}/ep{int(ep)}"]["tokens"]
         assert got == want, f"{fam} tp={tp} expert_parallel={ep}"
+    assert res[f"{fam}/tp4/ep0"]["spec"] == want, f"{fam} tp=4: speculative verify calls"
 
 
 @pytest.mark.parametrize("tp", [2, 4])
