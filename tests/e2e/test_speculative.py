@@ -80,10 +80,17 @@ def _drafts(base: str) -> float:
     return float(m.group(1))
 
 
-def _settle_drafts(base: str) -> float:
-    """The counter once the pods' heartbeats (0.5 s here) carry their last counts."""
-    time.sleep(1.5)
-    return _drafts(base)
+def _settle_drafts(base: str, timeout_s: float = 30) -> float:
+    """The counter once the pods' heartbeats (0.1 s here) carry their last counts: the same in two
+    reads 1.5 s apart (a loaded machine's heartbeats can lag a fixed wait)."""
+    deadline = time.monotonic() + timeout_s
+    last = _drafts(base)
+    while True:
+        time.sleep(1.5)
+        now = _drafts(base)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
 
 
 def test_greedy_text_is_the_same_with_and_without_speculation(cluster):
