@@ -62,8 +62,10 @@ def _workers(base: str) -> list[dict]:
     return httpx.get(base + "/admin/cluster", timeout=10).json()["workers"]
 
 
-def _wait_spec_ready(base: str, pods: int = WANT["decode"], timeout_s: float = 300) -> None:
-    """Until every decode pod compiled its verify call's shapes (it speculates only after)."""
+def _wait_spec_ready(base: str, pods: int = WANT["decode"], timeout_s: float = 480) -> None:
+    """Until every decode pod compiled its verify call's shapes (it speculates only after), the
+    grammar-masked ones too (the last of its idle-time compiles: ~230 s from start here with an
+    empty compile cache, two decode pods on 2 cores)."""
     deadline = time.monotonic() + timeout_s
     while True:
         late = [w["extra"].get("late_compiles") or {} for w in _workers(base) if w["role"] == "decode"]
