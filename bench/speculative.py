@@ -3,6 +3,7 @@
 
     python bench/speculative.py [--quick] [--no-write] [--paths colocated,disagg] [--concurrency 1,8,32]
                                 [--k 4] [--rounds N] [--method ngram|draft] [--draft-model builtin-draft]
+                                [--grammar]
 
 Two workloads of the built-in model, `--requests` requests each (128 output tokens, ignore_eos):
   * repeat: a document to quote from. The built-in model (3.95M parameters) does not learn to
@@ -28,8 +29,13 @@ speculation on the decode pods' counts over the cell (/admin/cluster's `speculat
 rate (tokens kept over tokens proposed) and mean accepted length (tokens a checked row emitted
 per call, the bonus token included). Ratios on / off of the median of the rounds. Timings on a
 shared 2-core machine are noisy: they are reported, never asserted.
+With `--grammar` every request of both workloads carries a grammar that the model's text keeps
+to (vLLM's `guided_regex`, GRAMMAR: printable ASCII, tabs and newlines), without ignore_eos (refused
+with a grammar): each step is masked, and with speculation each proposal is cut where the grammar
+rejects it and every query of the verify call masked (decode_svc/constrained.py); outputs may end
+early at EOS (the same tokens on and off for the greedy repeat workload).
 Writes bench/out/speculative/result.json and, unless --no-write, the `speculative` section of
-bench/RESULTS.md (`speculative-draft` with --method draft).
+bench/RESULTS.md (`speculative-draft` with --method draft; `-grammar` appended with --grammar).
 """
 from __future__ import annotations
 
@@ -123,6 +129,13 @@ def workloads(n: int) -> dict[str, list[list[int]]]:
 
 
 EXTRA = {"repeat": {"temperature": 0.0}, "open": {"temperature": 0.8}}
+GRAMMAR = r"[ -~\t\n]*"  # --grammar: printable ASCII, tabs and newlines (what the built-in model's Python is)
+
+
+def constrain() -> None:
+    """--grammar: every request carries GRAMMAR (no ignore_eos: a grammar refuses it)."""
+    for extra in EXTRA.values():
+        extra.update({"ignore_eos": False, "guided_regex": GRAMMAR})
 
 
 def specs(prompts: list[list[int]], kind: str) -> list[RequestSpec]:
@@ -249,10 +262,12 @@ def report(runs: dict, args: argparse.Namespace, command: str) -> str:
                             "TPOT p50 ms off / on", "ITL p90 ms off / on", "acceptance", "mean accepted length",
                             "errors"], rows)
     title = "n-gram prompt lookup" if args.method == "ngram" else f"draft model {args.draft_model}"
+    if args.grammar:
+        title += f", every request under the grammar guided_regex {GRAMMAR!r}, no ignore_eos"
     return (f"## Speculative decoding ({title}): on against off\n\n"
             f"Command: `{command}`  \nMachine: {machine_line()}  \n"
             f"Built-in model, 32 slots, max_len {MAX_LEN}, k = {args.k}, {OUTPUT} output tokens a request "
-            f"(ignore_eos); per path and round, speculation off then on (each a fresh `tandem local`, warmed), "
+            f"({'at most: EOS may end it' if args.grammar else 'ignore_eos'}); per path and round, speculation off then on (each a fresh `tandem local`, warmed), "
             f"medians of {args.rounds} round(s). repeat: a prompt holding the model's own continuation of a "
             f"function's opening, then that opening again (greedy); open: other functions' openings, sampled "
             f"at temperature 0.8 (bench/speculative.py says how they are built and why).\n\n{table}\n\n"
@@ -271,12 +286,15 @@ def main() -> None:
     p.add_argument("--draft-model", default="builtin-draft")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--grammar", action="store_true", help="every request under a grammar (GRAMMAR), no ignore_eos")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--build", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.build:
         build(a.build, OUT / "workload.json")
         return
+    if a.grammar:
+        constrain()
     a.paths = [x for x in a.paths.split(",") if x]
     a.concurrency = [int(x) for x in a.concurrency.split(",") if x]
     if a.quick:
@@ -296,7 +314,8 @@ def main() -> None:
     print(body)
     (OUT / "result.json").write_text(json.dumps(runs, indent=1))
     if not a.no_write:
-        write_section(SECTION if a.method == "ngram" else SECTION + "-draft", body)
+        write_section((SECTION if a.method == "ngram" else SECTION + "-draft") + ("-grammar" if a.grammar else ""), body)
+    if not a.no_write and not a.grammar:
         merge_summary({"speculative" if a.method == "ngram" else "speculative_draft": {path: {kind: {str(c): {
             "off": _median([x for rr in runs[path]["off"] for x in rr if x["c"] == c and x["kind"] == kind], "tok_s"),
             "on": _median([x for rr in runs[path]["on"] for x in rr if x["c"] == c and x["kind"] == kind], "tok_s")}
