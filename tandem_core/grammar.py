@@ -50,7 +50,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import llguidance as llg
 import numpy as np
@@ -352,7 +352,7 @@ class Matcher:
     def rebuild(self, tokens: Sequence[int]) -> None:
         """Restart from the grammar's start and consume `tokens` (the output streamed so far)."""
         self._m.reset()
-        self._ahead: list[tuple] | None = None  # proposal_masks' heuristic states, position by position
+        self._ahead: list[_Closing] | None = None  # proposal_masks' heuristic states, position by position
         self._ahead_at = 0
         self._lex = _JsonLex()
         self._path: list[int] | None = None  # the closing path from here (None: not known)
@@ -427,7 +427,7 @@ class Matcher:
         if valid <= 0:
             return 0
         entry = self._heuristic()
-        kept: list[tuple] = [entry]
+        kept: list[_Closing] = [entry]
         eaten = 0
         try:
             for i in range(valid):
@@ -453,14 +453,14 @@ class Matcher:
         self._ahead_at = 0
         return n
 
-    def _heuristic(self) -> tuple:
+    def _heuristic(self) -> "_Closing":
         """The closing heuristic's state (what llguidance's rollback does not restore)."""
-        return (self._lex.copy(), None if self._path is None else list(self._path), self._cost, self._since,
-                self.closed_early)
+        return _Closing(self._lex.copy(), None if self._path is None else list(self._path), self._cost, self._since,
+                        self.closed_early)
 
-    def _restore(self, saved: tuple) -> None:
-        lex, path, self._cost, self._since, self.closed_early = saved
-        self._lex, self._path = lex.copy(), None if path is None else list(path)
+    def _restore(self, saved: "_Closing") -> None:
+        self._cost, self._since, self.closed_early = saved.cost, saved.since, saved.closed_early
+        self._lex, self._path = saved.lex.copy(), None if saved.path is None else list(saved.path)
 
     def ends_now(self, budget: int | None) -> bool:
         """The budget closed the output early and it is now a complete sentence: the caller ends it
@@ -588,6 +588,16 @@ class Matcher:
     def accepting(self) -> bool:
         """The output so far is a complete sentence of the grammar (EOS is allowed now)."""
         return self._m.is_accepting()
+
+
+class _Closing(NamedTuple):
+    """A Matcher's closing-heuristic state at one position (Matcher.proposal_masks keeps one a position)."""
+
+    lex: "_JsonLex"
+    path: list[int] | None
+    cost: int
+    since: int
+    closed_early: bool
 
 
 class _JsonLex:
