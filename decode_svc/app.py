@@ -62,7 +62,7 @@ def build_draft(s: DecodeSettings, engine: ServingEngine) -> DraftProposer | Non
     t0 = time.monotonic()
     draft = load_engine(**kw)
     check_draft(engine.info, draft.info)
-    proposer = DraftProposer(draft, sp.k)
+    proposer = DraftProposer(draft, sp.k, sample=sp.draft_sample)
     log.info("speculative: draft model %s (%d layers, hidden %d, KV %d blocks) loaded in %.1fs; its %d shapes "
              "compile in idle time, speculation starts after them", draft.info.name, draft.info.num_layers,
              draft.info.hidden_size, draft.kv_blocks_total, time.monotonic() - t0, len(proposer.warm_items()))
@@ -123,14 +123,16 @@ async def serve(s: DecodeSettings) -> int:
     ks = KeySpace(s.redis.shard_count())
     await groups.ensure_groups(r, ks, s.pool)
     table = RequestTable(s.slots)
+    drafted = draft is not None and draft.sample  # its verify calls take the proposals' distributions
     bridge = Bridge(max(s.insert_queue_size, s.slots), s.output_queue_size, asyncio.get_running_loop())
     blocks = BlockBudget.of(engine, s.kv_reserve_steps or None)  # capacity in KV blocks too
     engine_loop = EngineLoop(engine, table, bridge, grammar_cache_size=s.engine.grammar_cache_size,
                              mask_deadline_s=s.engine.mask_deadline_s, prefill_chunk_tokens=s.prefill_chunk_tokens, blocks=blocks,
                              late_warm=[v for v in engine.warm_steps(masks=True) if v.masked]
-                             + (engine.verify_variants(s.speculative.k) if s.speculative.on else [])
+                             + (engine.verify_variants(s.speculative.k, drafted=drafted) if s.speculative.on else [])
                              + (draft.warm_items() if draft is not None else [])
-                             + (engine.verify_variants(s.speculative.k, masked=True) if s.speculative.on else []),
+                             + (engine.verify_variants(s.speculative.k, masked=True, drafted=drafted)
+                                if s.speculative.on else []),
                              speculative=s.speculative, draft=draft)
     io = DecodeIO(s, r, ks, table, engine_loop, bridge, worker_id)
     await conn.retry_redis(io.owned.load, "load publish script", log=log)

@@ -279,6 +279,8 @@ class EngineLoop:
         view = self._views.of(snapshot)
         if view.logprobs:
             kw["logprobs"] = True
+        if spec.draft_q is not None:
+            kw["draft_probs"] = spec.draft_q
         faults.hit("decode.step")
         state, out = self.engine.verify(state, proposals, spec.k, self.table.rows(), **kw)
         self.stats.steps += 1
@@ -399,8 +401,9 @@ class EngineLoop:
         self.table.start(key, Active(req, slot, prefix.true_length, next_index=req.start_index + 1,
                                      stop_ids=frozenset(req.stop_token_ids),
                                      fed=[int(first_token)] if self.engine.kv_reuse else None,
-                                     spec=None if self.spec is None else self.spec.start(req.prompt_ids, first_token,
-                                                                                          req.speculative)))
+                                     spec=None if self.spec is None else self.spec.start(
+                                         req.prompt_ids, first_token, req.speculative, req.sampling,
+                                         req.grammar is not None)))
         return state
 
     def _local_prefill(self, item: LocalPrefill, state):
@@ -488,7 +491,8 @@ class EngineLoop:
                       logprobs=unpack_logprobs(host, k).encode() if k is not None else None)
         act.seated, act.ack, act.next_index = False, None, req.start_index + 1
         act.fed = [tok] if self.engine.kv_reuse else None
-        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok, req.speculative)
+        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok, req.speculative, req.sampling,
+                                                                  req.grammar is not None)
         self.stats.local_prefills += 1
         self.stats.tokens += 1
         if finish is not None:

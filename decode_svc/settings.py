@@ -24,6 +24,9 @@ class SpeculativeConfig(BaseModel):
     method: Literal["off", "ngram", "draft"] = "off"
     k: PositiveInt = 4
     draft_model: str = ""  # method "draft": a preset name or a Hugging Face directory (the target's tokenizer)
+    # method "draft": a sampled request's draft proposes by sampling at the request's temperature, top-k and
+    # top-p (judged by min(1, p / q)); False, or a greedy or grammar-constrained request: greedily
+    draft_sample: bool = True
     max_n: PositiveInt = 3
     min_n: PositiveInt = 2
     min_gain: float = Field(default=0.3, gt=0.0, lt=1.0)

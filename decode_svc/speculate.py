@@ -6,7 +6,11 @@ Two proposers. N-gram prompt lookup (vLLM's `ngram` method): a row's last n toke
 the latest earlier match are its proposal. It costs no model and nothing on the device; a row with
 no match proposes nothing and takes an ordinary step inside the verify call. A draft model
 (`draft`: tandem_engine/draft.py, a smaller checkpoint with the target's tokenizer on this pod):
-its k greedy tokens after every speculating row's context, two calls on the draft for all rows.
+its k tokens after every speculating row's context, two calls on the draft for all rows; greedy,
+or for a sampled request without a grammar (`draft_sample`) drawn at the request's temperature,
+top-k and top-p, their distributions handed to the verify call (`Speculator.draft_q`). A grammar
+row's draft stays greedy: its proposal is cut where the grammar rejects it, which keeps the
+output exact only for a proposal that names one token.
 
 Adaptive k, per row: `rate` is an estimate of the chance the row's next proposed token is kept
 (each token the target judged moves it: kept 1, rejected 0). A row proposes the tokens whose
@@ -37,6 +41,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Sequence
 
 from decode_svc.settings import SpeculativeConfig
+from tandem_core.types import SamplingParams
 from tandem_engine.speculative import NgramIndex
 
 if TYPE_CHECKING:  # the type only: no JAX import
@@ -54,6 +59,7 @@ class SpecRow:
     index: NgramIndex | None
     tokens: list[int] = field(default_factory=list)  # (without an index)
     serial: int = 0  # which request: a draft row re-seats when its slot's serial changes
+    sampling: SamplingParams | None = None  # how its draft row samples its proposals (None: greedily)
     rate: float = START_RATE  # the chance its next proposed token is kept (estimate)
     pause: int = 0  # dispatches left to sit out
     backoff: int = 1  # the next pause's length
@@ -172,15 +178,33 @@ class Speculator:
             out["draft"] = {"model": self.draft.engine.info.name, "calls": self.draft.calls, "seats": self.draft.seats}
         return out
 
-    def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True) -> SpecRow | None:
+    def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True,
+              sampling: SamplingParams | None = None, constrained: bool = False) -> SpecRow | None:
         """A row's state when its request goes into a slot (None while speculation is off, or
-        the request opted out: `wanted` False)."""
+        the request opted out: `wanted` False). `sampling`, `constrained`: the request's (a
+        draft that samples does so for a sampled request without a grammar)."""
         if not (self.config.on and wanted):
             return None
         seq = list(prompt_ids) + [int(first_token)]
         if self.draft is not None:
-            return SpecRow(None, seq, next(self._serials))
+            return SpecRow(None, seq, next(self._serials), self._draft_sampling(sampling, constrained))
         return SpecRow(NgramIndex(seq, self.config.max_n, self.config.min_n), serial=next(self._serials))
+
+    def _draft_sampling(self, sampling: SamplingParams | None, constrained: bool) -> SamplingParams | None:
+        """The draft row's sampling for a request: its temperature, top-k and top-p, and a seed of
+        its own (derived from a seeded request's: the draws stay independent of the target's),
+        when the draft samples and the request does; else None (greedy)."""
+        if not (self.draft is not None and self.draft.sample and sampling is not None and not constrained
+                and sampling.temperature > 0):
+            return None
+        seed = None if sampling.seed is None else (int(sampling.seed) * 0x9E3779B97F4A7C15 + 0x5EED) % (1 << 64)
+        return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+
+    @property
+    def draft_q(self):
+        """The distributions of the draft's last proposals (DraftProposer.last_q: [bucket, k,
+        vocab] on the device), for the verify call; None for n-gram lookup or a greedy draft."""
+        return None if self.draft is None else self.draft.last_q
 
     def proposing(self, rows: Sequence[SpecRow | None]) -> bool:
         """Whether the next dispatch may be a verify call: the gate says so and some row may
@@ -204,7 +228,8 @@ class Speculator:
                 if row is not None and not row.pause}
         if not any(n >= 1 for n in want.values()):
             return {}
-        drafted = self.draft.propose({slot: (row.serial, row.seq) for slot, row, _room in rows if row is not None})
+        drafted = self.draft.propose({slot: (row.serial, row.seq, row.sampling) for slot, row, _room in rows
+                                      if row is not None})
         return {slot: drafted[slot][:n] for slot, n in want.items() if n >= 1 and drafted.get(slot)}
 
     def propose(self, row: SpecRow | None, room: int) -> list[int]:

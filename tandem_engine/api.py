@@ -13,7 +13,7 @@ to insert/generate/free are donated and must not be used again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     import jax
@@ -54,6 +54,7 @@ class StepVariant(NamedTuple):
     spec_k: int = 0  # a speculative verify call checking up to spec_k proposals a row (0: a step) ...
     extra: int = 0  # ... with this many proposal queries (speculative.extra_bucket)
     force: bool = False  # ... every proposal kept: a draft model catching up (draft.py)
+    drafted: bool = False  # ... taking the proposals' distributions (a sampling draft model, draft.py)
 
 
 @runtime_checkable
@@ -141,7 +142,7 @@ class ServingEngine(Protocol):
     def can_reserve(self, steps: int) -> bool: ...  # reserve(state, steps) would give every active row its blocks
 
     def verify(self, state: "DecodeState", proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
-               logprobs: bool = False, masks: "np.ndarray | None" = None
+               logprobs: bool = False, masks: "np.ndarray | None" = None, draft_probs: Any = None
                ) -> "tuple[DecodeState, SpecOut]": ...  # speculative decoding's call
 
     def free(self, state: "DecodeState", slot: int, tokens: Sequence[int] | None = None) -> "DecodeState": ...

@@ -23,7 +23,7 @@ from tandem_engine.logits import (PACKED_WIDTH, SlotLogits, apply, apply_mask, h
                                   record)
 from tandem_engine.model import ModelConfig, prefill_batch_forward, prefill_forward, prefill_logits_all
 from tandem_engine.paged import decode_forward_paged, write_prompt_blocks
-from tandem_engine.sampling import sample, token_keys
+from tandem_engine.sampling import distribution, sample, token_keys
 from tandem_engine.sharding import Layout, constrain
 
 
@@ -161,10 +161,11 @@ def _insert_slot(state: DecodeState, slot, true_length, first_token, step, tempe
     )
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "steps", "max_len", "table_blocks"),
+@partial(jax.jit, static_argnames=("cfg", "layout", "rows", "steps", "max_len", "table_blocks", "dists"),
          donate_argnums=(1,))
 def generate_core(params, state: DecodeState, masks=None, logprobs=False, *, cfg: ModelConfig,
-                  layout: Layout | None, rows: int, steps: int = 1, max_len: int = 0, table_blocks: int = 0):
+                  layout: Layout | None, rows: int, steps: int = 1, max_len: int = 0, table_blocks: int = 0,
+                  dists: bool = False):
     # Returns (state, tokens int32 [rows], packed int32 [rows, PACKED_WIDTH]): `logprobs` is a
     # traced bool, so one compiled step serves both (a cond packs the logprobs only when it is set;
     # else packed is zeros): a pod compiles each step once, not again for its logprobs, and a
@@ -179,37 +180,39 @@ def generate_core(params, state: DecodeState, masks=None, logprobs=False, *, cfg
     # The step reads each row's first table_blocks blocks through state.block_table
     # (paged.decode_forward_paged: the Pallas kernel per layer buffer when compiled for a TPU and the
     # family allows it, else the CPU kernel or the gather).
+    # `dists` (a sampling draft model's steps, draft.py): a fourth output, float32 [(steps,) rows,
+    # vocab], the distribution each token was drawn from (sampling.distribution).
     if table_blocks < 1 or max_len < 1:
         raise ValueError(f"a decode step needs its table width and the rows' max_len (got {table_blocks}, {max_len})")
     if steps == 1:
-        new, (tokens, packed) = _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, table_blocks,
-                                             max_len)
-        return new, tokens, packed
+        new, out = _decode_step(params, state, masks, cfg, layout, rows, logprobs, 0, table_blocks, max_len, dists)
+        return (new, *out)
     if masks is not None:
         raise ValueError("a multi-step call takes no masks (each step's mask needs the previous token)")
 
     def body(st, _):
-        return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len, table_blocks, max_len)
+        return _decode_step(params, st, None, cfg, layout, rows, logprobs, max_len, table_blocks, max_len, dists)
 
-    new, (tokens, packed) = jax.lax.scan(body, state, None, length=steps)
-    return new, tokens, packed
+    new, out = jax.lax.scan(body, state, None, length=steps)
+    return (new, *out)
 
 
 def _decode_step(params, state: DecodeState, masks, cfg: ModelConfig, layout: Layout | None, rows: int,
-                 logprobs, freeze_at: int, table_blocks: int, max_len: int):
+                 logprobs, freeze_at: int, table_blocks: int, max_len: int, dists: bool = False):
     logits, k, v = decode_forward_paged(params, state.tokens[:rows], state.positions[:rows], state.k, state.v,
                                         state.block_table[:rows, :table_blocks], cfg, max_len=max_len,
                                         active=state.active[:rows], mesh=None if layout is None else layout.mesh,
                                         window_table=None if state.window_table is None else
                                         state.window_table[:rows, :table_blocks])
     k, v = _pin_pool(k, layout), _pin_pool(v, layout)  # kept split by head: the donated buffers are reused
-    return _advance(state._replace(k=k, v=v), logits, masks, rows, logprobs, freeze_at)
+    return _advance(state._replace(k=k, v=v), logits, masks, rows, logprobs, freeze_at, dists)
 
 
-def _advance(state: DecodeState, logits, masks, rows: int, logprobs, freeze_at: int):
+def _advance(state: DecodeState, logits, masks, rows: int, logprobs, freeze_at: int, dists: bool = False):
     """A step's rows [0, rows) after the forward: each active row's logits processed and sampled,
     its token recorded and its position advanced. Returns (state, (tokens, packed)): packed holds
-    the logprobs when `logprobs` (a traced bool) is set, zeros otherwise (`_packed`)."""
+    the logprobs when `logprobs` (a traced bool) is set, zeros otherwise (`_packed`); with
+    `dists`, (state, (tokens, packed, q)): q the distribution each token was drawn from."""
     active = state.active[:rows]
     step = state.step[:rows]
     processed = process(logits, state.history, state.processing, step, active)  # skipped when all off
@@ -230,6 +233,9 @@ def _advance(state: DecodeState, logits, masks, rows: int, logprobs, freeze_at: 
         positions=state.positions.at[:rows].add(advance), step=state.step.at[:rows].add(advance),
         history=record(state.history, tokens, advance),
     )
+    if dists:
+        q = distribution(processed, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows])
+        return new, (tokens, _packed(logprobs, processed, tokens), q)
     return new, (tokens, _packed(logprobs, processed, tokens))
 
 

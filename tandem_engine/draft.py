@@ -1,7 +1,12 @@
 """A draft model's proposals for speculative decoding (issue 45): a smaller checkpoint with the
-target's tokenizer runs beside the target on the decode pod and proposes each row's next k tokens
-greedily; the target checks them in its verify call (speculative.py), which keeps the target's
-output exact whatever the draft says (a greedy draft names one token: q(x) = 1).
+target's tokenizer runs beside the target on the decode pod and proposes each row's next k tokens;
+the target checks them in its verify call (speculative.py), which keeps the target's output exact
+whatever the draft says. Greedily (a greedy draft names one token: q(x) = 1), or, with `sample`,
+for a row seated with sampling parameters, by sampling at them: each proposal x_i is drawn from the
+draft's own filtered distribution q_i (sampling.distribution), and `last_q` hands the q_i on to
+the verify call, which keeps x_i with probability min(1, p_i(x_i) / q_i(x_i)). A draft that
+samples as the target does proposes what the target would sample more often than its argmax is
+sampled, when the distribution is flat (open generation at temperature ~1).
 
 The draft is an Engine of its own (its own weights and its own KV pool, with the target's slots
 and max_len), its rows mirroring the target's: the draft row of slot s holds the KV of the tokens
@@ -15,7 +20,8 @@ it was fed, `fed`, positions 0 .. len(fed) - 1. One `propose` call, for every sp
      (`rewind`: the rejected proposals' KV is left to be written again, its blocks go back) and
      fed the target's tokens from there, its last the target's next input, in one verify call
      with every token kept (`force`): the call emits the draft's first proposal after them;
-  3. k - 1 ordinary steps of the draft (one multi-step call) give the rest.
+  3. k - 1 ordinary steps of the draft (one multi-step call) give the rest (with `sample`,
+     `generate_drafts`: with their distributions).
 
 After a verify call that kept j of k proposals, a row's draft parts from the target at most one
 position before the target's next input, so step 2 feeds it one or two tokens; rows that sat out
@@ -29,8 +35,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable, Mapping, Sequence
+from typing import Hashable, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tandem_core.errors import ModelNotFound
@@ -84,14 +92,19 @@ def _vocab(path: Path):
 
 
 class DraftProposer:
-    """Greedy proposals of a draft Engine for a target's rows (module docstring). One thread owns
-    it (the target engine's): its state is donated through every call."""
+    """Proposals of a draft Engine for a target's rows (module docstring). One thread owns it (the
+    target engine's): its state is donated through every call. `sample`: rows asked for with
+    sampling parameters draw their proposals at them, and `last_q` holds the distributions."""
 
-    def __init__(self, draft, k: int, catch_up: int | None = None) -> None:
+    def __init__(self, draft, k: int, catch_up: int | None = None, sample: bool = False) -> None:
         if k < 1:
             raise ValueError(f"a draft proposes k >= 1 tokens (got {k})")
         self.engine = draft
         self.k = int(k)
+        self.sample = bool(sample)
+        # with `sample`: float32 [bucket, k, vocab] on the device, the distribution each of the last
+        # `propose`'s tokens was drawn from (row = slot; one-hot for a greedy row); else None
+        self.last_q: jax.Array | None = None
         self.catch_up = int(catch_up if catch_up is not None else k + 1)  # the forced call's width
         self.state = draft.init_state()
         self.rows: dict[int, DraftRow] = {}
@@ -115,7 +128,11 @@ class DraftProposer:
         if item.variant is not None:
             if self.rows:  # a shape's warm run takes every row free
                 self.reset()
-            self.state = e.warm_step(self.state, item.variant)
+            if self.sample and not item.variant.spec_k:  # the steps that give their distributions
+                self.state, toks, _q = e.generate_drafts(self.state, item.variant.rows, steps=item.variant.steps)
+                jax.block_until_ready(toks)
+            else:
+                self.state = e.warm_step(self.state, item.variant)
             return
         free = next((s for s in range(e.slots) if s not in self.rows), None)
         if free is None:
@@ -133,18 +150,22 @@ class DraftProposer:
         del self.rows[slot]
         self.state = self.engine.free(self.state, slot)
 
-    def propose(self, seqs: Mapping[int, tuple[Hashable, Sequence[int]]]) -> dict[int, list[int]]:
+    def propose(self, seqs: Mapping[int, tuple]) -> dict[int, list[int]]:
         """slot -> (the request it holds, its tokens: the prompt and every emitted token, the last
-        the target's next input) for every row that may speculate now -> slot -> the draft's k
-        greedy proposals. Rows not in `seqs` are freed. A row with fewer than k positions left
-        before max_len, or whose context the draft cannot prefill, gets none."""
+        the target's next input[, its SamplingParams]) for every row that may speculate now ->
+        slot -> the draft's k proposals: greedy, or with `sample` and sampling parameters given
+        (a row keeps those it was seated with), drawn at them (their distributions in `last_q`).
+        Rows not in `seqs` are freed. A row with fewer than k positions left before max_len, or
+        whose context the draft cannot prefill, gets none."""
         e = self.engine
+        self.last_q = None
         for slot in [s for s, r in self.rows.items() if s not in seqs or seqs[s][0] != r.key]:
             self._drop(slot)
         rewind: dict[int, tuple[int, int]] = {}
         forced: dict[int, list[int]] = {}
-        for slot, (key, seq) in seqs.items():
+        for slot, (key, seq, *more) in seqs.items():
             seq = list(seq)
+            sampling = more[0] if more and more[0] is not None and self.sample else GREEDY
             if len(seq) < 2 or len(seq) + self.k > e.max_len:
                 if slot in self.rows:
                     self._drop(slot)
@@ -156,7 +177,7 @@ class DraftProposer:
                     self._drop(slot)
                 if len(seq) - 1 > e.max_prompt_len():
                     continue
-                self.state = e.insert(e.prefill(seq[:-1], GREEDY), self.state, slot, GREEDY)
+                self.state = e.insert(e.prefill(seq[:-1], GREEDY), self.state, slot, sampling)
                 self.seats += 1
                 row = self.rows[slot] = DraftRow(key, seq[:-1], len(seq) - 1)
                 n = len(seq) - 1
@@ -170,9 +191,15 @@ class DraftProposer:
         rows = max(rewind) + 1
         self.state, out = e.verify(self.state, forced, self.catch_up, rows, force=True)  # (no wait: tokens on the device)
         rest = None
-        if self.k > 1:
+        if self.k > 1 and self.sample:
+            self.state, toks, q = e.generate_drafts(self.state, rows, steps=self.k - 1)
+            self.last_q = _stack_q(out.final_q, q)
+            rest = np.asarray(toks)  # [k - 1, bucket]
+        elif self.k > 1:
             self.state, toks = e.generate(self.state, rows, steps=self.k - 1)
             rest = np.asarray(toks)  # [k - 1, bucket]
+        elif self.sample:
+            self.last_q = out.final_q[:, None]
         emitted = np.asarray(out.tokens)
         first = {s: int(emitted[s, int(out.counts[s]) - 1]) for s in rewind}
         props: dict[int, list[int]] = {}
@@ -181,6 +208,13 @@ class DraftProposer:
             self.rows[slot].fed += ids[:-1]  # the last proposal is the row's next input, not fed yet
             props[slot] = ids
         return props
+
+
+@jax.jit
+def _stack_q(first, rest):
+    """[bucket, k, vocab]: the forced call's last token's distribution [bucket, vocab], then the
+    steps' [k - 1, bucket, vocab]."""
+    return jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
 
 
 def _agree(row: DraftRow, seq: list[int]) -> int:

@@ -566,10 +566,19 @@ class DecodeSide(EngineBase):
         its finish. No `masks` with steps > 1 (a mask needs the token before it)."""
         return self._generate(state, rows, logprobs=logprobs, masks=masks, steps=steps)
 
+    def generate_drafts(self, state: DecodeState, rows: int | None = None, *,
+                        steps: int = 1) -> tuple[DecodeState, jax.Array, jax.Array]:
+        """`generate` of `steps` steps that also returns, on the device, the distribution each
+        token was drawn from: (state, tokens int32 [steps, bucket], q float32 [steps, bucket,
+        vocab]) (sampling.distribution; one-hot for a greedy row). What a sampling draft model
+        proposes with (draft.py: the verify call needs q). A compiled variant of its own."""
+        return self._generate(state, rows, logprobs=False, masks=None, steps=steps, dists=True)
+
     def _generate(self, state: DecodeState, rows: int | None, *, logprobs: bool, masks: np.ndarray | None,
-                  steps: int, table_blocks: int | None = None) -> tuple[DecodeState, jax.Array]:
+                  steps: int, table_blocks: int | None = None, dists: bool = False):
         """`generate`; `table_blocks` (warmup) forces the step's table width. Rows a caller did not
-        `reserve` for get their blocks here (RuntimeError when the pool cannot give them)."""
+        `reserve` for get their blocks here (RuntimeError when the pool cannot give them). With
+        `dists`, (state, tokens, q) (`generate_drafts`)."""
         if table_blocks is None:
             if self._short_rows(steps):
                 state, failed = self.reserve(state, steps)
@@ -579,8 +588,12 @@ class DecodeSide(EngineBase):
                                        f"and call generate again")
             table_blocks = self.max_blocks_per_seq  # checked just now
         call = self.generate_call(state, rows, logprobs=logprobs, masks=masks, steps=steps, table_blocks=table_blocks)
-        new, tokens, packed = call()
+        if dists:
+            call = call._replace(static={**call.static, "dists": True})
+        new, tokens, packed, *q = call()
         self._pos[self._occupied] += int(steps)
+        if dists:
+            return new, tokens.reshape(int(steps), -1), q[0].reshape(int(steps), tokens.shape[-1], -1)
         return new, (packed if logprobs else tokens)
 
     def _short_rows(self, steps: int) -> list[int]:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tandem_engine.api import StepVariant
@@ -25,11 +26,14 @@ from tandem_engine.speculative import extra_bucket, verify_core
 class SpecOut:
     """What `verify` returns beside the state, on the host: row r emitted tokens[r, :counts[r]]
     (int32 [rows, k + 1]; [rows, k + 1, PACKED_WIDTH] with logprobs, logits.unpack_* read each
-    row); `proposed[r]` of its proposals were checked (counts[r] - 1 of them kept)."""
+    row); `proposed[r]` of its proposals were checked (counts[r] - 1 of them kept). `final_q`
+    (a `force` call's, on the device): float32 [rows, vocab], the distribution each row's last
+    token was drawn from."""
 
     tokens: np.ndarray  # (a device array from a `force` call)
     counts: np.ndarray
     proposed: np.ndarray
+    final_q: jax.Array | None = None
 
 
 @partial(jax.jit, donate_argnums=(0,))
@@ -43,20 +47,22 @@ def rewind_core(state: DecodeState, slots, positions, tokens) -> DecodeState:
 class SpeculativeSide(DecodeSide):
     """`verify` and its compiled shapes over the decode side's rows and blocks."""
 
-    def verify_variants(self, k: int, force: bool = False, masked: bool = False) -> list[StepVariant]:
+    def verify_variants(self, k: int, force: bool = False, masked: bool = False,
+                        drafted: bool = False) -> list[StepVariant]:
         """The speculative verify call's compiled shapes for proposals of up to k tokens: every
         batch bucket with each of its proposal-query buckets (speculative.extra_bucket: 4, 8, ..
         up to rows x k); `force`: the draft model's catch-up call's (draft.py); `masked`: those
-        that take grammar masks."""
+        that take grammar masks; `drafted`: those that take the proposals' distributions."""
         out: list[StepVariant] = []
         for rows in self.batch_buckets:
             extras = sorted({extra_bucket(n, rows * k) for n in range(1, rows * k + 1)})
-            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, masked, k, e, force) for e in extras]
+            out += [StepVariant(rows, self.max_blocks_per_seq, k + 1, False, masked, k, e, force, drafted)
+                    for e in extras]
         return out
 
     def verify(self, state: DecodeState, proposals: Mapping[int, Sequence[int]], k: int, rows: int | None = None, *,
-               logprobs: bool = False, force: bool = False, masks: np.ndarray | None = None
-               ) -> tuple[DecodeState, SpecOut]:
+               logprobs: bool = False, force: bool = False, masks: np.ndarray | None = None,
+               draft_probs: jax.Array | None = None) -> tuple[DecodeState, SpecOut]:
         """One speculative call (donates `state`): every active row below `rows` takes one step,
         and a row in `proposals` (slot -> its proposed next tokens) also has up to `k` of them
         checked by the target in the same call (speculative.py: greedy rows keep the output they
@@ -71,7 +77,11 @@ class SpeculativeSide(DecodeSide):
         where it is checked), all-ones for an unconstrained row; None runs the unmasked call. No
         prompt seated by `begin_prompt` may be pending (`generate_ragged` serves those). `force`: every proposal is kept (a
         draft model fed the target's tokens, draft.py; no cut but max_len's): the counts are the
-        proposals' + 1 without a wait for the call, and `SpecOut.tokens` stays on the device."""
+        proposals' + 1 without a wait for the call, and `SpecOut.tokens` stays on the device.
+        `draft_probs` (a sampling proposer's, on the device or the host): float32 [rows', k,
+        vocab], row r's proposal i was drawn from draft_probs[r, i] (one-hot for one named
+        token; rows past the bucket dropped, missing ones padded): sampled rows are judged by
+        min(1, p / q) (speculative.verify_core); a compiled variant of its own."""
         if self._pending:
             raise RuntimeError("a prompt seated by begin_prompt is pending: generate_ragged serves it first")
         k = int(k)
@@ -89,9 +99,10 @@ class SpeculativeSide(DecodeSide):
             n = max(0, min(len(ids), k, self.max_len - 1 - int(self._pos[slot])))
             props[slot, :n] = np.asarray(ids[:n], np.int32)
             n_prop[slot] = n
-        new, emitted, counts, packed = self._verify_call(state, props, n_prop, k, bucket,
-                                                         extra_bucket(int(n_prop.sum()), bucket * k), logprobs,
-                                                         self._table_width(k + 1), force, masks)
+        new, emitted, counts, packed, final_q = self._verify_call(state, props, n_prop, k, bucket,
+                                                                  extra_bucket(int(n_prop.sum()), bucket * k),
+                                                                  logprobs, self._table_width(k + 1), force, masks,
+                                                                  draft_probs)
         live = np.flatnonzero(self._occupied[:bucket])
         if force:  # every proposal kept: the counts are known here, and the tokens stay on the device
             counts = np.where(self._occupied[:bucket], n_prop + 1, 0).astype(np.int32)
@@ -101,10 +112,11 @@ class SpeculativeSide(DecodeSide):
         if self._trim_rejected(live):
             new = self._with_tables(new)
         out = packed if logprobs else emitted
-        return new, SpecOut(out if force else np.asarray(out), counts, n_prop)
+        return new, SpecOut(out if force else np.asarray(out), counts, n_prop, final_q)
 
     def _verify_call(self, state: DecodeState, props: np.ndarray, n_prop: np.ndarray, k: int, bucket: int,
-                     extra: int, logprobs: bool, width: int, force: bool = False, masks: np.ndarray | None = None):
+                     extra: int, logprobs: bool, width: int, force: bool = False, masks: np.ndarray | None = None,
+                     draft_probs: jax.Array | None = None):
         """speculative.verify_core over rows [0, bucket) with `extra` proposal queries (row r's
         n_prop[r] proposals first, in row order; the rest padding); `masks` [<= bucket, k + 1,
         words] gathered into the queries' order (padding all-ones)."""
@@ -114,7 +126,8 @@ class SpeculativeSide(DecodeSide):
         extra_row[:total] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
         extra_off[:total] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
         qmasks = None if masks is None else self._query_masks(masks, bucket, k, extra_row, extra_off)
-        return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs), qmasks,
+        q = None if draft_probs is None else _rows_to(draft_probs, bucket, k, self.info.vocab_size)
+        return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs), qmasks, q,
                            cfg=self.cfg, layout=self.layout, rows=bucket, k=k, max_len=self.max_len,
                            table_blocks=width, force=force)
 
@@ -133,10 +146,10 @@ class SpeculativeSide(DecodeSide):
         """Run one of `verify_variants`' shapes over `state`, every row free (so nothing is
         proposed, and only the null block is written): compiled on its first run. Donates `state`."""
         v = variant
-        new, emitted, _counts, _packed = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32),
-                                                           np.zeros(v.rows, np.int32), v.spec_k, v.rows, v.extra,
-                                                           v.logprobs, v.width, v.force,
-                                                           self._all_allowed(v) if v.masked else None)
+        q = np.zeros((v.rows, v.spec_k, self.info.vocab_size), np.float32) if v.drafted else None
+        new, emitted, *_ = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32), np.zeros(v.rows, np.int32),
+                                             v.spec_k, v.rows, v.extra, v.logprobs, v.width, v.force,
+                                             self._all_allowed(v) if v.masked else None, q)
         jax.block_until_ready(emitted)
         return new
 
@@ -179,3 +192,19 @@ class SpeculativeSide(DecodeSide):
                     self._held[slot] = need
                     changed = True
         return changed
+
+
+@partial(jax.jit, static_argnames=("rows", "k", "vocab"))
+def _fit_rows(q, *, rows: int, k: int, vocab: int):
+    q = q[:rows, :k].astype(jnp.float32)
+    return jnp.pad(q, ((0, rows - q.shape[0]), (0, k - q.shape[1]), (0, 0)))
+
+
+def _rows_to(q, rows: int, k: int, vocab: int):
+    """draft_probs as float32 [rows, k, vocab] (extra rows dropped, missing ones zero)."""
+    shape = tuple(q.shape)
+    if len(shape) != 3 or shape[2] != vocab:
+        raise ValueError(f"draft_probs must be [rows, k, {vocab}], got {shape}")
+    if shape[:2] == (rows, k) and q.dtype == np.float32:
+        return q
+    return _fit_rows(q, rows=rows, k=k, vocab=vocab)

@@ -169,3 +169,20 @@ def sample(logits, temperature, top_k, top_p, keys, shards: int = 1):
         return jnp.where(cut, filtered, jnp.where(on, plain, greedy))
 
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+
+
+def distribution(logits, temperature, top_k, top_p, shards: int = 1) -> jax.Array:
+    """float32 [rows, vocab]: the distribution `sample` draws each row's token from, dense. A
+    greedy row (temperature 0): one-hot at its argmax; top-k / top-p: softmax over the kept
+    candidates (`filter_candidates`), zero elsewhere; neither: softmax over the whole vocabulary.
+    What a sampling proposer passes on as q (speculative decoding's acceptance min(1, p / q) and
+    residual max(0, p - q) need the proposal's distribution exactly)."""
+    rows, vocab = logits.shape
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    whole = jax.nn.softmax(scaled, axis=-1)
+    ids, filtered = filter_candidates(scaled, top_k, top_p, shards)
+    kept = jax.nn.softmax(filtered, axis=-1)
+    cut = jnp.zeros((rows, vocab), jnp.float32).at[jnp.arange(rows)[:, None], ids].add(kept)
+    onehot = jax.nn.one_hot(greedy_tokens(logits), vocab, dtype=jnp.float32)
+    on = (temperature > 0)[:, None]
+    return jnp.where(on, jnp.where(((top_k > 0) | (top_p < 1.0))[:, None], cut, whole), onehot)

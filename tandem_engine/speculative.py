@@ -34,7 +34,7 @@ import numpy as np
 from tandem_engine.cores import DecodeState, _pin_pool
 from tandem_engine.logits import PACKED_WIDTH, SlotLogits, apply, apply_mask, logprobs_of, pack
 from tandem_engine.paged import decode_forward_paged
-from tandem_engine.sampling import filter_candidates, greedy_tokens, sample, token_keys
+from tandem_engine.sampling import distribution, filter_candidates, greedy_tokens, sample, token_keys
 
 ACCEPT_SALT = 0x5EC0DE  # folded into a token's key for its acceptance draw (the token's own draw keeps the key)
 
@@ -111,8 +111,9 @@ def extra_bucket(proposed: int, most: int) -> int:
 
 @partial(jax.jit, static_argnames=("cfg", "layout", "rows", "k", "max_len", "table_blocks", "force"),
          donate_argnums=(1,))
-def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_off, logprobs=False, masks=None, *,
-                cfg, layout, rows: int, k: int, max_len: int, table_blocks: int, force: bool = False):
+def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_off, logprobs=False, masks=None,
+                draft_probs=None, *, cfg, layout, rows: int, k: int, max_len: int, table_blocks: int,
+                force: bool = False):
     """One call that checks up to k proposals per row, as a ragged batch of queries: the rows'
     next inputs [0, rows) one each, then E extra queries, one per proposal (only the rows that
     propose pay for them). proposals int32 [rows, k] (row r's first n_prop[r] real; the caller
@@ -121,7 +122,15 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
     extra_off[e] (rows >= `rows`: padding, never live). Returns (state, emitted int32 [rows, k + 1],
     counts int32 [rows]: row r emitted emitted[r, :counts[r]] (1 .. n_prop + 1; 0 for a free
     row), packed [rows, k + 1, PACKED_WIDTH]: the emitted tokens with their logprobs when the
-    traced bool `logprobs` is set, else zeros). The row's next input is its last emitted token.
+    traced bool `logprobs` is set, else zeros, final_q: with `force`, float32 [rows, vocab], the
+    distribution each row's last token was drawn from (sampling.distribution), else None). The
+    row's next input is its last emitted token.
+
+    `draft_probs` float32 [rows, k, vocab] (a sampling proposer, draft.py): q, the distribution
+    row r's proposal i was drawn from (one-hot for a proposer that names one token), or None
+    (every proposal one-hot: n-gram lookup). A sampled row keeps x_i with probability
+    min(1, p_i(x_i) / q_i(x_i)) and at its first rejection draws from max(0, p_i - q_i),
+    renormalised (module docstring); greedy rows are judged by the argmax either way.
 
     `masks` int32 [rows + E, ceil(vocab / 32)] (grammars: each query's allowed tokens, in the
     queries' order; all-ones rows for the unconstrained) or None (a variant traced without them):
@@ -158,7 +167,8 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
     processed = _processed(logits, state, proposals, qrow, qoff, index, live, k)  # [Q, vocab] float32
     if masks is not None:
         processed = apply_mask(processed, masks)
-    emitted, counts = _accept(processed, state, proposals, n_prop, qrow, qoff, index, where, rows, k, force)
+    emitted, counts, final_q = _accept(processed, state, proposals, n_prop, qrow, qoff, index, where, rows, k, force,
+                                       draft_probs)
     counts = jnp.where(active, counts, 0)
     last = jnp.take_along_axis(emitted, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
     history = state.history
@@ -173,7 +183,7 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
         return pack(lp, emitted.reshape(-1)).reshape(rows, q, -1)
 
     packed = jax.lax.cond(logprobs, packed_logprobs, lambda: jnp.zeros((rows, q, PACKED_WIDTH), jnp.int32))
-    return new, emitted, counts, packed
+    return new, emitted, counts, packed, final_q
 
 
 def _processed(logits, state: DecodeState, proposals, qrow, qoff, index, live, k: int):
@@ -195,9 +205,10 @@ def _processed(logits, state: DecodeState, proposals, qrow, qoff, index, live, k
 
 
 def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index, where, rows: int, k: int,
-            force: bool = False):
-    """(emitted [rows, k + 1], counts [rows]) by the acceptance rule of the module docstring (with
-    `force`, every proposal kept)."""
+            force: bool = False, draft_probs=None):
+    """(emitted [rows, k + 1], counts [rows], final_q) by the acceptance rule of the module
+    docstring (with `force`, every proposal kept, and final_q each row's last token's
+    distribution; else None)."""
     temperature, top_k, top_p = (a[:rows] for a in (state.temperature, state.top_k, state.top_p))
     greedy = greedy_tokens(processed)  # [Q]
     sampled = temperature > 0
@@ -215,7 +226,11 @@ def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index,
         p_x = jnp.where((tk > 0) | (tp < 1.0), p_cut, p_whole)
         keys = token_keys(state.seeds[qrow], index)
         u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, ACCEPT_SALT)))(keys)
-        ok = (u < p_x) | (p_x >= 1.0)  # [Q]
+        if draft_probs is None:  # one-hot proposals: q(x) = 1
+            ok = (u < p_x) | (p_x >= 1.0)  # [Q]
+        else:  # u < p(x) / q(x), without the division
+            q_x = draft_probs[qrow, jnp.minimum(qoff, k - 1), judged]
+            ok = (u * q_x < p_x) | (p_x >= q_x)
         return ok[where[:, :k]]
 
     match = proposals == greedy[where[:, :k]]
@@ -227,22 +242,31 @@ def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index,
     taken = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1)  # leading proposals kept
     at = jnp.take_along_axis(where, taken[:, None], axis=1)[:, 0]  # the query that draws the row's last token
     x_at = jnp.take_along_axis(proposals, jnp.minimum(taken, k - 1)[:, None], axis=1)[:, 0]
+    q_at = None if draft_probs is None else draft_probs[jnp.arange(rows), jnp.minimum(taken, k - 1)]
     final = _final_token(processed[at], taken < n_prop, x_at, temperature, top_k, top_p, state.seeds[:rows],
-                         index[at])
+                         index[at], q_at)
     cols = jnp.arange(k + 1)[None]
     padded = jnp.concatenate([proposals, jnp.zeros((rows, 1), jnp.int32)], axis=1)
     emitted = jnp.where(cols < taken[:, None], padded, jnp.where(cols == taken[:, None], final[:, None], 0))
-    return emitted.astype(jnp.int32), (taken + 1).astype(jnp.int32)
+    final_q = distribution(processed[at], temperature, top_k, top_p) if force else None
+    return emitted.astype(jnp.int32), (taken + 1).astype(jnp.int32), final_q
 
 
-def _final_token(processed, rejected, x, temperature, top_k, top_p, seeds, index):
+def _final_token(processed, rejected, x, temperature, top_k, top_p, seeds, index, q=None):
     """Each row's last token from its query's processed logits [rows, vocab]: after a rejection,
-    drawn from the filtered distribution with the rejected proposal x taken out; else the step's
-    own draw (`sample`, the same key: a row that proposed nothing gets the token a step gives).
-    A greedy row gets the argmax either way."""
+    drawn from the filtered distribution with the rejected proposal x taken out (with `q`, the
+    rejected proposal's distribution [rows, vocab]: from max(0, p - q) renormalised); else the
+    step's own draw (`sample`, the same key: a row that proposed nothing gets the token a step
+    gives). A greedy row gets the argmax either way."""
     keys = token_keys(seeds, index)
     bonus = sample(processed, temperature, top_k, top_p, keys)
     redraw = rejected & (temperature > 0)
+
+    def residual_q(_):
+        p = distribution(processed, temperature, top_k, top_p)
+        left = jnp.maximum(p - q, 0.0)
+        left = jnp.where(jnp.sum(left, axis=-1, keepdims=True) > 0, left, p)  # (p == q: never rejected)
+        return jax.vmap(jax.random.categorical)(keys, jnp.log(left)).astype(jnp.int32)
 
     def residual(_):
         vocab = processed.shape[-1]
@@ -254,4 +278,5 @@ def _final_token(processed, rejected, x, temperature, top_k, top_p, seeds, index
                                                                  scaled))
         return jnp.where((top_k > 0) | (top_p < 1.0), cut, whole).astype(jnp.int32)
 
-    return jnp.where(redraw, jax.lax.cond(jnp.any(redraw), residual, lambda _: bonus, None), bonus)
+    redrawn = residual if q is None else residual_q
+    return jnp.where(redraw, jax.lax.cond(jnp.any(redraw), redrawn, lambda _: bonus, None), bonus)

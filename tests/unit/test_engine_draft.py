@@ -125,3 +125,75 @@ def test_a_draft_must_share_the_target_vocabulary():
     check_draft(tiny, dataclasses.replace(tiny, num_layers=1))
     with pytest.raises(ModelNotFound, match="vocabulary of 2048 tokens against the target's 258"):
         check_draft(tiny, resolve_model("builtin"))
+
+
+@pytest.mark.slow
+def test_a_sampling_draft_draws_from_the_q_it_hands_on_and_the_output_keeps_the_targets_distribution():
+    """DraftProposer(sample=True) with a one-layer draft of the target (q near p, not p): each
+    row's first proposal is drawn from last_q (a goodness-of-fit test), the verify call keeps it
+    at the rate sum min(p, q) (the q-aware rule; the one-token rule would keep sum p q), and
+    4,096 seeded two-token outputs spread as 4,096 without speculation (chi-square test of
+    homogeneity). A greedy row's proposals stay its greedy ones, with one-hot q."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency, chisquare
+
+    shape = dict(slots=32, max_len=32, prefill_buckets=(16,), kv_block_size=4)
+    target = load_engine("tiny", **shape)
+    one = dataclasses.replace(resolve_model("tiny"), num_layers=1, name="tiny-1-layer")
+    from tandem_engine.engine import Engine
+    from tandem_engine.weights import load_params
+    draft = Engine(one, load_params(one, "float32"), **shape)
+    proposer = DraftProposer(draft, 2, sample=True)
+    prompt = [11, 42, 7, 99, 3, 250, 18]
+    vocab = target.info.vocab_size
+    first = target.prefill(prompt, GREEDY).first_token
+    ctx = prompt + [first]
+
+    def dist(engine):
+        logits = np.asarray(engine.prompt_logits(ctx), np.float64).reshape(-1, vocab)[-1] / 0.6
+        logits[np.argsort(-logits, kind="stable")[5:]] = -np.inf
+        p = np.exp(logits - logits.max())
+        return p / p.sum()
+
+    p0, q0 = dist(target), dist(draft)
+    prefix = target.prefill(prompt, GREEDY)
+    plain, spec, x0s = Counter(), Counter(), Counter()
+    kept = 0
+    batches = 4096 // target.slots
+    for i in range(batches):
+        for out, speculate in ((plain, False), (spec, True)):
+            state = target.init_state()
+            asked = {}
+            for s in range(target.slots):
+                pick = SamplingParams(temperature=0.6, top_k=5, seed=7919 * i + s)
+                state = target.insert(prefix, state, s, pick)
+                asked[s] = (("batch", i, s), ctx, dataclasses.replace(pick, seed=31 * i + s))
+            if speculate:
+                props = proposer.propose(asked)
+                assert np.allclose(np.asarray(proposer.last_q)[:target.slots, 0], q0, atol=1e-5)
+                x0s.update(p[0] for p in props.values())
+                state, got = target.verify(state, props, 2, draft_probs=proposer.last_q)
+                state, again = target.generate(state)
+                again = np.asarray(again).tolist()
+                out.update((int(got.tokens[s, 0]), int(got.tokens[s, 1]) if got.counts[s] >= 2 else again[s])
+                           for s in range(target.slots))
+                kept += int(np.sum(got.counts[:target.slots] >= 2))
+            else:
+                state, a = target.generate(state)
+                state, b = target.generate(state)
+                out.update(zip(np.asarray(a).tolist(), np.asarray(b).tolist()))
+    n = batches * target.slots
+    support = np.flatnonzero(q0)
+    assert chisquare([x0s[int(t)] for t in support], q0[support] * n).pvalue > 1e-3, (x0s, q0[support])
+    rate, point_rate = np.minimum(p0, q0).sum(), (p0 * q0).sum()
+    sigma = np.sqrt(rate * (1 - rate) / n)
+    assert rate - point_rate > 10 * sigma and abs(kept / n - rate) < 5 * sigma, (kept / n, rate, point_rate)
+    common = [p for p in set(plain) | set(spec) if plain[p] + spec[p] >= 20]
+    rows = [[plain[p] for p in common], [spec[p] for p in common]]
+    assert len(common) >= 8
+    assert chi2_contingency(np.asarray(rows)).pvalue > 1e-3, (common, rows)
+    greedy = proposer.propose({0: ("greedy", ctx)})[0]  # no sampling given: greedy, q one-hot
+    q = np.asarray(proposer.last_q)[0]
+    assert greedy == reference_greedy(draft.params, draft.cfg, ctx, 2, pad_to=32)
+    assert np.array_equal(q, np.eye(vocab, dtype=np.float32)[greedy])

@@ -272,3 +272,90 @@ def test_sampled_two_token_outputs_under_grammar_masks_are_distributed_as_withou
         rows = [r + [x] for r, x in zip(rows, rest)]
     assert len(common) >= 8 and spec[(x0, x1)] > 20
     assert chi2_contingency(np.asarray(rows)).pvalue > 1e-3, (common, rows)
+
+
+def _drafted_pairs(engine, sampling, draft, draws):
+    """Counts of the first two tokens each row emits after PROMPT and its greedy first token, with
+    the proposals a sampling proposer drew checked in a verify call (a second call where it kept
+    neither): draft(batch, slot) -> ([x0, x1], q [2, vocab]), x_i drawn from q[i]. Returns the
+    counts and how many rows kept x0."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    kept = 0
+    prefix = engine.prefill(PROMPT, GREEDY)
+    for i in range(draws // engine.slots):
+        state = engine.init_state()
+        proposals, q = {}, np.zeros((engine.slots, 2, engine.info.vocab_size), np.float32)
+        for s in range(engine.slots):
+            pick = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=7919 * i + s)
+            state = engine.insert(prefix, state, s, pick)
+            proposals[s], q[s] = draft(i, s)
+        state, spec = engine.verify(state, proposals, 2, draft_probs=q)
+        state, again = engine.generate(state)
+        again = np.asarray(again).tolist()
+        counts.update((int(spec.tokens[s, 0]), int(spec.tokens[s, 1]) if spec.counts[s] >= 2 else again[s])
+                      for s in range(engine.slots))
+        kept += int(np.sum(spec.counts[:engine.slots] >= 2))
+        for s in range(engine.slots):
+            state = engine.free(state, s)
+    return counts, kept
+
+
+def _homogeneous(plain, spec, least=8):
+    """Chi-square test of homogeneity of two samples' counts (pairs seen >= 20 times, the rest
+    pooled): its p-value, after checking the sample is spread."""
+    from scipy.stats import chi2_contingency
+
+    common = [p for p in set(plain) | set(spec) if plain[p] + spec[p] >= 20]
+    rows = [[plain[p] for p in common], [spec[p] for p in common]]
+    rest = [sum(plain.values()) - sum(rows[0]), sum(spec.values()) - sum(rows[1])]
+    if min(rest) > 5:
+        rows = [r + [x] for r, x in zip(rows, rest)]
+    assert len(common) >= least, common
+    return chi2_contingency(np.asarray(rows)).pvalue, (common, rows)
+
+
+@pytest.mark.slow
+def test_proposals_drawn_from_a_distribution_q_leave_the_output_distributed_as_without_speculation():
+    """A sampling proposer (a draft model that samples): x0 ~ q0, x1 ~ q1, q handed to the verify
+    call, which keeps x_i with probability min(1, p_i / q_i) and redraws from max(0, p_i - q_i).
+    q is the target's own distribution at a higher temperature over ten tokens, so it puts mass
+    where top-k leaves p none (always rejected), and less or more than p on the rest: kept,
+    kept-then-redrawn and redrawn at once all happen. Two-token outputs of 4,096 seeded rows
+    with speculation and 4,096 without: a chi-square test of homogeneity. And q is used: x0 is
+    kept at the rate sum min(p0, q0), not sum p0 q0, the rate of the rule for a proposal that
+    names one token (which is exact too, whatever drew the proposal, but keeps fewer)."""
+    engine = load_engine("tiny", slots=32, max_len=32, prefill_buckets=(16,), kv_block_size=4)
+    vocab = engine.info.vocab_size
+    sampling = SamplingParams(temperature=0.6, top_k=5)
+    first = engine.prefill(PROMPT, GREEDY).first_token
+
+    def flat(ids):  # q: softmax at temperature 1.5 over the ten likeliest tokens after `ids`
+        logits = np.asarray(engine.prompt_logits(PROMPT + [first] + ids), np.float64).reshape(-1, vocab)[-1]
+        top = np.argsort(-logits, kind="stable")[:10]
+        q = np.zeros(vocab)
+        q[top] = np.exp((logits[top] - logits[top].max()) / 1.5)
+        return q / q.sum()
+
+    q0 = flat([])
+    q1 = {x: flat([x]) for x in np.flatnonzero(q0)}  # q1 given x0
+    rng = np.random.default_rng(5)
+
+    def draft(_batch, _slot):
+        x0 = int(rng.choice(vocab, p=q0))
+        x1 = int(rng.choice(vocab, p=q1[x0]))
+        return [x0, x1], np.stack([q0, q1[x0]]).astype(np.float32)
+
+    plain = _pairs(engine, sampling, None, 4096)
+    spec, kept = _drafted_pairs(engine, sampling, draft, 4096)
+    pvalue, seen = _homogeneous(plain, spec)
+    assert pvalue > 1e-3, seen
+    logits = np.asarray(engine.prompt_logits(PROMPT + [first]), np.float64).reshape(-1, vocab)[-1] / 0.6
+    logits[np.argsort(-logits, kind="stable")[5:]] = -np.inf
+    p0 = np.exp(logits - logits.max())
+    p0 /= p0.sum()
+    rate, point_rate = np.minimum(p0, q0).sum(), (p0 * q0).sum()
+    sigma = np.sqrt(rate * (1 - rate) / 4096)
+    assert rate - point_rate > 10 * sigma  # the two rules are told apart
+    assert abs(kept / 4096 - rate) < 5 * sigma, (kept / 4096, rate, point_rate)

@@ -18,6 +18,7 @@ from decode_svc.loop import EngineLoop
 from decode_svc.requests import RequestTable
 from decode_svc.settings import SpeculativeConfig
 from decode_svc.speculate import Speculator
+from tandem_engine.draft import DraftProposer
 from tandem_core.sampling_args import prefill_args
 from tandem_core.types import GenerationRequest, SamplingParams
 from tandem_engine import load_engine
@@ -160,6 +161,29 @@ def test_loop_entries_with_a_draft_model_equal_those_without(engine):
     got, loop = _drive(engine, reqs, config, draft=draft)
     assert got == plain
     assert loop.spec.stats.drafts > 0
+
+
+def test_a_sampling_draft_hands_its_q_to_the_verify_call_so_its_own_samples_are_kept(engine):
+    """Sampled requests (temperature 0.9, near-uniform over the tiny model's vocabulary) beside a
+    greedy one, the target as its own draft: a draft that samples at the request's parameters
+    proposes from q = p, and the verify call judges by min(1, p / q), so (nearly) every proposal
+    is kept; a greedy draft's argmax is kept with p(argmax), a few per cent. The greedy request's
+    entries are the plain loop's either way, the sampled ones' whole and in order."""
+    reqs = [_req(f"sampled{i}", PROMPTS[i], 24, SamplingParams(temperature=0.9, seed=11 + i)) for i in range(2)]
+    reqs.append(_req("greedy", PROMPTS[2], 12))
+    plain, _ = _drive(engine, reqs)
+    rates = {}
+    for sample in (True, False):
+        config = SpeculativeConfig(method="draft", draft_model="tiny", k=4, gate_window=100_000, draft_sample=sample)
+        draft = DraftProposer(load_engine("tiny", slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(16, 64),
+                                          steps_per_dispatch=3, kv_block_size=4, kv_reuse=False), 4, sample=sample)
+        got, loop = _drive(engine, reqs, config, draft=draft)
+        assert got["greedy"] == plain["greedy"]
+        for r in reqs[:2]:
+            assert [e[0] for e in got[r.request_id]] == list(range(1, 24)) and got[r.request_id][-1][2] == "length"
+        s = loop.spec.stats
+        rates[sample] = s.accepted / s.draft_tokens
+    assert rates[True] >= 0.9 and rates[False] < 0.5, rates
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
