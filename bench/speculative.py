@@ -3,7 +3,7 @@
 
     python bench/speculative.py [--quick] [--no-write] [--paths colocated,disagg] [--concurrency 1,8,32]
                                 [--k 4] [--rounds N] [--method ngram|draft] [--draft-model builtin-draft]
-                                [--grammar]
+                                [--grammar] [--greedy-draft]
 
 Two workloads of the built-in model, `--requests` requests each (128 output tokens, ignore_eos):
   * repeat: a document to quote from. The built-in model (3.95M parameters) does not learn to
@@ -20,7 +20,8 @@ The prompts are built once in a child process with the engine (`--build`) into
 bench/out/speculative/workload.json. For each path (colocated: one worker; disagg: a prefill and
 a decode pod) and each round, speculation off and on (`--speculative ngram --speculative-k K`;
 with `--method draft`, `--speculative draft --draft-model M`: the built-in model's distilled
-one-layer draft by default)
+one-layer draft by default; it samples at a sampled request's parameters, and with `--greedy-draft`
+proposes its argmax instead)
 run one after the other, each on a fresh cluster warmed with both workloads; then each
 concurrency c runs its requests closed loop with c in flight, repeat then open.
 Reported per cell: output tok/s (all tokens over the wall time), TTFT p50, TPOT p50 (per request:
@@ -201,10 +202,10 @@ async def _cell(base_url: str, model: str, prompts: list[list[int]], kind: str, 
 
 
 def run_system(path: str, on: bool, k: int, concurrency: list[int], work: dict, n: int, log: Path,
-               method: str = "ngram", draft_model: str = "") -> list[dict]:
+               method: str = "ngram", draft_model: str = "", greedy_draft: bool = False) -> list[dict]:
     args = ["--speculative", method, "--speculative-k", str(k)] if on else []
     if on and method == "draft":
-        args += ["--draft-model", draft_model]
+        args += ["--draft-model", draft_model] + (["--greedy-draft"] if greedy_draft else [])
     sysm = TandemLocal(f"{path}-{'on' if on else 'off'}", "builtin", colocated=path == "colocated", slots=32,
                    max_len=MAX_LEN, pin="", env={}, log_path=log, extra_args=args)
     sysm.start()
@@ -261,7 +262,8 @@ def report(runs: dict, args: argparse.Namespace, command: str) -> str:
     table = markdown_table(["path", "workload", "c", "off tok/s", "on tok/s", "on / off", "TTFT p50 ms off / on",
                             "TPOT p50 ms off / on", "ITL p90 ms off / on", "acceptance", "mean accepted length",
                             "errors"], rows)
-    title = "n-gram prompt lookup" if args.method == "ngram" else f"draft model {args.draft_model}"
+    title = "n-gram prompt lookup" if args.method == "ngram" else \
+        f"draft model {args.draft_model}{', greedy' if args.greedy_draft else ', sampling'}"
     if args.grammar:
         title += f", every request under the grammar guided_regex {GRAMMAR!r}, no ignore_eos"
     return (f"## Speculative decoding ({title}): on against off\n\n"
@@ -287,6 +289,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--grammar", action="store_true", help="every request under a grammar (GRAMMAR), no ignore_eos")
+    p.add_argument("--greedy-draft", action="store_true", help="with --method draft: greedy proposals for sampled "
+                   "requests too (by default the draft samples at their parameters)")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--build", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -307,15 +311,17 @@ def main() -> None:
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 print(f"== round {r + 1}: {path}, speculation {'on' if on else 'off'}", flush=True)
                 cells = run_system(path, on, a.k, a.concurrency, work, a.requests,
-                                   OUT / f"{path}-{'on' if on else 'off'}.log", a.method, a.draft_model)
+                                   OUT / f"{path}-{'on' if on else 'off'}.log", a.method, a.draft_model,
+                                   a.greedy_draft)
                 runs[path]["on" if on else "off"].append(cells)
     command = "python bench/speculative.py " + " ".join(sys.argv[1:])
     body = report(runs, a, command)
     print(body)
     (OUT / "result.json").write_text(json.dumps(runs, indent=1))
     if not a.no_write:
-        write_section((SECTION if a.method == "ngram" else SECTION + "-draft") + ("-grammar" if a.grammar else ""), body)
-    if not a.no_write and not a.grammar:
+        write_section((SECTION if a.method == "ngram" else SECTION + "-draft") + ("-greedy" if a.greedy_draft else "")
+                      + ("-grammar" if a.grammar else ""), body)
+    if not a.no_write and not a.grammar and not a.greedy_draft:
         merge_summary({"speculative" if a.method == "ngram" else "speculative_draft": {path: {kind: {str(c): {
             "off": _median([x for rr in runs[path]["off"] for x in rr if x["c"] == c and x["kind"] == kind], "tok_s"),
             "on": _median([x for rr in runs[path]["on"] for x in rr if x["c"] == c and x["kind"] == kind], "tok_s")}

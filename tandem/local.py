@@ -95,14 +95,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="speculative decoding in the decode workers: ngram checks each running request's n-gram "
                    "prompt-lookup proposal (what followed the latest earlier match of its last tokens) in one "
                    "step, greedy output unchanged, sampled output distributed as without it; pays where "
-                   "outputs repeat their prompts (edits, quotes); draft: a smaller model's greedy tokens "
-                   "(--draft-model) instead; a request whose proposals miss stops proposing for a while "
-                   "(docs/local.md)")
+                   "outputs repeat their prompts (edits, quotes); draft: a smaller model's tokens "
+                   "(--draft-model; sampled at a sampled request's parameters, --greedy-draft: its argmax) instead; "
+                   "a request whose proposals miss stops proposing for a while (docs/local.md)")
     p.add_argument("--speculative-k", type=int, default=4, metavar="K",
                    help="with --speculative: tokens proposed at most per request and step")
     p.add_argument("--draft-model", default="", metavar="MODEL",
                    help="with --speculative draft: the draft model, a preset name or a Hugging Face directory "
                    "with the served model's tokenizer (each decode worker loads it beside the model)")
+    p.add_argument("--greedy-draft", dest="draft_sample", action="store_false",
+                   help="with --speculative draft: the draft proposes its greedy tokens for sampled requests too "
+                   "(by default it samples at the request's temperature, top-k and top-p)")
     p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
                    help="do not keep finished sequences' blocks for later ones that start with the same "
                    "tokens (by default a conversation's next turn pulls only the KV its decode worker lacks)")
@@ -394,7 +397,8 @@ class Cluster:
                 f"{prefix}ENGINE__KV_WINDOW_GROUP": "true" if self.a.kv_window_group else "false",
                 f"{prefix}ENGINE__KV_DTYPE": self.a.kv_dtype,
                 f"{prefix}SPECULATIVE__METHOD": self.a.speculative, f"{prefix}SPECULATIVE__K": str(self.a.speculative_k),
-                f"{prefix}SPECULATIVE__DRAFT_MODEL": self.a.draft_model}
+                f"{prefix}SPECULATIVE__DRAFT_MODEL": self.a.draft_model,
+                f"{prefix}SPECULATIVE__DRAFT_SAMPLE": "true" if self.a.draft_sample else "false"}
 
     def url(self) -> str:
         host = "127.0.0.1" if self.a.host in ("0.0.0.0", "") else self.a.host

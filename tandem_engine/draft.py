@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Hashable, Mapping
 
@@ -129,8 +130,9 @@ class DraftProposer:
             if self.rows:  # a shape's warm run takes every row free
                 self.reset()
             if self.sample and not item.variant.spec_k:  # the steps that give their distributions
-                self.state, toks, _q = e.generate_drafts(self.state, item.variant.rows, steps=item.variant.steps)
-                jax.block_until_ready(toks)
+                self.state, toks, q = e.generate_drafts(self.state, item.variant.rows, steps=item.variant.steps)
+                first = jnp.zeros((item.variant.rows, e.info.vocab_size), jnp.float32)  # (where final_q is)
+                jax.block_until_ready(_stack_q(jax.device_put(first, q.sharding), q, slots=e.slots))
             else:
                 self.state = e.warm_step(self.state, item.variant)
             return
@@ -193,13 +195,13 @@ class DraftProposer:
         rest = None
         if self.k > 1 and self.sample:
             self.state, toks, q = e.generate_drafts(self.state, rows, steps=self.k - 1)
-            self.last_q = _stack_q(out.final_q, q)
+            self.last_q = _stack_q(out.final_q, q, slots=e.slots)
             rest = np.asarray(toks)  # [k - 1, bucket]
         elif self.k > 1:
             self.state, toks = e.generate(self.state, rows, steps=self.k - 1)
             rest = np.asarray(toks)  # [k - 1, bucket]
         elif self.sample:
-            self.last_q = out.final_q[:, None]
+            self.last_q = _stack_q(out.final_q, None, slots=e.slots)
         emitted = np.asarray(out.tokens)
         first = {s: int(emitted[s, int(out.counts[s]) - 1]) for s in rewind}
         props: dict[int, list[int]] = {}
@@ -210,11 +212,13 @@ class DraftProposer:
         return props
 
 
-@jax.jit
-def _stack_q(first, rest):
-    """[bucket, k, vocab]: the forced call's last token's distribution [bucket, vocab], then the
-    steps' [k - 1, bucket, vocab]."""
-    return jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
+@partial(jax.jit, static_argnames=("slots",))
+def _stack_q(first, rest, *, slots: int):
+    """[slots, k, vocab] (rows past the bucket zero: one shape for the verify call whatever the
+    bucket): the forced call's last token's distribution [bucket, vocab], then the steps' [k -
+    1, bucket, vocab] (None for k = 1)."""
+    q = first[:, None] if rest is None else jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
+    return jnp.pad(q, ((0, slots - q.shape[0]), (0, 0), (0, 0)))
 
 
 def _agree(row: DraftRow, seq: list[int]) -> int:

@@ -80,8 +80,9 @@ class SpeculativeSide(DecodeSide):
         proposals' + 1 without a wait for the call, and `SpecOut.tokens` stays on the device.
         `draft_probs` (a sampling proposer's, on the device or the host): float32 [rows', k,
         vocab], row r's proposal i was drawn from draft_probs[r, i] (one-hot for one named
-        token; rows past the bucket dropped, missing ones padded): sampled rows are judged by
-        min(1, p / q) (speculative.verify_core); a compiled variant of its own."""
+        token); best [slots, k, vocab], the one shape the call is compiled for (other row counts
+        are padded or cut to it first: a small compiled call of their own). Sampled rows are
+        judged by min(1, p / q) (speculative.verify_core); a compiled variant of its own."""
         if self._pending:
             raise RuntimeError("a prompt seated by begin_prompt is pending: generate_ragged serves it first")
         k = int(k)
@@ -126,7 +127,10 @@ class SpeculativeSide(DecodeSide):
         extra_row[:total] = np.repeat(np.arange(bucket, dtype=np.int32), n_prop)
         extra_off[:total] = np.concatenate([np.arange(1, n + 1, dtype=np.int32) for n in n_prop])
         qmasks = None if masks is None else self._query_masks(masks, bucket, k, extra_row, extra_off)
-        q = None if draft_probs is None else _rows_to(draft_probs, bucket, k, self.info.vocab_size)
+        q = None
+        if draft_probs is not None:  # every slot's rows (one compiled shape whatever rows the proposer had),
+            # committed where the state is, as warm_verify's are (a jit compiles again for another placement)
+            q = jax.device_put(_rows_to(draft_probs, self.slots, k, self.info.vocab_size), state.tokens.sharding)
         return verify_core(self.step_params, state, props, n_prop, extra_row, extra_off, np.bool_(logprobs), qmasks, q,
                            cfg=self.cfg, layout=self.layout, rows=bucket, k=k, max_len=self.max_len,
                            table_blocks=width, force=force)
@@ -146,7 +150,7 @@ class SpeculativeSide(DecodeSide):
         """Run one of `verify_variants`' shapes over `state`, every row free (so nothing is
         proposed, and only the null block is written): compiled on its first run. Donates `state`."""
         v = variant
-        q = np.zeros((v.rows, v.spec_k, self.info.vocab_size), np.float32) if v.drafted else None
+        q = np.zeros((self.slots, v.spec_k, self.info.vocab_size), np.float32) if v.drafted else None
         new, emitted, *_ = self._verify_call(state, np.zeros((v.rows, v.spec_k), np.int32), np.zeros(v.rows, np.int32),
                                              v.spec_k, v.rows, v.extra, v.logprobs, v.width, v.force,
                                              self._all_allowed(v) if v.masked else None, q)
@@ -201,7 +205,7 @@ def _fit_rows(q, *, rows: int, k: int, vocab: int):
 
 
 def _rows_to(q, rows: int, k: int, vocab: int):
-    """draft_probs as float32 [rows, k, vocab] (extra rows dropped, missing ones zero)."""
+    """draft_probs as float32 [rows, k, vocab] (extra rows and proposals dropped, missing ones zero)."""
     shape = tuple(q.shape)
     if len(shape) != 3 or shape[2] != vocab:
         raise ValueError(f"draft_probs must be [rows, k, {vocab}], got {shape}")

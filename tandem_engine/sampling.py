@@ -178,11 +178,20 @@ def distribution(logits, temperature, top_k, top_p, shards: int = 1) -> jax.Arra
     What a sampling proposer passes on as q (speculative decoding's acceptance min(1, p / q) and
     residual max(0, p - q) need the proposal's distribution exactly)."""
     rows, vocab = logits.shape
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
-    whole = jax.nn.softmax(scaled, axis=-1)
-    ids, filtered = filter_candidates(scaled, top_k, top_p, shards)
-    kept = jax.nn.softmax(filtered, axis=-1)
-    cut = jnp.zeros((rows, vocab), jnp.float32).at[jnp.arange(rows)[:, None], ids].add(kept)
     onehot = jax.nn.one_hot(greedy_tokens(logits), vocab, dtype=jnp.float32)
-    on = (temperature > 0)[:, None]
-    return jnp.where(on, jnp.where(((top_k > 0) | (top_p < 1.0))[:, None], cut, whole), onehot)
+    on = temperature > 0
+    cut = on & ((top_k > 0) | (top_p < 1.0))
+
+    def sampled(_):  # (an all-greedy batch skips the softmax and the candidates, as `sample` does)
+        scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+
+        def within(_):
+            ids, filtered = filter_candidates(scaled, top_k, top_p, shards)
+            kept = jax.nn.softmax(filtered, axis=-1)
+            return jnp.zeros((rows, vocab), jnp.float32).at[jnp.arange(rows)[:, None], ids].add(kept)
+
+        whole = jax.nn.softmax(scaled, axis=-1)
+        filtered = jax.lax.cond(jnp.any(cut), within, lambda _: whole, None)
+        return jnp.where(cut[:, None], filtered, jnp.where(on[:, None], whole, onehot))
+
+    return jax.lax.cond(jnp.any(on), sampled, lambda _: onehot, None)

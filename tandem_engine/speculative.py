@@ -126,7 +126,7 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
     distribution each row's last token was drawn from (sampling.distribution), else None). The
     row's next input is its last emitted token.
 
-    `draft_probs` float32 [rows, k, vocab] (a sampling proposer, draft.py): q, the distribution
+    `draft_probs` float32 [>= rows, k, vocab] (a sampling proposer, draft.py): q, the distribution
     row r's proposal i was drawn from (one-hot for a proposer that names one token), or None
     (every proposal one-hot: n-gram lookup). A sampled row keeps x_i with probability
     min(1, p_i(x_i) / q_i(x_i)) and at its first rejection draws from max(0, p_i - q_i),
@@ -142,6 +142,8 @@ def verify_core(params, state: DecodeState, proposals, n_prop, extra_row, extra_
     if k < 1:
         raise ValueError(f"a verify call checks k >= 1 proposals a row (got {k})")
     q = k + 1
+    if draft_probs is not None:  # (the caller may pass every slot's: one compiled shape for all buckets)
+        draft_probs = draft_probs[:rows]
     active = state.active[:rows]
     n_prop = jnp.where(active, jnp.clip(n_prop, 0, k), 0)
     pad = extra_row >= rows

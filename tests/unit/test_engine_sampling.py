@@ -11,7 +11,7 @@ import pytest
 
 from tandem_core.errors import InvalidRequest
 from tandem_core.types import SamplingParams
-from tandem_engine.sampling import (MAX_TOP_K, filter_candidates, sample, sampling_arrays, seed_words,
+from tandem_engine.sampling import (MAX_TOP_K, distribution, filter_candidates, sample, sampling_arrays, seed_words,
                                    token_keys)
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, 3.0, 0.9, -2.0], np.float32)
@@ -232,3 +232,26 @@ def test_a_rows_draw_does_not_depend_on_its_batch():
         alone = np.concatenate([run([i]) for i in range(4)])
         np.testing.assert_array_equal(together, alone)
     assert together[0] == logits[0].argmax()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.6), (0.0, 4, 1.0)])
+def test_distribution_is_what_sample_draws_from(temperature, top_k, top_p):
+    """`distribution` (a sampling proposer's q for speculative decoding) is the distribution
+    `sample` draws from: dense, zero outside top-k and the nucleus, one-hot for greedy; the
+    frequencies of N draws match it (a chi-square test), rows with other parameters beside it
+    in one batch do not change it."""
+    from scipy.stats import chisquare
+
+    rows = jnp.stack([jnp.asarray(LOGITS), jnp.asarray(LOGITS[::-1])])
+    q = np.asarray(distribution(rows, jnp.array([temperature, 0.9]), jnp.array([top_k, 0], jnp.int32),
+                                jnp.array([top_p, 1.0], jnp.float32)))[0]
+    assert q.shape == (LOGITS.size,) and abs(q.sum() - 1) < 1e-5
+    if temperature == 0:
+        assert q.tolist() == np.eye(LOGITS.size)[int(np.argmax(LOGITS))].tolist()
+        return
+    counts = np.bincount(np.asarray(draw(jnp.asarray(LOGITS), temperature, top_k, top_p,
+                                         jnp.array([3, 1], jnp.uint32), N)), minlength=LOGITS.size)
+    assert np.all(counts[q == 0] == 0)
+    keep = q > 0
+    expected = q[keep].astype(np.float64) / q[keep].astype(np.float64).sum() * counts.sum()
+    assert chisquare(counts[keep], expected).pvalue > 1e-3, (counts, (q * N).round())
