@@ -4,7 +4,8 @@ built-in model's greedy text through the `openai` client is the same with specul
 request resumes on the other decode pod, which speculates too); the gateway's
 vllm:spec_decode_* counters count the proposals. The colocated path (one worker prefills its
 prompts and decodes them), there with a draft model's proposals (`--speculative draft
---draft-model builtin-draft`), gives the same text too, `n` = 2 choices included.
+--draft-model builtin-draft`), gives the same text too, `n` = 2 choices included, and a sampled
+request there gets the draft's sampled proposals, most of them kept.
 
 The pods' gate is held in its speculating trial (gate_window very large) so every call that can
 be a verify call is one, whatever this machine measures."""
@@ -75,10 +76,10 @@ def _wait_spec_ready(base: str, pods: int = WANT["decode"], timeout_s: float = 4
         time.sleep(0.5)
 
 
-def _drafts(base: str) -> float:
-    m = re.search(r"^vllm:spec_decode_num_drafts_total (\S+)$", httpx.get(base + "/metrics", timeout=10).text,
+def _drafts(base: str, name: str = "num_drafts") -> float:
+    m = re.search(rf"^vllm:spec_decode_{name}_total (\S+)$", httpx.get(base + "/metrics", timeout=10).text,
                   re.MULTILINE)
-    assert m, "no vllm:spec_decode_num_drafts_total on /metrics"
+    assert m, f"no vllm:spec_decode_{name}_total on /metrics"
     return float(m.group(1))
 
 
@@ -139,6 +140,27 @@ def test_the_colocated_path_with_a_draft_model_gives_the_same_text_with_and_with
     assert after > before, "no proposal was checked: the test proved nothing"
     (pod,) = [w["extra"]["speculative"] for w in _workers(colocated.base_url) if w["role"] == "decode"]
     assert pod["method"] == "draft" and pod["draft"]["model"] == "tandem-tiny-py-draft" and pod["draft"]["calls"] > 0
+
+
+def test_a_sampled_request_gets_the_draft_models_sampled_proposals_and_most_are_kept(colocated):
+    """A sampled request (temperature 0.8, seeded) on the colocated path with the draft model:
+    the draft samples its proposals at the request's parameters and hands its distribution to
+    the verify call (docs/api.md), which keeps a proposal with probability min(1, p / q). The
+    request streams its 120 tokens, the pod checks proposals for it, and most are kept (a greedy
+    draft's argmax is kept with p(argmax) only: tests/unit/test_speculative_loop.py compares the
+    two)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=colocated.base_url + "/v1", api_key="none", max_retries=0)
+    before = _settle_drafts(colocated.base_url)
+    counts = {n: _drafts(colocated.base_url, n) for n in ("num_draft_tokens", "num_accepted_tokens")}
+    out = client.completions.create(model="builtin", prompt=PROMPT, max_tokens=120, temperature=0.8, seed=3,
+                                    extra_body={"ignore_eos": True})
+    after = _settle_drafts(colocated.base_url)
+    proposed, kept = (_drafts(colocated.base_url, n) - counts[n] for n in ("num_draft_tokens", "num_accepted_tokens"))
+    assert out.usage.completion_tokens == 120 and out.choices[0].finish_reason == "length"
+    assert after > before and proposed > 0, "no proposal was checked: the test proved nothing"
+    assert kept / proposed >= 0.5, (kept, proposed)
 
 
 def test_a_decode_pod_killed_while_it_speculates_resumes_the_request_with_the_same_tokens(cluster):
