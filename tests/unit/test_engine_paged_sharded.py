@@ -92,21 +92,23 @@ def speculate(engine, kv: dict, want: dict[str, list[int]], steps: int = STEPS) 
     return {s: o[:steps + 1] for s, o in out.items()}
 
 
-def draft_speculate(engine, draft, kv: dict, steps: int = STEPS) -> dict:
-    """Greedy tokens per slot by verify calls of a draft model's proposals (tandem_engine/draft.py:
-    the built-in draft, whole on one chip beside the tp=2 target), and the proposals kept."""
+def draft_speculate(engine, draft, kv: dict, steps: int = STEPS, temperature: float = 0.0) -> dict:
+    """Tokens per slot by verify calls of a draft model's proposals (tandem_engine/draft.py: the
+    built-in draft, whole on one chip beside the tp=2 target), and the proposals kept. With a
+    `temperature` (seeded rows) and a draft that samples, its q goes from its chip to the target's
+    mesh with the proposals."""
     from tandem_core.types import SamplingParams
 
-    greedy = SamplingParams()
     state = engine.init_state()
-    out, prompts_of = {}, {}
+    out, prompts_of, asked = {}, {}, {}
     for slot, (ids, x) in kv.items():
-        state = engine.insert(x, state, slot, greedy)
-        out[slot], prompts_of[slot] = [x.first_token], ids
+        sampling = SamplingParams(temperature=temperature, seed=slot)
+        state = engine.insert(x, state, slot, sampling)
+        out[slot], prompts_of[slot], asked[slot] = [x.first_token], ids, sampling
     kept = 0
     while min(len(o) for o in out.values()) < steps + 1:
-        props = draft.propose({s: (s, prompts_of[s] + o) for s, o in out.items()})
-        state, spec = engine.verify(state, props, 3, engine.slots)
+        props = draft.propose({s: (s, prompts_of[s] + o, asked[s]) for s, o in out.items()})
+        state, spec = engine.verify(state, props, 3, engine.slots, draft_probs=draft.last_q)
         for s in out:
             out[s] += spec.tokens[s, :spec.counts[s]].tolist()
             kept += int(spec.counts[s]) - 1
@@ -186,6 +188,10 @@ def child(spec: dict) -> dict:
 
     draft = DraftProposer(load_engine("builtin-draft", kv_reuse=False, steps_per_dispatch=2, **PAGED, **KW), 3)
     res["draft2"] = draft_speculate(paged2, draft, {s: (p, paged2.prefill(p, greedy)) for s, p in ids.items()})
+    sampling = DraftProposer(load_engine("builtin-draft", kv_reuse=False, steps_per_dispatch=2, **PAGED, **KW), 3,
+                             sample=True)
+    res["draft2_sampled"] = draft_speculate(paged2, sampling, {s: (p, paged2.prefill(p, greedy)) for s, p in ids.items()},
+                                            temperature=0.8)
     pool = paged2.init_state().k[0]
     res["pool_shape"] = list(pool.shape)
     res["pool_shard"] = list(pool.addressable_shards[0].data.shape)
@@ -273,6 +279,8 @@ def test_greedy_tokens_at_tp2_equal_tp1s(results):
     assert results["paged2_multi"] == want  # 3 steps per call, inserted as payloads
     assert results["spec2"] == want  # speculative verify calls: one row's proposals kept, the other's rejected
     assert results["draft2"]["tokens"] == want and results["draft2"]["kept"] > 0  # the built-in draft's proposals
+    sampled = results["draft2_sampled"]  # a sampling draft's q moved onto the tp=2 target's mesh: kept, mostly
+    assert all(len(t) == len(want[s]) for s, t in sampled["tokens"].items()) and sampled["kept"] > 0
 
 
 def test_kv_crosses_between_tp2_and_tp1(results):
