@@ -202,7 +202,7 @@ class Speculator:
 
     @property
     def draft_q(self):
-        """The distributions of the draft's last proposals (DraftProposer.last_q: [bucket, k,
+        """The distributions of the draft's last proposals (DraftProposer.last_q: [slots, k,
         vocab] on the device), for the verify call; None for n-gram lookup or a greedy draft."""
         return None if self.draft is None else self.draft.last_q
 

@@ -103,7 +103,7 @@ class DraftProposer:
         self.engine = draft
         self.k = int(k)
         self.sample = bool(sample)
-        # with `sample`: float32 [bucket, k, vocab] on the device, the distribution each of the last
+        # with `sample`: float32 [slots, k, vocab] on the device, the distribution each of the last
         # `propose`'s tokens was drawn from (row = slot; one-hot for a greedy row); else None
         self.last_q: jax.Array | None = None
         self.catch_up = int(catch_up if catch_up is not None else k + 1)  # the forced call's width
@@ -131,8 +131,8 @@ class DraftProposer:
                 self.reset()
             if self.sample and not item.variant.spec_k:  # the steps that give their distributions
                 self.state, toks, q = e.generate_drafts(self.state, item.variant.rows, steps=item.variant.steps)
-                first = jnp.zeros((item.variant.rows, e.info.vocab_size), jnp.float32)  # (where final_q is)
-                jax.block_until_ready(_stack_q(jax.device_put(first, q.sharding), q, slots=e.slots))
+                first = q[0] * 0.0  # a final_q's shape, on the devices the draft's arrays are on
+                jax.block_until_ready(_stack_q(first, q, slots=e.slots))
             else:
                 self.state = e.warm_step(self.state, item.variant)
             return
