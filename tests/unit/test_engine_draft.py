@@ -113,11 +113,12 @@ def test_a_changed_request_or_a_row_not_asked_for_is_freed(target):
     assert proposer.rows == {}
 
 
-def _engine_of(info):
+def _engine_of(info, **shape):
+    """An Engine of `info`'s random weights (the test's shape unless `shape` says otherwise)."""
     from tandem_engine.engine import Engine
     from tandem_engine.weights import load_params
-    return Engine(info, load_params(info, "float32"), slots=4, max_len=MAX_LEN, prefill_buckets=(16, 64),
-                  kv_block_size=4)
+    shape = {"slots": 4, "max_len": MAX_LEN, "prefill_buckets": (16, 64), "kv_block_size": 4, **shape}
+    return Engine(info, load_params(info, "float32"), **shape)
 
 
 def test_a_draft_must_share_the_target_vocabulary():
@@ -141,9 +142,7 @@ def test_a_sampling_draft_draws_from_the_q_it_hands_on_and_the_output_keeps_the_
     shape = dict(slots=32, max_len=32, prefill_buckets=(16,), kv_block_size=4)
     target = load_engine("tiny", **shape)
     one = dataclasses.replace(resolve_model("tiny"), num_layers=1, name="tiny-1-layer")
-    from tandem_engine.engine import Engine
-    from tandem_engine.weights import load_params
-    draft = Engine(one, load_params(one, "float32"), **shape)
+    draft = _engine_of(one, **shape)
     proposer = DraftProposer(draft, 2, sample=True)
     prompt = [11, 42, 7, 99, 3, 250, 18]
     vocab = target.info.vocab_size
