@@ -172,10 +172,13 @@ class Speculator:
 
     def summary(self) -> dict:
         """The counters (SpecStats.summary) with the method, and the draft model's own: its
-        name, the calls that asked it and the rows it seated by a prefill."""
+        name, the calls that asked it, the rows it seated by a prefill, its forced calls (more
+        than one a call while rows catch up) and the rows it left behind (draft.py)."""
         out = {"method": self.config.method, **self.stats.summary()}
         if self.draft is not None:
-            out["draft"] = {"model": self.draft.engine.info.name, "calls": self.draft.calls, "seats": self.draft.seats}
+            d = self.draft
+            out["draft"] = {"model": d.engine.info.name, "calls": d.calls, "seats": d.seats, "rounds": d.rounds,
+                            "lagging": d.lagging}
         return out
 
     def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True,

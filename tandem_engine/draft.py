@@ -12,21 +12,27 @@ The draft is an Engine of its own (its own weights and its own KV pool, with the
 and max_len), its rows mirroring the target's: the draft row of slot s holds the KV of the tokens
 it was fed, `fed`, positions 0 .. len(fed) - 1. One `propose` call, for every speculating row:
 
-  1. rows whose request changed, or that are no longer asked for, are freed; a row not seated, or
-     whose fed tokens agree with the target's for fewer than len - 1 - `catch_up` positions (the
-     target ran ordinary steps meanwhile), is seated afresh: the draft prefills its tokens but the
-     last (one prefill and insert);
+  1. rows whose request changed, or that are no longer asked for, are freed; a row not seated is
+     seated: the draft prefills its tokens but the last (one prefill and insert; a context longer
+     than the draft's largest prefill bucket, its first bucket's worth: step 2 feeds the rest);
   2. every row is set back to the first position where its fed tokens and the target's part
      (`rewind`: the rejected proposals' KV is left to be written again, its blocks go back) and
-     fed the target's tokens from there, its last the target's next input, in one verify call
-     with every token kept (`force`): the call emits the draft's first proposal after them;
+     fed the target's tokens from there, its last the target's next input, by verify calls with
+     every token kept (`force`), `catch_up` + 1 tokens a row a call: the last call emits the
+     draft's first proposal after them;
   3. k - 1 ordinary steps of the draft (one multi-step call) give the rest (with `sample`,
      `generate_drafts`: with their distributions).
 
 After a verify call that kept j of k proposals, a row's draft parts from the target at most one
-position before the target's next input, so step 2 feeds it one or two tokens; rows that sat out
-dispatches catch up by up to `catch_up` tokens there, and beyond that by a prefill.
-Two calls on the draft and one copy to the host per dispatch, whatever the rows.
+position before the target's next input, so step 2 feeds it one or two tokens in one call. Rows
+that sat out dispatches (the target's ordinary steps: a colocated pod's chunked prefill of a new
+prompt runs ~8 of them, a plain stretch of the pod's gate hundreds) are behind by more: step 2
+feeds them over their kept KV in up to `max_rounds` calls (each call feeds every row, so the rows
+behind least ride along in the calls the furthest one needs). A row further behind than that is
+seated afresh by a prefill (one prefill costs less than more calls over every row) or, when its
+context is longer than the draft can prefill, is fed `max_rounds` calls' worth and proposes
+nothing this time (it catches up over the next dispatches). Three to five calls on the draft and
+one copy to the host per dispatch in the common case, whatever the rows.
 No I/O, no tokenizer, no settings here.
 """
 from __future__ import annotations
@@ -97,9 +103,12 @@ class DraftProposer:
     target engine's): its state is donated through every call. `sample`: rows asked for with
     sampling parameters draw their proposals at them, and `last_q` holds the distributions."""
 
-    def __init__(self, draft, k: int, catch_up: int | None = None, sample: bool = False) -> None:
+    def __init__(self, draft, k: int, catch_up: int | None = None, sample: bool = False,
+                 max_rounds: int = 4) -> None:
         if k < 1:
             raise ValueError(f"a draft proposes k >= 1 tokens (got {k})")
+        if max_rounds < 1:
+            raise ValueError(f"a draft catches a row up in max_rounds >= 1 forced calls (got {max_rounds})")
         self.engine = draft
         self.k = int(k)
         self.sample = bool(sample)
@@ -107,10 +116,13 @@ class DraftProposer:
         # `propose`'s tokens was drawn from (row = slot; one-hot for a greedy row); else None
         self.last_q: jax.Array | None = None
         self.catch_up = int(catch_up if catch_up is not None else k + 1)  # the forced call's width
+        self.max_rounds = int(max_rounds)  # forced calls per propose, at most
         self.state = draft.init_state()
         self.rows: dict[int, DraftRow] = {}
-        self.seats = 0  # prefills done to seat a row (first seats and catch-ups past `catch_up`)
+        self.seats = 0  # prefills done to seat a row (first seats, and rows too far behind for max_rounds)
         self.calls = 0
+        self.rounds = 0  # forced calls (one a propose, more while rows catch up)
+        self.lagging = 0  # rows left behind by a propose (too far behind to prefill or to catch up at once)
 
     def warm_items(self) -> list[DraftWarm]:
         """Every shape `propose` may run: each prefill bucket and its insert, each batch bucket's
@@ -157,14 +169,14 @@ class DraftProposer:
         the target's next input[, its SamplingParams]) for every row that may speculate now ->
         slot -> the draft's k proposals: greedy, or with `sample` and sampling parameters given
         (a row keeps those it was seated with), drawn at them (their distributions in `last_q`).
-        Rows not in `seqs` are freed. A row with fewer than k positions left before max_len, or
-        whose context the draft cannot prefill, gets none."""
+        Rows not in `seqs` are freed. A row with fewer than k positions left before max_len gets
+        none, and so does a row still catching up (module docstring)."""
         e = self.engine
         self.last_q = None
         for slot in [s for s, r in self.rows.items() if s not in seqs or seqs[s][0] != r.key]:
             self._drop(slot)
-        rewind: dict[int, tuple[int, int]] = {}
-        forced: dict[int, list[int]] = {}
+        at: dict[int, int] = {}  # slot -> the position its feeding starts at
+        ctx: dict[int, list[int]] = {}
         for slot, (key, seq, *more) in seqs.items():
             seq = list(seq)
             sampling = more[0] if more and more[0] is not None and self.sample else GREEDY
@@ -174,24 +186,27 @@ class DraftProposer:
                 continue
             row = self.rows.get(slot)
             n = 0 if row is None else _agree(row, seq)
-            if row is None or n < 1 or len(seq) - 1 - n > self.catch_up:
+            far = self._calls_for(len(seq) - n) > self.max_rounds and len(seq) - 1 <= e.max_prompt_len()
+            if row is None or n < 1 or far:
                 if row is not None:
                     self._drop(slot)
-                if len(seq) - 1 > e.max_prompt_len():
-                    continue
-                self.state = e.insert(e.prefill(seq[:-1], GREEDY), self.state, slot, sampling)
+                n = min(len(seq) - 1, e.max_prompt_len())
+                self.state = e.insert(e.prefill(seq[:n], GREEDY), self.state, slot, sampling)
                 self.seats += 1
-                row = self.rows[slot] = DraftRow(key, seq[:-1], len(seq) - 1)
-                n = len(seq) - 1
-            rewind[slot] = (n, seq[n])
-            forced[slot] = seq[n + 1:]
-            row.fed, row.sure = seq, len(seq)
-        if not rewind:
+                row = self.rows[slot] = DraftRow(key, seq[:n], n)
+            at[slot], ctx[slot] = n, seq
+        if not at:
             return {}
         self.calls += 1
-        self.state = e.rewind(self.state, rewind)
-        rows = max(rewind) + 1
-        self.state, out = e.verify(self.state, forced, self.catch_up, rows, force=True)  # (no wait: tokens on the device)
+        out = self._feed(at, ctx, rows=max(at) + 1)
+        ready = [s for s in at if at[s] == len(ctx[s])]
+        for slot in at:
+            self.rows[slot].fed = ctx[slot][:at[slot]]
+            self.rows[slot].sure = at[slot]
+        self.lagging += len(at) - len(ready)
+        if not ready:
+            return {}
+        rows = max(at) + 1
         rest = None
         if self.k > 1 and self.sample:
             self.state, toks, q = e.generate_drafts(self.state, rows, steps=self.k - 1)
@@ -203,13 +218,41 @@ class DraftProposer:
         elif self.sample:
             self.last_q = _stack_q(out.final_q, None, slots=e.slots)
         emitted = np.asarray(out.tokens)
-        first = {s: int(emitted[s, int(out.counts[s]) - 1]) for s in rewind}
         props: dict[int, list[int]] = {}
-        for slot in rewind:
-            ids = [first[slot]] + ([] if rest is None else rest[:, slot].tolist())
+        for slot in ready:
+            ids = [int(emitted[slot, int(out.counts[slot]) - 1])] + ([] if rest is None else rest[:, slot].tolist())
             self.rows[slot].fed += ids[:-1]  # the last proposal is the row's next input, not fed yet
             props[slot] = ids
         return props
+
+    def _calls_for(self, tokens: int) -> int:
+        """Forced calls that feed a row `tokens` tokens (catch_up + 1 a call)."""
+        return -(-tokens // (self.catch_up + 1))
+
+    def _feed(self, at: dict[int, int], ctx: dict[int, list[int]], rows: int):
+        """Step 2 of the module docstring: every row in `at` set back to its position there and fed
+        its context from it, `catch_up` + 1 tokens a forced call, until every row has been fed
+        its last token or `max_rounds` calls ran (a row fed to its end early is fed its last
+        token again: each call feeds every row, and the last call's output is the proposals').
+        `at` ends at each row's fed length (its context's length: caught up). Returns the last
+        call's SpecOut (tokens on the device)."""
+        e = self.engine
+        width = self.catch_up + 1
+        out = None
+        for _ in range(self.max_rounds):
+            rewind: dict[int, tuple[int, int]] = {}
+            forced: dict[int, list[int]] = {}
+            for slot, p in at.items():
+                p = min(p, len(ctx[slot]) - 1)
+                chunk = ctx[slot][p:p + width]
+                rewind[slot], forced[slot] = (p, chunk[0]), chunk[1:]
+                at[slot] = p + len(chunk)
+            self.state = e.rewind(self.state, rewind)
+            self.state, out = e.verify(self.state, forced, self.catch_up, rows, force=True)  # (no wait: on the device)
+            self.rounds += 1
+            if all(at[s] == len(ctx[s]) for s in at):
+                break
+        return out
 
 
 @partial(jax.jit, static_argnames=("slots",))

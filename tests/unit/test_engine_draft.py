@@ -1,8 +1,8 @@
 """A draft model's proposals (tandem_engine/draft.py): the draft's k greedy tokens after each row's
 context, whatever the target kept of the last ones (its rows set back and fed again); with the
 target as its own draft every proposal is kept; with another model the target's greedy output is
-unchanged; rows that sat out catch up, by a forced call or a prefill; a draft with another
-vocabulary is refused."""
+unchanged; rows that sat out catch up, by forced calls or a prefill; a context longer than the
+draft can prefill is fed in part; a draft with another vocabulary is refused."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,18 +86,43 @@ def test_another_draft_leaves_the_greedy_output_as_it_was_and_rows_catch_up(targ
     got, _calls, kept, proposed = _run(target, proposer, prompts, n, check=True)
     assert got == want
     assert proposed > kept  # a random other model: some proposals rejected (rows set back)
-    # calls the draft sits out (ordinary steps) and proposals not checked: a gap of up to catch_up
-    # tokens is fed by the forced call, a longer one seats the row again
+    # calls the draft sits out (ordinary steps) and proposals not checked: the rows are fed the
+    # gap over their kept KV, catch_up + 1 = 4 tokens a forced call (a 4-token gap and the next
+    # input: two calls), and none is seated again
     idle = lambda call: call % 9 in (1, 2, 4, 5, 6, 7)  # noqa: E731  gaps of 2 and 4 tokens
     proposer = DraftProposer(_engine_of(other), K, catch_up=3)
     got, _calls, kept, proposed = _run(target, proposer, prompts, n, idle, lambda call, slot: slot == 1 and call % 2,
                                        check=True)
     assert got == want
-    assert len(prompts) < proposer.seats < proposer.calls * len(prompts)  # the 4-token gaps only
+    assert proposer.seats == len(prompts) and proposer.calls < proposer.rounds < 2 * proposer.calls
+    # one forced call at most: a row that needs two is seated again by a prefill
+    proposer = DraftProposer(_engine_of(other), K, catch_up=3, max_rounds=1)
+    got, _calls, kept, proposed = _run(target, proposer, prompts, n, idle, lambda call, slot: slot == 1 and call % 2,
+                                       check=True)
+    assert got == want
+    assert len(prompts) < proposer.seats < proposer.calls * len(prompts) and proposer.rounds == proposer.calls
     proposer = DraftProposer(_engine(), K, catch_up=3)
     got, _calls, kept, proposed = _run(target, proposer, prompts, n, idle, lambda call, slot: slot == 1 and call % 2)
     assert got == want
     assert kept >= 0.95 * proposed > 0  # caught up exactly: the target as its draft still has all kept
+
+
+def test_a_context_longer_than_the_drafts_largest_prefill_is_seated_in_part_and_fed_the_rest():
+    """Contexts of 70 and 83 tokens, the draft's prefill buckets (16, 64): each row is seated by
+    a prefill of its first 64 tokens and fed the rest by forced calls, max_rounds of them a
+    dispatch; a row not caught up proposes nothing that time and catches up on the next. Its
+    proposals are then the draft's own greedy ones (so its KV is whole), and with the target as its
+    own draft they are kept."""
+    rng = np.random.default_rng(1)
+    prompts, n = [rng.integers(3, 250, m).tolist() for m in (70, 83)], 8
+    target = load_engine("tiny", slots=4, max_len=MAX_LEN, prefill_buckets=(16, 88), kv_block_size=4)
+    want = {s: reference_greedy(target.params, target.cfg, p, n, pad_to=MAX_LEN) for s, p in enumerate(prompts)}
+    proposer = DraftProposer(_engine(), K, max_rounds=2)  # 6 tokens a call: 7 and 20 to feed
+    got, calls, kept, proposed = _run(target, proposer, prompts, n, check=True)
+    assert got == want
+    assert proposer.seats == 2 and proposer.lagging == 1  # the 83-token row waited one dispatch
+    assert kept >= 0.95 * proposed > 0 and calls < n
+    assert all(len(r.fed) > 64 for r in proposer.rows.values())
 
 
 def test_a_changed_request_or_a_row_not_asked_for_is_freed(target):
