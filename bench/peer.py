@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
 from bench import peer_report as rep
 from bench import proc_cpu, vllm_cpu
 from bench.common import BENCH_DIR, code_version, machine_info, machine_line, merge_summary, write_section
-from bench.loadgen import CLIENT_NAME, goodput, make_workload, run_load, summarize
+from bench.loadgen import CLIENT_NAME, goodput, make_workload, prioritize_client, run_load, summarize
 from bench.systems import TandemLocal, model_id, run_bare, warm_up
 
 SECTION = "peer"
@@ -136,10 +136,13 @@ async def _warm(url: str, model: str, plan: Plan, wl: dict) -> None:
 async def _level(url: str, model: str, specs, c: int, root: int, kind: str) -> dict:
     """One closed-loop run at concurrency c with the system's CPU read before and after."""
     before, tb, cb = proc_cpu.snapshot(root, kind), _threads(root, kind), time.process_time()
+    wb = rep.runqueue_wait_ms()
     res, wall = await run_load(url, model, specs, concurrency=c, extra=EXTRA)
+    wa = rep.runqueue_wait_ms()
     ca, after, ta = time.process_time(), proc_cpu.snapshot(root, kind), _threads(root, kind)
     return {"results": res, "wall_s": wall, "cpu_ms": proc_cpu.cpu_ms_delta(before, after),
-            "thread_ms": proc_cpu.cpu_ms_delta(tb, ta), "client_cpu_ms": (ca - cb) * 1e3}
+            "thread_ms": proc_cpu.cpu_ms_delta(tb, ta), "client_cpu_ms": (ca - cb) * 1e3,
+            "client_wait_ms": None if wa is None or wb is None else wa - wb}
 
 
 def _threads(root: int, kind: str) -> dict:
@@ -226,7 +229,10 @@ def summarize_system(run: dict, plan: Plan) -> dict:
         levels[str(c)] = {**s, "stream": st, "cpu_ms": lv["cpu_ms"],
                           "cpu_ms_per_1k": proc_cpu.per_1k_tokens(lv["cpu_ms"], tokens),
                           "thread_ms": {k: v for k, v in lv["thread_ms"].items() if v > 0},
-                          "client_ms_per_1k": lv["client_cpu_ms"] * 1000.0 / tokens if tokens else None}
+                          "client_ms_per_1k": lv["client_cpu_ms"] * 1000.0 / tokens if tokens else None,
+                          # the client's time runnable but not running (its run queue wait), per request
+                          "client_wait_ms_per_req": None if lv.get("client_wait_ms") is None or not lv["results"]
+                          else lv["client_wait_ms"] / len(lv["results"])}
     steady = {str(r): summarize(v["results"], v["wall_s"], *slo) for r, v in raw["steady"].items()}
     best = rep.best_single(raw["singles"])
     out = {"status": "ok", "setup_s": run["setup_s"], "load_1m": run.get("load_1m"), "best_single": best,
@@ -240,7 +246,8 @@ def with_health(s: dict) -> dict:
     if "levels" in s:
         s["health"] = rep.health(s.get("best_single") or {}, s["levels"].get("1"),
                                  {c: lv["stream"] for c, lv in s["levels"].items()},
-                                 tokens_per_s={c: lv.get("output_tokens_per_s") for c, lv in s["levels"].items()})
+                                 tokens_per_s={c: lv.get("output_tokens_per_s") for c, lv in s["levels"].items()},
+                                 client_wait_ms=(s["levels"].get("1") or {}).get("client_wait_ms_per_req"))
     return s
 
 
@@ -279,7 +286,7 @@ def report(doc: dict) -> str:
         f"Machine: {machine_line(doc['machine'])}. Code: {doc.get('code') or '-'}.",
         f"Model `{plan.model}`; {plan.prompt_len} prompt tokens / {plan.output_len} output tokens (token-id prompts, "
         f"greedy, ignore_eos); {plan.slots} slots = vLLM `--max-num-seqs {plan.slots}`; max len {plan.max_len} "
-        f"for both. Client (every system): {CLIENT_NAME}. Placement: {where}.",
+        f"for both. Client (every system): {doc.get('client', CLIENT_NAME)}. Placement: {where}.",
         f"Closed loop at each concurrency c (requests: {reqs}), after a warm-up and {plan.singles} single "
         f"requests; CPU = utime+stime of every process of the system over each run, from /proc. {_sweep(plan)}",
         "",
@@ -323,6 +330,7 @@ def run(plan: Plan, argv: list[str], write: bool = True) -> int:
     cpus = rep.cpu_list(pin["server"]) if pin else ""
     if "client" in pin:
         os.sched_setaffinity(0, set(pin["client"]))
+    sched = prioritize_client()
     t0 = time.perf_counter()
     machine = machine_info()
     wl = workloads(plan, resolve_model(plan.model).vocab_size)
@@ -336,7 +344,8 @@ def run(plan: Plan, argv: list[str], write: bool = True) -> int:
         print(f"<-- {name}: {systems[name].get('status')} {systems[name].get('reason', '')}"
               f"{' health: ' + ('ok' if h.get('healthy') else '; '.join(h.get('reasons', []))) if h else ''}",
               flush=True)
-    doc = {"plan": asdict(plan), "machine": machine, "client": CLIENT_NAME, "systems": systems, "argv": argv,
+    doc = {"plan": asdict(plan), "machine": machine, "client": f"{CLIENT_NAME}, at {sched}", "systems": systems,
+           "argv": argv,
            "code": code_version(),
            "seconds": time.perf_counter() - t0, "finished": time.time()}
     OUT.mkdir(parents=True, exist_ok=True)

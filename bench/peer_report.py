@@ -5,6 +5,7 @@ recorded values only (no sockets, no clocks, no /proc), unit-tested in tests/uni
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from bench.common import fmt, markdown_table
@@ -112,10 +113,25 @@ def best_single(results: Sequence[RequestResult]) -> dict:
     return {"ttft_s": ttft, "tpot_s": tpot, "n": len(ok)}
 
 
+CLIENT_STARVED = 0.5  # a client whose run queue wait is this share of the c=1 TTFT p50 was starved
+
+
+def runqueue_wait_ms() -> float | None:
+    """This process's time runnable but waiting for a CPU so far (ms, /proc/self/schedstat's
+    second field; None where the kernel does not keep it)."""
+    try:
+        return int(Path("/proc/self/schedstat").read_text().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def health(best: Mapping, c1: Mapping | None, streams: Mapping[str, Mapping],
-           factor: float = HEALTH_FACTOR, tokens_per_s: Mapping[str, float] | None = None) -> dict:
+           factor: float = HEALTH_FACTOR, tokens_per_s: Mapping[str, float] | None = None,
+           client_wait_ms: float | None = None) -> dict:
     """Is the system serving as its authors intend? c1: the c=1 level's summary; streams: each
-    level's stream_stats; tokens_per_s: each level's output tokens/s. Healthy when its c=1 TTFT
+    level's stream_stats; tokens_per_s: each level's output tokens/s; client_wait_ms: how long the
+    client process itself waited on the run queue per c=1 request (`runqueue_wait_ms`; None:
+    unknown). Healthy when its c=1 TTFT
     p50 and TPOT p50 are within `factor` of its own best single request, no request failed, tokens
     came one per SSE event (usage completion_tokens / events <= TOKENS_PER_EVENT_MAX at every
     level; the exact count is reported), and its throughput scales (`scaling_reasons`). Returns
@@ -143,6 +159,12 @@ def health(best: Mapping, c1: Mapping | None, streams: Mapping[str, Mapping],
                            f"{TOKENS_PER_EVENT_MAX:g}; {st.get('short_streams')} streams had fewer events than tokens)")
     if c1.get("errors"):
         reasons.append(f"c=1: {c1['errors']} requests failed")
+    checks["c1_client_wait_ms_per_req"] = client_wait_ms
+    ttft = (c1.get("ttft_s") or {}).get("p50", math.nan) * 1e3
+    if reasons and client_wait_ms is not None and client_wait_ms >= CLIENT_STARVED * ttft:
+        reasons.append(f"the client itself waited {client_wait_ms:.0f} ms a c=1 request runnable but not run "
+                       f"(/proc/self/schedstat), against a TTFT p50 of {ttft:.0f} ms: the machine starved the "
+                       f"client, so the c=1 checks above say little about the server")
     reasons += scaling_reasons(tokens_per_s or {}, checks)
     return {"healthy": not reasons, "reasons": reasons, "checks": checks}
 

@@ -152,6 +152,21 @@ def test_health_verdicts():
     assert not nan["healthy"]
 
 
+def test_a_starved_client_is_named_in_the_verdict():
+    """Every token of a c=1 request at once, 150 ms late (what vLLM CPU showed on a 2-vCPU VM on
+    2026-12-07): when the client itself waited most of that on the run queue (/proc/self/schedstat),
+    the verdict stays unhealthy and says so; a client that ran at once adds nothing."""
+    best = rep.best_single([_req(0.016, 0.0025)])
+    one = {"1": rep.stream_stats([_req(0.02, 0.003)])}
+    starved = rep.health(best, _level(0.150, 0.00002), one, client_wait_ms=140.0)
+    assert not starved["healthy"] and "starved the client" in starved["reasons"][-1]
+    assert starved["checks"]["c1_client_wait_ms_per_req"] == 140.0
+    served = rep.health(best, _level(0.150, 0.00002), one, client_wait_ms=3.0)
+    assert not served["healthy"] and not any("client" in r for r in served["reasons"])
+    assert rep.health(best, _level(0.02, 0.003), one, client_wait_ms=140.0)["reasons"] == []  # healthy: nothing to explain
+    assert rep.runqueue_wait_ms() is None or rep.runqueue_wait_ms() >= 0
+
+
 def test_health_needs_throughput_that_scales():
     """A server slow at every level passes the c=1 checks against its own best single request; its
     tokens/s across levels do not (the numbers of two vLLM runs seen here, and a healthy one)."""
