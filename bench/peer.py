@@ -83,6 +83,7 @@ class Plan:
     ttft_slo_s: float = 0.5
     tpot_slo_s: float = 0.05
     pin: str = ""
+    normal_client: bool = False  # the client at the normal policy (not SCHED_RR: loadgen.prioritize_client)
     seed: int = 0
     systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
 
@@ -330,7 +331,7 @@ def run(plan: Plan, argv: list[str], write: bool = True) -> int:
     cpus = rep.cpu_list(pin["server"]) if pin else ""
     if "client" in pin:
         os.sched_setaffinity(0, set(pin["client"]))
-    sched = prioritize_client()
+    sched = "the normal policy (--normal-client)" if plan.normal_client else prioritize_client()
     t0 = time.perf_counter()
     machine = machine_info()
     wl = workloads(plan, resolve_model(plan.model).vocab_size)
@@ -365,12 +366,14 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="", help="comma-separated rates of the goodput sweep ('none': no sweep)")
     p.add_argument("--min-requests", type=int, default=0, help="requests per level at least (smoke runs)")
     p.add_argument("--no-write", action="store_true", help="print only: leave RESULTS.md and summary.json alone")
+    p.add_argument("--normal-client", action="store_true",
+                   help="the client at the normal scheduling policy, not SCHED_RR (how the bench ran before 2026-12-07)")
     p.add_argument("--report-only", action="store_true", help="re-render the report of the last bench/out/peer.json")
     a = p.parse_args(argv)
     if a.report_only:
         return publish(json.loads((OUT / "peer.json").read_text()), write=not a.no_write)
     rep.parse_pin(a.pin)  # a bad layout fails before anything starts
-    kw = dict(model=a.model, pin=a.pin, systems=[x for x in a.systems.split(",") if x])
+    kw = dict(model=a.model, pin=a.pin, systems=[x for x in a.systems.split(",") if x], normal_client=a.normal_client)
     plan = Plan.quick(**kw) if a.quick else Plan(**kw)
     if a.levels:
         plan.levels = [int(x) for x in a.levels.split(",")]
