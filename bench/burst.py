@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 from bench import vllm_cpu
 from bench.common import machine_info, machine_line, markdown_table, write_section
-from bench.loadgen import RequestSpec, percentile, run_load
+from bench.loadgen import RequestSpec, percentile, prioritize_client, run_load
 from bench.systems import ROOT, TandemLocal, model_id
 
 OUT = ROOT / "bench" / "out" / "burst"
@@ -161,7 +161,7 @@ def section(results: dict, a, argv) -> str:
         f"Machine: {machine_line(machine_info())}  ",
         f"{a.n} prompts of {a.prompt_len} tokens sent at once ({a.output_len} output tokens each, greedy, "
         f"`ignore_eos`), {a.rounds} rounds after an untimed one; built-in model, {a.slots} slots, max_len "
-        f"{a.max_len} on every system; unpinned. `-old` rows: the `--old-root` checkout, run just before."
+        f"{a.max_len} on every system; unpinned; the client at {getattr(a, 'client_sched', 'the normal policy')}. `-old` rows: the `--old-root` checkout, run just before."
         + (f" This checkout's Tandem rows ran with `{a.tandem_args}`." if getattr(a, "tandem_args", "") else ""), "",
         markdown_table(["system", "TTFT p90 ms (median of rounds)", "each round's p90 ms", "first TTFT ms",
                         "then one every ms", "errors", "p90 / vLLM's (target <= 1)",
@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--old-root", default="", help="also run the Tandem systems from this checkout")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    p.add_argument("--normal-client", action="store_true",
+                   help="the client at the normal scheduling policy, not SCHED_RR (how the bench ran before 2026-12-07)")
     p.add_argument("--tandem-args", default="", metavar="ARGS",
                    help="more `tandem local` flags for this checkout's Tandem systems, e.g. \"--cpu-threads 1\"")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -204,6 +206,8 @@ def main(argv=None) -> int:
         if a.old_root and name != "vllm":
             plan.append((name, Path(a.old_root)))
         plan.append((name, ROOT))
+    # (bench/loadgen.py: a starved client reads a burst late)
+    a.client_sched = "the normal policy (--normal-client)" if a.normal_client else prioritize_client()
     results = {}
     for name, root in plan:
         tag, server = make(name, a, root)
