@@ -22,6 +22,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -44,6 +45,15 @@ def prioritize_client() -> str:
         return "SCHED_RR priority 1"
     except (AttributeError, OSError) as e:  # not Linux, or not allowed
         return f"the normal policy (SCHED_RR refused: {type(e).__name__})"
+
+
+def runqueue_wait_ms() -> float | None:
+    """How long this process's main thread (the client's event loop) has been runnable but not
+    running so far, in ms (/proc/self/schedstat's second field; None where the kernel keeps none)."""
+    try:
+        return int(Path("/proc/self/schedstat").read_text().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @dataclass

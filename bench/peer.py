@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
 from bench import peer_report as rep
 from bench import proc_cpu, vllm_cpu
 from bench.common import BENCH_DIR, code_version, machine_info, machine_line, merge_summary, write_section
-from bench.loadgen import CLIENT_NAME, goodput, make_workload, prioritize_client, run_load, summarize
+from bench.loadgen import CLIENT_NAME, goodput, make_workload, prioritize_client, run_load, runqueue_wait_ms, summarize
 from bench.systems import TandemLocal, model_id, run_bare, warm_up
 
 SECTION = "peer"
@@ -137,9 +137,9 @@ async def _warm(url: str, model: str, plan: Plan, wl: dict) -> None:
 async def _level(url: str, model: str, specs, c: int, root: int, kind: str) -> dict:
     """One closed-loop run at concurrency c with the system's CPU read before and after."""
     before, tb, cb = proc_cpu.snapshot(root, kind), _threads(root, kind), time.process_time()
-    wb = rep.runqueue_wait_ms()
+    wb = runqueue_wait_ms()
     res, wall = await run_load(url, model, specs, concurrency=c, extra=EXTRA)
-    wa = rep.runqueue_wait_ms()
+    wa = runqueue_wait_ms()
     ca, after, ta = time.process_time(), proc_cpu.snapshot(root, kind), _threads(root, kind)
     return {"results": res, "wall_s": wall, "cpu_ms": proc_cpu.cpu_ms_delta(before, after),
             "thread_ms": proc_cpu.cpu_ms_delta(tb, ta), "client_cpu_ms": (ca - cb) * 1e3,

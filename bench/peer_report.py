@@ -5,7 +5,6 @@ recorded values only (no sockets, no clocks, no /proc), unit-tested in tests/uni
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from bench.common import fmt, markdown_table
@@ -116,21 +115,12 @@ def best_single(results: Sequence[RequestResult]) -> dict:
 CLIENT_STARVED = 0.5  # a client whose run queue wait is this share of the c=1 TTFT p50 was starved
 
 
-def runqueue_wait_ms() -> float | None:
-    """This process's time runnable but waiting for a CPU so far (ms, /proc/self/schedstat's
-    second field; None where the kernel does not keep it)."""
-    try:
-        return int(Path("/proc/self/schedstat").read_text().split()[1]) / 1e6
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def health(best: Mapping, c1: Mapping | None, streams: Mapping[str, Mapping],
            factor: float = HEALTH_FACTOR, tokens_per_s: Mapping[str, float] | None = None,
            client_wait_ms: float | None = None) -> dict:
     """Is the system serving as its authors intend? c1: the c=1 level's summary; streams: each
     level's stream_stats; tokens_per_s: each level's output tokens/s; client_wait_ms: how long the
-    client process itself waited on the run queue per c=1 request (`runqueue_wait_ms`; None:
+    client process itself waited on the run queue per c=1 request (loadgen.runqueue_wait_ms; None:
     unknown). Healthy when its c=1 TTFT
     p50 and TPOT p50 are within `factor` of its own best single request, no request failed, tokens
     came one per SSE event (usage completion_tokens / events <= TOKENS_PER_EVENT_MAX at every
