@@ -1,6 +1,8 @@
 """A decode pod whose KV is paged, end to end: `tandem local --kv-layout paged --kv-blocks 16`
-(16 blocks of 16 positions: 256 positions for 4 rows of a 128-position context), six concurrent
-greedy requests that each grow to ~100 positions. The pool runs out mid-generation, the decode
+(16 blocks of 16 positions: 256 positions for 4 rows of a 128-position context), ten concurrent
+greedy requests that each grow to ~100 positions (more than the 4 rows: the rows stay full while
+any wait, so the pool runs out even when the prefills reach the pod a little apart; with six it
+did not, once, in a full run on 2026-12-08). The pool runs out mid-generation, the decode
 pod hands the newest requests back (resumed from their streamed tokens through the prefill pod),
 and every client still gets exactly the text of the engine alone; /admin/cluster shows the
 blocks and the hand-backs."""
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 MAX_LEN = 128
 MAX_TOKENS = 80
-PROMPTS = [f"paged request {i}: keep on writing" for i in range(6)]
+PROMPTS = [f"paged request {i}: keep on writing" for i in range(10)]
 
 
 def _decode(base: str) -> dict:
@@ -39,7 +41,7 @@ def test_paged_decode_pod_hands_the_newest_back_and_every_stream_is_exact():
     cl = start_local("tiny", slots=4, max_len=MAX_LEN, timeout_s=900,
                      extra=["--kv-blocks", "16", "--ready-timeout", "880"])
     try:
-        # the prefill pod's batched shapes compiled first, so the six prompts are prefilled together
+        # the prefill pod's batched shapes compiled first, so the prompts are prefilled together
         # and reach the decode pod at once (prefilled one by one they could be served one after
         # another, and the pool never run out: seen twice in a full e2e run)
         deadline = time.monotonic() + 300
