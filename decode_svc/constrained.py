@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,11 +79,13 @@ class SlotGrammars:
         return masks, out, done, time.perf_counter() - t0
 
     def proposal_masks(self, running: list[Active], proposals: dict[int, list[int]], masks: np.ndarray,
-                       k: int) -> tuple[dict[int, list[int]], np.ndarray, float]:
+                       k: int, drawn: Collection[int] = ()) -> tuple[dict[int, list[int]], np.ndarray, float]:
         """A verify call's masks (speculative decoding): (the proposals, each constrained row's cut
         where its grammar says (Matcher.proposal_masks), masks int32 [rows, k + 1, words]: row r's
         mask for its query i, the position after i of its proposals (i = 0: `masks`' row, this
-        step's; all-ones where a row is unconstrained or proposes fewer), host seconds spent)."""
+        step's; all-ones where a row is unconstrained or proposes fewer), host seconds spent).
+        `drawn`: the slots whose proposals a sampling draft drew (kept up to their first token the
+        grammar rejects, which the call then surely rejects: Matcher.proposal_masks)."""
         t0 = time.perf_counter()
         rows = masks.shape[0]
         out = np.full((rows, k + 1, self._words), -1, np.int32)
@@ -94,7 +98,7 @@ class SlotGrammars:
                 continue
             budget = act.req.max_tokens - act.next_index
             try:
-                n = m.proposal_masks(ids[:k], budget, out[act.slot])
+                n = m.proposal_masks(ids[:k], budget, out[act.slot], drawn=act.slot in drawn)
             except GrammarError as e:  # (a rollback llguidance refused: its next mask fails the request)
                 log.warning("grammar proposal check failed request_id=%s: %s", act.req.request_id, e.message)
                 n = 0
@@ -104,15 +108,26 @@ class SlotGrammars:
                 del cut[act.slot]
         return cut, out, time.perf_counter() - t0
 
-    def consume(self, slot: int, token: int) -> tuple[str | None, bool]:
-        """Feed a sampled token to the slot's matcher: (why the grammar rejected it or None,
-        whether the token is the EOS that completes the grammar)."""
+    def consume(self, slot: int, token: int) -> Fed:
+        """Feed a sampled token to the slot's matcher (see Fed)."""
         m = self._matchers.get(slot)
         if m is None:
-            return None, False
+            return Fed(None, False, False)
+        forced = m.done()  # only EOS may follow: a verify call's query after a completing token
         try:
             m.consume(token)
         except GrammarError as e:
-            return e.message, False
-        return None, m.done() and token == m.eos
+            return Fed(e.message, False, False)
+        return Fed(None, m.done() and token == m.eos, forced)
 
+    def forced_logprobs(self, slot: int, k: int) -> str:
+        """The logprobs of an EOS the grammar forced, as `masks` gives them (logprob 0, alone)."""
+        return TokenLogprobs(0.0, ((self._matchers[slot].eos, 0.0),)[:k]).encode()
+
+
+class Fed(NamedTuple):
+    """A sampled token fed to a slot's matcher (SlotGrammars.consume)."""
+
+    error: str | None  # why the grammar rejected it (None: it did not)
+    done: bool  # the token is the EOS that completes the grammar
+    forced: bool  # the grammar was complete before it: only EOS was allowed (logprob 0, as `masks` emits it)

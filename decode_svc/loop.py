@@ -270,8 +270,10 @@ class EngineLoop:
             return state, None
         kw: dict[str, Any] = {}
         if masks is not None:
+            drawn = () if spec.draft_q is None else {a.slot for a in snapshot
+                                                     if a.spec is not None and a.spec.sampling is not None}
             proposals, kw["masks"], spent = self.grammars.proposal_masks(snapshot, proposals,
-                                                                         masks[: self.table.rows()], spec.k)
+                                                                         masks[: self.table.rows()], spec.k, drawn)
             self.stats.mask_s += spent
             if not proposals:
                 return state, None
@@ -402,8 +404,7 @@ class EngineLoop:
                                      stop_ids=frozenset(req.stop_token_ids),
                                      fed=[int(first_token)] if self.engine.kv_reuse else None,
                                      spec=None if self.spec is None else self.spec.start(
-                                         req.prompt_ids, first_token, req.speculative, req.sampling,
-                                         req.grammar is not None)))
+                                         req.prompt_ids, first_token, req.speculative, req.sampling)))
         return state
 
     def _local_prefill(self, item: LocalPrefill, state):
@@ -491,8 +492,7 @@ class EngineLoop:
                       logprobs=unpack_logprobs(host, k).encode() if k is not None else None)
         act.seated, act.ack, act.next_index = False, None, req.start_index + 1
         act.fed = [tok] if self.engine.kv_reuse else None
-        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok, req.speculative, req.sampling,
-                                                                  req.grammar is not None)
+        act.spec = None if self.spec is None else self.spec.start(req.prompt_ids, tok, req.speculative, req.sampling)
         self.stats.local_prefills += 1
         self.stats.tokens += 1
         if finish is not None:
@@ -595,10 +595,12 @@ class EngineLoop:
                 k = act.req.sampling.logprobs
                 for j in np.flatnonzero(look[:, row]).tolist():
                     tok = int(got[j, row])
-                    error, grammar_done = self.grammars.consume(act.slot, tok)
-                    finish = finish_of(act, int(at[j, row]), tok, error, grammar_done, self.engine.max_len)
+                    fed = self.grammars.consume(act.slot, tok)
+                    error = fed.error
+                    finish = finish_of(act, int(at[j, row]), tok, error, fed.done, self.engine.max_len)
                     if want and k is not None and error is None:
-                        lp[j, row] = unpack_logprobs(host[j, act.slot], k).encode()
+                        lp[j, row] = (self.grammars.forced_logprobs(act.slot, k) if fed.forced
+                                      else unpack_logprobs(host[j, act.slot], k).encode())
                     if finish:
                         ends[j, row] = (finish, error)
                         count[row] = j + 1

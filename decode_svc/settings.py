@@ -25,7 +25,7 @@ class SpeculativeConfig(BaseModel):
     k: PositiveInt = 4
     draft_model: str = ""  # method "draft": a preset name or a Hugging Face directory (the target's tokenizer)
     # method "draft": a sampled request's draft proposes by sampling at the request's temperature, top-k and
-    # top-p (judged by min(1, p / q)); False, or a greedy or grammar-constrained request: greedily
+    # top-p (judged by min(1, p / q)); False, or a greedy request: greedily
     draft_sample: bool = True
     max_n: PositiveInt = 3
     min_n: PositiveInt = 2

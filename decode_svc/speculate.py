@@ -7,10 +7,10 @@ the latest earlier match are its proposal. It costs no model and nothing on the 
 no match proposes nothing and takes an ordinary step inside the verify call. A draft model
 (`draft`: tandem_engine/draft.py, a smaller checkpoint with the target's tokenizer on this pod):
 its k tokens after every speculating row's context, two calls on the draft for all rows; greedy,
-or for a sampled request without a grammar (`draft_sample`) drawn at the request's temperature,
-top-k and top-p, their distributions handed to the verify call (`Speculator.draft_q`). A grammar
-row's draft stays greedy: its proposal is cut where the grammar rejects it, which keeps the
-output exact only for a proposal that names one token.
+or for a sampled request (`draft_sample`) drawn at the request's temperature, top-k and top-p,
+their distributions handed to the verify call (`Speculator.draft_q`). Under a grammar a drawn
+proposal is kept up to its first rejected token, which the call rejects surely (a cut that
+depends on the draw would bias the output: tandem_core/grammar.py Matcher.proposal_masks).
 
 Adaptive k, per row: `rate` is an estimate of the chance the row's next proposed token is kept
 (each token the target judged moves it: kept 1, rejected 0). A row proposes the tokens whose
@@ -182,22 +182,22 @@ class Speculator:
         return out
 
     def start(self, prompt_ids: Sequence[int], first_token: int, wanted: bool = True,
-              sampling: SamplingParams | None = None, constrained: bool = False) -> SpecRow | None:
+              sampling: SamplingParams | None = None) -> SpecRow | None:
         """A row's state when its request goes into a slot (None while speculation is off, or
-        the request opted out: `wanted` False). `sampling`, `constrained`: the request's (a
-        draft that samples does so for a sampled request without a grammar)."""
+        the request opted out: `wanted` False). `sampling`: the request's (a draft that samples
+        does so for a sampled request)."""
         if not (self.config.on and wanted):
             return None
         seq = list(prompt_ids) + [int(first_token)]
         if self.draft is not None:
-            return SpecRow(None, seq, next(self._serials), self._draft_sampling(sampling, constrained))
+            return SpecRow(None, seq, next(self._serials), self._draft_sampling(sampling))
         return SpecRow(NgramIndex(seq, self.config.max_n, self.config.min_n), serial=next(self._serials))
 
-    def _draft_sampling(self, sampling: SamplingParams | None, constrained: bool) -> SamplingParams | None:
+    def _draft_sampling(self, sampling: SamplingParams | None) -> SamplingParams | None:
         """The draft row's sampling for a request: its temperature, top-k and top-p, and a seed of
         its own (derived from a seeded request's: the draws stay independent of the target's),
         when the draft samples and the request does; else None (greedy)."""
-        if not (self.draft is not None and self.draft.sample and sampling is not None and not constrained
+        if not (self.draft is not None and self.draft.sample and sampling is not None
                 and sampling.temperature > 0):
             return None
         seed = None if sampling.seed is None else (int(sampling.seed) * 0x9E3779B97F4A7C15 + 0x5EED) % (1 << 64)

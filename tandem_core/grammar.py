@@ -408,47 +408,66 @@ class Matcher:
         else:
             self._path = None
 
-    def proposal_masks(self, tokens: Sequence[int], budget: int | None, out: np.ndarray) -> int:
+    def proposal_masks(self, tokens: Sequence[int], budget: int | None, out: np.ndarray,
+                       drawn: bool = False) -> int:
         """Speculative decoding (decode_svc/constrained.py): how many of `tokens`, a proposal for
         the positions after this one, a verify call may check, with out[i] (int32 [>= n + 1,
         width]) the mask of the position after the first i of them for i in 1 .. n (out[0], this
         position's, is `mask_into`'s, computed before). Every position is masked as a plain step
         would mask it, so the call's tokens are the plain steps' (greedy) or drawn from the same
-        distributions (sampled). The proposal is cut before the first token the grammar rejects,
-        and before one after which a plain step would not sample as the call does: the grammar
-        complete (only EOS follows, emitted without a step), or the budget's closing restriction
-        in force (`_restrict`; no proposal is made at all once it is). The matcher is left where it
-        was (llguidance's rollback); the closing heuristic's state after each position's mask is
-        kept, and `consume` takes it up as the call's tokens are fed (`_ahead`), so its caches
-        end as a plain step's would have. A mask that fails or passes its deadline cuts there."""
+        distributions (sampled).
+
+        Where it is cut: after a token that completes the grammar (the query after it may only be
+        EOS: its mask allows EOS alone, which a plain step emits without sampling) or that brings
+        the budget's closing restriction into force (`_restrict`: the query after it gets the
+        restricted mask, as the plain step there; no proposal is made at all once it is in force);
+        before a position past the budget; before a position whose mask fails or passes its
+        deadline; and before the first token the grammar rejects. That last cut depends on the
+        token itself, which is exact only for a proposal fixed by the context (n-gram lookup, a
+        greedy draft). A proposal drawn at random (`drawn`: a sampling draft, whose q the call
+        uses) keeps its first rejected token as its last one instead: its query's mask gives it
+        p = 0, so the call rejects it surely and draws from the residual max(0, p - q), which is
+        what leaves the output distributed as the target's (a cut there would draw from p itself
+        exactly when q drew a rejected token: too often the tokens q favours).
+
+        The matcher is left where it was (llguidance's rollback); the closing heuristic's state
+        after each position's mask is kept, and `consume` takes it up as the call's tokens are fed
+        (`_ahead`), so its caches end as a plain step's would have."""
         self._ahead = None
         toks = [int(t) for t in tokens]
-        valid = self._m.validate_tokens(toks) if toks and not self.closed_early else 0
-        if valid <= 0:
+        if not toks or self.closed_early:
             return 0
+        valid = self._m.validate_tokens(toks)
         entry = self._heuristic()
         kept: list[_Closing] = [entry]
         eaten = 0
+        whole = True  # every valid token was gone through (no cut before the first rejected one)
         try:
             for i in range(valid):
                 self.consume(toks[i])
                 eaten += 1
                 left = None if budget is None else int(budget) - (i + 1)
-                if self.done() or (left is not None and left < 1):
+                if left is not None and left < 1:
+                    whole = False
                     break
+                complete = self.done()
                 try:
-                    self.mask_into(out[i + 1], left)
+                    self.mask_into(out[i + 1], None if complete else left)
                 except GrammarError:
-                    break
-                if self.closed_early:  # the budget restricts this position: not one to propose into
+                    whole = False
                     break
                 kept.append(self._heuristic())
+                if complete or self.closed_early:
+                    whole = False
+                    break
         finally:
             if eaten and not self._m.rollback(eaten):
                 raise GrammarError(f"grammar {self.compiled.kind} could not roll back {eaten} proposed tokens: "
                                    f"{self._m.get_error()}")
             self._restore(entry)
         n = len(kept) - 1
+        if drawn and whole and valid < len(toks):
+            n += 1  # the first rejected token, checked (and surely rejected) under out[n]
         self._ahead = kept if n else None
         self._ahead_at = 0
         return n

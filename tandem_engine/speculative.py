@@ -232,7 +232,7 @@ def _accept(processed, state: DecodeState, proposals, n_prop, qrow, qoff, index,
             ok = (u < p_x) | (p_x >= 1.0)  # [Q]
         else:  # u < p(x) / q(x), without the division
             q_x = draft_probs[qrow, jnp.minimum(qoff, k - 1), judged]
-            ok = (u * q_x < p_x) | (p_x >= q_x)
+            ok = ((u * q_x < p_x) | (p_x >= q_x)) & (p_x > 0)  # (a masked x: never, whatever q_x)
         return ok[where[:, :k]]
 
     match = proposals == greedy[where[:, :k]]

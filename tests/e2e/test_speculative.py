@@ -163,6 +163,27 @@ def test_a_sampled_request_gets_the_draft_models_sampled_proposals_and_most_are_
     assert kept / proposed >= 0.5, (kept, proposed)
 
 
+def test_a_sampled_request_under_a_grammar_gets_drawn_proposals_and_its_text_matches(colocated):
+    """A sampled request (temperature 0.8, seeded) with a grammar (vLLM's guided_regex) on the
+    colocated path with the draft model: the draft's proposals are drawn from its q, kept up to
+    their first token the regex rejects, which the verify call rejects surely (tandem_core/grammar.py
+    Matcher.proposal_masks); the text matches the regex, with logprobs for every token, and the
+    pod checked proposals for it and kept some."""
+    regex = r"(    self\.[a-z]+ = [a-z]+\n){3,8}"
+    _settle_drafts(colocated.base_url)
+    counts = {n: _drafts(colocated.base_url, n) for n in ("num_draft_tokens", "num_accepted_tokens")}
+    body = {"model": "builtin", "prompt": PROMPT, "max_tokens": 160, "temperature": 0.8, "seed": 5,
+            "guided_regex": regex, "logprobs": 2}
+    out = httpx.post(colocated.base_url + "/v1/completions", json=body, timeout=180).json()
+    _settle_drafts(colocated.base_url)
+    proposed, kept = (_drafts(colocated.base_url, n) - counts[n] for n in ("num_draft_tokens", "num_accepted_tokens"))
+    choice = out["choices"][0]
+    assert re.fullmatch(regex, choice["text"]), out
+    assert choice["finish_reason"] in ("stop", "length") and len(choice["logprobs"]["tokens"]) == out["usage"][
+        "completion_tokens"], out
+    assert proposed > 0 and kept > 0, "no proposal was checked or kept: the test proved nothing"
+
+
 def test_a_decode_pod_killed_while_it_speculates_resumes_the_request_with_the_same_tokens(cluster):
     seen = len(cluster.log)
     body = {"model": "builtin", "prompt": PROMPT, "max_tokens": 380, "temperature": 0, "ignore_eos": True}

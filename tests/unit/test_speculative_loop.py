@@ -192,11 +192,14 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 def _grammar_reqs():
     """Greedy rows under grammars beside an unconstrained one: a regex the tiny model's greedy
-    text repeats in, a JSON schema closed by its budget, a choice, one with logprobs."""
+    text repeats in, a JSON schema closed by its budget, a choice (the proposal that completes it is
+    checked and the call's query after it may only be EOS: its logprobs are the plain loop's, 0 and
+    alone), one with logprobs."""
     return [
         _req("regex", PROMPTS[0], 30, grammar={"kind": "regex", "pattern": "[a-f]{4,60}"}),
         _req("json", PROMPTS[1], 24, SamplingParams(logprobs=2), grammar={"kind": "json_schema", "schema": PERSON}),
-        _req("choice", PROMPTS[2], 12, grammar={"kind": "choice", "choices": ["abcabcabc", "abcabcxyz"]}),
+        _req("choice", PROMPTS[2], 12, SamplingParams(logprobs=3),
+             grammar={"kind": "choice", "choices": ["abcabcabc", "abcabcxyz"]}),
         _req("free", PROMPTS[1], 20, SamplingParams(logprobs=1)),
     ]
 
