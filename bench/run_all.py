@@ -35,6 +35,7 @@ BENCHMARKS = [
     "load.py",  # a checkpoint's load time against the cold read, peak RSS against its bytes, tp 1 and 2 (issue 41)
     "cold_start.py",  # TTFT of a fresh cluster's first requests, cold and warm compile cache (issue 41)
     "speculative.py",  # speculative decoding on against off, both paths, repeat and open workloads (issue 45)
+    "spec_ceiling.py",  # what the repeat workload allows at one stream: lookup tokens a call, verify vs step cost (issue 45)
 ]
 
 
