@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 from bench import vllm_cpu
 from bench.common import machine_info, machine_line, markdown_table, write_section
-from bench.loadgen import RequestSpec, percentile, prioritize_client, run_load
+from bench.loadgen import RequestSpec, add_client_policy, client_policy, percentile, run_load
 from bench.systems import ROOT, TandemLocal, model_id
 
 OUT = ROOT / "bench" / "out" / "burst"
@@ -188,8 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--old-root", default="", help="also run the Tandem systems from this checkout")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
-    p.add_argument("--normal-client", action="store_true",
-                   help="the client at the normal scheduling policy, not SCHED_RR (how the bench ran before 2026-12-07)")
+    add_client_policy(p)
     p.add_argument("--tandem-args", default="", metavar="ARGS",
                    help="more `tandem local` flags for this checkout's Tandem systems, e.g. \"--cpu-threads 1\"")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -207,7 +206,7 @@ def main(argv=None) -> int:
             plan.append((name, Path(a.old_root)))
         plan.append((name, ROOT))
     # (bench/loadgen.py: a starved client reads a burst late)
-    a.client_sched = "the normal policy (--normal-client)" if a.normal_client else prioritize_client()
+    a.client_sched = client_policy(a.normal_client)
     results = {}
     for name, root in plan:
         tag, server = make(name, a, root)

@@ -48,7 +48,7 @@ from bench.common import (
     merge_summary,
     write_section,
 )
-from bench.loadgen import RequestSpec, run_load
+from bench.loadgen import RequestSpec, add_client_policy, client_policy, run_load
 from bench.systems import TandemLocal, model_id, warm_up
 from bench.token_plane_procs import top_frames
 
@@ -375,7 +375,9 @@ def main(argv=None) -> int:
     p.add_argument("--slots-big", type=int, default=0, help="slots of the projection run (default 256)")
     p.add_argument("--parts", default="c32,big", help="which runs: c32, big (default both)")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and summary.json")
+    add_client_policy(p)
     args = p.parse_args(argv)
+    client = client_policy(args.normal_client)
     plan = Plan.quick() if args.quick else Plan()
     if args.slots_big:
         plan.slots_big = args.slots_big
@@ -406,7 +408,7 @@ def main(argv=None) -> int:
             run["profile"] = run_cluster(f"{tag}-prof", plan.slots, plan.slots, load, plan, where, profile_s=20)
             print(f"    profile: {json.dumps(run['profile'])[:3000]}", flush=True)
         runs[code] = run
-    doc = {"machine": machine_line(), "plan": plan.__dict__, "runs": runs, "time": time.strftime("%Y-%m-%d %H:%M")}
+    doc = {"machine": f"{machine_line()}; the client at {client}", "plan": plan.__dict__, "runs": runs, "time": time.strftime("%Y-%m-%d %H:%M")}
     RAW.mkdir(parents=True, exist_ok=True)
     (OUT / "host_path.json").write_text(json.dumps(doc, indent=1, default=str))
     text = report(doc)

@@ -55,7 +55,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import code_version, machine_info, machine_line, markdown_table, merge_summary, write_section
-from bench.loadgen import CLIENT_NAME, RequestSpec, percentile, run_load
+from bench.loadgen import CLIENT_NAME, RequestSpec, add_client_policy, client_policy, percentile, run_load
 from bench.systems import ROOT, TandemLocal, model_id, warm_up
 
 OUT = ROOT / "bench" / "out" / "kv_capacity"
@@ -559,7 +559,7 @@ def report(doc: dict) -> str:
         "## KV capacity, throughput and KV bytes moved: fixed slots vs paged KV (issue 30)", "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine_line(doc['machine'])}  ",
-        f"Code: {doc['code']}; client: {CLIENT_NAME}  ",
+        f"Code: {doc['code']}; client: {CLIENT_NAME}, at {doc.get('client', 'the normal policy')}  ",
         f"`tandem local --prefill {a.get('prefill_pods', 1)} --decode 1`, built-in model, max_len {a['max_len']}, KV "
         f"{per_token} bytes per position (layers x 2 x kv_heads x head_dim x 4 bytes float32). Same KV "
         f"memory on both sides: {a['slots']} slots x {a['max_len']} positions = {a['slots'] * a['max_len']} positions "
@@ -640,7 +640,9 @@ def main(argv=None) -> int:
                         "--kv-blocks S*ceil(M/B) --kv-block-size B)")
     p.add_argument("--no-write", action="store_true", help="print only: leave RESULTS.md and summary.json alone")
     p.add_argument("--out", type=Path, default=OUT, help="where kv_capacity.json and the clusters' logs go")
+    add_client_policy(p)
     a = p.parse_args(argv)
+    client = client_policy(a.normal_client)
     if a.quick and "--slots" not in argv:
         a.slots = 4
     a.paged_rows = a.paged_rows or 4 * a.slots
@@ -655,7 +657,7 @@ def main(argv=None) -> int:
     info = resolve_model(a.model)
     per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, 4)
     t0 = time.perf_counter()
-    doc: dict = {"args": vars(a), "argv": argv, "machine": machine_info(), "code": code_version(),
+    doc: dict = {"args": vars(a), "argv": argv, "machine": machine_info(), "code": code_version(), "client": client,
                  "kv_bytes_per_token": per_token, "workload": workload_stats(chat_pairs(a.seed, a.requests, a.max_len)),
                  "results": {}}
     for c in configs(a):

@@ -47,6 +47,17 @@ def prioritize_client() -> str:
         return f"the normal policy (SCHED_RR refused: {type(e).__name__})"
 
 
+def add_client_policy(p) -> None:
+    """The `--normal-client` flag of a bench that runs this client (argparse parser `p`)."""
+    p.add_argument("--normal-client", action="store_true",
+                   help="the client at the normal scheduling policy, not SCHED_RR (how the benches ran before 2026-12-07)")
+
+
+def client_policy(normal: bool) -> str:
+    """Put the client at SCHED_RR (`prioritize_client`) unless `normal`; how it runs (for the report)."""
+    return "the normal policy (--normal-client)" if normal else prioritize_client()
+
+
 def runqueue_wait_ms() -> float | None:
     """How long this process's main thread (the client's event loop) has been runnable but not
     running so far, in ms (/proc/self/schedstat's second field; None where the kernel keeps none)."""

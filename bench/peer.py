@@ -56,7 +56,8 @@ if str(ROOT) not in sys.path:
 from bench import peer_report as rep
 from bench import proc_cpu, vllm_cpu
 from bench.common import BENCH_DIR, code_version, machine_info, machine_line, merge_summary, write_section
-from bench.loadgen import CLIENT_NAME, goodput, make_workload, prioritize_client, run_load, runqueue_wait_ms, summarize
+from bench.loadgen import (CLIENT_NAME, add_client_policy, client_policy, goodput, make_workload, run_load,
+                           runqueue_wait_ms, summarize)
 from bench.systems import TandemLocal, model_id, run_bare, warm_up
 
 SECTION = "peer"
@@ -331,7 +332,7 @@ def run(plan: Plan, argv: list[str], write: bool = True) -> int:
     cpus = rep.cpu_list(pin["server"]) if pin else ""
     if "client" in pin:
         os.sched_setaffinity(0, set(pin["client"]))
-    sched = "the normal policy (--normal-client)" if plan.normal_client else prioritize_client()
+    sched = client_policy(plan.normal_client)
     t0 = time.perf_counter()
     machine = machine_info()
     wl = workloads(plan, resolve_model(plan.model).vocab_size)
@@ -366,8 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="", help="comma-separated rates of the goodput sweep ('none': no sweep)")
     p.add_argument("--min-requests", type=int, default=0, help="requests per level at least (smoke runs)")
     p.add_argument("--no-write", action="store_true", help="print only: leave RESULTS.md and summary.json alone")
-    p.add_argument("--normal-client", action="store_true",
-                   help="the client at the normal scheduling policy, not SCHED_RR (how the bench ran before 2026-12-07)")
+    add_client_policy(p)
     p.add_argument("--report-only", action="store_true", help="re-render the report of the last bench/out/peer.json")
     a = p.parse_args(argv)
     if a.report_only:

@@ -55,7 +55,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_line, markdown_table, merge_summary, write_section
-from bench.loadgen import RequestSpec, percentile, run_load
+from bench.loadgen import RequestSpec, add_client_policy, client_policy, percentile, run_load
 from bench.systems import ROOT, TandemLocal, model_id
 
 OUT = ROOT / "bench" / "out" / "speculative"
@@ -267,7 +267,8 @@ def report(runs: dict, args: argparse.Namespace, command: str) -> str:
     if args.grammar:
         title += f", every request under the grammar guided_regex {GRAMMAR!r}, no ignore_eos"
     return (f"## Speculative decoding ({title}): on against off\n\n"
-            f"Command: `{command}`  \nMachine: {machine_line()}  \n"
+            f"Command: `{command}`  \nMachine: {machine_line()}; the client at "
+            f"{getattr(args, 'client_sched', 'the normal policy')}  \n"
             f"Built-in model, 32 slots, max_len {MAX_LEN}, k = {args.k}, {OUTPUT} output tokens a request "
             f"({'at most: EOS may end it' if args.grammar else 'ignore_eos'}); per path and round, speculation off then on (each a fresh `tandem local`, warmed), "
             f"medians of {args.rounds} round(s). repeat: a prompt holding the model's own continuation of a "
@@ -292,6 +293,7 @@ def main() -> None:
     p.add_argument("--greedy-draft", action="store_true", help="with --method draft: greedy proposals for sampled "
                    "requests too (by default the draft samples at their parameters)")
     p.add_argument("--no-write", action="store_true")
+    add_client_policy(p)
     p.add_argument("--build", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.build:
@@ -299,6 +301,7 @@ def main() -> None:
         return
     if a.grammar:
         constrain()
+    a.client_sched = client_policy(a.normal_client)
     a.paths = [x for x in a.paths.split(",") if x]
     a.concurrency = [int(x) for x in a.concurrency.split(",") if x]
     if a.quick:

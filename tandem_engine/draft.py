@@ -198,7 +198,8 @@ class DraftProposer:
         if not at:
             return {}
         self.calls += 1
-        out = self._feed(at, ctx, rows=max(at) + 1)
+        rows = max(at) + 1
+        out = self._feed(at, ctx, rows=rows)
         ready = [s for s in at if at[s] == len(ctx[s])]
         for slot in at:
             self.rows[slot].fed = ctx[slot][:at[slot]]
@@ -206,7 +207,6 @@ class DraftProposer:
         self.lagging += len(at) - len(ready)
         if not ready:
             return {}
-        rows = max(at) + 1
         rest = None
         if self.k > 1 and self.sample:
             self.state, toks, q = e.generate_drafts(self.state, rows, steps=self.k - 1)
