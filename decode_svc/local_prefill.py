@@ -2,7 +2,10 @@
 
 JetStream's interleaving on one pod: the engine thread prefills between two decode steps (the I/O
 side claims a prompt only for a free slot, so a full pod keeps decoding and prefills nothing), then
-publishes token `start_index` of every choice and queues the choices that go on for slots. Two
+publishes token `start_index` of every choice and queues the choices that go on for slots. The
+prefill is dispatched before the next decode call and waited for after it (`start_here`, then
+`Started.result`): the device runs the two back to back while the host reads the first tokens,
+publishes them and inserts the rows, which join the call after. Two
 kinds of prompt are not prefilled here but seated in a row and prefilled by the decode calls' ragged
 batch (decode_svc/loop.py `_seat`): one whose leading full blocks the pod's KV pool keeps from a
 finished sequence (its block cache: only the rest is computed), and, while streams are running, one
@@ -30,11 +33,24 @@ class Prefilled:
     going: list[tuple[GenerationRequest, int]]  # (choice, first token) of those that go on
 
 
-def prefill_here(engine: ServingEngine, grammars: Grammars, item: LocalPrefill) -> Prefilled:
-    """Prefill the whole prompt; raises TandemError."""
+@dataclass
+class Started:
+    """A local prompt's whole prefill, dispatched (`start_here`); `result` waits for its first tokens."""
+
+    engine: ServingEngine
+    item: LocalPrefill
+    pending: object  # the engine's PendingPrefix
+
+    def result(self) -> Prefilled:
+        """Every choice's first token (and prompt logprobs): the wait for the call; raises TandemError."""
+        return _prefilled(self.engine, self.item, self.pending.result())  # type: ignore[attr-defined]
+
+
+def start_here(engine: ServingEngine, grammars: Grammars, item: LocalPrefill) -> Started:
+    """Dispatch the whole prompt's prefill and return without waiting for it (the decode loop
+    dispatches its next call meanwhile); raises TandemError for a prompt that cannot run."""
     req = item.req
-    prefix = engine.prefill(req.prompt_ids, req.sampling, **prefill_args(req, grammars))
-    return _prefilled(engine, item, prefix)
+    return Started(engine, item, engine.prefill_start(req.prompt_ids, req.sampling, **prefill_args(req, grammars)))
 
 
 def _prefilled(engine, item: LocalPrefill, prefix) -> Prefilled:

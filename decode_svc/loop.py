@@ -3,9 +3,11 @@
 Life of a request here (after the I/O side pulled its KV, see decode_svc/app.py):
 1. The pulled payload arrives on the bounded `inserts` queue; between two steps the thread imports
    it onto the device and inserts it into a free slot. A prompt to prefill locally (colocated mode,
-   or a short prompt the gateway routed direct) arrives on the same queue: the thread prefills it
-   between two steps, publishes token 0 and inserts it (JetStream's interleaving: the I/O side only
-   claims as many as there are free slots, so a full pod keeps decoding and prefills nothing).
+   or a short prompt the gateway routed direct) arrives on the same queue: the thread dispatches its
+   prefill before the next step and, once that step is dispatched too, waits for the prefill,
+   publishes token 0 and inserts it, so the host's part overlaps the step and the row joins the
+   step after (JetStream's interleaving: the I/O side only claims as many as there are free slots,
+   so a full pod keeps decoding and prefills nothing).
    While streams run, a long local prompt is instead seated in a free row and prefilled a chunk
    per call beside the rows' step (`_seat`, the engine's ragged call): the streams keep going.
 2. Steps run back to back for all slots. The step is pipelined (the vLLM seed): step n is
@@ -58,7 +60,7 @@ from decode_svc.speculate import Speculator
 from tandem_core import faults
 from tandem_core.errors import OutOfKVBlocks, TandemError
 from tandem_core.grammar import DEFAULT_CACHE_SIZE, DEFAULT_MASK_DEADLINE_S
-from decode_svc.local_prefill import failed, prefill_here
+from decode_svc.local_prefill import Started, failed, start_here
 from tandem_core.sampling_args import first_finish, insert_args
 from tandem_core.types import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, KVPayload
 from tandem_engine.draft import DraftWarm
@@ -113,6 +115,7 @@ class EngineLoop:
         self._cancel_lock = threading.Lock()
         self._stop = threading.Event()
         self._held: deque[HeldChoice] = deque()  # QUEUED records of the table
+        self._started: deque[Started] = deque()  # local prefills dispatched this turn, not waited for yet
         self._views = StepViews(engine.max_len)  # each running set's per-row arrays, built once per change
         self._views.constrained = lambda slot: self.grammars.get(slot) is not None
         self.grammars = SlotGrammars(engine.info, grammar_cache_size, mask_deadline_s)
@@ -152,7 +155,8 @@ class EngineLoop:
             state = self._apply_cancels(state)
             idle = pending is None and self.table.used == 0
             state = self._apply_inserts(state, block_s=0.05 if idle else 0.0)
-            if idle and self.late_warm and not (self.table.used or self.table.pending or self.engine.prompts_pending):
+            if idle and self.late_warm and not (self.table.used or self.table.pending or self.engine.prompts_pending
+                                                or self._started):
                 state = self._warm_one(state)
                 continue
             current, masks = None, None
@@ -164,6 +168,8 @@ class EngineLoop:
             rows = self._decoding_rows() if self.spec is not None else 0  # the load the gate measures at
             if self.table.used:
                 current, state = self._dispatch(state, masks)
+            if self._started:  # local prompts dispatched before that call: their first tokens, their rows
+                state = self._finish_prefills(state)
             if current is not None and (not self.pipelined or masks is not None or current.ragged
                                         or current.limits is not None):
                 if pending is not None:  # (a ragged call: its first token is read now, so its row's
@@ -423,18 +429,34 @@ class EngineLoop:
             # its insert and one step, bench/ragged.py)
             n = len(item.req.prompt_ids)
             self.stats.prompt_queries += n
-            long = bool(self.prefill_chunk_tokens and self.table.used
+            long = bool(self.prefill_chunk_tokens and (self.table.used or self._started)  # (streams soon)
                         and n > max(self.prefill_chunk_tokens, self.engine.prefix_chunk))
             seated = self._seat(item, state, hit_only=not long)
             if seated is not None:
                 return seated
-            done = prefill_here(self.engine, self.grammars.grammars, item)
+            self._started.append(start_here(self.engine, self.grammars.grammars, item))
             self.stats.prompt_computed += n
         except TandemError as e:
             self.table.drop(item.key)
             self._emit(failed(item, e.message))
-            return state
-        return self._prefilled(item, done, state)
+        return state
+
+    def _finish_prefills(self, state):
+        """The local prompts `_local_prefill` dispatched this turn, before the decode call that
+        followed them: wait for their first tokens (their calls ran first, so this waits for
+        them, not for the step), publish them and put the choices that go on in rows, which join
+        the next call. Meanwhile the device runs that call, so this host work (the tokens' copy,
+        the publish, each insert) overlaps the step instead of idling the device before it."""
+        while self._started:
+            started = self._started.popleft()
+            try:
+                done = started.result()
+            except TandemError as e:
+                self.table.drop(started.item.key)
+                self._emit(failed(started.item, e.message))
+                continue
+            state = self._prefilled(started.item, done, state)
+        return state
 
     def _seat(self, item: LocalPrefill, state, hit_only: bool = False):
         """Seat a local prompt in a free row (`engine.begin_prompt`) to be prefilled a chunk a
@@ -450,7 +472,8 @@ class EngineLoop:
         req = item.req
         if req.n > 1 or req.grammar is not None or (req.prompt_logprobs is not None and req.start_index == 0):
             return None
-        if hit_only and (not self.engine.kv_reuse or self.grammars):
+        if hit_only and (not self.engine.kv_reuse or self.grammars
+                         or any(s.item.req.grammar is not None for s in self._started)):  # (a grammar row soon)
             return None
         slot = self.table.free_slot_index()
         cached = self.engine.match_prefix(req.prompt_ids) if self.engine.kv_reuse else None

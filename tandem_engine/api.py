@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the types only: importing this module costs no JAX import
     from tandem_engine.engine_decode import RaggedOut
     from tandem_engine.engine_spec import SpecOut
     from tandem_engine.engine import Prefix
+    from tandem_engine.engine_prefill import PendingPrefix
     from tandem_engine.model import ModelConfig
 
 
@@ -105,6 +106,11 @@ class ServingEngine(Protocol):
                 choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
                 output_from: int | None = None, stop_ids: Sequence[int] = (),
                 masks: "np.ndarray | None" = None, cached=None) -> "Prefix": ...
+
+    def prefill_start(self, prompt_ids: Sequence[int], sampling: "SamplingParams", *,
+                      choices: Sequence["SamplingParams"] | None = None, start_index: int = 0,
+                      output_from: int | None = None, stop_ids: Sequence[int] = (),
+                      masks: "np.ndarray | None" = None) -> "PendingPrefix": ...  # prefill, read later
 
     def prefill_batch(self, calls: Sequence["PrefillCall"]) -> "list[Prefix]": ...
 

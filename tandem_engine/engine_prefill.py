@@ -8,7 +8,7 @@ No I/O, no tokenizer, no settings here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -101,10 +101,21 @@ class PrefillSide(EngineBase):
         if cached is not None:
             return self._prefill_over_pool(prompt_ids, sampling, choices, start_index, output_from, stop_ids,
                                            masks, cached)
+        return self.prefill_start(prompt_ids, sampling, choices=choices, start_index=start_index,
+                                  output_from=output_from, stop_ids=stop_ids, masks=masks).result()
+
+    def prefill_start(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
+                      choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
+                      output_from: int | None = None, stop_ids: Sequence[int] = (),
+                      masks: np.ndarray | None = None) -> "PendingPrefix":
+        """`prefill` (no cached prefix) without its wait: the forward pass is dispatched now
+        (JAX's asynchronous dispatch) and `PendingPrefix.result()` reads its first tokens to the
+        host. A caller that dispatches other work in between (the decode loop: its next call)
+        keeps the device busy while this one runs. Raises here for a bad prompt, as `prefill`."""
         picks, padded, n, rest = self._prepare_masked(prompt_ids, sampling, choices, start_index, output_from,
                                                       stop_ids, masks)
         k, v, packed = self._prefill_call(padded, rest)()
-        return self._prefix(k, v, n, np.asarray(packed), picks)  # the one device -> host copy
+        return PendingPrefix(k, v, n, packed, tuple(picks))
 
     def prefill_call(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
                      choices: Sequence[SamplingParams] | None = None, start_index: int = 0,
@@ -236,9 +247,7 @@ class PrefillSide(EngineBase):
 
     @staticmethod
     def _prefix(k, v, n: int, host: np.ndarray, picks: Sequence[SamplingParams]) -> Prefix:
-        tokens = [int(t) for t in unpack_tokens(host)]
-        lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
-        return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)
+        return _prefix(k, v, n, host, picks)
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [vocab] at the last prompt position, computed exactly as `prefill`
@@ -273,3 +282,24 @@ class PrefillSide(EngineBase):
             k=self._place_kv(payload.k), v=self._place_kv(payload.v),
             true_length=int(payload.true_length), first_token=int(payload.first_token),
         )
+
+
+class PendingPrefix(NamedTuple):
+    """A prefill dispatched and not waited for (`PrefillSide.prefill_start`): its KV and packed
+    first tokens still on the device."""
+
+    k: jax.Array
+    v: jax.Array
+    true_length: int
+    packed: jax.Array
+    picks: tuple[SamplingParams, ...]
+
+    def result(self) -> Prefix:
+        """The Prefix `prefill` returns: waits for the call (one device -> host copy)."""
+        return _prefix(self.k, self.v, self.true_length, np.asarray(self.packed), self.picks)
+
+
+def _prefix(k, v, n: int, host: np.ndarray, picks: Sequence[SamplingParams]) -> Prefix:
+    tokens = [int(t) for t in unpack_tokens(host)]
+    lps = [None if p.logprobs is None else unpack_logprobs(host[i], p.logprobs) for i, p in enumerate(picks)]
+    return Prefix(k=k, v=v, true_length=n, first_token=tokens[0], first_tokens=tokens, first_logprobs=lps)

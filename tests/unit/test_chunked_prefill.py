@@ -52,7 +52,9 @@ def test_a_long_prompt_is_prefilled_between_a_running_streams_steps(engine):
     assert chunked == whole, "chunked prefill changed the tokens"
     assert (ragged_whole, ragged) == (0, 4)
     assert between_whole == 0  # whole: before the stream's first step
-    assert between == 4, f"the stream got {between} tokens out while the long prompt was prefilled in 4 chunks"
+    # the stream's row joins the call after the first chunk's (its whole prefill is dispatched before
+    # that call and waited for after it: decode_svc/loop.py _finish_prefills), so it steps beside 3
+    assert between == 3, f"the stream got {between} tokens out while the long prompt was prefilled in 4 chunks"
 
 
 def test_a_next_turn_is_seated_over_the_blocks_its_turn_before_left_in_the_pool():
@@ -90,7 +92,7 @@ def test_a_seated_prompt_cancelled_mid_prompt_acks_its_entry_and_frees_its_block
     for req, ack in ((stream, b"0-1"), (long, b"0-2")):
         assert table.reserve(1) == 1
         bridge.inserts.put(LocalPrefill(req, ("s", "g", ack), table.claim(req.request_id)))
-        state = loop._apply_inserts(state, 0.0)
+        state = loop._finish_prefills(loop._apply_inserts(state, 0.0))  # (a whole prefill: its row now)
     seated = [a for a in table.snapshot() if a.seated]
     assert [a.req.request_id for a in seated] == ["long"] and engine.prompts_pending == 1
     call, state = loop._dispatch(state, None)
@@ -234,7 +236,7 @@ def test_a_hit_cancelled_mid_prompt_acks_its_entry_and_the_pools_blocks_stay_kep
     assert table.reserve(1) == 1
     bridge.inserts.put(LocalPrefill(GenerationRequest("first", first, 6, GREEDY, ignore_eos=True), ("s", "g", b"0-1"),
                                     table.claim("first")))
-    state = loop._apply_inserts(state, 0.0)  # a miss: whole, and into its row
+    state = loop._finish_prefills(loop._apply_inserts(state, 0.0))  # a miss: whole, and into its row
     state = loop._free(state, table.snapshot()[0])  # finished: its prompt's 2 full blocks kept
     assert engine.kv_reuse_summary()["blocks"] == 2 and engine.kv_blocks_free() == free
     ids = first + rng.integers(0, 256, 14).tolist()
@@ -254,3 +256,38 @@ def test_a_hit_cancelled_mid_prompt_acks_its_entry_and_the_pools_blocks_stay_kep
                                                                        ("next", 0, FINISH_CANCELLED, ("s", "g", b"0-2"))]
     assert engine.prompts_pending == 0 and table.used == 0
     assert engine.kv_reuse_summary()["blocks"] == 2 and engine.kv_blocks_free() == free
+
+
+def test_a_whole_local_prefill_is_waited_for_after_the_next_call_is_dispatched(engine, monkeypatch):
+    """A short prompt arriving while a stream runs is prefilled whole: its prefill is dispatched
+    before the stream's next call and waited for only after that call is dispatched too (so the
+    host's part, the first token's copy, its publish and the insert, overlaps the call), and its
+    row joins the call after. The tokens are those of the prompt alone."""
+    from decode_svc.local_prefill import Started
+
+    waits: list[tuple[int, int]] = []  # (the loop's calls when the prefill was dispatched, when it was waited for)
+    start, result = Started.__init__, Started.result
+
+    def started(self, *a, **kw):
+        start(self, *a, **kw)
+        self.calls_then = t.loop.stats.calls
+
+    def waited(self):
+        waits.append((self.calls_then, t.loop.stats.calls))
+        return result(self)
+
+    monkeypatch.setattr(Started, "__init__", started)
+    monkeypatch.setattr(Started, "result", waited)
+    rng = np.random.default_rng(14)
+    stream = GenerationRequest("stream", rng.integers(0, 256, 6).tolist(), 60, GREEDY, ignore_eos=True)
+    short = GenerationRequest("short", rng.integers(0, 256, 10).tolist(), 8, GREEDY, ignore_eos=True)
+    with Turns(engine) as t:
+        assert t.table.reserve(1) == 1
+        t.bridge.inserts.put(LocalPrefill(stream, ("s", "g", b"1-1"), t.table.claim("stream")))
+        deadline = time.monotonic() + 30
+        while not any(e.request_id == "stream" and e.index >= 5 for e in t.bridge.outputs.get(timeout=5)):
+            assert time.monotonic() < deadline
+        got = t.serve(short)
+    (alone, alone_at), (launched, waited_at) = waits  # the stream's (nothing ran), the short prompt's
+    assert alone_at == alone and waited_at == launched + 1, waits  # the stream's next call came in between
+    assert _tokens(got["short"]) == reference_greedy(engine.params, engine.cfg, short.prompt_ids, 8, pad_to=96)
