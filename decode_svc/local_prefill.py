@@ -22,8 +22,9 @@ from tandem_core.grammar import Grammars
 from tandem_core.sampling_args import first_finish, prefill_args
 from tandem_core.types import FINISH_ERROR, GenerationRequest, choice_ids, encode_prompt_logprobs
 
-if TYPE_CHECKING:  # the type only: no JAX import
+if TYPE_CHECKING:  # the types only: no JAX import
     from tandem_engine.api import ServingEngine
+    from tandem_engine.engine_prefill import PendingPrefix
 
 
 @dataclass
@@ -39,11 +40,11 @@ class Started:
 
     engine: ServingEngine
     item: LocalPrefill
-    pending: object  # the engine's PendingPrefix
+    pending: PendingPrefix
 
     def result(self) -> Prefilled:
         """Every choice's first token (and prompt logprobs): the wait for the call; raises TandemError."""
-        return _prefilled(self.engine, self.item, self.pending.result())  # type: ignore[attr-defined]
+        return _prefilled(self.engine, self.item, self.pending.result())
 
 
 def start_here(engine: ServingEngine, grammars: Grammars, item: LocalPrefill) -> Started:
